@@ -1,0 +1,273 @@
+"""The InferenceBackend contract: the only layer that knows what a tensor is.
+
+Everything above a backend (scheduler, engine, server) talks in token IDs. A backend owns the
+model, the tokenizer and the in-flight KV. The scheduler drives it through these primitives, always
+while holding ``backend.lock``:
+
+    state = prefill_lookup(prompt_ids)          # prefix-cache hit -> state.kv covers the hit
+    prefill_chunk(state, n) ...                 # until state.is_complete (chunked prefill)
+    prefill_store(state)                        # register the prompt's KV in the prefix cache
+    tokens = sample(state.last_logits, [row])   # first token
+    batch = splice_into_batched(batch, state.kv, kv_length(state.kv))
+    logits = decode_step_batched(batch, last_tokens)   # every tick, one forward over all rows
+    tokens = sample(logits, rows)
+    remove_row_from_cache(batch, i)             # row i finished; rows after i shift down by one
+
+Row order is list order: the batch's row ``i`` is the ``i``-th spliced row still present, and
+``remove_row_from_cache`` behaves like ``list.pop(i)``. KV handles (``RowKV``, ``BatchKV``) are
+opaque to the core; only the backend that made them may touch them.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from gemmaserve.kv.cache_manager import CacheManager
+    from gemmaserve.sampling_params import RowSampling, SamplingParams
+
+__all__ = [
+    "BackendCapabilities",
+    "ModelInfo",
+    "Tokenizer",
+    "PrefillState",
+    "PrefillResult",
+    "SampledTokens",
+    "InferenceBackend",
+    "RowKV",
+    "BatchKV",
+    "Logits",
+]
+
+RowKV = Any
+"""One request's KV, in the backend's own format (e.g. an HF DynamicCache, a list of paged caches)."""
+BatchKV = Any
+"""The batched KV of all decoding rows, in the backend's own format."""
+Logits = Any
+"""Backend-native logits, shape [rows, vocab] (a torch tensor, an mx.array, a list of lists...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BackendCapabilities:
+    """What the scheduler may ask of a backend.
+
+    - ``continuous_batching``: implements the prefill/decode/row primitives. When False the backend is
+      streaming-only: the scheduler calls :meth:`InferenceBackend.generate_stream` and runs at most
+      ``max_concurrent_streams`` requests at once.
+    - ``uses_core_cache_manager``: prefix caching goes through the core ``CacheManager`` handed over by
+      :meth:`InferenceBackend.set_cache_adapter`. False means the backend caches internally (or not at
+      all) and ``set_cache_adapter`` is a no-op.
+    - ``kv_reservation``: implements ``kv_reserve`` / ``kv_release``; the scheduler admits a request only
+      once its reservation succeeds.
+    - ``logprobs``: ``sample(..., want_logprobs=True)`` returns the chosen tokens' log-probabilities.
+    """
+
+    continuous_batching: bool = True
+    uses_core_cache_manager: bool = True
+    kv_reservation: bool = False
+    logprobs: bool = False
+    max_concurrent_streams: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """Facts about the loaded model the layers above need."""
+
+    name: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    architecture: str = ""
+    dtype: str = ""
+    device: str = ""
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """Text <-> token IDs. ``apply_chat_template`` raises ``InvalidRequestError`` if the model has none."""
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> list[int]: ...
+
+    @property
+    def has_chat_template(self) -> bool: ...
+
+
+@dataclass(slots=True)
+class PrefillState:
+    """A prompt being prefilled. Created by ``prefill_lookup``, advanced by ``prefill_chunk``.
+
+    ``kv`` holds the KV of ``prompt_ids[:num_computed]``; ``num_cached`` of those tokens came from the
+    prefix cache (the hit). ``last_logits`` (shape [1, vocab]) is set once ``num_computed ==
+    len(prompt_ids)``. ``backend_data`` is private to the backend. Whoever abandons a state before it
+    is spliced into the batch must call ``InferenceBackend.free_row_kv(state.kv)``.
+    """
+
+    prompt_ids: tuple[int, ...]
+    kv: RowKV
+    num_cached: int = 0
+    num_computed: int = 0
+    last_logits: Logits | None = None
+    backend_data: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_remaining(self) -> int:
+        return len(self.prompt_ids) - self.num_computed
+
+    @property
+    def is_complete(self) -> bool:
+        return self.num_computed == len(self.prompt_ids) and self.last_logits is not None
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    """Result of a one-shot :meth:`InferenceBackend.prefill`."""
+
+    kv: RowKV
+    last_logits: Logits
+    num_prompt_tokens: int
+    last_cache_hit_tokens: int
+
+
+@dataclass(slots=True)
+class SampledTokens:
+    """One sampled token per row; ``logprobs`` only when requested and supported."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+
+
+class InferenceBackend(ABC):
+    """Base class every backend implements. See the module docstring for the call protocol.
+
+    Subclasses set ``capabilities``, ``model_info`` and ``tokenizer`` in ``__init__``. All methods
+    except :meth:`generate_stream` are called with :attr:`lock` held by the caller; ``generate_stream``
+    takes the lock itself around each step so it is serialized against the batched path.
+    """
+
+    capabilities: BackendCapabilities = BackendCapabilities()
+    model_info: ModelInfo
+    tokenizer: Tokenizer
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.last_cache_hit_tokens = 0
+
+    # -- prefix cache -------------------------------------------------------------------------
+    def set_cache_adapter(self, cache_manager: CacheManager | None) -> None:
+        """Hand over the core prefix cache (or None to disable it). No-op for self-caching backends."""
+
+    # -- prefill ------------------------------------------------------------------------------
+    @abstractmethod
+    def prefill_lookup(self, prompt_ids: Sequence[int]) -> PrefillState:
+        """Start a prefill: look the prompt up in the prefix cache and return a state whose ``kv``
+        covers the hit (``num_cached == num_computed``). Sets ``self.last_cache_hit_tokens``.
+        A full hit may leave up to one token to recompute (logits are needed for the first sample)."""
+
+    @abstractmethod
+    def prefill_chunk(self, state: PrefillState, num_tokens: int) -> None:
+        """Run the model over the next ``num_tokens`` prompt tokens; mutates ``state`` (kv,
+        num_computed, and last_logits once the prompt is complete). ``num_tokens`` is clamped to
+        ``state.num_remaining``."""
+
+    @abstractmethod
+    def prefill_store(self, state: PrefillState) -> None:
+        """Register the completed prompt's KV in the prefix cache (best effort: may store only a
+        prefix under memory pressure). Does not change ``state.kv``."""
+
+    def prefill(self, prompt_ids: Sequence[int]) -> PrefillResult:
+        """One-shot prefill = lookup + one chunk over the rest + store."""
+        state = self.prefill_lookup(prompt_ids)
+        self.prefill_chunk(state, state.num_remaining)
+        self.prefill_store(state)
+        assert state.is_complete
+        return PrefillResult(state.kv, state.last_logits, len(state.prompt_ids), state.num_cached)
+
+    # -- batch ops ----------------------------------------------------------------------------
+    @abstractmethod
+    def stack_caches_left_padded(self, rows: Sequence[RowKV]) -> BatchKV:
+        """Build a batched KV from per-row KVs (left-padded to the longest). Takes ownership of rows."""
+
+    @abstractmethod
+    def splice_into_batched(self, batched: BatchKV | None, new_kv: RowKV, kv_len: int) -> BatchKV:
+        """Append ``new_kv`` (holding ``kv_len`` real tokens) as the last row; left-pads whichever
+        side is shorter. ``batched=None`` starts a batch. Returns the batch (possibly a new object);
+        takes ownership of ``new_kv``."""
+
+    @abstractmethod
+    def remove_row_from_cache(self, batched: BatchKV, row_idx: int) -> None:
+        """Drop row ``row_idx`` in place (like ``list.pop``) and free its KV; other rows keep
+        their order and stay aligned. A batch may become empty."""
+
+    @abstractmethod
+    def decode_step_batched(self, batched: BatchKV, input_ids: Sequence[int]) -> Logits:
+        """One forward over all rows: row ``i`` consumes ``input_ids[i]`` and appends its KV.
+        Returns logits of shape [rows, vocab]. Mutates ``batched``."""
+
+    @abstractmethod
+    def kv_length(self, kv: RowKV | BatchKV, row_idx: int | None = None) -> int:
+        """Real (non-padded) tokens in a row KV, or in row ``row_idx`` of a batched KV."""
+
+    @abstractmethod
+    def sample(
+        self, logits: Logits, rows: Sequence[RowSampling], *, want_logprobs: bool = False
+    ) -> SampledTokens:
+        """Pick one token per logits row. Randomness is a pure function of each row's (seed, step),
+        so a row's tokens do not depend on the rest of the batch."""
+
+    def free_row_kv(self, kv: RowKV) -> None:
+        """Free a row KV that never joined a batch (cancelled or failed during prefill)."""
+
+    # -- optional: admission by KV reservation -----------------------------------------------
+    def kv_reserve(self, request_id: str, num_tokens: int) -> bool:
+        """Reserve KV for a request that will hold at most ``num_tokens`` tokens. True = reserved;
+        False = not now (retry later). Raises ``KVCapacityError`` if it can never fit."""
+        return True
+
+    def kv_release(self, request_id: str) -> None:
+        """Release what ``kv_reserve`` reserved for ``request_id`` (idempotent)."""
+
+    def kv_stats(self) -> dict[str, int]:
+        """KV block usage for metrics, e.g. {"blocks_total": .., "blocks_used": .., "blocks_free": ..}."""
+        return {}
+
+    # -- streaming-only path ------------------------------------------------------------------
+    def generate_stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str | None = None
+    ) -> Iterator[int]:
+        """Yield generated token IDs one by one (no stop handling beyond ``max_tokens``; the caller
+        stops iterating on EOS/stop tokens). The default runs the batched primitives for a batch of
+        one, taking :attr:`lock` around each step. Streaming-only backends override this."""
+        from gemmaserve.sampling_params import RowSampling
+
+        seed = params.seed if params.seed is not None else 0
+        with self.lock:
+            result = self.prefill(prompt_ids)
+            row = RowSampling(params.temperature, params.top_p, params.top_k, seed, 0)
+            token = self.sample(result.last_logits, [row]).token_ids[0]
+            batched = self.splice_into_batched(None, result.kv, self.kv_length(result.kv))
+        try:
+            for step in range(1, params.max_tokens + 1):
+                yield token
+                if step == params.max_tokens:
+                    return
+                with self.lock:
+                    logits = self.decode_step_batched(batched, [token])
+                    row = RowSampling(params.temperature, params.top_p, params.top_k, seed, step)
+                    token = self.sample(logits, [row]).token_ids[0]
+        finally:
+            with self.lock:
+                self.remove_row_from_cache(batched, 0)
+
+    def close(self) -> None:
+        """Release device memory and threads. Idempotent."""
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError if internal KV bookkeeping is inconsistent (leaks, double frees)."""

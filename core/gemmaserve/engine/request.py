@@ -1,0 +1,222 @@
+"""One request's lifecycle: state machine, generated tokens, timing, and what the caller gets back.
+
+A :class:`Request` is owned by one thread at a time: the submitting thread until it is handed to the
+scheduler, then the engine thread. :class:`RequestOutput` and :class:`RequestEvent` are immutable
+snapshots that may cross threads freely.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gemmaserve.sampling_params import RowSampling, SamplingParams
+
+if TYPE_CHECKING:
+    from gemmaserve.backend import PrefillState
+
+__all__ = ["RequestState", "FinishReason", "RequestMetrics", "RequestOutput", "RequestEvent", "Request"]
+
+
+class RequestState(str, enum.Enum):
+    """WAITING -> PREFILLING -> DECODING -> FINISHED; any state may jump to FINISHED."""
+
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended: ``stop`` (EOS or a stop token, kept in the output), ``length``
+    (``max_tokens``), ``cancelled`` (cancel/abort/shutdown) or ``error`` (see ``RequestOutput.error``)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
+    RequestState.WAITING: frozenset({RequestState.PREFILLING, RequestState.FINISHED}),
+    RequestState.PREFILLING: frozenset({RequestState.DECODING, RequestState.FINISHED}),
+    RequestState.DECODING: frozenset({RequestState.FINISHED}),
+    RequestState.FINISHED: frozenset(),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RequestMetrics:
+    """Wall-clock timestamps (``time.monotonic()`` seconds) and the latencies derived from them."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_output_tokens: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first (None with fewer than two tokens)."""
+        if self.first_token_time is None or self.finish_time is None or self.num_output_tokens < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+    @property
+    def e2e(self) -> float | None:
+        """Arrival to finish."""
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """The final (or, inside an unfinished event, partial) result of one request.
+
+    ``error``/``error_type`` are set only when ``finish_reason == "error"`` (``error_type`` is the
+    exception class name, e.g. ``"BackendStepError"`` or ``"KVCapacityError"``). ``logprobs`` has one
+    entry per token in ``token_ids`` when they were requested, else None.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    cached_tokens: int
+    metrics: RequestMetrics
+    error: str | None = None
+    error_type: str | None = None
+    logprobs: list[float] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestEvent:
+    """What one scheduler tick produced for one request: new tokens, and the output once finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    output: RequestOutput | None = None
+    new_logprobs: list[float] | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    """Mutable per-request state, owned by the scheduler once added.
+
+    ``seed`` is the effective sampling seed (the params' seed, or one drawn at admission), so a
+    sampled request's tokens depend only on its own prompt, params and seed.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    want_logprobs: bool = False
+    arrival_time: float = field(default_factory=time.monotonic)
+    state: RequestState = RequestState.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    cached_tokens: int = 0
+    seed: int | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    error_type: str | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_emitted: int = 0
+    prefill_state: PrefillState | None = None
+    stream: Any = None
+    """Streaming-only backends: the ``generate_stream`` iterator (owned by the scheduler)."""
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = tuple(self.prompt_token_ids)
+        if self.seed is None:
+            self.seed = self.params.seed
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def kv_budget(self) -> int:
+        """Most KV tokens this request can ever hold: prompt + max_tokens."""
+        return len(self.prompt_token_ids) + self.params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state is RequestState.FINISHED
+
+    def advance(self, new_state: RequestState) -> None:
+        """Move along the state machine; an illegal move is a scheduler bug."""
+        assert new_state in _TRANSITIONS[self.state], f"{self.request_id}: {self.state} -> {new_state}"
+        self.state = new_state
+
+    def row_sampling(self) -> RowSampling:
+        """Sampling view for the next token (``step`` = tokens generated so far)."""
+        assert self.seed is not None, "seed is assigned at admission"
+        params = self.params
+        return RowSampling(params.temperature, params.top_p, params.top_k, self.seed, len(self.output_token_ids))
+
+    def append_token(self, token_id: int, logprob: float | None, eos_token_ids: tuple[int, ...]) -> bool:
+        """Record a generated token; finish (reason ``stop``/``length``) if it ends the request.
+        Returns True when the request is now finished."""
+        now = time.monotonic()
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.output_token_ids.append(token_id)
+        if self.want_logprobs and logprob is not None:
+            self.output_logprobs.append(logprob)
+        params = self.params
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
+            self.finish(FinishReason.STOP)
+        elif len(self.output_token_ids) >= params.max_tokens:
+            self.finish(FinishReason.LENGTH)
+        return self.is_finished
+
+    def finish(self, reason: FinishReason, exc: BaseException | None = None, message: str | None = None) -> None:
+        """Enter FINISHED. For ``error``, ``exc`` (or ``message``) describes what went wrong.
+        Freeing KV is the scheduler's job, done before or right after this call."""
+        self.advance(RequestState.FINISHED)
+        self.finish_reason = reason
+        self.finish_time = time.monotonic()
+        if reason is FinishReason.ERROR:
+            self.error_type = type(exc).__name__ if exc is not None else "BackendStepError"
+            self.error = message or (f"{type(exc).__name__}: {exc}" if exc is not None else "unknown error")
+
+    def metrics(self) -> RequestMetrics:
+        return RequestMetrics(self.arrival_time, self.first_token_time, self.finish_time, len(self.output_token_ids))
+
+    def to_output(self) -> RequestOutput:
+        """Snapshot of the request (partial if it is still running)."""
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=list(self.prompt_token_ids),
+            token_ids=list(self.output_token_ids),
+            finish_reason=self.finish_reason,
+            cached_tokens=self.cached_tokens,
+            metrics=self.metrics(),
+            error=self.error,
+            error_type=self.error_type,
+            logprobs=list(self.output_logprobs) if self.want_logprobs else None,
+        )
+
+    def take_event(self) -> RequestEvent:
+        """Event with the tokens generated since the previous ``take_event`` (and the output once
+        finished). Mutates the emitted-token watermark."""
+        start = self.num_emitted
+        self.num_emitted = len(self.output_token_ids)
+        new_logprobs = self.output_logprobs[start:] if self.want_logprobs else None
+        output = self.to_output() if self.is_finished else None
+        return RequestEvent(self.request_id, self.output_token_ids[start:], self.is_finished, output, new_logprobs)

@@ -1,0 +1,103 @@
+"""Pure-Python token sampling over plain lists of floats (no numpy, no torch).
+
+Used by the reference backend and as the executable definition of the sampling semantics other
+backends should match:
+
+- ``temperature == 0``: argmax (lowest index wins a tie); no randomness.
+- otherwise: scale logits by ``1 / temperature``, keep the ``top_k`` largest (0 = all), then the
+  smallest set of most likely tokens whose probability reaches ``top_p`` (ties broken by lower
+  index), renormalize and draw with ``random.Random(sampling_seed(seed, step))``.
+- the reported logprob is the chosen token's log-probability under the model's unscaled, unfiltered
+  distribution ``log_softmax(logits)``.
+
+Everything here is a pure function of its arguments, so it is safe from any thread.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+
+from gemmaserve.sampling_params import RowSampling
+
+__all__ = ["sampling_seed", "log_softmax", "sample_row", "sample_rows"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def sampling_seed(seed: int, step: int) -> int:
+    """The RNG seed for token ``step`` of a row seeded with ``seed`` (a 64-bit mix of both)."""
+    value = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
+    value ^= value >> 31
+    return (value * 0xD6E8FEB86659FD93) & _MASK64
+
+
+def log_softmax(logits: Sequence[float]) -> list[float]:
+    top = max(logits)
+    log_total = top + math.log(math.fsum(math.exp(x - top) for x in logits))
+    return [x - log_total for x in logits]
+
+
+def _argmax(values: Sequence[float]) -> int:
+    best = 0
+    for index in range(1, len(values)):
+        if values[index] > values[best]:
+            best = index
+    return best
+
+
+def _filtered_probs(logits: Sequence[float], row: RowSampling) -> list[tuple[int, float]]:
+    """(token, probability) pairs left after temperature, top-k and top-p, most likely first."""
+    scaled = [x / row.temperature for x in logits]
+    order = sorted(range(len(scaled)), key=lambda i: (-scaled[i], i))
+    if row.top_k > 0:
+        order = order[: row.top_k]
+    top = scaled[order[0]]
+    weights = [math.exp(scaled[i] - top) for i in order]
+    total = math.fsum(weights)
+    probs = [w / total for w in weights]
+    if row.top_p < 1.0:
+        cumulative = 0.0
+        for keep, p in enumerate(probs, start=1):
+            cumulative += p
+            if cumulative >= row.top_p:
+                order, probs = order[:keep], probs[:keep]
+                break
+        total = math.fsum(probs)
+        probs = [p / total for p in probs]
+    return list(zip(order, probs))
+
+
+def sample_row(logits: Sequence[float], row: RowSampling, *, want_logprob: bool = False) -> tuple[int, float | None]:
+    """Pick one token from one row of logits; returns (token, logprob or None)."""
+    if row.is_greedy:
+        token = _argmax(logits)
+    else:
+        candidates = _filtered_probs(logits, row)
+        draw = random.Random(sampling_seed(row.seed, row.step)).random()
+        token = candidates[-1][0]
+        cumulative = 0.0
+        for candidate, p in candidates:
+            cumulative += p
+            if draw < cumulative:
+                token = candidate
+                break
+    logprob = log_softmax(logits)[token] if want_logprob else None
+    return token, logprob
+
+
+def sample_rows(
+    logits: Sequence[Sequence[float]], rows: Sequence[RowSampling], *, want_logprobs: bool = False
+) -> tuple[list[int], list[float] | None]:
+    """``sample_row`` over every row; each row's result depends only on its own logits and params."""
+    if len(logits) != len(rows):
+        raise ValueError(f"got {len(logits)} logits rows but {len(rows)} sampling rows")
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    for row_logits, row in zip(logits, rows):
+        token, logprob = sample_row(row_logits, row, want_logprob=want_logprobs)
+        tokens.append(token)
+        if logprob is not None:
+            logprobs.append(logprob)
+    return tokens, (logprobs if want_logprobs else None)

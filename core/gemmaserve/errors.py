@@ -1,0 +1,60 @@
+"""User-facing exception types.
+
+Every error a user can trigger is one of these, with text that names what was wrong and what is
+accepted. ``assert`` is reserved for internal invariants.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "GemmaserveError",
+    "ConfigurationError",
+    "BackendUnavailableError",
+    "ModelLoadError",
+    "InvalidRequestError",
+    "PromptTooLongError",
+    "KVCapacityError",
+    "EngineOverloadedError",
+    "RequestCancelledError",
+    "BackendStepError",
+]
+
+
+class GemmaserveError(Exception):
+    """Base class of every error gemmaserve raises on purpose."""
+
+
+class ConfigurationError(GemmaserveError, ValueError):
+    """A setting or flag has a value that is not accepted."""
+
+
+class BackendUnavailableError(GemmaserveError):
+    """The requested backend exists but cannot run here (extra missing, no CUDA, ...)."""
+
+
+class ModelLoadError(GemmaserveError):
+    """A model directory cannot be loaded (missing files, unsupported architecture, bad dtype)."""
+
+
+class InvalidRequestError(GemmaserveError, ValueError):
+    """A request's prompt or sampling parameters are invalid."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt (plus ``max_tokens``) can never fit the model context or the KV pool."""
+
+
+class KVCapacityError(InvalidRequestError):
+    """The request needs more KV memory than the engine has in total."""
+
+
+class EngineOverloadedError(GemmaserveError):
+    """The engine cannot take more work right now; retry later (HTTP 429/503)."""
+
+
+class RequestCancelledError(GemmaserveError):
+    """The request was cancelled before it finished."""
+
+
+class BackendStepError(GemmaserveError):
+    """The backend raised while processing this request; other requests are unaffected."""

@@ -1,0 +1,208 @@
+"""Radix prefix index over FULL token blocks: block-aligned token prefix -> one value per block.
+
+Granularity: one node per block. A node's key is the tuple of its ``block_size`` tokens, so the
+path from the root spells a block-aligned prefix and edges never need splitting (a block is the
+unit of allocation and eviction anyway). Partial trailing blocks are never indexed.
+
+Values are opaque and hashable (``BlockValue``): the core ``CacheManager`` stores an int block id; a
+backend may store e.g. a tuple of block ids across several pools. A value lives in at most one node.
+The index never frees anything: ``evict`` returns the values it dropped and the caller frees them.
+
+LRU: a logical clock ticks once per ``match``/``insert``, which stamps every node on the walked path.
+Eviction repeatedly removes the least recently used LEAF whose value ``can_evict`` accepts; a parent
+becomes a candidate once its last child is gone. Not thread-safe: callers serialize access.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+__all__ = ["BlockValue", "RadixPrefixIndex", "RadixMatch", "InsertResult"]
+
+BlockValue = Hashable
+"""What the index stores per block (an int block id in the core; anything hashable for backends)."""
+
+
+class RadixMatch(NamedTuple):
+    """Longest cached block-aligned prefix: ``values[k]`` holds tokens ``[k*bs, (k+1)*bs)``."""
+
+    num_tokens: int
+    values: tuple[BlockValue, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class InsertResult:
+    """Outcome of :meth:`RadixPrefixIndex.insert`.
+
+    Blocks ``0 .. num_existing-1`` were already cached (a cached block's ancestors always are, so
+    they form a prefix); the rest took the given values. ``values`` is the index's value for every
+    block after the insert.
+    """
+
+    num_existing: int
+    values: tuple[BlockValue, ...]
+    given: tuple[BlockValue, ...]
+
+    @property
+    def new_values(self) -> tuple[BlockValue, ...]:
+        """Given values the index now holds (ownership passed to the index's owner)."""
+        return self.given[self.num_existing :]
+
+    @property
+    def duplicate_values(self) -> tuple[BlockValue, ...]:
+        """Given values NOT taken because their block was already cached under another value; the
+        caller drops (frees) these."""
+        pairs = zip(self.given[: self.num_existing], self.values[: self.num_existing])
+        return tuple(given for given, held in pairs if given != held)
+
+
+@dataclass(eq=False, slots=True)
+class _Node:
+    key: tuple[int, ...]
+    value: BlockValue
+    parent: _Node | None
+    serial: int
+    last_access: int = 0
+    children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
+
+
+class RadixPrefixIndex:
+    """One node per full block; see the module docstring for the LRU and ownership rules."""
+
+    def __init__(self, block_size: int) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+        self.block_size = block_size
+        self._root = _Node(key=(), value=None, parent=None, serial=0)
+        self._serials = itertools.count(1)
+        self._clock = 0
+        self._by_value: dict[BlockValue, _Node] = {}
+        self._leaves: set[_Node] = set()
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._by_value)
+
+    def __len__(self) -> int:
+        return len(self._by_value)
+
+    def __contains__(self, value: object) -> bool:
+        return value in self._by_value
+
+    def _keys(self, token_ids: Sequence[int]) -> list[tuple[int, ...]]:
+        bs = self.block_size
+        return [tuple(token_ids[start : start + bs]) for start in range(0, len(token_ids) - bs + 1, bs)]
+
+    def match(self, token_ids: Sequence[int], *, touch: bool = True) -> RadixMatch:
+        """Longest cached block-aligned prefix of ``token_ids``. ``touch`` stamps the matched path as
+        most recently used (pass False for read-only inspection)."""
+        if touch:
+            self._clock += 1
+        node = self._root
+        values: list[BlockValue] = []
+        for key in self._keys(token_ids):
+            child = node.children.get(key)
+            if child is None:
+                break
+            if touch:
+                child.last_access = self._clock
+            values.append(child.value)
+            node = child
+        return RadixMatch(len(values) * self.block_size, tuple(values))
+
+    def insert(self, token_ids: Sequence[int], values: Sequence[BlockValue]) -> InsertResult:
+        """Index the full blocks of ``token_ids``; ``values[i]`` is for block ``i``.
+
+        ``len(values)`` must equal ``len(token_ids) // block_size`` (a trailing partial block is
+        ignored). Blocks already cached keep their value; the rest take the given ones, which must not
+        be held anywhere in the index. Stamps the whole path as most recently used. Raises ValueError
+        (changing nothing) on a bad argument.
+        """
+        keys = self._keys(token_ids)
+        given = tuple(values)
+        if len(given) != len(keys):
+            raise ValueError(f"got {len(given)} values for {len(keys)} full blocks of {len(token_ids)} tokens")
+        node = self._root
+        path: list[_Node] = []
+        for key in keys:
+            child = node.children.get(key)
+            if child is None:
+                break
+            path.append(child)
+            node = child
+        num_existing = len(path)
+        fresh = given[num_existing:]
+        if len(set(fresh)) != len(fresh) or any(value in self._by_value for value in fresh):
+            raise ValueError("insert: a new block value is repeated or already held by another cached block")
+        for key, value in zip(keys[num_existing:], fresh):
+            child = _Node(key=key, value=value, parent=node, serial=next(self._serials))
+            node.children[key] = child
+            self._leaves.discard(node)
+            self._leaves.add(child)
+            self._by_value[value] = child
+            path.append(child)
+            node = child
+        self._clock += 1
+        for path_node in path:
+            path_node.last_access = self._clock
+        return InsertResult(num_existing, tuple(n.value for n in path), given)
+
+    def evict(self, max_blocks: int, can_evict: Callable[[BlockValue], bool]) -> list[BlockValue]:
+        """Remove up to ``max_blocks`` leaves, least recently used first, skipping any whose value
+        ``can_evict`` rejects; returns the removed values in eviction order (the caller frees them).
+
+        ``max_blocks <= 0`` is a no-op. ``can_evict`` must not modify the index.
+        """
+        if max_blocks <= 0:
+            return []
+        heap = [(leaf.last_access, leaf.serial, leaf) for leaf in self._leaves]
+        heapq.heapify(heap)
+        evicted: list[BlockValue] = []
+        while heap and len(evicted) < max_blocks:
+            _, _, leaf = heapq.heappop(heap)
+            if not can_evict(leaf.value):
+                continue
+            parent = self._remove_leaf(leaf)
+            evicted.append(leaf.value)
+            if parent is not self._root and not parent.children:
+                heapq.heappush(heap, (parent.last_access, parent.serial, parent))
+        return evicted
+
+    def _remove_leaf(self, leaf: _Node) -> _Node:
+        parent = leaf.parent
+        assert parent is not None and not leaf.children
+        del parent.children[leaf.key]
+        del self._by_value[leaf.value]
+        self._leaves.discard(leaf)
+        if parent is not self._root and not parent.children:
+            self._leaves.add(parent)
+        return parent
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError unless every node is reachable once, keys are one full block and match
+        their parent's child map, the value map and leaf set agree with the tree, and no node is newer
+        than the clock."""
+        seen: dict[BlockValue, _Node] = {}
+        leaves: set[_Node] = set()
+        stack = [self._root]
+        while stack:
+            node = stack.pop()
+            for key, child in node.children.items():
+                if child.parent is not node or child.key != key or len(key) != self.block_size:
+                    raise RuntimeError(f"RadixPrefixIndex: malformed child {key!r}")
+                if child.value in seen:
+                    raise RuntimeError(f"RadixPrefixIndex: value {child.value!r} held by two nodes")
+                if child.last_access > self._clock:
+                    raise RuntimeError("RadixPrefixIndex: node stamped in the future")
+                seen[child.value] = child
+                if not child.children:
+                    leaves.add(child)
+                stack.append(child)
+        if seen.keys() != self._by_value.keys() or any(self._by_value[v] is not n for v, n in seen.items()):
+            raise RuntimeError("RadixPrefixIndex: value map disagrees with the tree")
+        if leaves != self._leaves:
+            raise RuntimeError("RadixPrefixIndex: leaf set disagrees with the tree")

@@ -1,0 +1,149 @@
+"""Backend specs and the registry built from every installed plugin.
+
+A :class:`BackendSpec` names its factory and probe as dotted paths (``"pkg.module:attr"``) so that
+listing backends never imports torch, transformers, triton or mlx.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from gemmaserve.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from gemmaserve.backend import InferenceBackend
+    from gemmaserve.settings import CoreSettings
+
+__all__ = ["BackendSpec", "BackendStatus", "BackendRegistry", "KNOWN_BACKENDS", "resolve_dotted", "BackendFactory"]
+
+BackendFactory = Callable[[str, str, "CoreSettings"], "InferenceBackend"]
+"""``factory(model_path, device, settings) -> InferenceBackend``."""
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    """One selectable backend.
+
+    - ``factory``: dotted path of ``factory(model_path, device, settings) -> InferenceBackend``.
+    - ``probe``: dotted path of ``probe(settings, device) -> str | None`` returning why the backend
+      cannot run (None = it can). Must be cheap; may import heavy packages only to check them.
+    - ``devices``: device kinds it runs on (``cpu``, ``cuda``, ``mps``).
+    - ``priority``: lower wins when ``BACKEND=auto``.
+    - ``requires_model``: False for backends that load no checkpoint (toy/test backends); then no
+      default model is prepared for them.
+    """
+
+    name: str
+    factory: str
+    devices: tuple[str, ...]
+    probe: str | None = None
+    priority: int = 100
+    aliases: tuple[str, ...] = ()
+    description: str = ""
+    plugin: str = ""
+    requires_model: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.name or self.name != self.name.lower():
+            raise ValueError(f"backend name must be non-empty lower case, got {self.name!r}")
+        if ":" not in self.factory:
+            raise ValueError(f"factory must be a 'module:attribute' path, got {self.factory!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class KnownBackend:
+    """A first-party backend the core knows about even when its plugin is not installed."""
+
+    name: str
+    distribution: str
+    extra: str
+    source_dir: str
+    devices: tuple[str, ...]
+
+    @property
+    def install_hint(self) -> str:
+        return (
+            f'plugin not installed: pip install "gemmaserve[{self.extra}]" '
+            f"(from a checkout: pip install -e {self.source_dir})"
+        )
+
+
+KNOWN_BACKENDS: tuple[KnownBackend, ...] = (
+    KnownBackend("hf", "gemmaserve-hf-torch", "hf", "plugins/hf_torch", ("cpu", "cuda", "mps")),
+    KnownBackend("custom-cuda", "gemmaserve-custom-torch", "custom-torch", "plugins/custom_torch", ("cuda",)),
+    KnownBackend("custom-mps", "gemmaserve-custom-torch", "custom-torch", "plugins/custom_torch", ("mps",)),
+    KnownBackend("custom-cpu", "gemmaserve-custom-torch", "custom-torch", "plugins/custom_torch", ("cpu",)),
+    KnownBackend("mlx", "gemmaserve-mlx", "mlx", "plugins/mlx", ("mps", "cpu")),
+    KnownBackend("mlx-stream", "gemmaserve-mlx", "mlx", "plugins/mlx", ("mps", "cpu")),
+)
+
+
+@dataclass(slots=True)
+class BackendStatus:
+    """A registry row: the spec (None when the plugin is not installed) and availability."""
+
+    name: str
+    plugin: str
+    devices: tuple[str, ...]
+    available: bool
+    reason: str | None
+    spec: BackendSpec | None = None
+
+
+def resolve_dotted(path: str) -> Any:
+    """Import ``"package.module:attr"`` and return the attribute."""
+    module_name, _, attribute = path.partition(":")
+    module = importlib.import_module(module_name)
+    try:
+        return getattr(module, attribute)
+    except AttributeError:
+        raise ImportError(f"{module_name!r} has no attribute {attribute!r} (from {path!r})") from None
+
+
+@dataclass(slots=True)
+class BackendRegistry:
+    """Backends registered by plugins, by name and alias. Mutated only while plugins load."""
+
+    specs: dict[str, BackendSpec] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+    plugin_errors: dict[str, str] = field(default_factory=dict)
+
+    def add(self, spec: BackendSpec, plugin: str) -> None:
+        """Register ``spec`` from ``plugin``; a name or alias taken by another plugin is an error."""
+        spec = replace(spec, plugin=plugin)
+        for key in (spec.name, *spec.aliases):
+            owner = self.aliases.get(key) or (key if key in self.specs else None)
+            if owner is not None and self.specs[owner].plugin != plugin:
+                raise ConfigurationError(
+                    f"backend name {key!r} from plugin {plugin!r} is already registered by plugin "
+                    f"{self.specs[owner].plugin!r}"
+                )
+        self.specs[spec.name] = spec
+        for alias in spec.aliases:
+            self.aliases[alias] = spec.name
+
+    def resolve_name(self, name: str) -> str | None:
+        """Canonical name for a name or alias, or None."""
+        name = name.strip().lower().replace("_", "-")
+        if name in self.specs:
+            return name
+        return self.aliases.get(name)
+
+    def get(self, name: str) -> BackendSpec | None:
+        canonical = self.resolve_name(name)
+        return self.specs[canonical] if canonical else None
+
+    def known_names(self) -> list[str]:
+        names = set(self.specs) | {known.name for known in KNOWN_BACKENDS}
+        return sorted(names)
+
+    def check_integrity(self) -> None:
+        for alias, target in self.aliases.items():
+            if target not in self.specs:
+                raise RuntimeError(f"alias {alias!r} points at unregistered backend {target!r}")
+        for name, spec in self.specs.items():
+            if spec.name != name:
+                raise RuntimeError(f"spec registered as {name!r} is named {spec.name!r}")

@@ -1,0 +1,80 @@
+"""Per-request sampling parameters (validated) and the per-step sampling view backends receive."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from gemmaserve.errors import InvalidRequestError
+
+__all__ = ["SamplingParams", "RowSampling"]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens for one request.
+
+    ``temperature == 0`` means greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters.
+    ``seed`` makes sampling reproducible: the same seed, prompt and parameters give the same tokens,
+    whatever else is in the batch. ``stop_token_ids`` end the request (the stop token is kept in the
+    output, like EOS); ``ignore_eos`` keeps generating past EOS (benchmarks).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise :class:`InvalidRequestError` naming the first bad field and the accepted range."""
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_real(self.temperature) or not (0.0 <= self.temperature <= 100.0):
+            raise InvalidRequestError(
+                f"temperature must be a finite number in [0, 100] (0 = greedy), got {self.temperature!r}"
+            )
+        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be an integer >= 0 (0 = disabled), got {self.top_k!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (0 <= self.seed < 2**63)
+        ):
+            raise InvalidRequestError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        for token_id in self.stop_token_ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise InvalidRequestError(f"stop_token_ids must be non-negative integers, got {token_id!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True, slots=True)
+class RowSampling:
+    """What a backend needs to sample the next token of one row at one step.
+
+    Randomness must be a pure function of ``(seed, step)`` so a row's tokens never depend on the
+    other rows in the batch. ``step`` is the index of the token being sampled (0 = first token).
+    """
+
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    step: int
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0

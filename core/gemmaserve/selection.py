@@ -1,0 +1,131 @@
+"""Backend selection: ``BACKEND`` wins; otherwise a rule over (device, available backends).
+
+The decision and every rejected alternative (with its reason) are logged and returned, so
+``gemmaserve backends`` can show them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from gemmaserve.errors import BackendUnavailableError, ConfigurationError
+from gemmaserve.hardware import detect_devices
+from gemmaserve.plugins import get_plugin_manager, load_registry
+from gemmaserve.registry import KNOWN_BACKENDS, BackendRegistry, BackendSpec, BackendStatus, resolve_dotted
+from gemmaserve.settings import CoreSettings
+
+__all__ = ["Selection", "backend_statuses", "probe_backend", "select_backend"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """The chosen backend and device, and why the others were not chosen."""
+
+    spec: BackendSpec
+    device: str
+    reason: str
+    rejected: dict[str, str] = field(default_factory=dict)
+
+
+def probe_backend(spec: BackendSpec, settings: CoreSettings, device: str) -> str | None:
+    """Why ``spec`` cannot run on ``device`` with these settings, or None if it can."""
+    if device not in spec.devices:
+        return f"does not run on {device} (runs on: {', '.join(spec.devices)})"
+    report = detect_devices()
+    if device not in report.available:
+        return f"device {device} unavailable: {report.unavailable.get(device, 'not detected')}"
+    if spec.probe is None:
+        return None
+    try:
+        return resolve_dotted(spec.probe)(settings, device)
+    except Exception as exc:  # a broken probe means "unavailable", with the error as the reason
+        return f"availability probe failed: {type(exc).__name__}: {exc}"
+
+
+def _device_for(spec: BackendSpec, settings: CoreSettings) -> str:
+    if settings.device != "auto":
+        return settings.device
+    report = detect_devices()
+    for device in report.available:
+        if device in spec.devices:
+            return device
+    return spec.devices[0]
+
+
+def backend_statuses(settings: CoreSettings, registry: BackendRegistry | None = None) -> list[BackendStatus]:
+    """One row per backend (installed or known): availability on the device it would use."""
+    registry = registry or load_registry()
+    rows: list[BackendStatus] = []
+    for spec in sorted(registry.specs.values(), key=lambda s: (s.priority, s.name)):
+        reason = probe_backend(spec, settings, _device_for(spec, settings))
+        rows.append(BackendStatus(spec.name, spec.plugin, spec.devices, reason is None, reason, spec))
+    for known in KNOWN_BACKENDS:
+        if known.name not in registry.specs:
+            rows.append(BackendStatus(known.name, known.distribution, known.devices, False, known.install_hint))
+    return rows
+
+
+def select_backend(settings: CoreSettings, registry: BackendRegistry | None = None) -> Selection:
+    """Pick the backend and device. Raises ConfigurationError (unknown name) or
+    BackendUnavailableError (nothing can run), each listing the alternatives and reasons."""
+    registry = registry or load_registry()
+    if settings.backend != "auto":
+        return _select_explicit(settings, registry)
+    device = settings.device if settings.device != "auto" else detect_devices().best
+    candidates = sorted(
+        (spec for spec in registry.specs.values() if device in spec.devices), key=lambda s: (s.priority, s.name)
+    )
+    rejected = {
+        spec.name: f"does not run on {device}" for spec in registry.specs.values() if device not in spec.devices
+    }
+    hooked = get_plugin_manager().hook.gemmaserve_select_backend(settings=settings, candidates=candidates, device=device)
+    if hooked is not None:
+        spec = registry.get(hooked)
+        if spec is None:
+            raise ConfigurationError(f"a plugin selected unknown backend {hooked!r}")
+        selection = Selection(spec, device, "chosen by a plugin's gemmaserve_select_backend hook", rejected)
+        _log(selection)
+        return selection
+    for spec in candidates:
+        reason = probe_backend(spec, settings, device)
+        if reason is None:
+            selection = Selection(spec, device, f"highest-priority available backend on {device}", rejected)
+            _log(selection)
+            return selection
+        rejected[spec.name] = reason
+    for known in KNOWN_BACKENDS:
+        if known.name not in registry.specs and device in known.devices:
+            rejected[known.name] = known.install_hint
+    details = "\n".join(f"  {name}: {why}" for name, why in sorted(rejected.items())) or "  (no backends registered)"
+    raise BackendUnavailableError(f"no backend can run on {device}:\n{details}")
+
+
+def _select_explicit(settings: CoreSettings, registry: BackendRegistry) -> Selection:
+    spec = registry.get(settings.backend)
+    if spec is None:
+        known = next((k for k in KNOWN_BACKENDS if k.name == settings.backend), None)
+        if known is not None:
+            raise BackendUnavailableError(f"backend {settings.backend!r}: {known.install_hint}")
+        raise ConfigurationError(
+            f"unknown BACKEND={settings.backend!r}; accepted: auto, {', '.join(registry.known_names())}"
+        )
+    device = settings.device if settings.device != "auto" else _device_for(spec, settings)
+    reason = probe_backend(spec, settings, device)
+    if reason is not None:
+        raise BackendUnavailableError(f"backend {spec.name!r} cannot run on {device}: {reason}")
+    selection = Selection(spec, device, f"BACKEND={settings.backend} (explicit)", {})
+    _log(selection)
+    return selection
+
+
+def _log(selection: Selection) -> None:
+    logger.info(
+        "using backend %s on %s (%s); rejected: %s",
+        selection.spec.name,
+        selection.device,
+        selection.reason,
+        ", ".join(f"{name} ({why})" for name, why in sorted(selection.rejected.items())) or "none",
+    )

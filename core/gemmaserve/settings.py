@@ -1,0 +1,110 @@
+"""Core settings, read from the environment, a ``.env`` file and CLI flags (pydantic-settings).
+
+Env names are the seed's: ``BACKEND``, ``DEVICE``, ``MODEL``, ``MAX_ACTIVE_KV_TOKENS``... Each plugin
+defines its own settings class for its own variables (``CUSTOM_BACKEND_*``, ``COMPILE_MODEL``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import AliasChoices, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from gemmaserve.errors import ConfigurationError
+
+__all__ = ["CoreSettings", "load_settings", "DEVICE_CHOICES", "DTYPE_CHOICES"]
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda", "mps")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _env(name: str) -> AliasChoices:
+    return AliasChoices(name, f"GEMMASERVE_{name}")
+
+
+class CoreSettings(BaseSettings):
+    """Engine-wide settings. Every field can be set as an env var (its upper-case name, or with a
+    ``GEMMASERVE_`` prefix) or as a CLI flag."""
+
+    model_config = SettingsConfigDict(env_file=".env", extra="ignore", populate_by_name=True)
+
+    backend: str = Field(
+        "auto",
+        validation_alias=_env("BACKEND"),
+        description="Backend name (see `gemmaserve backends`) or 'auto'. Wins over device auto-detection.",
+    )
+    device: Literal["auto", "cpu", "cuda", "mps"] = Field(
+        "auto", validation_alias=_env("DEVICE"), description="Device: auto (cuda > mps > cpu), cpu, cuda or mps."
+    )
+    model: str | None = Field(
+        None,
+        validation_alias=_env("MODEL"),
+        description="Path to a Hugging Face checkpoint directory. Unset: the embedded default model.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", validation_alias=_env("DTYPE"), description="Model dtype; auto = bfloat16 on GPUs, float32 on CPU."
+    )
+    max_active_kv_tokens: int = Field(
+        65536,
+        ge=1,
+        validation_alias=_env("MAX_ACTIVE_KV_TOKENS"),
+        description="Upper bound on the KV tokens (prompt + max_tokens) of all admitted requests together.",
+    )
+    kv_block_size: int = Field(16, ge=1, le=1024, validation_alias=_env("KV_BLOCK_SIZE"), description="Tokens per KV block.")
+    prefix_cache_blocks: int = Field(
+        2048, ge=0, validation_alias=_env("PREFIX_CACHE_BLOCKS"),
+        description="Blocks in the core prefix-cache pool (backends using the core CacheManager); 0 disables it.",
+    )
+    max_batch_size: int = Field(64, ge=1, validation_alias=_env("MAX_BATCH_SIZE"), description="Max concurrent decoding rows.")
+    max_model_len: int | None = Field(
+        None, ge=1, validation_alias=_env("MAX_MODEL_LEN"),
+        description="Max prompt + output tokens per request; unset = the model's own limit.",
+    )
+    prefill_chunk_tokens: int = Field(
+        512, ge=1, validation_alias=_env("PREFILL_CHUNK_TOKENS"),
+        description="Max prompt tokens prefilled per request per scheduler tick (chunked prefill).",
+    )
+    max_waiting_requests: int = Field(
+        1024, ge=1, validation_alias=_env("MAX_WAITING_REQUESTS"),
+        description="Queue bound; beyond it new requests are refused as overloaded (HTTP 429).",
+    )
+    host: str = Field("127.0.0.1", validation_alias=_env("HOST"), description="HTTP server bind address.")
+    port: int = Field(8000, ge=0, le=65535, validation_alias=_env("PORT"), description="HTTP server port.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", validation_alias=_env("LOG_LEVEL"), description="Logging level."
+    )
+
+    @field_validator("backend")
+    @classmethod
+    def _normalize_backend(cls, value: str) -> str:
+        value = value.strip().lower().replace("_", "-")
+        if not value:
+            raise ValueError("BACKEND must not be empty; use 'auto' or a name from `gemmaserve backends`")
+        return value
+
+    @field_validator("device", "dtype", "log_level", mode="before")
+    @classmethod
+    def _lower(cls, value: Any) -> Any:
+        return value.strip().lower() if isinstance(value, str) else value
+
+
+def load_settings(**overrides: Any) -> CoreSettings:
+    """Build settings from env/.env with ``overrides`` (CLI flags; None values are ignored) on top.
+
+    Raises :class:`ConfigurationError` listing every invalid field with the accepted values.
+    """
+    clean = {key: value for key, value in overrides.items() if value is not None}
+    try:
+        return CoreSettings(**clean)
+    except ValidationError as exc:
+        raise ConfigurationError(format_validation_error(exc)) from None
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """One line per bad field: name, value given, what is accepted."""
+    lines = ["invalid settings:"]
+    for error in exc.errors():
+        location = ".".join(str(part) for part in error["loc"]) or "settings"
+        lines.append(f"  {location.upper()}={error.get('input')!r}: {error['msg']}")
+    return "\n".join(lines)

@@ -1,0 +1,342 @@
+"""`GemmaForCausalLM`: the Gemma 3 / Gemma 4 text decoder in plain torch, one code path with config switches.
+
+Attention itself is delegated to an `AttentionContext` (see attention_context.py); this module computes
+embeddings, Q/K/V, MLPs, per-layer embeddings (PLE) and logits. Parameter names equal the Hugging Face
+checkpoint names with the text prefix stripped (`layers.3.self_attn.q_proj.weight`, ...).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import Tensor, nn
+
+from .attention_context import AttentionContext
+from .config import GemmaTextConfig
+from .layers import GeGLUMLP, MoEExperts, MoERouter, RMSNorm, RotaryEmbedding, apply_rotary, gelu_tanh
+
+
+class ScaledEmbedding(nn.Module):
+    """Token lookup × scale, where the scale is rounded from the exact Python float to the weight dtype
+    (bf16(√H) in a bf16 model, as transformers does). ids [...] -> [..., dim] in the weight dtype."""
+
+    def __init__(self, num_embeddings: int, dim: int, scale: float, device=None, dtype=None) -> None:
+        super().__init__()
+        self.scale = scale
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim, device=device, dtype=dtype))
+        self._scale_cache: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+    def _scale_tensor(self) -> Tensor:
+        key = (self.weight.dtype, self.weight.device)
+        cached = self._scale_cache.get(key)
+        if cached is None:
+            cached = torch.tensor(self.scale, dtype=torch.float64).to(dtype=key[0], device=key[1])
+            self._scale_cache[key] = cached
+        return cached
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return F.embedding(ids, self.weight) * self._scale_tensor()
+
+
+class GemmaAttention(nn.Module):
+    """Q/K/V projections, QK(V)-norms and RoPE of one layer; attention itself runs in the context.
+
+    KV-shared layers own only q_proj, q_norm and o_proj. K=V layers have no v_proj: V is the raw k_proj
+    output, v-normed. x [B, S, H] -> [B, S, H].
+    """
+
+    def __init__(self, config: GemmaTextConfig, layer_idx: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_kv_heads[layer_idx]
+        self.head_dim = config.head_dims[layer_idx]
+        self.stores_kv = config.stores_kv(layer_idx)
+        self.k_eq_v = config.k_eq_v[layer_idx]
+        hidden, eps, style = config.hidden_size, config.rms_norm_eps, config.norm_style
+        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+
+        self.q_proj = nn.Linear(hidden, q_width, bias=False, device=device, dtype=dtype)
+        self.q_norm = RMSNorm(self.head_dim, eps, style, device=device, dtype=dtype)
+        self.o_proj = nn.Linear(q_width, hidden, bias=False, device=device, dtype=dtype)
+        self.k_proj: nn.Linear | None = None
+        self.v_proj: nn.Linear | None = None
+        self.k_norm: RMSNorm | None = None
+        self.v_norm: RMSNorm | None = None
+        if self.stores_kv:
+            self.k_proj = nn.Linear(hidden, kv_width, bias=False, device=device, dtype=dtype)
+            if not self.k_eq_v:
+                self.v_proj = nn.Linear(hidden, kv_width, bias=False, device=device, dtype=dtype)
+            self.k_norm = RMSNorm(self.head_dim, eps, style, device=device, dtype=dtype)
+            if config.has_v_norm:
+                self.v_norm = RMSNorm(self.head_dim, eps, style, with_weight=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext) -> Tensor:
+        batch, seq, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim))
+        q = apply_rotary(q, cos, sin)
+        k = v = None
+        if self.k_proj is not None:
+            k_raw = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
+            v_raw = k_raw if self.v_proj is None else self.v_proj(x).view(batch, seq, self.num_kv_heads, -1)
+            k = apply_rotary(self.k_norm(k_raw), cos, sin)
+            v = self.v_norm(v_raw) if self.v_norm is not None else v_raw
+        out = attn.attend(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim))
+
+
+class GemmaDecoderLayer(nn.Module):
+    """Sandwich-norm block: attention, GeGLU MLP (+ parallel MoE on Gemma 4 26B-style models), then the
+    Gemma 4 PLE injection and `layer_scalar`. x [B, S, H] -> new [B, S, H]; input not mutated."""
+
+    def __init__(self, config: GemmaTextConfig, layer_idx: int, device=None, dtype=None) -> None:
+        super().__init__()
+        hidden, eps, style = config.hidden_size, config.rms_norm_eps, config.norm_style
+
+        def norm(dim: int = hidden) -> RMSNorm:
+            return RMSNorm(dim, eps, style, device=device, dtype=dtype)
+
+        self.self_attn = GemmaAttention(config, layer_idx, device, dtype)
+        self.mlp = GeGLUMLP(hidden, config.mlp_widths[layer_idx], device, dtype)
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = norm()
+        self.post_feedforward_layernorm = norm()
+        self.has_moe = config.moe_num_experts > 0
+        if self.has_moe:
+            self.router = MoERouter(hidden, config.moe_num_experts, config.moe_top_k, eps, device, dtype)
+            self.experts = MoEExperts(hidden, config.moe_num_experts, config.moe_intermediate_size, device, dtype)
+            self.pre_feedforward_layernorm_2 = norm()
+            self.post_feedforward_layernorm_1 = norm()
+            self.post_feedforward_layernorm_2 = norm()
+        self.has_ple = config.ple_dim > 0
+        if self.has_ple:
+            self.per_layer_input_gate = nn.Linear(hidden, config.ple_dim, bias=False, device=device, dtype=dtype)
+            self.per_layer_projection = nn.Linear(config.ple_dim, hidden, bias=False, device=device, dtype=dtype)
+            self.post_per_layer_input_norm = norm()
+        self.layer_scalar: Tensor | None
+        if config.has_layer_scalar:
+            self.register_buffer("layer_scalar", torch.ones(1, device=device, dtype=dtype))
+        else:
+            self.layer_scalar = None
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext, ple: Tensor | None = None
+    ) -> Tensor:
+        residual = x
+        h = self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        x = residual + self.post_attention_layernorm(h)
+
+        residual = x
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        if self.has_moe:
+            flat = residual.reshape(-1, residual.shape[-1])  # router and experts read the pre-MLP residual
+            weights, ids = self.router(flat)
+            moe = self.experts(self.pre_feedforward_layernorm_2(flat), weights, ids).reshape(residual.shape)
+            h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(moe)
+        x = residual + self.post_feedforward_layernorm(h)
+
+        if self.has_ple:
+            assert ple is not None, "PLE model layers need their per-layer input"
+            gated = gelu_tanh(self.per_layer_input_gate(x)) * ple
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        if self.layer_scalar is not None:
+            x = x * self.layer_scalar
+        return x
+
+
+class GemmaForCausalLM(nn.Module):
+    """Gemma 3 / Gemma 4 text decoder with a (normally tied) LM head.
+
+    `model(input_ids [B, S], positions [B, S], attn, logits_to_keep=0)` -> logits [B, S or n, V] in the model
+    dtype (final softcap applied when configured). Attention state lives in `attn`; the module itself is
+    stateless across calls. Build with `GemmaForCausalLM.from_hf(path)` or from a `GemmaTextConfig` (then the
+    weights are uninitialised; load a state dict).
+    """
+
+    def __init__(self, config: GemmaTextConfig, device: torch.device | str | None = None, dtype=None) -> None:
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        self.embed_tokens = ScaledEmbedding(config.vocab_size, hidden, config.embed_scale, device, dtype)
+        self.layers = nn.ModuleList(
+            GemmaDecoderLayer(config, i, device, dtype) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hidden, config.rms_norm_eps, config.norm_style, device=device, dtype=dtype)
+        if config.ple_dim:
+            total = config.num_hidden_layers * config.ple_dim
+            self.embed_tokens_per_layer = ScaledEmbedding(
+                config.ple_vocab_size, total, config.ple_dim**0.5, device, dtype
+            )
+            self.per_layer_model_projection = nn.Linear(hidden, total, bias=False, device=device, dtype=dtype)
+            self.per_layer_projection_norm = RMSNorm(
+                config.ple_dim, config.rms_norm_eps, config.norm_style, device=device, dtype=dtype
+            )
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False, device=device, dtype=dtype)
+        self.rotary = {
+            t: RotaryEmbedding(config.rope[t], config.head_dim_for_type(t)) for t in sorted(set(config.layer_types))
+        }
+
+    # ---- forward -------------------------------------------------------------------------------------------
+
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, attn: AttentionContext, logits_to_keep: int = 0
+    ) -> Tensor:
+        """Logits for all positions (`logits_to_keep=0`) or the last `logits_to_keep` ones."""
+        hidden = self.forward_hidden(input_ids, positions, attn)
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:, :]
+        return self.compute_logits(hidden)
+
+    def forward_hidden(self, input_ids: Tensor, positions: Tensor, attn: AttentionContext) -> Tensor:
+        """Final-normed hidden states [B, S, H]. Calls `attn.attend` once per layer, in layer order."""
+        if input_ids.dim() != 2 or positions.shape != input_ids.shape:
+            raise ValueError(
+                f"input_ids and positions must both be [batch, seq]; got {tuple(input_ids.shape)} and "
+                f"{tuple(positions.shape)}."
+            )
+        x = self.embed_tokens(input_ids)
+        ple = self._per_layer_inputs(input_ids, x) if self.config.ple_dim else None
+        tables = {t: rope(positions, x.dtype) for t, rope in self.rotary.items()}
+        for i, layer in enumerate(self.layers):
+            cos, sin = tables[self.config.layer_types[i]]
+            x = layer(x, cos, sin, attn, None if ple is None else ple[:, :, i, :])
+        return self.norm(x)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """hidden [..., H] -> logits [..., V] in the model dtype; softcap `tanh(x/c)*c` in that dtype."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(hidden, weight)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _per_layer_inputs(self, input_ids: Tensor, x0: Tensor) -> Tensor:
+        """Gemma 4 PLE vectors [B, S, L, P]: (norm(proj(x0)·H^-½) + table[ids]·√P) · 2^-½."""
+        layers, dim = self.config.num_hidden_layers, self.config.ple_dim
+        token_part = self.embed_tokens_per_layer(input_ids).reshape(*input_ids.shape, layers, dim)
+        context = self.per_layer_model_projection(x0) * (self.config.hidden_size**-0.5)
+        context = self.per_layer_projection_norm(context.reshape(*x0.shape[:-1], layers, dim))
+        return (context + token_part) * (2.0**-0.5)
+
+    # ---- loading -------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf(
+        cls, path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+    ) -> GemmaForCausalLM:
+        """Load a Hugging Face checkpoint folder (single `model.safetensors` or sharded with
+        `model.safetensors.index.json`). `dtype=None` keeps the dtype stored for the embedding table.
+        K/V weights of KV-shared layers and non-text (vision/audio) weights are skipped; any other unknown or
+        missing text weight raises. Returns the model in eval mode with requires_grad off."""
+        folder = Path(path)
+        config = GemmaTextConfig.from_pretrained(folder)
+        files = _weight_files(folder)
+        key_to_file = _key_index(folder, files)
+        prefix = _text_prefix(config, key_to_file)
+        embed_key = prefix + "embed_tokens.weight"
+        if dtype is None:
+            with safe_open(key_to_file[embed_key], framework="pt") as f:
+                dtype = f.get_slice(embed_key).get_dtype()
+                dtype = _SAFETENSORS_DTYPES.get(dtype, torch.float32)
+
+        model = cls(config, device="meta", dtype=dtype)
+        expected = set(model.state_dict())
+        wanted: dict[str, str] = {}  # checkpoint key -> model key
+        unexpected: list[str] = []
+        for key in key_to_file:
+            local = _local_name(key, prefix, config)
+            if local is None:
+                continue
+            if local in expected:
+                wanted[key] = local
+            elif not _is_unused_shared_kv(local, config):
+                unexpected.append(key)
+        if unexpected:
+            raise ValueError(f"{folder}: checkpoint has text weights this model does not use: {unexpected[:8]}")
+        missing = sorted(expected - set(wanted.values()))
+        if missing:
+            raise ValueError(f"{folder}: checkpoint lacks weights {missing[:8]} (prefix {prefix!r}).")
+
+        state: dict[str, Tensor] = {}
+        by_file: dict[str, list[str]] = {}
+        for key in wanted:
+            by_file.setdefault(key_to_file[key], []).append(key)
+        for file, keys in by_file.items():
+            with safe_open(file, framework="pt", device=str(device)) as f:
+                for key in keys:
+                    state[wanted[key]] = f.get_tensor(key).to(dtype)
+        model.load_state_dict(state, strict=True, assign=True)
+        model.requires_grad_(False)
+        return model.eval()
+
+
+_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+}
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return sorted({folder / name for name in weight_map.values()})
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(
+        f"{folder} has neither model.safetensors nor model.safetensors.index.json; gemmaserve loads "
+        "safetensors checkpoints only (convert .bin / GGUF checkpoints with transformers first)."
+    )
+
+
+def _key_index(folder: Path, files: list[Path]) -> dict[str, str]:
+    """Every tensor name in the checkpoint -> the file holding it."""
+    index: dict[str, str] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                index[key] = str(file)
+    return index
+
+
+def _text_prefix(config: GemmaTextConfig, keys: dict[str, str]) -> str:
+    if config.is_multimodal_wrapper:
+        candidates = ["model.language_model.", "language_model.model."]
+    else:
+        candidates = ["model.", ""]
+    for prefix in candidates:
+        if prefix + "embed_tokens.weight" in keys:
+            return prefix
+    raise ValueError(
+        f"cannot find the text embedding: none of {[p + 'embed_tokens.weight' for p in candidates]} is in "
+        f"the checkpoint (model_type {config.model_type!r})."
+    )
+
+
+def _local_name(key: str, prefix: str, config: GemmaTextConfig) -> str | None:
+    """Model parameter name for a checkpoint key, or None for keys outside the text stack."""
+    if key.startswith(prefix):
+        return key[len(prefix):]
+    if not config.tie_word_embeddings and key in ("lm_head.weight", "language_model.lm_head.weight"):
+        return "lm_head.weight"
+    return None
+
+
+def _is_unused_shared_kv(local: str, config: GemmaTextConfig) -> bool:
+    """True for k/v projections and norms that checkpoints carry for KV-shared layers (never used)."""
+    parts = local.split(".")
+    if len(parts) < 4 or parts[0] != "layers" or parts[2] != "self_attn":
+        return False
+    layer = int(parts[1])
+    return not config.stores_kv(layer) and parts[3] in ("k_proj", "v_proj", "k_norm", "v_norm")

@@ -1,0 +1,173 @@
+"""Gemma building blocks in plain torch: RMSNorm, rotary tables, GeGLU MLP and the Gemma 4 MoE block.
+
+Every op order and dtype step mirrors transformers' eager Gemma code, so a model built from these is bitwise
+identical to it (fp32 and bf16) on CPU. Do not "simplify" casts or fuse ops without re-running the parity
+tests (tests/custom_torch/test_model_parity.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import NormStyle, RopeParams
+
+
+def gelu_tanh(x: Tensor) -> Tensor:
+    """The `gelu_pytorch_tanh` activation."""
+    return F.gelu(x, approximate="tanh")
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim, computed in fp32 and rounded once to the input dtype.
+
+    style "w" (Gemma 4): x * pow(mean(x²)+eps, -0.5) * w.   style "one_plus_w" (Gemma 3): x * rsqrt(...) * (1+w).
+    `with_weight=False` (Gemma 4 v_norm / router norm) skips the weight. Input is not mutated.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        eps: float,
+        style: NormStyle = "w",
+        with_weight: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.style = style
+        self.weight: nn.Parameter | None = (
+            nn.Parameter(torch.ones(dim, device=device, dtype=dtype)) if with_weight else None
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        mean_sq = xf.pow(2).mean(-1, keepdim=True) + self.eps
+        if self.style == "one_plus_w":
+            y = xf * torch.rsqrt(mean_sq)
+            if self.weight is not None:
+                y = y * (1.0 + self.weight.float())
+        else:
+            y = xf * torch.pow(mean_sq, -0.5)
+            if self.weight is not None:
+                y = y * self.weight.float()
+        return y.type_as(x)
+
+
+def compute_inv_freq(rope: RopeParams, head_dim: int) -> Tensor:
+    """Inverse frequencies [head_dim // 2], fp32, always computed on the CPU (GPU pow differs by 1 ulp)."""
+    if rope.rope_type == "proportional":
+        rotated = int(rope.partial_rotary_factor * head_dim // 2)
+        exponents = torch.arange(0, 2 * rotated, 2, dtype=torch.int64, device="cpu").float() / head_dim
+        inv = 1.0 / (rope.theta**exponents)
+        inv = torch.cat([inv, torch.zeros(head_dim // 2 - rotated, dtype=torch.float32, device="cpu")])
+        return inv / rope.factor
+    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
+    if rope.rope_type == "linear":
+        inv = inv / rope.factor
+    return inv
+
+
+class RotaryEmbedding:
+    """cos/sin tables for one layer type. Not an nn.Module on purpose: the fp32 inverse frequencies must not
+    follow `model.to(dtype)` (casting them to bf16 changes logits); they follow the positions' device instead,
+    one cached copy per device."""
+
+    def __init__(self, rope: RopeParams, head_dim: int) -> None:
+        self.rope = rope
+        self.head_dim = head_dim
+        self._inv_freq_cpu = compute_inv_freq(rope, head_dim)
+        self._inv_freq_by_device: dict[torch.device, Tensor] = {self._inv_freq_cpu.device: self._inv_freq_cpu}
+
+    def inv_freq(self, device: torch.device) -> Tensor:
+        cached = self._inv_freq_by_device.get(device)
+        if cached is None:
+            cached = self._inv_freq_cpu.to(device)
+            self._inv_freq_by_device[device] = cached
+        return cached
+
+    def __call__(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """positions [B, S] (any int dtype) -> (cos, sin), each [B, S, head_dim] in `dtype` (angles in fp32)."""
+        freqs = positions[..., None].float() * self.inv_freq(positions.device)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, S, H, D]; cos/sin [B, S, D] in x's dtype. Half-split ("neox") pairing (i, i + D/2). Returns new."""
+    cos = cos.unsqueeze(2)
+    sin = sin.unsqueeze(2)
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+def _linear(in_features: int, out_features: int, device, dtype) -> nn.Linear:
+    return nn.Linear(in_features, out_features, bias=False, device=device, dtype=dtype)
+
+
+class GeGLUMLP(nn.Module):
+    """down(gelu_tanh(gate(x)) * up(x)); x [..., hidden] -> [..., hidden]."""
+
+    def __init__(self, hidden: int, width: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.gate_proj = _linear(hidden, width, device, dtype)
+        self.up_proj = _linear(hidden, width, device, dtype)
+        self.down_proj = _linear(width, hidden, device, dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoERouter(nn.Module):
+    """Gemma 4 router: softmax over all experts in fp32, top-k, renormalise, then × per_expert_scale.
+
+    x [T, hidden] (the pre-MLP residual) -> (weights [T, k] fp32, expert ids [T, k] int64).
+    """
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, eps: float, device=None, dtype=None) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.hidden_scale = hidden**-0.5  # a Python float on purpose (not rounded to the model dtype)
+        self.norm = RMSNorm(hidden, eps, style="w", with_weight=False)
+        self.proj = _linear(hidden, num_experts, device, dtype)
+        self.scale = nn.Parameter(torch.ones(hidden, device=device, dtype=dtype))
+        self.per_expert_scale = nn.Parameter(torch.ones(num_experts, device=device, dtype=dtype))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        z = self.norm(x) * self.scale * self.hidden_scale
+        probs = F.softmax(self.proj(z), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, k=self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale[ids], ids
+
+
+class MoEExperts(nn.Module):
+    """Expert weights as 3-D tensors: gate_up_proj [E, 2·I, H] (gate rows first), down_proj [E, H, I].
+
+    forward(x [T, H], weights [T, k] fp32, ids [T, k]) -> [T, H] in x's dtype. Accumulates expert by expert
+    (ascending id) with a model-dtype `index_add_`, the order transformers' "eager" experts use.
+    """
+
+    def __init__(self, hidden: int, num_experts: int, width: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * width, hidden, device=device, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, width, device=device, dtype=dtype))
+
+    def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        out = torch.zeros_like(x)
+        # hits[e, j, t]: token t picked expert e in its j-th top-k slot
+        hits = F.one_hot(ids, num_classes=self.num_experts).permute(2, 1, 0)
+        for expert in torch.nonzero(hits.sum(dim=(1, 2)) > 0).flatten().tolist():
+            slot, token = torch.where(hits[expert])
+            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(gelu_tanh(gate) * up, self.down_proj[expert])
+            y = y * weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out

@@ -1,0 +1,62 @@
+"""Incremental detokenization: deltas add up to the full text; stop strings are never emitted."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gemmaserve.detokenize import IncrementalDetokenizer
+
+
+class Utf8ByteTokenizer:
+    """One token per UTF-8 byte, so multi-byte characters span tokens."""
+
+    has_chat_template = False
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return bytes(token_ids).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages):  # pragma: no cover - unused
+        raise NotImplementedError
+
+
+TOKENIZER = Utf8ByteTokenizer()
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(alphabet="ab é€\n", max_size=30), split=st.lists(st.integers(1, 4), min_size=1, max_size=40))
+def test_deltas_concatenate_to_full_text(text: str, split: list[int]) -> None:
+    ids = TOKENIZER.encode(text)
+    detok = IncrementalDetokenizer(TOKENIZER)
+    out, i, k = "", 0, 0
+    while i < len(ids):
+        step = split[k % len(split)]
+        out += detok.add(ids[i : i + step]).text
+        assert "\ufffd" not in out
+        i, k = i + step, k + 1
+    out += detok.flush()
+    assert out == text
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(alphabet="abc", max_size=30), stop=st.text(alphabet="abc", min_size=1, max_size=3))
+def test_stop_string_is_never_emitted(text: str, stop: str) -> None:
+    detok = IncrementalDetokenizer(TOKENIZER, stop=[stop])
+    out = ""
+    for token in TOKENIZER.encode(text):
+        delta = detok.add([token])
+        out += delta.text
+        if delta.stopped:
+            break
+    else:
+        out += detok.flush()
+    if stop in text:
+        assert out == text[: text.index(stop)]
+        assert detok.stopped
+    else:
+        assert out == text

@@ -1,0 +1,156 @@
+"""Plugin discovery, the registry, availability reasons and backend selection."""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Callable
+
+import pytest
+
+from gemmaserve import BackendSpec, hookimpl
+from gemmaserve.errors import BackendUnavailableError, ConfigurationError
+from gemmaserve.plugins import load_registry, register_plugin, unregister_plugin
+from gemmaserve.registry import BackendRegistry
+from gemmaserve.selection import backend_statuses, select_backend
+from gemmaserve.settings import load_settings
+
+
+def _plugin(*specs: BackendSpec) -> object:
+    class Plugin:
+        @hookimpl
+        def gemmaserve_register_backends(self, register: Callable[[BackendSpec], None]) -> None:
+            for spec in specs:
+                register(spec)
+
+    return Plugin()
+
+
+def unavailable_probe(settings: object, device: str) -> str | None:
+    return "needs a unicorn"
+
+
+def available_probe(settings: object, device: str) -> str | None:
+    return None
+
+
+PROBE_MODULE = __name__
+
+
+@pytest.fixture
+def fake_plugins():
+    names: list[str] = []
+
+    def add(name: str, *specs: BackendSpec) -> None:
+        register_plugin(_plugin(*specs), name)
+        names.append(name)
+
+    yield add
+    for name in names:
+        unregister_plugin(name)
+
+
+def test_registry_lists_registered_and_known_backends(fake_plugins) -> None:
+    fake_plugins(
+        "fake_a",
+        BackendSpec("fast-cpu", "x.y:z", ("cpu",), f"{PROBE_MODULE}:available_probe", priority=5, aliases=("fast",)),
+        BackendSpec("broken", "x.y:z", ("cpu",), f"{PROBE_MODULE}:unavailable_probe", priority=1),
+    )
+    settings = load_settings(device="cpu", backend="auto")
+    registry = load_registry()
+    assert registry.resolve_name("FAST") == "fast-cpu"
+    rows = {row.name: row for row in backend_statuses(settings, registry)}
+    assert rows["fast-cpu"].available and rows["fast-cpu"].plugin == "fake_a"
+    assert not rows["broken"].available and rows["broken"].reason == "needs a unicorn"
+    for known in ("hf", "custom-cuda", "mlx"):
+        assert known in rows
+        if rows[known].spec is None:  # plugin not installed: the exact pip command is the reason
+            assert "pip install" in (rows[known].reason or "")
+
+
+def test_auto_selection_skips_unavailable_and_records_why(fake_plugins) -> None:
+    fake_plugins(
+        "fake_b",
+        BackendSpec("alpha", "x.y:z", ("cpu",), f"{PROBE_MODULE}:unavailable_probe", priority=-100),
+        BackendSpec("beta", "x.y:z", ("cpu",), f"{PROBE_MODULE}:available_probe", priority=-99),
+        BackendSpec("gamma", "x.y:z", ("cuda",), None, priority=-200),
+    )
+    selection = select_backend(load_settings(device="cpu", backend="auto"))
+    assert selection.spec.name == "beta"
+    assert selection.rejected["alpha"] == "needs a unicorn"
+    assert "does not run on cpu" in selection.rejected["gamma"]
+
+
+def test_explicit_backend_wins_and_errors_are_clear(fake_plugins) -> None:
+    fake_plugins(
+        "fake_c",
+        BackendSpec("delta", "x.y:z", ("cpu",), f"{PROBE_MODULE}:available_probe", priority=900),
+        BackendSpec("epsilon", "x.y:z", ("cpu",), f"{PROBE_MODULE}:unavailable_probe", priority=900),
+    )
+    assert select_backend(load_settings(backend="delta", device="cpu")).spec.name == "delta"
+    with pytest.raises(BackendUnavailableError, match="needs a unicorn"):
+        select_backend(load_settings(backend="epsilon", device="cpu"))
+    with pytest.raises(ConfigurationError, match="accepted: auto, .*delta"):
+        select_backend(load_settings(backend="no-such-backend"))
+
+
+def test_name_clash_between_plugins_is_reported(fake_plugins) -> None:
+    fake_plugins("fake_d", BackendSpec("zeta", "x.y:z", ("cpu",)))
+    fake_plugins("fake_e", BackendSpec("zeta", "x.y:z", ("cpu",)))
+    registry = load_registry()
+    assert "already registered" in registry.plugin_errors["fake_e"]
+    registry.check_integrity()
+
+
+def test_broken_plugin_hook_does_not_break_others(fake_plugins) -> None:
+    class Broken:
+        @hookimpl
+        def gemmaserve_register_backends(self, register: Callable[[BackendSpec], None]) -> None:
+            raise RuntimeError("boom")
+
+    register_plugin(Broken(), "fake_broken")
+    try:
+        fake_plugins("fake_f", BackendSpec("eta", "x.y:z", ("cpu",)))
+        registry = load_registry()
+        assert "boom" in registry.plugin_errors["fake_broken"]
+        assert registry.get("eta") is not None
+    finally:
+        unregister_plugin("fake_broken")
+
+
+def test_spec_validation() -> None:
+    with pytest.raises(ValueError, match="module:attribute"):
+        BackendSpec("x", "no_colon", ("cpu",))
+    with pytest.raises(ValueError, match="lower case"):
+        BackendSpec("X", "a:b", ("cpu",))
+    registry = BackendRegistry()
+    registry.add(BackendSpec("a", "m:f", ("cpu",), aliases=("b",)), "p")
+    registry.check_integrity()
+
+
+def test_import_gemmaserve_is_light() -> None:
+    import subprocess
+
+    code = (
+        "import sys, gemmaserve, gemmaserve.cli, gemmaserve.api, gemmaserve.selection, gemmaserve.plugins;"
+        "from gemmaserve import LLM, SamplingParams;"
+        "heavy = [m for m in ('torch', 'transformers', 'triton', 'mlx') if m in sys.modules];"
+        "print(heavy); sys.exit(1 if heavy else 0)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_plugin_module_is_a_module_of_hookimpls() -> None:
+    module = types.ModuleType("inline_plugin")
+
+    @hookimpl
+    def gemmaserve_register_backends(register: Callable[[BackendSpec], None]) -> None:
+        register(BackendSpec("theta", "m:f", ("cpu",)))
+
+    module.gemmaserve_register_backends = gemmaserve_register_backends  # type: ignore[attr-defined]
+    register_plugin(module, "inline_plugin")
+    try:
+        assert load_registry().get("theta") is not None
+    finally:
+        unregister_plugin("inline_plugin")

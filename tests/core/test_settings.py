@@ -1,0 +1,54 @@
+"""Settings: env names from the seed, validation errors that list accepted values."""
+
+from __future__ import annotations
+
+import pytest
+
+from gemmaserve.errors import ConfigurationError
+from gemmaserve.settings import load_settings
+
+
+def test_env_names_are_the_seeds(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BACKEND", "Custom_CPU")
+    monkeypatch.setenv("DEVICE", "CPU")
+    monkeypatch.setenv("MAX_ACTIVE_KV_TOKENS", "1234")
+    monkeypatch.setenv("MODEL", "/some/model")
+    settings = load_settings()
+    assert settings.backend == "custom-cpu"
+    assert settings.device == "cpu"
+    assert settings.max_active_kv_tokens == 1234
+    assert settings.model == "/some/model"
+
+
+def test_prefixed_alias_and_flag_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GEMMASERVE_MAX_BATCH_SIZE", "7")
+    monkeypatch.setenv("PORT", "9000")
+    settings = load_settings(port=9100, model=None)
+    assert settings.max_batch_size == 7
+    assert settings.port == 9100
+
+
+def test_dotenv_file_is_read(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / ".env").write_text("KV_BLOCK_SIZE=32\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_settings().kv_block_size == 32
+
+
+@pytest.mark.parametrize(
+    ("env", "value", "expected_fragment"),
+    [
+        ("DEVICE", "tpu", "'auto', 'cpu', 'cuda' or 'mps'"),
+        ("MAX_ACTIVE_KV_TOKENS", "0", "greater than or equal to 1"),
+        ("DTYPE", "int8", "'float32'"),
+        ("PORT", "not-a-port", "valid integer"),
+    ],
+)
+def test_invalid_values_name_field_and_accepted(
+    monkeypatch: pytest.MonkeyPatch, env: str, value: str, expected_fragment: str
+) -> None:
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ConfigurationError) as info:
+        load_settings()
+    message = str(info.value)
+    assert env in message
+    assert expected_fragment in message
