@@ -95,11 +95,10 @@ def time_call(batch, ctx, head_dim, window, *, num_splits=None, config=None, eag
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run_chain()
-    graph_us = triton.testing.do_bench(graph.replay, warmup=25, rep=200) * 1e3 / chain
+    graph_us = triton.testing.do_bench(graph.replay, warmup=10, rep=50) * 1e3 / chain
     eager_us = None
     if eager:
-        eager_us = triton.testing.do_bench(run_chain, warmup=25, rep=200) * 1e3 / chain
-    del graph, pools
+        eager_us = triton.testing.do_bench(run_chain, warmup=20, rep=100) * 1e3 / chain
     return graph_us, eager_us, per_call
 
 
@@ -130,45 +129,43 @@ def main_table(args) -> None:
                 print(line, flush=True)
 
 
+SWEEP_CONFIGS = {
+    256: [DecodeKernelConfig(t, w, st) for t, w, st in ((32, 4, 3), (32, 4, 5), (64, 4, 3), (64, 8, 3), (64, 4, 5))],
+    512: [DecodeKernelConfig(t, w, st) for t, w, st in ((16, 4, 3), (32, 4, 3), (32, 4, 5), (32, 8, 3), (64, 8, 3))],
+}
+SWEEP_SPLITS = {1: (8, 16, 32, 64), 8: (4, 8, 16, 32), 32: (1, 2, 4, 8), 128: (1, 2, 4), 256: (1, 2)}
+
+
 def sweep(args) -> None:
-    print("\n== config sweep (graph us/call, GB/s) ==")
-    grids = {
-        256: [DecodeKernelConfig(t, w, s) for t in (32, 64, 128) for w in (4, 8) for s in (2, 3)],
-        512: [DecodeKernelConfig(t, w, s) for t in (16, 32, 64) for w in (4, 8) for s in (2, 3)],
-    }
-    shapes = [(1, 4096), (32, 4096), (256, 4096)]
+    """Grid over configs x num_splits at ctx 4096; prints us/call per split and the best."""
+    ctx = 4096
     for name, (head_dim, window) in LAYERS.items():
-        for batch, ctx in shapes:
-            results = []
-            for cfg in grids[head_dim]:
-                try:
-                    g_us, _, nbytes = time_call(batch, ctx, head_dim, window, config=cfg)
-                except Exception as exc:  # e.g. out of shared memory
-                    print(f"  {name} B={batch} {cfg}: {type(exc).__name__}: {str(exc)[:80]}")
-                    continue
-                results.append((g_us, cfg, nbytes))
-            results.sort(key=lambda r: r[0])
-            print(f"{name} B={batch} ctx={ctx}: default={default_decode_config(head_dim, BLOCK_SIZE)}")
-            for g_us, cfg, nbytes in results[:5]:
-                print(f"   {g_us:8.2f} us {nbytes / g_us / 1e3:8.0f} GB/s  {cfg}")
-    print("\n== num_splits sweep (default config) ==")
-    for name, (head_dim, window) in LAYERS.items():
-        cfg = default_decode_config(head_dim, BLOCK_SIZE)
-        for batch in (1, 8, 32, 128):
-            ctx = 4096
-            row = []
-            for s in (1, 2, 4, 8, 16, 32, 64):
-                if window and s > _cdiv(window, cfg.tile_n) + 1:
-                    continue
-                g_us, _, _ = time_call(batch, ctx, head_dim, window, num_splits=s)
-                row.append(f"{s}:{g_us:.1f}")
-            auto = default_num_splits(batch, NUM_KV_HEADS, ctx // BLOCK_SIZE, BLOCK_SIZE, window, cfg.tile_n, 132)
-            print(f"{name} B={batch} ctx={ctx} auto={auto}  " + "  ".join(row), flush=True)
+        print(f"\n== sweep {name} ctx={ctx} (us/call by num_splits) ==", flush=True)
+        for batch, split_list in SWEEP_SPLITS.items():
+            best = None
+            for cfg in SWEEP_CONFIGS[head_dim]:
+                max_splits = _cdiv(window + BLOCK_SIZE - 1, cfg.tile_n) if window else 64
+                cells = []
+                for sp in split_list:
+                    if sp > max_splits:
+                        continue
+                    try:
+                        g_us, _, nbytes = time_call(batch, ctx, head_dim, window, num_splits=sp, config=cfg)
+                    except Exception as exc:  # e.g. out of shared memory / registers
+                        cells.append(f"{sp}:ERR({type(exc).__name__})")
+                        continue
+                    cells.append(f"{sp}:{g_us:.1f}")
+                    if best is None or g_us < best[0]:
+                        best = (g_us, sp, cfg, nbytes)
+                print(f"  B={batch:<4} tile{cfg.tile_n} warps{cfg.num_warps} stages{cfg.num_stages}:  "
+                      + "  ".join(cells), flush=True)
+            g_us, sp, cfg, nbytes = best
+            print(f"  BEST B={batch}: {g_us:.1f} us ({nbytes / g_us / 1e3:.0f} GB/s) splits={sp} {cfg}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sweep", action="store_true", help="also sweep configs and num_splits")
+    parser.add_argument("--sweep", action="store_true", help="also sweep configs x num_splits")
     parser.add_argument("--eager", action="store_true", help="also time eager calls")
     parser.add_argument("--no-table", action="store_true", help="skip the main table")
     args = parser.parse_args()

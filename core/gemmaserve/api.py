@@ -149,7 +149,7 @@ class LLM:
     def close(self) -> None:
         """Stop the engine thread and release the backend. Idempotent."""
         self.engine.shutdown()
-        self.engine.backend.close()
+        self.engine.backend.close()  # idempotent; the engine closes a backend it owns as well
 
     def __enter__(self) -> LLM:
         return self

@@ -183,8 +183,34 @@ def cmd_pull_default(args: argparse.Namespace) -> int:
     return 0
 
 
-Command = Callable[[argparse.Namespace], int]
-EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run the OpenAI-compatible HTTP server until interrupted."""
+    from gemmaserve.server.serve import serve
+
+    settings = settings_from_args(args)
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    if overrides:
+        settings = settings.model_copy(update=overrides)
+    _setup_logging(settings)
+    serve(settings)
+    return 0
+
+
+def _add_serve_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
+    p.add_argument("--host", default=None, help="bind address (env HOST; default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (env PORT; default 8000)")
+    _add_engine_flags(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def _add_bench_command(sub: argparse._SubParsersAction) -> None:
+    from gemmaserve.bench.serving import add_bench_command
+
+    add_bench_command(sub)
+
+
+EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_serve_command, _add_bench_command]
 
 
 def build_parser() -> argparse.ArgumentParser:

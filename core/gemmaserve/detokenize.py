@@ -1,21 +1,26 @@
 """Incremental detokenization with stop strings.
 
 Turning tokens into text one at a time is not ``decode(token)`` per token: byte-level tokens can
-split a UTF-8 character, and tokenizers merge spaces. :class:`IncrementalDetokenizer` decodes the
-whole output so far and emits only the new, stable suffix. With stop strings it holds back any
-tail that could still become a stop string, so a stop string is never emitted.
+split a UTF-8 character, and tokenizers merge spaces. :class:`IncrementalDetokenizer` decodes a
+small sliding window of recent tokens (optionally seeded with the prompt's last tokens, so a
+leading space of the first output token survives) and appends only the new, stable text; a
+trailing U+FFFD (an unfinished character) waits for the next token. Cost per token is constant.
+
+With stop strings it holds back any tail that could still become a stop string, so a stop string
+is never emitted; the earliest match over all stop strings wins.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gemmaserve.backend import Tokenizer
 
 __all__ = ["IncrementalDetokenizer", "DetokenizedDelta"]
 
 _REPLACEMENT = "\ufffd"
+_PROMPT_CONTEXT_TOKENS = 5
 
 
 @dataclass(slots=True)
@@ -28,61 +33,99 @@ class DetokenizedDelta:
     stop_string: str | None = None
 
 
-@dataclass(slots=True)
 class IncrementalDetokenizer:
-    """Feeds on token IDs, emits text deltas. Mutates its own buffers only."""
+    """Feeds on output token ids, emits text deltas. Not thread-safe (one request, one consumer).
 
-    tokenizer: Tokenizer
-    stop: Sequence[str] = ()
-    token_ids: list[int] = field(default_factory=list)
-    emitted: str = ""
-    stopped: bool = False
+    ``text`` is everything emitted so far: the decoded output, minus a matched stop string and
+    what follows it, minus (until :meth:`flush`) a held-back tail."""
 
-    def __post_init__(self) -> None:
-        self.stop = tuple(s for s in self.stop if s)
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stop: Sequence[str] = (),
+        *,
+        prompt_ids: Sequence[int] | None = None,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self.skip_special_tokens = skip_special_tokens
+        self.emitted = ""
+        self.stopped = False
+        self.stop_string: str | None = None
+        self._ids: list[int] = self._context(prompt_ids)
+        self._num_context = len(self._ids)
+        self._prefix_offset = 0  # the window starts here...
+        self._read_offset = len(self._ids)  # ...and its text up to here is already in _decoded
+        self._decoded = ""  # stable output text (may still contain a stop string / held tail)
 
     @property
     def text(self) -> str:
-        """Everything emitted so far (excludes a matched stop string and anything after it)."""
         return self.emitted
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The output token ids fed so far (prompt context excluded)."""
+        return self._ids[self._num_context :]
 
     def add(self, new_token_ids: Sequence[int]) -> DetokenizedDelta:
         """Append tokens and return the newly final text. After a stop match, adds nothing."""
         if self.stopped:
-            return DetokenizedDelta("", True)
-        self.token_ids.extend(new_token_ids)
-        full = self.tokenizer.decode(self.token_ids)
-        if full.endswith(_REPLACEMENT):  # an unfinished multi-byte character: wait for more tokens
-            full = full.rstrip(_REPLACEMENT)
-        if not full.startswith(self.emitted):  # tokenizer re-merged earlier text; keep what was sent
-            full = self.emitted + full[len(self.emitted) :]
+            return DetokenizedDelta("", True, self.stop_string)
+        self._ids.extend(new_token_ids)
+        self._decode_window(final=False)
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        """At the end of the request: release held-back text (it did not become a stop string),
+        including an unfinished character as U+FFFD. A stop string is still cut off."""
+        if self.stopped:
+            return ""
+        self._decode_window(final=True)
+        return self._release(final=True).text
+
+    # -- internals -------------------------------------------------------------------------------
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _context(self, prompt_ids: Sequence[int] | None) -> list[int]:
+        """The prompt's last few tokens, unless they end inside a character (then no context)."""
+        if not prompt_ids:
+            return []
+        context = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:])
+        return [] if self._decode(context).endswith(_REPLACEMENT) else context
+
+    def _decode_window(self, *, final: bool) -> None:
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if len(new_text) > len(prefix_text) and (final or not new_text.endswith(_REPLACEMENT)):
+            self._decoded += new_text[len(prefix_text) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+
+    def _release(self, *, final: bool) -> DetokenizedDelta:
+        full = self._decoded
+        start = len(self.emitted)  # a stop string can only begin in text not emitted yet
+        best: tuple[int, str] | None = None
         for stop in self.stop:
-            index = full.find(stop, max(0, len(self.emitted) - len(stop) + 1))
-            if index != -1:
-                cut = full[:index]
-                delta = cut[len(self.emitted) :] if len(cut) > len(self.emitted) else ""
-                self.emitted += delta
-                self.stopped = True
-                return DetokenizedDelta(delta, True, stop)
-        stable_end = len(full) - self._held_back(full)
-        delta = full[len(self.emitted) : stable_end] if stable_end > len(self.emitted) else ""
+            index = full.find(stop, start)
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
+        if best is not None:
+            delta = full[start : best[0]]
+            self.emitted += delta
+            self.stopped, self.stop_string = True, best[1]
+            return DetokenizedDelta(delta, True, best[1])
+        end = len(full) if final else len(full) - self._held_back(full, start)
+        delta = full[start:end] if end > start else ""
         self.emitted += delta
         return DetokenizedDelta(delta)
 
-    def flush(self) -> str:
-        """At the end of the request: release any held-back text (it did not become a stop string)."""
-        if self.stopped:
-            return ""
-        full = self.tokenizer.decode(self.token_ids)
-        delta = full[len(self.emitted) :] if full.startswith(self.emitted) else ""
-        self.emitted += delta
-        return delta
-
-    def _held_back(self, full: str) -> int:
-        """Length of the longest suffix of ``full`` that is a proper prefix of a stop string."""
+    def _held_back(self, full: str, start: int) -> int:
+        """Length of the longest suffix of ``full[start:]`` that is a proper prefix of a stop string."""
         longest = 0
         for stop in self.stop:
-            for size in range(min(len(stop) - 1, len(full)), longest, -1):
+            for size in range(min(len(stop) - 1, len(full) - start), longest, -1):
                 if full.endswith(stop[:size]):
                     longest = size
                     break

@@ -36,50 +36,50 @@ _CORPUS = [
     "def forward(self, x):\n    return self.down(self.act(self.gate(x)) * self.up(x))\n",
 ]
 
-GEMMA4_BASE: dict[str, Any] = dict(
-    vocab_size=VOCAB_SIZE,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=6,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    global_head_dim=32,
-    layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
-    sliding_window=8,
-    num_kv_shared_layers=3,
-    hidden_size_per_layer_input=16,
-    vocab_size_per_layer_input=VOCAB_SIZE,
-    use_double_wide_mlp=True,
-    final_logit_softcapping=30.0,
-    max_position_embeddings=1024,
-    pad_token_id=0,
-    eos_token_id=1,
-    bos_token_id=2,
-    tie_word_embeddings=True,
-)
+GEMMA4_BASE: dict[str, Any] = {
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "global_head_dim": 32,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+    "sliding_window": 8,
+    "num_kv_shared_layers": 3,
+    "hidden_size_per_layer_input": 16,
+    "vocab_size_per_layer_input": VOCAB_SIZE,
+    "use_double_wide_mlp": True,
+    "final_logit_softcapping": 30.0,
+    "max_position_embeddings": 1024,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "bos_token_id": 2,
+    "tie_word_embeddings": True,
+}
 
-GEMMA3_BASE: dict[str, Any] = dict(
-    vocab_size=VOCAB_SIZE,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=6,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    query_pre_attn_scalar=24,
-    layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
-    sliding_window=8,
-    rope_parameters={
+GEMMA3_BASE: dict[str, Any] = {
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "query_pre_attn_scalar": 24,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+    "sliding_window": 8,
+    "rope_parameters": {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
         "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 2.0},
     },
-    max_position_embeddings=1024,
-    pad_token_id=0,
-    eos_token_id=1,
-    bos_token_id=2,
-    tie_word_embeddings=True,
-)
+    "max_position_embeddings": 1024,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "bos_token_id": 2,
+    "tie_word_embeddings": True,
+}
 
 
 @functools.lru_cache(maxsize=1)
@@ -167,18 +167,18 @@ def build_tiny_gemma4_k_eq_v(path: str | Path, **overrides: Any) -> Path:
 
 def build_tiny_gemma4_moe(path: str | Path, **overrides: Any) -> Path:
     """26B-A4B-like: dense MLP plus a 4-expert top-2 MoE block, K=V, no PLE and no KV sharing."""
-    moe = dict(
-        enable_moe_block=True,
-        num_experts=4,
-        top_k_experts=2,
-        moe_intermediate_size=32,
-        intermediate_size=32,
-        attention_k_eq_v=True,
-        num_global_key_value_heads=1,
-        hidden_size_per_layer_input=0,
-        num_kv_shared_layers=0,
-        use_double_wide_mlp=False,
-    )
+    moe = {
+        "enable_moe_block": True,
+        "num_experts": 4,
+        "top_k_experts": 2,
+        "moe_intermediate_size": 32,
+        "intermediate_size": 32,
+        "attention_k_eq_v": True,
+        "num_global_key_value_heads": 1,
+        "hidden_size_per_layer_input": 0,
+        "num_kv_shared_layers": 0,
+        "use_double_wide_mlp": False,
+    }
     return build_tiny_gemma4(path, **{**moe, **overrides})
 
 
@@ -199,7 +199,11 @@ _WRAPPER_TYPES = {"gemma4_text": "gemma4", "gemma3_text": "gemma3"}
 
 
 def wrap_as_multimodal(
-    src: str | Path, dst: str | Path, *, text_prefix: str = "model.language_model.", extra: dict[str, torch.Tensor] | None = None
+    src: str | Path,
+    dst: str | Path,
+    *,
+    text_prefix: str = "model.language_model.",
+    extra: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Copy a text-only checkpoint as a multimodal-wrapper one: config `{"model_type": "gemma4"|"gemma3",
     "text_config": {...}}`, weights renamed from `model.` to `text_prefix`, plus `extra` tensors (e.g. fake

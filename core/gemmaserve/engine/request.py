@@ -103,13 +103,15 @@ class RequestOutput:
 
 @dataclass(frozen=True, slots=True)
 class RequestEvent:
-    """What one scheduler tick produced for one request: new tokens, and the output once finished."""
+    """What one scheduler tick produced for one request: new tokens, and the output once finished.
+    ``cached_tokens`` = prompt tokens served from the prefix cache (known once prefill started)."""
 
     request_id: str
     new_token_ids: list[int]
     finished: bool
     output: RequestOutput | None = None
     new_logprobs: list[float] | None = None
+    cached_tokens: int = 0
 
 
 @dataclass(eq=False)
@@ -193,7 +195,7 @@ class Request:
         self.finish_time = time.monotonic()
         if reason is FinishReason.ERROR:
             self.error_type = type(exc).__name__ if exc is not None else "BackendStepError"
-            self.error = message or (f"{type(exc).__name__}: {exc}" if exc is not None else "unknown error")
+            self.error = message or (str(exc) or type(exc).__name__ if exc is not None else "unknown error")
 
     def metrics(self) -> RequestMetrics:
         return RequestMetrics(self.arrival_time, self.first_token_time, self.finish_time, len(self.output_token_ids))
@@ -219,4 +221,5 @@ class Request:
         self.num_emitted = len(self.output_token_ids)
         new_logprobs = self.output_logprobs[start:] if self.want_logprobs else None
         output = self.to_output() if self.is_finished else None
-        return RequestEvent(self.request_id, self.output_token_ids[start:], self.is_finished, output, new_logprobs)
+        new_ids = self.output_token_ids[start:]
+        return RequestEvent(self.request_id, new_ids, self.is_finished, output, new_logprobs, self.cached_tokens)

@@ -4,16 +4,20 @@ Layout and semantics are those of :mod:`.reference` (its module docstring is the
 
 Design:
 
-- One program per ``(row, kv head, split)``. It holds all ``G = num_q_heads // num_kv_heads`` q
-  heads of its kv head group as a ``[G_PAD, D]`` tile in registers (``G_PAD >= 16`` so both
-  products use ``tl.dot`` / tensor cores), so each K/V element is read once per group.
+- One program per ``(row, kv head, split)``. It loads all ``G = num_q_heads // num_kv_heads`` q
+  heads of its kv head group once, as a ``[G_PAD, D]`` tile (``G_PAD = max(8, pow2(G))``; both
+  products are ``tl.dot`` on tensor cores, bf16/fp16 operands, fp32 accumulation), so each K/V
+  element is read from HBM once per group.
 - The program walks logical key positions in tiles of ``TILE_N`` keys (several pages per tile when
   ``block_size`` is small), gathering each key row through the block table: no gather copy, no
   padding. Loads are masked by visibility (``start <= pos < seq_len``), so sentinel ``-1`` blocks
   and stale slots are never dereferenced.
 - The loop bounds come from ``seq_lens`` at run time; the tile walk starts at the page holding the
   first in-window key, so a sliding-window row only touches ~``window`` keys.
-- Online softmax in fp32 (base-2 exponent, ``scale * log2(e)`` folded into the scores).
+- Online softmax in fp32 (base-2 exponent, ``scale * log2(e)`` folded into the scores). Under the
+  Triton interpreter bf16 operands are upcast to fp32 first (its bf16 arithmetic is broken).
+- Triton's software pipeliner (``num_stages``) turns the K/V gathers into ``cp.async`` copies into
+  shared memory issued ahead of the tile being computed.
 - Split-KV (flash-decoding): with ``num_splits > 1`` the row's tiles are cut into ``num_splits``
   contiguous ranges; each program writes an unnormalised ``(m, l, acc)`` partial and a small
   combine kernel merges them. Empty ranges write ``m = -inf, l = 0, acc = 0`` and drop out.
@@ -40,10 +44,52 @@ __all__ = [
 ]
 
 _LOG2E = 1.4426950408889634
-# Each split should cover at least this many key tiles, so the partial write + combine stays small
-# next to the K/V it reads.
-_MIN_TILES_PER_SPLIT = 2
+# Each split covers at least this many key tiles of the longest possible row.
+_MIN_TILES_PER_SPLIT = 1
 _MAX_SPLITS = 64
+
+
+@triton.jit
+def _tile_pages(bt_row, base, t, start, seq_len, offs_n, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Visibility mask and physical page of each key of tile ``t``."""
+    pos = base + t * TILE_N + offs_n
+    valid = (pos >= start) & (pos < seq_len)
+    page = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    return valid, page
+
+
+@triton.jit
+def _tile_kv(k_head, v_head, base, t, page, valid, offs_n, offs_d, d_mask,
+             stride_kb, stride_ks, stride_vb, stride_vs,
+             TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+             DIM_PAD: tl.constexpr, UPCAST: tl.constexpr):
+    """Masked gather of the ``[TILE_N, DIM_PAD]`` K and V tiles (invisible keys read as 0)."""
+    slot = (base + t * TILE_N + offs_n) % BLOCK_SIZE
+    if HEAD_DIM == DIM_PAD:
+        mask = valid[:, None]
+    else:
+        mask = valid[:, None] & d_mask[None, :]
+    k = tl.load(k_head + (page * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    v = tl.load(v_head + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def _attend_tile(q, k, v, valid, acc, m_i, l_i, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step (base 2) of the ``[GROUP_PAD]`` q rows over a K/V tile."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, TILE_N]
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A fully masked history keeps m = -inf; pin the pivot to 0 to avoid (-inf) - (-inf).
+    m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_pivot)
+    p = tl.exp2(s - m_pivot[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
 
 
 @triton.jit(do_not_specialize=["window", "max_blocks", "num_splits"])
@@ -121,42 +167,11 @@ def _paged_decode_kernel(
     v_head = v_ptr + kvh.to(tl.int64) * stride_vh
 
     for t in range(t_lo, t_hi):
-        pos = base + t * TILE_N + offs_n
-        valid = (pos >= start) & (pos < seq_len)
-        page = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        slot = pos % BLOCK_SIZE
-        if HEAD_DIM == DIM_PAD:
-            kv_mask = valid[:, None]
-        else:
-            kv_mask = valid[:, None] & d_mask[None, :]
-
-        k = tl.load(
-            k_head + (page * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, TILE_N]
-        s = tl.where(valid[None, :], s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A fully masked history keeps m = -inf; pin the pivot to 0 to avoid (-inf) - (-inf).
-        m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_pivot)
-        p = tl.exp2(s - m_pivot[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-
-        v = tl.load(
-            v_head + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+        valid, page = _tile_pages(bt_row, base, t, start, seq_len, offs_n, TILE_N, BLOCK_SIZE)
+        k, v = _tile_kv(k_head, v_head, base, t, page, valid, offs_n, offs_d, d_mask,
+                        stride_kb, stride_ks, stride_vb, stride_vs,
+                        TILE_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, UPCAST)
+        acc, m_i, l_i = _attend_tile(q, k, v, valid, acc, m_i, l_i, qk_scale, DOT_PRECISION)
 
     if SPLIT:
         # Partials: acc [B, Hq, S, HEAD_DIM] fp32, (m, l) [B, Hq, S, 2] fp32, unnormalised.
@@ -187,30 +202,31 @@ def _combine_splits_kernel(
     stride_ob,
     stride_oh,
     HEAD_DIM: tl.constexpr,
-    DIM_PAD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLIT_PAD: tl.constexpr,
 ):
+    """out[b, h, d-chunk] = sum_s w_s acc_s / sum_s w_s l_s with w_s = 2^(m_s - max m); all splits
+    are loaded at once (one memory round trip). Empty splits have m = -inf, so w = 0."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     num_q_heads = tl.num_programs(1)
     row0 = (b.to(tl.int64) * num_q_heads + h) * num_splits
-    offs_d = tl.arange(0, DIM_PAD)
+    offs_s = tl.arange(0, SPLIT_PAD)
+    s_mask = offs_s < num_splits
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
 
-    m_run = float("-inf")
-    l_run = 0.0
-    o = tl.zeros([DIM_PAD], dtype=tl.float32)
-    for s in range(num_splits):
-        m_s = tl.load(part_ml_ptr + (row0 + s) * 2)
-        l_s = tl.load(part_ml_ptr + (row0 + s) * 2 + 1)
-        m_new = tl.maximum(m_run, m_s)
-        m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_run - m_pivot)  # 0 while nothing has been merged yet
-        w = tl.exp2(m_s - m_pivot)  # 0 for an empty split
-        acc_s = tl.load(part_acc_ptr + (row0 + s) * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
-        o = o * alpha + acc_s * w
-        l_run = l_run * alpha + l_s * w
-        m_run = m_new
-    o = o / tl.where(l_run > 0.0, l_run, 1.0)
+    m = tl.load(part_ml_ptr + (row0 + offs_s) * 2, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_ml_ptr + (row0 + offs_s) * 2 + 1, mask=s_mask, other=0.0)
+    acc = tl.load(
+        part_acc_ptr + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    m_max = tl.max(m, 0)
+    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    denom = tl.sum(w * l, 0)
+    o = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
     tl.store(
         out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
         o.to(out_ptr.dtype.element_ty),
@@ -232,18 +248,25 @@ class DecodeKernelConfig:
 
 
 def default_decode_config(head_dim: int, block_size: int) -> DecodeKernelConfig:
-    """Heuristic tile: ~32 KiB of bf16 K per tile (64 keys at D=256, 32 at D=512), 8 warps at D>=512."""
+    """Tuned on an H200 (bf16, block 16, E2B shapes; see benchmarks/kernels/bench_paged_attention.py).
+
+    - D <= 128: 64-key tiles, 4 warps, 5 stages.
+    - D = 256: 32-key tiles, 4 warps, 5 stages (two K/V tile buffers in flight, ~75 KB smem).
+    - D = 512: 32-key tiles, 4 warps, 3 stages (one buffer, ~70 KB smem; 5 stages would need
+      ~140 KB and cap occupancy at one program per SM, which loses at large batch).
+    """
     dim_pad = max(16, triton.next_power_of_2(head_dim))
-    tile_n = max(16, min(64, 8192 // dim_pad))
+    tile_n = 64 if dim_pad <= 128 else 32
     tile_n = max(tile_n, triton.next_power_of_2(block_size))
-    num_warps = 8 if dim_pad >= 512 else 4
-    return DecodeKernelConfig(tile_n=tile_n, num_warps=num_warps, num_stages=2)
+    num_stages = 3 if dim_pad >= 512 else 5
+    return DecodeKernelConfig(tile_n=tile_n, num_warps=4, num_stages=num_stages)
 
 
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_type: str, device_index: int | None) -> int:
     if device_type == "cuda":
-        return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
+        index = torch.cuda.current_device() if device_index is None else device_index
+        return torch.cuda.get_device_properties(index).multi_processor_count
     return 132  # CPU / interpreter: behave like an H200 so tests see the same split choices
 
 
@@ -258,18 +281,20 @@ def default_num_splits(
 ) -> int:
     """Split count from shapes only (graph-capturable).
 
-    Aim for ~2 programs per SM when ``batch * num_kv_heads`` alone cannot fill the GPU, while
-    keeping at least ``_MIN_TILES_PER_SPLIT`` tiles of the longest possible visible range per split
-    (``window + block_size - 1`` keys for sliding layers, the table capacity for full ones).
+    ``floor(2 * num_sms / (batch * num_kv_heads))``: about two programs per SM in total (each
+    program keeps only one or two K/V tiles in flight, so the GPU needs several per SM to cover
+    HBM latency), capped so that every split owns at least ``_MIN_TILES_PER_SPLIT`` tiles of the
+    longest possible visible range (``window + block_size - 1`` keys for sliding layers, the table
+    capacity for full ones) and at ``_MAX_SPLITS``. Measured optimum on an H200 at ctx 4096 (E2B,
+    one kv head): full D=512 layers 64/32/8/2/1 splits at B=1/8/32/128/256, sliding window-512
+    layers 16/16/4-8/1-2/1 (flat near the optimum); this rule gives 64/33/8/2/1 and 17/17/8/2/1.
     """
-    programs = batch * num_kv_heads
-    if programs >= num_sms:
-        return 1
+    programs = max(batch * num_kv_heads, 1)
     max_keys = max_blocks_per_seq * block_size
     if window > 0:
         max_keys = min(max_keys, window + block_size - 1)
     max_tiles = -(-max_keys // tile_n)
-    want = -(-2 * num_sms // max(programs, 1))
+    want = 2 * num_sms // programs
     return max(1, min(want, max_tiles // _MIN_TILES_PER_SPLIT, _MAX_SPLITS))
 
 
@@ -298,7 +323,8 @@ def paged_decode_attention(
         scale: softmax scale on ``q . k``.
         window: 0 = full attention, else keys at positions ``>= seq_len - window`` only.
         out: optional ``[B, num_q_heads, head_dim]`` output in query dtype.
-        num_splits: split-KV factor; ``None`` picks one from shapes (:func:`default_num_splits`).
+        num_splits: split-KV factor, 1..256; ``None`` picks one from shapes
+            (:func:`default_num_splits`).
         config: tile/warps/stages override (:func:`default_decode_config` if ``None``).
 
     Returns ``out`` (allocated if ``None``). No host sync; CUDA-graph capturable.
@@ -327,6 +353,8 @@ def paged_decode_attention(
         raise ValueError(
             f"tile_n {cfg.tile_n} must be a power of two >= 16 and a multiple of block_size {block_size}"
         )
+    if num_splits is not None and num_splits > 256:
+        raise ValueError(f"num_splits must be <= 256, got {num_splits}")
     if num_splits is None:
         num_splits = default_num_splits(
             batch, num_kv_heads, max_blocks, block_size, window, cfg.tile_n,
@@ -334,7 +362,7 @@ def paged_decode_attention(
         )
 
     group = num_q_heads // num_kv_heads
-    group_pad = max(16, triton.next_power_of_2(group))
+    group_pad = max(8, triton.next_power_of_2(group))
     dim_pad = max(16, triton.next_power_of_2(head_dim))
     split = num_splits > 1
     if split:
@@ -363,9 +391,10 @@ def paged_decode_attention(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
-        _combine_splits_kernel[(batch, num_q_heads)](
+        split_pad = triton.next_power_of_2(num_splits)
+        block_d = max(16, min(dim_pad, 4096 // split_pad))
+        _combine_splits_kernel[(batch, num_q_heads, triton.cdiv(head_dim, block_d))](
             part_acc, part_ml, out, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-            num_warps=4 if dim_pad >= 512 else 2,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT_PAD=split_pad, num_warps=4,
         )
     return out

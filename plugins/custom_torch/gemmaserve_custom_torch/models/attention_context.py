@@ -56,7 +56,8 @@ def eager_attention(
 ) -> Tensor:
     """Softmax attention as transformers' eager path computes it (bitwise).
 
-    q [B, Hq, S, D]; k, v [B, Hkv, K, D]; mask bool broadcastable to [B, Hq, S, K] (True = visible) or None.
+    q [B, Hq, S, D]; k, v [B, Hkv, K, D]; mask bool (True = visible) or None: [S, K], [B, S, K] (shared by
+    all heads) or anything broadcastable to [B, Hq, S, K] given as 4-D.
     Scores are computed in the input dtype, masked additively with finfo(dtype).min, softmaxed in fp32 and
     cast back; returns [B, Hq, S, D] in q's dtype. For bitwise parity with transformers pass q as a
     `[B, S, Hq, D]` tensor transposed to head-major and k/v contiguous in `[B, Hkv, K, D]`.
@@ -71,6 +72,8 @@ def eager_attention(
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
+        if mask.dim() == 3:
+            mask = mask[:, None]
         additive = torch.full(mask.shape, torch.finfo(scores.dtype).min, dtype=scores.dtype, device=scores.device)
         scores = scores + additive.masked_fill_(mask, 0.0)
     probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
@@ -80,7 +83,7 @@ def eager_attention(
 class _StepKV:
     """K/V a storing layer attended with in the current forward (cache + new), for its KV-sharing consumers."""
 
-    __slots__ = ("keys", "values", "k_positions", "q_positions")
+    __slots__ = ("k_positions", "keys", "q_positions", "values")
 
     def __init__(self, keys: Tensor, values: Tensor, k_positions: Tensor, q_positions: Tensor) -> None:
         self.keys = keys

@@ -18,7 +18,7 @@ the model and the attention contexts never re-derive geometry.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -133,7 +133,7 @@ class GemmaTextConfig:
     k_eq_v: tuple[bool, ...]
     kv_source_layer: tuple[int, ...]  # i for a layer that stores K/V; the producer index for KV-shared layers
     mlp_widths: tuple[int, ...]
-    rope: dict[str, RopeParams]  # keyed by layer type
+    rope: dict[str, RopeParams] = field(hash=False)  # keyed by layer type
     attention_scale: float
     norm_style: NormStyle  # "w": x̂·w with pow(ms+eps, -0.5) (Gemma 4); "one_plus_w": x̂·(1+w) with rsqrt (Gemma 3)
     has_v_norm: bool
@@ -221,8 +221,10 @@ class GemmaTextConfig:
         c = {**defaults, **text}
         outer = raw if text is not raw else {}
 
-        _require(c["hidden_activation"] == "gelu_pytorch_tanh",
-                 f"hidden_activation {c['hidden_activation']!r} is not supported (only 'gelu_pytorch_tanh').")
+        _require(
+            c["hidden_activation"] == "gelu_pytorch_tanh",
+            f"hidden_activation {c['hidden_activation']!r} is not supported (only 'gelu_pytorch_tanh').",
+        )
         _require(not c["attention_bias"], "attention_bias=true is not supported (Gemma checkpoints have no biases).")
 
         num_layers = int(c["num_hidden_layers"])
@@ -230,8 +232,10 @@ class GemmaTextConfig:
         head_dims, kv_heads = _parse_head_geometry(c, family, layer_types)
         num_heads = int(c["num_attention_heads"])
         for i, kvh in enumerate(kv_heads):
-            _require(kvh > 0 and num_heads % kvh == 0,
-                     f"layer {i}: num_attention_heads={num_heads} is not a multiple of its {kvh} KV heads.")
+            _require(
+                kvh > 0 and num_heads % kvh == 0,
+                f"layer {i}: num_attention_heads={num_heads} is not a multiple of its {kvh} KV heads.",
+            )
         for t in set(layer_types):
             dims = {d for d, lt in zip(head_dims, layer_types) if lt == t}
             _require(len(dims) == 1, f"layers of type {t} have different head dims {sorted(dims)}; unsupported.")
@@ -244,8 +248,10 @@ class GemmaTextConfig:
             mlp_widths = tuple(width * (2 if double and kv_source[i] != i else 1) for i in range(num_layers))
             rope = _parse_rope_gemma4(c, layer_types)
             bidir = c["use_bidirectional_attention"]
-            _require(bidir in (None, "vision"),
-                     f"use_bidirectional_attention={bidir!r} is not supported (only null or 'vision').")
+            _require(
+                bidir in (None, "vision"),
+                f"use_bidirectional_attention={bidir!r} is not supported (only null or 'vision').",
+            )
             ple_dim = int(c["hidden_size_per_layer_input"] or 0)
             moe = bool(c["enable_moe_block"])
             if moe:
@@ -257,8 +263,10 @@ class GemmaTextConfig:
             kv_source = tuple(range(num_layers))
             mlp_widths = (int(c["intermediate_size"]),) * num_layers
             rope = _parse_rope_gemma3(c, layer_types)
-            _require(not c["use_bidirectional_attention"],
-                     "use_bidirectional_attention=true (embedding-style Gemma 3) is not supported.")
+            _require(
+                not c["use_bidirectional_attention"],
+                "use_bidirectional_attention=true (embedding-style Gemma 3) is not supported.",
+            )
             ple_dim = 0
             moe = False
             attention_scale = float(c["query_pre_attn_scalar"]) ** -0.5
@@ -367,16 +375,19 @@ def _kv_sources(layer_types: tuple[LayerType, ...], num_shared: int) -> tuple[in
     sources = list(range(n))
     for i in range(first, n):
         producers = [j for j in range(first) if layer_types[j] == layer_types[i]]
-        _require(bool(producers),
-                 f"layer {i} ({layer_types[i]}) shares KV but no earlier non-shared layer has that type.")
+        _require(
+            bool(producers), f"layer {i} ({layer_types[i]}) shares KV but no earlier non-shared layer has that type."
+        )
         sources[i] = producers[-1]
     return tuple(sources)
 
 
 def _rope_params(raw: dict[str, Any], where: str) -> RopeParams:
     rope_type = raw.get("rope_type", raw.get("type", "default"))
-    _require(rope_type in ("default", "linear", "proportional"),
-             f"{where}: rope_type {rope_type!r} is not supported (default, linear, proportional).")
+    _require(
+        rope_type in ("default", "linear", "proportional"),
+        f"{where}: rope_type {rope_type!r} is not supported (default, linear, proportional).",
+    )
     _require("rope_theta" in raw, f"{where}: missing rope_theta.")
     prf = float(raw.get("partial_rotary_factor", 1.0) or 1.0)
     if rope_type == "linear":

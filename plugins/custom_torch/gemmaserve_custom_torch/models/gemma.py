@@ -17,14 +17,16 @@ from torch import Tensor, nn
 
 from .attention_context import AttentionContext
 from .config import GemmaTextConfig
-from .layers import GeGLUMLP, MoEExperts, MoERouter, RMSNorm, RotaryEmbedding, apply_rotary, gelu_tanh
+from .layers import Device, GeGLUMLP, MoEExperts, MoERouter, RMSNorm, RotaryEmbedding, apply_rotary, gelu_tanh
 
 
 class ScaledEmbedding(nn.Module):
     """Token lookup × scale, where the scale is rounded from the exact Python float to the weight dtype
     (bf16(√H) in a bf16 model, as transformers does). ids [...] -> [..., dim] in the weight dtype."""
 
-    def __init__(self, num_embeddings: int, dim: int, scale: float, device=None, dtype=None) -> None:
+    def __init__(
+        self, num_embeddings: int, dim: int, scale: float, device: Device = None, dtype: torch.dtype | None = None
+    ) -> None:
         super().__init__()
         self.scale = scale
         self.weight = nn.Parameter(torch.empty(num_embeddings, dim, device=device, dtype=dtype))
@@ -49,7 +51,9 @@ class GemmaAttention(nn.Module):
     output, v-normed. x [B, S, H] -> [B, S, H].
     """
 
-    def __init__(self, config: GemmaTextConfig, layer_idx: int, device=None, dtype=None) -> None:
+    def __init__(
+        self, config: GemmaTextConfig, layer_idx: int, device: Device = None, dtype: torch.dtype | None = None
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
@@ -93,7 +97,9 @@ class GemmaDecoderLayer(nn.Module):
     """Sandwich-norm block: attention, GeGLU MLP (+ parallel MoE on Gemma 4 26B-style models), then the
     Gemma 4 PLE injection and `layer_scalar`. x [B, S, H] -> new [B, S, H]; input not mutated."""
 
-    def __init__(self, config: GemmaTextConfig, layer_idx: int, device=None, dtype=None) -> None:
+    def __init__(
+        self, config: GemmaTextConfig, layer_idx: int, device: Device = None, dtype: torch.dtype | None = None
+    ) -> None:
         super().__init__()
         hidden, eps, style = config.hidden_size, config.rms_norm_eps, config.norm_style
 
@@ -124,9 +130,7 @@ class GemmaDecoderLayer(nn.Module):
         else:
             self.layer_scalar = None
 
-    def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext, ple: Tensor | None = None
-    ) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext, ple: Tensor | None = None) -> Tensor:
         residual = x
         h = self.self_attn(self.input_layernorm(x), cos, sin, attn)
         x = residual + self.post_attention_layernorm(h)
@@ -158,7 +162,7 @@ class GemmaForCausalLM(nn.Module):
     weights are uninitialised; load a state dict).
     """
 
-    def __init__(self, config: GemmaTextConfig, device: torch.device | str | None = None, dtype=None) -> None:
+    def __init__(self, config: GemmaTextConfig, device: Device = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.config = config
         hidden = config.hidden_size
@@ -185,9 +189,7 @@ class GemmaForCausalLM(nn.Module):
 
     # ---- forward -------------------------------------------------------------------------------------------
 
-    def forward(
-        self, input_ids: Tensor, positions: Tensor, attn: AttentionContext, logits_to_keep: int = 0
-    ) -> Tensor:
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionContext, logits_to_keep: int = 0) -> Tensor:
         """Logits for all positions (`logits_to_keep=0`) or the last `logits_to_keep` ones."""
         hidden = self.forward_hidden(input_ids, positions, attn)
         if logits_to_keep:
@@ -212,7 +214,9 @@ class GemmaForCausalLM(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] -> logits [..., V] in the model dtype; softcap `tanh(x/c)*c` in that dtype."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight)
+        # Fold to 2-D: on a sliced (non-contiguous) 3-D input torch's matmul may skip folding when weights
+        # don't require grad, which changes low bits vs transformers (whose weights do require grad).
+        logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), weight).view(*hidden.shape[:-1], -1)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -305,7 +309,7 @@ def _key_index(folder: Path, files: list[Path]) -> dict[str, str]:
     index: dict[str, str] = {}
     for file in files:
         with safe_open(file, framework="pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 index[key] = str(file)
     return index
 
@@ -327,7 +331,7 @@ def _text_prefix(config: GemmaTextConfig, keys: dict[str, str]) -> str:
 def _local_name(key: str, prefix: str, config: GemmaTextConfig) -> str | None:
     """Model parameter name for a checkpoint key, or None for keys outside the text stack."""
     if key.startswith(prefix):
-        return key[len(prefix):]
+        return key[len(prefix) :]
     if not config.tie_word_embeddings and key in ("lm_head.weight", "language_model.lm_head.weight"):
         return "lm_head.weight"
     return None

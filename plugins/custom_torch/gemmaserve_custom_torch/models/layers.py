@@ -13,6 +13,8 @@ from torch import Tensor, nn
 
 from .config import NormStyle, RopeParams
 
+Device = torch.device | str | None
+
 
 def gelu_tanh(x: Tensor) -> Tensor:
     """The `gelu_pytorch_tanh` activation."""
@@ -32,7 +34,7 @@ class RMSNorm(nn.Module):
         eps: float,
         style: NormStyle = "w",
         with_weight: bool = True,
-        device: torch.device | str | None = None,
+        device: Device = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
@@ -107,14 +109,14 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x * cos) + (rotate_half(x) * sin)
 
 
-def _linear(in_features: int, out_features: int, device, dtype) -> nn.Linear:
+def _linear(in_features: int, out_features: int, device: Device, dtype: torch.dtype | None) -> nn.Linear:
     return nn.Linear(in_features, out_features, bias=False, device=device, dtype=dtype)
 
 
 class GeGLUMLP(nn.Module):
     """down(gelu_tanh(gate(x)) * up(x)); x [..., hidden] -> [..., hidden]."""
 
-    def __init__(self, hidden: int, width: int, device=None, dtype=None) -> None:
+    def __init__(self, hidden: int, width: int, device: Device = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.gate_proj = _linear(hidden, width, device, dtype)
         self.up_proj = _linear(hidden, width, device, dtype)
@@ -130,7 +132,15 @@ class MoERouter(nn.Module):
     x [T, hidden] (the pre-MLP residual) -> (weights [T, k] fp32, expert ids [T, k] int64).
     """
 
-    def __init__(self, hidden: int, num_experts: int, top_k: int, eps: float, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        eps: float,
+        device: Device = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.top_k = top_k
         self.hidden_scale = hidden**-0.5  # a Python float on purpose (not rounded to the model dtype)
@@ -154,7 +164,9 @@ class MoEExperts(nn.Module):
     (ascending id) with a model-dtype `index_add_`, the order transformers' "eager" experts use.
     """
 
-    def __init__(self, hidden: int, num_experts: int, width: int, device=None, dtype=None) -> None:
+    def __init__(
+        self, hidden: int, num_experts: int, width: int, device: Device = None, dtype: torch.dtype | None = None
+    ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * width, hidden, device=device, dtype=dtype))

@@ -1,0 +1,308 @@
+"""The engine: a background thread driving the scheduler, and thread-safe ways in and out.
+
+Threading: ``submit``/``cancel``/``generate``/``stats``/``shutdown`` may be called from any thread;
+``stream`` from a coroutine. Only the engine thread touches the scheduler and the backend. Callers
+hand requests and cancellations over through an inbox guarded by a Condition, which also wakes the
+idle engine thread (no polling). ``stats`` and ``check_integrity`` take the step lock, so they may
+wait for the tick in progress.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from gemmaserve.engine.handles import EventCallback, RequestHandle, RequestStream
+from gemmaserve.engine.request import FinishReason, Request, RequestEvent, RequestOutput
+from gemmaserve.engine.scheduler import ContinuousBatchScheduler
+from gemmaserve.errors import EngineOverloadedError, InvalidRequestError
+from gemmaserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from gemmaserve.backend import InferenceBackend
+    from gemmaserve.kv.cache_manager import CacheManager, CacheStats
+    from gemmaserve.settings import CoreSettings
+
+__all__ = ["Engine", "EngineStats"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot. ``finished`` counts by finish reason (``"stop"``, ``"length"``, ``"cancelled"``,
+    ``"error"``); ``cache`` is the core prefix cache's stats (None without one); ``kv`` is the
+    backend's ``kv_stats()`` (read under the backend lock)."""
+
+    running: int
+    waiting: int
+    finished: dict[str, int]
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    num_steps: int
+    decode_failures: int
+    cache: CacheStats | None = None
+    kv: dict[str, int] = field(default_factory=dict)
+
+
+class Engine:
+    """Continuous-batching engine over one backend. ``start`` is implicit on the first submit;
+    ``shutdown`` cancels what is pending. With ``owns_backend`` the backend is closed at shutdown
+    (``close`` is idempotent, so callers closing it again is harmless). ``backend_name`` is the
+    registry name it was selected under (default: the class name)."""
+
+    def __init__(
+        self,
+        backend: InferenceBackend,
+        settings: CoreSettings,
+        cache_manager: CacheManager | None = None,
+        *,
+        owns_backend: bool = False,
+        backend_name: str | None = None,
+    ) -> None:
+        self.backend = backend
+        self.backend_name = backend_name or type(backend).__name__
+        self.settings = settings
+        self.cache_manager = cache_manager
+        self.scheduler = ContinuousBatchScheduler(backend, settings, cache_manager)
+        self._owns_backend = owns_backend
+        self._cond = threading.Condition()  # guards everything below
+        self._inbox: list[Request] = []
+        self._cancels: list[str] = []
+        self._handles: dict[str, RequestHandle] = {}
+        self._room_waiters = 0
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._step_lock = threading.Lock()  # held by the engine thread while it uses the scheduler
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread (idempotent). Raises EngineOverloadedError after shutdown."""
+        with self._cond:
+            self._start_locked()
+
+    def _start_locked(self) -> None:
+        if self._stopping:
+            raise EngineOverloadedError("the engine is shut down and takes no new requests")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="gemmaserve-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the engine: pending and running requests finish as ``cancelled``; then the engine
+        thread exits (joined unless called from it). Idempotent."""
+        with self._cond:
+            already, self._stopping = self._stopping, True
+            thread = self._thread
+            self._cond.notify_all()
+        if thread is None and not already:
+            self._close_backend()
+        elif thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        """True while the engine thread runs and no shutdown was requested."""
+        with self._cond:
+            return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def __enter__(self) -> Engine:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    # -- requests ---------------------------------------------------------------------------------
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        on_event: EventCallback | None = None,
+        *,
+        logprobs: bool = False,
+    ) -> RequestHandle:
+        """Queue a request and return its handle. Validation errors (InvalidRequestError,
+        PromptTooLongError) and EngineOverloadedError (queue full, or shut down) raise right here."""
+        request = Request(request_id or uuid.uuid4().hex, tuple(prompt_ids), params or SamplingParams(), logprobs)
+        return self._submit(request, on_event, wait_for_room=False)
+
+    def stream(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        logprobs: bool = False,
+    ) -> RequestStream:
+        """Submit now (validation errors raise here) and return an async iterator of its events:
+        ``async for event in engine.stream(ids, params): ...``. Call from a coroutine. Stopping the
+        iteration early (break, task cancelled, ``aclose``) cancels the request."""
+        return RequestStream(
+            self, lambda on_event: self.submit(prompt_ids, params, request_id, on_event, logprobs=logprobs)
+        )
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        logprobs: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt (batched together) and return their outputs in order. Blocks; waits for
+        queue room instead of failing when there are more prompts than MAX_WAITING_REQUESTS."""
+        if params is None or isinstance(params, SamplingParams):
+            per_prompt = [params or SamplingParams()] * len(prompts)
+        else:
+            per_prompt = list(params)
+            if len(per_prompt) != len(prompts):
+                raise InvalidRequestError(f"got {len(prompts)} prompts but {len(per_prompt)} sampling params")
+        handles: list[RequestHandle] = []
+        try:
+            for prompt, prompt_params in zip(prompts, per_prompt):
+                request = Request(uuid.uuid4().hex, tuple(prompt), prompt_params, logprobs)
+                handles.append(self._submit(request, None, wait_for_room=True))
+            return [handle.result() for handle in handles]
+        except BaseException:
+            for handle in handles:
+                handle.cancel()
+            raise
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request in any phase; True if it was still pending. Its final event/output has
+        ``finish_reason="cancelled"`` (applied at the start of the next tick)."""
+        with self._cond:
+            if request_id not in self._handles:
+                return False
+            self._cancels.append(request_id)
+            self._cond.notify_all()
+            return True
+
+    def _submit(self, request: Request, on_event: EventCallback | None, *, wait_for_room: bool) -> RequestHandle:
+        self.scheduler.validate_request(request)
+        handle = RequestHandle(self, request.request_id, on_event)
+        with self._cond:
+            while True:
+                if self._stopping:
+                    raise EngineOverloadedError("the engine is shut down and takes no new requests")
+                if request.request_id in self._handles:
+                    raise InvalidRequestError(f"request id {request.request_id!r} is already in use; pick a unique id")
+                waiting = len(self._inbox) + self.scheduler.num_waiting
+                if waiting < self.settings.max_waiting_requests:
+                    break
+                if not wait_for_room:
+                    raise EngineOverloadedError(
+                        f"{waiting} requests are already waiting (MAX_WAITING_REQUESTS="
+                        f"{self.settings.max_waiting_requests}); retry later"
+                    )
+                self._room_waiters += 1
+                try:
+                    self._cond.wait()
+                finally:
+                    self._room_waiters -= 1
+            self._start_locked()
+            self._handles[request.request_id] = handle
+            self._inbox.append(request)
+            self._cond.notify_all()
+        return handle
+
+    # -- the engine thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._inbox or self._cancels or self._stopping or self.scheduler.has_work):
+                    self._cond.wait()
+                inbox, self._inbox = self._inbox, []
+                cancels, self._cancels = self._cancels, []
+                stopping = self._stopping
+            events: list[RequestEvent] = []
+            with self._step_lock:
+                try:
+                    self._tick(inbox, cancels, stopping, events)
+                except Exception as exc:  # a scheduler bug: fail what is in flight, keep serving
+                    logger.critical("engine tick raised; failing all in-flight requests", exc_info=True)
+                    events += self._recover(exc)
+            self._deliver(events)
+            if stopping:
+                break
+        self._close_backend()
+
+    def _tick(self, inbox: list[Request], cancels: list[str], stopping: bool, events: list[RequestEvent]) -> None:
+        """Apply submissions and cancellations, then one scheduler step (or abort all when stopping).
+        Appends to ``events`` as it goes, so a failure part-way loses none of them."""
+        for request in inbox:
+            try:
+                self.scheduler.add_request(request)
+            except Exception as exc:  # lost a race (queue bound); validation already passed
+                request.finish(FinishReason.ERROR, exc)
+                events.append(request.take_event())
+        for request_id in cancels:
+            events += self.scheduler.abort_request(request_id)
+        events += self.scheduler.abort_all() if stopping else self.scheduler.step()
+
+    def _recover(self, exc: BaseException) -> list[RequestEvent]:
+        try:
+            return self.scheduler.abort_all(error=exc)
+        except Exception:
+            logger.critical("could not abort in-flight requests; starting a fresh scheduler", exc_info=True)
+            orphans = [request for request in self.scheduler.live_requests() if not request.is_finished]
+            self.scheduler = ContinuousBatchScheduler(self.backend, self.settings, self.cache_manager)
+            for request in orphans:
+                request.finish(FinishReason.ERROR, exc)
+            return [request.take_event() for request in orphans]
+
+    def _deliver(self, events: list[RequestEvent]) -> None:
+        with self._cond:
+            targets = [(self._handles.get(event.request_id), event) for event in events]
+            for event in events:
+                if event.finished:
+                    self._handles.pop(event.request_id, None)
+            if self._room_waiters:
+                self._cond.notify_all()
+        for handle, event in targets:
+            if handle is not None:
+                handle.deliver(event)
+
+    def _close_backend(self) -> None:
+        if self._owns_backend:
+            try:
+                self.backend.close()
+            except Exception:
+                logger.exception("closing the backend failed")
+
+    # -- observability ------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        with self._step_lock:
+            sched = self.scheduler.stats()
+            cache = self.cache_manager.stats() if self.cache_manager is not None else None
+            with self.backend.lock:
+                kv = dict(self.backend.kv_stats())
+        with self._cond:
+            inbox = len(self._inbox)
+        return EngineStats(
+            running=sched.num_prefilling + sched.num_decoding,
+            waiting=sched.num_waiting + inbox,
+            finished=sched.finished,
+            prompt_tokens=sched.prompt_tokens,
+            cached_tokens=sched.cached_tokens,
+            generated_tokens=sched.generated_tokens,
+            num_steps=sched.num_steps,
+            decode_failures=sched.decode_failures,
+            cache=cache,
+            kv=kv,
+        )
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError if the scheduler is inconsistent or a live request has no handle."""
+        with self._step_lock:
+            self.scheduler.check_integrity()
+            with self._cond:
+                live = {request.request_id for request in self.scheduler.live_requests()}
+                missing = live - set(self._handles)
+            if missing:
+                raise RuntimeError(f"requests without a handle: {sorted(missing)}")

@@ -1,0 +1,292 @@
+"""Continuous batching over the InferenceBackend primitives (call protocol: ``gemmaserve.backend``).
+
+Threading: ONE thread drives a scheduler (the engine thread); ``validate_request`` is pure and may
+run anywhere. ``step`` holds ``backend.lock`` for the whole tick, and so does ``abort_request``.
+
+Ownership: a PREFILLING request owns ``request.prefill_state.kv`` until it is spliced; from then on
+the batch (:class:`~gemmaserve.engine.rows.RowBatch`) owns it. :class:`RequestQueues` frees KV and
+reservations when a request ends, before its final event is emitted.
+
+Failure isolation: a backend exception during one request's admission (``kv_reserve``), prefill,
+first sample or splice fails only that request (``finish_reason="error"``, KV freed). An exception
+from ``decode_step_batched`` or the sampling after it fails every row of that step and drops the
+batch; waiting and prefilling requests carry on. (Finer-grained retry is future reliability work.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gemmaserve.engine.queues import RequestQueues
+from gemmaserve.engine.request import FinishReason, Request, RequestEvent, RequestState
+from gemmaserve.engine.validation import backend_error, validate_request
+from gemmaserve.errors import EngineOverloadedError, InvalidRequestError, KVCapacityError
+
+if TYPE_CHECKING:
+    from gemmaserve.backend import InferenceBackend
+    from gemmaserve.kv.cache_manager import CacheManager
+    from gemmaserve.settings import CoreSettings
+
+__all__ = ["ContinuousBatchScheduler", "SchedulerStats"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """Gauges now, counters since construction; ``finished`` maps a finish reason to a count."""
+
+    num_waiting: int
+    num_prefilling: int
+    num_decoding: int
+    reserved_kv_tokens: int
+    num_steps: int
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    decode_failures: int
+    skipped_stores: int
+    finished: dict[str, int]
+
+
+class ContinuousBatchScheduler:
+    """FIFO admission under a KV-token budget, chunked prefill, one batched decode per tick.
+
+    Streaming-only backends (``capabilities.continuous_batching`` False) run up to
+    ``max_concurrent_streams`` requests through ``generate_stream``, one token each per tick.
+    """
+
+    def __init__(
+        self, backend: InferenceBackend, settings: CoreSettings, cache_manager: CacheManager | None = None
+    ) -> None:
+        self.backend = backend
+        self.settings = settings
+        self.cache_manager = cache_manager
+        self._caps = backend.capabilities
+        self._eos = tuple(backend.model_info.eos_token_ids)
+        model_len = backend.model_info.max_model_len
+        self.max_model_len = min(settings.max_model_len, model_len) if settings.max_model_len else model_len
+        self._streaming = not self._caps.continuous_batching
+        self._max_running = self._caps.max_concurrent_streams if self._streaming else settings.max_batch_size
+        self._q = RequestQueues(backend)
+        self._seed_rng = random.Random()
+        self._counters: Counter[str] = Counter()
+
+    # -- queries --------------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self._q.waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Admitted requests: prefilling + decoding (or live streams)."""
+        return self._q.num_running
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._q.requests)
+
+    def live_requests(self) -> list[Request]:
+        """Every request not finished yet, in any phase (a snapshot list)."""
+        return list(self._q.requests.values())
+
+    def stats(self) -> SchedulerStats:
+        q, c = self._q, self._counters
+        decoding = len(q.rows) + sum(r.state is RequestState.DECODING for r in q.streams)
+        return SchedulerStats(
+            num_waiting=len(q.waiting),
+            num_prefilling=q.num_running - decoding,
+            num_decoding=decoding,
+            reserved_kv_tokens=q.reserved_tokens,
+            num_steps=c["steps"],
+            prompt_tokens=c["prompt_tokens"],
+            cached_tokens=c["cached_tokens"],
+            generated_tokens=c["generated_tokens"],
+            decode_failures=c["decode_failures"],
+            skipped_stores=c["skipped_stores"],
+            finished=dict(q.finished),
+        )
+
+    # -- requests in and out ----------------------------------------------------------------------
+    def validate_request(self, request: Request) -> None:
+        """Raise InvalidRequestError / PromptTooLongError if ``request`` can never run. Pure."""
+        validate_request(request, self.backend, self.max_model_len, self.settings.max_active_kv_tokens)
+
+    def add_request(self, request: Request) -> None:
+        """Validate and queue (FIFO). Raises the validation errors, InvalidRequestError for an id
+        already in use, or EngineOverloadedError when MAX_WAITING_REQUESTS are already waiting."""
+        self.validate_request(request)
+        if request.request_id in self._q.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use; pick a unique id")
+        if len(self._q.waiting) >= self.settings.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"{len(self._q.waiting)} requests are already waiting "
+                f"(MAX_WAITING_REQUESTS={self.settings.max_waiting_requests}); retry later"
+            )
+        self._q.enqueue(request)
+
+    def abort_request(self, request_id: str, *, error: BaseException | None = None) -> list[RequestEvent]:
+        """Cancel a request in any phase (or, given ``error``, fail it) and free all it holds.
+        Returns the final events: the request's own and, only if the backend failed to remove its
+        row, those of the batch rows failed with it. Empty if the id is unknown or finished."""
+        request = self._q.requests.get(request_id)
+        events: list[RequestEvent] = []
+        if request is None:
+            return events
+        with self.backend.lock:
+            self._q.release(request, events)
+            if error is None:
+                request.finish(FinishReason.CANCELLED)
+            else:
+                request.finish(FinishReason.ERROR, backend_error(error, "engine step"))
+            self._q.retire(request, events)
+        return events
+
+    def abort_all(self, *, error: BaseException | None = None) -> list[RequestEvent]:
+        """Cancel (or fail, given ``error``) every request; returns their final events."""
+        return [event for rid in list(self._q.requests) for event in self.abort_request(rid, error=error)]
+
+    # -- the tick -----------------------------------------------------------------------------------
+    def step(self) -> list[RequestEvent]:
+        """One tick: admit, one prefill chunk per prefilling request, one batched decode (or one
+        token per stream). Returns an event for every request that got tokens or finished."""
+        events: list[RequestEvent] = []
+        with self.backend.lock:
+            self._counters["steps"] += 1
+            self._admit(events)
+            if self._streaming:
+                self._step_streams(events)
+            else:
+                self._prefill(events)
+                self._decode(events)
+        return events
+
+    def _admit(self, events: list[RequestEvent]) -> None:
+        q = self._q
+        while q.waiting and q.num_running < self._max_running:
+            request = q.waiting[0]
+            budget = request.kv_budget
+            if q.reserved_tokens + budget > self.settings.max_active_kv_tokens:
+                return  # FIFO: the head waits until running requests free budget
+            if self._caps.kv_reservation:
+                try:
+                    reserved = self.backend.kv_reserve(request.request_id, budget)
+                    if not reserved and q.num_running == 0:
+                        raise KVCapacityError(
+                            f"the backend cannot reserve KV for {budget} tokens (prompt + max_tokens) even with "
+                            "no other request running; lower max_tokens or shorten the prompt"
+                        )
+                except Exception as exc:
+                    q.fail(request, exc, events, phase="KV reservation")
+                    continue
+                if not reserved:
+                    return
+            q.admit_head(budget, streaming=self._streaming)
+            if request.seed is None:
+                request.seed = self._seed_rng.randrange(2**63)
+
+    def _prefill(self, events: list[RequestEvent]) -> None:
+        for request in list(self._q.prefilling):
+            try:
+                state = request.prefill_state
+                if state is None:
+                    state = request.prefill_state = self.backend.prefill_lookup(request.prompt_token_ids)
+                    request.cached_tokens = state.num_cached
+                if not state.is_complete:
+                    before = state.num_computed
+                    self.backend.prefill_chunk(state, min(self.settings.prefill_chunk_tokens, state.num_remaining))
+                    if state.num_computed <= before and not state.is_complete:
+                        raise RuntimeError(f"prefill made no progress at {before}/{len(state.prompt_ids)} tokens")
+                if state.is_complete:
+                    self._complete_prefill(request, events)
+            except Exception as exc:
+                self._q.fail(request, exc, events, phase="prefill")
+
+    def _complete_prefill(self, request: Request, events: list[RequestEvent]) -> None:
+        """Store the prompt, sample the first token, then splice the row (or finish right away)."""
+        state = request.prefill_state
+        assert state is not None and state.is_complete
+        if self._may_store():
+            self.backend.prefill_store(state)
+        else:
+            self._counters["skipped_stores"] += 1
+        sampled = self.backend.sample(state.last_logits, [request.row_sampling()], want_logprobs=request.want_logprobs)
+        self._counters.update(prompt_tokens=request.num_prompt_tokens, cached_tokens=request.cached_tokens)
+        self._counters["generated_tokens"] += 1
+        if request.append_token(sampled.token_ids[0], sampled.logprobs[0] if sampled.logprobs else None, self._eos):
+            self._q.release(request, events)  # frees the prefill KV
+            self._q.retire(request, events)
+            return
+        self._q.rows.splice(request, state.kv)  # takes ownership of the KV
+        request.prefill_state = None
+        self._q.prefilling.remove(request)
+        request.advance(RequestState.DECODING)
+        events.append(request.take_event())
+
+    def _may_store(self) -> bool:
+        """Soft gate: skip the store when the core prefix pool has no block to give at all."""
+        if self.cache_manager is None or not self._caps.uses_core_cache_manager:
+            return True
+        return self.cache_manager.free_capacity_blocks() > 0
+
+    def _decode(self, events: list[RequestEvent]) -> None:
+        batch = self._q.rows
+        if not batch.rows:
+            return
+        try:
+            sampled = batch.decode()
+        except Exception as exc:
+            self._counters["decode_failures"] += 1
+            logger.exception("decode step failed; failing its %d rows", len(batch))
+            self._q.fail_rows(exc, events, phase="decode")
+            return
+        rows = list(batch.rows)
+        self._counters["generated_tokens"] += len(rows)
+        for index, request in enumerate(rows):
+            logprob = sampled.logprobs[index] if sampled.logprobs is not None else None
+            request.append_token(sampled.token_ids[index], logprob, self._eos)
+        for index in reversed(range(len(rows))):
+            request = rows[index]
+            if request.is_finished and batch.rows[index : index + 1] == [request]:  # else dropped+retired
+                self._q.remove_row(index, events)
+                self._q.retire(request, events)
+        events.extend(request.take_event() for request in rows if not request.is_finished)
+
+    def _step_streams(self, events: list[RequestEvent]) -> None:
+        for request in list(self._q.streams):
+            try:
+                if request.stream is None:
+                    params = dataclasses.replace(request.params, seed=request.seed)
+                    stream = self.backend.generate_stream(
+                        request.prompt_token_ids, params, session_id=request.request_id
+                    )
+                    request.stream = iter(stream)
+                token_id = next(request.stream, None)
+            except Exception as exc:
+                self._q.fail(request, exc, events, phase="generate_stream")
+                continue
+            if request.state is RequestState.PREFILLING:
+                request.cached_tokens = self.backend.last_cache_hit_tokens
+                self._counters.update(prompt_tokens=request.num_prompt_tokens, cached_tokens=request.cached_tokens)
+                request.advance(RequestState.DECODING)
+            if token_id is None:  # the backend ended the stream on its own
+                request.finish(FinishReason.STOP)
+            else:
+                self._counters["generated_tokens"] += 1
+                request.append_token(token_id, None, self._eos)
+            if request.is_finished:
+                self._q.release(request, events)
+                self._q.retire(request, events)
+            else:
+                events.append(request.take_event())
+
+    # -- invariants ---------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise RuntimeError if queues, states, reservations or batch KV lengths disagree."""
+        with self.backend.lock:
+            self._q.check_integrity(self.settings.max_active_kv_tokens, self._max_running)

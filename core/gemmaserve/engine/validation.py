@@ -1,0 +1,58 @@
+"""Admission checks that need no scheduler state, and the mapping of backend failures to errors.
+
+Pure functions: safe from any thread (the engine validates on the submitting thread so the server
+can answer 4xx synchronously).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from gemmaserve.errors import BackendStepError, GemmaserveError, InvalidRequestError, PromptTooLongError
+
+if TYPE_CHECKING:
+    from gemmaserve.backend import InferenceBackend
+    from gemmaserve.engine.request import Request
+
+__all__ = ["validate_request", "backend_error"]
+
+
+def validate_request(
+    request: Request, backend: InferenceBackend, max_model_len: int, max_active_kv_tokens: int
+) -> None:
+    """Raise :class:`InvalidRequestError` (or :class:`PromptTooLongError`) if ``request`` can never run:
+    empty prompt, token ids outside ``[0, vocab_size)``, logprobs the backend cannot give, or
+    prompt + max_tokens over the model length or over MAX_ACTIVE_KV_TOKENS."""
+    prompt = request.prompt_token_ids
+    num_prompt = len(prompt)
+    if num_prompt == 0:
+        raise InvalidRequestError("the prompt is empty; send at least one token")
+    vocab_size = backend.model_info.vocab_size
+    for position, token_id in enumerate(prompt):
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
+            raise InvalidRequestError(
+                f"prompt token {token_id!r} at position {position} is not a valid token id; "
+                f"token ids are integers in [0, {vocab_size})"
+            )
+    if request.want_logprobs and not backend.capabilities.logprobs:
+        raise InvalidRequestError(f"backend {backend.model_info.name!r} cannot return logprobs; do not request them")
+    max_tokens = request.params.max_tokens
+    total = num_prompt + max_tokens
+    for limit, name in ((max_model_len, "the maximum model length"), (max_active_kv_tokens, "MAX_ACTIVE_KV_TOKENS")):
+        if total > limit:
+            if num_prompt >= limit:
+                hint = f"shorten the prompt to under {limit} tokens"
+            else:
+                hint = f"lower max_tokens to at most {limit - num_prompt} or shorten the prompt"
+            raise PromptTooLongError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {total} tokens exceeds "
+                f"{name} ({limit}); {hint}"
+            )
+
+
+def backend_error(exc: BaseException, phase: str) -> GemmaserveError:
+    """The error a request fails with: gemmaserve errors as they are (e.g. KVCapacityError), anything
+    else wrapped in :class:`BackendStepError` naming the phase."""
+    if isinstance(exc, GemmaserveError):
+        return exc
+    return BackendStepError(f"backend failed during {phase}: {type(exc).__name__}: {exc}")

@@ -1,0 +1,287 @@
+"""FastAPI application: OpenAI-compatible completions and chat over one running :class:`Engine`.
+
+Each HTTP request submits token ids to the engine (its scheduler thread batches all requests
+together) and reads events back through :class:`~gemmaserve.server.generation.Generation`.
+Validation and engine admission errors are answered synchronously with 4xx. Streaming responses
+start once the first token exists, so failures before it still get a proper status code. A client
+that disconnects (while waiting, or mid-stream) cancels its request, which frees its KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gemmaserve.errors import GemmaserveError
+from gemmaserve.server.debug import kv_report
+from gemmaserve.server.errors import CLIENT_CLOSED, APIError, ClientDisconnected, from_engine_error
+from gemmaserve.server.generation import Generation, Prepared, Step, Timing
+from gemmaserve.server.metrics import ServerMetrics
+from gemmaserve.server.prepare import prepare_chat, prepare_completion
+from gemmaserve.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from gemmaserve.server.responses import SSE_DONE, ResponseMeta, chat_logprobs, completion_logprobs, sse
+
+if TYPE_CHECKING:
+    from gemmaserve.engine.engine import Engine
+
+__all__ = ["create_app"]
+
+logger = logging.getLogger(__name__)
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def create_app(engine: Engine, model_name: str, *, model_aliases: Sequence[str] = ()) -> FastAPI:
+    """The app around ``engine`` (started, or started on first request). The caller owns the
+    engine's lifetime. ``model`` in requests must be ``model_name``, one of ``model_aliases``, or
+    absent; anything else is a 404."""
+    app = FastAPI(title="gemmaserve", version="0.1.0", description="OpenAI-compatible Gemma inference server")
+    metrics = ServerMetrics()
+    server = _Server(engine, model_name, frozenset({model_name, *model_aliases}), metrics)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    _add_error_handlers(app)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Response:
+        return await server.handle(request, "completions")
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> Response:
+        return await server.handle(request, "chat")
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [server.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict[str, Any]:
+        server.check_model(model_id)
+        return server.model_card()
+
+    @app.get("/health", response_model=None)
+    async def health() -> Response:
+        if not engine.is_alive():
+            raise APIError(503, "the engine loop is not running", code="engine_unavailable")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics", response_model=None)
+    def prometheus_metrics() -> Response:  # sync: engine.stats() may wait for the current tick
+        return PlainTextResponse(metrics.render(engine.stats()), media_type="text/plain; version=0.0.4")
+
+    @app.get("/debug/kv", response_model=None)
+    def debug_kv() -> Response:  # sync: takes the engine and backend locks
+        report = kv_report(engine)
+        return JSONResponse(report, status_code=200 if report["integrity"] == "ok" else 500)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(APIError(exc.status_code, message).body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return JSONResponse(APIError(500, f"internal server error: {type(exc).__name__}: {exc}").body(), status_code=500)
+
+
+class _Server:
+    """Request handling shared by both generation endpoints."""
+
+    def __init__(self, engine: Engine, model_name: str, accepted: frozenset[str], metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.accepted = accepted
+        self.metrics = metrics
+        self.tokenizer = engine.backend.tokenizer
+        self.info = engine.backend.model_info
+
+    @property
+    def context_limit(self) -> int:
+        """Most prompt + output tokens one request may hold."""
+        return min(self.engine.scheduler.max_model_len, self.engine.settings.max_active_kv_tokens)
+
+    def model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "gemmaserve",
+            "max_model_len": self.context_limit,
+            "vocab_size": self.info.vocab_size,
+            "backend": self.engine.backend_name,
+        }
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.accepted:
+            raise APIError(
+                404, f"model {name!r} does not exist; this server serves {self.model_name!r} (see GET /v1/models)",
+                param="model", code="model_not_found",
+            )
+
+    # -- one request ---------------------------------------------------------------------------------
+    async def handle(self, request: Request, endpoint: str) -> Response:
+        timing = Timing()
+        try:
+            response = await self._handle(request, endpoint, timing)
+        except APIError as exc:
+            self.metrics.record_request(endpoint, exc.status)
+            raise
+        except ClientDisconnected:
+            self.metrics.record_request(endpoint, CLIENT_CLOSED)
+            return Response(status_code=CLIENT_CLOSED)
+        if not isinstance(response, StreamingResponse):  # streams record their status when they end
+            self.metrics.record_request(endpoint, response.status_code)
+        return response
+
+    async def _handle(self, request: Request, endpoint: str, timing: Timing) -> Response:
+        raw = await request.body()
+        if endpoint == "chat":
+            chat = parse_body(ChatCompletionRequest, raw)
+            self.check_model(chat.model)
+            body: CompletionRequest | ChatCompletionRequest = chat
+            prepared = prepare_chat(chat, self.tokenizer, self.context_limit)
+        else:
+            completion = parse_body(CompletionRequest, raw)
+            self.check_model(completion.model)
+            body = completion
+            prepared = prepare_completion(completion, self.tokenizer)
+        generation = self._submit(prepared, timing)
+        view = _View.create(endpoint, generation, body, self)
+        try:
+            async with _cancel_on_disconnect(request, generation):
+                first = await generation.next_step()
+                if not body.stream:
+                    while await generation.next_step() is not None:
+                        pass
+        except BaseException:
+            generation.close()
+            raise
+        if not body.stream:
+            self._observe(generation)
+            return JSONResponse(view.full_body())
+        return StreamingResponse(self._stream(view, generation, first, endpoint), media_type="text/event-stream",
+                                 headers=_SSE_HEADERS)
+
+    def _submit(self, prepared: Prepared, timing: Timing) -> Generation:
+        try:
+            return Generation(self.engine, self.tokenizer, prepared, timing=timing)
+        except GemmaserveError as exc:
+            fits = len(prepared.prompt_ids) < self.context_limit
+            alive = self.engine.is_alive()
+            raise from_engine_error(exc, engine_alive=alive, prompt_param=prepared.prompt_param, prompt_fits=fits) from None
+
+    async def _stream(self, view: _View, generation: Generation, first: Step | None, endpoint: str) -> AsyncIterator[str]:
+        status = CLIENT_CLOSED  # unless the stream ends on its own
+        try:
+            for chunk in view.opening_chunks():
+                yield sse(chunk)
+            step = first
+            while step is not None:
+                yield sse(view.chunk(step))
+                step = await generation.next_step()
+            if view.include_usage:
+                yield sse(view.usage_chunk())
+            self._observe(generation)
+            status = 200
+            yield SSE_DONE
+        except APIError as exc:  # the engine failed the request mid-stream: report it in-band
+            status = exc.status
+            yield sse(exc.body())
+            yield SSE_DONE
+        except ClientDisconnected:
+            pass
+        finally:
+            generation.close()
+            self.metrics.record_request(endpoint, status)
+
+    def _observe(self, generation: Generation) -> None:
+        timing = generation.timing
+        self.metrics.observe(timing.ttft, timing.tpot(len(generation.token_ids)), timing.e2e)
+
+
+class _View:
+    """Formats one generation as a completions or chat response (full body or SSE chunks)."""
+
+    def __init__(self, chat: bool, generation: Generation, body: CompletionRequest | ChatCompletionRequest,
+                 server: _Server, echo: str) -> None:
+        self.chat = chat
+        self.generation = generation
+        self.include_usage = body.include_usage
+        self.tokenizer = server.tokenizer
+        self.meta = ResponseMeta.new("chatcmpl" if chat else "cmpl", generation.request_id, server.model_name)
+        self.echo = echo
+        self._offset = len(echo)
+
+    @classmethod
+    def create(cls, endpoint: str, generation: Generation, body: CompletionRequest | ChatCompletionRequest,
+               server: _Server) -> _View:
+        echo = ""
+        if isinstance(body, CompletionRequest) and body.echo:
+            prompt = body.prompt
+            echo = prompt if isinstance(prompt, str) else server.tokenizer.decode(prompt)
+        return cls(endpoint == "chat", generation, body, server, echo)
+
+    def full_body(self) -> dict[str, Any]:
+        gen = self.generation
+        assert gen.finish_reason is not None
+        logprobs = self._logprobs(gen.token_ids, gen.logprobs, len(self.echo)) if gen.prepared.want_logprobs else None
+        if self.chat:
+            return self.meta.chat(gen.text, gen.finish_reason, logprobs, gen.usage())
+        return self.meta.completion(self.echo + gen.text, gen.finish_reason, logprobs, gen.usage())
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        if self.chat:
+            return [self.meta.chat_chunk(None, None, role=True)]
+        return [self.meta.completion_chunk(self.echo, None)] if self.echo else []
+
+    def chunk(self, step: Step) -> dict[str, Any]:
+        logprobs = None
+        if step.logprobs is not None:
+            logprobs = self._logprobs(step.token_ids, step.logprobs, self._offset)
+        self._offset += len(step.text)
+        if self.chat:
+            return self.meta.chat_chunk(step.text, step.finish_reason, logprobs)
+        return self.meta.completion_chunk(step.text, step.finish_reason, logprobs)
+
+    def usage_chunk(self) -> dict[str, Any]:
+        usage = self.generation.usage()
+        return self.meta.chat_usage_chunk(usage) if self.chat else self.meta.completion_usage_chunk(usage)
+
+    def _logprobs(self, token_ids: Sequence[int], logprobs: Sequence[float], offset: int) -> dict[str, Any]:
+        if self.chat:
+            return chat_logprobs(self.tokenizer, token_ids, logprobs)
+        return completion_logprobs(self.tokenizer, token_ids, logprobs, offset)
+
+
+@asynccontextmanager
+async def _cancel_on_disconnect(request: Request, generation: Generation) -> AsyncIterator[None]:
+    """While the body is open, watch the connection; a disconnect cancels ``generation``."""
+
+    async def watch(receive: Callable[[], Any]) -> None:
+        while True:
+            message = await receive()
+            if message.get("type") == "http.disconnect":
+                generation.client_gone()
+                return
+
+    watcher = asyncio.create_task(watch(request.receive))
+    try:
+        yield
+    finally:
+        watcher.cancel()

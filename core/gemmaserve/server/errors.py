@@ -1,0 +1,101 @@
+"""HTTP errors in the OpenAI shape, and the mapping from engine errors to status codes.
+
+Body: ``{"error": {"message", "type", "param", "code"}}``. 400 bad request, 404 unknown model or
+route, 429 queue full (with ``Retry-After``), 499 client went away (logged, never sent), 500
+backend failure, 503 engine not running (with ``Retry-After``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from gemmaserve.errors import EngineOverloadedError, GemmaserveError, InvalidRequestError, PromptTooLongError
+
+__all__ = ["APIError", "ClientDisconnected", "error_body", "from_engine_error", "from_output_error", "RETRY_AFTER_S"]
+
+RETRY_AFTER_S = 1
+CLIENT_CLOSED = 499
+
+_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "client_closed_request",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    """An error response: status, message naming the problem, optional ``param``/``code``/headers."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+        if status in (429, 503):
+            self.headers.setdefault("Retry-After", str(RETRY_AFTER_S))
+
+    @property
+    def error_type(self) -> str:
+        return _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.error_type, self.param, self.code)
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away; its engine request has been cancelled."""
+
+
+def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI-style error JSON."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def from_engine_error(
+    exc: GemmaserveError, *, engine_alive: bool, prompt_param: str = "prompt", prompt_fits: bool = False
+) -> APIError:
+    """The HTTP error for an exception the engine raised at submit time. ``prompt_fits``: the prompt
+    alone fits the context, so a too-long request is ``max_tokens``'s fault."""
+    if isinstance(exc, PromptTooLongError):
+        param = "max_tokens" if prompt_fits else prompt_param
+        return APIError(400, str(exc), param=param, code="context_length_exceeded")
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, str(exc), param=_guess_param(str(exc), prompt_param))
+    if isinstance(exc, EngineOverloadedError):
+        if not engine_alive:
+            return APIError(503, f"the engine is not running: {exc}", code="engine_unavailable")
+        return APIError(429, f"server overloaded: {exc}", code="engine_overloaded")
+    return APIError(500, f"{type(exc).__name__}: {exc}")
+
+
+def from_output_error(error_type: str | None, message: str | None, *, prompt_param: str = "prompt") -> APIError:
+    """The HTTP error for a request the engine finished with ``finish_reason="error"``."""
+    text = message or "the backend failed on this request"
+    if error_type in ("KVCapacityError", "PromptTooLongError", "InvalidRequestError"):
+        return APIError(400, text, param=prompt_param, code="kv_capacity_exceeded" if error_type == "KVCapacityError" else None)
+    if error_type == "EngineOverloadedError":
+        return APIError(429, f"server overloaded: {text}", code="engine_overloaded")
+    return APIError(500, f"{error_type or 'BackendStepError'}: {text}", code="backend_error")
+
+
+def _guess_param(message: str, default: str) -> str | None:
+    """Engine validation messages start with the field they are about."""
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "logprobs"):
+        if re.search(rf"\b{name}\b", message):
+            return name
+    return default if "prompt" in message else None

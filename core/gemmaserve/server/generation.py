@@ -1,0 +1,230 @@
+"""One HTTP generation: submit to the engine, turn engine events into text steps, cancel on demand.
+
+Threading: everything here runs on the server's event loop, except the engine's ``on_event``
+callback, which only hands events over with ``loop.call_soon_threadsafe``. A generation is driven
+by one coroutine at a time (the handler, or the SSE body iterator after it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from gemmaserve.detokenize import IncrementalDetokenizer
+from gemmaserve.server.errors import APIError, ClientDisconnected, from_output_error
+
+if TYPE_CHECKING:
+    from gemmaserve.backend import Tokenizer
+    from gemmaserve.engine.engine import Engine
+    from gemmaserve.engine.request import RequestEvent
+    from gemmaserve.sampling_params import SamplingParams
+
+__all__ = ["Prepared", "Step", "Generation", "LIVENESS_CHECK_S"]
+
+logger = logging.getLogger(__name__)
+
+LIVENESS_CHECK_S = 2.0
+"""How often a waiting request checks that the engine thread is still alive (no hang if it died)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A validated request, ready for the engine. ``prompt_param`` names the body field errors about
+    the prompt point at (``prompt`` or ``messages``)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: list[str]
+    want_logprobs: bool
+    prompt_param: str = "prompt"
+
+
+@dataclass(slots=True)
+class Step:
+    """What one engine event added to the response: final text, the tokens consumed (up to a stop
+    string), their logprobs, and the finish reason once the generation is over."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class Timing:
+    """Server-side latencies (``time.monotonic`` seconds) as a client sees them."""
+
+    start: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    last_token: float | None = None
+    end: float | None = None
+
+    def on_tokens(self) -> None:
+        now = time.monotonic()
+        if self.first_token is None:
+            self.first_token = now
+        self.last_token = now
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.start
+
+    def tpot(self, num_tokens: int) -> float | None:
+        if self.first_token is None or self.last_token is None or num_tokens < 2:
+            return None
+        return (self.last_token - self.first_token) / (num_tokens - 1)
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.end is None else self.end - self.start
+
+
+class Generation:
+    """Submits ``prepared`` on construction (engine validation errors raise right here, as
+    :class:`~gemmaserve.errors.GemmaserveError`), then :meth:`next_step` yields text steps until
+    the generation is over. Stop strings end it early (the engine request is cancelled); a
+    cancelled or failed engine request raises :class:`APIError` or :class:`ClientDisconnected`."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, prepared: Prepared, *, timing: Timing) -> None:
+        self.prepared = prepared
+        self.timing = timing
+        self.request_id = uuid.uuid4().hex
+        self.finish_reason: str | None = None
+        self.cached_tokens = 0
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self._engine = engine
+        self._detok = IncrementalDetokenizer(tokenizer, prepared.stop, prompt_ids=prepared.prompt_ids)
+        self._queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
+        self._pending: asyncio.Future[RequestEvent] | None = None
+        self._engine_done = False
+        self._client_gone = False
+        loop = asyncio.get_running_loop()
+        queue = self._queue
+
+        def on_event(event: RequestEvent) -> None:  # engine thread: hand over, nothing else
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+            except RuntimeError:  # the loop is closed: nobody will read this request any more
+                engine.cancel(event.request_id)
+
+        self._handle = engine.submit(
+            prepared.prompt_ids, prepared.params, self.request_id, on_event, logprobs=prepared.want_logprobs
+        )
+
+    @property
+    def text(self) -> str:
+        return self._detok.text
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prepared.prompt_ids)
+
+    def usage(self) -> dict[str, object]:
+        """OpenAI ``usage``: completion tokens are those up to (and including) a matched stop."""
+        prompt, completion = self.num_prompt_tokens, len(self.token_ids)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+    async def next_step(self) -> Step | None:
+        """The next step with tokens or a finish reason; None once the generation is over."""
+        while not self.done:
+            step = self._consume(await self._next_event())
+            if step.token_ids or step.finish_reason:
+                return step
+        return None
+
+    def client_gone(self) -> None:
+        """The HTTP client disconnected: cancel the engine request (its KV is freed). The consumer
+        then gets the cancelled final event and raises ClientDisconnected."""
+        if not self._client_gone and not self.done:
+            logger.info("client disconnected; cancelling request %s", self.request_id)
+            self._client_gone = True
+            if not self._engine_done:
+                self._handle.cancel()
+
+    def close(self) -> None:
+        """Consumer side, when it stops reading: cancel the engine request if it still runs. Idempotent."""
+        if self._pending is not None:
+            self._pending.cancel()
+            self._pending = None
+        if not self._engine_done:
+            self._engine_done = True
+            self._handle.cancel()
+        if self.timing.end is None:
+            self.timing.end = time.monotonic()
+
+    # -- internals ---------------------------------------------------------------------------------
+    async def _next_event(self) -> RequestEvent:
+        while True:
+            if self._pending is None:
+                self._pending = asyncio.ensure_future(self._queue.get())
+            done, _ = await asyncio.wait({self._pending}, timeout=LIVENESS_CHECK_S)
+            if done:
+                event, self._pending = self._pending.result(), None
+                return event
+            if not self._engine.is_alive():
+                self.close()
+                raise APIError(503, "the engine stopped while this request was running; retry later")
+
+    def _consume(self, event: RequestEvent) -> Step:
+        """Fold one engine event in; sets ``finish_reason`` when the generation is over."""
+        self.cached_tokens = event.cached_tokens
+        reason = None
+        if event.finished:
+            self._engine_done = True
+            output = event.output
+            assert output is not None and output.finish_reason is not None
+            self.cached_tokens = output.cached_tokens
+            reason = output.finish_reason.value
+            if reason in ("cancelled", "error"):
+                self._fail(reason, output.error_type, output.error)
+        step = self._take_tokens(event.new_token_ids, event.new_logprobs)
+        if self.done:  # a stop string matched: the engine request is no longer needed
+            self.close()
+        elif reason is not None:
+            step.text += self._detok.flush()
+            if self._detok.stopped:  # the flush found a stop string in the held-back tail
+                reason = "stop"
+            self.finish_reason = step.finish_reason = reason
+            self.timing.end = time.monotonic()
+        return step
+
+    def _take_tokens(self, token_ids: Sequence[int], logprobs: Sequence[float] | None) -> Step:
+        step = Step("", [], [] if self.prepared.want_logprobs else None)
+        if token_ids:
+            self.timing.on_tokens()
+        for index, token in enumerate(token_ids):
+            delta = self._detok.add([token])
+            step.text += delta.text
+            step.token_ids.append(token)
+            self.token_ids.append(token)
+            if step.logprobs is not None and logprobs is not None and index < len(logprobs):
+                step.logprobs.append(logprobs[index])
+                self.logprobs.append(logprobs[index])
+            if delta.stopped:
+                self.finish_reason = step.finish_reason = "stop"
+                self.timing.end = time.monotonic()
+                break
+        return step
+
+    def _fail(self, reason: str, error_type: str | None, message: str | None) -> None:
+        self.timing.end = time.monotonic()
+        if reason == "error":
+            raise from_output_error(error_type, message, prompt_param=self.prepared.prompt_param)
+        if self._client_gone:
+            raise ClientDisconnected(self.request_id)
+        raise APIError(503, "the request was cancelled because the server is shutting down; retry later")

@@ -1,0 +1,73 @@
+"""From a validated request body to what the engine needs: prompt token ids and SamplingParams.
+
+Defaults follow OpenAI: ``temperature`` 1, ``top_p`` 1, ``max_tokens`` 16 for completions and
+"the rest of the context" for chat. Tokenizer errors (no chat template, ...) and SamplingParams
+errors become :class:`APIError` 400 naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from gemmaserve.errors import InvalidRequestError
+from gemmaserve.sampling_params import SamplingParams
+from gemmaserve.server.errors import APIError
+from gemmaserve.server.generation import Prepared
+
+if TYPE_CHECKING:
+    from gemmaserve.backend import Tokenizer
+    from gemmaserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+
+__all__ = ["prepare_completion", "prepare_chat", "COMPLETION_DEFAULT_MAX_TOKENS"]
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer) -> Prepared:
+    """Tokenize the prompt (a string; a token-id list is taken as is) and build the params."""
+    prompt = body.prompt
+    prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if not prompt_ids:
+        raise APIError(400, "the prompt tokenizes to zero tokens; send a non-empty prompt", param="prompt")
+    max_tokens = body.requested_max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
+    params = _sampling(body, max_tokens)
+    return Prepared(prompt_ids, params, body.stop_strings, body.logprobs is not None, "prompt")
+
+
+def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limit: int) -> Prepared:
+    """Render the messages with the model's chat template; without ``max_tokens`` the request may
+    use the rest of ``context_limit``."""
+    if not tokenizer.has_chat_template:
+        raise APIError(
+            400,
+            "this model has no chat template, so /v1/chat/completions cannot render messages; "
+            "use /v1/completions with a plain prompt, or serve a checkpoint whose tokenizer_config.json "
+            "has a chat_template",
+            param="messages",
+            code="no_chat_template",
+        )
+    try:
+        prompt_ids = tokenizer.apply_chat_template([message.as_template_dict() for message in body.messages])
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param="messages") from None
+    if not prompt_ids:
+        raise APIError(400, "the chat template rendered these messages to zero tokens", param="messages")
+    max_tokens = body.requested_max_tokens or max(1, context_limit - len(prompt_ids))
+    params = _sampling(body, max_tokens)
+    return Prepared(prompt_ids, params, body.stop_strings, body.logprobs, "messages")
+
+
+def _sampling(body: _SamplingFields, max_tokens: int) -> SamplingParams:
+    top_k = body.top_k if body.top_k is not None else 0
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=0 if top_k == -1 else top_k,
+            seed=body.seed,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+        )
+    except InvalidRequestError as exc:  # the protocol checks ranges first; this is a backstop
+        raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None

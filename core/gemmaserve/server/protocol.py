@@ -1,0 +1,232 @@
+"""Request bodies of the OpenAI-compatible API (the subset gemmaserve serves), validated strictly.
+
+Bodies are parsed with :func:`parse_body`: JSON types are not coerced (``"5"`` is not an integer),
+unknown fields are ignored, and every problem becomes an :class:`~gemmaserve.server.errors.APIError`
+(HTTP 400) whose message and ``param`` name the offending field and what is accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from gemmaserve.server.errors import APIError
+
+__all__ = [
+    "CompletionRequest",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "StreamOptions",
+    "parse_body",
+    "MAX_STOP_STRINGS",
+]
+
+MAX_STOP_STRINGS = 16
+_MAX_TOKEN_ID = 2**31 - 1
+_STRICT = ConfigDict(strict=True, extra="ignore")
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions. ``None`` means "the default"."""
+
+    model_config = _STRICT
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: Any = Field(None, validate_default=True)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int | None = Field(None, ge=1)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: Any) -> list[str]:
+        stops = [] if value is None else [value] if isinstance(value, str) else value
+        if not isinstance(stops, list) or not all(isinstance(stop, str) for stop in stops):
+            raise ValueError("stop must be a string or a list of strings")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are accepted, got {len(stops)}")
+        if any(not stop for stop in stops):
+            raise ValueError("stop strings must be non-empty")
+        return stops
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_ids(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and any(not 0 <= token <= _MAX_TOKEN_ID for token in value):
+            raise ValueError("stop_token_ids must be non-negative token ids")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _check_n(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError("only n=1 is supported; send one request per completion")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _check_penalty(cls, value: float | None) -> float | None:
+        if value not in (None, 0.0):
+            raise ValueError("penalties are not supported; leave it unset or 0")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise ValueError("logit_bias is not supported; leave it unset")
+        return value
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens`` (newer OpenAI name) wins over ``max_tokens``."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def stop_strings(self) -> list[str]:
+        assert isinstance(self.stop, list)  # normalised by _check_stop
+        return list(self.stop)
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. ``prompt``: one string or one list of token ids (also accepted wrapped
+    in a one-element list, as the OpenAI client sends batches)."""
+
+    prompt: Any
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=1)
+    best_of: int | None = Field(None, ge=1, le=1)
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> str | list[int]:
+        if isinstance(value, list) and value and all(isinstance(item, (str, list)) for item in value):
+            if len(value) != 1:
+                raise ValueError(f"exactly one prompt per request is supported, got {len(value)}; send one request per prompt")
+            value = value[0]
+        if isinstance(value, str):
+            if not value:
+                raise ValueError("prompt must not be empty")
+            return value
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("prompt must not be empty")
+            if all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _MAX_TOKEN_ID for t in value):
+                return value
+        raise ValueError("prompt must be a non-empty string or a non-empty list of non-negative integer token ids")
+
+    @field_validator("suffix")
+    @classmethod
+    def _check_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix (insertion) is not supported; leave it unset")
+        return value
+
+
+class ChatMessage(BaseModel):
+    """One chat message; ``content`` is a string or a list of ``{"type": "text", "text": ...}`` parts."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: Any = Field(None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _check_content(cls, value: Any) -> str:
+        if value is None or isinstance(value, str):
+            return value or ""
+        if isinstance(value, list):
+            texts = []
+            for part in value:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError('only text content parts ({"type": "text", "text": "..."}) are supported')
+                texts.append(part["text"])
+            return "".join(texts)
+        raise ValueError("content must be a string, a list of text parts, or null")
+
+    def as_template_dict(self) -> dict[str, Any]:
+        """What the chat template sees: role and plain-text content."""
+        return {"role": self.role, "content": self.content}
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=0)
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _check_tools(cls, value: list[Any] | None) -> list[Any] | None:
+        if value:
+            raise ValueError("tools (function calling) are not supported; leave them unset")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _check_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type") not in (None, "text"):
+            raise ValueError('only response_format {"type": "text"} is supported')
+        return value
+
+
+def parse_body(model: type[BodyT], raw: bytes) -> BodyT:
+    """Validate a JSON request body. Raises APIError(400) naming the first bad field."""
+    if not raw.strip():
+        raise APIError(400, "the request body is empty; send a JSON object", param="body", code="invalid_json")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise _as_api_error(exc) from None
+
+
+def _as_api_error(exc: ValidationError) -> APIError:
+    error = exc.errors(include_url=False)[0]
+    loc = [str(part) for part in error.get("loc", ())]
+    param = ".".join(loc) or "body"
+    kind = error.get("type", "")
+    if kind == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {error['msg']}", param="body", code="invalid_json")
+    if kind == "missing":
+        return APIError(400, f"'{param}' is required", param=param, code="missing_field")
+    message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+    if "input" in error and kind not in ("value_error",):
+        message += f" (got {_short(error['input'])})"
+    if not loc:
+        return APIError(400, f"the request body must be a JSON object: {message}", param="body")
+    return APIError(400, f"invalid '{param}': {message}", param=param, code="invalid_value")
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

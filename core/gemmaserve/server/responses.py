@@ -1,0 +1,94 @@
+"""Response bodies and SSE chunks in the OpenAI shapes (completions and chat completions)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gemmaserve.backend import Tokenizer
+
+__all__ = ["ResponseMeta", "sse", "SSE_DONE", "completion_logprobs", "chat_logprobs"]
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> str:
+    """One server-sent event carrying ``payload`` as JSON."""
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseMeta:
+    """The fields every body and chunk of one response shares."""
+
+    id: str
+    model: str
+    created: int
+
+    @classmethod
+    def new(cls, prefix: str, request_id: str, model: str) -> ResponseMeta:
+        return cls(f"{prefix}-{request_id}", model, int(time.time()))
+
+    # -- /v1/completions -------------------------------------------------------------------------
+    def completion(self, text: str, finish_reason: str | None, logprobs: Any, usage: dict[str, Any]) -> dict[str, Any]:
+        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+        return {**self._base("text_completion"), "choices": [choice], "usage": usage}
+
+    def completion_chunk(self, text: str, finish_reason: str | None, logprobs: Any = None) -> dict[str, Any]:
+        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+        return {**self._base("text_completion"), "choices": [choice]}
+
+    def completion_usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return {**self._base("text_completion"), "choices": [], "usage": usage}
+
+    # -- /v1/chat/completions ----------------------------------------------------------------------
+    def chat(self, text: str, finish_reason: str | None, logprobs: Any, usage: dict[str, Any]) -> dict[str, Any]:
+        message = {"role": "assistant", "content": text}
+        choice = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}
+        return {**self._base("chat.completion"), "choices": [choice], "usage": usage}
+
+    def chat_chunk(
+        self, text: str | None, finish_reason: str | None, logprobs: Any = None, *, role: bool = False
+    ) -> dict[str, Any]:
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+        if text:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
+        return {**self._base("chat.completion.chunk"), "choices": [choice]}
+
+    def chat_usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return {**self._base("chat.completion.chunk"), "choices": [], "usage": usage}
+
+    def _base(self, kind: str) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+
+def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(
+    tokenizer: Tokenizer, token_ids: Sequence[int], logprobs: Sequence[float], text_offset: int
+) -> dict[str, Any]:
+    """Legacy completions ``logprobs``: the sampled tokens' log-probabilities (``top_logprobs`` is
+    null: alternatives are not computed). ``tokens`` show special tokens; ``text_offset`` counts
+    from ``text_offset`` by each token's text as it appears in ``text`` (special tokens add none)."""
+    tokens = [_token_text(tokenizer, token) for token in token_ids]
+    offsets = []
+    for token_id in token_ids:
+        offsets.append(text_offset)
+        text_offset += len(tokenizer.decode([token_id], skip_special_tokens=True))
+    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int], logprobs: Sequence[float]) -> dict[str, Any]:
+    """Chat ``logprobs``: one entry per sampled token, with empty ``top_logprobs``."""
+    content = []
+    for token_id, logprob in zip(token_ids, logprobs):
+        token = _token_text(tokenizer, token_id)
+        content.append({"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []})
+    return {"content": content}

@@ -1,0 +1,301 @@
+"""Conformance tests every InferenceBackend should pass. Subclass and override the ``backend`` fixture:
+
+    class TestMyBackend(BackendContractTests):
+        @pytest.fixture
+        def backend(self):
+            backend = MyBackend(tiny_model_dir, "cpu")
+            yield backend
+            backend.close()
+
+The fixture must give a FRESH backend per test (function scope): tests attach their own prefix cache.
+Override ``make_prompts`` to pick prompts (at least three; the longest should span a few KV blocks).
+Tests of the batched primitives are skipped for streaming-only backends. Greedy decoding is
+compared token for token, so run these with a model/dtype whose batched decode is exact (float32).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import pytest
+
+from gemmaserve.backend import InferenceBackend
+from gemmaserve.errors import KVCapacityError
+from gemmaserve.kv.cache_manager import CacheManager
+from gemmaserve.sampling_params import RowSampling, SamplingParams
+from gemmaserve.testing.row_driver import RowPlan, drive_rows, greedy_rows, solo_greedy
+
+__all__ = ["BackendContractTests", "run_row_ops_property"]
+
+_TEXTS = (
+    "hello there",
+    "the quick brown fox jumps over the lazy dog",
+    "one two three four five six seven eight nine ten eleven twelve",
+    "once upon a time a small cache remembered every block it ever saw, and it saw many",
+)
+
+
+class BackendContractTests:
+    """Base class of the backend conformance suite (not collected itself: no ``Test`` prefix)."""
+
+    num_decode_tokens: int = 6
+    chunk_sizes: tuple[int, ...] = (1, 3, 7)
+    prefix_block_size: int = 4
+    prefix_num_blocks: int = 64
+    expects_prefix_hits: bool = True
+    """Set False for a backend without any prefix cache (the prefix test then checks tokens only)."""
+    property_examples: int = 15
+
+    @pytest.fixture
+    def backend(self) -> InferenceBackend:
+        raise NotImplementedError("override the `backend` fixture to return a fresh backend")
+
+    def make_prompts(self, backend: InferenceBackend) -> list[list[int]]:
+        """Prompts for the tests, shortest first: the default encodes a few English sentences."""
+        return [backend.tokenizer.encode(text) for text in _TEXTS]
+
+    # -- helpers ------------------------------------------------------------------------------------
+    def _batched(self, backend: InferenceBackend) -> None:
+        if not backend.capabilities.continuous_batching:
+            pytest.skip("streaming-only backend: no batched primitives")
+
+    def _core_cache(self, backend: InferenceBackend) -> CacheManager | None:
+        """Attach a fresh core prefix cache (core-cache backends only)."""
+        if not backend.capabilities.uses_core_cache_manager:
+            return None
+        cache = CacheManager(self.prefix_num_blocks, self.prefix_block_size)
+        backend.set_cache_adapter(cache)
+        return cache
+
+    def _finish(self, backend: InferenceBackend, cache: CacheManager | None = None) -> None:
+        backend.check_integrity()
+        if cache is not None:
+            cache.check_integrity()
+            assert cache.stats().pinned_blocks == 0, "the backend left prefix-cache blocks pinned"
+
+    # -- model facts ----------------------------------------------------------------------------------
+    def test_model_info_and_tokenizer(self, backend: InferenceBackend) -> None:
+        info = backend.model_info
+        assert info.vocab_size > 0 and info.max_model_len > 0 and info.eos_token_ids
+        assert all(0 <= token < info.vocab_size for token in info.eos_token_ids)
+        ids = backend.tokenizer.encode("hello world")
+        assert ids and all(isinstance(t, int) and 0 <= t < info.vocab_size for t in ids)
+        assert "hello" in backend.tokenizer.decode(ids)
+        prompts = self.make_prompts(backend)
+        assert len(prompts) >= 3 and all(prompts), "make_prompts must return at least three non-empty prompts"
+
+    # -- prefill ------------------------------------------------------------------------------------
+    def test_prefill_primitives_match_one_shot(self, backend: InferenceBackend) -> None:
+        self._batched(backend)
+        backend.set_cache_adapter(None)
+        with backend.lock:
+            for prompt in self.make_prompts(backend):
+                one_shot = backend.prefill(prompt)
+                state = backend.prefill_lookup(prompt)
+                backend.prefill_chunk(state, state.num_remaining)
+                assert state.is_complete and state.num_computed == len(prompt)
+                assert one_shot.num_prompt_tokens == len(prompt)
+                assert backend.kv_length(one_shot.kv) == backend.kv_length(state.kv) == len(prompt)
+                assert greedy_rows(backend, one_shot.last_logits, [0]) == greedy_rows(backend, state.last_logits, [0])
+                backend.free_row_kv(one_shot.kv)
+                backend.free_row_kv(state.kv)
+        self._finish(backend)
+
+    def test_chunked_prefill_matches_one_chunk(self, backend: InferenceBackend) -> None:
+        self._batched(backend)
+        backend.set_cache_adapter(None)
+        prompt = self.make_prompts(backend)[-1]
+        with backend.lock:
+            whole = backend.prefill(prompt)
+            expected = greedy_rows(backend, whole.last_logits, [0])
+            backend.free_row_kv(whole.kv)
+            for size in self.chunk_sizes:
+                state = backend.prefill_lookup(prompt)
+                while not state.is_complete:
+                    before = state.num_computed
+                    backend.prefill_chunk(state, size)
+                    assert state.num_computed == min(before + size, len(prompt)), "a chunk computes exactly its tokens"
+                    assert backend.kv_length(state.kv) == state.num_computed
+                assert greedy_rows(backend, state.last_logits, [0]) == expected, f"chunk size {size}"
+                backend.free_row_kv(state.kv)
+        self._finish(backend)
+
+    def test_abandoned_prefill_frees_everything(self, backend: InferenceBackend) -> None:
+        self._batched(backend)
+        cache = self._core_cache(backend)
+        prompt = self.make_prompts(backend)[-1]
+        with backend.lock:
+            state = backend.prefill_lookup(prompt)
+            backend.prefill_chunk(state, state.num_remaining)
+            backend.prefill_store(state)  # cache it, then abandon a prefill that hits it
+            backend.free_row_kv(state.kv)
+            state = backend.prefill_lookup(prompt)
+            if state.num_remaining > 1:
+                backend.prefill_chunk(state, 1)
+            backend.free_row_kv(state.kv)
+        self._finish(backend, cache)
+
+    # -- batch ops ---------------------------------------------------------------------------------
+    def test_rows_match_solo_runs_through_splice_and_remove(self, backend: InferenceBackend) -> None:
+        self._batched(backend)
+        prompts = [tuple(p) for p in self.make_prompts(backend)[:3]]
+        n = self.num_decode_tokens
+        solo = [solo_greedy(backend, prompt, n) for prompt in prompts]
+        plan = [RowPlan(prompts[0], 0, n), RowPlan(prompts[1], 2, n - 3), RowPlan(prompts[2], 3, n)]
+        got = drive_rows(backend, plan)
+        assert got == [solo[0], solo[1][: n - 3], solo[2]]
+        self._finish(backend)
+
+    def test_stack_equals_successive_splices(self, backend: InferenceBackend) -> None:
+        self._batched(backend)
+        plan = [RowPlan(tuple(p), 0, self.num_decode_tokens) for p in self.make_prompts(backend)[:3]]
+        assert drive_rows(backend, plan, stack_initial=True) == drive_rows(backend, plan, stack_initial=False)
+        self._finish(backend)
+
+    def test_kv_length_exact(self, backend: InferenceBackend) -> None:
+        self._batched(backend)
+        prompts = self.make_prompts(backend)[:3]
+        with backend.lock:
+            batch = None
+            for prompt in prompts:
+                result = backend.prefill(prompt)
+                batch = backend.splice_into_batched(batch, result.kv, backend.kv_length(result.kv))
+            lengths = [len(p) for p in prompts]
+            assert [backend.kv_length(batch, i) for i in range(3)] == lengths
+            backend.decode_step_batched(batch, [prompt[-1] for prompt in prompts])
+            lengths = [n + 1 for n in lengths]
+            assert [backend.kv_length(batch, i) for i in range(3)] == lengths
+            backend.remove_row_from_cache(batch, 1)
+            assert [backend.kv_length(batch, i) for i in range(2)] == [lengths[0], lengths[2]]
+            backend.remove_row_from_cache(batch, 1)
+            backend.remove_row_from_cache(batch, 0)
+        self._finish(backend)
+
+    # -- sampling -----------------------------------------------------------------------------------
+    def test_sampling_depends_only_on_seed_and_step(self, backend: InferenceBackend) -> None:
+        self._batched(backend)
+        prompts = self.make_prompts(backend)[:3]
+        with backend.lock:
+            batch = None
+            for prompt in prompts:
+                result = backend.prefill(prompt)
+                batch = backend.splice_into_batched(batch, result.kv, backend.kv_length(result.kv))
+            logits = backend.decode_step_batched(batch, [p[-1] for p in prompts])
+            a, b = RowSampling(0.9, 0.95, 20, 11, 3), RowSampling(1.3, 1.0, 0, 12, 5)
+            first = backend.sample(logits, [a, RowSampling(0.7, 1.0, 0, 1, 1), b]).token_ids
+            again = backend.sample(logits, [a, RowSampling(1.0, 0.5, 5, 99, 7), b]).token_ids
+            assert (first[0], first[2]) == (again[0], again[2]), "a row's token depends on another row's params"
+            greedy = [backend.sample(logits, [RowSampling(0.0, 1.0, 0, s, s)] * 3).token_ids for s in (1, 2)]
+            assert greedy[0] == greedy[1], "greedy sampling must ignore seed and step"
+            seen = {backend.sample(logits, [RowSampling(100.0, 1.0, 0, s, 0)] * 3).token_ids[0] for s in range(32)}
+            assert len(seen) > 1, "seeds have no effect at temperature 100"
+            if backend.capabilities.logprobs:
+                out = backend.sample(logits, [a, a, b], want_logprobs=True)
+                assert out.logprobs is not None and len(out.logprobs) == 3
+                assert all(math.isfinite(x) and x <= 1e-6 for x in out.logprobs)
+            for index in (2, 1, 0):
+                backend.remove_row_from_cache(batch, index)
+        self._finish(backend)
+
+    # -- prefix cache -------------------------------------------------------------------------------
+    def test_prefix_cache_second_pass_hits_with_same_tokens(self, backend: InferenceBackend) -> None:
+        self._batched(backend)
+        prompt = self.make_prompts(backend)[-1]
+        bs = self.prefix_block_size
+        assert len(prompt) > 2 * bs + 1, "the longest prompt must span more than two prefix blocks"
+        other = next(token for token in prompt if token != prompt[2 * bs])
+        sibling = [*prompt[: 2 * bs], other, *prompt[2 * bs :]]  # same first two blocks, then diverges
+        backend.set_cache_adapter(None)
+        truth = [solo_greedy(backend, p, self.num_decode_tokens) for p in (prompt, sibling)]
+        cache = self._core_cache(backend)
+        with backend.lock:
+            state = backend.prefill_lookup(prompt)
+            backend.free_row_kv(state.kv)
+        assert state.num_cached == 0, "a fresh prefix cache reported a hit"
+        first = solo_greedy(backend, prompt, self.num_decode_tokens)
+        with backend.lock:
+            state = backend.prefill_lookup(prompt)
+            second_hit = state.num_cached
+            backend.free_row_kv(state.kv)
+            state = backend.prefill_lookup(sibling)
+            sibling_hit = state.num_cached
+            backend.free_row_kv(state.kv)
+        if self.expects_prefix_hits:
+            assert second_hit > 0, "second pass over the same prompt reported no prefix-cache hit"
+        if cache is not None:
+            assert second_hit >= len(prompt) - bs and sibling_hit == 2 * bs
+        second = solo_greedy(backend, prompt, self.num_decode_tokens)
+        assert first == second == truth[0]
+        assert solo_greedy(backend, sibling, self.num_decode_tokens) == truth[1]
+        self._finish(backend, cache)
+
+    # -- other paths ----------------------------------------------------------------------------------
+    def test_generate_stream_matches_batched_greedy(self, backend: InferenceBackend) -> None:
+        prompt = self.make_prompts(backend)[1]
+        params = SamplingParams(max_tokens=self.num_decode_tokens, ignore_eos=True)
+        streamed = list(backend.generate_stream(prompt, params))
+        assert len(streamed) == self.num_decode_tokens
+        assert list(backend.generate_stream(prompt, params)) == streamed
+        if backend.capabilities.continuous_batching:
+            assert streamed == solo_greedy(backend, prompt, self.num_decode_tokens)
+        sampled = SamplingParams(max_tokens=4, temperature=0.8, seed=5, ignore_eos=True)
+        assert list(backend.generate_stream(prompt, sampled)) == list(backend.generate_stream(prompt, sampled))
+        self._finish(backend)
+
+    def test_kv_reservation(self, backend: InferenceBackend) -> None:
+        if not backend.capabilities.kv_reservation:
+            pytest.skip("backend does not implement kv_reserve")
+        with backend.lock:
+            assert backend.kv_reserve("contract-a", 8) is True
+            backend.kv_release("contract-a")
+            backend.kv_release("contract-a")  # idempotent
+            try:
+                assert backend.kv_reserve("contract-b", 10**12) is False
+            except KVCapacityError:
+                pass
+            backend.kv_release("contract-b")
+        self._finish(backend)
+
+    def test_row_ops_property(self, backend: InferenceBackend) -> None:
+        self._batched(backend)
+        self._core_cache(backend)
+        run_row_ops_property(backend, max_examples=self.property_examples)
+
+
+def run_row_ops_property(
+    backend: InferenceBackend,
+    *,
+    alphabet: Sequence[int] | None = None,
+    max_examples: int = 25,
+    max_rows: int = 4,
+    max_prompt_len: int = 12,
+    max_new_tokens: int = 6,
+) -> None:
+    """Hypothesis property: random row plans (prompts over a tiny ``alphabet`` so prefixes repeat,
+    random join ticks and lengths, optionally a stacked start) keep every row's greedy tokens equal
+    to its solo run and every ``kv_length`` exact; ``check_integrity`` after each example."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    if alphabet is None:
+        alphabet = sorted(set(backend.tokenizer.encode("abcab", add_special_tokens=False)))[:3]
+    solo: dict[tuple[int, ...], list[int]] = {}
+    rows = st.builds(
+        RowPlan,
+        st.lists(st.sampled_from(list(alphabet)), min_size=1, max_size=max_prompt_len).map(tuple),
+        st.integers(0, 5),
+        st.integers(1, max_new_tokens),
+    )
+
+    @settings(max_examples=max_examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(plan=st.lists(rows, min_size=1, max_size=max_rows), stack_initial=st.booleans())
+    def check(plan: list[RowPlan], stack_initial: bool) -> None:
+        got = drive_rows(backend, plan, stack_initial=stack_initial)
+        for row, tokens in zip(plan, got):
+            if row.prompt not in solo:
+                solo[row.prompt] = solo_greedy(backend, row.prompt, max_new_tokens)
+            assert tokens == solo[row.prompt][: row.num_tokens], f"row {row} differs from its solo run"
+        backend.check_integrity()
+
+    check()

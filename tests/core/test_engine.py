@@ -1,0 +1,342 @@
+"""Engine: the background thread, handles, async streams, cancellation, shutdown, build_engine."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from gemmaserve.engine import Engine, RequestEvent, RequestStream, build_engine
+from gemmaserve.errors import EngineOverloadedError, InvalidRequestError, PromptTooLongError
+from gemmaserve.hardware import DeviceReport
+from gemmaserve.hookspecs import hookimpl
+from gemmaserve.kv.cache_manager import CacheManager
+from gemmaserve.plugins import register_plugin, unregister_plugin
+from gemmaserve.registry import BackendSpec
+from gemmaserve.sampling_params import SamplingParams
+from gemmaserve.settings import CoreSettings
+from gemmaserve.testing.reference_backend import ReferenceBackend
+
+LONG = SamplingParams(max_tokens=400, ignore_eos=True)
+
+
+def make_engine(backend: ReferenceBackend | None = None, **overrides: int) -> Engine:
+    backend = backend or ReferenceBackend()
+    cache = CacheManager(64, 4)
+    backend.set_cache_adapter(cache)
+    values = {"max_batch_size": 8, "prefill_chunk_tokens": 8, "max_active_kv_tokens": 8192, **overrides}
+    return Engine(backend, CoreSettings(**values), cache)
+
+
+@pytest.fixture
+def engine() -> Iterator[Engine]:
+    engine = make_engine()
+    yield engine
+    engine.shutdown()
+
+
+def reference(engine: Engine) -> ReferenceBackend:
+    assert isinstance(engine.backend, ReferenceBackend)
+    return engine.backend
+
+
+def wait_until(predicate, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.002)
+
+
+def assert_idle(engine: Engine) -> None:
+    wait_until(lambda: engine.stats().running == 0 and engine.stats().waiting == 0)
+    engine.check_integrity()
+    backend = engine.backend
+    assert isinstance(backend, ReferenceBackend)
+    with backend.lock:
+        backend.check_integrity()
+        assert backend.num_live_rows == 0 and backend.num_reservations == 0
+    assert engine.cache_manager is not None and engine.cache_manager.stats().pinned_blocks == 0
+
+
+def test_submit_result_and_event_iteration(engine: Engine) -> None:
+    params = SamplingParams(max_tokens=12, temperature=0.9, seed=3)
+    seen: list[RequestEvent] = []
+    handle = engine.submit([5, 6, 7], params, request_id="r1", on_event=seen.append)
+    events = list(handle)
+    output = handle.result(timeout=5)
+    assert handle.request_id == output.request_id == "r1" and handle.done
+    assert events[-1].finished and not any(e.finished for e in events[:-1])
+    assert [t for e in events for t in e.new_token_ids] == output.token_ids
+    assert output.token_ids == reference(engine).reference_generate([5, 6, 7], params)
+    wait_until(lambda: len(seen) == len(events))
+    assert seen == events
+    assert handle.cancel() is False  # already finished
+    assert_idle(engine)
+
+
+def test_generate_batches_and_matches_single_runs(engine: Engine) -> None:
+    prompts = [[5 + i % 4] * (3 + i) for i in range(12)]
+    params = [SamplingParams(max_tokens=4 + i, temperature=0.5 * (i % 3), seed=i) for i in range(12)]
+    outputs = engine.generate(prompts, params)
+    backend = reference(engine)
+    assert [o.token_ids for o in outputs] == [backend.reference_generate(p, q) for p, q in zip(prompts, params)]
+    again = engine.generate(prompts[:2], SamplingParams(max_tokens=3))
+    assert all(o.cached_tokens > 0 for o in again)
+    stats = engine.stats()
+    assert sum(stats.finished.values()) == 14 and stats.generated_tokens == sum(
+        len(o.token_ids) for o in [*outputs, *again]
+    )
+    assert stats.cache is not None and stats.cache.hit_tokens > 0 and stats.num_steps > 0
+    with pytest.raises(InvalidRequestError, match="2 prompts but 1"):
+        engine.generate([[5], [6]], [SamplingParams()])
+    assert_idle(engine)
+
+
+def test_generate_waits_for_queue_room_instead_of_failing() -> None:
+    with make_engine(max_waiting_requests=2, max_batch_size=2) as engine:
+        outputs = engine.generate([[5, i % 10 + 5] for i in range(20)], SamplingParams(max_tokens=3))
+        assert len(outputs) == 20 and all(o.finish_reason in ("length", "stop") for o in outputs)
+
+
+def test_validation_errors_raise_synchronously(engine: Engine) -> None:
+    with pytest.raises(PromptTooLongError, match="maximum model length"):
+        engine.submit([5] * 500, SamplingParams(max_tokens=100))
+    with pytest.raises(InvalidRequestError, match="not a valid token id"):
+        engine.submit([5, 99])
+    handle = engine.submit([5], LONG, request_id="dup")
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.submit([5], request_id="dup")
+    handle.cancel()
+    assert handle.result(timeout=5).finish_reason == "cancelled"
+    assert_idle(engine)
+
+
+def test_queue_overflow_raises_overloaded() -> None:
+    engine = make_engine(max_waiting_requests=2)
+    try:
+        with engine.backend.lock:  # the engine thread cannot step, so nothing gets admitted
+            engine.submit([5], LONG)
+            engine.submit([6], LONG)
+            with pytest.raises(EngineOverloadedError, match="MAX_WAITING_REQUESTS=2"):
+                engine.submit([7], LONG)
+    finally:
+        engine.shutdown()
+
+
+def test_cancel_running_request_frees_its_kv() -> None:
+    with make_engine(ReferenceBackend(decode_delay_s=0.002)) as engine:
+        bystander = engine.submit([8, 9], SamplingParams(max_tokens=30, ignore_eos=True))
+        handle = engine.submit([5, 6, 7], LONG)
+        events = iter(handle)
+        next(events)
+        assert engine.cancel(handle.request_id) is True
+        output = handle.result(timeout=5)
+        assert output.finish_reason == "cancelled" and 1 <= len(output.token_ids) < 400
+        assert bystander.result(timeout=5).token_ids == reference(engine).reference_generate(
+            [8, 9], SamplingParams(max_tokens=30, ignore_eos=True)
+        )
+        assert engine.cancel(handle.request_id) is False and engine.cancel("unknown") is False
+        assert_idle(engine)
+
+
+def test_cancel_from_the_event_callback_is_deterministic(engine: Engine) -> None:
+    def cancel_on_first(event: RequestEvent) -> None:
+        if event.new_token_ids and not event.finished:
+            engine.cancel(event.request_id)
+
+    handle = engine.submit([5, 6, 7], LONG, on_event=cancel_on_first)
+    output = handle.result(timeout=5)
+    assert output.finish_reason == "cancelled" and len(output.token_ids) <= 2
+    assert engine.stats().finished.get("cancelled") == 1
+    assert_idle(engine)
+
+
+def test_shutdown_cancels_pending_requests_and_is_idempotent() -> None:
+    backend = ReferenceBackend(decode_delay_s=0.002)
+    engine = make_engine(backend, max_batch_size=2)
+    handles = [engine.submit([5 + i], LONG) for i in range(5)]
+    handles[0].__iter__().__next__()  # something is running
+    engine.shutdown()
+    engine.shutdown()
+    assert all(h.result(timeout=0).finish_reason == "cancelled" for h in handles)
+    assert not engine.is_alive()
+    with pytest.raises(EngineOverloadedError, match="shut down"):
+        engine.submit([5])
+    with backend.lock:
+        assert backend.num_live_rows == 0
+
+
+def test_engine_owning_its_backend_closes_it() -> None:
+    backend = ReferenceBackend()
+    engine = Engine(backend, CoreSettings(), owns_backend=True, backend_name="reference")
+    engine.generate([[5]], SamplingParams(max_tokens=2))
+    assert engine.is_alive() and engine.backend_name == "reference"
+    engine.shutdown()
+    assert backend.closed and not engine.is_alive()
+
+
+def test_prefill_failure_reports_error_and_engine_keeps_serving() -> None:
+    with make_engine(ReferenceBackend(fail_on_token=40)) as engine:
+        bad, good = engine.generate([[5, 40, 6], [5, 6]], SamplingParams(max_tokens=3))
+        assert bad.finish_reason == "error" and bad.error_type == "BackendStepError" and "injected" in (bad.error or "")
+        assert good.finish_reason in ("length", "stop") and engine.stats().finished.get("error") == 1
+        assert_idle(engine)
+
+
+@pytest.mark.parametrize("abort_also_fails", [False, True])
+def test_a_crashing_scheduler_step_fails_in_flight_requests_and_serving_continues(abort_also_fails: bool) -> None:
+    engine = make_engine()
+    broken = engine.scheduler
+    step, abort_all = broken.step, broken.abort_all
+    crashes = {"step": 1, "abort_all": int(abort_also_fails)}
+
+    def crashing(name, original):  # type: ignore[no-untyped-def]
+        def call(**kwargs):  # type: ignore[no-untyped-def]
+            if crashes[name]:
+                crashes[name] -= 1
+                raise RuntimeError(f"{name} bug")
+            return original(**kwargs)
+
+        return call
+
+    broken.step = crashing("step", step)  # type: ignore[method-assign]
+    broken.abort_all = crashing("abort_all", abort_all)  # type: ignore[method-assign]
+    try:
+        output = engine.submit([5, 6], SamplingParams(max_tokens=3)).result(timeout=5)
+        assert output.finish_reason == "error" and "step bug" in (output.error or "")
+        assert (engine.scheduler is not broken) == abort_also_fails  # else the old one recovered
+        assert engine.generate([[5]], SamplingParams(max_tokens=2, ignore_eos=True))[0].finish_reason == "length"
+        assert engine.is_alive()
+        assert_idle(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_engine_thread_idles_without_polling(engine: Engine) -> None:
+    engine.generate([[5]], SamplingParams(max_tokens=2))
+    steps = engine.stats().num_steps
+    time.sleep(0.2)
+    assert engine.stats().num_steps == steps  # no ticks without work
+    assert any(t.name == "gemmaserve-engine" for t in threading.enumerate())
+
+
+# -- asyncio -------------------------------------------------------------------------------------------
+
+
+def test_async_stream_delivers_every_token(engine: Engine) -> None:
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+
+    async def consume() -> list[RequestEvent]:
+        return [event async for event in engine.stream([5, 6], params, logprobs=True)]
+
+    events = asyncio.run(consume())
+    assert events[-1].finished and events[-1].output is not None
+    assert [t for e in events for t in e.new_token_ids] == events[-1].output.token_ids
+    assert events[-1].output.logprobs is not None and len(events[-1].output.logprobs) == 10
+    assert events[-1].output.token_ids == reference(engine).reference_generate([5, 6], params)
+
+
+def test_async_stream_validation_raises_at_call(engine: Engine) -> None:
+    async def call() -> None:
+        engine.stream([], SamplingParams())
+
+    with pytest.raises(InvalidRequestError, match="empty"):
+        asyncio.run(call())
+
+
+@pytest.fixture
+def slow_engine() -> Iterator[Engine]:
+    engine = make_engine(ReferenceBackend(decode_delay_s=0.002))
+    yield engine
+    engine.shutdown()
+
+
+async def _finish_reason(stream: RequestStream) -> str:
+    """Wait (without blocking the loop, which stays alive) for the request's final output."""
+    output = await asyncio.to_thread(stream.handle.result, 5)
+    return str(output.finish_reason)
+
+
+def test_async_stream_aclose_cancels(slow_engine: Engine) -> None:
+    async def main() -> str:
+        stream = slow_engine.stream([5, 6], LONG)
+        async for event in stream:
+            if event.new_token_ids:
+                break
+        await stream.aclose()
+        return await _finish_reason(stream)
+
+    assert asyncio.run(main()) == "cancelled"
+    assert_idle(slow_engine)
+
+
+def test_cancelling_the_consumer_task_cancels_the_request(slow_engine: Engine) -> None:
+    async def main() -> str:
+        stream = slow_engine.stream([7, 8], LONG)  # kept alive here: only the task is cancelled
+        first = asyncio.Event()
+
+        async def consume() -> None:
+            async for _ in stream:
+                first.set()
+
+        task = asyncio.create_task(consume())
+        await first.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await _finish_reason(stream)
+
+    assert asyncio.run(main()) == "cancelled"
+    assert_idle(slow_engine)
+
+
+def test_dropping_an_unfinished_stream_cancels_the_request(slow_engine: Engine) -> None:
+    async def main() -> str:
+        async for event in slow_engine.stream([9, 9], LONG, request_id="dropped"):
+            if event.new_token_ids:
+                break  # the stream object is unreachable from here on
+        await asyncio.to_thread(wait_until, lambda: slow_engine.stats().finished.get("cancelled") == 1)
+        return "cancelled"
+
+    assert asyncio.run(main()) == "cancelled"
+    assert_idle(slow_engine)
+
+
+# -- build_engine ----------------------------------------------------------------------------------------
+
+
+class _ReferencePlugin:
+    @hookimpl
+    def gemmaserve_register_backends(self, register) -> None:  # type: ignore[no-untyped-def]
+        register(
+            BackendSpec(
+                "reference-test",
+                "gemmaserve.testing.reference_backend:create_reference_backend",
+                ("cpu",),
+                description="deterministic toy backend",
+            )
+        )
+
+
+def test_build_engine_selects_builds_and_attaches_the_prefix_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("gemmaserve.selection.detect_devices", lambda: DeviceReport("cpu", ("cpu",)))  # no torch import
+    register_plugin(_ReferencePlugin(), "reference-test-plugin")
+    try:
+        settings = CoreSettings(
+            backend="reference-test", device="cpu", model="/no/weights", prefix_cache_blocks=16, kv_block_size=2
+        )
+        engine = build_engine(settings)
+        with engine:
+            assert engine.backend_name == "reference-test" and isinstance(engine.backend, ReferenceBackend)
+            assert engine.cache_manager is not None and engine.cache_manager.block_size == 2
+            assert engine.backend.cache is engine.cache_manager
+            out = engine.generate([[5, 6, 7, 8, 9]] * 2, SamplingParams(max_tokens=2))
+            assert len(out) == 2
+        assert engine.backend.closed
+        no_cache = build_engine(settings.model_copy(update={"prefix_cache_blocks": 0}))
+        assert no_cache.cache_manager is None and reference(no_cache).cache is None
+        no_cache.shutdown()
+    finally:
+        unregister_plugin("reference-test-plugin")
