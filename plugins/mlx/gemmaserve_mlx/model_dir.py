@@ -1,0 +1,189 @@
+"""Checks on a local checkpoint directory that need no mlx: files present, architecture known.
+
+Used by the probes (cheap, weights untouched) and by the loader (which raises ``ModelLoadError``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gemmaserve.errors import ModelLoadError
+
+__all__ = [
+    "BATCHED_ARCHITECTURES",
+    "ModelDir",
+    "read_model_dir",
+    "mlx_architecture",
+    "text_config",
+    "config_overrides",
+]
+
+BATCHED_ARCHITECTURES = frozenset({"gemma4", "gemma4_text", "gemma3", "gemma3_text", "llama"})
+"""mlx_lm modules (after mlx_lm's own remapping, e.g. mistral -> llama) whose attention layers read
+``cache.offset`` as an array and build masks through ``cache.make_mask``: the ones BACKEND=mlx drives
+with its left-padded batched KV. Every other mlx_lm architecture runs only under BACKEND=mlx-stream."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDir:
+    """A checkpoint directory that passed the file checks; ``config`` is its parsed config.json."""
+
+    path: Path
+    config: dict[str, Any]
+    architecture: str  # the mlx_lm.models module that implements it
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def read_model_dir(model_path: str | Path) -> ModelDir:
+    """Validate ``model_path`` (config.json, safetensors weights, an mlx_lm architecture).
+
+    Raises ModelLoadError naming the missing piece. Imports mlx_lm only to look its models up.
+    """
+    path = Path(model_path).expanduser()
+    if not path.is_dir():
+        raise ModelLoadError(f"model directory {str(path)!r} does not exist; set MODEL to a local checkpoint folder")
+    config_file = path / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(
+            f"{str(path)!r} has no config.json; MODEL must be a Hugging Face checkpoint folder"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {str(config_file)!r}: {exc}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise ModelLoadError(f"{str(config_file)!r} has no 'model_type'; it is not a transformers model config")
+    if not any(path.glob("model*.safetensors")):
+        raise ModelLoadError(
+            f"{str(path)!r} has no model*.safetensors weights; MLX loads safetensors only "
+            "(convert .bin/GGUF checkpoints with transformers' save_pretrained first)"
+        )
+    return ModelDir(path, config, mlx_architecture(config))
+
+
+def mlx_architecture(config: dict[str, Any]) -> str:
+    """The mlx_lm.models module for ``config``; raises ModelLoadError when mlx_lm has none.
+
+    Cheap for the usual case (a module named like ``model_type``); only a renamed type (e.g. mistral)
+    imports ``mlx_lm.utils`` (and with it transformers) for mlx_lm's remapping table.
+    """
+    model_type = str(config["model_type"])
+    architecture = model_type
+    if not _has_mlx_lm_module(architecture):
+        from mlx_lm.utils import MODEL_REMAPPING
+
+        architecture = MODEL_REMAPPING.get(model_type, model_type)
+    if not _has_mlx_lm_module(architecture):
+        raise ModelLoadError(
+            f"architecture {model_type!r} is not supported by the installed mlx_lm; "
+            "use BACKEND=hf, or upgrade mlx-lm"
+        )
+    return architecture
+
+
+def _has_mlx_lm_module(name: str) -> bool:
+    """Whether ``mlx_lm/models/<name>.py`` exists, found without importing mlx_lm."""
+    if not name.isidentifier():
+        return False
+    spec = importlib.util.find_spec("mlx_lm")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError('mlx_lm is not installed: pip install "gemmaserve[mlx]"')
+    return any((Path(root) / "models" / f"{name}.py").is_file() for root in spec.submodule_search_locations)
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language-model part of ``config`` (``text_config`` of multimodal checkpoints)."""
+    inner = config.get("text_config")
+    return inner if isinstance(inner, dict) else config
+
+
+def config_overrides(config: dict[str, Any]) -> dict[str, Any]:
+    """Top-level config entries to override so mlx_lm reads a transformers-5 checkpoint right.
+
+    - Gemma 4: the full-attention head size is saved in ``per_layer_config`` instead of
+      ``global_head_dim`` (hub style); mlx_lm would silently default it to 512.
+    - RoPE: transformers 5 saves ``rope_parameters`` (per layer type for Gemma 3) where mlx_lm's
+      Llama / Gemma 3 read ``rope_theta``, ``rope_local_base_freq`` and ``rope_scaling``; without
+      the translation mlx_lm falls back to its defaults (e.g. drops Gemma 3's linear scaling).
+    - Gemma 3: mlx_lm places full-attention layers by ``sliding_window_pattern`` (default 6), which
+      transformers 5 no longer saves; derive it from ``layer_types``.
+    - mlx_lm's multimodal wrappers copy a top-level ``vocab_size`` (default 262144) over the text
+      config's: pass the text config's own when the top level has none.
+    """
+    inner = text_config(config)
+    model_type = str(inner.get("model_type", config["model_type"]))
+    fixes = {
+        **_gemma4_head_dims(inner, model_type),
+        **_rope_fields(inner, model_type),
+        **_gemma3_pattern(inner, model_type),
+    }
+    overrides: dict[str, Any] = {}
+    if inner is not config:
+        if "vocab_size" not in config and isinstance(inner.get("vocab_size"), int):
+            overrides["vocab_size"] = inner["vocab_size"]
+        if fixes:
+            overrides["text_config"] = {**inner, **fixes}
+        return overrides
+    return fixes
+
+
+def _gemma4_head_dims(config: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """``global_head_dim`` (and the global KV heads) recovered from ``per_layer_config``."""
+    layers = config.get("per_layer_config")
+    if not model_type.startswith("gemma4") or "global_head_dim" in config or not isinstance(layers, dict):
+        return {}
+    fixes: dict[str, Any] = {}
+    for override in layers.values():
+        if isinstance(override, dict):
+            if "head_dim" in override:
+                fixes["global_head_dim"] = override["head_dim"]
+            if "num_key_value_heads" in override and config.get("num_global_key_value_heads") is None:
+                fixes["num_global_key_value_heads"] = override["num_key_value_heads"]
+    return fixes
+
+
+def _rope_fields(config: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """mlx_lm's flat RoPE fields from transformers-5 ``rope_parameters`` (Gemma 4 reads those itself)."""
+    params = config.get("rope_parameters")
+    if model_type.startswith("gemma4") or not isinstance(params, dict):
+        return {}
+    fixes: dict[str, Any] = {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = params.get("full_attention") or {}
+        sliding = params.get("sliding_attention") or {}
+        if "rope_theta" in full and "rope_theta" not in config:
+            fixes["rope_theta"] = full["rope_theta"]
+        if "rope_theta" in sliding and "rope_local_base_freq" not in config:
+            fixes["rope_local_base_freq"] = sliding["rope_theta"]
+        scaling = full
+    else:
+        scaling = params
+        if "rope_theta" in params and "rope_theta" not in config:
+            fixes["rope_theta"] = params["rope_theta"]
+    if config.get("rope_scaling") is None and scaling.get("rope_type", "default") != "default":
+        fixes["rope_scaling"] = {key: value for key, value in scaling.items() if key != "rope_theta"}
+    return fixes
+
+
+def _gemma3_pattern(config: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """``sliding_window_pattern`` from ``layer_types``; ModelLoadError if mlx_lm cannot express them."""
+    layer_types = config.get("layer_types")
+    if not model_type.startswith("gemma3") or not isinstance(layer_types, list) or not layer_types:
+        return {}
+    if "full_attention" not in layer_types:
+        raise ModelLoadError("Gemma 3 config has no full_attention layer; mlx_lm's gemma3 needs at least one")
+    pattern = layer_types.index("full_attention") + 1
+    expected = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(len(layer_types))]
+    if layer_types != expected:
+        raise ModelLoadError(
+            f"Gemma 3 layer_types {layer_types} are not a repeating sliding/full pattern, which is all "
+            "mlx_lm's gemma3 can express; use BACKEND=hf"
+        )
+    return {} if config.get("sliding_window_pattern") == pattern else {"sliding_window_pattern": pattern}

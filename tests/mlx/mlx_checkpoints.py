@@ -1,0 +1,87 @@
+"""Tiny random checkpoints for the MLX tests, written with transformers' ``save_pretrained``.
+
+Gemma 4 / Gemma 3 (and the multimodal wrapper) come from the shared builders in
+``tests/custom_torch/checkpoints.py`` (loaded by file path: several test folders have a module
+named ``checkpoints``); the Llama-style builder lives here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+__all__ = ["shared_builders", "build_tiny_llama", "build_gemma4_per_layer_config", "BUILDERS"]
+
+_SHARED = Path(__file__).resolve().parents[1] / "custom_torch" / "checkpoints.py"
+
+
+@cache
+def shared_builders() -> ModuleType:
+    """tests/custom_torch/checkpoints.py as module ``mlx_shared_checkpoints``."""
+    spec = importlib.util.spec_from_file_location("mlx_shared_checkpoints", _SHARED)
+    assert spec is not None and spec.loader is not None, f"missing {_SHARED}"
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_tiny_llama(path: Path, *, seed: int = 0) -> Path:
+    """A Llama-style model: one head dim, GQA, full attention everywhere, untied head."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shared = shared_builders()
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=shared.VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rope_theta=10_000.0,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    model = LlamaForCausalLM(config)
+    shared._perturb_(model, seed)
+    model.save_pretrained(str(path))
+    shared.save_tiny_tokenizer(path)
+    return path
+
+
+def build_gemma4_per_layer_config(path: Path) -> Path:
+    """Gemma 4 with config.json exactly as transformers 5 writes it (``per_layer_config``, no
+    ``global_head_dim``): mlx_lm alone would build 512-wide full-attention heads from it."""
+    built = shared_builders().build_tiny_gemma4(path, hub_style=False)
+    raw: dict[str, Any] = json.loads((built / "config.json").read_text())
+    assert "per_layer_config" in raw and "global_head_dim" not in raw
+    return built
+
+
+def _build_gemma4(path: Path) -> Path:
+    return shared_builders().build_tiny_gemma4(path)
+
+
+def _build_gemma4_k_eq_v(path: Path) -> Path:
+    return shared_builders().build_tiny_gemma4_k_eq_v(path)
+
+
+def _build_gemma3(path: Path) -> Path:
+    return shared_builders().build_tiny_gemma3(path)
+
+
+BUILDERS = {
+    "gemma4": _build_gemma4,
+    "gemma4_per_layer_config": build_gemma4_per_layer_config,
+    "gemma4_k_eq_v": _build_gemma4_k_eq_v,  # K = V on full layers, one global KV head
+    "gemma3": _build_gemma3,
+    "llama": build_tiny_llama,
+}

@@ -1,0 +1,63 @@
+"""Checkpoint checks and the config fixes that let mlx_lm read transformers-5 checkpoints."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from gemmaserve.errors import ModelLoadError
+
+from gemmaserve_mlx.model_dir import config_overrides, mlx_architecture, read_model_dir
+
+
+def test_read_model_dir_names_what_is_missing(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        read_model_dir(tmp_path / "nope")
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
+        read_model_dir(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        read_model_dir(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert read_model_dir(tmp_path).architecture == "llama"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_arch"}))
+    with pytest.raises(ModelLoadError, match="not supported by the installed mlx_lm"):
+        read_model_dir(tmp_path)
+
+
+def test_renamed_architectures_use_mlx_lm_remapping() -> None:
+    assert mlx_architecture({"model_type": "mistral"}) == "llama"
+    assert mlx_architecture({"model_type": "gemma4_text"}) == "gemma4_text"
+
+
+def test_gemma4_per_layer_config_becomes_global_head_dim(checkpoint: Callable[[str], Path]) -> None:
+    raw = json.loads((checkpoint("gemma4_per_layer_config") / "config.json").read_text())
+    assert config_overrides(raw) == {"global_head_dim": 32}
+    hub = json.loads((checkpoint("gemma4") / "config.json").read_text())
+    assert config_overrides(hub) == {}
+
+
+def test_multimodal_wrapper_gets_its_text_vocab() -> None:
+    text = {"model_type": "gemma4_text", "vocab_size": 512, "global_head_dim": 32}
+    assert config_overrides({"model_type": "gemma4", "text_config": text}) == {"vocab_size": 512}
+
+
+def test_gemma3_rope_parameters_and_layer_pattern(checkpoint: Callable[[str], Path]) -> None:
+    raw = json.loads((checkpoint("gemma3") / "config.json").read_text())
+    assert config_overrides(raw) == {
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+        "sliding_window_pattern": 3,
+    }
+    irregular = {**raw, "layer_types": ["full_attention", "sliding_attention", "sliding_attention"]}
+    with pytest.raises(ModelLoadError, match="repeating"):
+        config_overrides(irregular)
+
+
+def test_llama_rope_parameters() -> None:
+    config = {"model_type": "llama", "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}
+    assert config_overrides(config) == {"rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
