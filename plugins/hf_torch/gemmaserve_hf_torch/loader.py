@@ -1,0 +1,217 @@
+"""Loading a local Hugging Face causal LM onto a device, and calling its forward.
+
+- :func:`resolve_dtype`: ``DTYPE=auto`` is bfloat16 on CUDA (float16 on GPUs without bf16) and float32
+  on CPU and MPS. float16 is never chosen automatically: Gemma activations overflow it.
+- :func:`load_model`: validates the directory (config.json, weights, architecture, dtype) and loads
+  model + tokenizer, raising :class:`~gemmaserve.errors.ModelLoadError` with what is wrong.
+- :class:`ModelForward`: the forward used by the backend, optionally through ``torch.compile``
+  (``COMPILE_MODEL``) with a warning and a permanent fall back to eager if compiling fails.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gemmaserve.errors import ConfigurationError, ModelLoadError
+from gemmaserve_hf_torch.probe import device_problem, model_dir_problem
+from gemmaserve_hf_torch.tokenizer import HFTokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
+
+    from gemmaserve.settings import CoreSettings
+    from gemmaserve_hf_torch.settings import HFTorchSettings
+
+__all__ = ["LoadedModel", "ModelForward", "load_model", "resolve_dtype", "check_dtype_runs"]
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(setting: str, device: str) -> torch.dtype:
+    """The torch dtype for ``DTYPE=setting`` on ``device`` (see the module docstring for ``auto``)."""
+    if setting != "auto":
+        if setting not in _DTYPES:
+            raise ConfigurationError(f"DTYPE={setting!r} is not accepted; use auto, float32, bfloat16 or float16")
+        return _DTYPES[setting]
+    if device == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def check_dtype_runs(dtype: torch.dtype, device: torch.device) -> None:
+    """Raise ModelLoadError if a matmul + softmax in ``dtype`` fails on ``device`` here."""
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise ModelLoadError("DTYPE=bfloat16 is not supported by this CUDA GPU; use float16 or float32")
+    try:
+        _run_dtype_probe(dtype, device)
+    except Exception as exc:
+        name = str(dtype).removeprefix("torch.")
+        raise ModelLoadError(
+            f"DTYPE={name} does not run on {device.type} with this torch build ({type(exc).__name__}: {exc}); "
+            "use DTYPE=float32 (or auto)"
+        ) from None
+
+
+def _run_dtype_probe(dtype: torch.dtype, device: torch.device) -> None:
+    a = torch.ones(4, 4, dtype=dtype, device=device)
+    torch.softmax(a @ a, dim=-1).sum().item()
+
+
+class ModelForward:
+    """Calls the model's forward, through ``torch.compile`` when asked.
+
+    Atomic with respect to the cache: if a call raises, every cache layer is put back as it was.
+    If compiling or a compiled call fails, logs a warning once, switches to eager for good and
+    retries the failed call eagerly.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, compile_model: bool) -> None:
+        self.model = model
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._has_logits_to_keep = "logits_to_keep" in params
+        self._compiled: Any = None
+        if compile_model:
+            try:
+                self._compiled = torch.compile(model)
+            except Exception as exc:
+                self._fall_back(exc)
+
+    @property
+    def is_compiled(self) -> bool:
+        return self._compiled is not None
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        cache: DynamicCache,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Logits [batch, positions, vocab] (positions = 1 with ``last_only``). Appends the new
+        tokens' KV to ``cache`` (mutated)."""
+        kwargs: dict[str, Any] = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            self._cache_kwarg: cache,
+            "use_cache": True,
+        }
+        if last_only and self._has_logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        saved = [dict(vars(layer)) for layer in cache.layers]  # references only: layers rebind on update
+        if self._compiled is not None:
+            try:
+                return self._logits(self._compiled(**kwargs), last_only)
+            except Exception as exc:
+                _restore(cache, saved)
+                self._fall_back(exc)
+        try:
+            return self._logits(self.model(**kwargs), last_only)
+        except BaseException:
+            _restore(cache, saved)
+            raise
+
+    @staticmethod
+    def _logits(output: Any, last_only: bool) -> torch.Tensor:
+        logits = output.logits
+        return logits[:, -1:, :] if last_only else logits
+
+    def _fall_back(self, exc: BaseException) -> None:
+        self._compiled = None
+        logger.warning(
+            "COMPILE_MODEL: torch.compile failed for %s (%s: %s); falling back to eager execution",
+            type(self.model).__name__,
+            type(exc).__name__,
+            str(exc).splitlines()[0] if str(exc) else "",
+        )
+
+
+def _restore(cache: DynamicCache, saved: list[dict[str, Any]]) -> None:
+    """Put every layer of ``cache`` back to the attribute state captured in ``saved``."""
+    for layer, state in zip(cache.layers, saved):
+        vars(layer).clear()
+        vars(layer).update(state)
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model ready to serve: eval mode on ``device`` in ``dtype``, with its tokenizer."""
+
+    path: Path
+    model: torch.nn.Module
+    forward: ModelForward
+    tokenizer: HFTokenizer
+    text_config: Any
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+
+
+def load_model(model_path: str, device: str, settings: CoreSettings, hf_settings: HFTorchSettings) -> LoadedModel:
+    """Load the checkpoint directory ``model_path`` onto ``device``. Raises ModelLoadError (bad
+    directory, architecture or dtype) or ConfigurationError (no context length known)."""
+    path = Path(model_path).expanduser()
+    problem = model_dir_problem(path, trust_remote_code=hf_settings.trust_remote_code) or device_problem(device)
+    if problem is not None:
+        raise ModelLoadError(problem)
+    torch_device = torch.device(device)
+    dtype = resolve_dtype(settings.dtype, device)
+    check_dtype_runs(dtype, torch_device)
+    tokenizer = load_tokenizer(path, trust_remote_code=hf_settings.trust_remote_code)
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path),
+            dtype=dtype,
+            attn_implementation=hf_settings.hf_attn_implementation,
+            local_files_only=True,
+            trust_remote_code=hf_settings.trust_remote_code,
+        )
+    except Exception as exc:
+        raise ModelLoadError(f"transformers could not load {str(path)!r}: {type(exc).__name__}: {exc}") from None
+    model = model.to(torch_device).eval()
+    text_config = model.config.get_text_config(decoder=True)
+    return LoadedModel(
+        path=path,
+        model=model,
+        forward=ModelForward(model, compile_model=hf_settings.compile_model),
+        tokenizer=tokenizer,
+        text_config=text_config,
+        dtype=dtype,
+        device=torch_device,
+        max_model_len=_max_model_len(text_config, settings),
+        eos_token_ids=_eos_token_ids(model, tokenizer),
+    )
+
+
+def _max_model_len(text_config: Any, settings: CoreSettings) -> int:
+    model_limit = getattr(text_config, "max_position_embeddings", None)
+    if isinstance(model_limit, int) and model_limit > 0:
+        return min(model_limit, settings.max_model_len) if settings.max_model_len else model_limit
+    if settings.max_model_len:
+        return settings.max_model_len
+    raise ConfigurationError("the model's config.json has no max_position_embeddings; set MAX_MODEL_LEN")
+
+
+def _eos_token_ids(model: torch.nn.Module, tokenizer: HFTokenizer) -> tuple[int, ...]:
+    """EOS ids from the generation config, the model config and the tokenizer, in that order."""
+    found: list[int] = []
+    generation_config = getattr(model, "generation_config", None)
+    for source in (getattr(generation_config, "eos_token_id", None), getattr(model.config, "eos_token_id", None)):
+        values = source if isinstance(source, (list, tuple)) else [source]
+        found.extend(int(v) for v in values if isinstance(v, int))
+    found.extend(tokenizer.eos_token_ids)
+    return tuple(dict.fromkeys(found))

@@ -1,0 +1,102 @@
+"""Checkpoints for the hf_torch tests, written at test time (never downloaded).
+
+The Gemma 4 checkpoint comes from ``tests/custom_torch/checkpoints.py::build_tiny_gemma4`` (every
+Gemma 4 text feature: sliding + full layers with head dims 16 / 32, KV sharing over the last 3
+layers, PLE, double-wide MLP, softcap 30, sliding window 8, hub-style config.json); this module
+adds a chat template to it. The Llama-style checkpoint (one head dim, GQA, no sliding, no sharing,
+no chat template) is built here with the same tiny tokenizer.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+__all__ = [
+    "shared_checkpoints",
+    "build_gemma4_checkpoint",
+    "build_llama_checkpoint",
+    "hf_greedy",
+    "CHAT_TEMPLATE",
+    "SLIDING_WINDOW",
+]
+
+SLIDING_WINDOW = 8
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<bos>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}model:{% endif %}"
+)
+_SHARED = Path(__file__).resolve().parents[1] / "custom_torch" / "checkpoints.py"
+
+
+@functools.lru_cache(maxsize=1)
+def shared_checkpoints() -> ModuleType:
+    """``tests/custom_torch/checkpoints.py``, imported by path under a unique module name."""
+    spec = importlib.util.spec_from_file_location("gemmaserve_tests_custom_torch_checkpoints", _SHARED)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_gemma4_checkpoint(path: Path) -> Path:
+    """The shared tiny Gemma 4 checkpoint plus a chat template."""
+    from transformers import AutoTokenizer
+
+    shared_checkpoints().build_tiny_gemma4(path)
+    assert shared_checkpoints().GEMMA4_BASE["sliding_window"] == SLIDING_WINDOW
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(path))
+    return path
+
+
+def build_llama_checkpoint(path: Path) -> Path:
+    """A tiny random Llama-style checkpoint (3 layers, GQA 4/2 heads, head dim 16, 128 positions)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # away from init so the tiny model's greedy tokens vary with context
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1.0 + 0.3 * noise if "norm" in name else 0.1 * noise)
+    model.save_pretrained(str(path))
+    shared_checkpoints().save_tiny_tokenizer(path)
+    return path
+
+
+def hf_greedy(model: Any, prompt: list[int] | tuple[int, ...], num_tokens: int) -> list[int]:
+    """``model.generate(do_sample=False)`` continuation of ``prompt``: exactly ``num_tokens`` tokens
+    (EOS does not stop it), with transformers' own default cache."""
+    import torch
+
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = []  # None would fall back to the model's EOS and stop early
+    config.pad_token_id = 0
+    config.max_new_tokens = num_tokens
+    config.do_sample = False
+    ids = torch.tensor([list(prompt)], dtype=torch.long, device=model.device)
+    with torch.inference_mode():
+        out = model.generate(ids, generation_config=config)
+    assert out.shape[1] == len(prompt) + num_tokens
+    return [int(t) for t in out[0, len(prompt) :].tolist()]
