@@ -1,0 +1,230 @@
+"""`CustomTorchBackend`: the InferenceBackend of custom-{cuda,mps,cpu} over the hand-written Gemma model.
+
+In-flight KV is one `PagedKVCache` per row (``RowKV``) and a `BatchedPagedKVCache` for the decoding rows
+(``BatchKV``). It caches prefixes itself (`PrefixCache`), so ``set_cache_adapter`` is a no-op, and admits
+by window-aware block reservations (`KVAdmission`). All methods run under ``self.lock`` (the caller's job).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gemmaserve.backend import BackendCapabilities, InferenceBackend, ModelInfo, PrefillState, SampledTokens
+from gemmaserve.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
+from gemmaserve.sampling_params import RowSampling
+from gemmaserve.settings import CoreSettings
+
+from .kernels import HAS_TRITON
+from .kv import BatchedPagedKVCache, KVAdmission, KVPools, PagedKVCache, PrefixCache, kv_groups, plan_pool_sizes
+from .models.gemma import GemmaForCausalLM
+from .runner import PagedRunner
+from .sampling import sample_tokens
+from .settings import CustomTorchSettings, load_custom_settings, resolve_attention
+from .tokenizer import HFTokenizer
+
+__all__ = ["CustomTorchBackend", "create_backend"]
+
+logger = logging.getLogger(__name__)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def create_backend(model_path: str, device: str, settings: CoreSettings) -> CustomTorchBackend:
+    """Registry factory: load ``model_path`` on ``device`` with ``CUSTOM_BACKEND_*`` settings from the env."""
+    return CustomTorchBackend.from_checkpoint(model_path, device, settings, load_custom_settings())
+
+
+class CustomTorchBackend(InferenceBackend):
+    """Paged-KV backend; see the module docstring. Build with :meth:`from_checkpoint`."""
+
+    def __init__(
+        self,
+        model: GemmaForCausalLM,
+        tokenizer: HFTokenizer,
+        settings: CoreSettings,
+        custom: CustomTorchSettings,
+        *,
+        name: str = "gemma",
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.custom = custom
+        config = model.config
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.block_size = custom.block_size or settings.kv_block_size
+        max_len = min(settings.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+        self.attention = resolve_attention(custom.attention, self.device.type, HAS_TRITON)
+        num_blocks = plan_pool_sizes(
+            kv_groups(config), self.block_size, param.element_size(), _budget_bytes(config, settings, custom, param),
+            sliding_blocks=custom.sliding_blocks, max_rows=settings.max_batch_size,
+        )
+        self.pools = KVPools(config, num_blocks, self.block_size, self.dtype, self.device)
+        self.prefix_cache = PrefixCache(self.pools)
+        self.admission = KVAdmission(self.pools.geometry, num_blocks, settings.max_active_kv_tokens)
+        self.runner = PagedRunner(model, self.pools, self.attention)
+        self.capabilities = BackendCapabilities(
+            continuous_batching=True, uses_core_cache_manager=False, kv_reservation=True, logprobs=True
+        )
+        self.model_info = ModelInfo(
+            name=name, vocab_size=config.vocab_size, max_model_len=max_len, eos_token_ids=config.eos_token_ids,
+            architecture=config.model_type, dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
+        )
+        if custom.compile or custom.explain:
+            logger.warning("CUSTOM_BACKEND_COMPILE / CUSTOM_BACKEND_EXPLAIN belong to the CUDA fast path, which this "
+                           "version does not have yet; decode runs eagerly")
+        logger.info(
+            "custom_torch: %s on %s (%s), block size %d, pools %s (%.1f MiB), decode attention %s",
+            name, self.device, self.model_info.dtype, self.block_size, num_blocks, self.pools.nbytes / 2**20,
+            self.attention,
+        )
+
+    @classmethod
+    def from_checkpoint(
+        cls, model_path: str | Path, device: str, settings: CoreSettings, custom: CustomTorchSettings
+    ) -> CustomTorchBackend:
+        """Load weights and tokenizer from a checkpoint folder. Raises ModelLoadError on a bad folder."""
+        dtype = _DTYPES.get(settings.dtype) or (torch.float32 if device == "cpu" else torch.bfloat16)
+        try:
+            model = GemmaForCausalLM.from_hf(model_path, device=device, dtype=dtype)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelLoadError(f"cannot load {model_path} with the custom_torch backend: {exc}") from exc
+        return cls(model, HFTokenizer.from_pretrained(model_path), settings, custom, name=Path(model_path).name)
+
+    # -- prefill -------------------------------------------------------------------------------
+    def prefill_lookup(self, prompt_ids: Sequence[int]) -> PrefillState:
+        prompt = tuple(int(t) for t in prompt_ids)
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty; send at least one token")
+        if len(prompt) > self.model_info.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(prompt)} tokens but the model takes at most {self.model_info.max_model_len}"
+            )
+        row, hit = self.prefix_cache.lookup(prompt)
+        self.last_cache_hit_tokens = hit
+        return PrefillState(prompt, row, num_cached=hit, num_computed=hit)
+
+    def prefill_chunk(self, state: PrefillState, num_tokens: int) -> None:
+        num = min(num_tokens, state.num_remaining)
+        if num <= 0:
+            return
+        start = state.num_computed
+        done = start + num == len(state.prompt_ids)
+        logits = self.runner.prefill(state.kv, state.prompt_ids[start : start + num], want_logits=done)
+        state.num_computed += num
+        if done:
+            state.last_logits = logits
+
+    def prefill_store(self, state: PrefillState) -> None:
+        if state.is_complete:
+            self.prefix_cache.store(state.prompt_ids, state.kv)
+
+    # -- batch ops -----------------------------------------------------------------------------
+    def stack_caches_left_padded(self, rows: Sequence[PagedKVCache]) -> BatchedPagedKVCache:
+        batch = BatchedPagedKVCache(self.pools, self.device)
+        for row in rows:
+            batch.append(row)
+        return batch
+
+    def splice_into_batched(
+        self, batched: BatchedPagedKVCache | None, new_kv: PagedKVCache, kv_len: int
+    ) -> BatchedPagedKVCache:
+        if kv_len != new_kv.length:
+            raise ValueError(f"kv_len {kv_len} != the row's {new_kv.length} KV tokens")
+        batch = batched if batched is not None else BatchedPagedKVCache(self.pools, self.device)
+        batch.append(new_kv)
+        return batch
+
+    def remove_row_from_cache(self, batched: BatchedPagedKVCache, row_idx: int) -> None:
+        batched.pop(row_idx).free_all()
+
+    def decode_step_batched(self, batched: BatchedPagedKVCache, input_ids: Sequence[int]) -> torch.Tensor:
+        return self.runner.decode(batched, input_ids)
+
+    def kv_length(self, kv: PagedKVCache | BatchedPagedKVCache, row_idx: int | None = None) -> int:
+        if isinstance(kv, BatchedPagedKVCache):
+            if row_idx is None:
+                raise ValueError("kv_length of a batched KV needs row_idx")
+            return kv.rows[row_idx].length
+        return kv.length
+
+    def sample(
+        self, logits: torch.Tensor, rows: Sequence[RowSampling], *, want_logprobs: bool = False
+    ) -> SampledTokens:
+        return sample_tokens(logits, rows, want_logprobs=want_logprobs)
+
+    def free_row_kv(self, kv: PagedKVCache) -> None:
+        kv.free_all()
+
+    # -- admission -----------------------------------------------------------------------------
+    def kv_reserve(self, request_id: str, num_tokens: int) -> bool:
+        return self.admission.reserve(request_id, num_tokens)
+
+    def kv_release(self, request_id: str) -> None:
+        self.admission.release(request_id)
+
+    def kv_stats(self) -> dict[str, int]:
+        stats: dict[str, int] = {"blocks_total": 0, "blocks_used": 0, "blocks_free": 0}
+        cached = self.prefix_cache.num_cached_blocks()
+        for group, manager in self.pools.managers.items():
+            short = "sliding" if group.startswith("sliding") else "full"
+            values = {
+                "blocks_total": manager.num_blocks, "blocks_used": manager.num_used, "blocks_free": manager.num_free,
+                "blocks_cached": cached[group], "blocks_reserved": self.admission.reserved[group],
+            }
+            for key, value in values.items():
+                stats[f"{short}_{key}"] = value
+                if key in stats:
+                    stats[key] += value
+        stats.update(
+            reserved_tokens=self.admission.reserved_tokens, reservations=len(self.admission),
+            admission_rejections=self.admission.rejections, live_rows=len(self.pools.live_rows),
+            prefix_hits=self.prefix_cache.stats["hits"], prefix_hit_tokens=self.prefix_cache.stats["hit_tokens"],
+            prefix_lookups=self.prefix_cache.stats["lookups"],
+        )
+        return stats
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        self.pools.check_integrity()
+        self.prefix_cache.check_integrity()
+        self.admission.check_integrity()
+
+    def close(self) -> None:
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        self.prefix_cache.clear()
+        for table in (self.pools.k, self.pools.v):
+            table.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _budget_bytes(config: Any, settings: CoreSettings, custom: CustomTorchSettings, param: torch.Tensor) -> int:
+    """The pool budget: KV_MEMORY_GB, or KV_BLOCKS uniform blocks, or by default uniform blocks for
+    MAX_ACTIVE_KV_TOKENS (plus one partial block per row), capped at 90% of free CUDA memory or a quarter
+    of the host RAM."""
+    block_size = custom.block_size or settings.kv_block_size
+    uniform = sum(g.bytes_per_block(block_size, param.element_size()) for g in kv_groups(config))
+    if custom.kv_memory_gb is not None:
+        return int(custom.kv_memory_gb * 2**30)
+    if custom.kv_blocks is not None:
+        return custom.kv_blocks * uniform
+    blocks = -(-settings.max_active_kv_tokens // block_size) + settings.max_batch_size
+    wanted = blocks * uniform
+    if param.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(param.device)
+        cap = int(free * 0.9)
+    else:
+        cap = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4 if hasattr(os, "sysconf") else wanted
+    if wanted > cap:
+        logger.warning("custom_torch: KV pools capped at %.1f GiB (MAX_ACTIVE_KV_TOKENS wants %.1f GiB)",
+                       cap / 2**30, wanted / 2**30)
+    return min(wanted, cap)

@@ -1,0 +1,213 @@
+"""Per-layer K/V pools, grouped by attention type, and the window rule that bounds sliding storage.
+
+Layout. Layers are grouped by type: all *storing* sliding layers form the ``sliding_attention`` group, all
+storing full layers the ``full_attention`` group (KV-shared layers store nothing: they read their
+``config.kv_source_layer`` producer). Each group has one block-id space (a ``BlockManager``) and, per storing
+layer ``l``, two tensors ``k[l]``, ``v[l]`` of shape ``[num_blocks_g, block_size, kv_heads_l, head_dim_l]``:
+block id ``b`` of group ``g`` is slot ``b`` in every pool of ``g``. Token ``p`` of a row lives in logical
+block ``p // block_size`` at offset ``p % block_size``; a row's block table maps logical -> physical id, with
+``-1`` for "not held" (freed out-of-window sliding blocks). Pools are zero-initialised (never NaN), so masked
+reads of stale slots are harmless.
+
+Window rule (``GroupGeometry``, W = window, bs = block size), for a row whose KV covers positions [0, n):
+
+- a query at position q sees keys q-W < k <= q, so the next query needs keys >= ``first_visible(n)`` = n-W+1;
+- the row *keeps* sliding blocks from ``keep_from(n)`` = (n//bs)*bs - W on: what a block-aligned prefix hit
+  at (n//bs)*bs needs even when it must recompute its last token (that query sees keys >= (n//bs)*bs - W);
+- so a row never holds more than ``ceil(W/bs) + 1`` sliding blocks (``max_blocks``): W//bs + 1 when bs | W.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from gemmaserve.errors import ConfigurationError, KVCapacityError
+from gemmaserve.kv.block_manager import BlockManager
+
+from ..models.config import FULL, SLIDING, GemmaTextConfig
+
+__all__ = ["GroupGeometry", "KVGroupSpec", "KVPools", "kv_groups", "plan_pool_sizes"]
+
+Reclaimer = Callable[[str, int], None]
+"""``reclaim(group, num_blocks)``: try to free that many blocks of ``group`` (the prefix cache evicts)."""
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupGeometry:
+    """Block size and window (None = full attention) of one group; pure position arithmetic."""
+
+    block_size: int
+    window: int | None
+
+    def first_visible(self, n: int) -> int:
+        """First key position a query at position ``n`` attends to."""
+        return 0 if self.window is None else max(0, n - self.window + 1)
+
+    def keep_from(self, n: int) -> int:
+        """First position whose block a row covering [0, n) keeps (blocks wholly before it are freed)."""
+        return 0 if self.window is None else max(0, (n // self.block_size) * self.block_size - self.window)
+
+    def max_blocks(self, num_tokens: int) -> int:
+        """Most blocks a row of up to ``num_tokens`` tokens ever holds (the admission footprint)."""
+        full = _cdiv(num_tokens, self.block_size)
+        return full if self.window is None else min(full, _cdiv(self.window, self.block_size) + 1)
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroupSpec:
+    """One group: its layer type, window, and storing layers with their (kv_heads, head_dim)."""
+
+    name: str
+    window: int | None
+    layers: tuple[int, ...]
+    shapes: tuple[tuple[int, int], ...]
+
+    def bytes_per_block(self, block_size: int, itemsize: int) -> int:
+        return sum(2 * block_size * heads * dim * itemsize for heads, dim in self.shapes)
+
+
+def kv_groups(config: GemmaTextConfig) -> tuple[KVGroupSpec, ...]:
+    """Groups of ``config``'s storing layers, sliding first; a type with no storing layer has no group."""
+    groups = []
+    for layer_type in (SLIDING, FULL):
+        layers = tuple(i for i in config.kv_storing_layers if config.layer_types[i] == layer_type)
+        if layers:
+            shapes = tuple((config.num_kv_heads[i], config.head_dims[i]) for i in layers)
+            window = config.sliding_window if layer_type == SLIDING else None
+            groups.append(KVGroupSpec(layer_type, window, layers, shapes))
+    return tuple(groups)
+
+
+def plan_pool_sizes(
+    groups: Sequence[KVGroupSpec],
+    block_size: int,
+    itemsize: int,
+    budget_bytes: int,
+    *,
+    sliding_blocks: int | None,
+    max_rows: int,
+) -> dict[str, int]:
+    """Blocks per group for a memory budget. The sliding group gets ``sliding_blocks`` if given, else
+    ``min(uniform, max_rows * max sliding blocks per row)`` (window-aware: more cannot be used by ``max_rows``
+    rows); the full group gets the rest. Raises ConfigurationError if the budget cannot hold one block each."""
+    per_block = {g.name: g.bytes_per_block(block_size, itemsize) for g in groups}
+    total = sum(per_block.values())
+    uniform = budget_bytes // total
+    if uniform < 1:
+        raise ConfigurationError(
+            f"the KV budget ({budget_bytes} bytes) is smaller than one block in every layer ({total} bytes at "
+            f"block size {block_size}); raise CUSTOM_BACKEND_KV_MEMORY_GB or CUSTOM_BACKEND_KV_BLOCKS"
+        )
+    sliding = next((g for g in groups if g.name == SLIDING), None)
+    full = next((g for g in groups if g.name == FULL), None)
+    if sliding is None or full is None:
+        return {g.name: budget_bytes // per_block[g.name] for g in groups}
+    if sliding_blocks is None:
+        cap = GroupGeometry(block_size, sliding.window).max_blocks(10**12)
+        sliding_blocks = min(uniform, max_rows * cap)
+    left = budget_bytes - sliding_blocks * per_block[SLIDING]
+    full_blocks = left // per_block[FULL]
+    if full_blocks < 1:
+        raise ConfigurationError(
+            f"CUSTOM_BACKEND_SLIDING_BLOCKS={sliding_blocks} uses the whole KV budget ({budget_bytes} bytes) and "
+            f"leaves no full-attention block; lower it (uniform pools would have {uniform} blocks each)"
+        )
+    return {SLIDING: sliding_blocks, FULL: full_blocks}
+
+
+class KVPools:
+    """The pools of every group plus their block managers. Mutated by rows and the prefix cache (block
+    references) and by the attention contexts (tensor contents); single-threaded (under the backend lock)."""
+
+    def __init__(
+        self,
+        config: GemmaTextConfig,
+        num_blocks: dict[str, int],
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.groups = {g.name: g for g in kv_groups(config)}
+        if set(num_blocks) != set(self.groups):
+            raise ValueError(f"num_blocks names {sorted(num_blocks)}, expected groups {sorted(self.groups)}")
+        self.geometry = {name: GroupGeometry(block_size, g.window) for name, g in self.groups.items()}
+        self.managers = {name: BlockManager(num_blocks[name]) for name in self.groups}
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        for name, group in self.groups.items():
+            for layer, (heads, dim) in zip(group.layers, group.shapes):
+                shape = (num_blocks[name], block_size, heads, dim)
+                self.k[layer] = torch.zeros(shape, dtype=dtype, device=device)
+                self.v[layer] = torch.zeros(shape, dtype=dtype, device=device)
+        sources = config.kv_source_layer
+        self.group_of_layer = {i: config.layer_types[sources[i]] for i in range(config.num_hidden_layers)}
+        self.reclaimer: Reclaimer | None = None
+        self.live_rows: set[object] = set()  # every PagedKVCache not yet freed (for leak checks)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+
+    def num_free(self, group: str) -> int:
+        return self.managers[group].num_free
+
+    def ensure_free(self, group: str, num: int) -> None:
+        """Make ``num`` blocks of ``group`` free (the reclaimer evicts cached prefixes) or raise
+        KVCapacityError, changing nothing the caller holds."""
+        manager = self.managers[group]
+        if manager.num_free < num and self.reclaimer is not None:
+            self.reclaimer(group, num - manager.num_free)
+        if manager.num_free < num:
+            raise KVCapacityError(
+                f"KV pool {group!r} is exhausted: need {num} free blocks, {manager.num_free} of "
+                f"{manager.num_blocks} are free and the rest are held by running requests; admit requests "
+                "through kv_reserve, or raise CUSTOM_BACKEND_KV_MEMORY_GB / CUSTOM_BACKEND_KV_BLOCKS"
+            )
+
+    def allocate(self, group: str, num: int) -> list[int]:
+        """``num`` fresh blocks of ``group`` (refcount 1, owned by the caller); see ``ensure_free``."""
+        self.ensure_free(group, num)
+        return self.managers[group].allocate(num)
+
+    def incref(self, group: str, block_ids: Sequence[int]) -> None:
+        self.managers[group].incref(block_ids)
+
+    def decref(self, group: str, block_ids: Sequence[int]) -> None:
+        self.managers[group].decref(block_ids)
+
+    def refcount(self, group: str, block_id: int) -> int:
+        return self.managers[group].refcount(block_id)
+
+    def read_blocks(self, group: str, block_ids: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the K/V of ``block_ids`` in every layer of ``group`` (for copy-on-write)."""
+        index = torch.tensor(list(block_ids), device=self._device)
+        return [(self.k[layer][index], self.v[layer][index]) for layer in self.groups[group].layers]  # copies
+
+    def write_blocks(self, group: str, block_ids: Sequence[int], data: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Inverse of ``read_blocks``: store ``data`` into ``block_ids`` (one indexed write per layer)."""
+        index = torch.tensor(list(block_ids), device=self._device)
+        for layer, (k, v) in zip(self.groups[group].layers, data):
+            self.k[layer].index_copy_(0, index, k)
+            self.v[layer].index_copy_(0, index, v)
+
+    @property
+    def _device(self) -> torch.device:
+        return next(iter(self.k.values())).device
+
+    def check_integrity(self) -> None:
+        """Each block manager is consistent and every pool has its group's block count."""
+        for name, group in self.groups.items():
+            manager = self.managers[name]
+            manager.check_integrity()
+            for layer in group.layers:
+                if self.k[layer].shape[0] != manager.num_blocks or self.v[layer].shape != self.k[layer].shape:
+                    raise RuntimeError(f"KVPools: layer {layer} pools disagree with group {name!r}")

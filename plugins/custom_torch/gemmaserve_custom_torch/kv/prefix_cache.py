@@ -1,0 +1,242 @@
+"""`PrefixCache`: refcounted sharing of prompt KV blocks across requests, on the core radix + exact indexes.
+
+Radix value (one per full block k of a stored prompt, covering tokens [k*bs, (k+1)*bs)): a `CachedBlock`
+``(full, sliding)`` holding the block's id in the full group and, if the storing row still held it, in the
+sliding group (None otherwise). Values hash by identity, so the sliding id can be *trimmed* (set to None,
+block released) when the sliding pool needs room while the full block stays cached. Exact-index entries
+(whole prompts whose length is not block-aligned) add a *tail* `CachedBlock`: private copies of the partial
+last block, so an exact repeat hits every token.
+
+A hit of ``c`` computed tokens is valid only if the sliding blocks the next query sees (positions >=
+``first_visible(c)``) are all cached; the longest valid hit wins. A hit covering the whole prompt keeps
+``c = len - 1`` (the last token is recomputed for its logits; its block is copied on write).
+
+Refcounts: the cache holds one reference per id in its values and tails; a row holds its own. Everything
+the cache holds alone is reclaimable (tails and LRU leaves first, then sliding trims), which is what lets
+admission count cached blocks as free.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gemmaserve.errors import KVCapacityError
+from gemmaserve.kv.exact_index import ExactMatchIndex
+from gemmaserve.kv.radix import RadixPrefixIndex
+
+from ..models.config import FULL, SLIDING
+from .paged_cache import PagedKVCache
+from .pools import KVPools
+
+__all__ = ["CachedBlock", "PrefixCache"]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(eq=False, slots=True)
+class CachedBlock:
+    """Block ids of one cached block per group (None = not cached in that group). Hashed by identity."""
+
+    full: int | None
+    sliding: int | None
+
+    def get(self, group: str) -> int | None:
+        return self.full if group == FULL else self.sliding
+
+    def ids(self) -> list[tuple[str, int]]:
+        return [(g, b) for g, b in ((FULL, self.full), (SLIDING, self.sliding)) if b is not None]
+
+
+class PrefixCache:
+    """Prompt-prefix cache over ``pools``; installs itself as the pools' reclaimer. Single-threaded."""
+
+    def __init__(self, pools: KVPools) -> None:
+        self.pools = pools
+        self.block_size = pools.block_size
+        self.radix = RadixPrefixIndex(self.block_size)
+        self.exact = ExactMatchIndex(self.block_size)
+        self._values: set[CachedBlock] = set()  # every value the radix index holds
+        self._trimmable: OrderedDict[int, CachedBlock] = OrderedDict()  # sliding id -> value, oldest first
+        self.stats: Counter[str] = Counter()
+        pools.reclaimer = self.reclaim
+
+    # -- lookup ------------------------------------------------------------------------------------
+    def lookup(self, prompt_ids: Sequence[int]) -> tuple[PagedKVCache, int]:
+        """A new row holding the longest valid cached prefix of ``prompt_ids``, and its length ``c``
+        (the row covers [0, c); 0 = miss)."""
+        prompt = tuple(prompt_ids)
+        row = PagedKVCache(self.pools)
+        values: tuple[CachedBlock, ...] = ()
+        hit = 0
+        entry = self.exact.get(prompt) if len(prompt) % self.block_size else None
+        if entry is not None and self._valid(entry.values, len(prompt) - 1):  # type: ignore[arg-type]
+            values, hit = entry.values, len(prompt) - 1  # type: ignore[assignment]
+        else:
+            matched = self.radix.match(prompt).values
+            for k in range(len(matched), 0, -1):
+                c = min(k * self.block_size, len(prompt) - 1)
+                if self._valid(matched, c):
+                    values, hit = matched, c  # type: ignore[assignment]
+                    break
+        if hit > 0:
+            row.adopt(self._tables(values, hit), hit)
+            self.stats["hits"] += 1
+            self.stats["hit_tokens"] += hit
+        self.stats["lookups"] += 1
+        return row, hit
+
+    def _valid(self, values: Sequence[CachedBlock], c: int) -> bool:
+        """True if ``values`` cover [0, c) in the full group and the sliding blocks a query at ``c`` sees."""
+        if c <= 0 or _cdiv(c, self.block_size) > len(values):
+            return False
+        if SLIDING not in self.pools.groups:
+            return True
+        first = self.pools.geometry[SLIDING].first_visible(c) // self.block_size
+        return all(values[j].sliding is not None for j in range(first, _cdiv(c, self.block_size)))
+
+    def _tables(self, values: Sequence[CachedBlock], c: int) -> dict[str, list[int]]:
+        num = _cdiv(c, self.block_size)
+        tables: dict[str, list[int]] = {}
+        for group in self.pools.groups:
+            first = self.pools.geometry[group].first_visible(c) // self.block_size
+            ids = [values[j].get(group) for j in range(num)]
+            tables[group] = [b if b is not None and j >= first else -1 for j, b in enumerate(ids)]
+        return tables
+
+    # -- store -------------------------------------------------------------------------------------
+    def store(self, prompt_ids: Sequence[int], row: PagedKVCache) -> int:
+        """Cache the full blocks of a completely prefilled prompt (and, best effort, a copy of its partial
+        tail block). Returns the number of blocks newly cached. Does not change ``row``."""
+        prompt = tuple(prompt_ids)
+        assert row.length == len(prompt) and not row.freed, "store() needs the row of the complete prompt"
+        num_full = len(prompt) // self.block_size
+        given = [self._value_of(row, j) for j in range(num_full)]
+        result = self.radix.insert(prompt[: num_full * self.block_size], given)
+        for value in result.new_values:
+            assert isinstance(value, CachedBlock)
+            for group, block in value.ids():
+                self.pools.incref(group, [block])
+            self._values.add(value)
+            if value.sliding is not None:
+                self._trimmable[value.sliding] = value
+        for held, mine in zip(result.values[: result.num_existing], given):
+            assert isinstance(held, CachedBlock)
+            if held.full == mine.full and held.sliding is None and mine.sliding is not None:
+                held.sliding = mine.sliding  # re-attach a trimmed sliding block this row still holds
+                self.pools.incref(SLIDING, [mine.sliding])
+                self._trimmable[mine.sliding] = held
+        if len(prompt) % self.block_size and prompt not in self.exact:
+            tail = self._copy_tail(row, num_full)
+            if tail is not None:
+                self.exact.add(prompt, result.values, tail)
+        self.stats["stored_blocks"] += len(result.new_values)
+        return len(result.new_values)
+
+    def _value_of(self, row: PagedKVCache, j: int) -> CachedBlock:
+        full = row.tables[FULL][j] if FULL in row.tables else -1
+        sliding = row.tables[SLIDING][j] if SLIDING in row.tables else -1
+        return CachedBlock(full if full >= 0 else None, sliding if sliding >= 0 else None)
+
+    def _copy_tail(self, row: PagedKVCache, j: int) -> CachedBlock | None:
+        """Private copies (refcount 1, the cache's) of logical block ``j`` of every group, or None if a pool
+        has no room even after reclaiming."""
+        copies: dict[str, int] = {}
+        try:
+            for group in self.pools.groups:
+                source = row.tables[group][j]
+                data = self.pools.read_blocks(group, [source])
+                copies[group] = self.pools.allocate(group, 1)[0]
+                self.pools.write_blocks(group, [copies[group]], data)
+        except KVCapacityError:
+            for group, block in copies.items():
+                self.pools.decref(group, [block])
+            return None
+        return CachedBlock(copies.get(FULL), copies.get(SLIDING))
+
+    # -- reclaim -----------------------------------------------------------------------------------
+    def reclaim(self, group: str, num: int) -> None:
+        """Free up to ``num`` blocks of ``group`` that only the cache holds: exact tails (LRU), then LRU radix
+        leaves (full group) or trimmed sliding ids (sliding group)."""
+        start = self.pools.num_free(group)
+
+        def short() -> int:
+            return num - (self.pools.num_free(group) - start)
+
+        for entry in self.exact.evict_tails(short(), self._cache_only):
+            self._release(entry.tail_value)  # type: ignore[arg-type]
+        if group == SLIDING:  # every cache-only sliding id is a radix value's: trimming reaches them all
+            for block, value in list(self._trimmable.items()):
+                if short() <= 0:
+                    break
+                if self.pools.refcount(SLIDING, block) == 1:
+                    value.sliding = None
+                    del self._trimmable[block]
+                    self.pools.decref(SLIDING, [block])
+                    self.stats["trimmed_sliding_blocks"] += 1
+            return
+        while short() > 0:
+            evicted = self.radix.evict(short(), self._cache_only)
+            if not evicted:
+                break
+            for value in evicted:
+                self._values.discard(value)  # type: ignore[arg-type]
+                for entry in self.exact.remove_value(value):
+                    self._release(entry.tail_value)  # type: ignore[arg-type]
+                self._release(value)  # type: ignore[arg-type]
+                self.stats["evicted_blocks"] += 1
+
+    def _cache_only(self, value: object) -> bool:
+        assert isinstance(value, CachedBlock)
+        return all(self.pools.refcount(g, b) == 1 for g, b in value.ids())
+
+    def _release(self, value: CachedBlock | None) -> None:
+        if value is None:
+            return
+        if value.sliding is not None:
+            self._trimmable.pop(value.sliding, None)
+        for group, block in value.ids():
+            self.pools.decref(group, [block])
+
+    def clear(self) -> None:
+        """Drop every cache entry no live row uses (entries rows still use stay cached)."""
+        for group in sorted(self.pools.groups, key=lambda g: g != SLIDING):
+            self.reclaim(group, self.pools.managers[group].num_blocks)
+
+    # -- accounting --------------------------------------------------------------------------------
+    def references(self) -> dict[str, Counter[int]]:
+        """References the cache holds, per group and block id."""
+        refs: dict[str, Counter[int]] = {g: Counter() for g in self.pools.groups}
+        tails = [e.tail_value for e in self.exact.entries() if e.tail_value is not None]
+        for value in [*self._values, *tails]:
+            for group, block in value.ids():  # type: ignore[union-attr]
+                refs[group][block] += 1
+        return refs
+
+    def num_cached_blocks(self) -> dict[str, int]:
+        return {group: len(counter) for group, counter in self.references().items()}
+
+    def check_integrity(self) -> None:
+        """Indexes consistent; every block's refcount == references from live rows + from the cache."""
+        self.radix.check_integrity()
+        self.exact.check_integrity()
+        if len(self._values) != len(self.radix) or any(v not in self.radix for v in self._values):
+            raise RuntimeError("PrefixCache: value set disagrees with the radix index")
+        expected = {v.sliding: v for v in self._values if v.sliding is not None}
+        if dict(self._trimmable) != expected:
+            raise RuntimeError("PrefixCache: trimmable sliding ids disagree with the radix values")
+        refs = self.references()
+        for row in list(self.pools.live_rows):
+            row.check_integrity()  # type: ignore[attr-defined]
+            for group, table in row.tables.items():  # type: ignore[attr-defined]
+                refs[group].update(b for b in table if b >= 0)
+        for group, manager in self.pools.managers.items():
+            for block in range(manager.num_blocks):
+                if manager.refcount(block) != refs[group][block]:
+                    raise RuntimeError(
+                        f"block {block} of {group} has refcount {manager.refcount(block)} but "
+                        f"{refs[group][block]} holders (live rows + prefix cache): leak or double free"
+                    )

@@ -1,0 +1,115 @@
+"""Prefix cache: reuse without recompute (reported hits), identical tokens, full hits that recompute only
+the last token (copy-on-write), sliding-window-aware hit validity, eviction and trimming under pressure."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fixtures_backend import FULL, SLIDING, assert_no_leaks, contiguous_greedy, make_backend
+from fixtures_backend import one_torch_thread  # noqa: F401  (autouse)
+from gemmaserve.testing.row_driver import solo_greedy
+
+BASE = [(13 * i + 7) % 500 + 4 for i in range(40)]
+
+
+def _solo(backend, prompt, n=6):
+    return solo_greedy(backend, prompt, n)
+
+
+@pytest.mark.parametrize("length", [24, 27, 25], ids=["aligned", "tail", "tail-of-one"])
+def test_full_hit_recomputes_only_the_last_token(tiny_gemma4_dir, length):
+    backend = make_backend(tiny_gemma4_dir)
+    prompt = BASE[:length]
+    expected = contiguous_greedy(backend.model, prompt, 6)
+    assert _solo(backend, prompt) == expected
+    cached = {g: sorted(c) for g, c in backend.prefix_cache.references().items()}
+    snapshot = {layer: k.clone() for layer, k in backend.pools.k.items()}
+    with backend.lock:
+        state = backend.prefill_lookup(prompt)
+        assert state.num_cached == state.num_computed == length - 1 == backend.last_cache_hit_tokens
+        assert state.num_remaining == 1
+        backend.free_row_kv(state.kv)
+    assert _solo(backend, prompt) == expected  # decodes into copies, never into the cached blocks
+    for layer, k in backend.pools.k.items():
+        group = backend.pools.group_of_layer[layer]
+        assert torch.equal(k[cached[group]], snapshot[layer][cached[group]]), "a cached block was written"
+    assert_no_leaks(backend)
+
+
+def test_shared_prefix_reuses_blocks_and_gives_identical_tokens(tiny_gemma4_dir):
+    backend = make_backend(tiny_gemma4_dir)
+    first = BASE[:21]
+    second = BASE[:20] + [300, 301, 302, 303, 304, 305, 306]  # shares 5 full blocks, diverges inside the 6th
+    _solo(backend, first)
+    with backend.lock:
+        state = backend.prefill_lookup(second)
+        assert state.num_cached == 20 and backend.last_cache_hit_tokens == 20
+        row = state.kv
+        shared = row.tables[FULL][:5]
+        assert all(backend.pools.refcount(FULL, b) == 2 for b in shared), "row + cache share the blocks"
+        while not state.is_complete:
+            backend.prefill_chunk(state, 3)
+        tokens = [int(state.last_logits.argmax())]
+        batch = backend.splice_into_batched(None, row, row.length)
+        for _ in range(5):
+            tokens.append(int(backend.decode_step_batched(batch, [tokens[-1]]).argmax()))
+        backend.remove_row_from_cache(batch, 0)
+        assert all(backend.pools.refcount(FULL, b) == 1 for b in shared), "cached blocks stay cached"
+    assert tokens == contiguous_greedy(backend.model, second, 6)
+    assert backend.kv_stats()["prefix_hit_tokens"] == 20
+    assert_no_leaks(backend)
+
+
+def test_hit_needs_the_sliding_window_before_it(tiny_gemma4_dir):
+    """A long stored prompt keeps sliding blocks only near its end, so a prompt sharing just its first
+    blocks cannot reuse them (the window before the hit point is gone); one extending it can."""
+    backend = make_backend(tiny_gemma4_dir)
+    _solo(backend, BASE)  # 40 tokens: only the sliding blocks of positions >= 40 - 8 - ... stay
+    geometry = backend.pools.geometry[SLIDING]
+    with backend.lock:
+        short = BASE[:12] + [400, 401, 402]
+        state = backend.prefill_lookup(short)
+        assert state.num_cached == 0, "the sliding window before position 12 was freed; no valid hit"
+        backend.free_row_kv(state.kv)
+        longer = BASE + [410, 411, 412, 413, 414]
+        state = backend.prefill_lookup(longer)
+        assert state.num_cached == 40
+        assert all(b >= 0 for b in state.kv.tables[SLIDING][geometry.first_visible(40) // 4 :])
+        backend.free_row_kv(state.kv)
+    for prompt in (short, longer):
+        assert _solo(backend, prompt) == contiguous_greedy(backend.model, prompt, 6)
+    assert_no_leaks(backend)
+
+
+def test_eviction_and_sliding_trims_under_pressure(tiny_gemma4_dir):
+    """Pools too small to keep everything cached: the cache gives blocks back (LRU leaves, tails, sliding
+    trims) and every request still gets exactly its solo tokens."""
+    backend = make_backend(tiny_gemma4_dir, kv_blocks=16, sliding_blocks=9)
+    assert backend.pools.managers[SLIDING].num_blocks == 9 and backend.pools.managers[FULL].num_blocks == 23
+    others = [[(17 * i + 3 * j) % 500 + 4 for i in range(19)] for j in range(1, 5)]
+    prompts = [BASE[:18], BASE[:23], *others[:2], BASE[:26], *others[2:], BASE[:18], others[3][:17]]
+    for prompt in prompts:
+        assert _solo(backend, prompt) == contiguous_greedy(backend.model, prompt, 6), prompt
+        backend.check_integrity()
+    stats = backend.prefix_cache.stats
+    assert stats["evicted_blocks"] > 0 and stats["trimmed_sliding_blocks"] > 0, dict(stats)
+    assert stats["hits"] > 0
+    assert_no_leaks(backend)
+
+
+def test_clear_drops_everything_not_in_use(tiny_gemma4_dir):
+    backend = make_backend(tiny_gemma4_dir)
+    for prompt in (BASE[:9], BASE[:30], BASE[5:19]):
+        _solo(backend, prompt)
+    with backend.lock:
+        live = backend.prefill(BASE[:30]).kv
+        backend.prefix_cache.clear()
+        backend.check_integrity()
+        assert backend.pools.managers[FULL].num_used == len(live.held(FULL)), "only the live row's blocks remain"
+        in_use = set(live.held(FULL))
+        backend.free_row_kv(live)
+        assert set(backend.prefix_cache.references()[FULL]) <= in_use, "only blocks in use stayed cached"
+        backend.prefix_cache.clear()
+    assert all(m.num_used == 0 for m in backend.pools.managers.values())
+    assert_no_leaks(backend)
