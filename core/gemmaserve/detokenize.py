@@ -4,7 +4,8 @@ Turning tokens into text one at a time is not ``decode(token)`` per token: byte-
 split a UTF-8 character, and tokenizers merge spaces. :class:`IncrementalDetokenizer` decodes a
 small sliding window of recent tokens (optionally seeded with the prompt's last tokens, so a
 leading space of the first output token survives) and appends only the new, stable text; a
-trailing U+FFFD (an unfinished character) waits for the next token. Cost per token is constant.
+trailing U+FFFD (an unfinished character) waits for the next token, the text before it does not.
+Cost per token is constant.
 
 With stop strings it holds back any tail that could still become a stop string, so a stop string
 is never emitted; the earliest match over all stop strings wins.
@@ -57,7 +58,8 @@ class IncrementalDetokenizer:
         self._num_context = len(self._ids)
         self._prefix_offset = 0  # the window starts here...
         self._read_offset = len(self._ids)  # ...and its text up to here is already in _decoded
-        self._decoded = ""  # stable output text (may still contain a stop string / held tail)
+        self._decoded = ""  # output text up to _read_offset (may still contain a stop string)
+        self._partial = ""  # text after _read_offset that precedes an unfinished character
 
     @property
     def text(self) -> str:
@@ -98,13 +100,17 @@ class IncrementalDetokenizer:
     def _decode_window(self, *, final: bool) -> None:
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
-        if len(new_text) > len(prefix_text) and (final or not new_text.endswith(_REPLACEMENT)):
-            self._decoded += new_text[len(prefix_text) :]
+        new = new_text[len(prefix_text) :]
+        if new and (final or not new.endswith(_REPLACEMENT)):
+            self._decoded += new
+            self._partial = ""
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
+        else:  # more bytes only finish the trailing character: the text before it is final
+            self._partial = new.rstrip(_REPLACEMENT)
 
     def _release(self, *, final: bool) -> DetokenizedDelta:
-        full = self._decoded
+        full = self._decoded + self._partial
         start = len(self.emitted)  # a stop string can only begin in text not emitted yet
         best: tuple[int, str] | None = None
         for stop in self.stop:

@@ -109,7 +109,8 @@ def format_report(summary: dict[str, Any]) -> str:
         lines.append(f"{f' {title} ':-^60}")
         for stat in ("mean", "median", "p99"):
             value = summary[key][stat]
-            lines.append(row(f"{stat.capitalize()} {key.split('_')[0].upper()} (ms):", "n/a" if value is None else f"{value:.2f}"))
+            label = f"{stat.capitalize()} {key.split('_')[0].upper()} (ms):"
+            lines.append(row(label, "n/a" if value is None else f"{value:.2f}"))
     for error, count in sorted(summary["errors"].items()):
         lines.append(f"error x{count}: {error}")
     lines.append("=" * 60)

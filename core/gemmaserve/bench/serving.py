@@ -100,7 +100,8 @@ async def _model_info(client: httpx.AsyncClient, base: str, model: str | None) -
         response.raise_for_status()
         card = response.json()["data"][0]
     except Exception as exc:
-        raise BenchError(f"cannot query {base}/v1/models ({type(exc).__name__}: {exc}); is the server running?") from None
+        reason = f"{type(exc).__name__}: {exc}"
+        raise BenchError(f"cannot query {base}/v1/models ({reason}); is the server running?") from None
     return model or str(card["id"]), int(card.get("vocab_size") or 32000)
 
 
@@ -211,8 +212,10 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server address (default %(default)s)")
     p.add_argument("--model", default=None, help="model name (default: the server's first model)")
     p.add_argument("--num-prompts", type=_positive_int, default=100, help="requests to send (default %(default)s)")
-    p.add_argument("--input-len", type=_positive_int, default=128, help="prompt tokens, random ids (default %(default)s)")
-    p.add_argument("--output-len", type=_positive_int, default=64, help="tokens per request, EOS ignored (default %(default)s)")
+    p.add_argument("--input-len", type=_positive_int, default=128,
+                   help="prompt tokens, random ids (default %(default)s)")
+    p.add_argument("--output-len", type=_positive_int, default=64,
+                   help="tokens per request, EOS ignored (default %(default)s)")
     p.add_argument("--random-range-ratio", type=_ratio, default=0.0,
                    help="draw lengths uniformly from len*(1-r)..len*(1+r) (default %(default)s)")
     p.add_argument("--request-rate", type=_positive_float, default=math.inf,
@@ -221,7 +224,8 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
                    help="gamma shape of arrival gaps; 1 = Poisson (default %(default)s)")
     p.add_argument("--max-concurrency", type=_positive_int, default=None, help="cap on requests in flight")
     p.add_argument("--seed", type=int, default=0, help="dataset and arrival seed (default %(default)s)")
-    p.add_argument("--timeout", type=_positive_float, default=600.0, help="per-request timeout, s (default %(default)s)")
+    p.add_argument("--timeout", type=_positive_float, default=600.0,
+                   help="per-request timeout, s (default %(default)s)")
     p.add_argument("--result-file", default=None, help="write the summary as JSON here")
     p.add_argument("--save-detailed", action="store_true", help="include per-request records in the JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from gemmaserve.errors import GemmaserveError
 from gemmaserve.server.debug import kv_report
@@ -97,7 +98,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return JSONResponse(APIError(500, f"internal server error: {type(exc).__name__}: {exc}").body(), status_code=500)
+        error = APIError(500, f"internal server error: {type(exc).__name__}: {exc}")
+        return JSONResponse(error.body(), status_code=500)
 
 
 class _Server:
@@ -142,7 +144,7 @@ class _Server:
         except APIError as exc:
             self.metrics.record_request(endpoint, exc.status)
             raise
-        except ClientDisconnected:
+        except (ClientDisconnected, ClientDisconnect):  # nobody is left to read a response
             self.metrics.record_request(endpoint, CLIENT_CLOSED)
             return Response(status_code=CLIENT_CLOSED)
         if not isinstance(response, StreamingResponse):  # streams record their status when they end
@@ -184,9 +186,12 @@ class _Server:
         except GemmaserveError as exc:
             fits = len(prepared.prompt_ids) < self.context_limit
             alive = self.engine.is_alive()
-            raise from_engine_error(exc, engine_alive=alive, prompt_param=prepared.prompt_param, prompt_fits=fits) from None
+            param = prepared.prompt_param
+            raise from_engine_error(exc, engine_alive=alive, prompt_param=param, prompt_fits=fits) from None
 
-    async def _stream(self, view: _View, generation: Generation, first: Step | None, endpoint: str) -> AsyncIterator[str]:
+    async def _stream(
+        self, view: _View, generation: Generation, first: Step | None, endpoint: str
+    ) -> AsyncIterator[str]:
         status = CLIENT_CLOSED  # unless the stream ends on its own
         try:
             for chunk in view.opening_chunks():

@@ -87,7 +87,8 @@ def from_output_error(error_type: str | None, message: str | None, *, prompt_par
     """The HTTP error for a request the engine finished with ``finish_reason="error"``."""
     text = message or "the backend failed on this request"
     if error_type in ("KVCapacityError", "PromptTooLongError", "InvalidRequestError"):
-        return APIError(400, text, param=prompt_param, code="kv_capacity_exceeded" if error_type == "KVCapacityError" else None)
+        code = "kv_capacity_exceeded" if error_type == "KVCapacityError" else None
+        return APIError(400, text, param=prompt_param, code=code)
     if error_type == "EngineOverloadedError":
         return APIError(429, f"server overloaded: {text}", code="engine_overloaded")
     return APIError(500, f"{error_type or 'BackendStepError'}: {text}", code="backend_error")

@@ -167,6 +167,12 @@ class Generation:
         if self.timing.end is None:
             self.timing.end = time.monotonic()
 
+    def __del__(self) -> None:
+        """Safety net: a generation dropped unread (e.g. a stream never started) must not keep
+        its engine request running."""
+        if not getattr(self, "_engine_done", True) and hasattr(self, "_handle"):
+            self._handle.cancel()
+
     # -- internals ---------------------------------------------------------------------------------
     async def _next_event(self) -> RequestEvent:
         while True:

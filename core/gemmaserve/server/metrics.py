@@ -19,7 +19,9 @@ if TYPE_CHECKING:
 __all__ = ["ServerMetrics", "Histogram", "TTFT_BUCKETS", "TPOT_BUCKETS", "PREFIX"]
 
 PREFIX = "gemmaserve"
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0
+)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 300.0)
 
@@ -43,7 +45,8 @@ class Histogram:
 
     def lines(self, name: str) -> list[str]:
         out = [f'{name}_bucket{{le="{_num(bound)}"}} {n}' for bound, n in zip(self.buckets, self.counts)]
-        return out + [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {_num(self.total)}", f"{name}_count {self.count}"]
+        out.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
+        return out + [f"{name}_sum {_num(self.total)}", f"{name}_count {self.count}"]
 
 
 class ServerMetrics:

@@ -16,7 +16,7 @@ from gemmaserve.server.generation import Prepared
 
 if TYPE_CHECKING:
     from gemmaserve.backend import Tokenizer
-    from gemmaserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+    from gemmaserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 __all__ = ["prepare_completion", "prepare_chat", "COMPLETION_DEFAULT_MAX_TOKENS"]
 
@@ -54,10 +54,10 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limi
         raise APIError(400, "the chat template rendered these messages to zero tokens", param="messages")
     max_tokens = body.requested_max_tokens or max(1, context_limit - len(prompt_ids))
     params = _sampling(body, max_tokens)
-    return Prepared(prompt_ids, params, body.stop_strings, body.logprobs, "messages")
+    return Prepared(prompt_ids, params, body.stop_strings, bool(body.logprobs), "messages")
 
 
-def _sampling(body: _SamplingFields, max_tokens: int) -> SamplingParams:
+def _sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
     top_k = body.top_k if body.top_k is not None else 0
     try:
         return SamplingParams(
@@ -67,7 +67,7 @@ def _sampling(body: _SamplingFields, max_tokens: int) -> SamplingParams:
             top_k=0 if top_k == -1 else top_k,
             seed=body.seed,
             stop_token_ids=tuple(body.stop_token_ids or ()),
-            ignore_eos=body.ignore_eos,
+            ignore_eos=bool(body.ignore_eos),
         )
     except InvalidRequestError as exc:  # the protocol checks ranges first; this is a backstop
         raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None

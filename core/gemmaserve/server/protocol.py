@@ -17,6 +17,7 @@ __all__ = [
     "CompletionRequest",
     "ChatCompletionRequest",
     "ChatMessage",
+    "SamplingFields",
     "StreamOptions",
     "parse_body",
     "MAX_STOP_STRINGS",
@@ -35,7 +36,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions. ``None`` means "the default"."""
 
     model_config = _STRICT
@@ -49,7 +50,7 @@ class _SamplingFields(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: Any = Field(None, validate_default=True)
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = False
     n: int | None = Field(None, ge=1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -113,12 +114,12 @@ class _SamplingFields(BaseModel):
         return list(self.stop)
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     """POST /v1/completions. ``prompt``: one string or one list of token ids (also accepted wrapped
     in a one-element list, as the OpenAI client sends batches)."""
 
     prompt: Any
-    echo: bool = False
+    echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=1)
     best_of: int | None = Field(None, ge=1, le=1)
     suffix: str | None = None
@@ -128,7 +129,9 @@ class CompletionRequest(_SamplingFields):
     def _check_prompt(cls, value: Any) -> str | list[int]:
         if isinstance(value, list) and value and all(isinstance(item, (str, list)) for item in value):
             if len(value) != 1:
-                raise ValueError(f"exactly one prompt per request is supported, got {len(value)}; send one request per prompt")
+                raise ValueError(
+                    f"exactly one prompt per request is supported, got {len(value)}; send one request per prompt"
+                )
             value = value[0]
         if isinstance(value, str):
             if not value:
@@ -176,11 +179,11 @@ class ChatMessage(BaseModel):
         return {"role": self.role, "content": self.content}
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=0)
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None

@@ -1,0 +1,185 @@
+"""Every bad input gets a 4xx with an OpenAI-style error body naming the problem; engine-side
+failures map to 400/429/500/503 (in-process, reference backend)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from server_harness import REFERENCE_MODEL as MODEL
+from server_harness import sse_events
+
+from gemmaserve.sampling_params import SamplingParams
+from gemmaserve.testing.reference_backend import ReferenceBackend
+from gemmaserve.testing.reference_model import CharTokenizer
+
+OK_PROMPT = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
+OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def assert_error(response: Any, status: int, param: str | None, *, words: tuple[str, ...] = ()) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"] and error["param"] == param, error
+    for word in words:
+        assert word in error["message"], error["message"]
+    return error
+
+
+COMPLETION_CASES: list[tuple[str, Any, int, str | None, tuple[str, ...]]] = [
+    # id, raw body (bytes) or JSON-able patch of OK_PROMPT, status, param, words in the message
+    ("malformed-json", b'{"prompt": "x",', 400, "body", ("not valid JSON",)),
+    ("empty-body", b"", 400, "body", ("empty",)),
+    ("not-an-object", b"[1, 2]", 400, "body", ("JSON object",)),
+    ("missing-prompt", {"prompt": None}, 400, "prompt", ("required",)),
+    ("empty-prompt", {"prompt": ""}, 400, "prompt", ("empty",)),
+    ("empty-token-prompt", {"prompt": []}, 400, "prompt", ("empty",)),
+    ("two-prompts", {"prompt": ["a", "b"]}, 400, "prompt", ("one prompt",)),
+    ("mixed-prompt", {"prompt": [1, "a"]}, 400, "prompt", ("token ids",)),
+    ("negative-token", {"prompt": [5, -1]}, 400, "prompt", ("token ids",)),
+    ("prompt-wrong-type", {"prompt": 42}, 400, "prompt", ("string",)),
+    ("token-outside-vocab", {"prompt": [5, 999]}, 400, "prompt", ("999",)),
+    ("prompt-too-long", {"prompt": "a" * 600}, 400, "prompt", ("512",)),
+    ("max-tokens-too-long", {"max_tokens": 600}, 400, "max_tokens", ("lower max_tokens",)),
+    ("max-tokens-zero", {"max_tokens": 0}, 400, "max_tokens", ("greater than or equal to 1",)),
+    ("max-tokens-negative", {"max_tokens": -3}, 400, "max_tokens", ()),
+    ("max-tokens-string", {"max_tokens": "5"}, 400, "max_tokens", ("integer",)),
+    ("max-tokens-float", {"max_tokens": 5.5}, 400, "max_tokens", ("integer",)),
+    ("max-completion-tokens-zero", {"max_completion_tokens": 0}, 400, "max_completion_tokens", ()),
+    ("temperature-negative", {"temperature": -0.1}, 400, "temperature", ()),
+    ("temperature-too-high", {"temperature": 2.5}, 400, "temperature", ()),
+    ("temperature-string", {"temperature": "hot"}, 400, "temperature", ("number",)),
+    ("top-p-zero", {"top_p": 0}, 400, "top_p", ()),
+    ("top-p-too-high", {"top_p": 1.5}, 400, "top_p", ()),
+    ("top-k-too-low", {"top_k": -2}, 400, "top_k", ()),
+    ("top-k-float", {"top_k": 1.5}, 400, "top_k", ()),
+    ("seed-negative", {"seed": -1}, 400, "seed", ()),
+    ("n-two", {"n": 2}, 400, "n", ("n=1",)),
+    ("best-of-two", {"best_of": 2}, 400, "best_of", ()),
+    ("stop-empty-string", {"stop": [""]}, 400, "stop", ("non-empty",)),
+    ("too-many-stops", {"stop": [str(i) for i in range(17)]}, 400, "stop", ("16",)),
+    ("stop-wrong-type", {"stop": 5}, 400, "stop", ()),
+    ("stop-token-negative", {"stop_token_ids": [-1]}, 400, "stop_token_ids", ()),
+    ("stream-not-bool", {"stream": "yes"}, 400, "stream", ("boolean",)),
+    ("echo-not-bool", {"echo": 1}, 400, "echo", ()),
+    ("logprobs-top-n", {"logprobs": 5}, 400, "logprobs", ()),
+    ("presence-penalty", {"presence_penalty": 0.5}, 400, "presence_penalty", ("not supported",)),
+    ("logit-bias", {"logit_bias": {"5": 1.0}}, 400, "logit_bias", ("not supported",)),
+    ("suffix", {"suffix": "tail"}, 400, "suffix", ("not supported",)),
+    ("stream-options-type", {"stream_options": {"include_usage": "yes"}}, 400, "stream_options.include_usage", ()),
+    ("unknown-model", {"model": "gpt-4"}, 404, "model", ("gpt-4", MODEL)),
+]
+
+
+@pytest.mark.parametrize(("raw", "status", "param", "words"), [c[1:] for c in COMPLETION_CASES],
+                         ids=[c[0] for c in COMPLETION_CASES])
+def test_bad_completion_requests(ref: Any, raw: Any, status: int, param: str | None, words: tuple[str, ...]) -> None:
+    client, _ = ref
+    if isinstance(raw, bytes):
+        content = raw
+    else:
+        body = {key: value for key, value in {**OK_PROMPT, **raw}.items() if value is not None}
+        content = json.dumps(body).encode()
+    response = client.post("/v1/completions", content=content, headers={"content-type": "application/json"})
+    assert_error(response, status, param, words=words)
+
+
+CHAT_CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
+    ("no-messages", {"messages": []}, 400, "messages"),
+    ("missing-messages", {"messages": None}, 400, "messages"),
+    ("bad-role", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+    ("content-number", {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
+    ("image-part", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     400, "messages.0.content"),
+    ("message-not-object", {"messages": ["hi"]}, 400, "messages.0"),
+    ("top-logprobs", {"logprobs": True, "top_logprobs": 3}, 400, "top_logprobs"),
+    ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("json-format", {"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("n-three", {"n": 3}, 400, "n"),
+    ("prompt-too-long", {"messages": [{"role": "user", "content": "b" * 600}]}, 400, "messages"),
+    ("unknown-model", {"model": "llama"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize(("patch", "status", "param"), [c[1:] for c in CHAT_CASES], ids=[c[0] for c in CHAT_CASES])
+def test_bad_chat_requests(ref: Any, patch: dict[str, Any], status: int, param: str | None) -> None:
+    client, _ = ref
+    body = {key: value for key, value in {**OK_CHAT, **patch}.items() if value is not None}
+    assert_error(client.post("/v1/chat/completions", json=body), status, param)
+
+
+def test_unknown_routes_and_methods_use_the_error_shape(ref: Any) -> None:
+    client, _ = ref
+    assert_error(client.get("/v1/completions"), 405, None)
+    assert_error(client.post("/v1/embeddings", json={}), 404, None, words=("/v1/embeddings",))
+
+
+def test_good_requests_still_work_after_bad_ones(ref: Any) -> None:
+    client, _ = ref
+    assert client.post("/v1/completions", json=OK_PROMPT).status_code == 200
+    assert client.post("/v1/chat/completions", json=OK_CHAT).status_code == 200
+    assert client.get("/debug/kv").json()["integrity"] == "ok"
+
+
+class NoTemplateTokenizer(CharTokenizer):
+    @property
+    def has_chat_template(self) -> bool:
+        return False
+
+
+def test_chat_without_a_chat_template_is_a_clear_400(make_client: Any) -> None:
+    backend = ReferenceBackend()
+    backend.tokenizer = NoTemplateTokenizer(64)
+    client, _ = make_client(backend)
+    error = assert_error(client.post("/v1/chat/completions", json=OK_CHAT), 400, "messages", words=("chat template",))
+    assert error["code"] == "no_chat_template"
+    assert client.post("/v1/completions", json=OK_PROMPT).status_code == 200
+
+
+def test_kv_that_can_never_fit_is_a_400_even_when_streaming(make_client: Any) -> None:
+    client, engine = make_client(ReferenceBackend(kv_capacity_tokens=40))
+    for stream in (False, True):
+        response = client.post("/v1/completions", json={**OK_PROMPT, "max_tokens": 60, "stream": stream})
+        assert_error(response, 400, "prompt", words=("KV",))
+    assert client.post("/v1/completions", json=OK_PROMPT).status_code == 200
+    assert engine.stats().finished["error"] == 2
+
+
+def test_backend_failure_before_the_first_token_is_a_500(make_client: Any) -> None:
+    tokenizer = CharTokenizer(64)
+    poison = tokenizer.encode("z", add_special_tokens=False)[0]
+    client, _ = make_client(ReferenceBackend(fail_on_token=poison))
+    for stream in (False, True):
+        response = client.post("/v1/completions", json={**OK_PROMPT, "prompt": "zebra", "stream": stream})
+        assert_error(response, 500, None, words=("injected",))
+    assert client.post("/v1/completions", json=OK_PROMPT).status_code == 200
+
+
+def test_backend_failure_mid_stream_is_reported_in_band(make_client: Any) -> None:
+    probe = ReferenceBackend()
+    prompt_ids = probe.tokenizer.encode("mid stream")
+    tokens = probe.reference_generate(prompt_ids, SamplingParams(max_tokens=8, ignore_eos=True))
+    client, _ = make_client(ReferenceBackend(fail_on_decode_token=tokens[2]))
+    body = {**OK_PROMPT, "prompt": "mid stream", "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200
+    events = sse_events(response.text)
+    assert events[-1] == "[DONE]"
+    error = events[-2]["error"]
+    assert error["type"] == "server_error" and "injected" in error["message"]
+    assert all("choices" in event for event in events[:-2])
+    non_streamed = client.post("/v1/completions", json={**body, "stream": False})
+    assert_error(non_streamed, 500, None)
+
+
+def test_a_stopped_engine_answers_503_with_retry_after(make_client: Any) -> None:
+    client, engine = make_client()
+    engine.shutdown(timeout=10)
+    health = client.get("/health")
+    assert_error(health, 503, None)
+    response = client.post("/v1/completions", json=OK_PROMPT)
+    assert_error(response, 503, None)
+    assert response.headers["retry-after"] == "1"

@@ -1,0 +1,235 @@
+"""In-process API behaviour over the deterministic reference backend: texts match the backend's own
+ground truth, streaming is well-formed and equals the non-streamed text, stop strings are cut and
+never streamed, seeds reproduce, usage/cached tokens/logprobs/metrics are right."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from server_harness import REFERENCE_MODEL as MODEL
+from server_harness import metric, parse_prometheus, sse_events
+
+from gemmaserve.engine.engine import Engine
+from gemmaserve.sampling_params import SamplingParams
+from gemmaserve.testing.reference_backend import ReferenceBackend
+
+Client = tuple[TestClient, Engine]
+
+
+def complete(client: TestClient, **body: Any) -> dict[str, Any]:
+    response = client.post("/v1/completions", json={"model": MODEL, **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def stream(client: TestClient, path: str, **body: Any) -> list[Any]:
+    response = client.post(path, json={"model": MODEL, "stream": True, **body})
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(response.text)
+    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
+    return events[:-1]
+
+
+def expected_text(engine: Engine, prompt: str, **params: Any) -> tuple[str, list[int]]:
+    backend = engine.backend
+    assert isinstance(backend, ReferenceBackend)
+    ids = backend.reference_generate(backend.tokenizer.encode(prompt), SamplingParams(**params))
+    return backend.tokenizer.decode(ids), ids
+
+
+def test_greedy_completion_matches_the_backend_ground_truth(ref: Client) -> None:
+    client, engine = ref
+    body = complete(client, prompt="hello world", max_tokens=12, temperature=0, ignore_eos=True)
+    text, ids = expected_text(engine, "hello world", max_tokens=12, ignore_eos=True)
+    (choice,) = body["choices"]
+    assert choice["text"] == text and choice["finish_reason"] == "length" and choice["index"] == 0
+    assert body["object"] == "text_completion" and body["model"] == MODEL and body["id"].startswith("cmpl-")
+    prompt_tokens = len(engine.backend.tokenizer.encode("hello world"))
+    assert body["usage"]["prompt_tokens"] == prompt_tokens
+    assert body["usage"]["completion_tokens"] == len(ids) == 12
+    assert body["usage"]["total_tokens"] == prompt_tokens + 12
+
+
+def test_token_id_prompts_in_both_spellings(ref: Client) -> None:
+    client, engine = ref
+    ids = engine.backend.tokenizer.encode("token ids")
+    flat = complete(client, prompt=ids, max_tokens=6, temperature=0, ignore_eos=True)
+    nested = complete(client, prompt=[ids], max_tokens=6, temperature=0, ignore_eos=True)
+    text, _ = expected_text(engine, "token ids", max_tokens=6, ignore_eos=True)
+    assert flat["choices"][0]["text"] == nested["choices"][0]["text"] == text
+
+
+def test_repeated_prompt_reports_cached_tokens_and_same_text(ref: Client) -> None:
+    client, _ = ref
+    prompt = "the repeated prompt shares its whole prefix"
+    first = complete(client, prompt=prompt, max_tokens=8, temperature=0)
+    second = complete(client, prompt=prompt, max_tokens=8, temperature=0)
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached < second["usage"]["prompt_tokens"]
+
+
+def test_streamed_completion_equals_the_full_text(ref: Client) -> None:
+    client, _ = ref
+    full = complete(client, prompt="stream me", max_tokens=20, temperature=0, ignore_eos=True)
+    events = stream(client, "/v1/completions", prompt="stream me", max_tokens=20, temperature=0, ignore_eos=True,
+                    stream_options={"include_usage": True})
+    *chunks, usage_chunk = events
+    assert all(chunk["object"] == "text_completion" and len(chunk["choices"]) == 1 for chunk in chunks)
+    assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == full["choices"][0]["text"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
+    assert len({chunk["id"] for chunk in events}) == 1
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 20
+    assert usage_chunk["usage"]["prompt_tokens"] == full["usage"]["prompt_tokens"]
+
+
+def test_chat_completion_and_its_stream(ref: Client) -> None:
+    client, engine = ref
+    parts = [{"type": "text", "text": "hi"}]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": parts}]
+    response = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 10,
+                                                         "temperature": 0, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    message = body["choices"][0]["message"]
+    assert message["role"] == "assistant" and body["choices"][0]["finish_reason"] == "length"
+    template_ids = engine.backend.tokenizer.apply_chat_template([{"role": "system", "content": "be brief"},
+                                                                 {"role": "user", "content": "hi"}])
+    ids = engine.backend.reference_generate(template_ids, SamplingParams(max_tokens=10, ignore_eos=True))
+    assert message["content"] == engine.backend.tokenizer.decode(ids)
+    assert body["usage"]["prompt_tokens"] == len(template_ids)
+    events = stream(client, "/v1/chat/completions", messages=messages, max_tokens=10, temperature=0, ignore_eos=True)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(event["object"] == "chat.completion.chunk" for event in events)
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == message["content"]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_default_max_tokens_uses_the_rest_of_the_context(make_client: Any) -> None:
+    client, _ = make_client(max_model_len=48)
+    response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "go"}],
+                                                         "temperature": 0, "ignore_eos": True})
+    usage = response.json()["usage"]
+    assert response.status_code == 200 and usage["total_tokens"] == 48
+    assert response.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_completion_default_max_tokens_is_16(ref: Client) -> None:
+    body = complete(ref[0], prompt="defaults", temperature=0, ignore_eos=True)
+    assert body["usage"]["completion_tokens"] == 16
+
+
+def test_stop_string_cuts_the_text_and_is_never_streamed(ref: Client) -> None:
+    client, _ = ref
+    base = {"prompt": "stop strings", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    full = complete(client, **base)["choices"][0]["text"]
+    stop = full[12:14]
+    expected = full[: full.index(stop)]
+    body = complete(client, **base, stop=[stop])
+    assert body["choices"][0]["text"] == expected and body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] < 40
+    chunks = stream(client, "/v1/completions", **base, stop=stop)
+    texts = [chunk["choices"][0]["text"] for chunk in chunks]
+    assert "".join(texts) == expected and stop not in "".join(texts)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_earliest_of_several_stop_strings_wins(ref: Client) -> None:
+    client, _ = ref
+    base = {"prompt": "several stops", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    full = complete(client, **base)["choices"][0]["text"]
+    late, early = full[20:23], full[6:8]
+    body = complete(client, **base, stop=[late, early])
+    cut = min(full.index(late), full.index(early))
+    assert body["choices"][0]["text"] == full[:cut]
+
+
+def test_stop_token_ids_and_ignore_eos_extensions(ref: Client) -> None:
+    client, engine = ref
+    _, ids = expected_text(engine, "extensions", max_tokens=30, ignore_eos=True)
+    stop_token = ids[5]
+    body = complete(client, prompt="extensions", max_tokens=30, temperature=0, ignore_eos=True,
+                    stop_token_ids=[stop_token])
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == ids.index(stop_token) + 1
+
+
+def test_same_seed_same_text_other_seed_other_text(ref: Client) -> None:
+    client, _ = ref
+    base = {"prompt": "sampling", "max_tokens": 24, "temperature": 1.0, "top_p": 0.9, "top_k": 20, "ignore_eos": True}
+    first = complete(client, **base, seed=7)["choices"][0]["text"]
+    again = complete(client, **base, seed=7)["choices"][0]["text"]
+    others = {complete(client, **base, seed=seed)["choices"][0]["text"] for seed in (8, 9)}
+    assert first == again
+    assert others != {first}
+
+
+def test_logprobs_for_completions_and_chat(ref: Client) -> None:
+    client, _ = ref
+    body = complete(client, prompt="logprobs", max_tokens=6, temperature=0, logprobs=1, ignore_eos=True)
+    logprobs = body["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(logprobs["text_offset"]) == 6
+    assert all(value <= 0.0 for value in logprobs["token_logprobs"])
+    assert logprobs["text_offset"] == sorted(logprobs["text_offset"])
+    response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "lp"}],
+                                                         "max_tokens": 5, "logprobs": True, "ignore_eos": True})
+    content = response.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 5 and all(entry["logprob"] <= 0.0 and entry["top_logprobs"] == [] for entry in content)
+    chunks = stream(client, "/v1/completions", prompt="logprobs", max_tokens=6, temperature=0, logprobs=0,
+                    ignore_eos=True)
+    streamed = [lp for c in chunks for lp in (c["choices"][0]["logprobs"] or {}).get("token_logprobs", [])]
+    assert streamed == logprobs["token_logprobs"]
+
+
+def test_echo_prepends_the_prompt(ref: Client) -> None:
+    client, _ = ref
+    plain = complete(ref[0], prompt="echo this", max_tokens=4, temperature=0, ignore_eos=True)
+    echoed = complete(client, prompt="echo this", max_tokens=4, temperature=0, ignore_eos=True, echo=True)
+    assert echoed["choices"][0]["text"] == "echo this" + plain["choices"][0]["text"]
+
+
+def test_models_health_and_debug_endpoints(ref: Client) -> None:
+    client, _ = ref
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] == 512 and models["data"][0]["vocab_size"] == 64
+    assert client.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
+    assert client.get("/v1/models/other").status_code == 404
+    assert client.get("/health").json() == {"status": "ok"}
+    report = client.get("/debug/kv").json()
+    assert report["integrity"] == "ok" and report["running"] == 0 and report["live_rows"] == 0
+    assert report["prefix_cache"]["num_blocks"] == 256
+
+
+def test_metrics_are_prometheus_text_and_counters_move(make_client: Any) -> None:
+    client, _ = make_client()
+    before = parse_prometheus(client.get("/metrics").text)
+    assert metric(before, "gemmaserve_prompt_tokens_total") == 0
+    prompt = "metrics count every token of this prompt"
+    bodies = [complete(client, prompt=prompt, max_tokens=5, temperature=0, ignore_eos=True) for _ in range(2)]
+    assert client.post("/v1/completions", json={"prompt": ""}).status_code == 400
+    response = client.get("/metrics")
+    assert response.headers["content-type"].startswith("text/plain")
+    after = parse_prometheus(response.text)
+    prompt_tokens = sum(b["usage"]["prompt_tokens"] for b in bodies)
+    cached = sum(b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies)
+    assert metric(after, "gemmaserve_requests_total", endpoint="completions", status="200") == 2
+    assert metric(after, "gemmaserve_requests_total", endpoint="completions", status="400") == 1
+    assert metric(after, "gemmaserve_prompt_tokens_total") == prompt_tokens
+    assert metric(after, "gemmaserve_generation_tokens_total") == 10
+    assert metric(after, "gemmaserve_prefix_cache_hit_tokens_total") == cached > 0
+    assert metric(after, "gemmaserve_prefix_cache_hit_rate") == pytest.approx(cached / prompt_tokens)
+    assert metric(after, "gemmaserve_request_finished_total", reason="length") == 2
+    for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
+        assert metric(after, f"gemmaserve_{name}_count") == 2
+        assert metric(after, f"gemmaserve_{name}_bucket", le="+Inf") == 2
+        assert metric(after, f"gemmaserve_{name}_sum") > 0
+    assert metric(after, "gemmaserve_num_requests_running") == 0
+    assert metric(after, "gemmaserve_num_requests_waiting") == 0
+    total, used, free = (metric(after, f"gemmaserve_kv_blocks_{k}") for k in ("total", "used", "free"))
+    assert total == 256 and used > 0 and used + free == total
+    assert metric(after, "gemmaserve_prefix_cache_blocks", state="used") == used
