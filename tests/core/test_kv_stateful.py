@@ -6,7 +6,6 @@ from hypothesis import settings
 
 from gemmaserve.kv import BlockManager, CacheManager, RadixPrefixIndex
 from gemmaserve.testing.kv_machines import (
-    CacheManagerMachine,
     create_block_manager_machine,
     create_cache_manager_machine,
     create_radix_machine,

@@ -193,7 +193,8 @@ class CacheManager:
             if shortfall > 0:
                 self._evict(shortfall)
             num_new_full = min(want_full, self._blocks.num_free)
-            with_tail = want_tail and num_new_full == want_full and self._blocks.num_free > num_new_full
+            # A short plan took every free block, so the tail comes only once every full block fits.
+            with_tail = want_tail and self._blocks.num_free > num_new_full
             new = self._blocks.allocate(num_new_full + int(with_tail))
             new_full, tail = tuple(new[:num_new_full]), (new[-1] if with_tail else None)
             first = len(prefix)

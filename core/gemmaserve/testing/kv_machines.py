@@ -79,14 +79,16 @@ def _raises(exc_type: type[BaseException], fn: Callable[[], Any]) -> None:
 
 
 def _draw_tokens(data: st.DataObject, seen: list[tuple[int, ...]], max_len: int) -> tuple[int, ...]:
-    """Fresh tokens, or a truncated-and-extended earlier sequence (so prefixes and repeats are common)."""
-    if seen and data.draw(st.booleans(), label="reuse"):
-        base = data.draw(st.sampled_from(seen), label="base")
-        keep = data.draw(st.integers(0, len(base)), label="keep")
-        tail = data.draw(st.lists(TOKENS, max_size=max_len - keep), label="extra")
-        tokens = base[:keep] + tuple(tail)
-    else:
+    """Fresh tokens, an earlier sequence repeated, or one truncated and extended (so exact repeats and
+    shared prefixes are common)."""
+    how = data.draw(st.sampled_from(("fresh", "repeat", "branch") if seen else ("fresh",)), label="how")
+    if how == "fresh":
         tokens = tuple(data.draw(st.lists(TOKENS, max_size=max_len), label="tokens"))
+    else:
+        base = data.draw(st.sampled_from(seen), label="base")
+        keep = len(base) if how == "repeat" else data.draw(st.integers(0, len(base)), label="keep")
+        extra = () if how == "repeat" else data.draw(st.lists(TOKENS, max_size=max_len - keep), label="extra")
+        tokens = base[:keep] + tuple(extra)
     if tokens not in seen:
         seen.append(tokens)
         del seen[:-12]
@@ -348,9 +350,7 @@ class CacheManagerMachine(RuleBasedStateMachine):
         self.cm.release(match)
         assert self.cm.stats().pinned_blocks == pinned, "second release changed the pins"
 
-    @rule(data=st.data())
-    def begin_store(self, data: st.DataObject) -> None:
-        tokens = _draw_tokens(data, self.seen, self.max_tokens)
+    def _begin(self, tokens: tuple[int, ...]) -> StorePlan:
         guaranteed = self._guaranteed_hit(tokens)
         plan = self.cm.begin_store(tokens)
         note(f"begin_store({tokens}) -> {plan}")
@@ -368,13 +368,25 @@ class CacheManagerMachine(RuleBasedStateMachine):
         if tokens and guaranteed == len(tokens):
             assert not plan.writes, "storing a cached sequence again must write nothing"
         self.plans.append(plan)
+        if plan.writes:
+            covered = plan.writes[-1].token_end
+        else:
+            match = self.cm.lookup(tokens)
+            self.cm.release(match)
+            covered = match.num_tokens
+        if covered < len(tokens):
+            stats = self.cm.stats()
+            assert stats.free_blocks == stats.evictable_blocks == 0, "plan fell short with capacity left"
         self._sync_evictions()
+        return plan
 
-    @precondition(lambda self: bool(self.plans))
-    @rule(data=st.data())
-    def commit_store(self, data: st.DataObject) -> None:
-        plan = self.plans.pop(data.draw(st.integers(0, len(self.plans) - 1), label="plan"))
+    def _finish(self, plan: StorePlan, commit: bool) -> None:
+        self.plans.remove(plan)
         tokens = plan.token_ids
+        if not commit:
+            self.cm.abort_store(plan)
+            self.cm.abort_store(plan)
+            return
         for write in plan.writes:
             self.kv.write(write.block_id, tokens[write.token_start : write.token_end])
         self.cm.commit_store(plan)
@@ -386,12 +398,24 @@ class CacheManagerMachine(RuleBasedStateMachine):
             assert match.num_tokens >= plan.writes[-1].token_end, "committed blocks are not visible"
         self.stored[tokens] = max(self.stored.get(tokens, 0), match.num_tokens)
 
-    @precondition(lambda self: bool(self.plans))
     @rule(data=st.data())
-    def abort_store(self, data: st.DataObject) -> None:
-        plan = self.plans.pop(data.draw(st.integers(0, len(self.plans) - 1), label="plan"))
-        self.cm.abort_store(plan)
-        self.cm.abort_store(plan)
+    def begin_store(self, data: st.DataObject) -> None:
+        self._begin(_draw_tokens(data, self.seen, self.max_tokens))
+
+    @precondition(lambda self: bool(self.plans))
+    @rule(data=st.data(), commit=st.booleans())
+    def finish_store(self, data: st.DataObject, commit: bool) -> None:
+        """commit_store (after writing the fake KV) or abort_store an open plan."""
+        self._finish(self.plans[data.draw(st.integers(0, len(self.plans) - 1), label="plan")], commit)
+
+    @rule(data=st.data(), commits=st.tuples(st.booleans(), st.booleans()), swap=st.booleans())
+    def racing_stores(self, data: st.DataObject, commits: tuple[bool, bool], swap: bool) -> None:
+        """Two requests with the same prompt plan before either finishes (e.g. in one scheduler tick);
+        a second commit of the same blocks must keep one cached copy and free the other."""
+        tokens = _draw_tokens(data, self.seen, self.max_tokens)
+        plans = [self._begin(tokens), self._begin(tokens)]
+        for plan, commit in zip(plans[::-1] if swap else plans, commits):
+            self._finish(plan, commit)
 
     @rule()
     def clear(self) -> None:
