@@ -22,6 +22,9 @@ install: $(STAMP)
 run: install
 	$(VENV)/bin/gemmaserve demo
 
+# Tests and `make run` share the converted default model (converted once, then reused).
+export GEMMASERVE_CACHE_DIR ?= $(HOME)/.cache/gemmaserve
+
 test: install
 	$(PY) -m pytest -q
 

@@ -116,7 +116,7 @@ class LLM:
         """Yield text as it is generated. Stopping the iteration early cancels the request."""
         text, prompt_ids = self.encode_prompt(prompt)
         handle = self.engine.submit(prompt_ids, sampling_params or SamplingParams())
-        detok = IncrementalDetokenizer(self.tokenizer)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=prompt_ids)
         finished = False
         try:
             for event in handle:

@@ -16,6 +16,18 @@ while holding ``backend.lock``:
 Row order is list order: the batch's row ``i`` is the ``i``-th spliced row still present, and
 ``remove_row_from_cache`` behaves like ``list.pop(i)``. KV handles (``RowKV``, ``BatchKV``) are
 opaque to the core; only the backend that made them may touch them.
+
+Ownership and failure rules the scheduler relies on:
+
+- A ``PrefillState``'s KV belongs to the caller until ``splice_into_batched`` returns; if splicing
+  raises, the caller still owns it and frees it with ``free_row_kv`` (idempotent; never called on a
+  KV that was spliced).
+- ``remove_row_from_cache`` must work after a failed ``decode_step_batched`` (so a broken batch can
+  still be emptied and its KV freed). Backends should leave the KV unchanged when a step raises.
+- A full prefix hit may adopt ``len(prompt) - 1`` tokens and recompute the last one (its logits
+  start decoding); ``num_cached`` and ``last_cache_hit_tokens`` count the tokens actually reused.
+- ``kv_reserve`` returning False while nothing else holds KV means the request can never fit; the
+  scheduler then fails it with ``KVCapacityError`` instead of waiting forever.
 """
 
 from __future__ import annotations

@@ -187,10 +187,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Run the OpenAI-compatible HTTP server until interrupted."""
     from gemmaserve.server.serve import serve
 
-    settings = settings_from_args(args)
-    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-    if overrides:
-        settings = settings.model_copy(update=overrides)
+    settings = load_settings(
+        model=args.model, backend=args.backend, device=args.device, dtype=args.dtype,
+        max_batch_size=args.max_batch_size, max_active_kv_tokens=args.max_active_kv_tokens,
+        max_model_len=args.max_model_len, log_level=args.log_level, host=args.host, port=args.port,
+    )
     _setup_logging(settings)
     serve(settings)
     return 0
