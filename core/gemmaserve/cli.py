@@ -17,9 +17,12 @@ from gemmaserve.settings import CoreSettings, load_settings
 
 __all__ = ["main", "build_parser"]
 
+DEMO_PREAMBLE = (
+    "A short travel guide to Europe, written for first-time visitors who want the essentials before they go.\n\n"
+)
 DEMO_PROMPTS = (
-    "The capital of France is",
-    "The capital of France is a city where",
+    DEMO_PREAMBLE + "The capital of France is",
+    DEMO_PREAMBLE + "The capital of Italy is",  # shares the preamble: its KV comes from the prefix cache
 )
 
 
