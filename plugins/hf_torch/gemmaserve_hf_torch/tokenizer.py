@@ -1,75 +1,16 @@
-"""The core :class:`~gemmaserve.backend.Tokenizer` protocol over a transformers tokenizer."""
+"""Tokenizer of the hf backend: the core adapter over the checkpoint's transformers tokenizer."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
-from gemmaserve.errors import InvalidRequestError, ModelLoadError
+from gemmaserve.hf_tokenizer import HFTokenizerAdapter, load_hf_tokenizer
 
 __all__ = ["HFTokenizer", "load_tokenizer"]
 
-
-class HFTokenizer:
-    """Text <-> token IDs through a loaded transformers tokenizer. Stateless after construction."""
-
-    def __init__(self, hf_tokenizer: Any) -> None:
-        self.hf = hf_tokenizer
-
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
-
-    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        return str(self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
-
-    @property
-    def has_chat_template(self) -> bool:
-        return bool(getattr(self.hf, "chat_template", None))
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        """The tokenizer's own EOS id (empty if it has none)."""
-        eos = getattr(self.hf, "eos_token_id", None)
-        return (int(eos),) if isinstance(eos, int) else ()
-
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        """Token IDs of ``messages`` rendered with the model's chat template plus the generation
-        prompt. Raises InvalidRequestError if the model has no template or a message is malformed."""
-        if not self.has_chat_template:
-            raise InvalidRequestError(
-                "this model's tokenizer has no chat template; send a plain prompt (completions) instead of messages"
-            )
-        for index, message in enumerate(messages):
-            if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
-                raise InvalidRequestError(
-                    f"message {index} must be an object with a string 'role' and a 'content'; got {message!r}"
-                )
-        try:
-            rendered = self.hf.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=True)
-        except Exception as exc:  # jinja errors (e.g. "roles must alternate") are the request's fault
-            raise InvalidRequestError(f"the chat template rejected these messages: {exc}") from None
-        if isinstance(rendered, Mapping):  # transformers may return a BatchEncoding
-            rendered = rendered["input_ids"]
-        return [int(token) for token in rendered]
+HFTokenizer = HFTokenizerAdapter
 
 
-def load_tokenizer(path: Path, *, trust_remote_code: bool) -> HFTokenizer:
-    """Load the tokenizer files (and chat template, if any) of a local checkpoint directory.
-
-    Raises ModelLoadError if the directory has no loadable tokenizer.
-    """
-    from transformers import AutoTokenizer
-
-    try:
-        hf_tokenizer = AutoTokenizer.from_pretrained(
-            str(path), local_files_only=True, trust_remote_code=trust_remote_code
-        )
-    except Exception as exc:
-        raise ModelLoadError(
-            f"cannot load a tokenizer from {str(path)!r} ({type(exc).__name__}: {exc}); the directory needs "
-            "tokenizer.json (or tokenizer.model) and tokenizer_config.json"
-        ) from None
-    if hf_tokenizer is None or not callable(getattr(hf_tokenizer, "encode", None)):
-        raise ModelLoadError(f"{str(path)!r} has no usable tokenizer files (tokenizer.json / tokenizer.model)")
-    return HFTokenizer(hf_tokenizer)
+def load_tokenizer(path: Path, *, trust_remote_code: bool) -> HFTokenizerAdapter:
+    """Load the checkpoint's tokenizer; raises ModelLoadError if it has none."""
+    return load_hf_tokenizer(path, trust_remote_code=trust_remote_code)
