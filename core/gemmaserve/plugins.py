@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _manager: pluggy.PluginManager | None = None
 _load_errors: dict[str, str] = {}
+_distributions: dict[str, str] = {}  # entry-point name -> the distribution that ships it
 _registry: BackendRegistry | None = None
 
 
@@ -46,6 +47,8 @@ def get_plugin_manager() -> pluggy.PluginManager:
                 try:
                     module = entry_point.load()
                     manager.register(module, name=entry_point.name)
+                    if entry_point.dist is not None:
+                        _distributions[entry_point.name] = entry_point.dist.name
                 except Exception as exc:  # a broken plugin must not take the others down
                     _load_errors[entry_point.name] = f"{type(exc).__name__}: {exc}"
                     logger.warning("plugin %r failed to load: %s", entry_point.name, exc)
@@ -83,6 +86,7 @@ def reset_plugins() -> None:
         _manager = None
         _registry = None
         _load_errors.clear()
+        _distributions.clear()
 
 
 def load_registry() -> BackendRegistry:
@@ -102,7 +106,7 @@ def load_registry() -> BackendRegistry:
             try:
                 hook(register=collected.append)
                 for spec in collected:
-                    registry.add(spec, plugin_name)
+                    registry.add(spec, _distributions.get(plugin_name, plugin_name))
             except Exception as exc:
                 registry.plugin_errors[plugin_name] = f"{type(exc).__name__}: {exc}"
                 logger.warning("plugin %r failed to register backends: %s", plugin_name, exc)
