@@ -34,7 +34,7 @@ def test_entry_point_registry_resolves_aliases() -> None:
     registry = load_registry()
     for name in ("hf", "torch", "hf-torch", "HF_TORCH"):
         assert registry.resolve_name(name) == "hf", name
-    assert registry.get("hf").plugin == "hf_torch"
+    assert registry.get("hf").plugin == "gemmaserve-hf-torch"  # the distribution that ships it
 
 
 def test_plugin_module_imports_nothing_heavy() -> None:

@@ -1,7 +1,10 @@
 """`CustomTorchBackend`: the InferenceBackend of custom-{cuda,mps,cpu} over the hand-written Gemma model.
 
 In-flight KV is one `PagedKVCache` per row (``RowKV``) and a `BatchedPagedKVCache` for the decoding rows
-(``BatchKV``). It caches prefixes itself (`PrefixCache`), so ``set_cache_adapter`` is a no-op, and admits
+(``BatchKV``). With triton attention (auto on CUDA) decode runs through a `StaticDecoder` (fixed buffers,
+CUDA graphs per batch bucket on CUDA); the gather path runs `PagedRunner.decode`. On CUDA, prefill uses
+SDPA and q/k/v + gate/up weights and RMSNorms are fused at load (``CUSTOM_BACKEND_PREFILL_ATTENTION`` /
+``_FUSE``). It caches prefixes itself (`PrefixCache`), so ``set_cache_adapter`` is a no-op, and admits
 by window-aware block reservations (`KVAdmission`). All methods run under ``self.lock`` (the caller's job).
 """
 
@@ -22,10 +25,12 @@ from gemmaserve.settings import CoreSettings
 
 from .kernels import HAS_TRITON
 from .kv import BatchedPagedKVCache, KVAdmission, KVPools, PagedKVCache, PrefixCache, kv_groups, plan_pool_sizes
+from .models.fusion import fuse_norms, fuse_projections
 from .models.gemma import GemmaForCausalLM
 from .runner import PagedRunner
 from .sampling import sample_tokens
-from .settings import CustomTorchSettings, load_custom_settings, resolve_attention
+from .settings import CustomTorchSettings, load_custom_settings, resolve_attention, resolve_fast_paths
+from .static_decode import make_decoder
 from .tokenizer import HFTokenizer
 
 __all__ = ["CustomTorchBackend", "create_backend"]
@@ -68,7 +73,14 @@ class CustomTorchBackend(InferenceBackend):
         self.pools = KVPools(config, num_blocks, self.block_size, self.dtype, self.device)
         self.prefix_cache = PrefixCache(self.pools)
         self.admission = KVAdmission(self.pools.geometry, num_blocks, settings.max_active_kv_tokens)
-        self.runner = PagedRunner(model, self.pools, self.attention)
+        self.prefill_attention, fuse = resolve_fast_paths(custom, self.device.type)
+        if fuse:
+            fuse_projections(model)
+            if HAS_TRITON and self.device.type == "cuda":
+                fuse_norms(model)
+        self.runner = PagedRunner(model, self.pools, self.attention, self.prefill_attention)
+        self.decoder = make_decoder(model, self.pools, custom, self.attention, settings.max_batch_size,
+                                    width=-(-max_len // self.block_size))
         self.capabilities = BackendCapabilities(
             continuous_batching=True, uses_core_cache_manager=False, kv_reservation=True, logprobs=True
         )
@@ -76,13 +88,13 @@ class CustomTorchBackend(InferenceBackend):
             name=name, vocab_size=config.vocab_size, max_model_len=max_len, eos_token_ids=config.eos_token_ids,
             architecture=config.model_type, dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
         )
-        if custom.compile or custom.explain:
-            logger.warning("CUSTOM_BACKEND_COMPILE / CUSTOM_BACKEND_EXPLAIN belong to the CUDA fast path, which this "
-                           "version does not have yet; decode runs eagerly")
         logger.info(
-            "custom_torch: %s on %s (%s), block size %d, pools %s (%.1f MiB), decode attention %s",
+            "custom_torch: %s on %s (%s), block size %d, pools %s (%.1f MiB), decode attention %s (%s), prefill "
+            "attention %s, fused projections %s",
             name, self.device, self.model_info.dtype, self.block_size, num_blocks, self.pools.nbytes / 2**20,
-            self.attention,
+            self.attention, "fixed buffers" if self.decoder is None else (
+                "CUDA graphs" if self.decoder.graphs is not None else "fixed buffers, eager"),
+            self.prefill_attention, fuse,
         )
 
     @classmethod
@@ -145,6 +157,9 @@ class CustomTorchBackend(InferenceBackend):
         batched.pop(row_idx).free_all()
 
     def decode_step_batched(self, batched: BatchedPagedKVCache, input_ids: Sequence[int]) -> torch.Tensor:
+        """Logits [rows, vocab]; on the fixed-buffer path they are overwritten by the next step."""
+        if self.decoder is not None:
+            return self.decoder.decode(batched, input_ids)
         return self.runner.decode(batched, input_ids)
 
     def kv_length(self, kv: PagedKVCache | BatchedPagedKVCache, row_idx: int | None = None) -> int:
@@ -157,6 +172,11 @@ class CustomTorchBackend(InferenceBackend):
     def sample(
         self, logits: torch.Tensor, rows: Sequence[RowSampling], *, want_logprobs: bool = False
     ) -> SampledTokens:
+        greedy = None
+        if self.decoder is not None and not want_logprobs and all(row.is_greedy for row in rows):
+            greedy = self.decoder.greedy_tokens(logits)  # the argmax the decode graph already took
+        if greedy is not None:
+            return SampledTokens([int(t) for t in greedy.tolist()])
         return sample_tokens(logits, rows, want_logprobs=want_logprobs)
 
     def free_row_kv(self, kv: PagedKVCache) -> None:

@@ -5,7 +5,9 @@ Prefill (one row, one chunk [start, end)): gather the sliding keys the chunk's f
 model with a `PagedPrefillContext`: each storing layer attends over (cached pages + the chunk's own fresh
 K/V) with an explicit position mask (causal, plus ``q - W < k`` on sliding layers) and scatters the chunk's
 stored positions into its pools with one indexed write. When no earlier keys exist the keys are exactly the
-fresh ones, so logits equal the contiguous reference bit for bit.
+fresh ones, so with ``eager`` attention logits equal the contiguous reference bit for bit; ``sdpa`` (CUDA)
+runs torch's fused kernels instead (plain causal when the chunk has no earlier keys and the window does
+not bite, else the explicit mask).
 
 Decode (all rows, one token each): free out-of-window blocks, check every pool can supply the new blocks
 (before touching any row), allocate, build the `DecodeState` tensors and run one forward with a
@@ -24,10 +26,12 @@ from torch import Tensor
 from .kv.batched import BatchedPagedKVCache, PagedDecodeContext
 from .kv.paged_cache import PagedKVCache
 from .kv.pools import KVPools
-from .models.attention_context import build_attention_mask, eager_attention
+from .models.attention_context import build_attention_mask, eager_attention, sdpa_attention
 from .models.gemma import GemmaForCausalLM
 
-__all__ = ["PagedPrefillContext", "PagedRunner"]
+__all__ = ["PagedPrefillContext", "PagedRunner", "PrefillAttention"]
+
+PrefillAttention = Literal["eager", "sdpa"]
 
 
 class PagedPrefillContext:
@@ -36,8 +40,9 @@ class PagedPrefillContext:
     layers read positions [0, start) from the pools. Writes the chunk's K/V into the pools."""
 
     def __init__(self, pools: KVPools, row: PagedKVCache, start: int, num_new: int,
-                 old: dict[int, tuple[Tensor, Tensor]]) -> None:
+                 old: dict[int, tuple[Tensor, Tensor]], attention: PrefillAttention = "eager") -> None:
         self.pools = pools
+        self.attention = attention
         self.config = pools.config
         self.row = row
         self.start = start
@@ -62,8 +67,14 @@ class PagedPrefillContext:
             assert k is not None and v is not None and k.shape[:2] == (1, self.num_new)
             self._steps[layer_idx] = self._store_and_collect(layer_idx, k, v)
         keys, values, k_positions = self._steps[source]
-        mask = build_attention_mask(self.q_positions, k_positions, self.config.window_for_layer(layer_idx))
-        out = eager_attention(q.transpose(1, 2), keys, values, mask, self.config.attention_scale)
+        window = self.config.window_for_layer(layer_idx)
+        scale = self.config.attention_scale
+        if self.attention == "sdpa" and keys.shape[2] == self.num_new and (window is None or self.num_new <= window):
+            out = sdpa_attention(q.transpose(1, 2), keys, values, None, scale, causal=True)
+            return out.transpose(1, 2).contiguous()
+        mask = build_attention_mask(self.q_positions, k_positions, window)
+        attend = sdpa_attention if self.attention == "sdpa" else eager_attention
+        out = attend(q.transpose(1, 2), keys, values, mask, scale)
         return out.transpose(1, 2).contiguous()
 
     def _store_and_collect(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -98,11 +109,13 @@ class PagedPrefillContext:
 class PagedRunner:
     """Runs ``model`` over rows of ``pools``. Stateless between calls apart from the rows it mutates."""
 
-    def __init__(self, model: GemmaForCausalLM, pools: KVPools, attention: Literal["gather", "triton"]) -> None:
+    def __init__(self, model: GemmaForCausalLM, pools: KVPools, attention: Literal["gather", "triton"],
+                 prefill_attention: PrefillAttention = "eager") -> None:
         self.model = model
         self.pools = pools
         self.config = model.config
         self.attention = attention
+        self.prefill_attention = prefill_attention
         self.device = next(iter(pools.k.values())).device
 
     @torch.inference_mode()
@@ -124,7 +137,7 @@ class PagedRunner:
                     v_pool.view(-1, *v_pool.shape[2:])[slots].transpose(0, 1)[None],
                 )
         row.prepare_append(num_new)
-        context = PagedPrefillContext(self.pools, row, start, num_new, old)
+        context = PagedPrefillContext(self.pools, row, start, num_new, old, self.prefill_attention)
         ids = torch.tensor([list(token_ids)], dtype=torch.int64, device=self.device)
         hidden = self.model.forward_hidden(ids, context.q_positions[None], context)
         row.commit_append(num_new)

@@ -7,7 +7,7 @@
   and (seed, step), whatever else is in the batch, and matches the pure-Python reference up to float rounding.
 - logprob: the chosen token's ``log_softmax(logits)`` under the raw (unscaled, unfiltered) distribution.
 
-Vectorised over rows; one host sync per call.
+Vectorised over rows; one host sync per call. All-greedy calls without logprobs skip the float64 copy.
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ def sample_tokens(logits: torch.Tensor, rows: Sequence[RowSampling], *, want_log
     """One token per row of ``logits`` [rows, vocab] (any float dtype, any device). Does not mutate logits."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [{len(rows)}, vocab] for {len(rows)} rows, got {tuple(logits.shape)}")
+    if not want_logprobs and all(row.is_greedy for row in rows):
+        # argmax in the logits' own dtype: widening is exact and monotone, so the pick (ties: lowest index) is
+        # the same as in float64, without the [rows, vocab] float64 copy
+        return SampledTokens([int(t) for t in logits.argmax(dim=-1).tolist()])
     work_dtype = torch.float32 if logits.device.type == "mps" else torch.float64
     values = logits.to(work_dtype)
     tokens = values.argmax(dim=-1)

@@ -21,7 +21,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gemmaserve.errors import ConfigurationError
 
-__all__ = ["CustomTorchSettings", "load_custom_settings", "resolve_attention"]
+__all__ = ["CustomTorchSettings", "load_custom_settings", "resolve_attention", "resolve_fast_paths"]
 
 AttentionMode = Literal["auto", "triton", "gather"]
 
@@ -43,9 +43,20 @@ class CustomTorchSettings(BaseSettings):
     block_size: int | None = Field(
         None, ge=1, le=1024, description="Tokens per KV block. Unset: the core KV_BLOCK_SIZE."
     )
-    cuda_graph: bool = Field(True, description="Capture decode as a CUDA graph (CUDA fast path; 0 disables).")
-    compile: bool = Field(False, description="torch.compile the model (CUDA fast path).")
-    explain: bool = Field(False, description="Print torch._dynamo.explain graph-break statistics at capture.")
+    cuda_graph: bool = Field(
+        True, description="Replay decode as CUDA graphs, one per batch bucket (CUDA + triton attention; 0 disables)."
+    )
+    graph_capture: Literal["lazy", "startup"] = Field(
+        "lazy", description="Capture a bucket's graph on its first use (lazy) or every bucket at startup."
+    )
+    compile: bool = Field(False, description="torch.compile the decode forward (dynamic=False), under the graphs.")
+    explain: bool = Field(False, description="Log torch._dynamo.explain graph/break counts at the first decode.")
+    prefill_attention: Literal["auto", "eager", "sdpa"] = Field(
+        "auto", description="Prefill attention: eager (bitwise transformers), sdpa (fused kernels); auto = sdpa on CUDA."
+    )
+    fuse: Literal["auto", "on", "off"] = Field(
+        "auto", description="Fuse q/k/v and gate/up matmuls and RMSNorm kernels at load; auto = on CUDA."
+    )
     attention: AttentionMode = Field(
         "auto", description="Decode attention: auto (triton on CUDA, else gather), triton (paged kernel) or gather."
     )
@@ -92,3 +103,12 @@ def resolve_attention(mode: AttentionMode, device_type: str, has_triton: bool) -
             "(or set TRITON_INTERPRET=1 to run the kernel in the Triton interpreter, for tests)"
         )
     return "triton"
+
+
+def resolve_fast_paths(custom: CustomTorchSettings, device_type: str) -> tuple[Literal["eager", "sdpa"], bool]:
+    """(prefill attention, fuse projections) for ``device_type``: ``auto`` means sdpa and fusion on CUDA, the
+    bitwise-transformers eager path and unfused weights elsewhere."""
+    on_cuda = device_type == "cuda"
+    prefill = custom.prefill_attention if custom.prefill_attention != "auto" else ("sdpa" if on_cuda else "eager")
+    fuse = custom.fuse == "on" or (custom.fuse == "auto" and on_cuda)
+    return prefill, fuse

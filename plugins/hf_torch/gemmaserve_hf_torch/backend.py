@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gemmaserve.backend import BackendCapabilities, InferenceBackend, ModelInfo, PrefillState, SampledTokens
+from gemmaserve.backend import BackendCapabilities, InferenceBackend, ModelInfo, PrefillState, SampledTokens, Tokenizer
 from gemmaserve.errors import InvalidRequestError, PromptTooLongError
 from gemmaserve.sampling_params import RowSampling
 from gemmaserve_hf_torch.cache_rows import BatchCache, RowCache
 from gemmaserve_hf_torch.kv_cache.hf_format import BlockPools, detect_layout
-from gemmaserve_hf_torch.loader import LoadedModel, load_model
+from gemmaserve_hf_torch.loader import LoadedModel, ModelForward, load_model
 from gemmaserve_hf_torch.sampling import sample_tokens
 from gemmaserve_hf_torch.settings import load_hf_settings
 
@@ -34,6 +35,22 @@ if TYPE_CHECKING:
     from gemmaserve.settings import CoreSettings
 
 __all__ = ["HFTorchBackend", "create_backend"]
+
+
+class _IdsOnlyTokenizer:
+    """Tokenizer of `HFTorchBackend.from_model` without one: the engine's token-id API works, text does not."""
+
+    eos_token_ids: tuple[int, ...] = ()
+    has_chat_template = False
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        raise InvalidRequestError("this in-memory model has no tokenizer; send token ids")
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        raise InvalidRequestError("this in-memory model has no tokenizer; read token ids")
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        raise InvalidRequestError("this in-memory model has no tokenizer or chat template; send token ids")
 
 
 def create_backend(model_path: str, device: str, settings: CoreSettings) -> HFTorchBackend:
@@ -73,6 +90,28 @@ class HFTorchBackend(InferenceBackend):
         self._rows: weakref.WeakSet[RowCache] = weakref.WeakSet()
         self._batches: weakref.WeakSet[BatchCache] = weakref.WeakSet()
         self._closed = False
+
+    @classmethod
+    def from_model(
+        cls, model: torch.nn.Module, tokenizer: Tokenizer | None = None, *, max_model_len: int | None = None,
+        compile_model: bool = False, name: str = "in-memory",
+    ) -> HFTorchBackend:
+        """Wrap a transformers causal LM already in memory (put in eval mode; stays on its device and dtype),
+        e.g. for benchmarks. ``tokenizer=None``: token ids only (text calls raise InvalidRequestError).
+        ``max_model_len`` defaults to the config's max_position_embeddings. EOS ids come from the configs."""
+        param = next(model.parameters())
+        text_config = model.config.get_text_config(decoder=True)
+        eos: list[int] = []
+        for source in (getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                       getattr(model.config, "eos_token_id", None)):
+            eos.extend(v for v in (source if isinstance(source, (list, tuple)) else [source]) if isinstance(v, int))
+        loaded = LoadedModel(
+            path=Path(name), model=model.eval(), forward=ModelForward(model, compile_model=compile_model),
+            tokenizer=tokenizer or _IdsOnlyTokenizer(), text_config=text_config, dtype=param.dtype,
+            device=param.device, max_model_len=max_model_len or int(text_config.max_position_embeddings),
+            eos_token_ids=tuple(dict.fromkeys(eos)),
+        )
+        return cls(loaded)
 
     @torch.inference_mode()
     def _probe_forward(self, cache: DynamicCache) -> None:

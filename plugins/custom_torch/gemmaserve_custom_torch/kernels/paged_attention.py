@@ -80,7 +80,9 @@ def _tile_kv(k_head, v_head, base, t, page, valid, offs_n, offs_d, d_mask,
 @triton.jit
 def _attend_tile(q, k, v, valid, acc, m_i, l_i, qk_scale, DOT_PRECISION: tl.constexpr):
     """One online-softmax step (base 2) of the ``[GROUP_PAD]`` q rows over a K/V tile."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, TILE_N]
+    # the cast keeps s fp32 when a caller (torch.compile's Inductor) passes qk_scale as an fp64 scalar;
+    # fp64 scores would make the acc of the second dot fp64 and fail to compile
+    s = (tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale).to(tl.float32)  # [GROUP_PAD, TILE_N]
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A fully masked history keeps m = -inf; pin the pivot to 0 to avoid (-inf) - (-inf).

@@ -15,6 +15,7 @@ Two attention paths, chosen per backend (``CUSTOM_BACKEND_ATTENTION``):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -125,10 +126,14 @@ class BatchedPagedKVCache:
 
 class PagedDecodeContext:
     """`AttentionContext` of one batched decode step (S = 1): storing layers scatter their new K/V into the
-    pools (one indexed write per layer), then every layer attends over its group's paged KV."""
+    pools (one indexed write per layer), then every layer attends over its group's paged KV.
+
+    ``mode="triton"`` calls ``kernel`` (default: the Triton ``paged_decode_attention``; any function with its
+    signature works, e.g. ``paged_decode_attention_reference`` on CPU) with the state's block tables."""
 
     def __init__(
-        self, config: GemmaTextConfig, pools: KVPools, state: DecodeState, mode: Literal["gather", "triton"]
+        self, config: GemmaTextConfig, pools: KVPools, state: DecodeState, mode: Literal["gather", "triton"],
+        kernel: Callable[..., Tensor] | None = None,
     ) -> None:
         self.config = config
         self.pools = pools
@@ -136,9 +141,9 @@ class PagedDecodeContext:
         self.mode = mode
         self._gathered: dict[int, tuple[Tensor, Tensor]] = {}
         if mode == "triton":
-            from ..kernels.paged_attention import paged_decode_attention
-
-            self._kernel = paged_decode_attention
+            if kernel is None:
+                from ..kernels.paged_attention import paged_decode_attention as kernel
+            self._kernel = kernel
 
     def check_integrity(self) -> None:
         """Every step tensor has one entry per row; gathered K/V exist only for storing layers."""

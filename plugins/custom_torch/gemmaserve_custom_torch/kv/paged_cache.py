@@ -11,11 +11,16 @@ cache) and ``commit_append`` advances ``length``. If the forward fails in betwee
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from .pools import KVPools
 
 __all__ = ["PagedKVCache"]
+
+
+_UIDS = itertools.count()
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -30,6 +35,7 @@ class PagedKVCache:
         self.tables: dict[str, list[int]] = {name: [] for name in pools.groups}
         self.length = 0
         self.version = 0  # bumped whenever a table changes (batched mirrors refresh on change)
+        self.uid = next(_UIDS)  # unique per row for the process lifetime (unlike id(), never reused)
         self.freed = False
         pools.live_rows.add(self)
 
@@ -92,6 +98,21 @@ class PagedKVCache:
             for j, block in zip(missing, self.pools.allocate(group, len(missing))):
                 table[j] = block
         self.version += 1
+
+    def decode_needs_nothing(self) -> bool:
+        """True if appending one token changes no table: position ``length`` falls in a held block that only
+        this row references, and no sliding block leaves the window (``keep_from`` moves only when
+        ``length + 1`` is a multiple of the block size). Then ``prepare_append(1)`` would be a no-op and
+        ``commit_append(1)`` is all the step needs. Conservative: False whenever unsure."""
+        bs = self.pools.block_size
+        position = self.length
+        if position % bs == 0 or (position + 1) % bs == 0:
+            return False
+        j = position // bs
+        for group, table in self.tables.items():
+            if j >= len(table) or table[j] < 0 or self.pools.refcount(group, table[j]) != 1:
+                return False
+        return True
 
     def commit_append(self, num_new: int) -> None:
         """The forward wrote the K/V of the ``num_new`` positions prepared: advance ``length``."""

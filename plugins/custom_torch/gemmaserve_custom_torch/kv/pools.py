@@ -7,7 +7,9 @@ layer ``l``, two tensors ``k[l]``, ``v[l]`` of shape ``[num_blocks_g, block_size
 block id ``b`` of group ``g`` is slot ``b`` in every pool of ``g``. Token ``p`` of a row lives in logical
 block ``p // block_size`` at offset ``p % block_size``; a row's block table maps logical -> physical id, with
 ``-1`` for "not held" (freed out-of-window sliding blocks). Pools are zero-initialised (never NaN), so masked
-reads of stale slots are harmless.
+reads of stale slots are harmless. Every pool has one extra *scratch* block (id ``scratch_block(group)`` =
+the group's block count) that no manager hands out: padding rows of a fixed-size (CUDA-graph) decode write
+and read there.
 
 Window rule (``GroupGeometry``, W = window, bs = block size), for a row whose KV covers positions [0, n):
 
@@ -145,13 +147,17 @@ class KVPools:
         self.v: dict[int, torch.Tensor] = {}
         for name, group in self.groups.items():
             for layer, (heads, dim) in zip(group.layers, group.shapes):
-                shape = (num_blocks[name], block_size, heads, dim)
+                shape = (num_blocks[name] + 1, block_size, heads, dim)  # + the scratch block
                 self.k[layer] = torch.zeros(shape, dtype=dtype, device=device)
                 self.v[layer] = torch.zeros(shape, dtype=dtype, device=device)
         sources = config.kv_source_layer
         self.group_of_layer = {i: config.layer_types[sources[i]] for i in range(config.num_hidden_layers)}
         self.reclaimer: Reclaimer | None = None
         self.live_rows: set[object] = set()  # every PagedKVCache not yet freed (for leak checks)
+
+    def scratch_block(self, group: str) -> int:
+        """Id of ``group``'s scratch block (never allocated; padding rows of graph decode use it)."""
+        return self.managers[group].num_blocks
 
     @property
     def nbytes(self) -> int:
@@ -204,10 +210,10 @@ class KVPools:
         return next(iter(self.k.values())).device
 
     def check_integrity(self) -> None:
-        """Each block manager is consistent and every pool has its group's block count."""
+        """Each block manager is consistent and every pool has its group's block count (+ the scratch block)."""
         for name, group in self.groups.items():
             manager = self.managers[name]
             manager.check_integrity()
             for layer in group.layers:
-                if self.k[layer].shape[0] != manager.num_blocks or self.v[layer].shape != self.k[layer].shape:
+                if self.k[layer].shape[0] != manager.num_blocks + 1 or self.v[layer].shape != self.k[layer].shape:
                     raise RuntimeError(f"KVPools: layer {layer} pools disagree with group {name!r}")

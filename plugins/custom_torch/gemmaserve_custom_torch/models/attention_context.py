@@ -10,7 +10,8 @@ positions, masks, padding, KV sharing. Contract of `attend(layer_idx, q, k, v)`:
 * Scale (`config.attention_scale`), sliding window, layer type and GQA ratio come from the config the
   context holds. Layers are called in increasing `layer_idx` order within one forward.
 
-Pure helpers `build_attention_mask` and `eager_attention` are shared with other (paged) implementations.
+Pure helpers `build_attention_mask`, `eager_attention` (bitwise transformers eager) and `sdpa_attention`
+(torch's fused SDPA kernels, for CUDA prefill) are shared with other (paged) implementations.
 """
 
 from __future__ import annotations
@@ -78,6 +79,26 @@ def eager_attention(
         scores = scores + additive.masked_fill_(mask, 0.0)
     probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, values)
+
+
+def sdpa_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, *, causal: bool = False
+) -> Tensor:
+    """`eager_attention`'s contract through ``F.scaled_dot_product_attention`` (not bitwise equal to it).
+
+    K/V heads are repeated to the query heads first (torch's memory-efficient and cuDNN kernels, which take
+    an explicit mask and head dim 512, do not take GQA). ``causal=True`` with ``mask=None`` needs S == K
+    (lets a flash kernel run where the head dim allows). Returns [B, Hq, S, D] in q's dtype.
+    """
+    num_heads, num_kv = q.shape[1], k.shape[1]
+    if num_heads % num_kv:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv} KV heads.")
+    if causal and (mask is not None or q.shape[2] != k.shape[2]):
+        raise ValueError("causal SDPA takes no mask and needs as many keys as queries")
+    keys, values = repeat_kv(k, num_heads // num_kv), repeat_kv(v, num_heads // num_kv)
+    if mask is not None and mask.dim() == 3:
+        mask = mask[:, None]
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=scale)
 
 
 class _StepKV:

@@ -78,19 +78,32 @@ class GemmaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, eps, style, device=device, dtype=dtype)
             if config.has_v_norm:
                 self.v_norm = RMSNorm(self.head_dim, eps, style, with_weight=False)
+        # Set by `fusion.fuse_projections`: [q; k; v] weight rows (q/k/v_proj.weight become views of it).
+        self.fused_qkv: Tensor | None = None
+        self.fused_widths: tuple[int, ...] = ()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext) -> Tensor:
         batch, seq, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim))
+        q_lin, k_lin, v_lin = self._project(x)
+        q = self.q_norm(q_lin.view(batch, seq, self.num_heads, self.head_dim))
         q = apply_rotary(q, cos, sin)
         k = v = None
-        if self.k_proj is not None:
-            k_raw = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
-            v_raw = k_raw if self.v_proj is None else self.v_proj(x).view(batch, seq, self.num_kv_heads, -1)
+        if k_lin is not None:
+            k_raw = k_lin.view(batch, seq, self.num_kv_heads, self.head_dim)
+            v_raw = k_raw if v_lin is None else v_lin.view(batch, seq, self.num_kv_heads, -1)
             k = apply_rotary(self.k_norm(k_raw), cos, sin)
             v = self.v_norm(v_raw) if self.v_norm is not None else v_raw
         out = attn.attend(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim))
+
+    def _project(self, x: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """(q, k, v) projections of x; k/v None where the layer has none. One matmul after `fuse_projections`."""
+        if self.fused_qkv is not None:
+            parts = F.linear(x, self.fused_qkv).split(self.fused_widths, dim=-1)
+            return parts[0], parts[1], parts[2] if len(parts) > 2 else None
+        if self.k_proj is None:
+            return self.q_proj(x), None, None
+        return self.q_proj(x), self.k_proj(x), None if self.v_proj is None else self.v_proj(x)
 
 
 class GemmaDecoderLayer(nn.Module):

@@ -7,6 +7,8 @@ tests (tests/custom_torch/test_model_parity.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -43,8 +45,13 @@ class RMSNorm(nn.Module):
         self.weight: nn.Parameter | None = (
             nn.Parameter(torch.ones(dim, device=device, dtype=dtype)) if with_weight else None
         )
+        # A fused kernel with this module's contract (``kernels.rms_norm.rms_norm``), used for CUDA inputs
+        # when set (``fusion.fuse_norms``); None = the eager op sequence (bitwise transformers).
+        self.kernel: Callable[[Tensor, Tensor | None, float, str], Tensor] | None = None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.kernel is not None and x.is_cuda:
+            return self.kernel(x, self.weight, self.eps, self.style)
         xf = x.float()
         mean_sq = xf.pow(2).mean(-1, keepdim=True) + self.eps
         if self.style == "one_plus_w":
@@ -121,8 +128,12 @@ class GeGLUMLP(nn.Module):
         self.gate_proj = _linear(hidden, width, device, dtype)
         self.up_proj = _linear(hidden, width, device, dtype)
         self.down_proj = _linear(width, hidden, device, dtype)
+        self.fused_gate_up: Tensor | None = None  # [gate; up] rows, set by `fusion.fuse_projections`
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fused_gate_up is not None:
+            gate, up = F.linear(x, self.fused_gate_up).chunk(2, dim=-1)
+            return self.down_proj(gelu_tanh(gate) * up)
         return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -1,0 +1,240 @@
+"""End-to-end decode benchmark of the custom_torch backend at Gemma 4 E2B shapes (random weights, no download).
+
+One process: builds transformers' Gemma4ForCausalLM with seeded random bf16 weights on the GPU, the custom
+model over the same tensors, then drives requests through the real Engine/scheduler:
+
+- A (decode): N concurrent distinct random prompts (512 tokens), 256 output tokens, EOS ignored, for each N:
+  median TTFT, median TPOT, output tokens/s, the decode-step time (CUDA events around decode_step_batched,
+  and around the CUDA-graph replay alone) against the HBM roofline (bytes read per step / measured copy BW);
+- B (prefix reuse): 64 requests = one shared 1536-token prefix + 64 own tokens; median TTFT with the prefix
+  cached (warmed by one earlier request) vs. 64 distinct 1600-token prompts (nothing cached);
+- the hf_torch backend on the same model for workload A at small N (output capped, see --hf-output-len);
+- a torch.profiler split of one eager decode step, and optionally compile on/off (--compile-size).
+
+Usage (repo root):  python benchmarks/decode.py --json out.json       (H200: about 3 minutes)
+                    python benchmarks/decode.py --quick --json q.json (tiny shapes, CPU, seconds; CI smoke)
+CUSTOM_BACKEND_* env vars apply to the main custom backend (e.g. CUSTOM_BACKEND_CUDA_GRAPH=0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import decode_model as dm  # noqa: E402
+import decode_profile as dp  # noqa: E402
+from decode_workloads import StepTimer, random_prompts, run_engine  # noqa: E402
+
+from gemmaserve.settings import CoreSettings  # noqa: E402
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", type=Path, default=Path("decode_results.json"), help="where to write all results")
+    p.add_argument("--quick", action="store_true", help="tiny shapes and counts (CPU smoke run)")
+    p.add_argument("--sizes", default="1,8,32,128,256", help="workload A concurrencies")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--hf-sizes", default="1,8,32")
+    p.add_argument("--hf-output-len", type=int, default=32, help="output tokens per hf request (hf is slow)")
+    p.add_argument("--prefix-len", type=int, default=1536)
+    p.add_argument("--prefix-requests", type=int, default=64)
+    p.add_argument("--prefix-own", type=int, default=64, help="distinct tokens after the shared prefix")
+    p.add_argument("--profile-size", type=int, default=32, help="rows of the profiled eager step (0 = skip)")
+    p.add_argument("--compile-size", type=int, default=0, help="also measure CUSTOM_BACKEND_COMPILE=1 at N (0 = skip)")
+    p.add_argument("--eager-sizes", default="1,32", help="also run these N with CUDA graphs off (64 tokens)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.sizes, args.hf_sizes, args.prompt_len, args.output_len, args.hf_output_len = "1,2", "1,2", 24, 6, 4
+        args.prefix_len, args.prefix_requests, args.prefix_own, args.profile_size = 32, 4, 4, 0
+        args.eager_sizes = ""
+    return args
+
+
+def _settings(device: str, dtype: str, max_rows: int, max_len: int, tokens: int) -> CoreSettings:
+    return CoreSettings(device=device, dtype=dtype, max_batch_size=max_rows, max_model_len=max_len,
+                        max_active_kv_tokens=tokens, kv_block_size=16, prefill_chunk_tokens=512,
+                        max_waiting_requests=4096)
+
+
+def _custom_backend(model: Any, settings: CoreSettings, **custom: Any) -> Any:
+    from gemmaserve_custom_torch.backend import CustomTorchBackend
+    from gemmaserve_custom_torch.settings import load_custom_settings
+
+    return CustomTorchBackend(model, dm.IdsOnlyTokenizer(), settings, load_custom_settings(**custom), name="e2b-random")
+
+
+def _workload_a(backend: Any, settings: CoreSettings, sizes: list[int], args: argparse.Namespace, roof: Any,
+                bandwidth: float, output_len: int, label: str) -> list[dict[str, Any]]:
+    rows = []
+    vocab = backend.model_info.vocab_size
+    decoder = getattr(backend, "decoder", None)
+    for n in sizes:
+        prompts = random_prompts(n, args.prompt_len, vocab, seed=args.seed + 1000 * n + len(label))
+        step = StepTimer(backend, "decode_step_batched", lambda batch, ids: len(ids), settings.device)
+        replay = None
+        if decoder is not None and decoder.graphs is not None:
+            replay = StepTimer(decoder.graphs, "run", lambda bucket: bucket, settings.device)
+        result = run_engine(backend, settings, prompts, output_len)
+        step.restore()
+        if replay is not None:
+            replay.restore()
+        row = {"backend": label, "N": n, **result.summary(), "step_ms": _r(step.median_ms(n)),
+               "graph_replay_ms": _r(replay.median_ms(n)) if replay is not None else None}
+        context = args.prompt_len + output_len // 2
+        floor_ms = roof.step_bytes(n, context) / bandwidth * 1e3
+        row["roofline_ms"] = _r(floor_ms)
+        row["roofline_context"] = context
+        measured = row["graph_replay_ms"] or row["step_ms"]
+        row["pct_of_roofline"] = round(100 * floor_ms / measured, 1) if measured else None
+        rows.append(row)
+        print(f"  {label} N={n}: {row}", flush=True)
+    return rows
+
+
+def _workload_b(backend: Any, settings: CoreSettings, args: argparse.Namespace) -> dict[str, Any]:
+    vocab = backend.model_info.vocab_size
+    own, total = args.prefix_own, args.prefix_len + args.prefix_own
+    cold = run_engine(backend, settings, random_prompts(args.prefix_requests, total, vocab, seed=args.seed + 7), 8)
+    prefix = random_prompts(1, args.prefix_len, vocab, seed=args.seed + 8)[0]
+    # warm the cache with the prefix alone: a request that runs past the prefix frees (during its own prefill)
+    # the sliding-window blocks a hit at the prefix boundary needs, so it would leave nothing reusable
+    run_engine(backend, settings, [prefix], 1)
+    hit = run_engine(backend, settings, random_prompts(args.prefix_requests, own, vocab, seed=args.seed + 10,
+                                                       prefix=prefix), 8)
+    out = {"requests": args.prefix_requests, "prefix_len": args.prefix_len, "own_len": own, "output_len": 8,
+           "cold": cold.summary(), "prefix_hit": hit.summary()}
+    c, h = out["cold"]["ttft_median_ms"], out["prefix_hit"]["ttft_median_ms"]
+    out["hit_over_cold_pct"] = round(100 * h / c, 1) if c and h else None
+    return out
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = _args(argv)
+    device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
+    dtype, dtype_name = (torch.bfloat16, "bfloat16") if device == "cuda" else (torch.float32, "float32")
+    base = dm.TINY if args.quick else dm.E2B
+    sizes = [int(x) for x in args.sizes.split(",")]
+    hf_sizes = [int(x) for x in args.hf_sizes.split(",") if x]
+    results: dict[str, Any] = {"meta": {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__, "quick": args.quick,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "argv": sys.argv[1:],
+        "config": "tiny" if args.quick else "E2B"}}
+
+    def save() -> None:
+        args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
+
+    t0 = time.perf_counter()
+    hf_model = dm.build_hf_model(base, device, dtype, args.seed)
+    model = dm.custom_from_hf(hf_model)
+    roof = dm.roofline(model)
+    bandwidth = dm.copy_bandwidth(device, (1 << 30) if device == "cuda" else (1 << 24))
+    results["meta"].update(build_s=round(time.perf_counter() - t0, 1), copy_bandwidth_tbps=round(bandwidth / 1e12, 3),
+                           weight_gb_per_step=round(roof.weight_bytes / 1e9, 3))
+    save()
+    max_rows = max(sizes + [args.prefix_requests])
+    max_len = base["max_position_embeddings"]
+    settings = _settings(device, dtype_name, max_rows, max_len, max_rows * max_len)
+
+    def section(name: str, fn: Any) -> Any:
+        """Run one section; a failure is recorded (with its traceback) and the next section still runs."""
+        try:
+            value = fn()
+            if value is not None:
+                results[name] = value
+            return value
+        except Exception:
+            results.setdefault("errors", {})[name] = traceback.format_exc()[-3000:]
+            print(f"section {name} failed:\n{results['errors'][name]}", flush=True)
+            return None
+        finally:
+            save()
+
+    backend = _custom_backend(model, settings)
+    decoder = getattr(backend, "decoder", None)
+    if decoder is not None and decoder.graphs is not None:
+        if section("graph_capture_s", lambda: {str(k): round(v, 3) for k, v in decoder.capture_all().items()}) is None:
+            backend = _custom_backend(model, settings, cuda_graph=False)  # keep measuring, eagerly
+            decoder = backend.decoder
+    vocab = base["vocab_size"]
+    run_engine(backend, settings, random_prompts(2, args.prompt_len, vocab, seed=99), 4)  # warm-up
+    print(f"built in {results['meta']['build_s']} s; copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    section("workload_a",
+            lambda: _workload_a(backend, settings, sizes, args, roof, bandwidth, args.output_len, "custom"))
+    section("workload_b", lambda: _workload_b(backend, settings, args))
+    if args.profile_size and decoder is not None and device == "cuda":
+        section("profile", lambda: dp.profile_decode_step(backend, settings, args.profile_size, args.prompt_len))
+        section("sdpa_backends", lambda: dp.sdpa_backends(device, dtype))
+    if hf_sizes:
+        def hf_runs() -> list[dict[str, Any]]:
+            from gemmaserve_hf_torch.backend import HFTorchBackend
+
+            hf = HFTorchBackend.from_model(hf_model, max_model_len=max_len)
+            hf_settings = _settings(device, dtype_name, max(hf_sizes), max_len, max(hf_sizes) * max_len)
+            run_engine(hf, hf_settings, random_prompts(1, args.prompt_len, vocab, seed=98), 2)  # warm-up
+            return _workload_a(hf, hf_settings, hf_sizes, args, roof, bandwidth, args.hf_output_len, "hf")
+
+        if section("hf", hf_runs) is not None:
+            section("hf_ratio", lambda: _ratios(results["workload_a"], results["hf"]))
+    eager_sizes = [int(x) for x in args.eager_sizes.split(",") if x]
+    if eager_sizes and decoder is not None and decoder.graphs is not None:
+        def eager_runs() -> list[dict[str, Any]]:
+            eager = _custom_backend(model, settings, cuda_graph=False)
+            rows = _workload_a(eager, settings, eager_sizes, args, roof, bandwidth, 64, "custom-no-graph")
+            eager.close()
+            return rows
+
+        section("no_graph", eager_runs)
+    if args.compile_size and decoder is not None:
+        section("compile", lambda: dp.compile_on_off(_custom_backend, model, settings, args, roof, bandwidth,
+                                                     _workload_a, backend))
+    _print_tables(results)
+    save()
+    return results
+
+
+def _ratios(custom: list[dict[str, Any]], hf: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    by_n = {row["N"]: row for row in custom}
+    for row in hf:
+        mine = by_n.get(row["N"])
+        if mine and row["tpot_median_ms"] and mine["tpot_median_ms"]:
+            out.append({"N": row["N"], "tpot_speedup": round(row["tpot_median_ms"] / mine["tpot_median_ms"], 1),
+                        "tok_per_s_speedup": round(mine["output_tok_per_s"] / row["output_tok_per_s"], 1),
+                        "ttft_speedup": round(row["ttft_median_ms"] / mine["ttft_median_ms"], 1)})
+    return out
+
+
+def _print_tables(results: dict[str, Any]) -> None:
+    cols = ["backend", "N", "ttft_median_ms", "tpot_median_ms", "output_tok_per_s", "step_ms", "graph_replay_ms",
+            "roofline_ms", "pct_of_roofline"]
+    print("\n" + " | ".join(cols))
+    for row in results.get("workload_a", []) + results.get("no_graph", []) + results.get("hf", []):
+        print(" | ".join(str(row.get(c)) for c in cols))
+    if "workload_b" in results:
+        b = results["workload_b"]
+        print(f"\nprefix reuse TTFT median: cold {b['cold']['ttft_median_ms']} ms, "
+              f"hit {b['prefix_hit']['ttft_median_ms']} ms ({b['hit_over_cold_pct']}% of cold), "
+              f"cached tokens {b['prefix_hit']['cached_tokens_median']}")
+    for row in results.get("hf_ratio", []):
+        print(f"custom vs hf at N={row['N']}: TPOT x{row['tpot_speedup']}, tok/s x{row['tok_per_s_speedup']}, "
+              f"TTFT x{row['ttft_speedup']}")
+    if "compile" in results:
+        print(f"compile on/off: {json.dumps(results['compile'])}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Diagnostics of benchmarks/decode.py (CUDA only): a torch.profiler split of one decode step, which SDPA
+kernels accept the prefill shapes (head dims 256 and 512, explicit mask), and torch.compile on/off."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from decode_workloads import random_prompts, run_engine
+
+_CATEGORIES = (
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk")),
+    ("attention", ("_paged_decode", "_combine_splits")),
+    ("kv_write", ("index_copy", "index_put", "scatter")),
+    ("reduce/argmax/norm", ("reduce", "argmax", "norm")),
+)
+
+
+def _category(name: str) -> str:
+    low = name.lower()
+    for category, keys in _CATEGORIES:
+        if any(key in low for key in keys):
+            return category
+    return "elementwise/other"
+
+
+def _kernel_summary(prof: Any) -> dict[str, Any]:
+    """Kernel count and device time by category from a finished torch.profiler run."""
+    times: defaultdict[str, float] = defaultdict(float)
+    counts: Counter[str] = Counter()
+    names: defaultdict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if "memcpy" in event.name.lower() or "memset" in event.name.lower():
+            counts["memcpy/memset"] += 1
+            continue
+        us = float(getattr(event, "device_time", None) or getattr(event, "cuda_time", 0.0))
+        category = _category(event.name)
+        times[category] += us
+        counts[category] += 1
+        names[event.name[:80]] += us
+    total = sum(times.values())
+    return {"kernels": sum(v for k, v in counts.items() if k != "memcpy/memset"), "kernel_time_us": round(total, 1),
+            "by_category_us": {k: round(v, 1) for k, v in sorted(times.items(), key=lambda kv: -kv[1])},
+            "count_by_category": dict(counts), "top_kernels_us": {k: round(v, 1) for k, v in
+                                                                  sorted(names.items(), key=lambda kv: -kv[1])[:8]}}
+
+
+def profile_decode_step(backend: Any, settings: Any, rows: int, prompt_len: int) -> dict[str, Any]:
+    """Profile the 3rd decode step of ``rows`` live requests run eagerly (graphs switched off for it) and the
+    4th as a graph replay; returns kernel counts and time splits plus the eager step's wall time."""
+    decoder = backend.decoder
+    original = backend.decode_step_batched
+    out: dict[str, Any] = {"rows": rows}
+    calls = [0]
+
+    def hooked(batch: Any, ids: Any) -> Any:
+        calls[0] += 1
+        if calls[0] not in (3, 4) or len(ids) != rows:
+            return original(batch, ids)
+        eager = calls[0] == 3
+        graphs = decoder.graphs
+        if eager:
+            decoder.graphs = None
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        try:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            with torch.profiler.profile(activities=acts) as prof:
+                logits = original(batch, ids)
+                torch.cuda.synchronize()
+            wall = (time.perf_counter() - start) * 1e3
+        finally:
+            decoder.graphs = graphs
+        out["eager_step" if eager else "graph_replay_step"] = {"wall_ms_under_profiler": round(wall, 3),
+                                                                **_kernel_summary(prof)}
+        return logits
+
+    backend.decode_step_batched = hooked
+    try:
+        run_engine(backend, settings, random_prompts(rows, prompt_len, backend.model_info.vocab_size, seed=5), 6)
+    finally:
+        del backend.decode_step_batched  # back to the class method
+    return out
+
+
+def sdpa_backends(device: str, dtype: torch.dtype, queries: int = 512, keys: int = 1024) -> dict[str, Any]:
+    """Which torch SDPA kernels run prefill-shaped attention (8 heads, explicit bool mask, head dim 256 / 512),
+    their time, and the max error against fp32 math."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    out: dict[str, Any] = {}
+    gen = torch.Generator(device=device).manual_seed(0)
+    for head_dim in (256, 512):
+        q = torch.randn(1, 8, queries, head_dim, device=device, dtype=dtype, generator=gen)
+        k = torch.randn(1, 8, keys, head_dim, device=device, dtype=dtype, generator=gen)
+        v = torch.randn(1, 8, keys, head_dim, device=device, dtype=dtype, generator=gen)
+        qpos = torch.arange(keys - queries, keys, device=device)
+        mask = torch.arange(keys, device=device)[None, :] <= qpos[:, None]
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=1.0)
+        for backend in (None, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                        SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH):
+            name = f"d{head_dim}/{'default' if backend is None else backend.name}"
+            try:
+                ctx = sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext()
+                with ctx:
+                    fn = (lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0))
+                    got = fn()
+                    torch.cuda.synchronize()
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    for _ in range(10):
+                        fn()
+                    end.record()
+                    end.synchronize()
+                out[name] = {"ok": True, "ms": round(start.elapsed_time(end) / 10, 4),
+                             "max_err": round(float((got.float() - ref).abs().max()), 5)}
+            except Exception as exc:  # a backend that refuses these shapes
+                out[name] = {"ok": False, "why": str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__}
+    return out
+
+
+def compile_on_off(make_backend: Callable[..., Any], model: Any, settings: Any, args: Any, roof: Any,
+                   bandwidth: float, workload: Callable[..., list[dict[str, Any]]], plain: Any) -> dict[str, Any]:
+    """Workload A at N = args.compile_size (64 output tokens) without and with CUSTOM_BACKEND_COMPILE=1; the
+    compiled graph of that bucket is captured before timing (its compile time is reported separately)."""
+    n = args.compile_size
+    off = workload(plain, settings, [n], args, roof, bandwidth, 64, "custom")
+    compiled = make_backend(model, settings, compile=True, graph_capture="lazy")
+    decoder = compiled.decoder
+    start = time.perf_counter()
+    with torch.inference_mode():
+        decoder.state.load([], [], n)
+        explain = decoder.run_explain(n)
+        explain_s = time.perf_counter() - start
+        decoder.graphs.capture(n)
+    compile_s = time.perf_counter() - start - explain_s
+    on = workload(compiled, settings, [n], args, roof, bandwidth, 64, "custom+compile")
+    compiled.close()
+    return {"N": n, "off": off[0], "on": on[0], "explain": explain, "explain_s": round(explain_s, 1),
+            "compile_and_capture_s": round(compile_s, 1), "compiled": decoder._forward.compiled is not None,
+            "compile_error": decoder._forward.error}

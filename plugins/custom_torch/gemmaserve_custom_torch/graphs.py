@@ -1,0 +1,128 @@
+"""CUDA-graph capture/replay of the decode forward per bucket, plus the optional torch.compile wrapper.
+
+`DecodeGraphs` captures ``forward(bucket)`` on the first use of a bucket: that step runs ``forward``
+eagerly (its result is the step's result, and the run warms up Triton / cuBLAS / Inductor), then the
+graph is recorded (recording executes nothing, so the KV pools are not written twice) and every later
+step of that bucket is a replay. All graphs share one memory pool: only one runs at a time and each
+one's outputs stay allocated, so they never alias. Outputs are overwritten by the next replay.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["DecodeGraphs", "explain_report", "maybe_compile"]
+
+logger = logging.getLogger(__name__)
+
+Forward = Callable[[int], tuple[Tensor, Tensor]]
+
+
+class DecodeGraphs:
+    """One CUDA graph per bucket of ``forward`` (which must read only fixed buffers). Not thread-safe."""
+
+    def __init__(self, forward: Forward) -> None:
+        self.forward = forward
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = {}
+        self._pool: Any = None
+        self.capture_seconds: dict[int, float] = {}  # warm-up + capture wall time per bucket
+
+    def has(self, bucket: int) -> bool:
+        return bucket in self._graphs
+
+    def run(self, bucket: int) -> tuple[Tensor, Tensor]:
+        """This step's (logits, tokens) of ``bucket`` rows: a replay, or on first use an eager run
+        followed by the capture."""
+        entry = self._graphs.get(bucket)
+        if entry is not None:
+            entry[0].replay()
+            return entry[1], entry[2]
+        start = time.perf_counter()
+        result = self.forward(bucket)
+        self._record(bucket)
+        self.capture_seconds[bucket] = time.perf_counter() - start
+        return result
+
+    def capture(self, bucket: int) -> None:
+        """Warm up (one eager run) and capture ``bucket`` now; the state buffers must hold a valid step."""
+        start = time.perf_counter()
+        self.forward(bucket)
+        self._record(bucket)
+        self.capture_seconds[bucket] = time.perf_counter() - start
+
+    def _record(self, bucket: int) -> None:
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits, tokens = self.forward(bucket)
+        if self._pool is None:
+            self._pool = graph.pool()
+        torch.cuda.synchronize()
+        self._graphs[bucket] = (graph, logits, tokens)
+        logger.info("custom_torch: captured the decode graph of bucket %d", bucket)
+
+
+class _CompiledForward:
+    """``torch.compile(fn, dynamic=False)`` that falls back to ``fn`` for good (with a warning) if compiling
+    or a compiled call raises; the failed call is retried eagerly (decode writes are idempotent)."""
+
+    def __init__(self, fn: Forward) -> None:
+        import torch._dynamo
+        import torch._inductor.config
+
+        config = torch._dynamo.config
+        for name in ("cache_size_limit", "recompile_limit"):  # one compilation per bucket
+            if hasattr(config, name):
+                setattr(config, name, max(getattr(config, name), 64))
+        # In-process kernel compilation: Inductor's subprocess worker pool failed on the H200 image
+        # ("SubprocException: An exception occurred in a subprocess", 2026-11-29).
+        torch._inductor.config.compile_threads = 1
+        self.eager = fn
+        self.error: str | None = None  # why compiling failed, if it did
+        self.compiled: Forward | None = torch.compile(fn, dynamic=False)
+
+    def __call__(self, bucket: int) -> tuple[Tensor, Tensor]:
+        if self.compiled is not None:
+            try:
+                return self.compiled(bucket)
+            except Exception as exc:
+                self.compiled = None
+                self.error = f"{type(exc).__name__}: {exc}"[:4000]
+                logger.warning("CUSTOM_BACKEND_COMPILE: torch.compile failed; decoding eagerly: %s", self.error)
+        return self.eager(bucket)
+
+
+def maybe_compile(fn: Forward, enabled: bool) -> Forward:
+    """``fn`` itself, or its compiled wrapper when ``enabled`` (see `_CompiledForward`)."""
+    return _CompiledForward(fn) if enabled else fn
+
+
+def explain_report(fn: Forward, bucket: int) -> dict[str, Any]:
+    """Run ``torch._dynamo.explain`` on ``fn(bucket)`` (this executes one decode forward) and log the graph
+    count, break count and breaks grouped by reason. Returns those numbers; {"error": ...} if explain fails."""
+    try:
+        import torch._dynamo
+
+        out = torch._dynamo.explain(fn)(bucket)
+    except Exception as exc:
+        logger.warning("CUSTOM_BACKEND_EXPLAIN: torch._dynamo.explain failed: %s: %s", type(exc).__name__, exc)
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    reasons = Counter(str(getattr(b, "reason", b)).splitlines()[0] for b in out.break_reasons)
+    report = {
+        "bucket": bucket,
+        "graph_count": int(out.graph_count),
+        "graph_break_count": int(out.graph_break_count),
+        "op_count": int(getattr(out, "op_count", -1)),
+        "break_reasons": dict(reasons.most_common()),
+    }
+    logger.warning("CUSTOM_BACKEND_EXPLAIN (bucket %d): %d graph(s), %d break(s), %d ops; breaks by reason: %s",
+                   bucket, report["graph_count"], report["graph_break_count"], report["op_count"],
+                   report["break_reasons"] or "none")
+    return report

@@ -1,0 +1,144 @@
+"""`BatchedDecodeState`: the decode step's inputs in fixed device buffers (what a CUDA graph reads).
+
+Buffers (``R`` = capacity rows = the largest bucket, ``W`` = table width = blocks of the longest row):
+
+- ``ids`` int64 ``[R]`` (token each row consumes) and ``positions`` int64 ``[R]`` (its position): rewritten
+  every step from the host by one H2D copy of ``[2, bucket]``;
+- ``tables[group]`` int32 ``[R, W]``: block table per group. A device row is rewritten only when its slot
+  now holds another row (``PagedKVCache.uid``) or that row's ``version`` moved, so a steady step copies
+  nothing (a row changes tables once per block, every ``block_size`` steps).
+
+Padding: rows ``B .. bucket-1`` of a step consume token 0 at position 0 with table ``[scratch, -1, ...]``,
+so they write one K/V into the group's scratch block and attend over it alone (finite, never read back).
+Write slots and ``seq_lens`` are derived on the device (inside the graph) by :meth:`step_tensors`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .paged_cache import PagedKVCache
+from .pools import KVPools
+
+__all__ = ["BatchedDecodeState", "graph_buckets", "pick_bucket"]
+
+_PAD = (-1, -1)  # slot key of a padding row
+
+
+def graph_buckets(max_batch_size: int) -> tuple[int, ...]:
+    """Batch sizes to capture: powers of two below ``max_batch_size``, then ``max_batch_size`` itself."""
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    sizes = []
+    size = 1
+    while size < max_batch_size:
+        sizes.append(size)
+        size *= 2
+    sizes.append(max_batch_size)
+    return tuple(sizes)
+
+
+def pick_bucket(buckets: Sequence[int], batch_size: int) -> int:
+    """The smallest bucket holding ``batch_size`` rows. Raises ValueError if none does."""
+    for size in buckets:
+        if size >= batch_size:
+            return size
+    raise ValueError(f"a decode batch of {batch_size} rows exceeds the largest bucket {buckets[-1]}")
+
+
+class BatchedDecodeState:
+    """Fixed buffers for up to ``capacity`` rows whose tables have at most ``width`` blocks.
+
+    Mutated by :meth:`load` (host mirror and device buffers); single-threaded (under the backend lock).
+    Device buffers keep their addresses for the object's lifetime (graphs may capture them)."""
+
+    def __init__(self, pools: KVPools, capacity: int, width: int) -> None:
+        if capacity < 1 or width < 1:
+            raise ValueError(f"capacity and width must be >= 1, got {capacity}, {width}")
+        self.pools = pools
+        self.capacity = capacity
+        self.width = width
+        device = next(iter(pools.k.values())).device
+        self.device = device
+        self.io = torch.zeros((2, capacity), dtype=torch.int64, device=device)  # ids, positions
+        self.ids, self.positions = self.io[0], self.io[1]
+        self._host_tables: dict[str, Tensor] = {}
+        self.tables: dict[str, Tensor] = {}
+        for group in pools.groups:
+            host = torch.full((capacity, width), -1, dtype=torch.int32)
+            host[:, 0] = pools.scratch_block(group)
+            self._host_tables[group] = host
+            self.tables[group] = host.to(device)
+        self._keys: list[tuple[int, int]] = [_PAD] * capacity
+        self.rows_copied = 0  # table rows sent to the device so far (for tests and stats)
+
+    def load(self, rows: Sequence[PagedKVCache], input_ids: Sequence[int], bucket: int) -> None:
+        """Stage a step of ``rows`` (row ``i`` consumes ``input_ids[i]`` at position ``rows[i].length``)
+        padded to ``bucket`` rows. Rows must already hold the block of their new position."""
+        count = len(rows)
+        if not count <= bucket <= self.capacity or len(input_ids) != count:
+            raise ValueError(f"{count} rows / {len(input_ids)} ids do not fit bucket {bucket} of {self.capacity}")
+        pad = bucket - count
+        staged = torch.tensor([[*input_ids, *([0] * pad)], [row.length for row in rows] + [0] * pad],
+                              dtype=torch.int64)
+        self.io[:, :bucket].copy_(staged)
+        dirty = [i for i, row in enumerate(rows) if self._keys[i] != (row.uid, row.version)]
+        dirty += [i for i in range(count, bucket) if self._keys[i] != _PAD]
+        if not dirty:
+            return
+        for group, host in self._host_tables.items():
+            scratch = self.pools.scratch_block(group)
+            for i in dirty:
+                line = host[i]
+                line.fill_(-1)
+                if i < count:
+                    table = rows[i].tables[group]
+                    if len(table) > self.width:
+                        raise ValueError(
+                            f"a row holds {len(table)} blocks but the decode tables are {self.width} wide "
+                            f"(MAX_MODEL_LEN / block size); the row is longer than the model length"
+                        )
+                    line[: len(table)] = torch.tensor(table, dtype=torch.int32)
+                else:
+                    line[0] = scratch
+            self._copy_rows(group, dirty)
+        for i in dirty:
+            self._keys[i] = (rows[i].uid, rows[i].version) if i < count else _PAD
+        self.rows_copied += len(dirty)
+
+    def _copy_rows(self, group: str, dirty: list[int]) -> None:
+        host, device_table = self._host_tables[group], self.tables[group]
+        lo, hi = dirty[0], dirty[-1] + 1
+        if hi - lo <= 2 * len(dirty):  # dense enough: one contiguous copy
+            device_table[lo:hi].copy_(host[lo:hi])
+            return
+        index = torch.tensor(dirty, dtype=torch.int64)
+        device_table.index_copy_(0, index.to(self.device), host[index].to(self.device))
+
+    def step_tensors(self, bucket: int) -> tuple[Tensor, Tensor, dict[str, Tensor], dict[str, Tensor]]:
+        """Device-side views/derivations for a ``bucket``-row step (no host sync, graph-capturable):
+        (positions int64 [b], seq_lens int32 [b], tables int32 [b, W] per group, write slots int64 [b] per
+        group = the flat pool slot of each row's new token)."""
+        positions = self.positions[:bucket]
+        bs = self.pools.block_size
+        tables = {group: table[:bucket] for group, table in self.tables.items()}
+        blocks_at = (positions // bs)[:, None]
+        offset = positions % bs
+        slots = {group: table.gather(1, blocks_at)[:, 0].to(torch.int64) * bs + offset
+                 for group, table in tables.items()}
+        return positions, (positions + 1).to(torch.int32), tables, slots
+
+    def check_integrity(self, rows: Sequence[PagedKVCache]) -> None:
+        """Device tables equal their host mirrors; mirrors of rows whose key is current equal the rows' tables."""
+        for group, host in self._host_tables.items():
+            device_rows = self.tables[group].cpu()
+            for i, key in enumerate(self._keys):
+                if i < len(rows) and key == (rows[i].uid, rows[i].version):
+                    table = rows[i].tables[group]
+                    if host[i, : len(table)].tolist() != table:
+                        raise RuntimeError(f"BatchedDecodeState: row {i} {group} host mirror is stale")
+                if not torch.equal(device_rows[i], host[i]):
+                    raise RuntimeError(f"BatchedDecodeState: row {i} {group} device table differs from the host")

@@ -1,0 +1,66 @@
+"""Load-time fusion on CUDA: fewer, longer matmuls, and one kernel per RMSNorm (`fuse_norms`).
+
+`fuse_projections(model)` concatenates, per layer, the q/k/v weights of KV-storing layers (q/k on K=V layers)
+into one ``[q_width + k_width (+ v_width), hidden]`` weight and the MLP's gate/up weights into one
+``[2 * width, hidden]`` weight. The original parameters are re-pointed at row slices of the fused tensors,
+so no memory is duplicated and ``state_dict`` keeps its names and values. Each output element is still a
+dot product of the same row and input, but cuBLAS may pick another kernel for the wider matmul, so results
+can differ in the last bit: greedy tokens are what the GPU tests compare. Mutates ``model`` (every backend
+sharing it then runs fused); idempotent.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .gemma import GemmaForCausalLM
+
+__all__ = ["fuse_norms", "fuse_projections", "is_fused"]
+
+
+def _fuse(linears: list[nn.Linear]) -> Tensor:
+    """One weight holding ``linears``' weight rows in order; each linear's weight becomes a view of it."""
+    fused = torch.cat([lin.weight.detach() for lin in linears], dim=0)
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = nn.Parameter(fused[start : start + rows], requires_grad=False)
+        start += rows
+    return fused
+
+
+@torch.no_grad()
+def fuse_projections(model: GemmaForCausalLM) -> int:
+    """Fuse q/k/v and gate/up projections of every layer (see the module docstring); returns the number of
+    fused weights made by this call (0 if already fused)."""
+    made = 0
+    for layer in model.layers:
+        attn = layer.self_attn
+        if attn.fused_qkv is None and attn.k_proj is not None:
+            parts = [attn.q_proj, attn.k_proj] + ([attn.v_proj] if attn.v_proj is not None else [])
+            attn.fused_widths = tuple(lin.weight.shape[0] for lin in parts)
+            attn.fused_qkv = _fuse(parts)
+            made += 1
+        mlp = layer.mlp
+        if mlp.fused_gate_up is None:
+            mlp.fused_gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
+            made += 1
+    return made
+
+
+def is_fused(model: GemmaForCausalLM) -> bool:
+    """True once `fuse_projections` ran on ``model``."""
+    return all(layer.mlp.fused_gate_up is not None for layer in model.layers)
+
+
+def fuse_norms(model: torch.nn.Module) -> int:
+    """Run every RMSNorm of ``model`` through the Triton kernel (``kernels.rms_norm``) on CUDA inputs; returns
+    how many norms were switched. Mutates ``model``; idempotent. Needs triton (the caller checks)."""
+    from ..kernels.rms_norm import rms_norm
+    from .layers import RMSNorm
+
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    for norm in norms:
+        norm.kernel = rms_norm
+    return len(norms)

@@ -1,0 +1,32 @@
+"""The decode benchmark's ``--quick`` smoke run (tiny shapes, CPU) end to end: every section runs through the
+real Engine and the JSON holds sane numbers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "decode.py"
+
+
+def test_decode_benchmark_quick_runs_end_to_end(tmp_path):
+    out = tmp_path / "quick.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(out)], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["meta"]["quick"] and results["meta"]["config"] == "tiny"
+    rows = results["workload_a"]
+    assert [row["N"] for row in rows] == [1, 2]
+    for row in rows + results["hf"]:
+        assert not row["errors"], row["errors"]
+        assert row["ttft_median_ms"] > 0 and row["tpot_median_ms"] > 0 and row["output_tok_per_s"] > 0
+        assert row["step_ms"] > 0 and row["roofline_ms"] > 0
+    b = results["workload_b"]
+    assert b["prefix_hit"]["cached_tokens_median"] >= 32 and b["cold"]["cached_tokens_median"] == 0
+    assert [r["N"] for r in results["hf_ratio"]] == [1, 2]
+    assert "ttft_median_ms" in proc.stdout and "prefix reuse TTFT median" in proc.stdout

@@ -1,0 +1,278 @@
+"""CPU tests of the CUDA fast path's device-independent logic: graph buckets, the fixed decode buffers
+(`BatchedDecodeState`), the fixed-buffer decoder driven eagerly with the plain-torch kernel, the decode
+fast-path predicate, settings, projection fusion and SDPA prefill (fp32 on CPU)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from fixtures_backend import SLIDING, assert_no_leaks, make_backend, run_scheduler
+from fixtures_backend import one_torch_thread  # noqa: F401  (autouse)
+from gemmaserve.engine.request import FinishReason
+from gemmaserve.sampling_params import RowSampling
+from gemmaserve.testing.row_driver import solo_greedy
+from gemmaserve_custom_torch.kernels import paged_decode_attention_reference
+from gemmaserve_custom_torch.kv import PagedKVCache
+from gemmaserve_custom_torch.kv.decode_state import BatchedDecodeState, graph_buckets, pick_bucket
+from gemmaserve_custom_torch.models import GemmaForCausalLM
+from gemmaserve_custom_torch.models.fusion import fuse_projections, is_fused
+from gemmaserve_custom_torch.sampling import sample_tokens
+from gemmaserve_custom_torch.settings import load_custom_settings, resolve_fast_paths
+from gemmaserve_custom_torch.static_decode import StaticDecoder
+
+
+def with_static_decoder(backend, max_batch_size: int = 8):
+    """Swap ``backend``'s decode onto the fixed-buffer decoder, eager, with the plain-torch kernel."""
+    width = -(-backend.model_info.max_model_len // backend.block_size)
+    backend.decoder = StaticDecoder(
+        backend.model, backend.pools, buckets=graph_buckets(max_batch_size), width=width,
+        kernel=paged_decode_attention_reference, use_graphs=False,
+    )
+    return backend
+
+
+def test_graph_buckets_and_pick():
+    assert graph_buckets(1) == (1,)
+    assert graph_buckets(8) == (1, 2, 4, 8)
+    assert graph_buckets(6) == (1, 2, 4, 6)
+    assert graph_buckets(256) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    buckets = graph_buckets(48)
+    assert [pick_bucket(buckets, n) for n in (1, 2, 3, 5, 17, 33, 48)] == [1, 2, 4, 8, 32, 48, 48]
+    with pytest.raises(ValueError, match="exceeds the largest bucket"):
+        pick_bucket(buckets, 49)
+    with pytest.raises(ValueError):
+        graph_buckets(0)
+
+
+def _rows_of(backend, prompts):
+    with backend.lock:
+        return [backend.prefill(p).kv for p in prompts]
+
+
+def test_decode_state_copies_changed_rows_only_and_pads_with_scratch(tiny_gemma4_dir):
+    backend = make_backend(tiny_gemma4_dir, block_size=4)
+    pools = backend.pools
+    rows = _rows_of(backend, [[5, 6, 7, 8, 9], [(3 * i) % 400 + 4 for i in range(14)]])
+    state = BatchedDecodeState(pools, capacity=4, width=8)
+    for row in rows:
+        row.prepare_append(1)
+    state.load(rows, [11, 12], bucket=4)
+    assert state.rows_copied == 2  # the two real rows; padding rows already hold [scratch, -1, ...]
+    assert state.ids.tolist() == [11, 12, 0, 0] and state.positions.tolist() == [5, 14, 0, 0]
+    state.check_integrity(rows)
+    positions, seq_lens, tables, slots = state.step_tensors(4)
+    assert seq_lens.tolist() == [6, 15, 1, 1]
+    for group, table in tables.items():
+        scratch = pools.scratch_block(group)
+        assert table[2:, 0].tolist() == [scratch, scratch] and bool((table[2:, 1:] == -1).all())
+        assert slots[group][2:].tolist() == [scratch * 4, scratch * 4]
+        for i, row in enumerate(rows):
+            assert int(slots[group][i]) == row.tables[group][row.length // 4] * 4 + row.length % 4
+    state.load(rows, [11, 12], bucket=4)
+    assert state.rows_copied == 2  # nothing changed: nothing copied
+    rows[1].release_out_of_window(5)  # evicts sliding blocks: the row's version moves
+    state.load(rows, [11, 12], bucket=2)
+    assert state.rows_copied == 3
+    state.load(rows[1:], [12], bucket=1)  # row 1 moves to slot 0: slot 0 is rewritten
+    assert state.rows_copied == 4
+    state.check_integrity(rows[1:])
+    with pytest.raises(ValueError, match="do not fit"):
+        state.load(rows, [1, 2], bucket=1)
+    too_narrow = BatchedDecodeState(pools, capacity=2, width=1)
+    with pytest.raises(ValueError, match="wide"):
+        too_narrow.load(rows[1:], [1], bucket=1)
+    for row in rows:
+        row.free_all()
+    pools.check_integrity()
+
+
+def test_decode_needs_nothing_exactly_when_prepare_append_is_a_no_op(tiny_gemma4_dir):
+    """Whenever the predicate says "nothing to do", prepare_append(1) changes no table; it says so on most
+    steps. Covers a row whose blocks are shared with the prefix cache (copy-on-write pending)."""
+    backend = make_backend(tiny_gemma4_dir, block_size=4)
+    prompt = [(7 * i + 3) % 500 + 4 for i in range(10)]
+    with backend.lock:
+        rows = [backend.prefill(prompt).kv, backend.prefill(prompt).kv]  # prefill() stores: the second hits
+        assert any(backend.pools.refcount(g, b) > 1 for g, t in rows[1].tables.items() for b in t if b >= 0)
+        fast_steps = 0
+        for row in rows:
+            for _ in range(30):
+                before = {g: list(t) for g, t in row.tables.items()}
+                fast = row.decode_needs_nothing()
+                row.prepare_append(1)
+                if fast:
+                    fast_steps += 1
+                    assert {g: list(t) for g, t in row.tables.items()} == before, row.length
+                row.commit_append(1)
+            row.free_all()
+        assert fast_steps >= 25  # 2 of every 4 positions at block size 4
+
+
+@pytest.mark.parametrize("name", ["gemma4", "gemma4_k_eq_v", "gemma3"])
+def test_static_decoder_matches_gather_path_through_the_scheduler(tiny_checkpoint, name):
+    """Joins and leaves at every tick, bucket sizes 1..8, block boundaries every 4 tokens, windows of 8."""
+    path = tiny_checkpoint(name)
+    rng = random.Random(7)
+    requests = [([rng.randrange(4, 500) for _ in range(rng.randrange(1, 30))], rng.randrange(0, 12),
+                 rng.randrange(1, 20)) for _ in range(14)]
+    gather = run_scheduler(make_backend(path), requests, check_every_tick=False)
+    static_backend = with_static_decoder(make_backend(path))
+    static = run_scheduler(static_backend, requests)
+    for rid, request in gather.items():
+        assert static[rid].output_token_ids == request.output_token_ids, rid
+        assert static[rid].finish_reason is FinishReason.LENGTH
+    assert static_backend.decoder.steps > 0 and static_backend.decoder.slow_rows > 0
+    assert_no_leaks(static_backend)
+
+
+def test_static_decoder_logits_and_greedy_fast_path(tiny_gemma4_dir):
+    gather = make_backend(tiny_gemma4_dir)
+    static = with_static_decoder(make_backend(tiny_gemma4_dir))
+    prompts = [[5, 17, 42, 7, 99], [(7 * i + 3) % 500 + 4 for i in range(19)], [9] * 3]
+    logits = {}
+    for key, backend in (("gather", gather), ("static", static)):
+        with backend.lock:
+            rows = [backend.prefill(p) for p in prompts]
+            batch = backend.stack_caches_left_padded([r.kv for r in rows])
+            tokens = [int(r.last_logits.argmax()) for r in rows]
+            steps = []
+            for _ in range(6):
+                step = backend.decode_step_batched(batch, tokens)
+                steps.append(step.clone())
+                greedy = [RowSampling(0.0, 1.0, 0, 0, 0)] * len(rows)
+                tokens = backend.sample(step, greedy).token_ids
+                assert tokens == sample_tokens(step.double(), greedy).token_ids
+            logits[key] = torch.stack(steps)
+            while len(batch):
+                backend.remove_row_from_cache(batch, 0)
+        assert_no_leaks(backend)
+    torch.testing.assert_close(logits["static"], logits["gather"], rtol=0, atol=2e-5)
+    stale = logits["static"][0].clone()
+    assert static.decoder.greedy_tokens(stale) is None  # only the tensor the last step returned
+
+
+def test_static_decoder_matches_contiguous_reference_alone(tiny_gemma4_dir):
+    backend = with_static_decoder(make_backend(tiny_gemma4_dir))
+    prompt = [(5 * i + 9) % 500 + 4 for i in range(29)]
+    assert solo_greedy(backend, prompt, 12) == solo_greedy(make_backend(tiny_gemma4_dir), prompt, 12)
+
+
+def test_settings_of_the_fast_paths(monkeypatch):
+    custom = load_custom_settings()
+    assert (custom.cuda_graph, custom.graph_capture, custom.prefill_attention, custom.fuse) == (
+        True, "lazy", "auto", "auto")
+    assert resolve_fast_paths(custom, "cuda") == ("sdpa", True)
+    assert resolve_fast_paths(custom, "cpu") == ("eager", False)
+    monkeypatch.setenv("CUSTOM_BACKEND_PREFILL_ATTENTION", "eager")
+    monkeypatch.setenv("CUSTOM_BACKEND_FUSE", "off")
+    monkeypatch.setenv("CUSTOM_BACKEND_GRAPH_CAPTURE", "startup")
+    custom = load_custom_settings()
+    assert resolve_fast_paths(custom, "cuda") == ("eager", False) and custom.graph_capture == "startup"
+    assert resolve_fast_paths(load_custom_settings(fuse="on", prefill_attention="sdpa"), "cpu") == ("sdpa", True)
+    from gemmaserve.errors import ConfigurationError
+
+    monkeypatch.setenv("CUSTOM_BACKEND_GRAPH_CAPTURE", "always")
+    with pytest.raises(ConfigurationError, match="CUSTOM_BACKEND_GRAPH_CAPTURE="):
+        load_custom_settings()
+
+
+@pytest.mark.parametrize("name", ["gemma4", "gemma4_k_eq_v", "gemma4_moe"])
+def test_fused_projections_keep_weights_and_tokens(tiny_checkpoint, name):
+    path = tiny_checkpoint(name)
+    plain = GemmaForCausalLM.from_hf(path, "cpu", torch.float32)
+    fused = GemmaForCausalLM.from_hf(path, "cpu", torch.float32)
+    before = {k: v.clone() for k, v in fused.state_dict().items()}
+    assert fuse_projections(fused) > 0 and is_fused(fused) and fuse_projections(fused) == 0
+    after = fused.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    layer = next(layer for layer in fused.layers if layer.self_attn.fused_qkv is not None)
+    assert layer.self_attn.q_proj.weight.data_ptr() == layer.self_attn.fused_qkv.data_ptr()  # views, no copy
+    prompt = [(5 * i + 9) % 500 + 4 for i in range(21)]
+    ids = torch.tensor([prompt])
+    from gemmaserve_custom_torch.models import ContiguousKVContext
+
+    with torch.inference_mode():
+        out = [m(ids, torch.arange(len(prompt))[None], ContiguousKVContext(m.config)) for m in (plain, fused)]
+    torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[1].argmax(-1), out[0].argmax(-1))
+
+
+def test_sdpa_prefill_matches_eager_on_cpu(tiny_gemma4_dir):
+    """fp32 SDPA (math kernel on CPU) through chunked prefill with old keys + window: same greedy tokens."""
+    prompt = [(7 * i + 3) % 500 + 4 for i in range(37)]
+    eager = make_backend(tiny_gemma4_dir, prefill_chunk_tokens=5)
+    sdpa = make_backend(tiny_gemma4_dir, prefill_chunk_tokens=5, prefill_attention="sdpa")
+    assert sdpa.runner.prefill_attention == "sdpa" and eager.runner.prefill_attention == "eager"
+    results = []
+    for backend in (eager, sdpa):
+        with backend.lock:
+            state = backend.prefill_lookup(prompt)
+            while not state.is_complete:
+                backend.prefill_chunk(state, 5)
+            results.append(state.last_logits.clone())
+            backend.free_row_kv(state.kv)
+    torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-4)
+    requests = [(prompt, 0, 8), (prompt[:6], 1, 8)]
+    by_eager = run_scheduler(make_backend(tiny_gemma4_dir), requests, prefill_chunk_tokens=5)
+    by_sdpa = run_scheduler(make_backend(tiny_gemma4_dir, prefill_attention="sdpa"), requests, prefill_chunk_tokens=5)
+    assert [r.output_token_ids for r in by_sdpa.values()] == [r.output_token_ids for r in by_eager.values()]
+
+
+def test_padding_rows_touch_only_the_scratch_block(tiny_gemma4_dir):
+    """3 rows run in bucket 4: the step writes each row's new-token block and the scratch block, nothing else."""
+    backend = with_static_decoder(make_backend(tiny_gemma4_dir, block_size=4), max_batch_size=8)
+    pools = backend.pools
+    rows = _rows_of(backend, [[5, 6, 7], [8] * 6, [(3 * i) % 400 + 4 for i in range(13)]])
+    with backend.lock:
+        batch = backend.stack_caches_left_padded(rows)
+        before = {layer: (pools.k[layer].clone(), pools.v[layer].clone()) for layer in pools.k}
+        targets = {g: {row.tables[g][row.length // 4] if row.length % 4 else None for row in rows}
+                   for g in pools.groups}
+        backend.decode_step_batched(batch, [9, 10, 11])
+        for layer, (k_before, v_before) in before.items():
+            group = pools.group_of_layer[layer]
+            changed = ((pools.k[layer] != k_before) | (pools.v[layer] != v_before)).flatten(1).any(1)
+            changed_ids = set(changed.nonzero().flatten().tolist())
+            allowed = {b for row in rows for b in row.tables[group]} | {pools.scratch_block(group)}
+            assert changed_ids <= allowed, (layer, changed_ids)
+            assert pools.scratch_block(group) in changed_ids  # the padding row wrote there
+        assert targets  # (targets document which blocks the real rows write)
+        while len(batch):
+            backend.remove_row_from_cache(batch, 0)
+    assert_no_leaks(backend)
+
+
+_RMS_SCRIPT = """
+import torch
+from gemmaserve_custom_torch.kernels.rms_norm import rms_norm
+from gemmaserve_custom_torch.models.layers import RMSNorm
+torch.manual_seed(0)
+worst = 0.0
+for style in ("w", "one_plus_w"):
+    for with_weight in (True, False):
+        norm = RMSNorm(48, 1e-6, style, with_weight=with_weight)
+        if with_weight:
+            norm.weight.data = torch.randn(48)
+        fused = torch.randn(2, 3, 5 * 48 + 7)[..., 7:]  # heads sliced out of a wider projection
+        for x in (torch.randn(3, 4, 48), fused.reshape(2, 3, 5, 48), torch.randn(48), torch.randn(0, 48)):
+            got, want = rms_norm(x, norm.weight, norm.eps, style), norm(x)
+            assert got.shape == want.shape and got.is_contiguous(), (got.shape, want.shape)
+            if want.numel():
+                worst = max(worst, float((got - want).abs().max()))
+print(worst)
+"""
+
+
+def test_triton_rms_norm_matches_the_eager_module_under_interpreter():
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _RMS_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert float(proc.stdout.strip().splitlines()[-1]) < 1e-5
