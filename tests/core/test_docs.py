@@ -13,3 +13,30 @@ def test_every_core_setting_is_documented() -> None:
     text = (DOCS / "settings.md").read_text()
     missing = [name.upper() for name in CoreSettings.model_fields if f"`{name.upper()}`" not in text]
     assert not missing, f"document these settings in docs/settings.md: {missing}"
+
+
+def _plugin_env_names() -> list[str]:
+    """Env names of every installed plugin's settings (prefix + field, or its validation aliases)."""
+    import importlib
+
+    names: list[str] = []
+    for module_name, class_name in (
+        ("gemmaserve_custom_torch.settings", "CustomTorchSettings"),
+        ("gemmaserve_hf_torch.settings", "HFTorchSettings"),
+        ("gemmaserve_mlx.settings", "MlxSettings"),
+    ):
+        try:
+            settings_class = getattr(importlib.import_module(module_name), class_name)
+        except ImportError:
+            continue
+        prefix = settings_class.model_config.get("env_prefix", "")
+        for name, field in settings_class.model_fields.items():
+            aliases = getattr(field.validation_alias, "choices", None)
+            names.append(str(aliases[0]) if aliases else f"{prefix}{name}".upper())
+    return names
+
+
+def test_every_plugin_setting_is_documented() -> None:
+    text = (DOCS / "settings.md").read_text()
+    missing = [name for name in _plugin_env_names() if f"`{name}`" not in text]
+    assert not missing, f"document these plugin settings in docs/settings.md: {missing}"
