@@ -62,8 +62,9 @@ def test_shared_prefix_reuses_blocks_and_gives_identical_tokens(tiny_gemma4_dir)
 
 
 def test_hit_needs_the_sliding_window_before_it(tiny_gemma4_dir):
-    """A long stored prompt keeps sliding blocks only near its end, so a prompt sharing just its first
-    blocks cannot reuse them (the window before the hit point is gone); one extending it can."""
+    """A long prompt prefilled in ONE chunk (> W) never writes the sliding K/V of its early positions, so a
+    prompt sharing just its first blocks cannot reuse them (the window before the hit point is missing); one
+    extending it can. Chunked prefill keeps early prefixes hit-able: see test_prefix_sliding.py."""
     backend = make_backend(tiny_gemma4_dir)
     _solo(backend, BASE)  # 40 tokens: only the sliding blocks of positions >= 40 - 8 - ... stay
     geometry = backend.pools.geometry[SLIDING]

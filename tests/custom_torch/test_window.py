@@ -43,8 +43,14 @@ def test_prefill_frees_out_of_window_blocks_and_stays_bounded(tiny_gemma4_dir, c
         while not state.is_complete:
             backend.prefill_chunk(state, chunk)
             _check_window_storage(backend, state.kv)
-            assert sliding.num_used == len(state.kv.held(SLIDING)) <= cap, "freed blocks go back to the pool"
+            held = set(state.kv.held(SLIDING))
+            assert len(held) <= cap
+            cached = set(backend.prefix_cache.references()[SLIDING])
+            assert sliding.num_used == len(held | cached), "dropped blocks go to the prefix cache or the pool"
+            assert all(backend.pools.refcount(SLIDING, b) == 1 for b in cached - held), "dropped = cache-only"
         backend.free_row_kv(state.kv)
+        backend.prefix_cache.clear()
+    assert sliding.num_used == 0, "every dropped sliding block was reclaimable"
     assert_no_leaks(backend)
 
 

@@ -4,8 +4,8 @@ In-flight KV is one `PagedKVCache` per row (``RowKV``) and a `BatchedPagedKVCach
 (``BatchKV``). With triton attention (auto on CUDA) decode runs through a `StaticDecoder` (fixed buffers,
 CUDA graphs per batch bucket on CUDA); the gather path runs `PagedRunner.decode`. On CUDA, prefill uses
 SDPA and q/k/v + gate/up weights and RMSNorms are fused at load (``CUSTOM_BACKEND_PREFILL_ATTENTION`` /
-``_FUSE``). It caches prefixes itself (`PrefixCache`), so ``set_cache_adapter`` is a no-op, and admits
-by window-aware block reservations (`KVAdmission`). All methods run under ``self.lock`` (the caller's job).
+``_FUSE``). It caches prefixes itself (`PrefixCache`, progressively after every prefill chunk), so
+``set_cache_adapter`` is a no-op, and admits by window-aware block reservations (`KVAdmission`). All methods run under ``self.lock`` (the caller's job).
 """
 
 from __future__ import annotations
@@ -130,6 +130,7 @@ class CustomTorchBackend(InferenceBackend):
         done = start + num == len(state.prompt_ids)
         logits = self.runner.prefill(state.kv, state.prompt_ids[start : start + num], want_logits=done)
         state.num_computed += num
+        self.prefix_cache.cache_prefix(state.prompt_ids, state.kv)  # before the next chunk drops sliding blocks
         if done:
             state.last_logits = logits
 

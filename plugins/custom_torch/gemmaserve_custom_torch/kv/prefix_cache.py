@@ -1,19 +1,22 @@
 """`PrefixCache`: refcounted sharing of prompt KV blocks across requests, on the core radix + exact indexes.
 
-Radix value (one per full block k of a stored prompt, covering tokens [k*bs, (k+1)*bs)): a `CachedBlock`
-``(full, sliding)`` holding the block's id in the full group and, if the storing row still held it, in the
-sliding group (None otherwise). Values hash by identity, so the sliding id can be *trimmed* (set to None,
-block released) when the sliding pool needs room while the full block stays cached. Exact-index entries
+Radix value (one per full block k of a stored prompt, tokens [k*bs, (k+1)*bs)): a `CachedBlock` ``(full,
+sliding)``: the block's full-group id and, if the storing row still held it, its sliding id (else None).
+Values hash by identity, so a sliding id can be *trimmed* (None, block released) while the full one stays. Exact-index entries
 (whole prompts whose length is not block-aligned) add a *tail* `CachedBlock`: private copies of the partial
 last block, so an exact repeat hits every token.
+
+Progressive caching: ``cache_prefix`` runs after every prefill chunk and indexes the full blocks computed so
+far, so when the row later drops a sliding block that left its window, the cache's reference keeps it alive
+(cache-only, reclaimable). Any block-aligned prefix of a prompt stays hit-able while memory allows.
 
 A hit of ``c`` computed tokens is valid only if the sliding blocks the next query sees (positions >=
 ``first_visible(c)``) are all cached; the longest valid hit wins. A hit covering the whole prompt keeps
 ``c = len - 1`` (the last token is recomputed for its logits; its block is copied on write).
 
 Refcounts: the cache holds one reference per id in its values and tails; a row holds its own. Everything
-the cache holds alone is reclaimable (tails and LRU leaves first, then sliding trims), which is what lets
-admission count cached blocks as free.
+the cache holds alone (refcount 1) is reclaimable (tails and LRU leaves, then LRU sliding trims) and nothing
+else is, which is what lets admission count cached blocks as free.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ class PrefixCache:
         self.radix = RadixPrefixIndex(self.block_size)
         self.exact = ExactMatchIndex(self.block_size)
         self._values: set[CachedBlock] = set()  # every value the radix index holds
-        self._trimmable: OrderedDict[int, CachedBlock] = OrderedDict()  # sliding id -> value, oldest first
+        self._trimmable: OrderedDict[int, CachedBlock] = OrderedDict()  # sliding id -> value, LRU first
         self.stats: Counter[str] = Counter()
         pools.reclaimer = self.reclaim
 
@@ -84,6 +87,9 @@ class PrefixCache:
                     break
         if hit > 0:
             row.adopt(self._tables(values, hit), hit)
+            for value in values[: _cdiv(hit, self.block_size)]:  # sliding trims go least recently used first
+                if value.sliding is not None and self._trimmable.get(value.sliding) is value:  # not a tail
+                    self._trimmable.move_to_end(value.sliding)
             self.stats["hits"] += 1
             self.stats["hit_tokens"] += hit
         self.stats["lookups"] += 1
@@ -108,14 +114,14 @@ class PrefixCache:
         return tables
 
     # -- store -------------------------------------------------------------------------------------
-    def store(self, prompt_ids: Sequence[int], row: PagedKVCache) -> int:
-        """Cache the full blocks of a completely prefilled prompt (and, best effort, a copy of its partial
-        tail block). Returns the number of blocks newly cached. Does not change ``row``."""
-        prompt = tuple(prompt_ids)
-        assert row.length == len(prompt) and not row.freed, "store() needs the row of the complete prompt"
-        num_full = len(prompt) // self.block_size
+    def cache_prefix(self, prompt_ids: Sequence[int], row: PagedKVCache) -> int:
+        """Index the full blocks of ``prompt_ids[:row.length]`` (after every prefill chunk, before the next
+        drops sliding blocks), taking the cache's own references and re-attaching trimmed sliding ids the row
+        holds. Allocates nothing; does not change ``row``. Returns the number of blocks newly cached."""
+        assert not row.freed and row.length <= len(prompt_ids), "cache_prefix() needs a live row of the prompt"
+        num_full = row.length // self.block_size
         given = [self._value_of(row, j) for j in range(num_full)]
-        result = self.radix.insert(prompt[: num_full * self.block_size], given)
+        result = self.radix.insert(tuple(prompt_ids[: num_full * self.block_size]), given)
         for value in result.new_values:
             assert isinstance(value, CachedBlock)
             for group, block in value.ids():
@@ -129,12 +135,20 @@ class PrefixCache:
                 held.sliding = mine.sliding  # re-attach a trimmed sliding block this row still holds
                 self.pools.incref(SLIDING, [mine.sliding])
                 self._trimmable[mine.sliding] = held
-        if len(prompt) % self.block_size and prompt not in self.exact:
-            tail = self._copy_tail(row, num_full)
-            if tail is not None:
-                self.exact.add(prompt, result.values, tail)
         self.stats["stored_blocks"] += len(result.new_values)
         return len(result.new_values)
+
+    def store(self, prompt_ids: Sequence[int], row: PagedKVCache) -> int:
+        """``cache_prefix`` of a complete prompt's row plus, best effort, a copy of its partial tail block.
+        Returns the number of blocks newly cached. Does not change ``row``."""
+        prompt = tuple(prompt_ids)
+        assert row.length == len(prompt), "store() needs the row of the complete prompt"
+        stored = self.cache_prefix(prompt, row)
+        if len(prompt) % self.block_size and prompt not in self.exact:
+            tail = self._copy_tail(row, len(prompt) // self.block_size)
+            if tail is not None:
+                self.exact.add(prompt, self.radix.match(prompt, touch=False).values, tail)
+        return stored
 
     def _value_of(self, row: PagedKVCache, j: int) -> CachedBlock:
         full = row.tables[FULL][j] if FULL in row.tables else -1
@@ -169,14 +183,16 @@ class PrefixCache:
         for entry in self.exact.evict_tails(short(), self._cache_only):
             self._release(entry.tail_value)  # type: ignore[arg-type]
         if group == SLIDING:  # every cache-only sliding id is a radix value's: trimming reaches them all
-            for block, value in list(self._trimmable.items()):
-                if short() <= 0:
+            need, victims = short(), []
+            for block in self._trimmable:  # least recently used first; ids a row holds are skipped
+                if len(victims) >= need:
                     break
                 if self.pools.refcount(SLIDING, block) == 1:
-                    value.sliding = None
-                    del self._trimmable[block]
-                    self.pools.decref(SLIDING, [block])
-                    self.stats["trimmed_sliding_blocks"] += 1
+                    victims.append(block)
+            for block in victims:
+                self._trimmable.pop(block).sliding = None
+                self.pools.decref(SLIDING, [block])
+            self.stats["trimmed_sliding_blocks"] += len(victims)
             return
         while short() > 0:
             evicted = self.radix.evict(short(), self._cache_only)
