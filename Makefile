@@ -6,7 +6,7 @@ STAMP := $(VENV)/.gemmaserve-installed
 PLUGINS := plugins/hf_torch plugins/custom_torch plugins/mlx
 PLUGIN_FILES := $(wildcard plugins/*/pyproject.toml)
 
-.PHONY: run test install bench clean
+.PHONY: run test install load clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ export GEMMASERVE_CACHE_DIR ?= $(HOME)/.cache/gemmaserve
 
 test: install
 	$(PY) -m pytest -q
+
+# The long load test (outside CI): 512 streaming requests, 256 concurrent, against a real server.
+load: install
+	$(PY) tests/reliability/loadgen.py --requests 512 --concurrency 256
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

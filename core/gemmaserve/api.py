@@ -77,12 +77,20 @@ class LLM:
 
     # -- prompts ------------------------------------------------------------------------------
     def encode_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        """Text is tokenized; a list of ints is taken as token IDs. Raises InvalidRequestError."""
+        """Text is tokenized; a list of ints is taken as token IDs. Raises InvalidRequestError for
+        empty text, text that is not valid Unicode (lone surrogates), or a list holding a non-int."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty")
+            _check_unicode(prompt)
             return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if isinstance(prompt, Sequence):
+            for position, token in enumerate(prompt):
+                if isinstance(token, bool) or not isinstance(token, int):
+                    raise InvalidRequestError(
+                        f"prompt token {token!r} at position {position} is not an int; a prompt is a string "
+                        "or a list of integer token IDs"
+                    )
             return None, list(prompt)
         raise InvalidRequestError(
             f"a prompt must be a string or a list of token IDs (ints), got {type(prompt).__name__}"
@@ -109,13 +117,17 @@ class LLM:
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(encoded)
         if len(params_list) != len(encoded):
             raise InvalidRequestError(f"{len(params_list)} SamplingParams given for {len(encoded)} prompts")
+        for item in params_list:
+            _check_params(item)
         outputs = self.engine.generate([ids for _, ids in encoded], params_list)
         return [self._to_completion(text, out) for (text, _), out in zip(encoded, outputs)]
 
     def stream(self, prompt: PromptInput, sampling_params: SamplingParams | None = None) -> Iterator[StreamChunk]:
         """Yield text as it is generated. Stopping the iteration early cancels the request."""
         text, prompt_ids = self.encode_prompt(prompt)
-        handle = self.engine.submit(prompt_ids, sampling_params or SamplingParams())
+        params = sampling_params or SamplingParams()
+        _check_params(params)
+        handle = self.engine.submit(prompt_ids, params)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=prompt_ids)
         finished = False
         try:
@@ -156,3 +168,19 @@ class LLM:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _check_unicode(text: str) -> None:
+    """Raise InvalidRequestError if ``text`` cannot be encoded as UTF-8 (a lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"prompt is not valid Unicode text: {exc.object[exc.start:exc.end]!r} at position {exc.start} is a "
+            "lone surrogate; send text that encodes as UTF-8"
+        ) from None
+
+
+def _check_params(params: object) -> None:
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError(f"sampling_params must be SamplingParams objects, got {type(params).__name__}")

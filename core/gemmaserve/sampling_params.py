@@ -29,7 +29,14 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        stop = self.stop_token_ids
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, int) and not isinstance(stop, bool):
+            stop = (stop,)
+        elif not isinstance(stop, (list, tuple)):
+            raise InvalidRequestError(f"stop_token_ids must be a list of token IDs, got {type(stop).__name__}")
+        object.__setattr__(self, "stop_token_ids", tuple(stop))
         self.validate()
 
     def validate(self) -> None:

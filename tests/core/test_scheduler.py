@@ -371,20 +371,24 @@ def test_prefill_failure_fails_only_that_request() -> None:
     assert_idle(sched)
 
 
-def test_decode_failure_fails_that_step_and_serving_continues() -> None:
+def test_decode_failure_fails_only_the_failing_row_and_serving_continues() -> None:
     backend = ReferenceBackend()
     poison_prompt = [5, 6, 7]
     tokens = backend.reference_generate(poison_prompt, SamplingParams(max_tokens=10, ignore_eos=True))
     backend.fail_on_decode_token = tokens[3]  # raised when the 4th token is fed back
+    bystander = backend.reference_generate([8, 8], SamplingParams(max_tokens=40, ignore_eos=True))
+    assert tokens[3] not in bystander
     sched, _, _ = make(backend)
     sched.add_request(req("poison", poison_prompt, max_tokens=10, ignore_eos=True))
     sched.add_request(req("bystander", [8, 8], max_tokens=40, ignore_eos=True))
     recorder = run(sched)
-    for rid in ("poison", "bystander"):
-        assert recorder.outputs[rid].finish_reason == "error", rid
-        assert "decode" in (recorder.outputs[rid].error or "")
-    assert recorder.outputs["poison"].token_ids == tokens[:4]
-    assert sched.stats().decode_failures == 1
+    poison = recorder.outputs["poison"]
+    assert poison.finish_reason == "error" and "decode" in (poison.error or "") and "injected" in (poison.error or "")
+    assert poison.token_ids == tokens[:4]
+    assert recorder.outputs["bystander"].finish_reason == "length"
+    assert recorder.outputs["bystander"].token_ids == bystander  # retried alone, then carried on unchanged
+    stats = sched.stats()
+    assert stats.decode_failures == 1 and stats.decode_rows_retried == 2
     backend.fail_on_decode_token = None
     sched.add_request(req("after", [8, 8], max_tokens=5, ignore_eos=True))
     assert run(sched).outputs["after"].token_ids == backend.reference_generate(

@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 class EngineStats:
     """A snapshot. ``finished`` counts by finish reason (``"stop"``, ``"length"``, ``"cancelled"``,
     ``"error"``); ``cache`` is the core prefix cache's stats (None without one); ``kv`` is the
-    backend's ``kv_stats()`` (read under the backend lock)."""
+    backend's ``kv_stats()`` (read under the backend lock); ``decode_rows_retried`` counts rows
+    retried alone after a failed batched decode step."""
 
     running: int
     waiting: int
@@ -48,6 +49,7 @@ class EngineStats:
     decode_failures: int
     cache: CacheStats | None = None
     kv: dict[str, int] = field(default_factory=dict)
+    decode_rows_retried: int = 0
 
 
 class Engine:
@@ -295,6 +297,7 @@ class Engine:
             decode_failures=sched.decode_failures,
             cache=cache,
             kv=kv,
+            decode_rows_retried=sched.decode_rows_retried,
         )
 
     def check_integrity(self) -> None:

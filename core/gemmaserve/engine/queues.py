@@ -78,6 +78,13 @@ class RequestQueues:
         except Exception:
             logger.exception("freeing the KV of request %s failed", request.request_id)
 
+    def free_kv(self, kv: object, request: Request) -> None:
+        """Free a row KV of ``request`` that is in no batch; errors are logged, not raised."""
+        try:
+            self.backend.free_row_kv(kv)
+        except Exception:
+            logger.exception("freeing the KV of request %s failed", request.request_id)
+
     def remove_row(self, index: int, events: list[RequestEvent]) -> None:
         """Remove batch row ``index``; if the backend fails, the batch can no longer be trusted, so
         every remaining row fails too (rows already finished keep their reason)."""

@@ -17,7 +17,7 @@ from gemmaserve.sampling_params import RowSampling, SamplingParams
 if TYPE_CHECKING:
     from gemmaserve.backend import PrefillState
 
-__all__ = ["RequestState", "FinishReason", "RequestMetrics", "RequestOutput", "RequestEvent", "Request"]
+__all__ = ["RequestState", "FinishReason", "RequestMetrics", "RequestOutput", "RequestEvent", "Request", "MAX_TOP_K"]
 
 
 class RequestState(str, enum.Enum):
@@ -41,6 +41,9 @@ class FinishReason(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+
+MAX_TOP_K = 2**31 - 1
+"""Largest ``top_k`` handed to a backend; larger values mean the same (no vocabulary is that big)."""
 
 _TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
     RequestState.WAITING: frozenset({RequestState.PREFILLING, RequestState.FINISHED}),
@@ -138,6 +141,8 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_emitted: int = 0
+    decode_retries: int = 0
+    """Failed batched decode steps this request was retried alone after (see engine/isolation.py)."""
     prefill_state: PrefillState | None = None
     stream: Any = None
     """Streaming-only backends: the ``generate_stream`` iterator (owned by the scheduler)."""
@@ -166,10 +171,13 @@ class Request:
         self.state = new_state
 
     def row_sampling(self) -> RowSampling:
-        """Sampling view for the next token (``step`` = tokens generated so far)."""
+        """Sampling view for the next token (``step`` = tokens generated so far). ``top_k`` is capped
+        at MAX_TOP_K: any k beyond the vocabulary keeps every token, and backends that put k in a
+        fixed-width integer (torch) must not overflow on, say, ``top_k=10**30``."""
         assert self.seed is not None, "seed is assigned at admission"
         params = self.params
-        return RowSampling(params.temperature, params.top_p, params.top_k, self.seed, len(self.output_token_ids))
+        top_k = min(params.top_k, MAX_TOP_K)
+        return RowSampling(params.temperature, params.top_p, top_k, self.seed, len(self.output_token_ids))
 
     def append_token(self, token_id: int, logprob: float | None, eos_token_ids: tuple[int, ...]) -> bool:
         """Record a generated token; finish (reason ``stop``/``length``) if it ends the request.

@@ -9,8 +9,8 @@ reservations when a request ends, before its final event is emitted.
 
 Failure isolation: a backend exception during one request's admission (``kv_reserve``), prefill,
 first sample or splice fails only that request (``finish_reason="error"``, KV freed). An exception
-from ``decode_step_batched`` or the sampling after it fails every row of that step and drops the
-batch; waiting and prefilling requests carry on. (Finer-grained retry is future reliability work.)
+from ``decode_step_batched`` or the sampling after it drops the batch and retries the step for each
+row alone (:mod:`gemmaserve.engine.isolation`): only rows whose solo step fails too are failed.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from gemmaserve.engine.isolation import MAX_ROW_RETRIES, retry_row_alone
 from gemmaserve.engine.queues import RequestQueues
 from gemmaserve.engine.request import FinishReason, Request, RequestEvent, RequestState
 from gemmaserve.engine.validation import backend_error, validate_request
@@ -50,6 +51,7 @@ class SchedulerStats:
     cached_tokens: int
     generated_tokens: int
     decode_failures: int
+    decode_rows_retried: int
     skipped_stores: int
     finished: dict[str, int]
 
@@ -108,6 +110,7 @@ class ContinuousBatchScheduler:
             cached_tokens=c["cached_tokens"],
             generated_tokens=c["generated_tokens"],
             decode_failures=c["decode_failures"],
+            decode_rows_retried=c["decode_rows_retried"],
             skipped_stores=c["skipped_stores"],
             finished=dict(q.finished),
         )
@@ -242,8 +245,8 @@ class ContinuousBatchScheduler:
             sampled = batch.decode()
         except Exception as exc:
             self._counters["decode_failures"] += 1
-            logger.exception("decode step failed; failing its %d rows", len(batch))
-            self._q.fail_rows(exc, events, phase="decode")
+            logger.exception("decode step over %d rows failed; retrying each row alone", len(batch))
+            self._retry_rows_alone(exc, events)
             return
         rows = list(batch.rows)
         self._counters["generated_tokens"] += len(rows)
@@ -257,11 +260,39 @@ class ContinuousBatchScheduler:
                 self._q.retire(request, events)
         events.extend(request.take_event() for request in rows if not request.is_finished)
 
+    def _retry_rows_alone(self, exc: Exception, events: list[RequestEvent]) -> None:
+        """The batched step raised ``exc``: drop the batch (freeing its KV), then redo the step for
+        each row alone. Rows whose solo step raises, or that used up MAX_ROW_RETRIES, fail; the
+        others get their token and form a fresh batch, in the same order."""
+        for request in self._q.rows.drop_all():
+            if request.decode_retries >= MAX_ROW_RETRIES:
+                self._q.fail(request, exc, events, phase=f"decode (after {MAX_ROW_RETRIES} retries of this request)")
+                continue
+            request.decode_retries += 1
+            self._counters["decode_rows_retried"] += 1
+            try:
+                retry = retry_row_alone(self.backend, request, self.settings.prefill_chunk_tokens)
+            except Exception as row_exc:
+                self._q.fail(request, row_exc, events, phase="decode (retried without the other rows)")
+                continue
+            self._counters["generated_tokens"] += 1
+            if request.append_token(retry.token_id, retry.logprob, self._eos):
+                self._q.free_kv(retry.kv, request)
+                self._q.retire(request, events)
+                continue
+            try:
+                self._q.rows.splice(request, retry.kv)
+            except Exception as splice_exc:
+                self._q.free_kv(retry.kv, request)
+                self._q.fail(request, splice_exc, events, phase="splice after a decode retry")
+                continue
+            events.append(request.take_event())
+
     def _step_streams(self, events: list[RequestEvent]) -> None:
         for request in list(self._q.streams):
             try:
                 if request.stream is None:
-                    params = dataclasses.replace(request.params, seed=request.seed)
+                    params = dataclasses.replace(request.params, seed=request.seed, top_k=request.row_sampling().top_k)
                     stream = self.backend.generate_stream(
                         request.prompt_token_ids, params, session_id=request.request_id
                     )

@@ -25,8 +25,9 @@ from gemmaserve.server.debug import kv_report
 from gemmaserve.server.errors import CLIENT_CLOSED, APIError, ClientDisconnected, from_engine_error
 from gemmaserve.server.generation import Generation, Prepared, Step, Timing
 from gemmaserve.server.metrics import ServerMetrics
+from gemmaserve.server.openapi import install_openapi
 from gemmaserve.server.prepare import prepare_chat, prepare_completion
-from gemmaserve.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from gemmaserve.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body, read_body
 from gemmaserve.server.responses import SSE_DONE, ResponseMeta, chat_logprobs, completion_logprobs, sse
 
 if TYPE_CHECKING:
@@ -37,6 +38,9 @@ __all__ = ["create_app"]
 logger = logging.getLogger(__name__)
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+OFFLOAD_BODY_BYTES = 32 * 1024
+"""Bodies larger than this are parsed and tokenized on a worker thread (the tokenizers release the
+GIL), so one huge prompt cannot freeze the event loop that streams everyone else's tokens."""
 
 
 def create_app(engine: Engine, model_name: str, *, model_aliases: Sequence[str] = ()) -> FastAPI:
@@ -49,6 +53,7 @@ def create_app(engine: Engine, model_name: str, *, model_aliases: Sequence[str] 
     app.state.engine = engine
     app.state.metrics = metrics
     _add_error_handlers(app)
+    install_openapi(app, server.context_limit)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
@@ -152,17 +157,11 @@ class _Server:
         return response
 
     async def _handle(self, request: Request, endpoint: str, timing: Timing) -> Response:
-        raw = await request.body()
-        if endpoint == "chat":
-            chat = parse_body(ChatCompletionRequest, raw)
-            self.check_model(chat.model)
-            body: CompletionRequest | ChatCompletionRequest = chat
-            prepared = prepare_chat(chat, self.tokenizer, self.context_limit)
+        raw = await read_body(request)
+        if len(raw) > OFFLOAD_BODY_BYTES:  # tokenizing a long prompt must not stall every other stream
+            body, prepared = await asyncio.to_thread(self._prepare, raw, endpoint)
         else:
-            completion = parse_body(CompletionRequest, raw)
-            self.check_model(completion.model)
-            body = completion
-            prepared = prepare_completion(completion, self.tokenizer)
+            body, prepared = self._prepare(raw, endpoint)
         generation = self._submit(prepared, timing)
         view = _View.create(endpoint, generation, body, self)
         try:
@@ -179,6 +178,16 @@ class _Server:
             return JSONResponse(view.full_body())
         return StreamingResponse(self._stream(view, generation, first, endpoint), media_type="text/event-stream",
                                  headers=_SSE_HEADERS)
+
+    def _prepare(self, raw: bytes, endpoint: str) -> tuple[CompletionRequest | ChatCompletionRequest, Prepared]:
+        """Parse, check the model, tokenize. Pure CPU work: runs on the loop or a worker thread."""
+        if endpoint == "chat":
+            chat = parse_body(ChatCompletionRequest, raw)
+            self.check_model(chat.model)
+            return chat, prepare_chat(chat, self.tokenizer, self.context_limit)
+        completion = parse_body(CompletionRequest, raw)
+        self.check_model(completion.model)
+        return completion, prepare_completion(completion, self.tokenizer)
 
     def _submit(self, prepared: Prepared, timing: Timing) -> Generation:
         try:

@@ -1,8 +1,8 @@
 """HTTP errors in the OpenAI shape, and the mapping from engine errors to status codes.
 
 Body: ``{"error": {"message", "type", "param", "code"}}``. 400 bad request, 404 unknown model or
-route, 429 queue full (with ``Retry-After``), 499 client went away (logged, never sent), 500
-backend failure, 503 engine not running (with ``Retry-After``).
+route, 413 body too large, 429 queue full (with ``Retry-After``), 499 client went away (logged,
+never sent), 500 backend failure, 503 engine not running (with ``Retry-After``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ _TYPES = {
     400: "invalid_request_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     499: "client_closed_request",
     500: "server_error",

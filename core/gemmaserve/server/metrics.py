@@ -101,6 +101,7 @@ def _engine_metrics(out: list[str], stats: EngineStats) -> None:
         ("prefix_cache_hit_tokens_total", stats.cached_tokens, "Prompt tokens served from the prefix cache."),
         ("engine_steps_total", stats.num_steps, "Scheduler ticks."),
         ("decode_failures_total", stats.decode_failures, "Batched decode steps that failed."),
+        ("decode_rows_retried_total", stats.decode_rows_retried, "Rows retried alone after a failed decode step."),
     ):
         _family(out, name, "counter", help_text, [("", value)])
     hit_rate = stats.cached_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0

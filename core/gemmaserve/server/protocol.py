@@ -7,11 +7,14 @@ unknown fields are ignored, and every problem becomes an :class:`~gemmaserve.ser
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gemmaserve.server.errors import APIError
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
 
 __all__ = [
     "CompletionRequest",
@@ -20,12 +23,38 @@ __all__ = [
     "SamplingFields",
     "StreamOptions",
     "parse_body",
+    "read_body",
     "MAX_STOP_STRINGS",
+    "MAX_BODY_BYTES",
 ]
 
 MAX_STOP_STRINGS = 16
+MAX_BODY_BYTES = 16 * 2**20
+"""Largest request body accepted (HTTP 413 beyond): far more than any context holds as JSON, small
+enough that one request cannot make the server buffer and parse an unbounded amount."""
 _MAX_TOKEN_ID = 2**31 - 1
 _STRICT = ConfigDict(strict=True, extra="ignore")
+
+# JSON schemas of what the hand-written validators accept (for the OpenAPI document)
+_NULL: dict[str, Any] = {"type": "null"}
+_TEXT: dict[str, Any] = {"type": "string", "minLength": 1}
+_TOKEN_IDS: dict[str, Any] = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": _MAX_TOKEN_ID}}
+_PROMPT_SCHEMA: dict[str, Any] = {"anyOf": [
+    _TEXT, {**_TOKEN_IDS, "minItems": 1},
+    {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [_TEXT, {**_TOKEN_IDS, "minItems": 1}]}},
+]}
+_STOP_SCHEMA: dict[str, Any] = {
+    "anyOf": [_TEXT, {"type": "array", "maxItems": MAX_STOP_STRINGS, "items": _TEXT}, _NULL]
+}
+_CONTENT_SCHEMA: dict[str, Any] = {"anyOf": [{"type": "string"}, _NULL, {"type": "array", "items": {
+    "type": "object", "required": ["type", "text"],
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+}}]}
+
+
+def _only(schema: dict[str, Any]) -> dict[str, Any]:
+    """``json_schema_extra`` for an optional field that accepts ``schema`` or null."""
+    return {"anyOf": [schema, _NULL]}
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
@@ -48,15 +77,15 @@ class SamplingFields(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1)
     seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: Any = Field(None, validate_default=True)
-    stop_token_ids: list[int] | None = None
+    stop: Any = Field(None, validate_default=True, json_schema_extra=_STOP_SCHEMA)
+    stop_token_ids: list[int] | None = Field(None, json_schema_extra=_only(_TOKEN_IDS))
     ignore_eos: bool | None = False
-    n: int | None = Field(None, ge=1)
+    n: int | None = Field(None, ge=1, json_schema_extra=_only({"type": "integer", "const": 1}))
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = Field(None, allow_inf_nan=False)
-    frequency_penalty: float | None = Field(None, allow_inf_nan=False)
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(None, allow_inf_nan=False, json_schema_extra=_only({"const": 0}))
+    frequency_penalty: float | None = Field(None, allow_inf_nan=False, json_schema_extra=_only({"const": 0}))
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra=_only({"type": "object", "maxProperties": 0}))
     user: str | None = None
 
     @field_validator("stop")
@@ -118,11 +147,11 @@ class CompletionRequest(SamplingFields):
     """POST /v1/completions. ``prompt``: one string or one list of token ids (also accepted wrapped
     in a one-element list, as the OpenAI client sends batches)."""
 
-    prompt: Any
+    prompt: Any = Field(json_schema_extra=_PROMPT_SCHEMA)
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=1)
     best_of: int | None = Field(None, ge=1, le=1)
-    suffix: str | None = None
+    suffix: str | None = Field(None, json_schema_extra=_only({"type": "string", "maxLength": 0}))
 
     @field_validator("prompt")
     @classmethod
@@ -158,7 +187,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Any = Field(None, validate_default=True)
+    content: Any = Field(None, validate_default=True, json_schema_extra=_CONTENT_SCHEMA)
 
     @field_validator("content")
     @classmethod
@@ -185,8 +214,10 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=0)
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = Field(None, json_schema_extra=_only({"type": "array", "maxItems": 0}))
+    response_format: dict[str, Any] | None = Field(
+        None, json_schema_extra=_only({"type": "object", "properties": {"type": {"enum": ["text", None]}}})
+    )
 
     @field_validator("tools")
     @classmethod
@@ -201,6 +232,27 @@ class ChatCompletionRequest(SamplingFields):
         if value is not None and value.get("type") not in (None, "text"):
             raise ValueError('only response_format {"type": "text"} is supported')
         return value
+
+
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The whole request body; raises APIError(413) as soon as it is known to exceed ``limit``
+    bytes (from Content-Length, or while reading), without buffering the rest."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int) -> APIError:
+    return APIError(413, f"the request body has {size} bytes or more; at most {limit} are accepted",
+                    param="body", code="body_too_large")
 
 
 def parse_body(model: type[BodyT], raw: bytes) -> BodyT:
