@@ -195,3 +195,21 @@ def test_tokenizer_wrapper(tiny_gemma4_dir):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
     with pytest.raises(InvalidRequestError, match="empty"):
         backend.prefill_lookup([])
+
+
+@pytest.mark.parametrize("name", ["gemma4", "gemma3"])
+def test_bf16_greedy_through_paged_backend_equals_transformers_bf16(tiny_checkpoint, hf_reference, name):
+    """The portable path (eager prefill, paged pools, gathered decode) in bf16 gives transformers'
+    bf16 eager greedy tokens, for short and several-windows-long prompts."""
+    from gemmaserve_custom_torch.backend import CustomTorchBackend
+    from gemmaserve_custom_torch.models.gemma import GemmaForCausalLM
+    from gemmaserve_custom_torch.tokenizer import HFTokenizer
+
+    path = tiny_checkpoint(name)
+    model = GemmaForCausalLM.from_hf(path, dtype=torch.bfloat16)
+    core = CoreSettings(model=str(path), device="cpu", dtype="bfloat16", kv_block_size=4, prefill_chunk_tokens=16)
+    backend = CustomTorchBackend(model, HFTokenizer.from_pretrained(path), core, load_custom_settings(kv_blocks=96))
+    hf = hf_reference(path, torch.bfloat16)
+    for prompt in ([2, 40, 41, 42], [(5 * i + 9) % 500 + 4 for i in range(29)]):
+        assert_matches_hf_generate(hf, prompt, solo_greedy(backend, prompt, 12))
+    assert_no_leaks(backend)
