@@ -23,7 +23,7 @@ def test_both_backends_are_registered() -> None:
     registry = load_registry()
     batch, stream = registry.get("mlx"), registry.get("mlx-stream")
     assert batch is not None and stream is not None
-    assert (batch.priority, batch.devices, batch.plugin) == (20, ("mps", "cpu"), "mlx")
+    assert (batch.priority, batch.devices, batch.plugin) == (20, ("mps", "cpu"), "gemmaserve-mlx")
     assert (stream.priority, stream.devices) == (80, ("mps", "cpu"))
 
 
