@@ -109,7 +109,7 @@ def cmd_backends(args: argparse.Namespace) -> int:
         selection = select_backend(settings, registry)
     except GemmaserveError as exc:
         print(f"selection: none ({exc})")
-        return 0
+        return 2 if settings.backend != "auto" else 0  # a BACKEND that cannot be used is an error
     print(f"selected: {selection.spec.name} on {selection.device} ({selection.reason})")
     for name, why in sorted(selection.rejected.items()):
         print(f"  rejected {name}: {why}")
@@ -123,10 +123,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     _setup_logging(settings)
     params = sampling_from_args(args)
+    prompt: str | list[int] = _parse_token_ids(args.prompt) if args.token_ids else args.prompt
     with LLM(settings=settings) as llm:
-        prompt: str | list[int] = args.prompt
-        if args.token_ids:
-            prompt = [int(t) for t in args.prompt.replace(",", " ").split()]
         start = time.perf_counter()
         final = None
         for chunk in llm.stream(prompt, params):
@@ -146,6 +144,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"cached tokens: {final.cached_tokens}; finish: {final.finish_reason}]"
         )
     return 0
+
+
+def _parse_token_ids(text: str) -> list[int]:
+    """``"2,651,6037"``, ``"2 651 6037"`` or ``"[2, 651, 6037]"`` -> IDs; InvalidRequestError otherwise."""
+    from gemmaserve.errors import InvalidRequestError
+
+    parts = text.strip().strip("[]").replace(",", " ").split()
+    if not parts or not all(part.isdigit() for part in parts):
+        raise InvalidRequestError(
+            f"--token-ids expects non-negative integers separated by commas or spaces (e.g. '2,651,6037'), got {text!r}"
+        )
+    return [int(part) for part in parts]
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

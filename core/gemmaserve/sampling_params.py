@@ -14,7 +14,8 @@ __all__ = ["SamplingParams", "RowSampling"]
 class SamplingParams:
     """How to pick tokens for one request.
 
-    ``temperature == 0`` means greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters.
+    ``temperature == 0`` (the default) means greedy. ``top_k`` 0 or -1 and ``top_p == 1`` disable
+    those filters.
     ``seed`` makes sampling reproducible: the same seed, prompt and parameters give the same tokens,
     whatever else is in the batch. ``stop_token_ids`` end the request (the stop token is kept in the
     output, like EOS); ``ignore_eos`` keeps generating past EOS (benchmarks).
@@ -37,6 +38,8 @@ class SamplingParams:
         elif not isinstance(stop, (list, tuple)):
             raise InvalidRequestError(f"stop_token_ids must be a list of token IDs, got {type(stop).__name__}")
         object.__setattr__(self, "stop_token_ids", tuple(stop))
+        if self.top_k == -1 and not isinstance(self.top_k, bool):  # vLLM's spelling of "disabled"
+            object.__setattr__(self, "top_k", 0)
         self.validate()
 
     def validate(self) -> None:
@@ -50,7 +53,7 @@ class SamplingParams:
         if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise InvalidRequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be an integer >= 0 (0 = disabled), got {self.top_k!r}")
+            raise InvalidRequestError(f"top_k must be an integer >= 0 (0 or -1 = disabled), got {self.top_k!r}")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (0 <= self.seed < 2**63)
         ):

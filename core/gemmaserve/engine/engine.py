@@ -75,7 +75,7 @@ class Engine:
         self._owns_backend = owns_backend
         self._cond = threading.Condition()  # guards everything below
         self._inbox: list[Request] = []
-        self._cancels: list[str] = []
+        self._cancels: list[tuple[str, FinishReason]] = []
         self._handles: dict[str, RequestHandle] = {}
         self._room_waiters = 0
         self._thread: threading.Thread | None = None
@@ -175,13 +175,16 @@ class Engine:
                 handle.cancel()
             raise
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str, *, reason: FinishReason = FinishReason.CANCELLED) -> bool:
         """Cancel a request in any phase; True if it was still pending. Its final event/output has
-        ``finish_reason="cancelled"`` (applied at the start of the next tick)."""
+        ``finish_reason=reason`` (applied at the start of the next tick): ``cancelled`` by default,
+        ``stop`` when the caller ended it on a stop string the engine does not see."""
+        if reason not in (FinishReason.CANCELLED, FinishReason.STOP):
+            raise ValueError(f"cancel reason must be 'cancelled' or 'stop', got {reason!r}")
         with self._cond:
             if request_id not in self._handles:
                 return False
-            self._cancels.append(request_id)
+            self._cancels.append((request_id, reason))
             self._cond.notify_all()
             return True
 
@@ -234,7 +237,7 @@ class Engine:
                 break
         self._close_backend()
 
-    def _tick(self, inbox: list[Request], cancels: list[str], stopping: bool, events: list[RequestEvent]) -> None:
+    def _tick(self, inbox: list[Request], cancels: list[tuple[str, FinishReason]], stopping: bool, events: list[RequestEvent]) -> None:
         """Apply submissions and cancellations, then one scheduler step (or abort all when stopping).
         Appends to ``events`` as it goes, so a failure part-way loses none of them."""
         for request in inbox:
@@ -243,8 +246,8 @@ class Engine:
             except Exception as exc:  # lost a race (queue bound); validation already passed
                 request.finish(FinishReason.ERROR, exc)
                 events.append(request.take_event())
-        for request_id in cancels:
-            events += self.scheduler.abort_request(request_id)
+        for request_id, reason in cancels:
+            events += self.scheduler.abort_request(request_id, reason=reason)
         events += self.scheduler.abort_all() if stopping else self.scheduler.step()
 
     def _recover(self, exc: BaseException) -> list[RequestEvent]:

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from gemmaserve.engine.request import RequestEvent, RequestOutput
+from gemmaserve.engine.request import FinishReason, RequestEvent, RequestOutput
 
 if TYPE_CHECKING:
     from gemmaserve.engine.engine import Engine
@@ -61,9 +61,9 @@ class RequestHandle:
             if event.finished:
                 return
 
-    def cancel(self) -> bool:
-        """Ask the engine to cancel; False if the request already finished."""
-        return self._engine.cancel(self.request_id)
+    def cancel(self, *, reason: FinishReason = FinishReason.CANCELLED) -> bool:
+        """Ask the engine to cancel (``reason`` = cancelled or stop); False if it already finished."""
+        return self._engine.cancel(self.request_id, reason=reason)
 
     def deliver(self, event: RequestEvent) -> None:
         """Engine thread only: record ``event`` and run the callback."""

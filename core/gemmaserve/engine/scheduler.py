@@ -133,7 +133,9 @@ class ContinuousBatchScheduler:
             )
         self._q.enqueue(request)
 
-    def abort_request(self, request_id: str, *, error: BaseException | None = None) -> list[RequestEvent]:
+    def abort_request(
+        self, request_id: str, *, error: BaseException | None = None, reason: FinishReason = FinishReason.CANCELLED
+    ) -> list[RequestEvent]:
         """Cancel a request in any phase (or, given ``error``, fail it) and free all it holds.
         Returns the final events: the request's own and, only if the backend failed to remove its
         row, those of the batch rows failed with it. Empty if the id is unknown or finished."""
@@ -144,7 +146,7 @@ class ContinuousBatchScheduler:
         with self.backend.lock:
             self._q.release(request, events)
             if error is None:
-                request.finish(FinishReason.CANCELLED)
+                request.finish(reason)
             else:
                 request.finish(FinishReason.ERROR, backend_error(error, "engine step"))
             self._q.retire(request, events)

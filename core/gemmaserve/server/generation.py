@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gemmaserve.detokenize import IncrementalDetokenizer
+from gemmaserve.engine.request import FinishReason
 from gemmaserve.server.errors import APIError, ClientDisconnected, from_output_error
 
 if TYPE_CHECKING:
@@ -163,7 +164,8 @@ class Generation:
             self._pending = None
         if not self._engine_done:
             self._engine_done = True
-            self._handle.cancel()
+            # a stop string ended it: the engine records "stop", not a client cancellation
+            self._handle.cancel(reason=FinishReason.STOP if self.finish_reason == "stop" else FinishReason.CANCELLED)
         if self.timing.end is None:
             self.timing.end = time.monotonic()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 from gemmaserve.settings import CoreSettings
@@ -29,6 +30,30 @@ def model_aliases(settings: CoreSettings) -> list[str]:
     return [settings.model, str(Path(settings.model).resolve())]
 
 
+def _engine_stopping_server_class() -> type:
+    import uvicorn
+
+    class EngineStoppingServer(uvicorn.Server):
+        """On SIGINT/SIGTERM, stop the engine first (off the event loop): in-flight requests finish as
+        cancelled, so their handlers answer 503 / an in-band error + ``[DONE]`` within the grace period
+        instead of being cut off when uvicorn gives up on them."""
+
+        def __init__(self, config: uvicorn.Config, engine: object) -> None:
+            super().__init__(config)
+            self._engine = engine
+
+        def handle_exit(self, sig: int, frame: object) -> None:
+            if not self.should_exit:
+                threading.Thread(target=self._engine.shutdown, name="engine-shutdown", daemon=True).start()
+            super().handle_exit(sig, frame)
+
+    return EngineStoppingServer
+
+
+def _EngineStoppingServer(config: object, engine: object) -> object:  # noqa: N802 (a class factory)
+    return _engine_stopping_server_class()(config, engine)
+
+
 def serve(settings: CoreSettings) -> None:
     """Blocking: serve HTTP on settings.host:settings.port; shuts the engine down on exit.
     Raises what ``build_engine`` raises (ConfigurationError, BackendUnavailableError, ModelLoadError)."""
@@ -43,7 +68,7 @@ def serve(settings: CoreSettings) -> None:
         name = served_model_name(settings, engine.backend.model_info.name)
         app = create_app(engine, name, model_aliases=model_aliases(settings))
         logger.info("serving %s (backend %s) on http://%s:%d", name, engine.backend_name, settings.host, settings.port)
-        uvicorn.run(
+        config = uvicorn.Config(
             app,
             host=settings.host,
             port=settings.port,
@@ -51,5 +76,6 @@ def serve(settings: CoreSettings) -> None:
             access_log=settings.log_level == "debug",
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
+        _EngineStoppingServer(config, engine).run()
     finally:
         engine.shutdown()
