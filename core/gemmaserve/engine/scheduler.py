@@ -73,6 +73,11 @@ class ContinuousBatchScheduler:
         self._eos = tuple(backend.model_info.eos_token_ids)
         model_len = backend.model_info.max_model_len
         self.max_model_len = min(settings.max_model_len, model_len) if settings.max_model_len else model_len
+        if settings.max_model_len and settings.max_model_len > model_len:
+            logger.warning(
+                "MAX_MODEL_LEN=%d exceeds the model's context of %d tokens; using %d",
+                settings.max_model_len, model_len, model_len,
+            )
         self._streaming = not self._caps.continuous_batching
         self._max_running = self._caps.max_concurrent_streams if self._streaming else settings.max_batch_size
         self._q = RequestQueues(backend)
