@@ -7,14 +7,17 @@ from dataclasses import dataclass, field
 
 from gemmaserve.errors import InvalidRequestError
 
-__all__ = ["SamplingParams", "RowSampling"]
+__all__ = ["SamplingParams", "RowSampling", "MIN_TEMPERATURE"]
+
+MIN_TEMPERATURE = 1e-5
+"""Temperatures in (0, MIN_TEMPERATURE) are treated as greedy (0): logits / T would overflow."""
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick tokens for one request.
 
-    ``temperature == 0`` (the default) means greedy. ``top_k`` 0 or -1 and ``top_p == 1`` disable
+    ``temperature == 0`` (the default) means greedy; so does any temperature below ``MIN_TEMPERATURE``. ``top_k`` 0 or -1 and ``top_p == 1`` disable
     those filters.
     ``seed`` makes sampling reproducible: the same seed, prompt and parameters give the same tokens,
     whatever else is in the batch. ``stop_token_ids`` end the request (the stop token is kept in the
@@ -41,6 +44,8 @@ class SamplingParams:
         if self.top_k == -1 and not isinstance(self.top_k, bool):  # vLLM's spelling of "disabled"
             object.__setattr__(self, "top_k", 0)
         self.validate()
+        if 0.0 < self.temperature < MIN_TEMPERATURE:  # dividing logits by ~0 overflows: that is greedy
+            object.__setattr__(self, "temperature", 0.0)
 
     def validate(self) -> None:
         """Raise :class:`InvalidRequestError` naming the first bad field and the accepted range."""

@@ -59,6 +59,7 @@ def _sample_filtered(values: torch.Tensor, rows: Sequence[RowSampling]) -> torch
     top_p = torch.tensor([row.top_p for row in rows], dtype=dtype, device=device)
     before = torch.cumsum(probs, dim=-1) - probs  # mass strictly before each rank
     keep &= (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    keep[:, 0] = True  # the most likely token always survives (a tiny top_p or rounding must not empty a row)
     probs = probs.masked_fill(~keep, 0.0)
     cumulative = torch.cumsum(probs / probs.sum(dim=-1, keepdim=True), dim=-1)
     uniform = [random.Random(sampling_seed(r.seed, r.step)).random() for r in rows]

@@ -55,7 +55,9 @@ def _sample_row(scores: torch.Tensor, row: RowSampling) -> torch.Tensor:
     if row.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= row.top_p, 0.0)
+        drop = mass_before >= row.top_p
+        drop[0] = False  # the most likely token always survives (rounding can make its mass_before > 0)
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     generator = torch.Generator(device=scores.device)
     generator.manual_seed(generator_seed(row.seed, row.step))
