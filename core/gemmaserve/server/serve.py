@@ -50,7 +50,8 @@ def _engine_stopping_server_class() -> type:
     return EngineStoppingServer
 
 
-def _EngineStoppingServer(config: object, engine: object) -> object:  # noqa: N802 (a class factory)
+def _engine_stopping_server(config: object, engine: object) -> object:
+    """A uvicorn server for ``config`` that stops ``engine`` as soon as shutdown begins."""
     return _engine_stopping_server_class()(config, engine)
 
 
@@ -76,6 +77,6 @@ def serve(settings: CoreSettings) -> None:
             access_log=settings.log_level == "debug",
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
-        _EngineStoppingServer(config, engine).run()
+        _engine_stopping_server(config, engine).run()
     finally:
         engine.shutdown()
