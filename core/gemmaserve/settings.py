@@ -6,14 +6,14 @@ defines its own settings class for its own variables (``CUSTOM_BACKEND_*``, ``CO
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import AliasChoices, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gemmaserve.errors import ConfigurationError
 
-__all__ = ["CoreSettings", "load_settings", "DEVICE_CHOICES", "DTYPE_CHOICES"]
+__all__ = ["CoreSettings", "build_settings", "load_settings", "format_validation_error", "DEVICE_CHOICES", "DTYPE_CHOICES"]
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "mps")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -89,22 +89,34 @@ class CoreSettings(BaseSettings):
         return value.strip().lower() if isinstance(value, str) else value
 
 
-def load_settings(**overrides: Any) -> CoreSettings:
-    """Build settings from env/.env with ``overrides`` (CLI flags; None values are ignored) on top.
+SettingsT = TypeVar("SettingsT", bound=BaseSettings)
 
-    Raises :class:`ConfigurationError` listing every invalid field with the accepted values.
+
+def build_settings(
+    settings_class: type[SettingsT], overrides: dict[str, Any], *, title: str = "settings", env_prefix: str = ""
+) -> SettingsT:
+    """``settings_class`` from env/.env with ``overrides`` (CLI flags; None values ignored) on top.
+
+    The one construction path for core and plugin settings. Raises :class:`ConfigurationError`
+    listing every invalid field with the value given and what is accepted.
     """
     clean = {key: value for key, value in overrides.items() if value is not None}
     try:
-        return CoreSettings(**clean)
+        return settings_class(**clean)
     except ValidationError as exc:
-        raise ConfigurationError(format_validation_error(exc)) from None
+        raise ConfigurationError(format_validation_error(exc, title=title, env_prefix=env_prefix)) from None
 
 
-def format_validation_error(exc: ValidationError) -> str:
-    """One line per bad field: name, value given, what is accepted."""
-    lines = ["invalid settings:"]
+def load_settings(**overrides: Any) -> CoreSettings:
+    """Core settings from env/.env with ``overrides`` on top; see :func:`build_settings`."""
+    return build_settings(CoreSettings, overrides)
+
+
+def format_validation_error(exc: ValidationError, *, title: str = "settings", env_prefix: str = "") -> str:
+    """One line per bad field: its env name, the value given, what is accepted."""
+    lines = [f"invalid {title}:"]
     for error in exc.errors():
-        location = ".".join(str(part) for part in error["loc"]) or "settings"
-        lines.append(f"  {location.upper()}={error.get('input')!r}: {error['msg']}")
+        location = ".".join(str(part) for part in error["loc"]).upper()
+        where = f"{env_prefix}{location}={error.get('input')!r}: " if location else ""
+        lines.append(f"  {where}{error['msg']}")
     return "\n".join(lines)

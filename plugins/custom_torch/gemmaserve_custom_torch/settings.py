@@ -16,10 +16,11 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gemmaserve.errors import ConfigurationError
+from gemmaserve.settings import build_settings
 
 __all__ = ["CustomTorchSettings", "load_custom_settings", "resolve_attention", "resolve_fast_paths"]
 
@@ -75,16 +76,7 @@ def load_custom_settings(**overrides: Any) -> CustomTorchSettings:
 
     Raises :class:`ConfigurationError` naming every bad ``CUSTOM_BACKEND_*`` variable and what is accepted.
     """
-    clean = {key: value for key, value in overrides.items() if value is not None}
-    try:
-        return CustomTorchSettings(**clean)
-    except ValidationError as exc:
-        lines = ["invalid custom_torch settings:"]
-        for error in exc.errors():
-            name = ".".join(str(part) for part in error["loc"]).upper()
-            where = f"CUSTOM_BACKEND_{name}={error.get('input')!r}: " if name else ""
-            lines.append(f"  {where}{error['msg']}")
-        raise ConfigurationError("\n".join(lines)) from None
+    return build_settings(CustomTorchSettings, overrides, title="custom_torch settings", env_prefix="CUSTOM_BACKEND_")
 
 
 def resolve_attention(mode: AttentionMode, device_type: str, has_triton: bool) -> Literal["triton", "gather"]:

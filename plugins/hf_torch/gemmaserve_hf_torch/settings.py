@@ -17,11 +17,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, ValidationError, field_validator
+from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from gemmaserve.errors import ConfigurationError
-from gemmaserve.settings import format_validation_error
+from gemmaserve.settings import build_settings
 
 __all__ = ["HFTorchSettings", "load_hf_settings"]
 
@@ -60,8 +59,4 @@ def load_hf_settings(**overrides: Any) -> HFTorchSettings:
 
     Raises :class:`ConfigurationError` naming each bad variable and what is accepted.
     """
-    clean = {key: value for key, value in overrides.items() if value is not None}
-    try:
-        return HFTorchSettings(**clean)
-    except ValidationError as exc:
-        raise ConfigurationError(format_validation_error(exc)) from None
+    return build_settings(HFTorchSettings, overrides, title="hf_torch settings")

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import AliasChoices, Field, ValidationError
+from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from gemmaserve.errors import ConfigurationError
-from gemmaserve.settings import format_validation_error
+from gemmaserve.settings import build_settings
 
 __all__ = ["MlxSettings", "load_mlx_settings"]
 
@@ -41,8 +40,4 @@ class MlxSettings(BaseSettings):
 
 def load_mlx_settings(**overrides: Any) -> MlxSettings:
     """Build from env/.env with ``overrides`` on top (None values ignored). Raises ConfigurationError."""
-    clean = {key: value for key, value in overrides.items() if value is not None}
-    try:
-        return MlxSettings(**clean)
-    except ValidationError as exc:
-        raise ConfigurationError(format_validation_error(exc)) from None
+    return build_settings(MlxSettings, overrides, title="mlx settings")
