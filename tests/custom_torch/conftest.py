@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import build_tiny_gemma3, build_tiny_gemma4, build_tiny_gemma4_k_eq_v, build_tiny_gemma4_moe
+from tiny_checkpoints import build_tiny_gemma3, build_tiny_gemma4, build_tiny_gemma4_k_eq_v, build_tiny_gemma4_moe
 
 _BUILDERS: dict[str, Callable[[Path], Path]] = {
     "gemma4": build_tiny_gemma4,

@@ -38,7 +38,7 @@ E2B_LIKE = {  # E2B geometry at small width: 8 q heads / 1 kv head, head dims 25
 
 @pytest.fixture(scope="session")
 def e2b_like_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from checkpoints import build_tiny_gemma4
+    from tiny_checkpoints import build_tiny_gemma4
 
     return build_tiny_gemma4(tmp_path_factory.mktemp("e2b_like") / "ckpt", **E2B_LIKE)
 

@@ -1,7 +1,7 @@
 """Parity of the hand-written Gemma forward (custom_torch) with transformers' eager Gemma 3 / Gemma 4.
 
 Reference: `AutoModelForCausalLM.from_pretrained(..., attn_implementation="eager", experts_implementation="eager")`
-on CPU. Checkpoints are tiny random ones (tests/custom_torch/checkpoints.py) with sliding_window W=8.
+on CPU. Checkpoints are tiny random ones (tests/tiny_checkpoints.py) with sliding_window W=8.
 
 What is asserted, and the tolerances found:
 * Full-sequence logits (prefill) are bitwise equal (`torch.equal`) in fp32 and bf16, for prompts shorter than
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import VOCAB_SIZE, build_tiny_gemma4, wrap_as_multimodal
+from tiny_checkpoints import VOCAB_SIZE, build_tiny_gemma4, wrap_as_multimodal
 from gemmaserve_custom_torch.models import (
     ContiguousKVContext,
     GemmaForCausalLM,

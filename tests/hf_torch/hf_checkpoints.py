@@ -1,6 +1,6 @@
 """Checkpoints for the hf_torch tests, written at test time (never downloaded).
 
-The Gemma 4 checkpoint comes from ``tests/custom_torch/checkpoints.py::build_tiny_gemma4`` (every
+The Gemma 4 checkpoint comes from ``tests/tiny_checkpoints.py::build_tiny_gemma4`` (every
 Gemma 4 text feature: sliding + full layers with head dims 16 / 32, KV sharing over the last 3
 layers, PLE, double-wide MLP, softcap 30, sliding window 8, hub-style config.json); this module
 adds a chat template to it. The Llama-style checkpoint (one head dim, GQA, no sliding, no sharing,
@@ -10,8 +10,6 @@ no chat template) is built here with the same tiny tokenizer.
 from __future__ import annotations
 
 import copy
-import functools
-import importlib.util
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -30,17 +28,13 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<bos>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}model:{% endif %}"
 )
-_SHARED = Path(__file__).resolve().parents[1] / "custom_torch" / "checkpoints.py"
 
 
-@functools.lru_cache(maxsize=1)
 def shared_checkpoints() -> ModuleType:
-    """``tests/custom_torch/checkpoints.py``, imported by path under a unique module name."""
-    spec = importlib.util.spec_from_file_location("gemmaserve_tests_custom_torch_checkpoints", _SHARED)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The shared tiny-checkpoint builders (``tests/tiny_checkpoints.py``)."""
+    import tiny_checkpoints
+
+    return tiny_checkpoints
 
 
 def build_gemma4_checkpoint(path: Path) -> Path:

@@ -1,32 +1,26 @@
 """Tiny random checkpoints for the MLX tests, written with transformers' ``save_pretrained``.
 
 Gemma 4 / Gemma 3 (and the multimodal wrapper) come from the shared builders in
-``tests/custom_torch/checkpoints.py`` (loaded by file path: several test folders have a module
-named ``checkpoints``); the Llama-style builder lives here.
+``tests/tiny_checkpoints.py`` (importable from every test folder: ``tests/`` is on the path
+through the root conftest); the Llama-style builder lives here.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from functools import cache
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 __all__ = ["shared_builders", "build_tiny_llama", "build_gemma4_per_layer_config", "BUILDERS"]
 
-_SHARED = Path(__file__).resolve().parents[1] / "custom_torch" / "checkpoints.py"
 
 
-@cache
 def shared_builders() -> ModuleType:
-    """tests/custom_torch/checkpoints.py as module ``mlx_shared_checkpoints``."""
-    spec = importlib.util.spec_from_file_location("mlx_shared_checkpoints", _SHARED)
-    assert spec is not None and spec.loader is not None, f"missing {_SHARED}"
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The shared tiny-checkpoint builders (``tests/tiny_checkpoints.py``)."""
+    import tiny_checkpoints
+
+    return tiny_checkpoints
 
 
 def build_tiny_llama(path: Path, *, seed: int = 0) -> Path:

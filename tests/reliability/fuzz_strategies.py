@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 __all__ = ["SAMPLING_FIELDS", "VOCAB_SIZE", "ordinary_prompts", "sampling_values", "text_prompts", "token_prompts"]
 
 VOCAB_SIZE = 512
-"""The tiny test checkpoint's vocabulary (tests/custom_torch/checkpoints.py)."""
+"""The tiny test checkpoint's vocabulary (tests/tiny_checkpoints.py)."""
 SPECIAL = ["<bos>", "<eos>", "<pad>", "<unk>", "<start_of_turn>", "<end_of_turn>", "<|endoftext|>", "\x00"]
 SURROGATES = ["\ud800", "\udfff", "\udc00x", "a\ud83d"]  # lone halves of a UTF-16 pair
 

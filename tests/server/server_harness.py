@@ -52,7 +52,6 @@ CHAT_TEMPLATE = (
 STARTUP_TIMEOUT_S = 180.0
 """Generous: a loaded 2-core CI box may need a while to import torch and transformers."""
 
-_SHARED = Path(__file__).resolve().parents[1] / "custom_torch" / "checkpoints.py"
 _SETTINGS_ENV = (
     "BACKEND", "DEVICE", "MODEL", "DTYPE", "MAX_ACTIVE_KV_TOKENS", "KV_BLOCK_SIZE", "PREFIX_CACHE_BLOCKS",
     "MAX_BATCH_SIZE", "MAX_MODEL_LEN", "PREFILL_CHUNK_TOKENS", "MAX_WAITING_REQUESTS", "HOST", "PORT", "LOG_LEVEL",
@@ -64,12 +63,10 @@ def plugin_installed(module: str) -> bool:
 
 
 def _shared_checkpoints() -> ModuleType:
-    """``tests/custom_torch/checkpoints.py``, imported by path under a name of its own."""
-    spec = importlib.util.spec_from_file_location("gemmaserve_tests_server_checkpoints", _SHARED)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The shared tiny-checkpoint builders (``tests/tiny_checkpoints.py``)."""
+    import tiny_checkpoints
+
+    return tiny_checkpoints
 
 
 def build_chat_checkpoint(path: Path) -> Path:
