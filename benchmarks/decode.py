@@ -46,7 +46,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hf-sizes", default="1,8,32")
     p.add_argument("--hf-output-len", type=int, default=32, help="output tokens per hf request (hf is slow)")
     p.add_argument("--prefix-len", type=int, default=1536)
-    p.add_argument("--prefix-requests", type=int, default=64)
+    p.add_argument("--prefix-requests", type=int, default=64, help="workload B requests (0 = skip B)")
     p.add_argument("--prefix-own", type=int, default=64, help="distinct tokens after the shared prefix")
     p.add_argument("--profile-size", type=int, default=32, help="rows of the profiled eager step (0 = skip)")
     p.add_argument("--compile-size", type=int, default=0, help="also measure CUSTOM_BACKEND_COMPILE=1 at N (0 = skip)")
@@ -174,7 +174,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"built in {results['meta']['build_s']} s; copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     section("workload_a",
             lambda: _workload_a(backend, settings, sizes, args, roof, bandwidth, args.output_len, "custom"))
-    section("workload_b", lambda: _workload_b(backend, settings, args))
+    if args.prefix_requests:
+        section("workload_b", lambda: _workload_b(backend, settings, args))
+    if device == "cuda":
+        section("prefill_profile", lambda: dp.profile_prefill(backend, args.prompt_len))
     if args.profile_size and decoder is not None and device == "cuda":
         section("profile", lambda: dp.profile_decode_step(backend, settings, args.profile_size, args.prompt_len))
         section("sdpa_backends", lambda: dp.sdpa_backends(device, dtype))

@@ -146,3 +146,44 @@ def compile_on_off(make_backend: Callable[..., Any], model: Any, settings: Any, 
     return {"N": n, "off": off[0], "on": on[0], "explain": explain, "explain_s": round(explain_s, 1),
             "compile_and_capture_s": round(compile_s, 1), "compiled": decoder._forward.compiled is not None,
             "compile_error": decoder._forward.error}
+
+
+def profile_prefill(backend: Any, prompt_len: int, repeats: int = 5) -> dict[str, Any]:
+    """Wall time of ``repeats`` one-request prefills of distinct random ``prompt_len``-token prompts (lookup +
+    chunks + store, synchronized), then one more under torch.profiler: kernel count and device time, i.e.
+    how much of a prefill is GPU work and how much is host dispatch."""
+    vocab = backend.model_info.vocab_size
+    chunk = 512
+
+    def prefill(prompt: list[int]) -> None:
+        with backend.lock:
+            state = backend.prefill_lookup(prompt)
+            while not state.is_complete:
+                backend.prefill_chunk(state, chunk)
+            backend.prefill_store(state)
+            backend.free_row_kv(state.kv)
+
+    prompts = random_prompts(repeats + 3, prompt_len, vocab, seed=4242)
+    for prompt in prompts[:2]:
+        prefill(prompt)
+    walls = []
+    for prompt in prompts[2:-1]:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        prefill(prompt)
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - start) * 1e3)
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        prefill(prompts[-1])
+        torch.cuda.synchronize()
+    cpu_ops = Counter()
+    cpu_us: defaultdict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CPU and event.name.startswith("aten::"):
+            cpu_ops[event.name] += 1
+            cpu_us[event.name] += float(getattr(event, "self_cpu_time_total", 0.0))
+    return {"prompt_len": prompt_len, "wall_ms": [round(w, 2) for w in walls],
+            "wall_ms_median": round(sorted(walls)[len(walls) // 2], 2), **_kernel_summary(prof),
+            "aten_calls": sum(cpu_ops.values()),
+            "top_aten_self_cpu_us": {k: round(v, 1) for k, v in sorted(cpu_us.items(), key=lambda kv: -kv[1])[:10]}}
