@@ -169,6 +169,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if section("graph_capture_s", lambda: {str(k): round(v, 3) for k, v in decoder.capture_all().items()}) is None:
             backend = _custom_backend(model, settings, cuda_graph=False)  # keep measuring, eagerly
             decoder = backend.decoder
+    graph_prefill = getattr(backend, "graph_prefill", None)
+    if graph_prefill is not None:
+        section("prefill_graph_capture_s", lambda: {str(k): round(v, 3) for k, v in graph_prefill.capture().items()})
     vocab = base["vocab_size"]
     run_engine(backend, settings, random_prompts(2, args.prompt_len, vocab, seed=99), 4)  # warm-up
     print(f"built in {results['meta']['build_s']} s; copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
@@ -177,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.prefix_requests:
         section("workload_b", lambda: _workload_b(backend, settings, args))
     if device == "cuda":
-        section("prefill_profile", lambda: dp.profile_prefill(backend, args.prompt_len))
+        section("prefill_profile", lambda: dp.profile_prefill_paths(backend, args.prompt_len))
     if args.profile_size and decoder is not None and device == "cuda":
         section("profile", lambda: dp.profile_decode_step(backend, settings, args.profile_size, args.prompt_len))
         section("sdpa_backends", lambda: dp.sdpa_backends(device, dtype))

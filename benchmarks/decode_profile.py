@@ -187,3 +187,17 @@ def profile_prefill(backend: Any, prompt_len: int, repeats: int = 5) -> dict[str
             "wall_ms_median": round(sorted(walls)[len(walls) // 2], 2), **_kernel_summary(prof),
             "aten_calls": sum(cpu_ops.values()),
             "top_aten_self_cpu_us": {k: round(v, 1) for k, v in sorted(cpu_us.items(), key=lambda kv: -kv[1])[:10]}}
+
+
+def profile_prefill_paths(backend: Any, prompt_len: int) -> dict[str, Any]:
+    """:func:`profile_prefill` through the backend as configured (cold chunks as CUDA graphs when it has
+    them) and with the graph prefill switched off (the eager paged prefill)."""
+    out = {"configured": profile_prefill(backend, prompt_len)}
+    runner = backend.runner
+    if runner.graph_prefill is not None:
+        saved, runner.graph_prefill = runner.graph_prefill, None
+        try:
+            out["eager"] = profile_prefill(backend, prompt_len)
+        finally:
+            runner.graph_prefill = saved
+    return out

@@ -185,12 +185,13 @@ def test_prefill_failure_reports_error_and_engine_keeps_serving() -> None:
         assert_idle(engine)
 
 
+@pytest.mark.parametrize("half", ["step_prefill", "step_decode"])
 @pytest.mark.parametrize("abort_also_fails", [False, True])
-def test_a_crashing_scheduler_step_fails_in_flight_requests_and_serving_continues(abort_also_fails: bool) -> None:
+def test_a_crashing_scheduler_step_fails_in_flight_requests_and_serving_continues(abort_also_fails: bool, half: str) -> None:
     engine = make_engine()
     broken = engine.scheduler
-    step, abort_all = broken.step, broken.abort_all
-    crashes = {"step": 1, "abort_all": int(abort_also_fails)}
+    step, abort_all = getattr(broken, half), broken.abort_all
+    crashes = {half: 1, "abort_all": int(abort_also_fails)}
 
     def crashing(name, original):  # type: ignore[no-untyped-def]
         def call(**kwargs):  # type: ignore[no-untyped-def]
@@ -201,11 +202,11 @@ def test_a_crashing_scheduler_step_fails_in_flight_requests_and_serving_continue
 
         return call
 
-    broken.step = crashing("step", step)  # type: ignore[method-assign]
+    setattr(broken, half, crashing(half, step))
     broken.abort_all = crashing("abort_all", abort_all)  # type: ignore[method-assign]
     try:
         output = engine.submit([5, 6], SamplingParams(max_tokens=3)).result(timeout=5)
-        assert output.finish_reason == "error" and "step bug" in (output.error or "")
+        assert output.finish_reason == "error" and f"{half} bug" in (output.error or "")
         assert (engine.scheduler is not broken) == abort_also_fails  # else the old one recovered
         assert engine.generate([[5]], SamplingParams(max_tokens=2, ignore_eos=True))[0].finish_reason == "length"
         assert engine.is_alive()

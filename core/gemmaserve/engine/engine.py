@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -225,21 +225,28 @@ class Engine:
                 inbox, self._inbox = self._inbox, []
                 cancels, self._cancels = self._cancels, []
                 stopping = self._stopping
-            events: list[RequestEvent] = []
-            with self._step_lock:
-                try:
-                    self._tick(inbox, cancels, stopping, events)
-                except Exception as exc:  # a scheduler bug: fail what is in flight, keep serving
-                    logger.critical("engine tick raised; failing all in-flight requests", exc_info=True)
-                    events += self._recover(exc)
-            self._deliver(events)
+            self._guarded(lambda events: self._tick(inbox, cancels, stopping, events))
             if stopping:
                 break
+            self._guarded(lambda events: events.extend(self.scheduler.step_decode()))
         self._close_backend()
 
+    def _guarded(self, part: Callable[[list[RequestEvent]], None]) -> None:
+        """Run one part of a tick under the step lock, then deliver its events (first tokens of the
+        prefill half go out before the decode half runs). A raise is a scheduler bug: fail what is in
+        flight and keep serving."""
+        events: list[RequestEvent] = []
+        with self._step_lock:
+            try:
+                part(events)
+            except Exception as exc:
+                logger.critical("engine tick raised; failing all in-flight requests", exc_info=True)
+                events += self._recover(exc)
+        self._deliver(events)
+
     def _tick(self, inbox: list[Request], cancels: list[tuple[str, FinishReason]], stopping: bool, events: list[RequestEvent]) -> None:
-        """Apply submissions and cancellations, then one scheduler step (or abort all when stopping).
-        Appends to ``events`` as it goes, so a failure part-way loses none of them."""
+        """Apply submissions and cancellations, then the prefill half of a scheduler step (or abort all
+        when stopping). Appends to ``events`` as it goes, so a failure part-way loses none of them."""
         for request in inbox:
             try:
                 self.scheduler.add_request(request)
@@ -248,14 +255,14 @@ class Engine:
                 events.append(request.take_event())
         for request_id, reason in cancels:
             events += self.scheduler.abort_request(request_id, reason=reason)
-        events += self.scheduler.abort_all() if stopping else self.scheduler.step()
+        events += self.scheduler.abort_all() if stopping else self.scheduler.step_prefill()
 
     def _recover(self, exc: BaseException) -> list[RequestEvent]:
         try:
             return self.scheduler.abort_all(error=exc)
         except Exception:
             logger.critical("could not abort in-flight requests; starting a fresh scheduler", exc_info=True)
-            orphans = [request for request in self.scheduler.live_requests() if not request.is_finished]
+            orphans = self.scheduler.release_all_best_effort()
             self.scheduler = ContinuousBatchScheduler(self.backend, self.settings, self.cache_manager)
             for request in orphans:
                 request.finish(FinishReason.ERROR, exc)

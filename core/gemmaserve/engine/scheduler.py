@@ -161,18 +161,54 @@ class ContinuousBatchScheduler:
         """Cancel (or fail, given ``error``) every request; returns their final events."""
         return [event for rid in list(self._q.requests) for event in self.abort_request(rid, error=error)]
 
+    def release_all_best_effort(self) -> list[Request]:
+        """Last resort after :meth:`abort_all` raised: free whatever each live request holds (KV,
+        reservations; every failure logged and skipped) and return the unfinished requests. The
+        scheduler must not be used afterwards."""
+        orphans: list[Request] = []
+        with self.backend.lock:
+            for request in list(self._q.requests.values()):
+                try:
+                    self._q.release(request, [])
+                except Exception:
+                    logger.exception("could not free the KV of request %s", request.request_id)
+                if self._caps.kv_reservation:
+                    try:
+                        self.backend.kv_release(request.request_id)
+                    except Exception:
+                        logger.exception("could not release the reservation of request %s", request.request_id)
+                if not request.is_finished:
+                    orphans.append(request)
+        return orphans
+
     # -- the tick -----------------------------------------------------------------------------------
     def step(self) -> list[RequestEvent]:
         """One tick: admit, one prefill chunk per prefilling request, one batched decode (or one
-        token per stream). Returns an event for every request that got tokens or finished."""
+        token per stream). Returns an event for every request that got tokens or finished.
+        Same as :meth:`step_prefill` followed by :meth:`step_decode`."""
+        events = self.step_prefill()
+        events += self.step_decode()
+        return events
+
+    def step_prefill(self) -> list[RequestEvent]:
+        """First half of a tick: admit, then one prefill chunk per prefilling request (requests that
+        complete their prompt get their first token here). The engine publishes these events before
+        the decode half runs, so a first token does not wait for the batch's decode step."""
         events: list[RequestEvent] = []
         with self.backend.lock:
             self._counters["steps"] += 1
             self._admit(events)
+            if not self._streaming:
+                self._prefill(events)
+        return events
+
+    def step_decode(self) -> list[RequestEvent]:
+        """Second half of a tick: one batched decode over the decoding rows (or one token per stream)."""
+        events: list[RequestEvent] = []
+        with self.backend.lock:
             if self._streaming:
                 self._step_streams(events)
             else:
-                self._prefill(events)
                 self._decode(events)
         return events
 

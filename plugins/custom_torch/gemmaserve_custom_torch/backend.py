@@ -4,7 +4,7 @@ In-flight KV is one `PagedKVCache` per row (``RowKV``) and a `BatchedPagedKVCach
 (``BatchKV``). With triton attention (auto on CUDA) decode runs through a `StaticDecoder` (fixed buffers,
 CUDA graphs per batch bucket on CUDA); the gather path runs `PagedRunner.decode`. On CUDA, prefill uses
 SDPA and q/k/v + gate/up weights and RMSNorms are fused at load (``CUSTOM_BACKEND_PREFILL_ATTENTION`` /
-``_FUSE``). It caches prefixes itself (`PrefixCache`, progressively after every prefill chunk), so
+``_FUSE``); cold prefill chunks replay CUDA graphs per padded length (`GraphPrefill`, ``_PREFILL_GRAPH``). It caches prefixes itself (`PrefixCache`, progressively after every prefill chunk), so
 ``set_cache_adapter`` is a no-op, and admits by window-aware block reservations (`KVAdmission`). All methods run under ``self.lock`` (the caller's job).
 """
 
@@ -27,6 +27,7 @@ from .kernels import HAS_TRITON
 from .kv import BatchedPagedKVCache, KVAdmission, KVPools, PagedKVCache, PrefixCache, kv_groups, plan_pool_sizes
 from .models.fusion import fuse_norms, fuse_projections
 from .models.gemma import GemmaForCausalLM
+from .prefill_graphs import make_graph_prefill
 from .runner import PagedRunner
 from .sampling import sample_tokens
 from .settings import CustomTorchSettings, load_custom_settings, resolve_attention, resolve_fast_paths
@@ -78,7 +79,9 @@ class CustomTorchBackend(InferenceBackend):
             fuse_projections(model)
             if HAS_TRITON and self.device.type == "cuda":
                 fuse_norms(model)
-        self.runner = PagedRunner(model, self.pools, self.attention, self.prefill_attention)
+        self.graph_prefill = make_graph_prefill(model, self.pools, custom, self.prefill_attention,
+                                                settings.prefill_chunk_tokens)
+        self.runner = PagedRunner(model, self.pools, self.attention, self.prefill_attention, self.graph_prefill)
         self.decoder = make_decoder(model, self.pools, custom, self.attention, settings.max_batch_size,
                                     width=-(-max_len // self.block_size))
         self.capabilities = BackendCapabilities(
@@ -90,11 +93,11 @@ class CustomTorchBackend(InferenceBackend):
         )
         logger.info(
             "custom_torch: %s on %s (%s), block size %d, pools %s (%.1f MiB), decode attention %s (%s), prefill "
-            "attention %s, fused projections %s",
+            "attention %s (%s), fused projections %s",
             name, self.device, self.model_info.dtype, self.block_size, num_blocks, self.pools.nbytes / 2**20,
             self.attention, "fixed buffers" if self.decoder is None else (
                 "CUDA graphs" if self.decoder.graphs is not None else "fixed buffers, eager"),
-            self.prefill_attention, fuse,
+            self.prefill_attention, "CUDA graphs for cold chunks" if self.graph_prefill else "eager", fuse,
         )
 
     @classmethod

@@ -1,10 +1,11 @@
-"""CUDA-graph capture/replay of the decode forward per bucket, plus the optional torch.compile wrapper.
+"""CUDA-graph capture/replay of a fixed-buffer forward per shape key, plus the optional torch.compile wrapper.
 
-`DecodeGraphs` captures ``forward(bucket)`` on the first use of a bucket: that step runs ``forward``
-eagerly (its result is the step's result, and the run warms up Triton / cuBLAS / Inductor), then the
-graph is recorded (recording executes nothing, so the KV pools are not written twice) and every later
-step of that bucket is a replay. All graphs share one memory pool: only one runs at a time and each
-one's outputs stay allocated, so they never alias. Outputs are overwritten by the next replay.
+`StepGraphs` captures ``forward(key)`` on the first use of a key (a decode batch bucket, a prefill length
+bucket): that call runs ``forward`` eagerly (its result is the call's result, and the run warms up Triton /
+cuBLAS / Inductor), then the graph is recorded (recording executes nothing, so the KV pools are not
+written twice) and every later call of that key is a replay. All graphs of one `StepGraphs` share one
+memory pool: only one runs at a time and each one's outputs stay allocated, so they never alias. Outputs
+are overwritten by the next replay of the same key.
 """
 
 from __future__ import annotations
@@ -12,61 +13,62 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["DecodeGraphs", "explain_report", "maybe_compile"]
+__all__ = ["StepGraphs", "explain_report", "maybe_compile"]
 
 logger = logging.getLogger(__name__)
 
-Forward = Callable[[int], tuple[Tensor, Tensor]]
+Forward = Callable[[Any], tuple[Tensor, ...]]
 
 
-class DecodeGraphs:
-    """One CUDA graph per bucket of ``forward`` (which must read only fixed buffers). Not thread-safe."""
+class StepGraphs:
+    """One CUDA graph per key of ``forward`` (which must read only fixed buffers). Not thread-safe.
+    ``name`` labels the log lines (``decode``, ``prefill``)."""
 
-    def __init__(self, forward: Forward) -> None:
+    def __init__(self, forward: Forward, name: str = "decode") -> None:
         self.forward = forward
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = {}
+        self.name = name
+        self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...]]] = {}
         self._pool: Any = None
-        self.capture_seconds: dict[int, float] = {}  # warm-up + capture wall time per bucket
+        self.capture_seconds: dict[Any, float] = {}  # warm-up + capture wall time per key
 
-    def has(self, bucket: int) -> bool:
-        return bucket in self._graphs
+    def has(self, key: Hashable) -> bool:
+        return key in self._graphs
 
-    def run(self, bucket: int) -> tuple[Tensor, Tensor]:
-        """This step's (logits, tokens) of ``bucket`` rows: a replay, or on first use an eager run
-        followed by the capture."""
-        entry = self._graphs.get(bucket)
+    def run(self, key: Hashable) -> tuple[Tensor, ...]:
+        """This call's outputs for ``key``: a replay, or on first use an eager run followed by the capture."""
+        entry = self._graphs.get(key)
         if entry is not None:
             entry[0].replay()
-            return entry[1], entry[2]
+            return entry[1]
         start = time.perf_counter()
-        result = self.forward(bucket)
-        self._record(bucket)
-        self.capture_seconds[bucket] = time.perf_counter() - start
+        result = self.forward(key)
+        self._record(key)
+        self.capture_seconds[key] = time.perf_counter() - start
         return result
 
-    def capture(self, bucket: int) -> None:
-        """Warm up (one eager run) and capture ``bucket`` now; the state buffers must hold a valid step."""
+    def capture(self, key: Hashable) -> None:
+        """Warm up (one eager run) and capture ``key`` now; the state buffers must hold a valid call."""
         start = time.perf_counter()
-        self.forward(bucket)
-        self._record(bucket)
-        self.capture_seconds[bucket] = time.perf_counter() - start
+        self.forward(key)
+        self._record(key)
+        self.capture_seconds[key] = time.perf_counter() - start
 
-    def _record(self, bucket: int) -> None:
+    def _record(self, key: Hashable) -> None:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits, tokens = self.forward(bucket)
+            outputs = self.forward(key)
         if self._pool is None:
             self._pool = graph.pool()
         torch.cuda.synchronize()
-        self._graphs[bucket] = (graph, logits, tokens)
-        logger.info("custom_torch: captured the decode graph of bucket %d", bucket)
+        self._graphs[key] = (graph, outputs)
+        logger.info("custom_torch: captured the %s graph of %s", self.name, key)
 
 
 class _CompiledForward:

@@ -9,6 +9,8 @@ fresh ones, so with ``eager`` attention logits equal the contiguous reference bi
 runs torch's fused kernels instead (plain causal when the chunk has no earlier keys and the window does
 not bite, else the explicit mask).
 
+Cold chunks (empty row) go to the ``graph_prefill`` (fixed buffers, CUDA graphs) when one is set.
+
 Decode (all rows, one token each): free out-of-window blocks, check every pool can supply the new blocks
 (before touching any row), allocate, build the `DecodeState` tensors and run one forward with a
 `PagedDecodeContext`.
@@ -28,6 +30,7 @@ from .kv.paged_cache import PagedKVCache
 from .kv.pools import KVPools
 from .models.attention_context import build_attention_mask, eager_attention, sdpa_attention
 from .models.gemma import GemmaForCausalLM
+from .prefill_graphs import GraphPrefill
 
 __all__ = ["PagedPrefillContext", "PagedRunner", "PrefillAttention"]
 
@@ -110,12 +113,13 @@ class PagedRunner:
     """Runs ``model`` over rows of ``pools``. Stateless between calls apart from the rows it mutates."""
 
     def __init__(self, model: GemmaForCausalLM, pools: KVPools, attention: Literal["gather", "triton"],
-                 prefill_attention: PrefillAttention = "eager") -> None:
+                 prefill_attention: PrefillAttention = "eager", graph_prefill: GraphPrefill | None = None) -> None:
         self.model = model
         self.pools = pools
         self.config = model.config
         self.attention = attention
         self.prefill_attention = prefill_attention
+        self.graph_prefill = graph_prefill  # serves cold chunks (empty row) when set
         self.device = next(iter(pools.k.values())).device
 
     @torch.inference_mode()
@@ -124,6 +128,8 @@ class PagedRunner:
         [1, vocab] if ``want_logits``. On an exception the row's KV is undefined: free it."""
         start, num_new = row.length, len(token_ids)
         assert num_new > 0
+        if self.graph_prefill is not None and self.graph_prefill.applies(row, num_new):
+            return self.graph_prefill.prefill(row, token_ids, want_logits=want_logits)
         old: dict[int, tuple[Tensor, Tensor]] = {}
         for name, group in self.pools.groups.items():
             if group.window is None:

@@ -47,8 +47,12 @@ class CustomTorchSettings(BaseSettings):
     cuda_graph: bool = Field(
         True, description="Replay decode as CUDA graphs, one per batch bucket (CUDA + triton attention; 0 disables)."
     )
+    prefill_graph: bool = Field(
+        True, description="Replay cold prefill chunks (empty row, up to 2048 tokens) as CUDA graphs per padded length "
+        "(CUDA only; not for MoE models; 0 disables)."
+    )
     graph_capture: Literal["lazy", "startup"] = Field(
-        "lazy", description="Capture a bucket's graph on its first use (lazy) or every bucket at startup."
+        "lazy", description="Capture a decode / prefill bucket's graph on its first use (lazy) or all at startup."
     )
     compile: bool = Field(False, description="torch.compile the decode forward (dynamic=False), under the graphs.")
     explain: bool = Field(False, description="Log torch._dynamo.explain graph/break counts at the first decode.")

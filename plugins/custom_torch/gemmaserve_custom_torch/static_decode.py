@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .graphs import DecodeGraphs, explain_report, maybe_compile
+from .graphs import StepGraphs, explain_report, maybe_compile
 from .kv.batched import BatchedPagedKVCache, DecodeState, PagedDecodeContext
 from .kv.decode_state import BatchedDecodeState, graph_buckets, pick_bucket
 from .kv.pools import KVPools
@@ -60,7 +60,7 @@ class StaticDecoder:
         self.kernel = kernel
         self.state = BatchedDecodeState(pools, self.buckets[-1], width)
         self._forward = maybe_compile(self._forward_eager, compile_model)
-        self.graphs = DecodeGraphs(self._run_forward) if use_graphs else None
+        self.graphs = StepGraphs(self._run_forward, "decode") if use_graphs else None
         self._explain_pending = explain
         self.explain: dict[str, Any] | None = None
         self._last: tuple[Tensor, Tensor] | None = None

@@ -1,0 +1,116 @@
+"""`GraphPrefill` (cold prefill chunks over fixed, padded buffers) on CPU: the same padded forward the CUDA
+graphs capture, run eagerly. It must give the paged prefill's logits and every request's greedy tokens,
+write the same K/V, leave no block behind, and stay out of the way of warm rows (prefix hits, later chunks).
+The CUDA-graph replay itself is checked on the GPU (tests/custom_torch/test_cuda_graphs.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fixtures_backend import assert_no_leaks, make_backend, one_torch_thread, run_scheduler  # noqa: F401
+from gemmaserve_custom_torch.prefill_graphs import GraphPrefill, make_graph_prefill, prefill_buckets
+from gemmaserve_custom_torch.settings import load_custom_settings
+
+
+@given(st.integers(1, 5000))
+@settings(max_examples=200)
+def test_buckets_cover_every_length_with_bounded_padding(max_tokens):
+    buckets = prefill_buckets(max_tokens)
+    assert list(buckets) == sorted(set(buckets)) and buckets[-1] == max_tokens
+    for n in (1, max_tokens // 3 + 1, max_tokens):
+        bucket = min(b for b in buckets if b >= n)
+        assert bucket >= n and (bucket <= max(16, 2 * n) or bucket == max_tokens)
+    assert all(b2 <= 2 * b1 for b1, b2 in zip(buckets, buckets[1:]) if b1 >= 16)
+
+
+def test_buckets_reject_a_nonpositive_length():
+    with pytest.raises(ValueError, match="max_tokens"):
+        prefill_buckets(0)
+
+
+def with_graph_prefill(backend, attention="eager", max_tokens=48):
+    """Attach an eager-mode GraphPrefill (what the CUDA graphs replay) to ``backend``'s runner."""
+    backend.runner.graph_prefill = GraphPrefill(backend.model, backend.pools, buckets=prefill_buckets(max_tokens),
+                                                attention=attention, use_graphs=False)
+    return backend.runner.graph_prefill
+
+
+@pytest.mark.parametrize("name", ["gemma4", "gemma3", "gemma4_k_eq_v"])
+@pytest.mark.parametrize("length", [3, 8, 17, 40])  # window 8: the chunk is shorter than / equal to / past it
+def test_cold_chunk_logits_and_kv_equal_the_paged_prefill(tiny_checkpoint, name, length):
+    path = tiny_checkpoint(name)
+    prompt = [(7 * i + 5) % 200 + 4 for i in range(length)]
+    plain, padded = make_backend(path), make_backend(path)
+    graph = with_graph_prefill(padded)
+    results = []
+    for backend in (plain, padded):
+        with backend.lock:
+            state = backend.prefill_lookup(prompt)
+            backend.prefill_chunk(state, length)
+            results.append((state.last_logits, state.kv))
+    assert graph.chunks == 1
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=1e-5)
+    for layer in plain.pools.k:  # the stored K/V of every kept position is the same
+        group = plain.pools.group_of_layer[layer]
+        start = plain.pools.geometry[group].keep_from(length)
+        slots = [row.slots(group, start, length) for row in (results[0][1], results[1][1])]
+        for pools_a, pools_b in ((plain.pools.k, padded.pools.k), (plain.pools.v, padded.pools.v)):
+            a = pools_a[layer].view(-1, *pools_a[layer].shape[2:])[slots[0]]
+            b = pools_b[layer].view(-1, *pools_b[layer].shape[2:])[slots[1]]
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    for backend, (_, kv) in zip((plain, padded), results):
+        backend.free_row_kv(kv)
+        assert_no_leaks(backend)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_scheduler_tokens_are_unchanged_with_graph_prefill(tiny_gemma4_dir, attention):
+    """Joins, leaves, repeated prompts (prefix hits take the paged path), prompts past the largest bucket
+    (the first chunk is cold, later ones paged): every request's greedy tokens equal the plain backend's."""
+    rng = random.Random(4)
+    base = [rng.randrange(4, 200) for _ in range(30)]
+    requests = [(base, 0, 12), (base, 3, 12), (base[:20] + [9, 9], 4, 10)]
+    requests += [([rng.randrange(4, 200) for _ in range(rng.randrange(1, 60))], rng.randrange(0, 12),
+                  rng.randrange(1, 20)) for _ in range(10)]
+    plain = make_backend(tiny_gemma4_dir, prefill_attention=attention)
+    padded = make_backend(tiny_gemma4_dir, prefill_attention=attention)
+    graph = with_graph_prefill(padded, attention=attention, max_tokens=24)
+    got = [{rid: r.output_token_ids for rid, r in run_scheduler(b, requests, prefill_chunk_tokens=24).items()}
+           for b in (plain, padded)]
+    assert got[1] == got[0]
+    assert 0 < graph.chunks < len(requests)  # cold chunks only: the repeats hit the prefix cache
+    assert padded.kv_stats()["prefix_hits"] >= 1
+    for backend in (plain, padded):
+        assert_no_leaks(backend)
+
+
+def test_only_cold_chunks_apply(tiny_gemma4_dir):
+    backend = make_backend(tiny_gemma4_dir)
+    graph = with_graph_prefill(backend, max_tokens=16)
+    with backend.lock:
+        state = backend.prefill_lookup(list(range(4, 40)))
+        assert graph.applies(state.kv, 16) and not graph.applies(state.kv, 17) and not graph.applies(state.kv, 0)
+        backend.prefill_chunk(state, 16)
+        assert not graph.applies(state.kv, 16)  # a warm row: earlier keys exist
+        while not state.is_complete:
+            backend.prefill_chunk(state, 16)
+        assert graph.chunks == 1
+        backend.free_row_kv(state.kv)
+
+
+def test_make_graph_prefill_is_cuda_only_and_can_be_disabled(tiny_gemma4_dir):
+    backend = make_backend(tiny_gemma4_dir)
+    assert backend.graph_prefill is None and backend.runner.graph_prefill is None  # CPU
+    for enabled in (True, False):
+        custom = load_custom_settings(prefill_graph=enabled)
+        assert make_graph_prefill(backend.model, backend.pools, custom, "eager", 512) is None
+
+
+def test_prefill_graph_setting_reads_the_environment(monkeypatch):
+    monkeypatch.setenv("CUSTOM_BACKEND_PREFILL_GRAPH", "0")
+    assert load_custom_settings().prefill_graph is False
