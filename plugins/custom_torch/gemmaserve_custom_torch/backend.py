@@ -25,7 +25,7 @@ from gemmaserve.settings import CoreSettings
 
 from .kernels import HAS_TRITON
 from .kv import BatchedPagedKVCache, KVAdmission, KVPools, PagedKVCache, PrefixCache, kv_groups, plan_pool_sizes
-from .models.fusion import fuse_norms, fuse_projections
+from .models.fusion import fuse_elementwise, fuse_norms, fuse_projections
 from .models.gemma import GemmaForCausalLM
 from .prefill_graphs import make_graph_prefill
 from .runner import PagedRunner
@@ -79,6 +79,7 @@ class CustomTorchBackend(InferenceBackend):
             fuse_projections(model)
             if HAS_TRITON and self.device.type == "cuda":
                 fuse_norms(model)
+                fuse_elementwise(model)
         self.graph_prefill = make_graph_prefill(model, self.pools, custom, self.prefill_attention,
                                                 settings.prefill_chunk_tokens)
         self.runner = PagedRunner(model, self.pools, self.attention, self.prefill_attention, self.graph_prefill)

@@ -1,4 +1,5 @@
-"""Load-time fusion on CUDA: fewer, longer matmuls, and one kernel per RMSNorm (`fuse_norms`).
+"""Load-time fusion on CUDA: fewer, longer matmuls, one kernel per RMSNorm (`fuse_norms`) and per
+elementwise chain of a layer (`fuse_elementwise`).
 
 `fuse_projections(model)` concatenates, per layer, the q/k/v weights of KV-storing layers (q/k on K=V layers)
 into one ``[q_width + k_width (+ v_width), hidden]`` weight and the MLP's gate/up weights into one
@@ -16,7 +17,7 @@ from torch import Tensor, nn
 
 from .gemma import GemmaForCausalLM
 
-__all__ = ["fuse_norms", "fuse_projections", "is_fused"]
+__all__ = ["fuse_elementwise", "fuse_norms", "fuse_projections", "is_fused"]
 
 
 def _fuse(linears: list[nn.Linear]) -> Tensor:
@@ -64,3 +65,23 @@ def fuse_norms(model: torch.nn.Module) -> int:
     for norm in norms:
         norm.kernel = rms_norm
     return len(norms)
+
+
+def fuse_elementwise(model: GemmaForCausalLM) -> int:
+    """Run the elementwise chains of every dense layer through ``kernels.fused_ops`` (q/k norm + RoPE,
+    post-norm + residual (+ next pre-norm, + layer_scalar), GeGLU and PLE gates); MoE layers keep the eager
+    path. Returns how many layers were switched. Mutates ``model``; idempotent. Needs triton (the caller
+    checks); the kernels run on the model's device (CUDA, or CPU under ``TRITON_INTERPRET=1`` in tests)."""
+    from ..kernels import fused_ops
+    from .layers import FusedElementwise
+
+    ops = FusedElementwise(fused_ops.norm_rope, fused_ops.residual_norm, fused_ops.gelu_mul)
+    switched = 0
+    for layer in model.layers:
+        if layer.has_moe:
+            continue
+        layer.fused_ops = ops
+        layer.self_attn.fused_ops = ops
+        layer.mlp.gelu_mul = ops.gelu_mul
+        switched += 1
+    return switched

@@ -17,7 +17,17 @@ from torch import Tensor, nn
 
 from .attention_context import AttentionContext
 from .config import GemmaTextConfig
-from .layers import Device, GeGLUMLP, MoEExperts, MoERouter, RMSNorm, RotaryEmbedding, apply_rotary, gelu_tanh
+from .layers import (
+    Device,
+    FusedElementwise,
+    GeGLUMLP,
+    MoEExperts,
+    MoERouter,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    gelu_tanh,
+)
 
 
 class ScaledEmbedding(nn.Module):
@@ -81,20 +91,26 @@ class GemmaAttention(nn.Module):
         # Set by `fusion.fuse_projections`: [q; k; v] weight rows (q/k/v_proj.weight become views of it).
         self.fused_qkv: Tensor | None = None
         self.fused_widths: tuple[int, ...] = ()
+        self.fused_ops: FusedElementwise | None = None  # set by `fusion.fuse_elementwise`
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext) -> Tensor:
         batch, seq, _ = x.shape
         q_lin, k_lin, v_lin = self._project(x)
-        q = self.q_norm(q_lin.view(batch, seq, self.num_heads, self.head_dim))
-        q = apply_rotary(q, cos, sin)
+        q = self._norm_rope(self.q_norm, q_lin.view(batch, seq, self.num_heads, self.head_dim), cos, sin)
         k = v = None
         if k_lin is not None:
+            assert self.k_norm is not None
             k_raw = k_lin.view(batch, seq, self.num_kv_heads, self.head_dim)
             v_raw = k_raw if v_lin is None else v_lin.view(batch, seq, self.num_kv_heads, -1)
-            k = apply_rotary(self.k_norm(k_raw), cos, sin)
+            k = self._norm_rope(self.k_norm, k_raw, cos, sin)
             v = self.v_norm(v_raw) if self.v_norm is not None else v_raw
         out = attn.attend(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim))
+
+    def _norm_rope(self, norm: RMSNorm, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        if self.fused_ops is not None:
+            return self.fused_ops.norm_rope(x, norm.weight, norm.eps, norm.style, cos, sin)
+        return apply_rotary(norm(x), cos, sin)
 
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """(q, k, v) projections of x; k/v None where the layer has none. One matmul after `fuse_projections`."""
@@ -142,8 +158,11 @@ class GemmaDecoderLayer(nn.Module):
             self.register_buffer("layer_scalar", torch.ones(1, device=device, dtype=dtype))
         else:
             self.layer_scalar = None
+        self.fused_ops: FusedElementwise | None = None  # set by `fusion.fuse_elementwise` (not on MoE layers)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext, ple: Tensor | None = None) -> Tensor:
+        if self.fused_ops is not None:
+            return self._forward_fused(self.fused_ops, x, cos, sin, attn, ple)
         residual = x
         h = self.self_attn(self.input_layernorm(x), cos, sin, attn)
         x = residual + self.post_attention_layernorm(h)
@@ -163,6 +182,26 @@ class GemmaDecoderLayer(nn.Module):
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
         if self.layer_scalar is not None:
             x = x * self.layer_scalar
+        return x
+
+    def _forward_fused(self, ops: FusedElementwise, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext,
+                       ple: Tensor | None) -> Tensor:
+        """:meth:`forward` with each post-norm + residual add (+ the next pre-norm, + layer_scalar) and the
+        PLE gate as one kernel. Dense layers only."""
+        post_attn, pre_ff = self.post_attention_layernorm, self.pre_feedforward_layernorm
+        h = self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        x, normed = ops.residual_norm(x, h, post_attn.weight, post_attn.eps, post_attn.style,
+                                      next_weight=pre_ff.weight, next_eps=pre_ff.eps)
+        h = self.mlp(normed)
+        post_ff = self.post_feedforward_layernorm
+        x, _ = ops.residual_norm(x, h, post_ff.weight, post_ff.eps, post_ff.style,
+                                 scale=None if self.has_ple else self.layer_scalar)
+        if self.has_ple:
+            assert ple is not None, "PLE model layers need their per-layer input"
+            gated = ops.gelu_mul(self.per_layer_input_gate(x), ple)
+            norm = self.post_per_layer_input_norm
+            x, _ = ops.residual_norm(x, self.per_layer_projection(gated), norm.weight, norm.eps, norm.style,
+                                     scale=self.layer_scalar)
         return x
 
 

@@ -8,6 +8,7 @@ tests (tests/custom_torch/test_model_parity.py).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -120,6 +121,16 @@ def _linear(in_features: int, out_features: int, device: Device, dtype: torch.dt
     return nn.Linear(in_features, out_features, bias=False, device=device, dtype=dtype)
 
 
+@dataclass(frozen=True)
+class FusedElementwise:
+    """The fused elementwise kernels a model runs on CUDA (``kernels.fused_ops``, set by
+    ``fusion.fuse_elementwise``); plain callables so the model package never imports triton."""
+
+    norm_rope: Callable[..., Tensor]
+    residual_norm: Callable[..., tuple[Tensor, Tensor | None]]
+    gelu_mul: Callable[[Tensor, Tensor], Tensor]
+
+
 class GeGLUMLP(nn.Module):
     """down(gelu_tanh(gate(x)) * up(x)); x [..., hidden] -> [..., hidden]."""
 
@@ -129,10 +140,13 @@ class GeGLUMLP(nn.Module):
         self.up_proj = _linear(hidden, width, device, dtype)
         self.down_proj = _linear(width, hidden, device, dtype)
         self.fused_gate_up: Tensor | None = None  # [gate; up] rows, set by `fusion.fuse_projections`
+        self.gelu_mul: Callable[[Tensor, Tensor], Tensor] | None = None  # set by `fusion.fuse_elementwise`
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fused_gate_up is not None:
             gate, up = F.linear(x, self.fused_gate_up).chunk(2, dim=-1)
+            if self.gelu_mul is not None:
+                return self.down_proj(self.gelu_mul(gate, up))
             return self.down_proj(gelu_tanh(gate) * up)
         return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
 

@@ -1,0 +1,179 @@
+"""Triton kernels that fuse the decoder layer's elementwise chains (CUDA fast path, ``CUSTOM_BACKEND_FUSE``).
+
+Decode at small batch is launch-bound: per layer, eager torch spends ~18 small kernels on rotary embeddings,
+residual adds, GeGLU and the PLE gate. Each kernel here replaces one chain and keeps the eager chain's
+rounding points (every intermediate the eager code holds in the model dtype is rounded to it here too), so
+results differ from eager only where fp32 math inside one step differs (rsqrt vs pow, tanh formula):
+
+- :func:`norm_rope`: ``apply_rotary(rms_norm(x), cos, sin)`` (q/k norm + RoPE, half-split pairing);
+- :func:`residual_norm`: ``y = (residual + rms_norm(h)) * scale`` and optionally ``next = rms_norm'(y)``
+  (post-norm + residual add [+ layer_scalar] [+ the next pre-norm]);
+- :func:`gelu_mul`: ``gelu_tanh(a) * b`` (GeGLU over the fused gate/up output, and the PLE gate).
+
+All take tensors whose last dim is contiguous (leading dims may be strided views, e.g. slices of a fused
+projection), return new contiguous tensors, never sync the host (CUDA-graph capturable) and run under
+``TRITON_INTERPRET=1`` on CPU in fp32/fp16 (the tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["gelu_mul", "norm_rope", "residual_norm"]
+
+_SQRT_2_OVER_PI = 0.7978845608028654
+
+
+@triton.jit
+def _norm_factor(sum_sq, n_cols, eps):
+    return 1.0 / tl.sqrt((sum_sq / n_cols + eps).to(tl.float32))
+
+
+@triton.jit
+def _weight(w_ptr, offs, mask, ONE_PLUS: tl.constexpr):
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if ONE_PLUS:
+        w = 1.0 + w
+    return w
+
+
+@triton.jit
+def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_xt, stride_xh, half, eps,
+                      HAS_WEIGHT: tl.constexpr, ONE_PLUS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    token = (row // heads).to(tl.int64)
+    head = (row % heads).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < half
+    base = x_ptr + token * stride_xt + head * stride_xh
+    x1 = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + half + offs, mask=mask, other=0.0).to(tl.float32)
+    inv = _norm_factor(tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0), 2 * half, eps)
+    y1 = x1 * inv
+    y2 = x2 * inv
+    if HAS_WEIGHT:
+        y1 = y1 * _weight(w_ptr, offs, mask, ONE_PLUS)
+        y2 = y2 * _weight(w_ptr + half, offs, mask, ONE_PLUS)
+    dtype = out_ptr.dtype.element_ty
+    y1 = y1.to(dtype).to(tl.float32)  # the eager norm's output rounding
+    y2 = y2.to(dtype).to(tl.float32)
+    table = token * 2 * half
+    c1 = tl.load(cos_ptr + table + offs, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + table + half + offs, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + table + offs, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + table + half + offs, mask=mask, other=0.0).to(tl.float32)
+    # eager: (x * cos) + (rotate_half(x) * sin), each product rounded to the model dtype
+    out1 = (y1 * c1).to(dtype).to(tl.float32) + (-y2 * s1).to(dtype).to(tl.float32)
+    out2 = (y2 * c2).to(dtype).to(tl.float32) + (y1 * s2).to(dtype).to(tl.float32)
+    out = out_ptr + row.to(tl.int64) * 2 * half
+    tl.store(out + offs, out1.to(dtype), mask=mask)
+    tl.store(out + half + offs, out2.to(dtype), mask=mask)
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, style: str, cos: torch.Tensor,
+              sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary(RMSNorm(x), cos, sin)``: x [B, S, H, D] (last dim contiguous), cos/sin [B, S, D] in x's
+    dtype (contiguous). Returns a new contiguous [B, S, H, D]."""
+    batch, seq, heads, dim = x.shape
+    if dim % 2:
+        raise ValueError(f"rotary needs an even head dim, got {dim}")
+    out = torch.empty((batch, seq, heads, dim), dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return out
+    view = x.reshape(batch * seq, heads, dim)
+    if view.stride(-1) != 1:
+        view = view.contiguous()
+    cos, sin = cos.reshape(batch * seq, dim).contiguous(), sin.reshape(batch * seq, dim).contiguous()
+    half = dim // 2
+    block = triton.next_power_of_2(half)
+    _norm_rope_kernel[(batch * seq * heads,)](
+        view, weight if weight is not None else view, cos, sin, out, heads, view.stride(0), view.stride(1), half,
+        float(eps), HAS_WEIGHT=weight is not None, ONE_PLUS=style == "one_plus_w", BLOCK=block,
+        num_warps=4 if block >= 512 else (2 if block >= 128 else 1),
+    )
+    return out
+
+
+@triton.jit
+def _residual_norm_kernel(res_ptr, h_ptr, w_ptr, scale_ptr, w_next_ptr, out_ptr, next_ptr, stride_r, stride_h,
+                          n_cols, eps, eps_next, ONE_PLUS: tl.constexpr, HAS_SCALE: tl.constexpr,
+                          HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    dtype = out_ptr.dtype.element_ty
+    h = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
+    normed = h * _norm_factor(tl.sum(h * h, axis=0), n_cols, eps) * _weight(w_ptr, offs, mask, ONE_PLUS)
+    residual = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    y = (residual + normed.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    if HAS_SCALE:
+        y = (y * tl.load(scale_ptr).to(tl.float32)).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + offs, y.to(dtype), mask=mask)
+    if HAS_NEXT:
+        z = y * _norm_factor(tl.sum(y * y, axis=0), n_cols, eps_next) * _weight(w_next_ptr, offs, mask, ONE_PLUS)
+        tl.store(next_ptr + row * n_cols + offs, z.to(dtype), mask=mask)
+
+
+def residual_norm(residual: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float, style: str, *,
+                  scale: torch.Tensor | None = None, next_weight: torch.Tensor | None = None,
+                  next_eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``y = residual + RMSNorm_w(h)`` (then ``* scale``, a one-element tensor, if given), and with
+    ``next_weight`` also ``RMSNorm_next(y)``. residual, h [..., H] of one shape. Returns (y, next or None),
+    new contiguous tensors."""
+    if residual.shape != h.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} and h {tuple(h.shape)} differ")
+    n_cols = h.shape[-1]
+    out = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    nxt = torch.empty_like(out) if next_weight is not None else None
+    if h.numel() == 0:
+        return out, nxt
+    res2, h2 = residual.reshape(-1, n_cols), h.reshape(-1, n_cols)
+    if res2.stride(-1) != 1:
+        res2 = res2.contiguous()
+    if h2.stride(-1) != 1:
+        h2 = h2.contiguous()
+    block = triton.next_power_of_2(n_cols)
+    _residual_norm_kernel[(h2.shape[0],)](
+        res2, h2, weight, scale if scale is not None else weight, next_weight if next_weight is not None else weight,
+        out, nxt if nxt is not None else out, res2.stride(0), h2.stride(0), n_cols, float(eps),
+        float(eps if next_eps is None else next_eps), ONE_PLUS=style == "one_plus_w", HAS_SCALE=scale is not None,
+        HAS_NEXT=next_weight is not None, BLOCK=block, num_warps=8 if block >= 2048 else (4 if block >= 512 else 1),
+    )
+    return out, nxt
+
+
+@triton.jit
+def _gelu_mul_kernel(a_ptr, b_ptr, out_ptr, stride_a, stride_b, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    dtype = out_ptr.dtype.element_ty
+    a = tl.load(a_ptr + row * stride_a + offs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + row * stride_b + offs, mask=mask, other=0.0).to(tl.float32)
+    inner = _SQRT_2_OVER_PI * (a + 0.044715 * a * a * a)
+    tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)  # saturates to +-1 without overflow trouble
+    gelu = (0.5 * a * (1.0 + tanh)).to(dtype).to(tl.float32)  # eager rounds gelu's output
+    tl.store(out_ptr + row * n_cols + offs, (gelu * b).to(dtype), mask=mask)
+
+
+def gelu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(a) * b`` for a, b [..., W] of one shape (last dim contiguous; rows may be strided, e.g. the
+    two halves of a fused gate/up output). Returns a new contiguous [..., W]."""
+    if a.shape != b.shape:
+        raise ValueError(f"a {tuple(a.shape)} and b {tuple(b.shape)} differ")
+    n_cols = a.shape[-1]
+    out = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    if a.numel() == 0:
+        return out
+    a2, b2 = a.reshape(-1, n_cols), b.reshape(-1, n_cols)
+    if a2.stride(-1) != 1:
+        a2 = a2.contiguous()
+    if b2.stride(-1) != 1:
+        b2 = b2.contiguous()
+    block = min(1024, triton.next_power_of_2(n_cols))
+    _gelu_mul_kernel[(a2.shape[0], triton.cdiv(n_cols, block))](
+        a2, b2, out, a2.stride(0), b2.stride(0), n_cols, BLOCK=block, num_warps=4 if block >= 512 else 1,
+    )
+    return out

@@ -1,0 +1,116 @@
+"""The fused elementwise Triton kernels (kernels/fused_ops.py) against the eager op chains they replace, and a
+whole model switched to them against the eager model, on CPU under ``TRITON_INTERPRET=1`` (fp32 and fp16,
+tiny shapes; the interpreter is wrong for bf16). Runs in a subprocess: the interpreter flag must be set
+before triton is imported. The bf16 GPU runs are in test_cuda_parity.py / test_cuda_graphs.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+_KERNELS_SCRIPT = r"""
+import json, torch
+from gemmaserve_custom_torch.kernels.fused_ops import gelu_mul, norm_rope, residual_norm
+from gemmaserve_custom_torch.models.config import RopeParams
+from gemmaserve_custom_torch.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, gelu_tanh
+torch.manual_seed(0)
+errors = {}
+def note(name, got, want):
+    assert got.shape == want.shape and got.is_contiguous() and got.dtype == want.dtype, (name, got.shape, want.shape)
+    errors[name] = max(errors.get(name, 0.0), float((got.float() - want.float()).abs().max()) if want.numel() else 0.0)
+for dtype in (torch.float32, torch.float16):
+    for style in ("w", "one_plus_w"):
+        for dim, heads in ((16, 2), (32, 3), (24, 1)):
+            norm = RMSNorm(dim, 1e-6, style, dtype=dtype)
+            norm.weight.data = torch.randn(dim).to(dtype)
+            rope = RotaryEmbedding(RopeParams(rope_type="proportional", theta=10000.0, partial_rotary_factor=0.5), dim)
+            positions = torch.tensor([[0, 5, 9], [3, 4, 100]])
+            cos, sin = rope(positions, dtype)
+            wide = torch.randn(2, 3, heads * dim + dim + 5).to(dtype)  # q heads sliced out of a fused qkv output
+            for x in (torch.randn(2, 3, heads, dim).to(dtype), wide[..., 5 : 5 + heads * dim].view(2, 3, heads, dim)):
+                note(f"norm_rope/{dtype}", norm_rope(x, norm.weight, norm.eps, style, cos, sin),
+                     apply_rotary(norm(x), cos, sin))
+        for hidden in (16, 40):
+            post, nxt = RMSNorm(hidden, 1e-6, style, dtype=dtype), RMSNorm(hidden, 1e-5, style, dtype=dtype)
+            post.weight.data, nxt.weight.data = torch.randn(hidden).to(dtype), torch.randn(hidden).to(dtype)
+            residual, h = torch.randn(2, 3, hidden).to(dtype), torch.randn(2, 3, hidden).to(dtype)
+            scale = torch.tensor([0.75]).to(dtype)
+            y, z = residual_norm(residual, h, post.weight, post.eps, style, next_weight=nxt.weight, next_eps=nxt.eps)
+            note(f"residual_norm/{dtype}", y, residual + post(h))
+            note(f"residual_norm.next/{dtype}", z, nxt(residual + post(h)))
+            y, none = residual_norm(residual, h, post.weight, post.eps, style, scale=scale)
+            assert none is None
+            note(f"residual_norm.scale/{dtype}", y, (residual + post(h)) * scale)
+    for width in (7, 16, 1500):
+        both = (torch.randn(3, 2 * width) * 3).to(dtype)
+        a, b = both.chunk(2, dim=-1)  # the halves of a fused gate/up output: strided rows
+        note(f"gelu_mul/{dtype}", gelu_mul(a, b), gelu_tanh(a) * b)
+try:
+    norm_rope(torch.randn(1, 1, 1, 5), None, 1e-6, "w", torch.randn(1, 1, 5), torch.randn(1, 1, 5))
+    raise SystemExit("odd head dim accepted")
+except ValueError:
+    pass
+print(json.dumps(errors))
+"""
+
+_MODEL_SCRIPT = r"""
+import json, sys, torch
+from gemmaserve_custom_torch.models import ContiguousKVContext, GemmaForCausalLM
+from gemmaserve_custom_torch.models.fusion import fuse_elementwise, fuse_projections
+path = sys.argv[1]
+torch.set_num_threads(1)
+plain = GemmaForCausalLM.from_hf(path, "cpu", torch.float32)
+fused = GemmaForCausalLM.from_hf(path, "cpu", torch.float32)
+fuse_projections(fused)
+switched = fuse_elementwise(fused)
+out = {"switched": switched, "layers": len(fused.layers)}
+prompt = torch.tensor([[(7 * i + 3) % 200 + 4 for i in range(13)]])
+with torch.inference_mode():
+    logits = []
+    for model in (plain, fused):
+        ctx = ContiguousKVContext(model.config)
+        logits.append(model(prompt, ctx.next_positions(1, 13), ctx))
+    out["max_logit_diff"] = float((logits[0] - logits[1]).abs().max())
+    out["argmax_equal"] = bool(torch.equal(logits[0].argmax(-1), logits[1].argmax(-1)))
+    tokens = []
+    for model in (plain, fused):
+        ctx, ids, got = ContiguousKVContext(model.config), prompt, []
+        for _ in range(6):
+            step = model(ids, ctx.next_positions(1, ids.shape[1]), ctx, logits_to_keep=1)
+            got.append(int(step[0, -1].argmax()))
+            ids = torch.tensor([[got[-1]]])
+        tokens.append(got)
+    out["tokens_equal"] = tokens[0] == tokens[1]
+print(json.dumps(out))
+"""
+
+
+def _interpret(script: str, *args: str) -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_fused_kernels_match_the_eager_chains_under_interpreter():
+    errors = _interpret(_KERNELS_SCRIPT)
+    assert len(errors) == 10, errors  # 5 checks x 2 dtypes ran
+    for name, error in errors.items():
+        # fp32: the kernels differ only in summation order / rsqrt / the tanh formula; fp16: at most about one
+        # rounding step of the outputs (values up to ~10)
+        assert error < (1e-5 if "float32" in name else 1.6e-2), (name, error)
+
+
+@pytest.mark.parametrize("name", ["gemma4", "gemma3", "gemma4_moe"])
+def test_a_model_on_the_fused_kernels_keeps_its_logits_and_tokens(tiny_checkpoint, name):
+    result = _interpret(_MODEL_SCRIPT, str(tiny_checkpoint(name)))
+    dense = name != "gemma4_moe"
+    assert result["switched"] == (result["layers"] if dense else 0)  # MoE layers keep the eager path
+    assert result["max_logit_diff"] < 1e-4, result
+    assert result["argmax_equal"] and result["tokens_equal"], result
