@@ -89,21 +89,19 @@ class BatchedDecodeState:
         dirty += [i for i in range(count, bucket) if self._keys[i] != _PAD]
         if not dirty:
             return
+        width = self.width
         for group, host in self._host_tables.items():
-            scratch = self.pools.scratch_block(group)
+            scratch = [self.pools.scratch_block(group)]
+            lines = []
             for i in dirty:
-                line = host[i]
-                line.fill_(-1)
-                if i < count:
-                    table = rows[i].tables[group]
-                    if len(table) > self.width:
-                        raise ValueError(
-                            f"a row holds {len(table)} blocks but the decode tables are {self.width} wide "
-                            f"(MAX_MODEL_LEN / block size); the row is longer than the model length"
-                        )
-                    line[: len(table)] = torch.tensor(table, dtype=torch.int32)
-                else:
-                    line[0] = scratch
+                table = rows[i].tables[group] if i < count else scratch
+                if len(table) > width:
+                    raise ValueError(
+                        f"a row holds {len(table)} blocks but the decode tables are {width} wide "
+                        f"(MAX_MODEL_LEN / block size); the row is longer than the model length"
+                    )
+                lines.append(table + [-1] * (width - len(table)))
+            host[dirty] = torch.tensor(lines, dtype=torch.int32)  # one conversion for every dirty row
             self._copy_rows(group, dirty)
         for i in dirty:
             self._keys[i] = (rows[i].uid, rows[i].version) if i < count else _PAD

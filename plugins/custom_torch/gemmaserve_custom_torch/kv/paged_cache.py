@@ -37,6 +37,7 @@ class PagedKVCache:
         self.version = 0  # bumped whenever a table changes (batched mirrors refresh on change)
         self.uid = next(_UIDS)  # unique per row for the process lifetime (unlike id(), never reused)
         self.freed = False
+        self._exclusive: tuple[int, int] = (-1, -1)  # (version, logical block) last seen held by this row alone
         pools.live_rows.add(self)
 
     # -- setup from the prefix cache ---------------------------------------------------------------
@@ -109,15 +110,20 @@ class PagedKVCache:
         if position % bs == 0 or (position + 1) % bs == 0:
             return False
         j = position // bs
+        if self._exclusive == (self.version, j):
+            # Checked at this version: a held block's refcount rises only when the prefix cache stores this
+            # row (prefill time, before the row decodes) or another row adopts a *cached* block.
+            return True
         for group, table in self.tables.items():
             if j >= len(table) or table[j] < 0 or self.pools.refcount(group, table[j]) != 1:
                 return False
+        self._exclusive = (self.version, j)
         return True
 
     def commit_append(self, num_new: int) -> None:
-        """The forward wrote the K/V of the ``num_new`` positions prepared: advance ``length``."""
+        """The forward wrote the K/V of the ``num_new`` positions prepared: advance ``length``. (That the
+        tables cover the new length is :meth:`check_integrity`'s job; this runs per row per decode step.)"""
         self.length += num_new
-        assert all(len(t) == _cdiv(self.length, self.pools.block_size) for t in self.tables.values())
 
     def _evict_before(self, group: str, position: int) -> None:
         table = self.tables[group]
