@@ -73,6 +73,8 @@ class RunResult:
         return {
             "requests": self.num_requests, "prompt_len": self.prompt_len, "output_len": self.output_len,
             "ttft_median_ms": med(self.ttft_ms), "tpot_median_ms": med(self.tpot_ms),
+            "tpot_min_ms": round(min(self.tpot_ms), 3) if self.tpot_ms else None,
+            "tpot_max_ms": round(max(self.tpot_ms), 3) if self.tpot_ms else None,
             "output_tok_per_s": round(self.output_tokens / self.wall_s, 1) if self.wall_s else None,
             "wall_s": round(self.wall_s, 3), "cached_tokens_median": med(self.cached_tokens),
             "errors": self.errors[:3],
