@@ -140,8 +140,8 @@ def test_compile_under_graphs_gives_the_eager_tokens(e2b_like_dir):
 
 @pytest.mark.parametrize("name", ["gemma4", "e2b_like"])
 def test_prefill_graph_replay_is_byte_identical_to_its_eager_forward(tiny_checkpoint, e2b_like_dir, name):
-    """Cold chunks: the captured prefill graph (lazy: first use runs eagerly, later uses replay) gives the
-    logits of the same padded forward run eagerly, bit for bit; a scheduler run over it keeps no block."""
+    """Cold and warm chunks: the captured prefill graphs (lazy: first use runs eagerly, later uses replay)
+    give the logits of the same padded forwards run eagerly, bit for bit; a scheduler run keeps no block."""
     from gemmaserve_custom_torch.prefill_graphs import GraphPrefill
 
     path = e2b_like_dir if name == "e2b_like" else tiny_checkpoint(name)
@@ -151,15 +151,20 @@ def test_prefill_graph_replay_is_byte_identical_to_its_eager_forward(tiny_checkp
     eager.runner.graph_prefill = GraphPrefill(eager.model, eager.pools, buckets=graphed.graph_prefill.buckets,
                                               attention=eager.prefill_attention, use_graphs=False)
     rng = random.Random(8)
-    for length in (1, 5, 16, 3, 16, 9):  # the prefill chunk is 16 tokens: one bucket, reused
-        prompt = [rng.randrange(4, 500) for _ in range(length)]
+    long_prompt = [rng.randrange(4, 500) for _ in range(40)]
+    prompts = [[rng.randrange(4, 500) for _ in range(length)] for length in (1, 5, 16, 3, 16, 9, 29)]
+    for prompt in prompts + [long_prompt, long_prompt + [7, 8, 9]]:  # the repeat hits the prefix cache
         logits = []
         for backend in (graphed, eager):
             with backend.lock:
-                result = backend.prefill(prompt)
-                logits.append(result.last_logits.float().cpu())
-                backend.free_row_kv(result.kv)
-        assert torch.equal(logits[0], logits[1]), length
+                state = backend.prefill_lookup(prompt)
+                while not state.is_complete:  # chunks of at most 8 (the gemma4 window): cold, then warm
+                    backend.prefill_chunk(state, 8)
+                backend.prefill_store(state)
+                logits.append(state.last_logits.float().cpu())
+                backend.free_row_kv(state.kv)
+        assert torch.equal(logits[0], logits[1]), len(prompt)
     assert graphed.graph_prefill.graphs.capture_seconds  # captured, then replayed
+    assert graphed.graph_prefill.warm_chunks > 0  # later chunks and the prefix hit
     run_scheduler(graphed, joining_requests(seed=9, count=10))
     assert_no_leaks(graphed)

@@ -1,20 +1,24 @@
-"""`GraphPrefill`: cold prefill chunks over fixed buffers, replayed as CUDA graphs per length bucket.
+"""`GraphPrefill`: prefill chunks over fixed buffers, replayed as CUDA graphs per padded shape.
 
 An eager prefill of a few hundred tokens is bound by the host (E2B on the H200: ~5,700 aten calls, 53 ms of
-wall time for 7.6 ms of kernels), so TTFT pays for dispatch. A *cold* chunk (the row is empty: no prefix hit,
-first chunk of the prompt) needs no earlier keys, so its forward reads only fixed buffers and the pools and
-can be captured once per padded length and replayed:
+wall time for 7.6 ms of kernels), so TTFT pays for dispatch. A chunk's forward can read only fixed buffers
+and the pools, so it is captured once per padded shape and replayed:
 
-- buffers: ``ids`` and constant ``positions`` 0..capacity-1, per group the flat pool ``slots`` each position
-  writes, and ``last`` (index of the chunk's last real token, whose logits are returned);
-- a chunk of ``n`` tokens runs at the smallest bucket ``b >= n``: positions ``n..b-1`` are padding. They come
-  after every real token, so causal attention hides them from the real queries; their K/V (and the K/V of
-  positions a sliding group does not keep) go to the group's scratch block, which nothing reads back;
-- attention per layer: SDPA over the chunk's fresh keys, causal, with the window mask where the bucket is
-  longer than the window (``eager`` attention on request, the bitwise-transformers op sequence).
+- buffers: ``ids``, query ``positions``, ``last`` (index of the chunk's last real token, whose logits are
+  returned), per group the flat pool slot each position writes (``write_slots``) and, for warm chunks, the
+  slots and positions of every key the chunk's queries may see (``key_slots`` / ``key_positions``);
+- a chunk of ``n`` tokens runs at the smallest bucket ``b >= n``; positions ``n..b-1`` are padding whose
+  K/V (and that of positions a sliding group does not keep) go to the group's scratch block, never read back;
+- *cold* chunk (empty row: no prefix hit, first chunk): the keys are the chunk's own, so attention is SDPA,
+  causal (padding comes after every real token), with the window mask where the bucket exceeds the window;
+- *warm* chunk (later chunks, prefix hits; no longer than the narrowest window): each storing layer writes
+  the chunk's K/V into the pools, gathers its keys from the pools through ``key_slots`` (padded to a key
+  bucket with scratch slots at position -1, which no query sees; padding queries repeat the last real
+  position) and attends with the position mask (causal + window).
 
-``use_graphs=False`` runs the same padded forward eagerly (CPU tests and the replay-parity reference).
-Results equal the paged prefill up to matmul rounding (the padded shapes may pick other kernels).
+``eager`` attention swaps in the bitwise-transformers op sequence. ``use_graphs=False`` runs the same padded
+forwards eagerly (CPU tests and the replay-parity reference). Results equal the paged prefill up to matmul
+rounding (the padded shapes may pick other kernels).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from .models.attention_context import build_attention_mask, eager_attention, sdp
 from .models.gemma import GemmaForCausalLM
 from .settings import CustomTorchSettings
 
-__all__ = ["GraphPrefill", "GraphPrefillContext", "make_graph_prefill", "prefill_buckets"]
+__all__ = ["GraphPrefill", "GraphPrefillContext", "WarmPrefillContext", "make_graph_prefill", "prefill_buckets"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,12 +99,64 @@ class GraphPrefillContext:
         return out.transpose(1, 2).contiguous()
 
 
+class WarmPrefillContext:
+    """`AttentionContext` of one padded *warm* chunk (B = 1, the row already holds KV): every storing layer
+    first writes the chunk's K/V into its pools at ``write_slots[group]``, then gathers its keys from the pools
+    at ``key_slots[group]`` (the positions the chunk's queries may see, old and new; padding = a scratch
+    slot at position -1, which no query sees) and attends with the position mask."""
+
+    def __init__(self, pools: KVPools, q_positions: Tensor, write_slots: dict[str, Tensor],
+                 key_slots: dict[str, Tensor], key_positions: dict[str, Tensor],
+                 attention: Literal["eager", "sdpa"]) -> None:
+        self.pools = pools
+        self.config = pools.config
+        self.q_positions = q_positions
+        self.write_slots = write_slots
+        self.key_slots = key_slots
+        self.key_positions = key_positions
+        self.attention = attention
+        self._kv: dict[int, tuple[Tensor, Tensor]] = {}
+        self._masks: dict[tuple[str, int | None], Tensor] = {}
+
+    def attend(self, layer_idx: int, q: Tensor, k: Tensor | None, v: Tensor | None) -> Tensor:
+        source = self.config.kv_source_layer[layer_idx]
+        group = self.pools.group_of_layer[layer_idx]
+        if source == layer_idx:
+            assert k is not None and v is not None
+            k_flat = self.pools.k[layer_idx].view(-1, *self.pools.k[layer_idx].shape[2:])
+            v_flat = self.pools.v[layer_idx].view(-1, *self.pools.v[layer_idx].shape[2:])
+            k_flat.index_copy_(0, self.write_slots[group], k[0])
+            v_flat.index_copy_(0, self.write_slots[group], v[0])
+            slots = self.key_slots[group]
+            self._kv[layer_idx] = (k_flat[slots].transpose(0, 1)[None], v_flat[slots].transpose(0, 1)[None])
+        keys, values = self._kv[source]
+        window = self.config.window_for_layer(layer_idx)
+        mask = self._masks.get((group, window))
+        if mask is None:
+            mask = build_attention_mask(self.q_positions, self.key_positions[group], window)
+            self._masks[(group, window)] = mask
+        attend = sdpa_attention if self.attention == "sdpa" else eager_attention
+        out = attend(q.transpose(1, 2), keys, values, mask, self.config.attention_scale)
+        return out.transpose(1, 2).contiguous()
+
+
+MAX_GRAPH_PREFILL_KEYS = 16384
+"""Most keys per group a captured warm chunk attends over; rows with a longer context prefill eagerly."""
+
+
 class GraphPrefill:
-    """Cold prefill chunks of up to ``buckets[-1]`` tokens through fixed buffers (see the module docstring).
-    Not thread-safe (backend lock). Logits returned by :meth:`prefill` are a fresh tensor."""
+    """Prefill chunks of up to ``buckets[-1]`` tokens through fixed buffers (see the module docstring).
+    Not thread-safe (backend lock). Logits returned by :meth:`prefill` are a fresh tensor.
+
+    Cold chunk (empty row): key ``("cold", bucket, want_logits)``. Warm chunk (the row holds ``start``
+    tokens; the chunk is no longer than the narrowest window, so it stores every position it computes):
+    key ``("warm", bucket, key buckets per group, want_logits)``; sliding blocks leaving the window are
+    released only after the forward (the chunk's first queries still read them), so the row briefly holds
+    up to ``chunk / block_size`` extra sliding blocks; if a pool cannot supply them the chunk runs eagerly."""
 
     def __init__(self, model: GemmaForCausalLM, pools: KVPools, *, buckets: Sequence[int],
-                 attention: Literal["eager", "sdpa"], use_graphs: bool) -> None:
+                 attention: Literal["eager", "sdpa"], use_graphs: bool,
+                 max_keys: int = MAX_GRAPH_PREFILL_KEYS) -> None:
         if list(buckets) != sorted(set(buckets)) or not buckets or buckets[0] < 1:
             raise ValueError(f"buckets must be increasing positive sizes, got {buckets}")
         self.model = model
@@ -110,64 +166,112 @@ class GraphPrefill:
         device = next(iter(pools.k.values())).device
         self.device = device
         capacity = self.buckets[-1]
-        groups = list(pools.groups)
-        # one staging copy per chunk: row 0 ids, row 1 the last index (first column), rows 2.. slots per group
-        self.io = torch.zeros((2 + len(groups), capacity), dtype=torch.int64, device=device)
-        self.ids = self.io[0]
-        self.last = self.io[1, :1]
-        self.slots = {group: self.io[2 + i] for i, group in enumerate(groups)}
-        self.positions = torch.arange(capacity, dtype=torch.int64, device=device)
+        self.groups = list(pools.groups)
+        windows = [g.window for g in pools.groups.values() if g.window is not None]
+        self.max_warm_tokens = min([capacity, *windows])
+        self.key_buckets = prefill_buckets(max(max_keys, capacity + max(windows, default=0)))
+        width = max(capacity, self.key_buckets[-1])
+        # one staging copy per chunk; rows: ids, query positions, last index (first column), then per group the
+        # write slots, then per group the key slots and key positions (warm chunks)
+        num_groups = len(self.groups)
+        self.io = torch.zeros((3 + 3 * num_groups, width), dtype=torch.int64, device=device)
+        self.ids, self.q_positions, self.last = self.io[0, :capacity], self.io[1, :capacity], self.io[2, :1]
+        self.write_slots = {g: self.io[3 + i, :capacity] for i, g in enumerate(self.groups)}
+        self.key_slots = {g: self.io[3 + num_groups + i] for i, g in enumerate(self.groups)}
+        self.key_positions = {g: self.io[3 + 2 * num_groups + i] for i, g in enumerate(self.groups)}
         self.graphs = StepGraphs(self._forward, "prefill") if use_graphs else None
         self.chunks = 0  # chunks served (for stats and tests)
+        self.warm_chunks = 0
 
     def applies(self, row: PagedKVCache, num_new: int) -> bool:
-        """True for a cold chunk: ``row`` is empty and the chunk fits the largest bucket."""
-        return row.length == 0 and 0 < num_new <= self.buckets[-1]
+        """True if the chunk of ``num_new`` tokens appended to ``row`` can run here: a cold chunk up to the
+        largest bucket, or a warm one up to the narrowest window whose keys fit ``max_keys`` per group."""
+        if num_new <= 0 or num_new > self.buckets[-1]:
+            return False
+        if row.length == 0:
+            return True
+        if num_new > self.max_warm_tokens:
+            return False
+        start = row.length
+        return all(start + num_new - self.pools.geometry[g].first_visible(start) <= self.key_buckets[-1]
+                   for g in self.groups)
 
     @torch.inference_mode()
     def prefill(self, row: PagedKVCache, token_ids: Sequence[int], *, want_logits: bool) -> Tensor | None:
-        """Write positions [0, n) of the empty ``row``; returns the last position's logits [1, vocab] if
-        ``want_logits``. On an exception the row's KV is undefined: free it."""
+        """Append ``token_ids`` to ``row`` (:meth:`applies` must hold); returns the last position's logits
+        [1, vocab] if ``want_logits``. Raises KVCapacityError (row unchanged) if a pool lacks blocks. On any
+        other exception the row's KV is undefined: free it."""
         num_new = len(token_ids)
         assert self.applies(row, num_new)
+        start = row.length
         bucket = pick_bucket(self.buckets, num_new)
-        row.prepare_append(num_new)
         bs = self.pools.block_size
-        staged = torch.zeros((self.io.shape[0], bucket), dtype=torch.int64)
+        cold = start == 0
+        if cold:
+            row.prepare_append(num_new)
+            key_buckets: tuple[int, ...] = ()
+            width = bucket
+        else:
+            row.prepare_append(num_new, release=False)  # the chunk's first queries still read those blocks
+            firsts = [self.pools.geometry[g].first_visible(start) for g in self.groups]
+            key_buckets = tuple(pick_bucket(self.key_buckets, start + num_new - first) for first in firsts)
+            width = max(bucket, *key_buckets)
+        end = start + num_new
+        staged = torch.zeros((self.io.shape[0], width), dtype=torch.int64)
         staged[0, :num_new] = torch.tensor(list(token_ids), dtype=torch.int64)
-        staged[1, 0] = num_new - 1
-        for i, group in enumerate(self.slots):
-            staged[2 + i] = self.pools.scratch_block(group) * bs
+        staged[1, :bucket] = torch.arange(bucket) if cold else torch.arange(start, start + bucket).clamp_(max=end - 1)
+        staged[2, 0] = num_new - 1
+        groups = len(self.groups)
+        for i, group in enumerate(self.groups):
+            scratch = self.pools.scratch_block(group) * bs
+            staged[3 + i, :bucket] = scratch
             write_from = row.write_start(group, num_new)
-            if write_from < num_new:
-                staged[2 + i, write_from:num_new] = row.slots(group, write_from, num_new)
-        self.io[:, :bucket].copy_(staged, non_blocking=False)
-        key = (bucket, want_logits)
+            if write_from < end:
+                staged[3 + i, write_from - start:num_new] = row.slots(group, write_from, end)
+            if not cold:
+                first, keys = firsts[i], end - firsts[i]
+                staged[3 + groups + i, :key_buckets[i]] = scratch
+                staged[3 + groups + i, :keys] = row.slots(group, first, end)
+                staged[3 + 2 * groups + i, :key_buckets[i]] = -1
+                staged[3 + 2 * groups + i, :keys] = torch.arange(first, end)
+        self.io[:, :width].copy_(staged)
+        key = ("cold", bucket, want_logits) if cold else ("warm", bucket, key_buckets, want_logits)
         outputs = self.graphs.run(key) if self.graphs is not None else self._forward(key)
         row.commit_append(num_new)
+        if not cold:
+            row.release_out_of_window(0)
+            self.warm_chunks += 1
         self.chunks += 1
         return outputs[0].clone() if want_logits else None
 
     def capture(self, buckets: Sequence[int] | None = None) -> dict[object, float]:
-        """Capture the (bucket, logits wanted) graphs of ``buckets`` (default all) now, writing only the
-        scratch blocks; returns seconds per key. No-op without graphs."""
+        """Capture the cold (bucket, logits wanted) graphs of ``buckets`` (default all) now, writing only the
+        scratch blocks; returns seconds per key. Warm graphs are captured on first use. No-op without graphs."""
         if self.graphs is None:
             return {}
         with torch.inference_mode():
             for bucket in buckets or self.buckets:
                 self.io.zero_()
-                for i, group in enumerate(self.slots):
-                    self.io[2 + i].fill_(self.pools.scratch_block(group) * self.pools.block_size)
+                self.q_positions.copy_(torch.arange(self.q_positions.numel()))
+                for group in self.groups:
+                    self.write_slots[group].fill_(self.pools.scratch_block(group) * self.pools.block_size)
                 for want_logits in (True, False):
-                    if not self.graphs.has((bucket, want_logits)):
-                        self.graphs.capture((bucket, want_logits))
+                    if not self.graphs.has(("cold", bucket, want_logits)):
+                        self.graphs.capture(("cold", bucket, want_logits))
         return dict(self.graphs.capture_seconds)
 
-    def _forward(self, key: tuple[int, bool]) -> tuple[Tensor, ...]:
-        bucket, want_logits = key
-        positions = self.positions[:bucket]
-        context = GraphPrefillContext(self.pools, positions, {g: s[:bucket] for g, s in self.slots.items()},
-                                      self.attention)
+    def _forward(self, key: tuple) -> tuple[Tensor, ...]:
+        bucket, want_logits = key[1], key[-1]
+        positions = self.q_positions[:bucket]
+        write_slots = {g: s[:bucket] for g, s in self.write_slots.items()}
+        context: GraphPrefillContext | WarmPrefillContext
+        if key[0] == "cold":
+            context = GraphPrefillContext(self.pools, positions, write_slots, self.attention)
+        else:
+            sizes = dict(zip(self.groups, key[2]))
+            context = WarmPrefillContext(
+                self.pools, positions, write_slots, {g: s[: sizes[g]] for g, s in self.key_slots.items()},
+                {g: p[: sizes[g]] for g, p in self.key_positions.items()}, self.attention)
         hidden = self.model.forward_hidden(self.ids[None, :bucket], positions[None], context)
         if not want_logits:
             return (hidden[0, :1],)

@@ -9,7 +9,8 @@ fresh ones, so with ``eager`` attention logits equal the contiguous reference bi
 runs torch's fused kernels instead (plain causal when the chunk has no earlier keys and the window does
 not bite, else the explicit mask).
 
-Cold chunks (empty row) go to the ``graph_prefill`` (fixed buffers, CUDA graphs) when one is set.
+Chunks the ``graph_prefill`` takes (cold ones, and warm ones no longer than the window) run there
+(fixed buffers, CUDA graphs) when one is set.
 
 Decode (all rows, one token each): free out-of-window blocks, check every pool can supply the new blocks
 (before touching any row), allocate, build the `DecodeState` tensors and run one forward with a
@@ -24,6 +25,8 @@ from typing import Literal
 
 import torch
 from torch import Tensor
+
+from gemmaserve.errors import KVCapacityError
 
 from .kv.batched import BatchedPagedKVCache, PagedDecodeContext
 from .kv.paged_cache import PagedKVCache
@@ -129,7 +132,10 @@ class PagedRunner:
         start, num_new = row.length, len(token_ids)
         assert num_new > 0
         if self.graph_prefill is not None and self.graph_prefill.applies(row, num_new):
-            return self.graph_prefill.prefill(row, token_ids, want_logits=want_logits)
+            try:
+                return self.graph_prefill.prefill(row, token_ids, want_logits=want_logits)
+            except KVCapacityError:  # a warm chunk holds a few extra blocks; the eager path needs fewer
+                pass
         old: dict[int, tuple[Tensor, Tensor]] = {}
         for name, group in self.pools.groups.items():
             if group.window is None:

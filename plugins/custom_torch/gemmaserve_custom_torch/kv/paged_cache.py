@@ -81,12 +81,14 @@ class PagedKVCache:
             plan[group] = (missing, shared)
         return plan
 
-    def prepare_append(self, num_new: int) -> None:
-        """Make room for positions [length, length + num_new): ``release_out_of_window``, then allocate
-        missing blocks and copy-on-write shared ones. Raises KVCapacityError (allocating nothing) if a pool
-        cannot supply the blocks."""
+    def prepare_append(self, num_new: int, *, release: bool = True) -> None:
+        """Make room for positions [length, length + num_new): ``release_out_of_window`` (unless ``release``
+        is False: a forward that reads the old keys from the pools calls ``release_out_of_window(0)`` after
+        ``commit_append``), then allocate missing blocks and copy-on-write shared ones. Raises
+        KVCapacityError (allocating nothing) if a pool cannot supply the blocks."""
         assert not self.freed and num_new > 0
-        self.release_out_of_window(num_new)
+        if release:
+            self.release_out_of_window(num_new)
         plan = self._plan(num_new)
         for group, (missing, shared) in plan.items():
             self.pools.ensure_free(group, len(missing) + len(shared))
