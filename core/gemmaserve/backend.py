@@ -189,6 +189,17 @@ class InferenceBackend(ABC):
         num_computed, and last_logits once the prompt is complete). ``num_tokens`` is clamped to
         ``state.num_remaining``."""
 
+    def prefill_chunks(self, states: Sequence[PrefillState], num_tokens: Sequence[int]) -> None:
+        """Advance several prefills by one chunk each (``num_tokens[i]`` for ``states[i]``, clamped like
+        :meth:`prefill_chunk`). The scheduler calls this once per tick for every prefilling request, so a
+        backend can run them as one batched forward (one pass over the weights for all of them). The default
+        runs :meth:`prefill_chunk` on each in turn. On an exception, states that advanced keep their
+        progress and the others are unchanged apart from their KV, which the caller may retry or free."""
+        if len(states) != len(num_tokens):
+            raise ValueError(f"{len(states)} states but {len(num_tokens)} chunk sizes")
+        for state, num in zip(states, num_tokens):
+            self.prefill_chunk(state, num)
+
     @abstractmethod
     def prefill_store(self, state: PrefillState) -> None:
         """Register the completed prompt's KV in the prefix cache (best effort: may store only a

@@ -46,6 +46,16 @@ class TestCustomTorchContract(BackendContractTests):
         return None
 
 
+class TestCustomTorchBatchedPrefillContract(TestCustomTorchContract):
+    """The same suite with CUSTOM_BACKEND_BATCHED_PREFILL=on (several rows' chunks in one forward)."""
+
+    @pytest.fixture
+    def backend(self, tiny_gemma4_dir):
+        backend = make_backend(tiny_gemma4_dir, batched_prefill="on")
+        yield backend
+        backend.close()
+
+
 @pytest.mark.parametrize("name", ["gemma4", "gemma3", "gemma4_k_eq_v", "gemma4_moe"])
 def test_greedy_through_primitives_equals_transformers_generate(tiny_checkpoint, hf_reference, name):
     path = tiny_checkpoint(name)

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fixtures_backend import assert_no_leaks, make_backend, one_torch_thread, run_scheduler  # noqa: F401
+from gemmaserve.errors import KVCapacityError
 from gemmaserve_custom_torch.prefill_graphs import GraphPrefill, make_graph_prefill, prefill_buckets
 from gemmaserve_custom_torch.settings import load_custom_settings
 
@@ -178,3 +179,92 @@ def test_make_graph_prefill_is_cuda_only_and_can_be_disabled(tiny_gemma4_dir):
 def test_prefill_graph_setting_reads_the_environment(monkeypatch):
     monkeypatch.setenv("CUSTOM_BACKEND_PREFILL_GRAPH", "0")
     assert load_custom_settings().prefill_graph is False
+
+
+# -- batched prefill (several rows' chunks in one forward) ----------------------------------------------------
+def test_batched_prefill_plans_sub_batches_within_the_token_budget(tiny_gemma4_dir):
+    from gemmaserve_custom_torch.batched_prefill import BatchedPrefill
+
+    backend = make_backend(tiny_gemma4_dir)
+    batched = BatchedPrefill(backend.model, backend.pools, "eager", max_tokens=16)
+    assert batched.max_chunk == 8  # the window
+    assert batched.plan([8, 8, 1, 4, 4, 4, 4, 8]) == [[0, 1], [2, 3, 4, 5], [6, 7]]
+    assert batched.plan([]) == []
+    with pytest.raises(ValueError, match="min_rows"):
+        BatchedPrefill(backend.model, backend.pools, "eager", min_rows=1)
+
+
+@pytest.mark.parametrize("name", ["gemma4", "gemma3", "gemma4_k_eq_v", "gemma4_moe"])
+def test_batched_chunks_equal_one_by_one_prefill(tiny_checkpoint, name):
+    """Rows of mixed starts (cold, warm, past the window) and chunk sizes in one forward: logits and the
+    K/V each row keeps equal the one-row paged prefill; integrity holds and nothing leaks."""
+    path = tiny_checkpoint(name)
+    rng = random.Random(1)
+    plan = [(0, 8), (0, 3), (5, 8), (13, 1), (21, 6), (8, 8)]  # (tokens before, chunk)
+    prompts = [[rng.randrange(4, 200) for _ in range(a + b)] for a, b in plan]
+    plain, batched = make_backend(path), make_backend(path, batched_prefill="on")
+    assert plain.batched_prefill is None and batched.batched_prefill is not None
+    states = {}
+    for backend in (plain, batched):
+        with backend.lock:
+            states[backend] = [backend.prefill_lookup(p) for p in prompts]
+            for state, (before, _) in zip(states[backend], plan):
+                if before:
+                    backend.prefill_chunk(state, before)
+            backend.prefill_chunks(states[backend], [chunk for _, chunk in plan])
+            backend.check_integrity()
+    assert batched.batched_prefill.batches == 1 and batched.batched_prefill.rows == len(plan)
+    for mine, theirs in zip(states[batched], states[plain]):
+        assert mine.is_complete and theirs.is_complete
+        torch.testing.assert_close(mine.last_logits, theirs.last_logits, atol=1e-4, rtol=1e-4)
+        end = len(mine.prompt_ids)
+        for layer in plain.pools.k:
+            group = plain.pools.group_of_layer[layer]
+            first = plain.pools.geometry[group].first_visible(end)
+            a = plain.pools.k[layer].view(-1, *plain.pools.k[layer].shape[2:])[theirs.kv.slots(group, first, end)]
+            b = batched.pools.k[layer].view(-1, *batched.pools.k[layer].shape[2:])[mine.kv.slots(group, first, end)]
+            torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    for backend in (plain, batched):
+        with backend.lock:
+            for state in states[backend]:
+                backend.free_row_kv(state.kv)
+        assert_no_leaks(backend)
+
+
+def test_scheduler_tokens_are_unchanged_with_batched_prefill(tiny_gemma4_dir):
+    """A burst of requests (shared prefixes, repeats, chunks past the window) through the scheduler: batched
+    prefill plus the eager-mode graph prefill give every request the plain backend's greedy tokens."""
+    rng = random.Random(6)
+    base = [rng.randrange(4, 200) for _ in range(26)]
+    requests = [(base + [rng.randrange(4, 200) for _ in range(rng.randrange(1, 9))], rng.randrange(0, 3), 8)
+                for _ in range(8)]
+    requests += [([rng.randrange(4, 200) for _ in range(rng.randrange(1, 40))], rng.randrange(0, 6),
+                  rng.randrange(1, 12)) for _ in range(10)]
+    plain = make_backend(tiny_gemma4_dir)
+    fast = make_backend(tiny_gemma4_dir, batched_prefill="on")
+    with_graph_prefill(fast, max_tokens=8)
+    got = [{rid: r.output_token_ids for rid, r in run_scheduler(b, requests, prefill_chunk_tokens=8).items()}
+           for b in (plain, fast)]
+    assert got[1] == got[0]
+    assert fast.batched_prefill.batches > 0 and fast.kv_stats()["prefix_hits"] > 0
+    for backend in (plain, fast):
+        assert_no_leaks(backend)
+
+
+def test_a_batch_without_blocks_falls_back_to_one_by_one(tiny_gemma4_dir, monkeypatch):
+    """When the pools cannot hold a batch's extra blocks (KVCapacityError from the batched forward), its
+    rows run one by one and still complete."""
+    prompts = [[(3 * i + j) % 200 + 4 for j in range(6)] for i in range(5)]
+    backend = make_backend(tiny_gemma4_dir, batched_prefill="on")
+
+    def no_room(*args, **kwargs):
+        raise KVCapacityError("no room for the batch")
+
+    monkeypatch.setattr(backend.batched_prefill, "prefill", no_room)
+    with backend.lock:
+        states = [backend.prefill_lookup(p) for p in prompts]
+        backend.prefill_chunks(states, [6] * len(states))
+        assert all(state.is_complete for state in states)
+        for state in states:
+            backend.free_row_kv(state.kv)
+    assert_no_leaks(backend)

@@ -29,7 +29,7 @@ from gemmaserve.engine.validation import backend_error, validate_request
 from gemmaserve.errors import EngineOverloadedError, InvalidRequestError, KVCapacityError
 
 if TYPE_CHECKING:
-    from gemmaserve.backend import InferenceBackend
+    from gemmaserve.backend import InferenceBackend, PrefillState
     from gemmaserve.kv.cache_manager import CacheManager
     from gemmaserve.settings import CoreSettings
 
@@ -237,15 +237,31 @@ class ContinuousBatchScheduler:
                 request.seed = self._seed_rng.randrange(2**63)
 
     def _prefill(self, events: list[RequestEvent]) -> None:
+        """One chunk for every prefilling request, through one ``prefill_chunks`` call (backends may batch
+        them). If that call raises, each request that did not advance retries alone, so a failure stays
+        with the request that causes it."""
+        work: list[tuple[Request, PrefillState, int]] = []  # (request, state, num_computed before)
         for request in list(self._q.prefilling):
             try:
                 state = request.prefill_state
                 if state is None:
                     state = request.prefill_state = self.backend.prefill_lookup(request.prompt_token_ids)
                     request.cached_tokens = state.num_cached
-                if not state.is_complete:
-                    before = state.num_computed
-                    self.backend.prefill_chunk(state, min(self.settings.prefill_chunk_tokens, state.num_remaining))
+                work.append((request, state, state.num_computed))
+            except Exception as exc:
+                self._q.fail(request, exc, events, phase="prefill")
+        pending = [(request, state, before) for request, state, before in work if not state.is_complete]
+        chunk = self.settings.prefill_chunk_tokens
+        if len(pending) > 1:
+            try:
+                self.backend.prefill_chunks([w[1] for w in pending], [min(chunk, w[1].num_remaining) for w in pending])
+            except Exception:
+                logger.warning("batched prefill of %d requests failed; retrying each alone", len(pending),
+                               exc_info=True)
+        for request, state, before in work:
+            try:
+                if not state.is_complete and state.num_computed == before:
+                    self.backend.prefill_chunk(state, min(chunk, state.num_remaining))
                     if state.num_computed <= before and not state.is_complete:
                         raise RuntimeError(f"prefill made no progress at {before}/{len(state.prompt_ids)} tokens")
                 if state.is_complete:

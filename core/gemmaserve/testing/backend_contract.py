@@ -121,6 +121,32 @@ class BackendContractTests:
                 backend.free_row_kv(state.kv)
         self._finish(backend)
 
+    def test_prefill_chunks_match_one_by_one(self, backend: InferenceBackend) -> None:
+        """``prefill_chunks`` (what the scheduler calls each tick) advances every state by exactly its chunk
+        and ends with the greedy tokens of one-shot prefills."""
+        self._batched(backend)
+        backend.set_cache_adapter(None)
+        prompts = self.make_prompts(backend)
+        size = max(self.chunk_sizes)
+        with backend.lock:
+            expected = []
+            for prompt in prompts:
+                whole = backend.prefill(prompt)
+                expected.append(greedy_rows(backend, whole.last_logits, [0]))
+                backend.free_row_kv(whole.kv)
+            states = [backend.prefill_lookup(prompt) for prompt in prompts]
+            while not all(state.is_complete for state in states):
+                open_states = [state for state in states if not state.is_complete]
+                before = [state.num_computed for state in open_states]
+                backend.prefill_chunks(open_states, [size] * len(open_states))
+                for state, start in zip(open_states, before):
+                    assert state.num_computed == min(start + size, len(state.prompt_ids)), "exactly its chunk"
+                    assert backend.kv_length(state.kv) == state.num_computed
+            for state, want in zip(states, expected):
+                assert greedy_rows(backend, state.last_logits, [0]) == want
+                backend.free_row_kv(state.kv)
+        self._finish(backend)
+
     def test_abandoned_prefill_frees_everything(self, backend: InferenceBackend) -> None:
         self._batched(backend)
         cache = self._core_cache(backend)

@@ -19,11 +19,12 @@ from typing import Any
 import torch
 
 from gemmaserve.backend import BackendCapabilities, InferenceBackend, ModelInfo, PrefillState, SampledTokens
-from gemmaserve.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
+from gemmaserve.errors import InvalidRequestError, KVCapacityError, ModelLoadError, PromptTooLongError
 from gemmaserve.sampling_params import RowSampling
 from gemmaserve.settings import CoreSettings
 
 from .kernels import HAS_TRITON
+from .batched_prefill import BatchedPrefill
 from .kv import BatchedPagedKVCache, KVAdmission, KVPools, PagedKVCache, PrefixCache, kv_groups, plan_pool_sizes
 from .models.fusion import fuse_elementwise, fuse_norms, fuse_projections
 from .models.gemma import GemmaForCausalLM
@@ -83,6 +84,11 @@ class CustomTorchBackend(InferenceBackend):
         self.graph_prefill = make_graph_prefill(model, self.pools, custom, self.prefill_attention,
                                                 settings.prefill_chunk_tokens)
         self.runner = PagedRunner(model, self.pools, self.attention, self.prefill_attention, self.graph_prefill)
+        self.batched_prefill: BatchedPrefill | None = None
+        if custom.batched_prefill == "on" or (custom.batched_prefill == "auto" and self.device.type == "cuda"):
+            # with CUDA-graph prefill, one or a few chunks are cheaper replayed one by one than run eagerly
+            self.batched_prefill = BatchedPrefill(model, self.pools, self.prefill_attention,
+                                                  min_rows=4 if self.graph_prefill is not None else 2)
         self.decoder = make_decoder(model, self.pools, custom, self.attention, settings.max_batch_size,
                                     width=-(-max_len // self.block_size))
         self.capabilities = BackendCapabilities(
@@ -137,6 +143,39 @@ class CustomTorchBackend(InferenceBackend):
         self.prefix_cache.cache_prefix(state.prompt_ids, state.kv)  # before the next chunk drops sliding blocks
         if done:
             state.last_logits = logits
+
+    def prefill_chunks(self, states: Sequence[PrefillState], num_tokens: Sequence[int]) -> None:
+        """Chunks that fit a batch (no longer than the window) run through `BatchedPrefill`, in sub-batches
+        of at least ``min_rows`` rows; the rest one by one (:meth:`prefill_chunk`)."""
+        if len(states) != len(num_tokens):
+            raise ValueError(f"{len(states)} states but {len(num_tokens)} chunk sizes")
+        items = [(state, min(num, state.num_remaining)) for state, num in zip(states, num_tokens)]
+        batched = self.batched_prefill
+        eligible = [] if batched is None else [i for i, (s, n) in enumerate(items) if batched.applies(s.kv, n)]
+        done: set[int] = set()
+        if batched is not None and len(eligible) >= batched.min_rows:
+            for group in batched.plan([items[i][1] for i in eligible]):
+                if len(group) < batched.min_rows:
+                    continue
+                chosen = [items[eligible[j]] for j in group]
+                try:
+                    self._prefill_batch(batched, chosen)
+                except KVCapacityError:
+                    continue  # these rows go one by one below (their prepared blocks are reused)
+                done.update(eligible[j] for j in group)
+        for i, (state, num) in enumerate(items):
+            if i not in done and num > 0:
+                self.prefill_chunk(state, num)
+
+    def _prefill_batch(self, batched: BatchedPrefill, items: Sequence[tuple[PrefillState, int]]) -> None:
+        chunks = [state.prompt_ids[state.num_computed : state.num_computed + num] for state, num in items]
+        finals = [state.num_computed + num == len(state.prompt_ids) for state, num in items]
+        logits = batched.prefill([state.kv for state, _ in items], chunks, finals)
+        for (state, num), final, row_logits in zip(items, finals, logits):
+            state.num_computed += num
+            self.prefix_cache.cache_prefix(state.prompt_ids, state.kv)
+            if final:
+                state.last_logits = row_logits
 
     def prefill_store(self, state: PrefillState) -> None:
         if state.is_complete:

@@ -100,10 +100,11 @@ class GraphPrefillContext:
 
 
 class WarmPrefillContext:
-    """`AttentionContext` of one padded *warm* chunk (B = 1, the row already holds KV): every storing layer
-    first writes the chunk's K/V into its pools at ``write_slots[group]``, then gathers its keys from the pools
-    at ``key_slots[group]`` (the positions the chunk's queries may see, old and new; padding = a scratch
-    slot at position -1, which no query sees) and attends with the position mask."""
+    """`AttentionContext` of padded chunks of ``B`` rows that may already hold KV (the graph path: B = 1;
+    `BatchedPrefill`: several rows). Every storing layer first writes the chunks' K/V into its pools at
+    ``write_slots[group]`` [B, S], then gathers each row's keys from the pools at ``key_slots[group]`` [B, K]
+    (the positions the row's queries may see, old and new; padding = a scratch slot at position -1, which no
+    query sees) and attends with the position mask built from ``q_positions`` [B, S]."""
 
     def __init__(self, pools: KVPools, q_positions: Tensor, write_slots: dict[str, Tensor],
                  key_slots: dict[str, Tensor], key_positions: dict[str, Tensor],
@@ -125,15 +126,16 @@ class WarmPrefillContext:
             assert k is not None and v is not None
             k_flat = self.pools.k[layer_idx].view(-1, *self.pools.k[layer_idx].shape[2:])
             v_flat = self.pools.v[layer_idx].view(-1, *self.pools.v[layer_idx].shape[2:])
-            k_flat.index_copy_(0, self.write_slots[group], k[0])
-            v_flat.index_copy_(0, self.write_slots[group], v[0])
-            slots = self.key_slots[group]
-            self._kv[layer_idx] = (k_flat[slots].transpose(0, 1)[None], v_flat[slots].transpose(0, 1)[None])
+            writes = self.write_slots[group].reshape(-1)
+            k_flat.index_copy_(0, writes, k.reshape(-1, *k.shape[2:]))
+            v_flat.index_copy_(0, writes, v.reshape(-1, *v.shape[2:]))
+            slots = self.key_slots[group]  # [B, K] -> keys [B, Hkv, K, D]
+            self._kv[layer_idx] = (k_flat[slots].transpose(1, 2), v_flat[slots].transpose(1, 2))
         keys, values = self._kv[source]
         window = self.config.window_for_layer(layer_idx)
         mask = self._masks.get((group, window))
         if mask is None:
-            mask = build_attention_mask(self.q_positions, self.key_positions[group], window)
+            mask = build_attention_mask(self.q_positions, self.key_positions[group], window)  # [B, S, K]
             self._masks[(group, window)] = mask
         attend = sdpa_attention if self.attention == "sdpa" else eager_attention
         out = attend(q.transpose(1, 2), keys, values, mask, self.config.attention_scale)
@@ -270,8 +272,9 @@ class GraphPrefill:
         else:
             sizes = dict(zip(self.groups, key[2]))
             context = WarmPrefillContext(
-                self.pools, positions, write_slots, {g: s[: sizes[g]] for g, s in self.key_slots.items()},
-                {g: p[: sizes[g]] for g, p in self.key_positions.items()}, self.attention)
+                self.pools, positions[None], {g: s[None] for g, s in write_slots.items()},
+                {g: s[None, : sizes[g]] for g, s in self.key_slots.items()},
+                {g: p[None, : sizes[g]] for g, p in self.key_positions.items()}, self.attention)
         hidden = self.model.forward_hidden(self.ids[None, :bucket], positions[None], context)
         if not want_logits:
             return (hidden[0, :1],)

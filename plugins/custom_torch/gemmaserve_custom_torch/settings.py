@@ -51,6 +51,9 @@ class CustomTorchSettings(BaseSettings):
         True, description="Replay cold prefill chunks (empty row, up to 2048 tokens) as CUDA graphs per padded length "
         "(CUDA only; not for MoE models; 0 disables)."
     )
+    batched_prefill: Literal["auto", "on", "off"] = Field(
+        "auto", description="Run the prefill chunks of several requests in one forward (auto = on CUDA)."
+    )
     graph_capture: Literal["lazy", "startup"] = Field(
         "lazy", description="Capture a decode / prefill bucket's graph on its first use (lazy) or all at startup."
     )

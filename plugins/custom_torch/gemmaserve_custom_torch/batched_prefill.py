@@ -1,0 +1,137 @@
+"""`BatchedPrefill`: the next chunks of several rows in one forward (one pass over the weights for all).
+
+A prefill chunk of a few dozen tokens is memory-bound (it reads every weight once), so a burst of requests that
+each prefill a short chunk — prefix hits computing only their own suffix, say — costs a full weight pass per
+request when run one by one. `BatchedPrefill` pads the chunks of ``R`` rows to ``[R, S]`` and runs one eager
+forward with a `WarmPrefillContext` (each layer writes the chunks' K/V into the pools, then gathers every
+row's visible keys through a padded ``[R, K]`` slot table and attends with the position mask), so ``R`` chunks
+cost about one.
+
+Rows may be cold (empty) or warm; each chunk must be no longer than the narrowest window (then it stores every
+position it computes), and keys per group are capped (``max_keys``). Sub-batches hold at most ``max_tokens``
+padded tokens. Sliding blocks leaving the window are released after the forward (the chunks' first queries
+still read them). Results equal the one-row prefill up to matmul rounding (other shapes, other kernels).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from .kv.paged_cache import PagedKVCache
+from .kv.pools import KVPools
+from .models.gemma import GemmaForCausalLM
+from .prefill_graphs import MAX_GRAPH_PREFILL_KEYS, WarmPrefillContext
+
+__all__ = ["BatchedPrefill"]
+
+MAX_BATCHED_PREFILL_TOKENS = 8192
+"""Padded tokens (rows x longest chunk) per batched forward: bounds the activations (E2B: ~0.5 GiB)."""
+
+
+class BatchedPrefill:
+    """Batched eager prefill of several rows' chunks (see the module docstring). Not thread-safe (backend
+    lock). ``min_rows``: fewer eligible rows than this are not worth a batch (the caller runs them one by
+    one, e.g. through the CUDA-graph prefill)."""
+
+    def __init__(self, model: GemmaForCausalLM, pools: KVPools, attention: Literal["eager", "sdpa"], *,
+                 min_rows: int = 2, max_tokens: int = MAX_BATCHED_PREFILL_TOKENS,
+                 max_keys: int = MAX_GRAPH_PREFILL_KEYS) -> None:
+        if min_rows < 2 or max_tokens < 1 or max_keys < 1:
+            raise ValueError(f"need min_rows >= 2 and positive limits, got {min_rows}, {max_tokens}, {max_keys}")
+        self.model = model
+        self.pools = pools
+        self.attention = attention
+        self.min_rows = min_rows
+        self.max_tokens = max_tokens
+        self.max_keys = max_keys
+        self.groups = list(pools.groups)
+        windows = [g.window for g in pools.groups.values() if g.window is not None]
+        self.max_chunk = min([max_tokens, *windows])
+        self.device = next(iter(pools.k.values())).device
+        self.batches = 0  # forwards run (for stats and tests)
+        self.rows = 0  # row chunks served
+
+    def applies(self, row: PagedKVCache, num_new: int) -> bool:
+        """True if a chunk of ``num_new`` tokens appended to ``row`` can join a batch."""
+        if not 0 < num_new <= self.max_chunk:
+            return False
+        start = row.length
+        return all(start + num_new - self.pools.geometry[g].first_visible(start) <= self.max_keys
+                   for g in self.groups)
+
+    def plan(self, sizes: Sequence[int]) -> list[list[int]]:
+        """Split chunk indices (in order) into sub-batches of at most ``max_tokens`` padded tokens."""
+        batches: list[list[int]] = []
+        current: list[int] = []
+        longest = 0
+        for index, size in enumerate(sizes):
+            if current and (len(current) + 1) * max(longest, size) > self.max_tokens:
+                batches.append(current)
+                current, longest = [], 0
+            current.append(index)
+            longest = max(longest, size)
+        if current:
+            batches.append(current)
+        return batches
+
+    @torch.inference_mode()
+    def prefill(self, rows: Sequence[PagedKVCache], chunks: Sequence[Sequence[int]],
+                want_logits: Sequence[bool]) -> list[Tensor | None]:
+        """Append ``chunks[i]`` to ``rows[i]`` (each must satisfy :meth:`applies`) in one forward; returns
+        per row its last position's logits [1, vocab] where ``want_logits[i]``, else None. Raises
+        KVCapacityError if a pool lacks blocks (rows prepared so far keep blocks past their length, which
+        their next append reuses). On any other exception the rows' KV is undefined: free them."""
+        count = len(rows)
+        if not count or len(chunks) != count or len(want_logits) != count:
+            raise ValueError(f"{count} rows, {len(chunks)} chunks, {len(want_logits)} logits flags")
+        sizes = [len(c) for c in chunks]
+        assert all(self.applies(row, n) for row, n in zip(rows, sizes))
+        starts = [row.length for row in rows]
+        for row, n in zip(rows, sizes):
+            row.prepare_append(n, release=False)  # the chunks' first queries still read those blocks
+        width = max(sizes)
+        bs = self.pools.block_size
+        ids = torch.zeros((count, width), dtype=torch.int64)
+        positions = torch.zeros((count, width), dtype=torch.int64)
+        write_slots, key_slots, key_positions = {}, {}, {}
+        firsts = {g: [self.pools.geometry[g].first_visible(start) for start in starts] for g in self.groups}
+        for group in self.groups:
+            scratch = self.pools.scratch_block(group) * bs
+            keys = max(start + n - first for start, n, first in zip(starts, sizes, firsts[group]))
+            write_slots[group] = torch.full((count, width), scratch, dtype=torch.int64)
+            key_slots[group] = torch.full((count, keys), scratch, dtype=torch.int64)
+            key_positions[group] = torch.full((count, keys), -1, dtype=torch.int64)
+        for i, (row, chunk, start, n) in enumerate(zip(rows, chunks, starts, sizes)):
+            end = start + n
+            ids[i, :n] = torch.tensor(list(chunk), dtype=torch.int64)
+            positions[i] = torch.arange(start, start + width).clamp_(max=end - 1)  # padding repeats the last
+            for group in self.groups:
+                write_slots[group][i, :n] = row.slots(group, start, end)
+                first = firsts[group][i]
+                key_slots[group][i, : end - first] = row.slots(group, first, end)
+                key_positions[group][i, : end - first] = torch.arange(first, end)
+        to_device = (lambda t: t.to(self.device, non_blocking=False))
+        q_positions = to_device(positions)
+        context = WarmPrefillContext(
+            self.pools, q_positions, {g: to_device(t) for g, t in write_slots.items()},
+            {g: to_device(t) for g, t in key_slots.items()}, {g: to_device(t) for g, t in key_positions.items()},
+            self.attention)
+        hidden = self.model.forward_hidden(to_device(ids), q_positions, context)
+        for row, n in zip(rows, sizes):
+            row.commit_append(n)
+            row.release_out_of_window(0)
+        self.batches += 1
+        self.rows += count
+        wanted = [i for i in range(count) if want_logits[i]]
+        out: list[Tensor | None] = [None] * count
+        if wanted:
+            index = torch.tensor(wanted, device=self.device)
+            last = torch.tensor([sizes[i] - 1 for i in wanted], device=self.device)
+            logits = self.model.compute_logits(hidden[index, last])
+            for j, i in enumerate(wanted):
+                out[i] = logits[j : j + 1]
+        return out
