@@ -188,6 +188,11 @@ def test_batched_prefill_plans_sub_batches_within_the_token_budget(tiny_gemma4_d
     backend = make_backend(tiny_gemma4_dir)
     batched = BatchedPrefill(backend.model, backend.pools, "eager", max_tokens=16)
     assert batched.max_chunk == 8  # the window
+    assert BatchedPrefill(backend.model, backend.pools, "eager", max_chunk=5).max_chunk == 5
+    row = backend.prefill([5, 6, 7]).kv
+    with backend.lock:
+        assert batched.applies(row, 8) and not batched.applies(row, 9) and not batched.applies(row, 0)
+        backend.free_row_kv(row)
     assert batched.plan([8, 8, 1, 4, 4, 4, 4, 8]) == [[0, 1], [2, 3, 4, 5], [6, 7]]
     assert batched.plan([]) == []
     with pytest.raises(ValueError, match="min_rows"):
