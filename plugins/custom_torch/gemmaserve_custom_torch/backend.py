@@ -68,9 +68,15 @@ class CustomTorchBackend(InferenceBackend):
         self.block_size = custom.block_size or settings.kv_block_size
         max_len = min(settings.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         self.attention = resolve_attention(custom.attention, self.device.type, HAS_TRITON)
+        on_cuda = self.device.type == "cuda"
+        batched_prefill = custom.batched_prefill == "on" or (custom.batched_prefill == "auto" and on_cuda)
+        fixed_buffer_prefill = batched_prefill or (custom.prefill_graph and on_cuda and not config.moe_num_experts)
+        windows = [g.window for g in kv_groups(config) if g.window is not None]
         num_blocks = plan_pool_sizes(
             kv_groups(config), self.block_size, param.element_size(), _budget_bytes(config, settings, custom, param),
             sliding_blocks=custom.sliding_blocks, max_rows=settings.max_batch_size,
+            # a fixed-buffer prefill chunk keeps its first queries' sliding blocks until its forward ends
+            sliding_headroom_tokens=min([settings.prefill_chunk_tokens, *windows]) if fixed_buffer_prefill else 0,
         )
         self.pools = KVPools(config, num_blocks, self.block_size, self.dtype, self.device)
         self.prefix_cache = PrefixCache(self.pools)
@@ -85,7 +91,7 @@ class CustomTorchBackend(InferenceBackend):
                                                 settings.prefill_chunk_tokens)
         self.runner = PagedRunner(model, self.pools, self.attention, self.prefill_attention, self.graph_prefill)
         self.batched_prefill: BatchedPrefill | None = None
-        if custom.batched_prefill == "on" or (custom.batched_prefill == "auto" and self.device.type == "cuda"):
+        if batched_prefill:
             # with CUDA-graph prefill, one or a few chunks are cheaper replayed one by one than run eagerly
             self.batched_prefill = BatchedPrefill(model, self.pools, self.prefill_attention,
                                                   min_rows=4 if self.graph_prefill is not None else 2)
@@ -160,8 +166,10 @@ class CustomTorchBackend(InferenceBackend):
                 chosen = [items[eligible[j]] for j in group]
                 try:
                     self._prefill_batch(batched, chosen)
-                except KVCapacityError:
-                    continue  # these rows go one by one below (their prepared blocks are reused)
+                except KVCapacityError as exc:  # these rows go one by one below (their prepared blocks are reused)
+                    batched.fallbacks += 1
+                    logger.info("custom_torch: batched prefill of %d rows fell back to one by one: %s", len(chosen), exc)
+                    continue
                 done.update(eligible[j] for j in group)
         for i, (state, num) in enumerate(items):
             if i not in done and num > 0:
@@ -252,6 +260,8 @@ class CustomTorchBackend(InferenceBackend):
             prefix_hits=self.prefix_cache.stats["hits"], prefix_hit_tokens=self.prefix_cache.stats["hit_tokens"],
             prefix_lookups=self.prefix_cache.stats["lookups"],
         )
+        if self.batched_prefill is not None:
+            stats.update(prefill_batches=self.batched_prefill.batches, prefill_batch_fallbacks=self.batched_prefill.fallbacks)
         return stats
 
     # -- lifecycle -----------------------------------------------------------------------------

@@ -62,6 +62,7 @@ class BatchedPrefill:
         self.device = next(iter(pools.k.values())).device
         self.batches = 0  # forwards run (for stats and tests)
         self.rows = 0  # row chunks served
+        self.fallbacks = 0  # batches the backend ran one by one instead (a pool lacked the blocks; see pools.py)
 
     def applies(self, row: PagedKVCache, num_new: int) -> bool:
         """True if a chunk of ``num_new`` tokens appended to ``row`` can join a batch."""

@@ -95,10 +95,13 @@ def plan_pool_sizes(
     *,
     sliding_blocks: int | None,
     max_rows: int,
+    sliding_headroom_tokens: int = 0,
 ) -> dict[str, int]:
     """Blocks per group for a memory budget. The sliding group gets ``sliding_blocks`` if given, else
-    ``min(uniform, max_rows * max sliding blocks per row)`` (window-aware: more cannot be used by ``max_rows``
-    rows); the full group gets the rest. Raises ConfigurationError if the budget cannot hold one block each."""
+    ``min(uniform, max_rows * (max sliding blocks per row + ceil(sliding_headroom_tokens / block_size)))``
+    (window-aware: more cannot be used by ``max_rows`` rows; the headroom is what a fixed-buffer prefill chunk
+    holds on top of the window while it runs, see ``prefill_graphs.py``); the full group gets the rest.
+    Raises ConfigurationError if the budget cannot hold one block each."""
     per_block = {g.name: g.bytes_per_block(block_size, itemsize) for g in groups}
     total = sum(per_block.values())
     uniform = budget_bytes // total
@@ -112,7 +115,7 @@ def plan_pool_sizes(
     if sliding is None or full is None:
         return {g.name: budget_bytes // per_block[g.name] for g in groups}
     if sliding_blocks is None:
-        cap = GroupGeometry(block_size, sliding.window).max_blocks(10**12)
+        cap = GroupGeometry(block_size, sliding.window).max_blocks(10**12) + _cdiv(sliding_headroom_tokens, block_size)
         sliding_blocks = min(uniform, max_rows * cap)
     left = budget_bytes - sliding_blocks * per_block[SLIDING]
     full_blocks = left // per_block[FULL]
