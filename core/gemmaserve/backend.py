@@ -189,16 +189,28 @@ class InferenceBackend(ABC):
         num_computed, and last_logits once the prompt is complete). ``num_tokens`` is clamped to
         ``state.num_remaining``."""
 
-    def prefill_chunks(self, states: Sequence[PrefillState], num_tokens: Sequence[int]) -> None:
+    def prefill_chunks(
+        self, states: Sequence[PrefillState], num_tokens: Sequence[int]
+    ) -> list[Exception | None]:
         """Advance several prefills by one chunk each (``num_tokens[i]`` for ``states[i]``, clamped like
         :meth:`prefill_chunk`). The scheduler calls this once per tick for every prefilling request, so a
-        backend can run them as one batched forward (one pass over the weights for all of them). The default
-        runs :meth:`prefill_chunk` on each in turn. On an exception, states that advanced keep their
-        progress and the others are unchanged apart from their KV, which the caller may retry or free."""
+        backend can run them as one batched forward (one pass over the weights for all of them).
+
+        Returns, per state, None when its chunk ran, or the exception its chunk raised: that request then
+        fails alone (its KV is freed), the others go on. The default runs :meth:`prefill_chunk` on each in
+        turn and reports its exceptions. If the call itself raises, the scheduler retries every state that
+        did not advance alone with :meth:`prefill_chunk`."""
         if len(states) != len(num_tokens):
             raise ValueError(f"{len(states)} states but {len(num_tokens)} chunk sizes")
+        errors: list[Exception | None] = []
         for state, num in zip(states, num_tokens):
-            self.prefill_chunk(state, num)
+            try:
+                self.prefill_chunk(state, num)
+            except Exception as exc:
+                errors.append(exc)
+            else:
+                errors.append(None)
+        return errors
 
     @abstractmethod
     def prefill_store(self, state: PrefillState) -> None:

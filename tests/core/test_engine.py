@@ -341,3 +341,34 @@ def test_build_engine_selects_builds_and_attaches_the_prefix_cache(monkeypatch: 
         no_cache.shutdown()
     finally:
         unregister_plugin("reference-test-plugin")
+
+
+class _ChunkFaults(ReferenceBackend):
+    """``prefill_chunks`` either raises as a whole (``mode="raise"``) or runs every chunk and then reports an
+    exception for the prompts holding token 57 (``mode="report"``: the state advanced, yet it failed)."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.calls = 0
+
+    def prefill_chunks(self, states, num_tokens):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        if self.mode == "raise":
+            raise RuntimeError("the batched forward broke")
+        results = super().prefill_chunks(states, num_tokens)
+        return [RuntimeError("chunk fault") if 57 in state.prompt_ids else exc for state, exc in zip(states, results)]
+
+
+@pytest.mark.parametrize("mode", ["raise", "report"])
+def test_prefill_chunks_failures_stay_with_their_requests(mode: str) -> None:
+    backend = _ChunkFaults(mode)
+    with make_engine(backend) as engine:
+        outputs = engine.generate([[5, 6, 7], [57, 8], [9, 10, 11, 12]], SamplingParams(max_tokens=3, ignore_eos=True))
+        assert backend.calls >= 1
+        if mode == "raise":  # every request retried alone and finished
+            assert [o.finish_reason for o in outputs] == ["length"] * 3
+        else:  # the reported one failed although its state advanced; the others finished
+            assert [o.finish_reason for o in outputs] == ["length", "error", "length"]
+            assert "chunk fault" in (outputs[1].error or "")
+        assert_idle(engine)

@@ -238,8 +238,8 @@ class ContinuousBatchScheduler:
 
     def _prefill(self, events: list[RequestEvent]) -> None:
         """One chunk for every prefilling request, through one ``prefill_chunks`` call (backends may batch
-        them). If that call raises, each request that did not advance retries alone, so a failure stays
-        with the request that causes it."""
+        them). A chunk's exception fails its request alone; if the call itself raises, each request that
+        did not advance retries alone, so a failure stays with the request that causes it."""
         work: list[tuple[Request, PrefillState, int]] = []  # (request, state, num_computed before)
         for request in list(self._q.prefilling):
             try:
@@ -250,16 +250,22 @@ class ContinuousBatchScheduler:
                 work.append((request, state, state.num_computed))
             except Exception as exc:
                 self._q.fail(request, exc, events, phase="prefill")
-        pending = [(request, state, before) for request, state, before in work if not state.is_complete]
+        pending = [(request, state) for request, state, _ in work if not state.is_complete]
         chunk = self.settings.prefill_chunk_tokens
+        errors: dict[str, Exception] = {}
         if len(pending) > 1:
             try:
-                self.backend.prefill_chunks([w[1] for w in pending], [min(chunk, w[1].num_remaining) for w in pending])
+                results = self.backend.prefill_chunks([s for _, s in pending], [min(chunk, s.num_remaining) for _, s in pending])
+                if len(results) != len(pending):
+                    raise RuntimeError(f"prefill_chunks returned {len(results)} results for {len(pending)} states")
+                errors = {r.request_id: exc for (r, _), exc in zip(pending, results) if exc is not None}
             except Exception:
                 logger.warning("batched prefill of %d requests failed; retrying each alone", len(pending),
                                exc_info=True)
         for request, state, before in work:
             try:
+                if request.request_id in errors:
+                    raise errors[request.request_id]
                 if not state.is_complete and state.num_computed == before:
                     self.backend.prefill_chunk(state, min(chunk, state.num_remaining))
                     if state.num_computed <= before and not state.is_complete:

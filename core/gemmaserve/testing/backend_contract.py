@@ -138,7 +138,8 @@ class BackendContractTests:
             while not all(state.is_complete for state in states):
                 open_states = [state for state in states if not state.is_complete]
                 before = [state.num_computed for state in open_states]
-                backend.prefill_chunks(open_states, [size] * len(open_states))
+                errors = backend.prefill_chunks(open_states, [size] * len(open_states))
+                assert list(errors) == [None] * len(open_states), errors
                 for state, start in zip(open_states, before):
                     assert state.num_computed == min(start + size, len(state.prompt_ids)), "exactly its chunk"
                     assert backend.kv_length(state.kv) == state.num_computed

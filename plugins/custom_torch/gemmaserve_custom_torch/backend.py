@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from gemmaserve.backend import BackendCapabilities, InferenceBackend, ModelInfo, PrefillState, SampledTokens
-from gemmaserve.errors import InvalidRequestError, KVCapacityError, ModelLoadError, PromptTooLongError
+from gemmaserve.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 from gemmaserve.sampling_params import RowSampling
 from gemmaserve.settings import CoreSettings
 
@@ -150,9 +150,10 @@ class CustomTorchBackend(InferenceBackend):
         if done:
             state.last_logits = logits
 
-    def prefill_chunks(self, states: Sequence[PrefillState], num_tokens: Sequence[int]) -> None:
-        """Chunks that fit a batch (no longer than the window) run through `BatchedPrefill`, in sub-batches
-        of at least ``min_rows`` rows; the rest one by one (:meth:`prefill_chunk`)."""
+    def prefill_chunks(self, states: Sequence[PrefillState], num_tokens: Sequence[int]) -> list[Exception | None]:
+        """Chunks that fit a batch (at most 128 tokens and the window) run through `BatchedPrefill`, in
+        sub-batches of at least ``min_rows`` rows; the rest, and the rows of a batch that raised, run one by
+        one (:meth:`prefill_chunk`), each reporting its own exception."""
         if len(states) != len(num_tokens):
             raise ValueError(f"{len(states)} states but {len(num_tokens)} chunk sizes")
         items = [(state, min(num, state.num_remaining)) for state, num in zip(states, num_tokens)]
@@ -166,14 +167,20 @@ class CustomTorchBackend(InferenceBackend):
                 chosen = [items[eligible[j]] for j in group]
                 try:
                     self._prefill_batch(batched, chosen)
-                except KVCapacityError as exc:  # these rows go one by one below (their prepared blocks are reused)
+                except Exception as exc:  # run these rows one by one below (their prepared blocks are reused)
                     batched.fallbacks += 1
-                    logger.info("custom_torch: batched prefill of %d rows fell back to one by one: %s", len(chosen), exc)
+                    logger.info("custom_torch: batched prefill of %d rows fell back to one by one: %s: %s",
+                                len(chosen), type(exc).__name__, exc)
                     continue
                 done.update(eligible[j] for j in group)
+        errors: list[Exception | None] = [None] * len(items)
         for i, (state, num) in enumerate(items):
             if i not in done and num > 0:
-                self.prefill_chunk(state, num)
+                try:
+                    self.prefill_chunk(state, num)
+                except Exception as exc:
+                    errors[i] = exc
+        return errors
 
     def _prefill_batch(self, batched: BatchedPrefill, items: Sequence[tuple[PrefillState, int]]) -> None:
         chunks = [state.prompt_ids[state.num_computed : state.num_computed + num] for state, num in items]

@@ -93,7 +93,8 @@ class BatchedPrefill:
         """Append ``chunks[i]`` to ``rows[i]`` (each must satisfy :meth:`applies`) in one forward; returns
         per row its last position's logits [1, vocab] where ``want_logits[i]``, else None. Raises
         KVCapacityError if a pool lacks blocks (rows prepared so far keep blocks past their length, which
-        their next append reuses). On any other exception the rows' KV is undefined: free them."""
+        their next append reuses). On any exception no row's length has moved, so each row can be redone
+        alone (its prepared blocks are reused)."""
         count = len(rows)
         if not count or len(chunks) != count or len(want_logits) != count:
             raise ValueError(f"{count} rows, {len(chunks)} chunks, {len(want_logits)} logits flags")
@@ -130,11 +131,6 @@ class BatchedPrefill:
             {g: to_device(t) for g, t in key_slots.items()}, {g: to_device(t) for g, t in key_positions.items()},
             self.attention)
         hidden = self.model.forward_hidden(to_device(ids), q_positions, context)
-        for row, n in zip(rows, sizes):
-            row.commit_append(n)
-            row.release_out_of_window(0)
-        self.batches += 1
-        self.rows += count
         wanted = [i for i in range(count) if want_logits[i]]
         out: list[Tensor | None] = [None] * count
         if wanted:
@@ -143,4 +139,10 @@ class BatchedPrefill:
             logits = self.model.compute_logits(hidden[index, last])
             for j, i in enumerate(wanted):
                 out[i] = logits[j : j + 1]
+        # lengths move only once nothing can raise any more, so a failed batch can be redone row by row
+        for row, n in zip(rows, sizes):
+            row.commit_append(n)
+            row.release_out_of_window(0)
+        self.batches += 1
+        self.rows += count
         return out
