@@ -41,6 +41,21 @@ def with_graph_prefill(backend, attention="eager", max_tokens=48):
     return backend.runner.graph_prefill
 
 
+def assert_same_visible_kv(backend_a, row_a, backend_b, row_b) -> None:
+    """Both rows store the same K and V (fp32, up to summation order) at every position the next query of
+    each layer sees."""
+    end = row_a.length
+    assert row_b.length == end
+    for layer in backend_a.pools.k:
+        group = backend_a.pools.group_of_layer[layer]
+        first = backend_a.pools.geometry[group].first_visible(end)
+        slots_a, slots_b = row_a.slots(group, first, end), row_b.slots(group, first, end)
+        for pools_a, pools_b in ((backend_a.pools.k, backend_b.pools.k), (backend_a.pools.v, backend_b.pools.v)):
+            a = pools_a[layer].view(-1, *pools_a[layer].shape[2:])[slots_a]
+            b = pools_b[layer].view(-1, *pools_b[layer].shape[2:])[slots_b]
+            torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("name", ["gemma4", "gemma3", "gemma4_k_eq_v"])
 @pytest.mark.parametrize("length", [3, 8, 17, 40])  # window 8: the chunk is shorter than / equal to / past it
 def test_cold_chunk_logits_and_kv_equal_the_paged_prefill(tiny_checkpoint, name, length):
@@ -56,14 +71,7 @@ def test_cold_chunk_logits_and_kv_equal_the_paged_prefill(tiny_checkpoint, name,
             results.append((state.last_logits, state.kv))
     assert graph.chunks == 1
     torch.testing.assert_close(results[1][0], results[0][0], atol=1e-4, rtol=1e-4)
-    for layer in plain.pools.k:  # the stored K/V of every kept position is the same
-        group = plain.pools.group_of_layer[layer]
-        start = plain.pools.geometry[group].keep_from(length)
-        slots = [row.slots(group, start, length) for row in (results[0][1], results[1][1])]
-        for pools_a, pools_b in ((plain.pools.k, padded.pools.k), (plain.pools.v, padded.pools.v)):
-            a = pools_a[layer].view(-1, *pools_a[layer].shape[2:])[slots[0]]
-            b = pools_b[layer].view(-1, *pools_b[layer].shape[2:])[slots[1]]
-            torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)  # fp32, summation order
+    assert_same_visible_kv(plain, results[0][1], padded, results[1][1])
     for backend, (_, kv) in zip((plain, padded), results):
         backend.free_row_kv(kv)
         assert_no_leaks(backend)
@@ -87,15 +95,7 @@ def test_warm_chunk_logits_and_kv_equal_the_paged_prefill(tiny_checkpoint, name,
             results.append((state.last_logits, state.kv))
     assert (graph.chunks, graph.warm_chunks) == (2, 1)
     torch.testing.assert_close(results[1][0], results[0][0], atol=1e-4, rtol=1e-4)
-    end = start + num_new
-    for layer in plain.pools.k:
-        group = plain.pools.group_of_layer[layer]
-        first = plain.pools.geometry[group].first_visible(end)
-        slots = [row.slots(group, first, end) for row in (results[0][1], results[1][1])]
-        for pools_a, pools_b in ((plain.pools.k, padded.pools.k), (plain.pools.v, padded.pools.v)):
-            a = pools_a[layer].view(-1, *pools_a[layer].shape[2:])[slots[0]]
-            b = pools_b[layer].view(-1, *pools_b[layer].shape[2:])[slots[1]]
-            torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)  # fp32, summation order
+    assert_same_visible_kv(plain, results[0][1], padded, results[1][1])
     for backend, (_, kv) in zip((plain, padded), results):
         backend.free_row_kv(kv)
         assert_no_leaks(backend)
@@ -222,13 +222,7 @@ def test_batched_chunks_equal_one_by_one_prefill(tiny_checkpoint, name):
     for mine, theirs in zip(states[batched], states[plain]):
         assert mine.is_complete and theirs.is_complete
         torch.testing.assert_close(mine.last_logits, theirs.last_logits, atol=1e-4, rtol=1e-4)
-        end = len(mine.prompt_ids)
-        for layer in plain.pools.k:
-            group = plain.pools.group_of_layer[layer]
-            first = plain.pools.geometry[group].first_visible(end)
-            a = plain.pools.k[layer].view(-1, *plain.pools.k[layer].shape[2:])[theirs.kv.slots(group, first, end)]
-            b = batched.pools.k[layer].view(-1, *batched.pools.k[layer].shape[2:])[mine.kv.slots(group, first, end)]
-            torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+        assert_same_visible_kv(plain, theirs.kv, batched, mine.kv)
     for backend in (plain, batched):
         with backend.lock:
             for state in states[backend]:
