@@ -10,18 +10,21 @@
 
 from __future__ import annotations
 
+import threading
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
 from gemmaserve.detokenize import IncrementalDetokenizer
+from gemmaserve.engine.request import FinishReason
 from gemmaserve.errors import InvalidRequestError
 from gemmaserve.sampling_params import SamplingParams
 from gemmaserve.settings import CoreSettings, load_settings
 
 if TYPE_CHECKING:
     from gemmaserve.engine.engine import Engine
-    from gemmaserve.engine.request import RequestMetrics, RequestOutput
+    from gemmaserve.engine.request import RequestEvent, RequestMetrics, RequestOutput
 
 __all__ = ["LLM", "CompletionOutput", "StreamChunk", "PromptInput"]
 
@@ -119,42 +122,68 @@ class LLM:
             raise InvalidRequestError(f"{len(params_list)} SamplingParams given for {len(encoded)} prompts")
         for item in params_list:
             _check_params(item)
-        outputs = self.engine.generate([ids for _, ids in encoded], params_list)
-        return [self._to_completion(text, out) for (text, _), out in zip(encoded, outputs)]
+        if not any(item.stop for item in params_list):
+            outputs = self.engine.generate([ids for _, ids in encoded], params_list)
+            return [self._to_completion(text, out) for (text, _), out in zip(encoded, outputs)]
+        watchers: list[_StopWatcher] = []
+        try:
+            for (_, ids), item in zip(encoded, params_list):
+                watcher = _StopWatcher(self.engine, self.tokenizer, ids, item.stop, callbacks=True)
+                watcher.handle = self.engine.submit(ids, item, watcher.request_id, watcher.on_event, wait_for_room=True)
+                watchers.append(watcher)
+            return [self._to_completion(text, watcher.result(), watcher) for (text, _), watcher in zip(encoded, watchers)]
+        except BaseException:
+            for watcher in watchers:
+                watcher.handle.cancel()
+            raise
 
     def stream(self, prompt: PromptInput, sampling_params: SamplingParams | None = None) -> Iterator[StreamChunk]:
         """Yield text as it is generated. Stopping the iteration early cancels the request."""
         text, prompt_ids = self.encode_prompt(prompt)
         params = sampling_params or SamplingParams()
         _check_params(params)
-        handle = self.engine.submit(prompt_ids, params)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=prompt_ids)
+        watcher = _StopWatcher(self.engine, self.tokenizer, prompt_ids, params.stop)
+        handle = watcher.handle = self.engine.submit(prompt_ids, params, watcher.request_id)
         finished = False
         try:
             for event in handle:
-                delta = detok.add(event.new_token_ids).text
-                if event.finished:
-                    delta += detok.flush()
+                new_ids, delta = watcher.on_tokens(event.new_token_ids)
+                if watcher.stopped:  # a stop string matched: end here; the engine request is cancelled
                     finished = True
-                    yield StreamChunk(list(event.new_token_ids), delta, True, self._to_completion(text, event.output))
+                    output = watcher.result()
+                    yield StreamChunk(new_ids, delta, True, self._to_completion(text, output, watcher))
                     return
-                yield StreamChunk(list(event.new_token_ids), delta, False)
+                if event.finished:
+                    delta += watcher.flush()
+                    finished = True
+                    yield StreamChunk(new_ids, delta, True, self._to_completion(text, event.output, watcher))
+                    return
+                yield StreamChunk(new_ids, delta, False)
         finally:
             if not finished:
                 handle.cancel()
 
-    def _to_completion(self, prompt_text: str | None, out: RequestOutput) -> CompletionOutput:
+    def _to_completion(
+        self, prompt_text: str | None, out: RequestOutput, watcher: _StopWatcher | None = None
+    ) -> CompletionOutput:
+        token_ids, text, reason = list(out.token_ids), None, str(out.finish_reason)
+        logprobs = out.logprobs
+        if watcher is not None and watcher.stop:
+            text = watcher.text
+            if watcher.stopped:  # cut after the token that completed the stop string
+                token_ids, reason = watcher.token_ids, "stop"
+                logprobs = None if logprobs is None else logprobs[: len(token_ids)]
         return CompletionOutput(
             request_id=out.request_id,
             prompt=prompt_text,
             prompt_token_ids=list(out.prompt_token_ids),
-            token_ids=list(out.token_ids),
-            text=self.tokenizer.decode(out.token_ids),
-            finish_reason=str(out.finish_reason),
+            token_ids=token_ids,
+            text=self.tokenizer.decode(token_ids) if text is None else text,
+            finish_reason=reason,
             cached_tokens=out.cached_tokens,
             metrics=out.metrics,
             error=out.error,
-            logprobs=out.logprobs,
+            logprobs=logprobs,
         )
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -168,6 +197,68 @@ class LLM:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class _StopWatcher:
+    """Stop strings of one request: detokenizes its tokens as they arrive (on the engine thread via
+    :meth:`on_event`, or on the caller's via :meth:`on_tokens`) and cancels the engine request with reason
+    ``stop`` at the first match. ``token_ids`` / ``text`` are the output up to the match (the text without
+    the stop string)."""
+
+    def __init__(self, engine: Engine, tokenizer: Any, prompt_ids: Sequence[int], stop: Sequence[str], *,
+                 callbacks: bool = False) -> None:
+        self.engine = engine
+        self.stop = tuple(stop)
+        self.request_id = uuid.uuid4().hex  # known before submit: the first event may beat submit's return
+        self.callbacks = callbacks
+        self.handle: Any = None
+        self.detok = IncrementalDetokenizer(tokenizer, self.stop, prompt_ids=prompt_ids)
+        self.token_ids: list[int] = []
+        self.stopped = False
+        self._flushed = ""
+        self._seen_final = threading.Event()
+
+    @property
+    def text(self) -> str:
+        return self.detok.text
+
+    def on_tokens(self, new_token_ids: Sequence[int]) -> tuple[list[int], str]:
+        """Feed tokens; returns (the tokens kept, the new final text). Cancels the request on a match."""
+        kept: list[int] = []
+        text = ""
+        for token in new_token_ids:
+            if self.stopped:
+                break
+            delta = self.detok.add([token])
+            kept.append(token)
+            text += delta.text
+            if delta.stopped:
+                self.stopped = True
+                self.engine.cancel(self.request_id, reason=FinishReason.STOP)
+        self.token_ids.extend(kept)
+        return kept, text
+
+    def flush(self) -> str:
+        """At the end without a match so far: release the held-back tail (it may still hold a match)."""
+        if not self.stopped:
+            self._flushed = self.detok.flush()
+            self.stopped = self.detok.stopped
+        return self._flushed
+
+    def on_event(self, event: RequestEvent) -> None:
+        """Engine-thread callback (``Engine.submit(on_event=...)``)."""
+        self.on_tokens(event.new_token_ids)
+        if event.finished:
+            self.flush()
+            self._seen_final.set()
+
+    def result(self) -> RequestOutput:
+        """The engine's final output; with callbacks, once :meth:`on_event` has seen it too (the engine
+        runs a request's callback right after completing its handle)."""
+        output = self.handle.result()
+        if self.callbacks:
+            self._seen_final.wait()
+        return output
 
 
 def _check_unicode(text: str) -> None:

@@ -21,7 +21,9 @@ class SamplingParams:
     those filters.
     ``seed`` makes sampling reproducible: the same seed, prompt and parameters give the same tokens,
     whatever else is in the batch. ``stop_token_ids`` end the request (the stop token is kept in the
-    output, like EOS); ``ignore_eos`` keeps generating past EOS (benchmarks).
+    output, like EOS); ``ignore_eos`` keeps generating past EOS (benchmarks). ``stop`` strings end the
+    request at the first match, which is cut from the text (like vLLM and OpenAI); they are a text-level
+    feature applied by :class:`gemmaserve.LLM` and the HTTP server (the engine itself sees token ids only).
     """
 
     max_tokens: int = 16
@@ -31,8 +33,17 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    stop: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
+        strings = self.stop
+        if strings is None:
+            strings = ()
+        elif isinstance(strings, str):
+            strings = (strings,)
+        elif not isinstance(strings, (list, tuple)):
+            raise InvalidRequestError(f"stop must be a string or a list of strings, got {type(strings).__name__}")
+        object.__setattr__(self, "stop", tuple(strings))
         stop = self.stop_token_ids
         if stop is None:
             stop = ()
@@ -66,6 +77,9 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
                 raise InvalidRequestError(f"stop_token_ids must be non-negative integers, got {token_id!r}")
+        for text in self.stop:
+            if not isinstance(text, str) or not text:
+                raise InvalidRequestError(f"stop must hold non-empty strings, got {text!r}")
 
     @property
     def is_greedy(self) -> bool:

@@ -128,11 +128,13 @@ class Engine:
         on_event: EventCallback | None = None,
         *,
         logprobs: bool = False,
+        wait_for_room: bool = False,
     ) -> RequestHandle:
         """Queue a request and return its handle. Validation errors (InvalidRequestError,
-        PromptTooLongError) and EngineOverloadedError (queue full, or shut down) raise right here."""
+        PromptTooLongError) and EngineOverloadedError (queue full, or shut down) raise right here;
+        with ``wait_for_room`` a full queue blocks until there is room instead."""
         request = Request(request_id or uuid.uuid4().hex, tuple(prompt_ids), params or SamplingParams(), logprobs)
-        return self._submit(request, on_event, wait_for_room=False)
+        return self._submit(request, on_event, wait_for_room=wait_for_room)
 
     def stream(
         self,

@@ -1,0 +1,84 @@
+"""Stop strings in the offline API (``SamplingParams(stop=...)``): generate and stream end at the first match,
+cut it from the text, report ``finish_reason="stop"``, keep the tokens up to the one completing the match,
+and free the engine request; bad values are rejected with a clear error."""
+
+from __future__ import annotations
+
+import pytest
+
+from gemmaserve import LLM, SamplingParams
+from gemmaserve.engine import Engine
+from gemmaserve.errors import InvalidRequestError
+from gemmaserve.kv.cache_manager import CacheManager
+from gemmaserve.settings import CoreSettings
+from gemmaserve.testing import ReferenceBackend
+
+
+@pytest.fixture
+def llm():
+    settings = CoreSettings(max_batch_size=8, prefill_chunk_tokens=8, max_active_kv_tokens=8192)
+    backend = ReferenceBackend(max_model_len=512)
+    cache = CacheManager(64, 4)
+    backend.set_cache_adapter(cache)
+    model = LLM(settings=settings, engine=Engine(backend, settings, cache, owns_backend=True))
+    yield model
+    model.close()
+
+
+def _idle(model: LLM) -> None:
+    engine = model.engine
+    for _ in range(200):
+        if engine.stats().running == 0:
+            break
+        import time
+
+        time.sleep(0.01)
+    engine.check_integrity()
+    assert engine.stats().running == 0
+
+
+PROMPTS = ["hello there", "abc", "the cat sat"]
+
+
+def test_generate_stops_at_the_first_match_and_cuts_it(llm):
+    plain = llm.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))
+    stops = [out.text[5:7] for out in plain]
+    assert all(len(s) == 2 for s in stops)
+    cut = llm.generate(PROMPTS, [SamplingParams(max_tokens=24, ignore_eos=True, stop=[s, "\u2603never"]) for s in stops])
+    for full, out, stop in zip(plain, cut, stops):
+        where = full.text.index(stop)
+        assert out.text == full.text[:where] and out.finish_reason == "stop"
+        assert out.token_ids == full.token_ids[: len(out.token_ids)] and len(out.token_ids) < len(full.token_ids)
+        assert stop in llm.tokenizer.decode(out.token_ids)  # the last token completed the stop string
+    _idle(llm)
+
+
+def test_a_stop_string_that_never_matches_changes_nothing(llm):
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    plain = llm.generate(PROMPTS, params)
+    same = llm.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True, stop="\u2603"))
+    assert [(o.text, o.token_ids, o.finish_reason) for o in same] == [(o.text, o.token_ids, "length") for o in plain]
+
+
+def test_stream_stops_like_generate(llm):
+    full = llm.generate("hello there", SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    stop = full.text[6:8]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop])
+    chunks = list(llm.stream("hello there", params))
+    text = "".join(chunk.text for chunk in chunks)
+    final = chunks[-1]
+    assert final.finished and final.output is not None and final.output.finish_reason == "stop"
+    assert text == final.output.text == full.text[: full.text.index(stop)]
+    assert [t for chunk in chunks for t in chunk.token_ids] == final.output.token_ids
+    _idle(llm)
+
+
+@pytest.mark.parametrize("bad", ["", [""], [3], 7, {"a": 1}])
+def test_bad_stop_values_are_rejected(bad):
+    with pytest.raises(InvalidRequestError, match="stop"):
+        SamplingParams(stop=bad)
+
+
+def test_stop_accepts_one_string_or_none():
+    assert SamplingParams(stop="END").stop == ("END",)
+    assert SamplingParams(stop=None).stop == () and SamplingParams(stop=["a", "b"]).stop == ("a", "b")
