@@ -63,7 +63,7 @@ class CustomTorchSettings(BaseSettings):
         "auto", description="Prefill attention: eager (bitwise transformers), sdpa (fused kernels); auto = sdpa on CUDA."
     )
     fuse: Literal["auto", "on", "off"] = Field(
-        "auto", description="Fuse q/k/v and gate/up matmuls and RMSNorm kernels at load; auto = on CUDA."
+        "auto", description="Fuse q/k/v and gate/up matmuls, RMSNorm and elementwise kernels at load; auto = on CUDA."
     )
     attention: AttentionMode = Field(
         "auto", description="Decode attention: auto (triton on CUDA, else gather), triton (paged kernel) or gather."
