@@ -170,7 +170,7 @@ class LLM:
         logprobs = out.logprobs
         if watcher is not None and watcher.stop:
             text = watcher.text
-            if watcher.stopped:  # cut after the token that completed the stop string
+            if watcher.stopped and reason != "error":  # cut after the token that completed the stop string
                 token_ids, reason = watcher.token_ids, "stop"
                 logprobs = None if logprobs is None else logprobs[: len(token_ids)]
         return CompletionOutput(
@@ -246,11 +246,15 @@ class _StopWatcher:
         return self._flushed
 
     def on_event(self, event: RequestEvent) -> None:
-        """Engine-thread callback (``Engine.submit(on_event=...)``)."""
-        self.on_tokens(event.new_token_ids)
-        if event.finished:
-            self.flush()
-            self._seen_final.set()
+        """Engine-thread callback (``Engine.submit(on_event=...)``). The final event always releases
+        :meth:`result`, even if detokenizing raised (the engine logs callback exceptions)."""
+        try:
+            self.on_tokens(event.new_token_ids)
+            if event.finished:
+                self.flush()
+        finally:
+            if event.finished:
+                self._seen_final.set()
 
     def result(self) -> RequestOutput:
         """The engine's final output; with callbacks, once :meth:`on_event` has seen it too (the engine

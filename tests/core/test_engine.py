@@ -372,3 +372,37 @@ def test_prefill_chunks_failures_stay_with_their_requests(mode: str) -> None:
             assert [o.finish_reason for o in outputs] == ["length", "error", "length"]
             assert "chunk fault" in (outputs[1].error or "")
         assert_idle(engine)
+
+
+def test_recovery_delivers_every_final_event_when_one_abort_fails() -> None:
+    """A crashed tick whose abort of one request also raises: the requests aborted before and after it
+    still get their final events (no handle hangs) and the engine keeps serving."""
+    engine = make_engine()
+    broken = engine.scheduler
+    step, abort_request = broken.step_decode, broken.abort_request
+    crashed = {"step": False, "abort": False}
+
+    def crashing_step():  # type: ignore[no-untyped-def]
+        if not crashed["step"] and len(broken.live_requests()) == 3:
+            crashed["step"] = True
+            raise RuntimeError("step bug")
+        return step()
+
+    def flaky_abort(rid, **kwargs):  # type: ignore[no-untyped-def]
+        if rid == "b" and not crashed["abort"]:
+            crashed["abort"] = True
+            raise RuntimeError("abort bug")
+        return abort_request(rid, **kwargs)
+
+    broken.step_decode = crashing_step  # type: ignore[method-assign]
+    broken.abort_request = flaky_abort  # type: ignore[method-assign]
+    try:
+        params = SamplingParams(max_tokens=50, ignore_eos=True)
+        handles = [engine.submit([5, 6 + i], params, request_id=rid) for i, rid in enumerate("abc")]
+        outputs = [handle.result(timeout=5) for handle in handles]
+        assert crashed == {"step": True, "abort": True}
+        assert [o.finish_reason for o in outputs] == ["error"] * 3
+        assert engine.generate([[5]], SamplingParams(max_tokens=2, ignore_eos=True))[0].finish_reason == "length"
+        assert_idle(engine)
+    finally:
+        engine.shutdown()

@@ -195,6 +195,8 @@ def test_batched_prefill_plans_sub_batches_within_the_token_budget(tiny_gemma4_d
         backend.free_row_kv(row)
     assert batched.plan([8, 8, 1, 4, 4, 4, 4, 8]) == [[0, 1], [2, 3, 4, 5], [6, 7]]
     assert batched.plan([]) == []
+    narrow = BatchedPrefill(backend.model, backend.pools, "eager", max_tokens=64, max_keys=20, max_batch_keys=40)
+    assert narrow.plan([2, 2, 2, 2], keys=[10, 10, 20, 5]) == [[0, 1], [2, 3]]  # rows x widest keys <= 40
     with pytest.raises(ValueError, match="min_rows"):
         BatchedPrefill(backend.model, backend.pools, "eager", min_rows=1)
 
@@ -299,4 +301,30 @@ def test_default_pools_leave_room_for_a_burst_of_batched_chunks(tiny_gemma4_dir)
     stats = backend.kv_stats()
     assert stats["prefill_batches"] > 0 and stats["prefill_batch_fallbacks"] == 0, stats
     assert stats["prefix_hits"] >= rows
+    assert_no_leaks(backend)
+
+
+def test_warm_graph_shapes_are_capped(tiny_gemma4_dir):
+    """Past ``max_warm_graphs`` warm shapes, new shapes run the padded forward without a graph."""
+    backend = make_backend(tiny_gemma4_dir)
+    graph = GraphPrefill(backend.model, backend.pools, buckets=prefill_buckets(16), attention="eager",
+                         use_graphs=False, max_warm_graphs=2)
+    backend.runner.graph_prefill = graph
+    replayed: list[tuple] = []
+
+    class RecordingGraphs:  # stands in for StepGraphs (no CUDA here): records which shapes it would serve
+        def run(self, key):
+            replayed.append(key)
+            return graph._forward(key)
+
+    graph.graphs = RecordingGraphs()
+    with backend.lock:
+        for start in (3, 20, 40, 60):  # different full-group key counts: different warm shapes
+            state = backend.prefill_lookup([(7 * i + start) % 200 + 4 for i in range(start + 8)])
+            backend.prefill_chunk(state, start)
+            backend.prefill_chunk(state, 8)
+            assert state.is_complete
+            backend.free_row_kv(state.kv)
+    warm = [key for key in replayed if key[0] == "warm"]
+    assert graph.warm_chunks == 4 and len(set(warm)) == 2 == len(warm)
     assert_no_leaks(backend)

@@ -262,13 +262,14 @@ class Engine:
     def _recover(self, exc: BaseException) -> list[RequestEvent]:
         try:
             return self.scheduler.abort_all(error=exc)
-        except Exception:
+        except Exception as abort_exc:
             logger.critical("could not abort in-flight requests; starting a fresh scheduler", exc_info=True)
-            orphans = self.scheduler.release_all_best_effort()
+            events = list(getattr(abort_exc, "events", []))  # requests aborted before the failure
+            orphans = self.scheduler.release_all_best_effort(events)
             self.scheduler = ContinuousBatchScheduler(self.backend, self.settings, self.cache_manager)
             for request in orphans:
                 request.finish(FinishReason.ERROR, exc)
-            return [request.take_event() for request in orphans]
+            return events + [request.take_event() for request in orphans]
 
     def _deliver(self, events: list[RequestEvent]) -> None:
         with self._cond:

@@ -33,7 +33,16 @@ if TYPE_CHECKING:
     from gemmaserve.kv.cache_manager import CacheManager
     from gemmaserve.settings import CoreSettings
 
-__all__ = ["ContinuousBatchScheduler", "SchedulerStats"]
+__all__ = ["AbortIncompleteError", "ContinuousBatchScheduler", "SchedulerStats"]
+
+
+class AbortIncompleteError(RuntimeError):
+    """:meth:`ContinuousBatchScheduler.abort_all` could not abort every request; ``events`` are the final
+    events of those it did abort (deliver them)."""
+
+    def __init__(self, events: list[RequestEvent]) -> None:
+        super().__init__(f"aborting in-flight requests failed after {len(events)} final events")
+        self.events = events
 
 logger = logging.getLogger(__name__)
 
@@ -158,18 +167,31 @@ class ContinuousBatchScheduler:
         return events
 
     def abort_all(self, *, error: BaseException | None = None) -> list[RequestEvent]:
-        """Cancel (or fail, given ``error``) every request; returns their final events."""
-        return [event for rid in list(self._q.requests) for event in self.abort_request(rid, error=error)]
+        """Cancel (or fail, given ``error``) every request; returns their final events. If aborting
+        some request raises, the others are still aborted and :class:`AbortIncompleteError` (carrying
+        the events made so far) is raised at the end."""
+        events: list[RequestEvent] = []
+        failure: Exception | None = None
+        for rid in list(self._q.requests):
+            try:
+                events += self.abort_request(rid, error=error)
+            except Exception as exc:
+                logger.exception("aborting request %s failed", rid)
+                failure = failure or exc
+        if failure is not None:
+            raise AbortIncompleteError(events) from failure
+        return events
 
-    def release_all_best_effort(self) -> list[Request]:
+    def release_all_best_effort(self, events: list[RequestEvent]) -> list[Request]:
         """Last resort after :meth:`abort_all` raised: free whatever each live request holds (KV,
-        reservations; every failure logged and skipped) and return the unfinished requests. The
-        scheduler must not be used afterwards."""
+        reservations; every failure logged and skipped), appending the final events of requests that
+        this retires to ``events``, and return the unfinished requests. The scheduler must not be
+        used afterwards."""
         orphans: list[Request] = []
         with self.backend.lock:
             for request in list(self._q.requests.values()):
                 try:
-                    self._q.release(request, [])
+                    self._q.release(request, events)
                 except Exception:
                     logger.exception("could not free the KV of request %s", request.request_id)
                 if self._caps.kv_reservation:

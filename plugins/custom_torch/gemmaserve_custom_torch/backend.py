@@ -160,20 +160,33 @@ class CustomTorchBackend(InferenceBackend):
         batched = self.batched_prefill
         eligible = [] if batched is None else [i for i, (s, n) in enumerate(items) if batched.applies(s.kv, n)]
         done: set[int] = set()
+        errors: list[Exception | None] = [None] * len(items)
         if batched is not None and len(eligible) >= batched.min_rows:
-            for group in batched.plan([items[i][1] for i in eligible]):
+            sizes = [items[i][1] for i in eligible]
+            for group in batched.plan(sizes, [batched.num_keys(items[i][0].kv, items[i][1]) for i in eligible]):
                 if len(group) < batched.min_rows:
                     continue
                 chosen = [items[eligible[j]] for j in group]
-                try:
-                    self._prefill_batch(batched, chosen)
-                except Exception as exc:  # run these rows one by one below (their prepared blocks are reused)
+                chunks = [state.prompt_ids[state.num_computed : state.num_computed + num] for state, num in chosen]
+                finals = [state.num_computed + num == len(state.prompt_ids) for state, num in chosen]
+                try:  # nothing has moved if this raises: the rows run one by one below, reusing prepared blocks
+                    logits = batched.prefill([state.kv for state, _ in chosen], chunks, finals)
+                except Exception as exc:
                     batched.fallbacks += 1
                     logger.info("custom_torch: batched prefill of %d rows fell back to one by one: %s: %s",
                                 len(chosen), type(exc).__name__, exc)
                     continue
                 done.update(eligible[j] for j in group)
-        errors: list[Exception | None] = [None] * len(items)
+                for (state, num), final, row_logits in zip(chosen, finals, logits):  # cannot raise
+                    state.num_computed += num
+                    if final:
+                        state.last_logits = row_logits
+                for j in group:
+                    state = items[eligible[j]][0]
+                    try:
+                        self.prefix_cache.cache_prefix(state.prompt_ids, state.kv)
+                    except Exception as exc:  # this request fails alone; its KV is consistent
+                        errors[eligible[j]] = exc
         for i, (state, num) in enumerate(items):
             if i not in done and num > 0:
                 try:
@@ -181,16 +194,6 @@ class CustomTorchBackend(InferenceBackend):
                 except Exception as exc:
                     errors[i] = exc
         return errors
-
-    def _prefill_batch(self, batched: BatchedPrefill, items: Sequence[tuple[PrefillState, int]]) -> None:
-        chunks = [state.prompt_ids[state.num_computed : state.num_computed + num] for state, num in items]
-        finals = [state.num_computed + num == len(state.prompt_ids) for state, num in items]
-        logits = batched.prefill([state.kv for state, _ in items], chunks, finals)
-        for (state, num), final, row_logits in zip(items, finals, logits):
-            state.num_computed += num
-            self.prefix_cache.cache_prefix(state.prompt_ids, state.kv)
-            if final:
-                state.last_logits = row_logits
 
     def prefill_store(self, state: PrefillState) -> None:
         if state.is_complete:

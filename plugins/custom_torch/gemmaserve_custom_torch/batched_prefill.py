@@ -32,6 +32,10 @@ __all__ = ["BatchedPrefill"]
 MAX_BATCHED_PREFILL_TOKENS = 8192
 """Padded tokens (rows x longest chunk) per batched forward: bounds the activations (E2B: ~0.5 GiB)."""
 
+MAX_BATCHED_PREFILL_KEYS = 131072
+"""Gathered keys (rows x most keys of a row) per batched forward: bounds the attention's K/V copies (E2B full
+layers, 8 query heads x 512 dims, bf16: ~1 GiB each for K and V at the limit)."""
+
 MAX_BATCHED_CHUNK_TOKENS = 128
 """Longest chunk that joins a batch. A chunk costs about max(one pass over the weights, its FLOPs): E2B on an
 H200 reads its 4.6 GB of weights in ~1.1 ms, the FLOPs of ~140 tokens. Shorter chunks (prefix-hit suffixes,
@@ -47,7 +51,8 @@ class BatchedPrefill:
 
     def __init__(self, model: GemmaForCausalLM, pools: KVPools, attention: Literal["eager", "sdpa"], *,
                  min_rows: int = 2, max_tokens: int = MAX_BATCHED_PREFILL_TOKENS,
-                 max_keys: int = MAX_GRAPH_PREFILL_KEYS, max_chunk: int = MAX_BATCHED_CHUNK_TOKENS) -> None:
+                 max_keys: int = MAX_GRAPH_PREFILL_KEYS, max_chunk: int = MAX_BATCHED_CHUNK_TOKENS,
+                 max_batch_keys: int = MAX_BATCHED_PREFILL_KEYS) -> None:
         if min_rows < 2 or max_tokens < 1 or max_keys < 1:
             raise ValueError(f"need min_rows >= 2 and positive limits, got {min_rows}, {max_tokens}, {max_keys}")
         self.model = model
@@ -56,6 +61,7 @@ class BatchedPrefill:
         self.min_rows = min_rows
         self.max_tokens = max_tokens
         self.max_keys = max_keys
+        self.max_batch_keys = max(max_batch_keys, max_keys)
         self.groups = list(pools.groups)
         windows = [g.window for g in pools.groups.values() if g.window is not None]
         self.max_chunk = min([max_chunk, max_tokens, *windows])
@@ -72,17 +78,25 @@ class BatchedPrefill:
         return all(start + num_new - self.pools.geometry[g].first_visible(start) <= self.max_keys
                    for g in self.groups)
 
-    def plan(self, sizes: Sequence[int]) -> list[list[int]]:
-        """Split chunk indices (in order) into sub-batches of at most ``max_tokens`` padded tokens."""
+    def num_keys(self, row: PagedKVCache, num_new: int) -> int:
+        """Keys the row's chunk gathers in its widest group."""
+        start = row.length
+        return max(start + num_new - self.pools.geometry[g].first_visible(start) for g in self.groups)
+
+    def plan(self, sizes: Sequence[int], keys: Sequence[int] | None = None) -> list[list[int]]:
+        """Split chunk indices (in order) into sub-batches of at most ``max_tokens`` padded tokens and
+        ``max_batch_keys`` gathered keys (rows x the most keys of a row; ``keys[i]`` of chunk ``i``)."""
+        keys = keys if keys is not None else [0] * len(sizes)
         batches: list[list[int]] = []
         current: list[int] = []
-        longest = 0
-        for index, size in enumerate(sizes):
-            if current and (len(current) + 1) * max(longest, size) > self.max_tokens:
+        longest = widest = 0
+        for index, (size, width) in enumerate(zip(sizes, keys)):
+            rows = len(current) + 1
+            if current and (rows * max(longest, size) > self.max_tokens or rows * max(widest, width) > self.max_batch_keys):
                 batches.append(current)
-                current, longest = [], 0
+                current, longest, widest = [], 0, 0
             current.append(index)
-            longest = max(longest, size)
+            longest, widest = max(longest, size), max(widest, width)
         if current:
             batches.append(current)
         return batches

@@ -145,6 +145,10 @@ class WarmPrefillContext:
 MAX_GRAPH_PREFILL_KEYS = 16384
 """Most keys per group a captured warm chunk attends over; rows with a longer context prefill eagerly."""
 
+MAX_WARM_GRAPHS = 64
+"""Warm shapes (chunk bucket x key buckets) captured at most; further shapes run the padded forward eagerly,
+so contexts of ever new lengths cannot keep paying first-use captures (~0.1 s each on the H200) forever."""
+
 
 class GraphPrefill:
     """Prefill chunks of up to ``buckets[-1]`` tokens through fixed buffers (see the module docstring).
@@ -158,7 +162,7 @@ class GraphPrefill:
 
     def __init__(self, model: GemmaForCausalLM, pools: KVPools, *, buckets: Sequence[int],
                  attention: Literal["eager", "sdpa"], use_graphs: bool,
-                 max_keys: int = MAX_GRAPH_PREFILL_KEYS) -> None:
+                 max_keys: int = MAX_GRAPH_PREFILL_KEYS, max_warm_graphs: int = MAX_WARM_GRAPHS) -> None:
         if list(buckets) != sorted(set(buckets)) or not buckets or buckets[0] < 1:
             raise ValueError(f"buckets must be increasing positive sizes, got {buckets}")
         self.model = model
@@ -182,6 +186,8 @@ class GraphPrefill:
         self.key_slots = {g: self.io[3 + num_groups + i] for i, g in enumerate(self.groups)}
         self.key_positions = {g: self.io[3 + 2 * num_groups + i] for i, g in enumerate(self.groups)}
         self.graphs = StepGraphs(self._forward, "prefill") if use_graphs else None
+        self.max_warm_graphs = max_warm_graphs
+        self._warm_keys: set[tuple] = set()  # warm shapes captured so far
         self.chunks = 0  # chunks served (for stats and tests)
         self.warm_chunks = 0
 
@@ -238,7 +244,11 @@ class GraphPrefill:
                 staged[3 + 2 * groups + i, :keys] = torch.arange(first, end)
         self.io[:, :width].copy_(staged)
         key = ("cold", bucket, want_logits) if cold else ("warm", bucket, key_buckets, want_logits)
-        outputs = self.graphs.run(key) if self.graphs is not None else self._forward(key)
+        capture = self.graphs is not None and (
+            cold or key in self._warm_keys or len(self._warm_keys) < self.max_warm_graphs)
+        if capture and not cold:
+            self._warm_keys.add(key)
+        outputs = self.graphs.run(key) if capture else self._forward(key)
         row.commit_append(num_new)
         if not cold:
             row.release_out_of_window(0)
