@@ -198,6 +198,25 @@ def build_tiny_gemma3(path: str | Path, *, seed: int = 0, **overrides: Any) -> P
 _WRAPPER_TYPES = {"gemma4_text": "gemma4", "gemma3_text": "gemma3"}
 
 
+def build_tiny_llama(path: str | Path, *, seed: int = 0, max_position_embeddings: int = 1024) -> Path:
+    """Save a tiny random Llama-style model (3 layers, GQA 4/2 heads, head dim 16, one head dim, full attention
+    everywhere, untied head) + tokenizer to `path`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=max_position_embeddings, rope_theta=10_000.0,
+        tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    )
+    model = LlamaForCausalLM(config)
+    _perturb_(model, seed)
+    model.save_pretrained(str(path))
+    save_tiny_tokenizer(path)
+    return path
+
+
 def wrap_as_multimodal(
     src: str | Path,
     dst: str | Path,

@@ -4,7 +4,7 @@ The Gemma 4 checkpoint comes from ``tests/tiny_checkpoints.py::build_tiny_gemma4
 Gemma 4 text feature: sliding + full layers with head dims 16 / 32, KV sharing over the last 3
 layers, PLE, double-wide MLP, softcap 30, sliding window 8, hub-style config.json); this module
 adds a chat template to it. The Llama-style checkpoint (one head dim, GQA, no sliding, no sharing,
-no chat template) is built here with the same tiny tokenizer.
+no chat template) is the shared ``build_tiny_llama`` with a 128-token context.
 """
 
 from __future__ import annotations
@@ -50,33 +50,8 @@ def build_gemma4_checkpoint(path: Path) -> Path:
 
 
 def build_llama_checkpoint(path: Path) -> Path:
-    """A tiny random Llama-style checkpoint (3 layers, GQA 4/2 heads, head dim 16, 128 positions)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config)
-    generator = torch.Generator().manual_seed(2)
-    with torch.no_grad():  # away from init so the tiny model's greedy tokens vary with context
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            param.copy_(1.0 + 0.3 * noise if "norm" in name else 0.1 * noise)
-    model.save_pretrained(str(path))
-    shared_checkpoints().save_tiny_tokenizer(path)
-    return path
+    """The shared tiny Llama-style checkpoint with a 128-token context (the hf tests' length limits)."""
+    return shared_checkpoints().build_tiny_llama(path, max_position_embeddings=128)
 
 
 def hf_greedy(model: Any, prompt: list[int] | tuple[int, ...], num_tokens: int) -> list[int]:

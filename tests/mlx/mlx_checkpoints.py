@@ -2,7 +2,7 @@
 
 Gemma 4 / Gemma 3 (and the multimodal wrapper) come from the shared builders in
 ``tests/tiny_checkpoints.py`` (importable from every test folder: ``tests/`` is on the path
-through the root conftest); the Llama-style builder lives here.
+through the root conftest), and so does the Llama-style one.
 """
 
 from __future__ import annotations
@@ -23,32 +23,9 @@ def shared_builders() -> ModuleType:
     return tiny_checkpoints
 
 
-def build_tiny_llama(path: Path, *, seed: int = 0) -> Path:
-    """A Llama-style model: one head dim, GQA, full attention everywhere, untied head."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    shared = shared_builders()
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=shared.VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        rope_theta=10_000.0,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-    )
-    model = LlamaForCausalLM(config)
-    shared._perturb_(model, seed)
-    model.save_pretrained(str(path))
-    shared.save_tiny_tokenizer(path)
-    return path
+def build_tiny_llama(path: Path) -> Path:
+    """The shared tiny Llama-style model (one head dim, GQA, full attention everywhere, untied head)."""
+    return shared_builders().build_tiny_llama(path)
 
 
 def build_gemma4_per_layer_config(path: Path) -> Path:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
@@ -184,10 +185,7 @@ class BackendContractTests:
         self._batched(backend)
         prompts = self.make_prompts(backend)[:3]
         with backend.lock:
-            batch = None
-            for prompt in prompts:
-                result = backend.prefill(prompt)
-                batch = backend.splice_into_batched(batch, result.kv, backend.kv_length(result.kv))
+            batch = _prefilled_batch(backend, prompts)
             lengths = [len(p) for p in prompts]
             assert [backend.kv_length(batch, i) for i in range(3)] == lengths
             backend.decode_step_batched(batch, [prompt[-1] for prompt in prompts])
@@ -204,10 +202,7 @@ class BackendContractTests:
         self._batched(backend)
         prompts = self.make_prompts(backend)[:3]
         with backend.lock:
-            batch = None
-            for prompt in prompts:
-                result = backend.prefill(prompt)
-                batch = backend.splice_into_batched(batch, result.kv, backend.kv_length(result.kv))
+            batch = _prefilled_batch(backend, prompts)
             logits = backend.decode_step_batched(batch, [p[-1] for p in prompts])
             a, b = RowSampling(0.9, 0.95, 20, 11, 3), RowSampling(1.3, 1.0, 0, 12, 5)
             first = backend.sample(logits, [a, RowSampling(0.7, 1.0, 0, 1, 1), b]).token_ids
@@ -288,6 +283,15 @@ class BackendContractTests:
         self._batched(backend)
         self._core_cache(backend)
         run_row_ops_property(backend, max_examples=self.property_examples)
+
+
+def _prefilled_batch(backend: InferenceBackend, prompts: Sequence[Sequence[int]]) -> Any:
+    """Prefill each prompt and splice the rows, in order, into one batch (``backend.lock`` held)."""
+    batch = None
+    for prompt in prompts:
+        result = backend.prefill(prompt)
+        batch = backend.splice_into_batched(batch, result.kv, backend.kv_length(result.kv))
+    return batch
 
 
 def run_row_ops_property(
