@@ -224,19 +224,14 @@ class _StopWatcher:
 
     def on_tokens(self, new_token_ids: Sequence[int]) -> tuple[list[int], str]:
         """Feed tokens; returns (the tokens kept, the new final text). Cancels the request on a match."""
-        kept: list[int] = []
-        text = ""
-        for token in new_token_ids:
-            if self.stopped:
-                break
-            delta = self.detok.add([token])
-            kept.append(token)
-            text += delta.text
-            if delta.stopped:
-                self.stopped = True
-                self.engine.cancel(self.request_id, reason=FinishReason.STOP)
-        self.token_ids.extend(kept)
-        return kept, text
+        was_stopped = self.stopped
+        consumed, delta = self.detok.add_until_stop(new_token_ids)
+        kept = list(new_token_ids[:consumed])
+        self.token_ids += kept
+        self.stopped = delta.stopped
+        if self.stopped and not was_stopped:
+            self.engine.cancel(self.request_id, reason=FinishReason.STOP)
+        return kept, delta.text
 
     def flush(self) -> str:
         """At the end without a match so far: release the held-back tail (it may still hold a match)."""

@@ -78,6 +78,22 @@ class IncrementalDetokenizer:
         self._decode_window(final=False)
         return self._release(final=False)
 
+    def add_until_stop(self, new_token_ids: Sequence[int]) -> tuple[int, DetokenizedDelta]:
+        """Like :meth:`add`, but token by token so a stop string ends the feed: returns how many tokens
+        were consumed (all of them, or up to and including the one that completed the match; 0 once
+        stopped) and the text they made final."""
+        if self.stopped:
+            return 0, DetokenizedDelta("", True, self.stop_string)
+        if not self.stop:
+            return len(new_token_ids), self.add(new_token_ids)
+        text = ""
+        for count, token in enumerate(new_token_ids, 1):
+            delta = self.add([token])
+            text += delta.text
+            if delta.stopped:
+                return count, DetokenizedDelta(text, True, delta.stop_string)
+        return len(new_token_ids), DetokenizedDelta(text)
+
     def flush(self) -> str:
         """At the end of the request: release held-back text (it did not become a stop string),
         including an unfinished character as U+FFFD. A stop string is still cut off."""

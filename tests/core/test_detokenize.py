@@ -60,3 +60,13 @@ def test_stop_string_is_never_emitted(text: str, stop: str) -> None:
         assert detok.stopped
     else:
         assert out == text
+
+
+def test_add_until_stop_consumes_up_to_the_token_completing_the_match():
+    detok = IncrementalDetokenizer(TOKENIZER, ["END"])
+    consumed, delta = detok.add_until_stop(TOKENIZER.encode("abcENDxyz"))
+    assert (consumed, delta.text, delta.stopped, delta.stop_string) == (6, "abc", True, "END")
+    assert detok.add_until_stop(TOKENIZER.encode("more")) == (0, type(delta)("", True, "END"))
+    plain = IncrementalDetokenizer(TOKENIZER)
+    consumed, delta = plain.add_until_stop(TOKENIZER.encode("abcEND"))
+    assert (consumed, delta.text, delta.stopped) == (6, "abcEND", False)

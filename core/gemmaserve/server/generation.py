@@ -215,18 +215,16 @@ class Generation:
         step = Step("", [], [] if self.prepared.want_logprobs else None)
         if token_ids:
             self.timing.on_tokens()
-        for index, token in enumerate(token_ids):
-            delta = self._detok.add([token])
-            step.text += delta.text
-            step.token_ids.append(token)
-            self.token_ids.append(token)
-            if step.logprobs is not None and logprobs is not None and index < len(logprobs):
-                step.logprobs.append(logprobs[index])
-                self.logprobs.append(logprobs[index])
-            if delta.stopped:
-                self.finish_reason = step.finish_reason = "stop"
-                self.timing.end = time.monotonic()
-                break
+        consumed, delta = self._detok.add_until_stop(token_ids)
+        step.text = delta.text
+        step.token_ids = list(token_ids[:consumed])
+        self.token_ids += step.token_ids
+        if step.logprobs is not None and logprobs is not None:
+            step.logprobs = list(logprobs[:consumed])
+            self.logprobs += step.logprobs
+        if delta.stopped:
+            self.finish_reason = step.finish_reason = "stop"
+            self.timing.end = time.monotonic()
         return step
 
     def _fail(self, reason: str, error_type: str | None, message: str | None) -> None:
