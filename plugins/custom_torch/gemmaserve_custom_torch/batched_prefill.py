@@ -72,16 +72,11 @@ class BatchedPrefill:
 
     def applies(self, row: PagedKVCache, num_new: int) -> bool:
         """True if a chunk of ``num_new`` tokens appended to ``row`` can join a batch."""
-        if not 0 < num_new <= self.max_chunk:
-            return False
-        start = row.length
-        return all(start + num_new - self.pools.geometry[g].first_visible(start) <= self.max_keys
-                   for g in self.groups)
+        return 0 < num_new <= self.max_chunk and self.num_keys(row, num_new) <= self.max_keys
 
     def num_keys(self, row: PagedKVCache, num_new: int) -> int:
         """Keys the row's chunk gathers in its widest group."""
-        start = row.length
-        return max(start + num_new - self.pools.geometry[g].first_visible(start) for g in self.groups)
+        return row.length + num_new - min(self.pools.first_visible(row.length))
 
     def plan(self, sizes: Sequence[int], keys: Sequence[int] | None = None) -> list[list[int]]:
         """Split chunk indices (in order) into sub-batches of at most ``max_tokens`` padded tokens and
@@ -113,7 +108,6 @@ class BatchedPrefill:
         if not count or len(chunks) != count or len(want_logits) != count:
             raise ValueError(f"{count} rows, {len(chunks)} chunks, {len(want_logits)} logits flags")
         sizes = [len(c) for c in chunks]
-        assert all(self.applies(row, n) for row, n in zip(rows, sizes))
         starts = [row.length for row in rows]
         for row, n in zip(rows, sizes):
             row.prepare_append(n, release=False)  # the chunks' first queries still read those blocks
@@ -122,7 +116,7 @@ class BatchedPrefill:
         ids = torch.zeros((count, width), dtype=torch.int64)
         positions = torch.zeros((count, width), dtype=torch.int64)
         write_slots, key_slots, key_positions = {}, {}, {}
-        firsts = {g: [self.pools.geometry[g].first_visible(start) for start in starts] for g in self.groups}
+        firsts = dict(zip(self.groups, zip(*(self.pools.first_visible(start) for start in starts))))
         for group in self.groups:
             scratch = self.pools.scratch_block(group) * bs
             keys = max(start + n - first for start, n, first in zip(starts, sizes, firsts[group]))

@@ -200,9 +200,8 @@ class GraphPrefill:
             return True
         if num_new > self.max_warm_tokens:
             return False
-        start = row.length
-        return all(start + num_new - self.pools.geometry[g].first_visible(start) <= self.key_buckets[-1]
-                   for g in self.groups)
+        end = row.length + num_new
+        return all(end - first <= self.key_buckets[-1] for first in self.pools.first_visible(row.length))
 
     @torch.inference_mode()
     def prefill(self, row: PagedKVCache, token_ids: Sequence[int], *, want_logits: bool) -> Tensor | None:
@@ -210,7 +209,6 @@ class GraphPrefill:
         [1, vocab] if ``want_logits``. Raises KVCapacityError (row unchanged) if a pool lacks blocks. On any
         other exception the row's KV is undefined: free it."""
         num_new = len(token_ids)
-        assert self.applies(row, num_new)
         start = row.length
         bucket = pick_bucket(self.buckets, num_new)
         bs = self.pools.block_size
@@ -221,7 +219,7 @@ class GraphPrefill:
             width = bucket
         else:
             row.prepare_append(num_new, release=False)  # the chunk's first queries still read those blocks
-            firsts = [self.pools.geometry[g].first_visible(start) for g in self.groups]
+            firsts = self.pools.first_visible(start)
             key_buckets = tuple(pick_bucket(self.key_buckets, start + num_new - first) for first in firsts)
             width = max(bucket, *key_buckets)
         end = start + num_new

@@ -158,6 +158,11 @@ class KVPools:
         self.reclaimer: Reclaimer | None = None
         self.live_rows: set[object] = set()  # every PagedKVCache not yet freed (for leak checks)
 
+    def first_visible(self, start: int) -> list[int]:
+        """Per group (in ``groups`` order): the first key position a query at ``start`` sees, i.e. where the
+        keys of a chunk appended at ``start`` begin."""
+        return [self.geometry[group].first_visible(start) for group in self.groups]
+
     def scratch_block(self, group: str) -> int:
         """Id of ``group``'s scratch block (never allocated; padding rows of graph decode use it)."""
         return self.managers[group].num_blocks
