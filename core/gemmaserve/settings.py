@@ -13,13 +13,14 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gemmaserve.errors import ConfigurationError
 
-__all__ = ["CoreSettings", "build_settings", "load_settings", "format_validation_error", "DEVICE_CHOICES", "DTYPE_CHOICES"]
+__all__ = ["CoreSettings", "build_settings", "env_alias", "load_settings", "format_validation_error", "DEVICE_CHOICES", "DTYPE_CHOICES"]
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "mps")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 
-def _env(name: str) -> AliasChoices:
+def env_alias(name: str) -> AliasChoices:
+    """A settings field read from ``NAME`` or ``GEMMASERVE_NAME`` (core and plugin settings alike)."""
     return AliasChoices(name, f"GEMMASERVE_{name}")
 
 
@@ -31,48 +32,48 @@ class CoreSettings(BaseSettings):
 
     backend: str = Field(
         "auto",
-        validation_alias=_env("BACKEND"),
+        validation_alias=env_alias("BACKEND"),
         description="Backend name (see `gemmaserve backends`) or 'auto'. Wins over device auto-detection.",
     )
     device: Literal["auto", "cpu", "cuda", "mps"] = Field(
-        "auto", validation_alias=_env("DEVICE"), description="Device: auto (cuda > mps > cpu), cpu, cuda or mps."
+        "auto", validation_alias=env_alias("DEVICE"), description="Device: auto (cuda > mps > cpu), cpu, cuda or mps."
     )
     model: str | None = Field(
         None,
-        validation_alias=_env("MODEL"),
+        validation_alias=env_alias("MODEL"),
         description="Path to a Hugging Face checkpoint directory. Unset: the embedded default model.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", validation_alias=_env("DTYPE"), description="Model dtype; auto = bfloat16 on GPUs, float32 on CPU."
+        "auto", validation_alias=env_alias("DTYPE"), description="Model dtype; auto = bfloat16 on GPUs, float32 on CPU."
     )
     max_active_kv_tokens: int = Field(
         65536,
         ge=1,
-        validation_alias=_env("MAX_ACTIVE_KV_TOKENS"),
+        validation_alias=env_alias("MAX_ACTIVE_KV_TOKENS"),
         description="Upper bound on the KV tokens (prompt + max_tokens) of all admitted requests together.",
     )
-    kv_block_size: int = Field(16, ge=1, le=1024, validation_alias=_env("KV_BLOCK_SIZE"), description="Tokens per KV block.")
+    kv_block_size: int = Field(16, ge=1, le=1024, validation_alias=env_alias("KV_BLOCK_SIZE"), description="Tokens per KV block.")
     prefix_cache_blocks: int = Field(
-        2048, ge=0, validation_alias=_env("PREFIX_CACHE_BLOCKS"),
+        2048, ge=0, validation_alias=env_alias("PREFIX_CACHE_BLOCKS"),
         description="Blocks in the core prefix-cache pool (backends using the core CacheManager); 0 disables it.",
     )
-    max_batch_size: int = Field(64, ge=1, validation_alias=_env("MAX_BATCH_SIZE"), description="Max concurrent decoding rows.")
+    max_batch_size: int = Field(64, ge=1, validation_alias=env_alias("MAX_BATCH_SIZE"), description="Max concurrent decoding rows.")
     max_model_len: int | None = Field(
-        None, ge=1, validation_alias=_env("MAX_MODEL_LEN"),
+        None, ge=1, validation_alias=env_alias("MAX_MODEL_LEN"),
         description="Max prompt + output tokens per request; unset = the model's own limit.",
     )
     prefill_chunk_tokens: int = Field(
-        512, ge=1, validation_alias=_env("PREFILL_CHUNK_TOKENS"),
+        512, ge=1, validation_alias=env_alias("PREFILL_CHUNK_TOKENS"),
         description="Max prompt tokens prefilled per request per scheduler tick (chunked prefill).",
     )
     max_waiting_requests: int = Field(
-        1024, ge=1, validation_alias=_env("MAX_WAITING_REQUESTS"),
+        1024, ge=1, validation_alias=env_alias("MAX_WAITING_REQUESTS"),
         description="Queue bound; beyond it new requests are refused as overloaded (HTTP 429).",
     )
-    host: str = Field("127.0.0.1", validation_alias=_env("HOST"), description="HTTP server bind address.")
-    port: int = Field(8000, ge=0, le=65535, validation_alias=_env("PORT"), description="HTTP server port.")
+    host: str = Field("127.0.0.1", validation_alias=env_alias("HOST"), description="HTTP server bind address.")
+    port: int = Field(8000, ge=0, le=65535, validation_alias=env_alias("PORT"), description="HTTP server port.")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
-        "info", validation_alias=_env("LOG_LEVEL"), description="Logging level."
+        "info", validation_alias=env_alias("LOG_LEVEL"), description="Logging level."
     )
 
     @field_validator("backend")

@@ -17,16 +17,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from gemmaserve.settings import build_settings
+from gemmaserve.settings import build_settings, env_alias
 
 __all__ = ["HFTorchSettings", "load_hf_settings"]
-
-
-def _env(name: str) -> AliasChoices:
-    return AliasChoices(name, f"GEMMASERVE_{name}")
 
 
 class HFTorchSettings(BaseSettings):
@@ -36,15 +32,15 @@ class HFTorchSettings(BaseSettings):
 
     compile_model: bool = Field(
         False,
-        validation_alias=_env("COMPILE_MODEL"),
+        validation_alias=env_alias("COMPILE_MODEL"),
         description="torch.compile the model; if compiling fails, log a warning and fall back to eager.",
     )
     hf_attn_implementation: Literal["sdpa", "eager"] = Field(
-        "sdpa", validation_alias=_env("HF_ATTN_IMPLEMENTATION"), description="Attention kernel: sdpa or eager."
+        "sdpa", validation_alias=env_alias("HF_ATTN_IMPLEMENTATION"), description="Attention kernel: sdpa or eager."
     )
     trust_remote_code: bool = Field(
         False,
-        validation_alias=_env("TRUST_REMOTE_CODE"),
+        validation_alias=env_alias("TRUST_REMOTE_CODE"),
         description="Allow model code shipped inside the checkpoint directory (runs that code).",
     )
 

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import AliasChoices, Field
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from gemmaserve.settings import build_settings
+from gemmaserve.settings import build_settings, env_alias
 
 __all__ = ["MlxSettings", "load_mlx_settings"]
-
-
-def _env(name: str) -> AliasChoices:
-    return AliasChoices(name, f"GEMMASERVE_{name}")
 
 
 class MlxSettings(BaseSettings):
@@ -25,14 +21,14 @@ class MlxSettings(BaseSettings):
         256,
         ge=1,
         le=65536,
-        validation_alias=_env("MLX_KV_GROWTH"),
+        validation_alias=env_alias("MLX_KV_GROWTH"),
         description="Columns added each time a batched KV buffer grows; also how far sliding-window layers "
         "may run past their window before their oldest columns are dropped.",
     )
     stream_prompt_caches: int = Field(
         4,
         ge=0,
-        validation_alias=_env("MLX_STREAM_PROMPT_CACHES"),
+        validation_alias=env_alias("MLX_STREAM_PROMPT_CACHES"),
         description="mlx-stream: how many finished streams' KV caches to keep for prefix reuse (LRU, one per "
         "session id); each holds its prompt + output KV. 0 disables reuse.",
     )
