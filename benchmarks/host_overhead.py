@@ -1,0 +1,87 @@
+"""Host time per scheduler tick of the custom_torch decode path, with the model forward stubbed out (CPU).
+
+What a decode step costs the host besides the GPU work: the scheduler's per-request bookkeeping (tokens,
+events), the backend's block bookkeeping of rows crossing a block boundary, and staging the fixed decode
+buffers. A tiny random Gemma 4 checkpoint is built in a temporary folder; `StaticDecoder`'s forward is
+replaced by precomputed logits, so the time measured is host work only.
+
+Usage (repo root):  TRITON_INTERPRET=1 PYTHONPATH=core:plugins/custom_torch:tests \\
+                    .venv/bin/python benchmarks/host_overhead.py --rows 256 [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from gemmaserve.engine.request import Request
+from gemmaserve.engine.scheduler import ContinuousBatchScheduler
+from gemmaserve.sampling_params import SamplingParams
+from gemmaserve.settings import CoreSettings
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=128, help="output tokens per request")
+    parser.add_argument("--profile", action="store_true", help="print the top functions (cProfile)")
+    args = parser.parse_args()
+
+    from gemmaserve_custom_torch.backend import CustomTorchBackend
+    from gemmaserve_custom_torch.models import GemmaForCausalLM
+    from gemmaserve_custom_torch.settings import load_custom_settings
+    from gemmaserve_custom_torch.tokenizer import HFTokenizer
+    from tiny_checkpoints import build_tiny_gemma4
+
+    torch.set_num_threads(1)
+    rows = args.rows
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_tiny_gemma4(Path(tmp) / "ckpt")
+        model = GemmaForCausalLM.from_hf(path, "cpu", torch.float32)
+        core = CoreSettings(model=str(path), device="cpu", dtype="float32", kv_block_size=16, max_batch_size=rows,
+                            max_active_kv_tokens=10**7, prefill_chunk_tokens=512, max_waiting_requests=4096)
+        backend = CustomTorchBackend(model, HFTokenizer.from_pretrained(path), core,
+                                     load_custom_settings(attention="triton", kv_blocks=rows * 24))
+    decoder = backend.decoder
+    assert decoder is not None, "needs the fixed-buffer decoder: run with TRITON_INTERPRET=1"
+    stub: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def stubbed_forward(bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if bucket not in stub:
+            logits = torch.zeros(bucket, model.config.vocab_size)
+            logits[:, 7] = 1.0
+            stub[bucket] = (logits, logits.argmax(-1))
+        return stub[bucket]
+
+    decoder._forward = stubbed_forward
+    scheduler = ContinuousBatchScheduler(backend, core)
+    params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
+    prompts = [tuple((i * 7 + j) % 400 + 4 for j in range(20)) for i in range(rows)]
+    for round_name in ("warm-up", "timed"):
+        for i, prompt in enumerate(prompts):
+            scheduler.add_request(Request(f"{round_name}{i}", prompt, params))
+        scheduler.step()  # admit and prefill every request
+        profile = cProfile.Profile() if args.profile and round_name == "timed" else None
+        ticks, start = 0, time.perf_counter()
+        if profile is not None:
+            profile.enable()
+        while scheduler.has_work:
+            scheduler.step()
+            ticks += 1
+        if profile is not None:
+            profile.disable()
+        elapsed = time.perf_counter() - start
+    print(f"rows={rows}: {ticks} decode ticks, {elapsed / ticks * 1e3:.3f} ms host time per tick"
+          + (" (under cProfile)" if args.profile else ""))
+    if args.profile:
+        pstats.Stats(profile).sort_stats("tottime").print_stats(20)
+
+
+if __name__ == "__main__":
+    main()
