@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-__all__ = ["DeviceReport", "detect_devices", "is_apple_silicon"]
+__all__ = ["DeviceReport", "detect_devices", "device_unavailable_reason", "is_apple_silicon"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,3 +46,13 @@ def detect_devices() -> DeviceReport:
             unavailable["mps"] = "not Apple silicon" if not is_apple_silicon() else "torch reports MPS unavailable"
     available.append("cpu")
     return DeviceReport(best=available[0], available=tuple(available), unavailable=unavailable)
+
+
+def device_unavailable_reason(device: str) -> str | None:
+    """None if ``device`` (``cpu``, ``cuda`` or ``mps``) works here (see :func:`detect_devices`), else why not."""
+    report = detect_devices()
+    if device in report.available:
+        return None
+    if device in report.unavailable:
+        return f"DEVICE={device}: {report.unavailable[device]}"
+    return f"unknown device {device!r} (accepted: cpu, cuda, mps)"

@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gemmaserve.hardware import device_unavailable_reason
+
 if TYPE_CHECKING:
     from gemmaserve.settings import CoreSettings
 
@@ -24,7 +26,7 @@ def unavailable_reason(settings: CoreSettings, device: str) -> str | None:
     """Why a custom-* backend cannot run ``settings.model`` on ``device``, or None if it can."""
     if importlib.util.find_spec("torch") is None:
         return 'torch is not installed (pip install "gemmaserve[custom-torch]")'
-    reason = _device_reason(device)
+    reason = device_unavailable_reason(device)
     if reason is not None:
         return reason
     return architecture_reason(settings.model)
@@ -49,16 +51,3 @@ def architecture_reason(model: str | None) -> str | None:
             f"{', '.join(SUPPORTED_ARCHITECTURES)}; use BACKEND=hf for other models)"
         )
     return None
-
-
-def _device_reason(device: str) -> str | None:
-    import torch
-
-    if device == "cpu":
-        return None
-    if device == "cuda":
-        return None if torch.cuda.is_available() else "no CUDA device visible to torch"
-    if device == "mps":
-        mps = getattr(torch.backends, "mps", None)
-        return None if mps is not None and mps.is_available() else "torch reports MPS unavailable"
-    return f"unknown device {device!r} (custom-* backends run on cpu, cuda or mps)"

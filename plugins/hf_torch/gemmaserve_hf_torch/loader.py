@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gemmaserve.errors import ConfigurationError, ModelLoadError
-from gemmaserve_hf_torch.probe import device_problem, model_dir_problem
+from gemmaserve.hardware import device_unavailable_reason
+from gemmaserve_hf_torch.probe import model_dir_problem
 from gemmaserve_hf_torch.tokenizer import HFTokenizer, load_tokenizer
 
 if TYPE_CHECKING:
@@ -163,7 +164,7 @@ def load_model(model_path: str, device: str, settings: CoreSettings, hf_settings
     """Load the checkpoint directory ``model_path`` onto ``device``. Raises ModelLoadError (bad
     directory, architecture or dtype) or ConfigurationError (no context length known)."""
     path = Path(model_path).expanduser()
-    problem = model_dir_problem(path, trust_remote_code=hf_settings.trust_remote_code) or device_problem(device)
+    problem = model_dir_problem(path, trust_remote_code=hf_settings.trust_remote_code) or device_unavailable_reason(device)
     if problem is not None:
         raise ModelLoadError(problem)
     torch_device = torch.device(device)

@@ -11,10 +11,12 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gemmaserve.hardware import device_unavailable_reason
+
 if TYPE_CHECKING:
     from gemmaserve.settings import CoreSettings
 
-__all__ = ["unavailable_reason", "model_dir_problem", "device_problem", "WEIGHT_PATTERNS"]
+__all__ = ["unavailable_reason", "model_dir_problem", "WEIGHT_PATTERNS"]
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 _WELL_KNOWN_TYPES = ("gemma4", "gemma4_text", "gemma3", "gemma3_text", "gemma2", "gemma", "llama", "mistral", "qwen3")
@@ -31,7 +33,7 @@ def unavailable_reason(settings: CoreSettings, device: str) -> str | None:
         import transformers  # noqa: F401
     except Exception as exc:  # a broken install must read as "unavailable", not crash the listing
         return f"torch/transformers failed to import: {type(exc).__name__}: {exc}"
-    problem = device_problem(device)
+    problem = device_unavailable_reason(device)
     if problem is not None:
         return problem
     if settings.model:
@@ -44,20 +46,6 @@ def unavailable_reason(settings: CoreSettings, device: str) -> str | None:
             return str(exc)
         return model_dir_problem(Path(settings.model), trust_remote_code=trust_remote_code)
     return None
-
-
-def device_problem(device: str) -> str | None:
-    """Why torch cannot use ``device`` here (``cpu``, ``cuda`` or ``mps``), or None."""
-    import torch
-
-    if device == "cpu":
-        return None
-    if device == "cuda":
-        return None if torch.cuda.is_available() else "DEVICE=cuda but torch sees no CUDA device"
-    if device == "mps":
-        mps = getattr(torch.backends, "mps", None)
-        return None if mps is not None and mps.is_available() else "DEVICE=mps but torch reports MPS unavailable"
-    return f"unknown device {device!r}; the hf backend runs on cpu, cuda or mps"
 
 
 def model_dir_problem(path: Path, *, trust_remote_code: bool) -> str | None:
