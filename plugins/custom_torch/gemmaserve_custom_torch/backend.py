@@ -238,7 +238,7 @@ class CustomTorchBackend(InferenceBackend):
         if self.decoder is not None and not want_logprobs and all(row.is_greedy for row in rows):
             greedy = self.decoder.greedy_tokens(logits)  # the argmax the decode graph already took
         if greedy is not None:
-            return SampledTokens([int(t) for t in greedy.tolist()])
+            return SampledTokens(greedy.tolist())  # int64 tensor: tolist() gives ints
         return sample_tokens(logits, rows, want_logprobs=want_logprobs)
 
     def free_row_kv(self, kv: PagedKVCache) -> None:

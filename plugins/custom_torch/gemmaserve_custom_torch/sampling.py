@@ -31,7 +31,7 @@ def sample_tokens(logits: torch.Tensor, rows: Sequence[RowSampling], *, want_log
     if not want_logprobs and all(row.is_greedy for row in rows):
         # argmax in the logits' own dtype: widening is exact and monotone, so the pick (ties: lowest index) is
         # the same as in float64, without the [rows, vocab] float64 copy
-        return SampledTokens([int(t) for t in logits.argmax(dim=-1).tolist()])
+        return SampledTokens(logits.argmax(dim=-1).tolist())
     work_dtype = torch.float32 if logits.device.type == "mps" else torch.float64
     values = logits.to(work_dtype)
     tokens = values.argmax(dim=-1)
@@ -39,7 +39,7 @@ def sample_tokens(logits: torch.Tensor, rows: Sequence[RowSampling], *, want_log
     if sampled:
         index = torch.tensor(sampled, device=logits.device)
         tokens[index] = _sample_filtered(values[index], [rows[i] for i in sampled])
-    token_list = [int(t) for t in tokens.tolist()]
+    token_list = tokens.tolist()
     if not want_logprobs:
         return SampledTokens(token_list)
     logprobs = torch.log_softmax(values, dim=-1).gather(1, tokens[:, None])[:, 0]

@@ -37,7 +37,7 @@ def sample_tokens(logits: torch.Tensor, rows: Sequence[RowSampling], *, want_log
     for index, row in enumerate(rows):
         if not row.is_greedy:
             chosen[index] = _sample_row(scores[index], row)
-    token_ids = [int(t) for t in chosen.tolist()]
+    token_ids = chosen.tolist()
     if not want_logprobs:
         return SampledTokens(token_ids)
     logprobs = torch.log_softmax(scores, dim=-1).gather(1, chosen[:, None])[:, 0]
