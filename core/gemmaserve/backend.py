@@ -13,6 +13,12 @@ while holding ``backend.lock``:
     tokens = sample(logits, rows)
     remove_row_from_cache(batch, i)             # row i finished; rows after i shift down by one
 
+Backends with ``capabilities.mixed_step`` run a whole tick (the decoding rows plus the prefill chunks
+the token budget allows) as ONE call instead of ``prefill_chunks`` + ``decode_step_batched``:
+
+    out = forward_step(states, num_tokens, batch, last_tokens)   # one forward over everything
+    tokens = sample(out.decode_logits, rows)                     # first tokens from state.last_logits
+
 Row order is list order: the batch's row ``i`` is the ``i``-th spliced row still present, and
 ``remove_row_from_cache`` behaves like ``list.pop(i)``. KV handles (``RowKV``, ``BatchKV``) are
 opaque to the core; only the backend that made them may touch them.
@@ -49,6 +55,7 @@ __all__ = [
     "PrefillState",
     "PrefillResult",
     "SampledTokens",
+    "StepOutput",
     "InferenceBackend",
     "RowKV",
     "BatchKV",
@@ -76,12 +83,15 @@ class BackendCapabilities:
     - ``kv_reservation``: implements ``kv_reserve`` / ``kv_release``; the scheduler admits a request only
       once its reservation succeeds.
     - ``logprobs``: ``sample(..., want_logprobs=True)`` returns the chosen tokens' log-probabilities.
+    - ``mixed_step``: implements :meth:`InferenceBackend.forward_step`; the scheduler then runs each tick's
+      prefill chunks and decode rows through that one call.
     """
 
     continuous_batching: bool = True
     uses_core_cache_manager: bool = True
     kv_reservation: bool = False
     logprobs: bool = False
+    mixed_step: bool = False
     max_concurrent_streams: int = 1
 
 
@@ -156,6 +166,15 @@ class SampledTokens:
     logprobs: list[float] | None = None
 
 
+@dataclass(slots=True)
+class StepOutput:
+    """Result of :meth:`InferenceBackend.forward_step`: per prefill state None or the exception its chunk
+    raised, and the decode logits [rows, vocab] (None when the batch was empty)."""
+
+    prefill_errors: list[Exception | None]
+    decode_logits: Logits | None
+
+
 class InferenceBackend(ABC):
     """Base class every backend implements. See the module docstring for the call protocol.
 
@@ -211,6 +230,22 @@ class InferenceBackend(ABC):
             else:
                 errors.append(None)
         return errors
+
+    def forward_step(
+        self, states: Sequence[PrefillState], num_tokens: Sequence[int], batched: BatchKV | None,
+        input_ids: Sequence[int],
+    ) -> StepOutput:
+        """One tick in one call (backends with ``capabilities.mixed_step``): advance ``states[i]`` by a chunk
+        of at most ``num_tokens[i]`` tokens and at least one (a backend may take fewer, e.g. to stay within
+        what its forward supports), setting ``last_logits`` where a prompt completes, and decode one token
+        for every row of ``batched`` (row ``i`` consumes ``input_ids[i]``), as ``prefill_chunks`` followed by
+        ``decode_step_batched`` would, but meant as one forward over all of it.
+
+        A chunk's exception is reported in ``prefill_errors`` (that request fails alone). If the call raises,
+        the batch's rows must hold the KV they held before (the scheduler retries them alone, as after a
+        failed ``decode_step_batched``) and states that did not advance are retried with ``prefill_chunk``.
+        The states and the batch's rows are disjoint."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement forward_step (mixed_step is False)")
 
     @abstractmethod
     def prefill_store(self, state: PrefillState) -> None:

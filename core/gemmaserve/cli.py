@@ -35,6 +35,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-batch-size", type=int, help="max concurrent decoding rows (env MAX_BATCH_SIZE)")
     group.add_argument("--max-active-kv-tokens", type=int, help="KV token budget (env MAX_ACTIVE_KV_TOKENS)")
     group.add_argument("--max-model-len", type=int, help="max prompt+output tokens per request (env MAX_MODEL_LEN)")
+    group.add_argument("--max-num-batched-tokens", type=int,
+                       help="token budget of one scheduler tick, decode rows first (env MAX_NUM_BATCHED_TOKENS)")
     group.add_argument("--log-level", help="debug, info, warning or error (env LOG_LEVEL)")
 
 
@@ -57,6 +59,7 @@ def settings_from_args(args: argparse.Namespace) -> CoreSettings:
         max_batch_size=args.max_batch_size,
         max_active_kv_tokens=args.max_active_kv_tokens,
         max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         log_level=args.log_level,
     )
 
@@ -203,7 +206,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = load_settings(
         model=args.model, backend=args.backend, device=args.device, dtype=args.dtype,
         max_batch_size=args.max_batch_size, max_active_kv_tokens=args.max_active_kv_tokens,
-        max_model_len=args.max_model_len, log_level=args.log_level, host=args.host, port=args.port,
+        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+        log_level=args.log_level, host=args.host, port=args.port,
     )
     _setup_logging(settings)
     serve(settings)

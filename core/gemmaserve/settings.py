@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypeVar
 
-from pydantic import AliasChoices, Field, ValidationError, field_validator
+from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gemmaserve.errors import ConfigurationError
@@ -66,6 +66,11 @@ class CoreSettings(BaseSettings):
         512, ge=1, validation_alias=env_alias("PREFILL_CHUNK_TOKENS"),
         description="Max prompt tokens prefilled per request per scheduler tick (chunked prefill).",
     )
+    max_num_batched_tokens: int = Field(
+        8192, ge=1, validation_alias=env_alias("MAX_NUM_BATCHED_TOKENS"),
+        description="Token budget of one scheduler tick: one token per decoding row first, then prefill chunks "
+        "of waiting requests in arrival order until the budget is spent (must be >= MAX_BATCH_SIZE).",
+    )
     max_waiting_requests: int = Field(
         1024, ge=1, validation_alias=env_alias("MAX_WAITING_REQUESTS"),
         description="Queue bound; beyond it new requests are refused as overloaded (HTTP 429).",
@@ -88,6 +93,16 @@ class CoreSettings(BaseSettings):
     @classmethod
     def _lower(cls, value: Any) -> Any:
         return value.strip().lower() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _budget_holds_the_batch(self) -> CoreSettings:
+        if self.max_num_batched_tokens < self.max_batch_size:
+            raise ValueError(
+                f"MAX_NUM_BATCHED_TOKENS={self.max_num_batched_tokens} is below MAX_BATCH_SIZE={self.max_batch_size}: "
+                "a tick of full decoding rows would leave no token for prefill; raise MAX_NUM_BATCHED_TOKENS or "
+                "lower MAX_BATCH_SIZE"
+            )
+        return self
 
 
 SettingsT = TypeVar("SettingsT", bound=BaseSettings)

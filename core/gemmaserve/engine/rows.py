@@ -11,7 +11,7 @@ import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gemmaserve.backend import BatchKV, InferenceBackend, RowKV, SampledTokens
+    from gemmaserve.backend import BatchKV, InferenceBackend, Logits, RowKV, SampledTokens
     from gemmaserve.engine.request import Request
 
 __all__ = ["RowBatch"]
@@ -50,7 +50,11 @@ class RowBatch:
         Raises whatever the backend raises, or RuntimeError if it returns the wrong row count."""
         assert self.rows and self.batch is not None
         input_ids = [request.output_token_ids[-1] for request in self.rows]
-        logits = self.backend.decode_step_batched(self.batch, input_ids)
+        return self.sample(self.backend.decode_step_batched(self.batch, input_ids))
+
+    def sample(self, logits: Logits) -> SampledTokens:
+        """One token per row from ``logits`` [rows, vocab] (each row's own seed and step). Raises
+        RuntimeError if the backend returns the wrong row count."""
         sampling = [request.row_sampling() for request in self.rows]
         want_logprobs = any(request.want_logprobs for request in self.rows)
         sampled = self.backend.sample(logits, sampling, want_logprobs=want_logprobs)

@@ -29,7 +29,7 @@ from gemmaserve.engine.validation import backend_error, validate_request
 from gemmaserve.errors import EngineOverloadedError, InvalidRequestError, KVCapacityError
 
 if TYPE_CHECKING:
-    from gemmaserve.backend import InferenceBackend, PrefillState
+    from gemmaserve.backend import InferenceBackend, PrefillState, SampledTokens
     from gemmaserve.kv.cache_manager import CacheManager
     from gemmaserve.settings import CoreSettings
 
@@ -66,7 +66,8 @@ class SchedulerStats:
 
 
 class ContinuousBatchScheduler:
-    """FIFO admission under a KV-token budget, chunked prefill, one batched decode per tick.
+    """FIFO admission under a KV-token budget, chunked prefill under a per-tick token budget
+    (``MAX_NUM_BATCHED_TOKENS``: decode rows first), one batched decode per tick.
 
     Streaming-only backends (``capabilities.continuous_batching`` False) run up to
     ``max_concurrent_streams`` requests through ``generate_stream``, one token each per tick.
@@ -205,7 +206,7 @@ class ContinuousBatchScheduler:
 
     # -- the tick -----------------------------------------------------------------------------------
     def step(self) -> list[RequestEvent]:
-        """One tick: admit, one prefill chunk per prefilling request, one batched decode (or one
+        """One tick: admit, prefill chunks under the token budget, one batched decode (or one
         token per stream). Returns an event for every request that got tokens or finished.
         Same as :meth:`step_prefill` followed by :meth:`step_decode`."""
         events = self.step_prefill()
@@ -213,14 +214,19 @@ class ContinuousBatchScheduler:
         return events
 
     def step_prefill(self) -> list[RequestEvent]:
-        """First half of a tick: admit, then one prefill chunk per prefilling request (requests that
+        """First half of a tick: admit, then the prefill chunks the token budget allows (requests that
         complete their prompt get their first token here). The engine publishes these events before
-        the decode half runs, so a first token does not wait for the batch's decode step."""
+        the decode half runs, so a first token does not wait for the batch's decode step. Backends with
+        ``mixed_step`` run the whole tick here, decode rows included, in one ``forward_step``."""
         events: list[RequestEvent] = []
         with self.backend.lock:
             self._counters["steps"] += 1
             self._admit(events)
-            if not self._streaming:
+            if self._streaming:
+                pass
+            elif self._caps.mixed_step:
+                self._mixed_tick(events)
+            else:
                 self._prefill(events)
         return events
 
@@ -230,7 +236,7 @@ class ContinuousBatchScheduler:
         with self.backend.lock:
             if self._streaming:
                 self._step_streams(events)
-            else:
+            elif not self._caps.mixed_step:  # mixed-step backends decoded in the first half
                 self._decode(events)
         return events
 
@@ -258,44 +264,103 @@ class ContinuousBatchScheduler:
             if request.seed is None:
                 request.seed = self._seed_rng.randrange(2**63)
 
-    def _prefill(self, events: list[RequestEvent]) -> None:
-        """One chunk for every prefilling request, through one ``prefill_chunks`` call (backends may batch
-        them). A chunk's exception fails its request alone; if the call itself raises, each request that
-        did not advance retries alone, so a failure stays with the request that causes it."""
-        work: list[tuple[Request, PrefillState, int]] = []  # (request, state, num_computed before)
+    def _plan_chunks(self, events: list[RequestEvent]) -> list[tuple[Request, PrefillState, int, int]]:
+        """This tick's prefill work under the token budget: ``MAX_NUM_BATCHED_TOKENS`` minus one token per
+        decoding row, handed to prefilling requests in arrival order (each at most ``PREFILL_CHUNK_TOKENS``),
+        so a long prompt is split across ticks and a burst never stalls the decoding rows for more than one
+        budget. Looks a request's prompt up in the prefix cache when it first gets budget. Returns
+        ``(request, state, chunk tokens, num_computed before)``."""
+        budget = self.settings.max_num_batched_tokens - len(self._q.rows)
+        cap = self.settings.prefill_chunk_tokens
+        work: list[tuple[Request, PrefillState, int, int]] = []
         for request in list(self._q.prefilling):
+            if budget <= 0:
+                break
             try:
                 state = request.prefill_state
                 if state is None:
                     state = request.prefill_state = self.backend.prefill_lookup(request.prompt_token_ids)
                     request.cached_tokens = state.num_cached
-                work.append((request, state, state.num_computed))
             except Exception as exc:
                 self._q.fail(request, exc, events, phase="prefill")
-        pending = [(request, state) for request, state, _ in work if not state.is_complete]
-        chunk = self.settings.prefill_chunk_tokens
+                continue
+            num = min(cap, state.num_remaining, budget)
+            if num > 0 or state.is_complete:
+                work.append((request, state, num, state.num_computed))
+                budget -= num
+        return work
+
+    def _prefill(self, events: list[RequestEvent]) -> None:
+        """The planned chunks through one ``prefill_chunks`` call (backends may batch them)."""
+        work = self._plan_chunks(events)
+        pending = [(request, state, num) for request, state, num, _ in work if num > 0]
         errors: dict[str, Exception] = {}
         if len(pending) > 1:
             try:
-                results = self.backend.prefill_chunks([s for _, s in pending], [min(chunk, s.num_remaining) for _, s in pending])
+                results = self.backend.prefill_chunks([s for _, s, _ in pending], [n for _, _, n in pending])
                 if len(results) != len(pending):
                     raise RuntimeError(f"prefill_chunks returned {len(results)} results for {len(pending)} states")
-                errors = {r.request_id: exc for (r, _), exc in zip(pending, results) if exc is not None}
+                errors = {r.request_id: exc for (r, _, _), exc in zip(pending, results) if exc is not None}
             except Exception:
                 logger.warning("batched prefill of %d requests failed; retrying each alone", len(pending),
                                exc_info=True)
-        for request, state, before in work:
+        self._finish_chunks(work, errors, events)
+
+    def _finish_chunks(self, work: list[tuple[Request, PrefillState, int, int]], errors: dict[str, Exception],
+                       events: list[RequestEvent]) -> None:
+        """After the tick's chunk call: fail requests whose chunk raised, run alone (``prefill_chunk``) those
+        that did not advance, and complete those whose prompt is done. A chunk's failure stays with its
+        request."""
+        for request, state, num, before in work:
             try:
                 if request.request_id in errors:
                     raise errors[request.request_id]
-                if not state.is_complete and state.num_computed == before:
-                    self.backend.prefill_chunk(state, min(chunk, state.num_remaining))
+                if not state.is_complete and state.num_computed == before and num > 0:
+                    self.backend.prefill_chunk(state, num)
                     if state.num_computed <= before and not state.is_complete:
                         raise RuntimeError(f"prefill made no progress at {before}/{len(state.prompt_ids)} tokens")
                 if state.is_complete:
                     self._complete_prefill(request, events)
             except Exception as exc:
                 self._q.fail(request, exc, events, phase="prefill")
+
+    def _mixed_tick(self, events: list[RequestEvent]) -> None:
+        """The whole tick as one ``forward_step``: the decoding rows (one token each) and the planned chunks.
+        Decode results are applied first (rows finish and leave), then prompts that completed join the batch.
+        If the call raises, the rows are retried alone and chunks that did not advance run alone."""
+        work = self._plan_chunks(events)
+        pending = [(request, state, num) for request, state, num, _ in work if num > 0]
+        batch = self._q.rows
+        if not pending and not batch.rows:
+            self._finish_chunks(work, {}, events)
+            return
+        errors: dict[str, Exception] = {}
+        sampled: SampledTokens | None = None
+        failure: Exception | None = None
+        try:
+            out = self.backend.forward_step(
+                [s for _, s, _ in pending], [n for _, _, n in pending], batch.batch,
+                [request.output_token_ids[-1] for request in batch.rows],
+            )
+            if len(out.prefill_errors) != len(pending):
+                raise RuntimeError(f"forward_step returned {len(out.prefill_errors)} results for {len(pending)} states")
+            errors = {r.request_id: exc for (r, _, _), exc in zip(pending, out.prefill_errors) if exc is not None}
+            if batch.rows:
+                if out.decode_logits is None:
+                    raise RuntimeError(f"forward_step returned no decode logits for {len(batch)} rows")
+                sampled = batch.sample(out.decode_logits)
+        except Exception as exc:
+            failure = exc
+            logger.warning("mixed step over %d rows and %d chunks failed; retrying each alone", len(batch),
+                           len(pending), exc_info=True)
+        if batch.rows:
+            if sampled is not None:
+                self._apply_decode(sampled, events)
+            else:
+                assert failure is not None
+                self._counters["decode_failures"] += 1
+                self._retry_rows_alone(failure, events)
+        self._finish_chunks(work, errors, events)
 
     def _complete_prefill(self, request: Request, events: list[RequestEvent]) -> None:
         """Store the prompt, sample the first token, then splice the row (or finish right away)."""
@@ -335,6 +400,11 @@ class ContinuousBatchScheduler:
             logger.exception("decode step over %d rows failed; retrying each row alone", len(batch))
             self._retry_rows_alone(exc, events)
             return
+        self._apply_decode(sampled, events)
+
+    def _apply_decode(self, sampled: SampledTokens, events: list[RequestEvent]) -> None:
+        """Append each row's sampled token; finished rows leave the batch (their KV freed)."""
+        batch = self._q.rows
         rows = list(batch.rows)
         self._counters["generated_tokens"] += len(rows)
         for index, request in enumerate(rows):

@@ -17,7 +17,14 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from gemmaserve.backend import BackendCapabilities, InferenceBackend, ModelInfo, PrefillState, SampledTokens
+from gemmaserve.backend import (
+    BackendCapabilities,
+    InferenceBackend,
+    ModelInfo,
+    PrefillState,
+    SampledTokens,
+    StepOutput,
+)
 from gemmaserve.engine.sampling_cpu import sample_rows
 from gemmaserve.errors import KVCapacityError
 from gemmaserve.testing.reference_model import EOS_ID, CharTokenizer, KVEntry, next_token_logits
@@ -62,7 +69,8 @@ class ReferenceBackend(InferenceBackend):
     ``streaming_only`` hides the batched path (the scheduler then uses ``generate_stream``);
     ``fail_on_token`` makes ``prefill_chunk`` raise on a prompt chunk containing that token,
     ``fail_on_decode_token`` makes ``decode_step_batched`` raise when a row feeds that token;
-    ``decode_delay_s`` sleeps in every decode step (engine timing tests)."""
+    ``decode_delay_s`` sleeps in every decode step (engine timing tests); ``mixed_step`` declares
+    :meth:`forward_step` (whole ticks in one call), whose chunks take at most ``max_step_chunk`` tokens."""
 
     def __init__(
         self,
@@ -76,6 +84,8 @@ class ReferenceBackend(InferenceBackend):
         fail_on_token: int | None = None,
         fail_on_decode_token: int | None = None,
         decode_delay_s: float = 0.0,
+        mixed_step: bool = False,
+        max_step_chunk: int | None = None,
     ) -> None:
         super().__init__()
         self.capabilities = BackendCapabilities(
@@ -84,7 +94,10 @@ class ReferenceBackend(InferenceBackend):
             kv_reservation=kv_capacity_tokens is not None,
             logprobs=True,
             max_concurrent_streams=max_concurrent_streams,
+            mixed_step=mixed_step,
         )
+        self.max_step_chunk = max_step_chunk
+        self.step_calls: list[tuple[list[int], int]] = []  # (chunk sizes asked, decode rows) per forward_step
         self.model_info = ModelInfo(
             "reference", vocab_size, max_model_len, (eos_token_id,), "toy-kv-hash", "int", "cpu"
         )
@@ -205,6 +218,20 @@ class ReferenceBackend(InferenceBackend):
             batched.lengths[index] += 1
             logits.append(next_token_logits([e for e in row if e is not None], self.model_info.vocab_size))
         return logits
+
+    def forward_step(
+        self, states: Sequence[PrefillState], num_tokens: Sequence[int], batched: _BatchKV | None,
+        input_ids: Sequence[int],
+    ) -> StepOutput:
+        """The decode step first (it raises before changing any row), then each chunk (capped at
+        ``max_step_chunk``), each reporting its own exception."""
+        if not self.capabilities.mixed_step:
+            return super().forward_step(states, num_tokens, batched, input_ids)
+        self.step_calls.append((list(num_tokens), len(input_ids)))
+        logits = self.decode_step_batched(batched, input_ids) if batched is not None and batched.rows else None
+        cap = self.max_step_chunk
+        sizes = [num if cap is None else min(num, cap) for num in num_tokens]
+        return StepOutput(self.prefill_chunks(states, sizes), logits)
 
     def kv_length(self, kv: Any, row_idx: int | None = None) -> int:
         if isinstance(kv, _BatchKV):
