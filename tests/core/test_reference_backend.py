@@ -30,6 +30,16 @@ class TestStreamingOnlyReferenceContract(BackendContractTests):
         return ReferenceBackend(streaming_only=True)
 
 
+class TestMixedStepReferenceContract(BackendContractTests):
+    """The kit against one-call ticks (``forward_step``) whose chunks the backend caps at 2 tokens."""
+
+    property_examples = 5
+
+    @pytest.fixture
+    def backend(self) -> InferenceBackend:
+        return ReferenceBackend(mixed_step=True, max_step_chunk=2)
+
+
 class TestReservingReferenceContract(BackendContractTests):
     property_examples = 5
 

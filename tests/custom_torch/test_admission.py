@@ -72,7 +72,9 @@ def test_tiny_model_equal_memory_runs_more_requests_concurrently(tiny_gemma4_dir
         assert_no_leaks(backend)
         peaks[label] = (peak, {g: m.num_blocks for g, m in backend.pools.managers.items()})
     print(f"\ntiny Gemma 4 (W=8, bs=4), 60 uniform blocks of KV, 60-token requests: {peaks}")
-    assert peaks["uniform"][0] == 4 and peaks["window-aware"][0] == 6
+    # window-aware pools keep one chunk of sliding headroom per row (a chunk reads its old window from the
+    # pools until its forward ends), which costs a little full-pool memory: 5 concurrent instead of 6
+    assert peaks["uniform"][0] == 4 and peaks["window-aware"][0] == 5
 
 
 def test_footprints_and_reservation_bookkeeping(tiny_gemma4_dir):

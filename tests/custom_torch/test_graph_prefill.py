@@ -133,7 +133,7 @@ def test_scheduler_tokens_are_unchanged_with_graph_prefill(tiny_gemma4_dir, atte
     requests += [([rng.randrange(4, 200) for _ in range(rng.randrange(1, 60))], rng.randrange(0, 12),
                   rng.randrange(1, 20)) for _ in range(10)]
     plain = make_backend(tiny_gemma4_dir, prefill_attention=attention)
-    padded = make_backend(tiny_gemma4_dir, prefill_attention=attention)
+    padded = make_backend(tiny_gemma4_dir, prefill_attention=attention, mixed_step=False)
     graph = with_graph_prefill(padded, attention=attention, max_tokens=24)
     got = [{rid: r.output_token_ids for rid, r in run_scheduler(b, requests, prefill_chunk_tokens=chunk).items()}
            for b in (plain, padded)]
@@ -241,8 +241,8 @@ def test_scheduler_tokens_are_unchanged_with_batched_prefill(tiny_gemma4_dir):
                 for _ in range(8)]
     requests += [([rng.randrange(4, 200) for _ in range(rng.randrange(1, 40))], rng.randrange(0, 6),
                   rng.randrange(1, 12)) for _ in range(10)]
-    plain = make_backend(tiny_gemma4_dir)
-    fast = make_backend(tiny_gemma4_dir, batched_prefill="on")
+    plain = make_backend(tiny_gemma4_dir, mixed_step=False)
+    fast = make_backend(tiny_gemma4_dir, batched_prefill="on", mixed_step=False)
     with_graph_prefill(fast, max_tokens=8)
     got = [{rid: r.output_token_ids for rid, r in run_scheduler(b, requests, prefill_chunk_tokens=8).items()}
            for b in (plain, fast)]
@@ -271,7 +271,8 @@ def test_a_batch_without_blocks_falls_back_to_one_by_one(tiny_gemma4_dir, monkey
     assert_no_leaks(backend)
 
 
-def test_default_pools_leave_room_for_a_burst_of_batched_chunks(tiny_gemma4_dir):
+@pytest.mark.parametrize("mixed", [False, True], ids=["batched-prefill", "one-forward-tick"])
+def test_default_pools_leave_room_for_a_burst_of_batched_chunks(tiny_gemma4_dir, mixed):
     """With fixed-buffer prefill on, the default sliding pool keeps one chunk of headroom per row, so a burst
     of MAX_BATCH_SIZE requests prefilled together never falls back for lack of blocks (H200 run 10: without
     the headroom, workload B's batches fell back to one-by-one eager chunks and took 2.4 s instead of ~0.2 s)."""
@@ -290,7 +291,7 @@ def test_default_pools_leave_room_for_a_burst_of_batched_chunks(tiny_gemma4_dir)
                         max_batch_size=rows, max_active_kv_tokens=rows * 256, prefill_chunk_tokens=8)
     backend = make_backend(tiny_gemma4_dir)  # (for its model)
     backend = CustomTorchBackend(backend.model, HFTokenizer.from_pretrained(tiny_gemma4_dir), core,
-                                 load_custom_settings(batched_prefill="on"))
+                                 load_custom_settings(batched_prefill="off" if mixed else "on", mixed_step=mixed))
     rng = random.Random(3)
     prefix = [rng.randrange(4, 200) for _ in range(24)]
     cold = [([rng.randrange(4, 200) for _ in range(28)], 0, 2) for _ in range(rows)]
@@ -299,7 +300,10 @@ def test_default_pools_leave_room_for_a_burst_of_batched_chunks(tiny_gemma4_dir)
     hits = [(prefix + [rng.randrange(4, 200) for _ in range(4)], 0, 2) for _ in range(rows)]
     run_scheduler(backend, hits, max_batch_size=rows, prefill_chunk_tokens=8, max_active_kv_tokens=rows * 256)
     stats = backend.kv_stats()
-    assert stats["prefill_batches"] > 0 and stats["prefill_batch_fallbacks"] == 0, stats
+    if mixed:
+        assert stats["mixed_steps"] > 0 and stats["mixed_step_deferred_chunks"] == 0, stats
+    else:
+        assert stats["prefill_batches"] > 0 and stats["prefill_batch_fallbacks"] == 0, stats
     assert stats["prefix_hits"] >= rows
     assert_no_leaks(backend)
 

@@ -39,18 +39,19 @@ def _run(backend, requests, chunk, **kwargs):
 
 
 @pytest.mark.parametrize(
-    ("block_size", "chunk", "second", "hit"),
+    ("block_size", "chunk", "second", "hit", "mixed"),
     [
-        (4, 4, B, 20),  # largest block-aligned c <= P = 21
-        (4, 8, B, 20),
-        (2, 5, B, 20),  # chunks straddle blocks
-        (4, 8, PREFIX[:20], 19),  # the whole prompt is cached: one token is recomputed
-        (4, 16, B, 16),  # chunks > W write only their last window of sliding K/V: hits land at chunk ends
+        (4, 4, B, 20, True),  # largest block-aligned c <= P = 21
+        (4, 8, B, 20, True),
+        (2, 5, B, 20, True),  # chunks straddle blocks
+        (4, 8, PREFIX[:20], 19, True),  # the whole prompt is cached: one token is recomputed
+        (4, 16, B, 20, True),  # the one-forward tick caps chunks at W, so every sliding position is stored
+        (4, 16, B, 16, False),  # chunks > W write only their last window of sliding K/V: hits land at chunk ends
     ],
-    ids=["bs4-chunk4", "bs4-chunk8", "bs2-chunk5", "prefix-only", "chunk-over-window"],
+    ids=["bs4-chunk4", "bs4-chunk8", "bs2-chunk5", "prefix-only", "chunk-over-window", "chunk-over-window-old"],
 )
-def test_prefix_of_a_longer_prompt_is_hit(tiny_gemma4_dir, block_size, chunk, second, hit):
-    backend = make_backend(tiny_gemma4_dir, block_size=block_size)
+def test_prefix_of_a_longer_prompt_is_hit(tiny_gemma4_dir, block_size, chunk, second, hit, mixed):
+    backend = make_backend(tiny_gemma4_dir, block_size=block_size, mixed_step=mixed)
     _run(backend, [(A, 0, 4)], chunk)
     assert len(backend.prefix_cache.references()[SLIDING]) > backend.pools.geometry[SLIDING].max_blocks(10**9)
     done = _run(backend, [(second, 0, 6)], chunk)

@@ -149,6 +149,54 @@ class BackendContractTests:
                 backend.free_row_kv(state.kv)
         self._finish(backend)
 
+    def test_forward_step_equals_prefill_chunks_then_decode(self, backend: InferenceBackend) -> None:
+        """``forward_step`` (backends with ``mixed_step``): decoding rows keep their solo greedy tokens while
+        prefill states advance by at least one and at most their chunk each tick and end with one-shot
+        prefill's first token; a tick with no chunks decodes, a tick with no rows prefills."""
+        self._batched(backend)
+        if not backend.capabilities.mixed_step:
+            pytest.skip("backend does not declare mixed_step")
+        backend.set_cache_adapter(None)
+        prompts = self.make_prompts(backend)
+        decoding, prefilling = prompts[:2], prompts[2:]
+        n = self.num_decode_tokens
+        longest = max(len(prompt) for prompt in prefilling)
+        solo = [solo_greedy(backend, prompt, max(n, longest) + 1) for prompt in decoding]  # >= 1 token a tick
+        size = max(self.chunk_sizes)
+        with backend.lock:
+            expected = []
+            for prompt in prefilling:
+                whole = backend.prefill(prompt)
+                expected.append(greedy_rows(backend, whole.last_logits, [0]))
+                backend.free_row_kv(whole.kv)
+            batch = _prefilled_batch(backend, decoding)
+            got = [[] for _ in decoding]
+            last = [solo[i][0] for i in range(len(decoding))]
+            for i, token in enumerate(last):
+                got[i].append(token)
+            states = [backend.prefill_lookup(prompt) for prompt in prefilling]
+            ticks = 0
+            while not all(state.is_complete for state in states) or ticks < n:
+                open_states = [state for state in states if not state.is_complete]
+                before = [state.num_computed for state in open_states]
+                out = backend.forward_step(open_states, [size] * len(open_states), batch, last)
+                assert list(out.prefill_errors) == [None] * len(open_states), out.prefill_errors
+                for state, start in zip(open_states, before):
+                    assert start < state.num_computed <= min(start + size, len(state.prompt_ids))
+                    assert backend.kv_length(state.kv) == state.num_computed
+                last = greedy_rows(backend, out.decode_logits, list(range(len(decoding))))
+                for i, token in enumerate(last):
+                    got[i].append(token)
+                ticks += 1
+                assert ticks < 10_000
+            assert got == [tokens[: len(got[0])] for tokens in solo]
+            for state, want in zip(states, expected):
+                assert greedy_rows(backend, state.last_logits, [0]) == want
+                backend.free_row_kv(state.kv)
+            for _ in decoding:
+                backend.remove_row_from_cache(batch, 0)
+        self._finish(backend)
+
     def test_abandoned_prefill_frees_everything(self, backend: InferenceBackend) -> None:
         self._batched(backend)
         cache = self._core_cache(backend)

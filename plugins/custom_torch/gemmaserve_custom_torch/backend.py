@@ -18,7 +18,14 @@ from typing import Any
 
 import torch
 
-from gemmaserve.backend import BackendCapabilities, InferenceBackend, ModelInfo, PrefillState, SampledTokens
+from gemmaserve.backend import (
+    BackendCapabilities,
+    InferenceBackend,
+    ModelInfo,
+    PrefillState,
+    SampledTokens,
+    StepOutput,
+)
 from gemmaserve.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 from gemmaserve.sampling_params import RowSampling
 from gemmaserve.settings import CoreSettings
@@ -27,6 +34,7 @@ from .kernels import HAS_TRITON
 from .batched_prefill import BatchedPrefill
 from .kv import BatchedPagedKVCache, KVAdmission, KVPools, PagedKVCache, PrefixCache, kv_groups, plan_pool_sizes
 from .models.fusion import fuse_elementwise, fuse_norms, fuse_projections
+from .mixed_step import MixedStep
 from .models.gemma import GemmaForCausalLM
 from .prefill_graphs import make_graph_prefill
 from .runner import PagedRunner
@@ -70,7 +78,9 @@ class CustomTorchBackend(InferenceBackend):
         self.attention = resolve_attention(custom.attention, self.device.type, HAS_TRITON)
         on_cuda = self.device.type == "cuda"
         batched_prefill = custom.batched_prefill == "on" or (custom.batched_prefill == "auto" and on_cuda)
-        fixed_buffer_prefill = batched_prefill or (custom.prefill_graph and on_cuda and not config.moe_num_experts)
+        # chunks that read their old window from the pools keep it until their forward ends (mixed step too)
+        fixed_buffer_prefill = custom.mixed_step or batched_prefill or (
+            custom.prefill_graph and on_cuda and not config.moe_num_experts)
         windows = [g.window for g in kv_groups(config) if g.window is not None]
         num_blocks = plan_pool_sizes(
             kv_groups(config), self.block_size, param.element_size(), _budget_bytes(config, settings, custom, param),
@@ -97,8 +107,15 @@ class CustomTorchBackend(InferenceBackend):
                                                   min_rows=4 if self.graph_prefill is not None else 2)
         self.decoder = make_decoder(model, self.pools, custom, self.attention, settings.max_batch_size,
                                     width=-(-max_len // self.block_size))
+        self.mixed: MixedStep | None = None
+        if custom.mixed_step:
+            self.mixed = MixedStep(model, self.pools, "triton" if self.attention == "triton" else "reference",
+                                   fast_prefill=custom.fast_prefill)
+        windows_all = [g.window for g in kv_groups(config) if g.window is not None]
+        self._max_step_chunk = min(windows_all) if windows_all else None  # a chunk stores every position it reads
         self.capabilities = BackendCapabilities(
-            continuous_batching=True, uses_core_cache_manager=False, kv_reservation=True, logprobs=True
+            continuous_batching=True, uses_core_cache_manager=False, kv_reservation=True, logprobs=True,
+            mixed_step=self.mixed is not None,
         )
         self.model_info = ModelInfo(
             name=name, vocab_size=config.vocab_size, max_model_len=max_len, eos_token_ids=config.eos_token_ids,
@@ -195,6 +212,49 @@ class CustomTorchBackend(InferenceBackend):
                     errors[i] = exc
         return errors
 
+    def forward_step(
+        self, states: Sequence[PrefillState], num_tokens: Sequence[int], batched: BatchedPagedKVCache | None,
+        input_ids: Sequence[int],
+    ) -> StepOutput:
+        """The tick as one `MixedStep` forward; a tick without chunks replays the decode graphs instead (when
+        the fixed-buffer decoder exists). Chunks are capped at the narrowest window (each then stores every
+        position its queries read). A chunk whose pool is short runs shorter; one that cannot take a single
+        token runs alone afterwards (`prefill_chunk`, which frees its old window first); a chunk's
+        prefix-cache failure is reported for it alone."""
+        if self.mixed is None:
+            return super().forward_step(states, num_tokens, batched, input_ids)
+        if len(states) != len(num_tokens):
+            raise ValueError(f"{len(states)} states but {len(num_tokens)} chunk sizes")
+        rows = batched.rows if batched is not None else []
+        if len(input_ids) != len(rows):
+            raise ValueError(f"got {len(input_ids)} input ids for a batch of {len(rows)} rows")
+        cap = self._max_step_chunk
+        sizes = [min(num, state.num_remaining, cap or num) for state, num in zip(states, num_tokens)]
+        work = [i for i, n in enumerate(sizes) if n > 0]
+        if not work:
+            logits = self.decode_step_batched(batched, input_ids) if rows else None
+            return StepOutput([None] * len(states), logits)
+        chunks = []
+        for i in work:
+            state, n = states[i], sizes[i]
+            start = state.num_computed
+            chunks.append((state.kv, state.prompt_ids[start : start + n], start + n == len(state.prompt_ids)))
+        decode_logits, chunk_logits, ran = self.mixed.run(rows, input_ids, chunks)
+        errors: list[Exception | None] = [None] * len(states)
+        for j, i in enumerate(work):
+            state = states[i]
+            try:
+                if not ran[j]:  # not one token fitted: the one-row path releases before it allocates
+                    self.prefill_chunk(state, sizes[i])
+                    continue
+                state.num_computed += ran[j]
+                if state.num_computed == len(state.prompt_ids):
+                    state.last_logits = chunk_logits[j]
+                self.prefix_cache.cache_prefix(state.prompt_ids, state.kv)
+            except Exception as exc:  # this request fails alone; the others' KV is consistent
+                errors[i] = exc
+        return StepOutput(errors, decode_logits)
+
     def prefill_store(self, state: PrefillState) -> None:
         if state.is_complete:
             self.prefix_cache.store(state.prompt_ids, state.kv)
@@ -270,6 +330,9 @@ class CustomTorchBackend(InferenceBackend):
             prefix_hits=self.prefix_cache.stats["hits"], prefix_hit_tokens=self.prefix_cache.stats["hit_tokens"],
             prefix_lookups=self.prefix_cache.stats["lookups"],
         )
+        if self.mixed is not None:
+            stats.update(mixed_steps=self.mixed.steps, mixed_step_tokens=self.mixed.tokens,
+                         mixed_step_shrunk_chunks=self.mixed.shrunk, mixed_step_deferred_chunks=self.mixed.deferred)
         if self.batched_prefill is not None:
             stats.update(prefill_batches=self.batched_prefill.batches, prefill_batch_fallbacks=self.batched_prefill.fallbacks)
         return stats

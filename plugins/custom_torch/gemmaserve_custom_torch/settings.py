@@ -68,6 +68,14 @@ class CustomTorchSettings(BaseSettings):
     attention: AttentionMode = Field(
         "auto", description="Decode attention: auto (triton on CUDA, else gather), triton (paged kernel) or gather."
     )
+    mixed_step: bool = Field(
+        True, description="Run each tick's prefill chunks and decode rows as one ragged forward (forward_step); "
+        "0 keeps the separate prefill_chunks + decode path. Decode-only ticks replay the decode graphs either way."
+    )
+    fast_prefill: bool = Field(
+        True, description="In the one-forward tick, run the trailing KV-shared layers (Gemma 4) only for tokens whose "
+        "logits are needed (stored K/V and sampled tokens unchanged); 0 computes every token through every layer."
+    )
 
     @model_validator(mode="after")
     def _exclusive_budget(self) -> CustomTorchSettings:

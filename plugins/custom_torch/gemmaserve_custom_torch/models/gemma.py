@@ -248,8 +248,15 @@ class GemmaForCausalLM(nn.Module):
             hidden = hidden[:, -logits_to_keep:, :]
         return self.compute_logits(hidden)
 
-    def forward_hidden(self, input_ids: Tensor, positions: Tensor, attn: AttentionContext) -> Tensor:
-        """Final-normed hidden states [B, S, H]. Calls `attn.attend` once per layer, in layer order."""
+    def forward_hidden(
+        self, input_ids: Tensor, positions: Tensor, attn: AttentionContext, narrow: tuple[int, Tensor] | None = None
+    ) -> Tensor:
+        """Final-normed hidden states [B, S, H]. Calls `attn.attend` once per layer, in layer order.
+
+        ``narrow=(layer, index)``: from layer ``layer`` on, only the sequence positions ``index`` (int64 [S'])
+        are computed (hidden states, RoPE tables and PLE inputs are narrowed before that layer; the context
+        must expect S' queries from then on) and [B, S', H] is returned. Exact for the kept positions when the
+        layers from ``layer`` on store no K/V (KV-shared layers): the positions dropped change nothing kept."""
         if input_ids.dim() != 2 or positions.shape != input_ids.shape:
             raise ValueError(
                 f"input_ids and positions must both be [batch, seq]; got {tuple(input_ids.shape)} and "
@@ -259,6 +266,13 @@ class GemmaForCausalLM(nn.Module):
         ple = self._per_layer_inputs(input_ids, x) if self.config.ple_dim else None
         tables = {t: rope(positions, x.dtype) for t, rope in self.rotary.items()}
         for i, layer in enumerate(self.layers):
+            if narrow is not None and i == narrow[0]:
+                index = narrow[1]
+                x = x[:, index]
+                ple = None if ple is None else ple[:, index]
+                tables = {t: (cos[:, index], sin[:, index]) for t, (cos, sin) in tables.items()}
+                if x.shape[1] == 0:  # nothing downstream is needed
+                    break
             cos, sin = tables[self.config.layer_types[i]]
             x = layer(x, cos, sin, attn, None if ple is None else ple[:, :, i, :])
         return self.norm(x)

@@ -1,0 +1,187 @@
+"""The one-forward tick of custom_torch (`forward_step` over `MixedStep`): greedy parity with transformers under
+small token budgets and staggered arrivals on every tiny topology, fast prefill (KV-shared tail narrowed)
+against the full computation, bitwise prefill on the portable path, and failure behaviour."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from fixtures_backend import assert_matches_hf_generate, assert_no_leaks, make_backend, run_scheduler
+from fixtures_backend import one_torch_thread  # noqa: F401  (autouse)
+from gemmaserve.backend import PrefillState
+from gemmaserve.engine.request import FinishReason
+from gemmaserve_custom_torch.mixed_step import shared_tail_start
+from test_graph_prefill import assert_same_visible_kv
+
+TOPOLOGIES = ["gemma4", "gemma3", "gemma4_k_eq_v", "gemma4_moe"]
+
+
+def _requests(seed: int) -> list[tuple[list[int], int, int]]:
+    """(prompt, arrival tick, max_tokens): past-the-window prompts, a shared prefix (hits), short ones."""
+    rng = random.Random(seed)
+    base = [rng.randrange(4, 400) for _ in range(21)]
+    requests = [(base + [rng.randrange(4, 400) for _ in range(rng.randrange(0, 6))], rng.randrange(0, 8), 6)
+                for _ in range(3)]
+    requests += [([rng.randrange(4, 400) for _ in range(rng.randrange(1, 45))], rng.randrange(0, 10),
+                  rng.randrange(1, 9)) for _ in range(6)]
+    return requests
+
+
+@pytest.mark.parametrize("fast_prefill", [True, False], ids=["fast-prefill", "full-prefill"])
+@pytest.mark.parametrize("name", TOPOLOGIES)
+def test_staggered_requests_under_a_small_budget_match_transformers(tiny_checkpoint, hf_reference, name,
+                                                                    fast_prefill):
+    path = tiny_checkpoint(name)
+    backend = make_backend(path, fast_prefill=fast_prefill)
+    assert backend.capabilities.mixed_step
+    hf = hf_reference(path, torch.float32)
+    requests = _requests(11)
+    done = run_scheduler(backend, requests, max_batch_size=4, prefill_chunk_tokens=8, max_num_batched_tokens=12)
+    for rid, (prompt, _, n) in zip(sorted(done, key=lambda r: int(r[1:])), requests):
+        assert done[rid].finish_reason is FinishReason.LENGTH, (rid, done[rid].error)
+        assert_matches_hf_generate(hf, prompt, done[rid].output_token_ids)
+    stats = backend.kv_stats()
+    assert stats["mixed_steps"] > 0 and stats["prefix_hits"] >= 1
+    assert_no_leaks(backend)
+
+
+def _one_tick(backend, prompts, decode_prompt):
+    """A decoding row (``decode_prompt`` prefilled, one token fed) plus one chunk of each prompt, in one
+    forward_step. Returns (decode logits, states)."""
+    with backend.lock:
+        decoding = backend.prefill(decode_prompt)
+        batch = backend.splice_into_batched(None, decoding.kv, backend.kv_length(decoding.kv))
+        states = [backend.prefill_lookup(p) for p in prompts]
+        out = backend.forward_step(states, [len(p) for p in prompts], batch, [7])
+    assert out.prefill_errors == [None] * len(prompts)
+    return out.decode_logits.clone(), states, batch
+
+
+@pytest.mark.parametrize("name", ["gemma4", "gemma4_k_eq_v"])
+def test_fast_prefill_keeps_stored_kv_and_tokens(tiny_checkpoint, name):
+    """Narrowing the KV-shared tail changes neither the stored K/V (bitwise) nor the logits that are kept (fp32:
+    equal up to summation order, same argmax)."""
+    path = tiny_checkpoint(name)
+    fast, full = make_backend(path, fast_prefill=True), make_backend(path, fast_prefill=False)
+    assert fast.mixed.narrow_layer == shared_tail_start(fast.model) is not None and full.mixed.narrow_layer is None
+    prompts = [[(3 * i + j) % 300 + 4 for i in range(n)] for j, n in enumerate([5, 8, 1, 7])]
+    results = [_one_tick(b, prompts, [9, 10, 11, 12, 13]) for b in (fast, full)]
+    (dec_a, states_a, batch_a), (dec_b, states_b, batch_b) = results
+    torch.testing.assert_close(dec_a, dec_b, atol=1e-5, rtol=1e-5)
+    assert torch.equal(dec_a.argmax(-1), dec_b.argmax(-1))
+    for a, b in zip(states_a, states_b):
+        assert a.is_complete and b.is_complete
+        torch.testing.assert_close(a.last_logits, b.last_logits, atol=1e-5, rtol=1e-5)
+        assert torch.equal(a.last_logits.argmax(-1), b.last_logits.argmax(-1))
+        for layer in fast.pools.k:  # stored K/V: bit for bit
+            group = fast.pools.group_of_layer[layer]
+            sa, sb = a.kv.slots(group, 0, a.kv.length), b.kv.slots(group, 0, b.kv.length)
+            for pa, pb in ((fast.pools.k, full.pools.k), (fast.pools.v, full.pools.v)):
+                assert torch.equal(pa[layer].view(-1, *pa[layer].shape[2:])[sa],
+                                   pb[layer].view(-1, *pb[layer].shape[2:])[sb])
+    for backend, states, batch in ((fast, states_a, batch_a), (full, states_b, batch_b)):
+        with backend.lock:
+            for state in states:
+                backend.free_row_kv(state.kv)
+            backend.remove_row_from_cache(batch, 0)
+        assert_no_leaks(backend)
+
+
+@pytest.mark.parametrize("name", ["gemma4", "gemma3", "gemma4_k_eq_v"])
+def test_portable_prefill_is_bitwise_the_one_row_path_and_close_to_transformers(tiny_checkpoint, hf_reference, name):
+    """fp32, eager reference attention, full prefill: a prompt alone in the one-forward tick gives the logits of
+    the one-row paged prefill bit for bit (each sequence attends with transformers' eager op sequence over
+    the same keys); packed with other prompts (other matmul shapes) it agrees to fp32 rounding, and both
+    agree with transformers."""
+    path = tiny_checkpoint(name)
+    mixed = make_backend(path, fast_prefill=False, prefill_chunk_tokens=64)
+    one_row = make_backend(path, mixed_step=False, prefill_chunk_tokens=64)
+    hf = hf_reference(path, torch.float32)
+    prompts = [[(5 * i + j) % 300 + 4 for i in range(n)] for j, n in enumerate([6, 3, 8])]  # within the window
+    with mixed.lock, one_row.lock:
+        alone = [mixed.prefill_lookup(p) for p in prompts]
+        for state, prompt in zip(alone, prompts):
+            assert mixed.forward_step([state], [len(prompt)], None, []).prefill_errors == [None]
+        packed = [mixed.prefill_lookup(p) for p in prompts]
+        assert mixed.forward_step(packed, [len(p) for p in prompts], None, []).prefill_errors == [None] * 3
+        plain = [one_row.prefill_lookup(p) for p in prompts]
+        for state, prompt in zip(plain, prompts):
+            one_row.prefill_chunk(state, len(prompt))
+    for prompt, state, other, reference in zip(prompts, alone, packed, plain):
+        assert torch.equal(state.last_logits, reference.last_logits), prompt
+        with torch.inference_mode():
+            ref = hf(torch.tensor([prompt]), logits_to_keep=1).logits[0, -1]
+        torch.testing.assert_close(state.last_logits[0], ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(other.last_logits[0], ref, atol=1e-5, rtol=1e-5)
+    for backend, states in ((mixed, alone + packed), (one_row, plain)):
+        with backend.lock:
+            for state in states:
+                backend.free_row_kv(state.kv)
+        assert_no_leaks(backend)
+
+
+def test_chunks_are_capped_at_the_window_and_the_rest_follows_next_tick(tiny_gemma4_dir):
+    backend = make_backend(tiny_gemma4_dir)
+    window = backend.model.config.sliding_window
+    prompt = [(7 * i) % 300 + 4 for i in range(3 * window + 2)]
+    with backend.lock:
+        state = backend.prefill_lookup(prompt)
+        backend.forward_step([state], [len(prompt)], None, [])
+        assert state.num_computed == window and not state.is_complete
+        while not state.is_complete:
+            backend.forward_step([state], [len(prompt)], None, [])
+        backend.free_row_kv(state.kv)
+    assert_no_leaks(backend)
+
+
+def test_a_raising_forward_leaves_every_row_as_it_was(tiny_gemma4_dir, monkeypatch):
+    """If the one forward raises, decode rows and chunk rows keep their lengths (the scheduler retries them
+    alone); the tokens of every request still equal an undisturbed run."""
+    requests = _requests(3)
+    plain = run_scheduler(make_backend(tiny_gemma4_dir), requests, max_batch_size=3, max_num_batched_tokens=10)
+    backend = make_backend(tiny_gemma4_dir)
+    original, calls = backend.mixed.run, {"n": 0}
+
+    def raising(decode_rows, decode_ids, chunks):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            before = [row.length for row in decode_rows] + [row.length for row, _, _ in chunks]
+            backend.model.forward_hidden = boom
+            try:
+                return original(decode_rows, decode_ids, chunks)
+            finally:
+                del backend.model.forward_hidden  # the class method again
+                after = [row.length for row in decode_rows] + [row.length for row, _, _ in chunks]
+                assert after == before
+        return original(decode_rows, decode_ids, chunks)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected forward failure")
+
+    monkeypatch.setattr(backend.mixed, "run", raising)
+    done = run_scheduler(backend, requests, max_batch_size=3, max_num_batched_tokens=10)
+    assert calls["n"] > 2
+    assert {r: q.output_token_ids for r, q in done.items()} == {r: q.output_token_ids for r, q in plain.items()}
+    assert backend.kv_stats()["mixed_steps"] > 0
+    assert_no_leaks(backend)
+
+
+def test_a_short_pool_shrinks_chunks_instead_of_failing(tiny_gemma4_dir):
+    """Sliding pool with no headroom: chunks are halved until their old window fits, requests complete."""
+    backend = make_backend(tiny_gemma4_dir, sliding_blocks=9, kv_blocks=None, kv_memory_gb=0.001)
+    requests = [([(11 * i + j) % 300 + 4 for i in range(30)], 0, 3) for j in range(3)]
+    done = run_scheduler(backend, requests, max_batch_size=3, prefill_chunk_tokens=8)
+    reference = run_scheduler(make_backend(tiny_gemma4_dir), requests, max_batch_size=3, prefill_chunk_tokens=8)
+    assert all(r.finish_reason is FinishReason.LENGTH for r in done.values())
+    assert {r: q.output_token_ids for r, q in done.items()} == {r: q.output_token_ids for r, q in reference.items()}
+    assert backend.kv_stats()["mixed_step_shrunk_chunks"] > 0
+    assert_no_leaks(backend)
+
+
+def test_states_must_match_sizes(tiny_gemma4_dir):
+    backend = make_backend(tiny_gemma4_dir)
+    with backend.lock, pytest.raises(ValueError, match="chunk sizes"):
+        backend.forward_step([PrefillState((5, 6), None)], [], None, [])
