@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 import traceback
@@ -34,6 +35,7 @@ import decode_profile as dp  # noqa: E402
 from decode_workloads import StepTimer, random_prompts, run_engine  # noqa: E402
 
 from gemmaserve.settings import CoreSettings  # noqa: E402
+from gemmaserve_custom_torch.settings import load_custom_settings  # noqa: E402
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -51,19 +53,29 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile-size", type=int, default=32, help="rows of the profiled eager step (0 = skip)")
     p.add_argument("--compile-size", type=int, default=0, help="also measure CUSTOM_BACKEND_COMPILE=1 at N (0 = skip)")
     p.add_argument("--eager-sizes", default="1,32", help="also run these N with CUDA graphs off (64 tokens)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the scheduler's per-tick token budget")
+    p.add_argument("--long-sizes", default="", help="workload A-long concurrencies (2,048-token prompts; '' = skip)")
+    p.add_argument("--long-prompt-len", type=int, default=2048)
+    p.add_argument("--long-output-len", type=int, default=128)
+    p.add_argument("--serving-rates", default="", help="workload C Poisson rates per second ('' = skip)")
+    p.add_argument("--serving-requests", type=int, default=1000)
+    p.add_argument("--serving-input", default="128,2048", help="workload C prompt lengths: uniform in [lo, hi]")
+    p.add_argument("--serving-output", default="32,512", help="workload C output lengths: uniform in [lo, hi]")
+    p.add_argument("--skip-prefill-profile", action="store_true", help="skip the prefill-path profile section")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.quick:
         args.sizes, args.hf_sizes, args.prompt_len, args.output_len, args.hf_output_len = "1,2", "1,2", 24, 6, 4
         args.prefix_len, args.prefix_requests, args.prefix_own, args.profile_size = 32, 4, 4, 0
         args.eager_sizes = ""
+        args.serving_input, args.serving_output = "8,40", "2,8"
     return args
 
 
-def _settings(device: str, dtype: str, max_rows: int, max_len: int, tokens: int) -> CoreSettings:
+def _settings(device: str, dtype: str, max_rows: int, max_len: int, tokens: int, budget: int = 8192) -> CoreSettings:
     return CoreSettings(device=device, dtype=dtype, max_batch_size=max_rows, max_model_len=max_len,
                         max_active_kv_tokens=tokens, kv_block_size=16, prefill_chunk_tokens=512,
-                        max_waiting_requests=4096)
+                        max_waiting_requests=4096, max_num_batched_tokens=max(budget, max_rows))
 
 
 def _custom_backend(model: Any, settings: CoreSettings, **custom: Any) -> Any:
@@ -90,6 +102,12 @@ def _workload_a(backend: Any, settings: CoreSettings, sizes: list[int], args: ar
             replay.restore()
         row = {"backend": label, "N": n, **result.summary(), "step_ms": _r(step.median_ms(n)),
                "graph_replay_ms": _r(replay.median_ms(n)) if replay is not None else None}
+        if result.ttft_ms:  # all submitted at once: the last first token ends the batch's prefill
+            row["ttft_max_ms"] = round(max(result.ttft_ms), 3)
+            row["prefill_tok_per_s"] = round(n * len(prompts[0]) / (max(result.ttft_ms) / 1e3), 1)
+            if getattr(args, "prefill_ceiling", None):
+                flops, ceiling = args.prefill_ceiling
+                row["prefill_pct_of_compute_roofline"] = round(100 * row["prefill_tok_per_s"] * flops / ceiling, 1)
         context = args.prompt_len + output_len // 2
         floor_ms = roof.step_bytes(n, context) / bandwidth * 1e3
         row["roofline_ms"] = _r(floor_ms)
@@ -152,7 +170,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     save()
     max_rows = max(sizes + [args.prefix_requests])
     max_len = base["max_position_embeddings"]
-    settings = _settings(device, dtype_name, max_rows, max_len, max_rows * max_len)
+    settings = _settings(device, dtype_name, max_rows, max_len, max_rows * max_len, args.max_num_batched_tokens)
+    from serving_workloads import gemm_tflops, prefill_flops_per_token, run_arrivals
+
+    fast = load_custom_settings().fast_prefill and load_custom_settings().mixed_step
+    flops = prefill_flops_per_token(model, fast=fast)
+    tflops = gemm_tflops(device)
+    args.prefill_ceiling = (flops, tflops * 1e12) if tflops else None
+    results["meta"].update(prefill_gflop_per_token=round(flops / 1e9, 3), fast_prefill=fast,
+                           prefill_gflop_per_token_full=round(prefill_flops_per_token(model, fast=False) / 1e9, 3),
+                           gemm_tflops=round(tflops, 1), max_num_batched_tokens=settings.max_num_batched_tokens)
 
     def section(name: str, fn: Any) -> Any:
         """Run one section; a failure is recorded (with its traceback) and the next section still runs."""
@@ -184,7 +211,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             lambda: _workload_a(backend, settings, sizes, args, roof, bandwidth, args.output_len, "custom"))
     if args.prefix_requests:
         section("workload_b", lambda: _workload_b(backend, settings, args))
-    if device == "cuda":
+    long_sizes = [int(x) for x in args.long_sizes.split(",") if x]
+    if long_sizes:
+        long_args = argparse.Namespace(**{**vars(args), "prompt_len": args.long_prompt_len})
+        section("workload_a_long", lambda: _workload_a(backend, settings, long_sizes, long_args, roof, bandwidth,
+                                                       args.long_output_len, "custom-long"))
+    rates = [float(x) for x in args.serving_rates.split(",") if x]
+    if rates:
+        def serving() -> list[dict[str, Any]]:
+            rng = random.Random(args.seed + 77)
+            (in_lo, in_hi), (out_lo, out_hi) = (map(int, x.split(",")) for x in (args.serving_input, args.serving_output))
+            work = [([rng.randrange(4, vocab) for _ in range(rng.randint(in_lo, in_hi))], rng.randint(out_lo, out_hi))
+                    for _ in range(args.serving_requests)]
+            rows = []
+            for rate in rates:
+                row = run_arrivals(backend, settings, work, rate, seed=args.seed + int(rate * 10))
+                rows.append(row)
+                print(f"  serving rate {rate}/s: {row}", flush=True)
+            return rows
+
+        section("workload_c", serving)
+    if device == "cuda" and not args.skip_prefill_profile:
         section("prefill_profile", lambda: dp.profile_prefill_paths(backend, args.prompt_len))
     if args.profile_size and decoder is not None and device == "cuda":
         section("profile", lambda: dp.profile_decode_step(backend, settings, args.profile_size, args.prompt_len))
@@ -233,8 +280,14 @@ def _print_tables(results: dict[str, Any]) -> None:
     cols = ["backend", "N", "ttft_median_ms", "tpot_median_ms", "output_tok_per_s", "step_ms", "graph_replay_ms",
             "roofline_ms", "pct_of_roofline"]
     print("\n" + " | ".join(cols))
-    for row in results.get("workload_a", []) + results.get("no_graph", []) + results.get("hf", []):
-        print(" | ".join(str(row.get(c)) for c in cols))
+    for row in (results.get("workload_a", []) + results.get("workload_a_long", []) + results.get("no_graph", [])
+                + results.get("hf", [])):
+        print(" | ".join(str(row.get(c)) for c in cols), "| prefill tok/s", row.get("prefill_tok_per_s"),
+              row.get("prefill_pct_of_compute_roofline"))
+    for row in results.get("workload_c", []):
+        print(f"C rate {row['rate_per_s']}/s: TTFT p50/p99 {row['ttft_p50_ms']}/{row['ttft_p99_ms']} ms, ITL p50/p99 "
+              f"{row['itl_p50_ms']}/{row['itl_p99_ms']} ms, TPOT p50 {row['tpot_p50_ms']} ms, "
+              f"{row['output_tok_per_s']} out tok/s, {row['prefill_tok_per_s']} prefill tok/s")
     if "workload_b" in results:
         b = results["workload_b"]
         print(f"\nprefix reuse TTFT median: cold {b['cold']['ttft_median_ms']} ms, "
