@@ -161,6 +161,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
 
     t0 = time.perf_counter()
+    if args.long_sizes:  # room for A-long's prompts and outputs in the decode tables
+        base = {**base, "max_position_embeddings": max(base["max_position_embeddings"],
+                                                       args.long_prompt_len + args.long_output_len)}
     hf_model = dm.build_hf_model(base, device, dtype, args.seed)
     model = dm.custom_from_hf(hf_model)
     roof = dm.roofline(model)
@@ -201,6 +204,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if section("graph_capture_s", lambda: {str(k): round(v, 3) for k, v in decoder.capture_all().items()}) is None:
             backend = _custom_backend(model, settings, cuda_graph=False)  # keep measuring, eagerly
             decoder = backend.decoder
+    mixed = getattr(backend, "mixed", None)
+    if mixed is not None and mixed.graphs is not None:
+        section("tick_graph_capture_s", lambda: {str(k): round(v, 3) for k, v in mixed.capture_all().items()})
     graph_prefill = getattr(backend, "graph_prefill", None)
     if graph_prefill is not None:
         section("prefill_graph_capture_s", lambda: {str(k): round(v, 3) for k, v in graph_prefill.capture().items()})
@@ -231,6 +237,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             return rows
 
         section("workload_c", serving)
+    if device == "cuda" and getattr(backend, "mixed", None) is not None and backend.mixed.graphs is not None:
+        section("mixed_tick_profile", lambda: dp.profile_mixed_tick(backend))
     if device == "cuda" and not args.skip_prefill_profile:
         section("prefill_profile", lambda: dp.profile_prefill_paths(backend, args.prompt_len))
     if args.profile_size and decoder is not None and device == "cuda":

@@ -15,7 +15,7 @@ from decode_workloads import random_prompts, run_engine
 
 _CATEGORIES = (
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk")),
-    ("attention", ("_paged_decode", "_combine_splits")),
+    ("attention", ("_paged_decode", "_combine_splits", "_ragged")),
     ("kv_write", ("index_copy", "index_put", "scatter")),
     ("reduce/argmax/norm", ("reduce", "argmax", "norm")),
 )
@@ -200,4 +200,54 @@ def profile_prefill_paths(backend: Any, prompt_len: int) -> dict[str, Any]:
             out["eager"] = profile_prefill(backend, prompt_len, seed=4343)
         finally:
             runner.graph_prefill = saved
+    return out
+
+
+def profile_mixed_tick(backend: Any, chunks: int = 16, chunk_len: int = 512, seed: int = 4343) -> dict[str, Any]:
+    """One tick of ``chunks`` cold ``chunk_len``-token chunks through ``forward_step``: wall time of the graph
+    replay (after a first, capturing tick of the same bucket) with CUDA events and host clock, and a
+    torch.profiler kernel split of the same tick run eagerly (graphs and buffers switched off)."""
+    mixed = backend.mixed
+    vocab = backend.model_info.vocab_size
+    out: dict[str, Any] = {"chunks": chunks, "chunk_len": chunk_len, "tokens": chunks * chunk_len}
+
+    def tick(split: dict[str, list[float]] | None = None) -> float:
+        prompts = random_prompts(chunks, chunk_len, vocab, seed=seed + tick.calls)
+        tick.calls += 1
+        with backend.lock:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            states = [backend.prefill_lookup(p) for p in prompts]
+            t1 = time.perf_counter()
+            first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            first.record()
+            backend.forward_step(states, [chunk_len] * chunks, None, [])
+            last.record()
+            t2 = time.perf_counter()
+            torch.cuda.synchronize()
+            t3 = time.perf_counter()
+            for state in states:
+                backend.free_row_kv(state.kv)
+        if split is not None:
+            for key, value in (("lookups_ms", t1 - t0), ("forward_step_host_ms", t2 - t1),
+                               ("wait_after_return_ms", t3 - t2)):
+                split.setdefault(key, []).append(value * 1e3)
+            split.setdefault("forward_step_gpu_ms", []).append(first.elapsed_time(last))
+        return (t3 - t1) * 1e3
+
+    tick.calls = 0  # type: ignore[attr-defined]
+    tick()  # capture
+    split: dict[str, list[float]] = {}
+    out["graph_tick_ms"] = sorted(tick(split) for _ in range(5))[2]
+    out["graph_tick_split_ms"] = {key: round(sorted(values)[2], 3) for key, values in split.items()}
+    buffers, graphs = mixed.buffers, mixed.graphs
+    mixed.buffers = mixed.graphs = None
+    try:
+        out["eager_tick_ms"] = tick()
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            tick()
+        out["eager_kernels"] = _kernel_summary(prof)
+    finally:
+        mixed.buffers, mixed.graphs = buffers, graphs
     return out

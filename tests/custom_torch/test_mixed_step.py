@@ -185,3 +185,38 @@ def test_states_must_match_sizes(tiny_gemma4_dir):
     backend = make_backend(tiny_gemma4_dir)
     with backend.lock, pytest.raises(ValueError, match="chunk sizes"):
         backend.forward_step([PrefillState((5, 6), None)], [], None, [])
+
+
+@pytest.mark.parametrize("name", ["gemma4", "gemma3", "gemma4_moe"])
+def test_fixed_buffer_ticks_give_the_unpadded_tokens(tiny_checkpoint, name):
+    """The padded forwards of the fixed buffers (what the CUDA graphs replay: buckets, padding tokens and
+    sequences, padded logits rows) give every request the tokens of the unpadded eager ticks; a tick larger
+    than the buffers runs eagerly."""
+    from gemmaserve_custom_torch.mixed_step import MixedStep
+
+    path = tiny_checkpoint(name)
+    requests = _requests(5)
+    plain = make_backend(path)
+    padded = make_backend(path)
+    padded.mixed = MixedStep(padded.model, padded.pools, "reference", fixed_buffers=True, max_tokens=24,
+                             max_seqs=4, width=64)
+    kwargs = dict(max_batch_size=4, prefill_chunk_tokens=8, max_num_batched_tokens=24)
+    got = [{r: q.output_token_ids for r, q in run_scheduler(b, requests, **kwargs).items()} for b in (plain, padded)]
+    assert got[1] == got[0]
+    assert padded.mixed.steps > 0 and padded.mixed.eager_steps == 0
+    with padded.lock:  # 2 x 8 + 2 x 6 = 28 tokens > the 24-token buffers: eager, same logits as alone
+        prompts = [[(3 * i + j) % 200 + 4 for i in range(n)] for j, n in enumerate([8, 8, 6, 6])]
+        states = [padded.prefill_lookup(p) for p in prompts]
+        padded.forward_step(states, [len(p) for p in prompts], None, [])
+        assert padded.mixed.eager_steps == 1 and all(state.is_complete for state in states)
+        alone = [plain.prefill_lookup(p) for p in prompts]
+        for state, prompt in zip(alone, prompts):
+            plain.forward_step([state], [len(prompt)], None, [])
+        for a, b in zip(states, alone):
+            torch.testing.assert_close(a.last_logits, b.last_logits, atol=1e-5, rtol=1e-5)
+        for state in states:
+            padded.free_row_kv(state.kv)
+        for state in alone:
+            plain.free_row_kv(state.kv)
+    for backend in (plain, padded):
+        assert_no_leaks(backend)

@@ -97,10 +97,13 @@ def test_padded_tile_map_programs_exit() -> None:
     seqs, firsts = query_tiles((starts[1:] - starts[:-1]).tolist(), ragged_block_m(16, 2))
     pad = 5
     tiles = (torch.tensor(seqs + [0] * pad, dtype=torch.int32, device=device),
-             torch.tensor(firsts + [0] * pad, dtype=torch.int32, device=device), len(seqs))
-    out = kernel(q, k_pool, v_pool, tables, starts, ctxs, scale=0.25, tiles=tiles)
+             torch.tensor(firsts + [0] * pad, dtype=torch.int32, device=device),
+             torch.tensor([len(seqs)], dtype=torch.int32, device=device))
+    padded_q = torch.cat([q, torch.randn(3, *q.shape[1:], device=device)])  # 3 padding tokens, in no tile
+    out = kernel(padded_q, k_pool, v_pool, tables, starts, ctxs, scale=0.25, tiles=tiles)
     ref = ragged_paged_attention_reference(q, k_pool, v_pool, tables, starts, ctxs, scale=0.25)
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out[: q.shape[0]], ref, atol=2e-5, rtol=1e-4)
+    assert not out[q.shape[0]:].any(), "padding tokens come out as zeros"
 
 
 @pytest.mark.parametrize("window", [0, 3])

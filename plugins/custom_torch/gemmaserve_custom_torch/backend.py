@@ -109,8 +109,14 @@ class CustomTorchBackend(InferenceBackend):
                                     width=-(-max_len // self.block_size))
         self.mixed: MixedStep | None = None
         if custom.mixed_step:
+            graphs = custom.cuda_graph and on_cuda and self.attention == "triton" and not config.moe_num_experts
             self.mixed = MixedStep(model, self.pools, "triton" if self.attention == "triton" else "reference",
-                                   fast_prefill=custom.fast_prefill)
+                                   fast_prefill=custom.fast_prefill, graphs=graphs,
+                                   max_tokens=settings.max_num_batched_tokens, max_seqs=settings.max_batch_size,
+                                   width=-(-max_len // self.block_size))
+        if self.mixed is not None and custom.graph_capture == "startup":
+            seconds = self.mixed.capture_all()
+            logger.info("custom_torch: captured %d tick graphs in %.1f s", len(seconds), sum(seconds.values()))
         windows_all = [g.window for g in kv_groups(config) if g.window is not None]
         self._max_step_chunk = min(windows_all) if windows_all else None  # a chunk stores every position it reads
         self.capabilities = BackendCapabilities(
@@ -332,7 +338,8 @@ class CustomTorchBackend(InferenceBackend):
         )
         if self.mixed is not None:
             stats.update(mixed_steps=self.mixed.steps, mixed_step_tokens=self.mixed.tokens,
-                         mixed_step_shrunk_chunks=self.mixed.shrunk, mixed_step_deferred_chunks=self.mixed.deferred)
+                         mixed_step_shrunk_chunks=self.mixed.shrunk, mixed_step_deferred_chunks=self.mixed.deferred,
+                         mixed_step_eager=self.mixed.eager_steps)
         if self.batched_prefill is not None:
             stats.update(prefill_batches=self.batched_prefill.batches, prefill_batch_fallbacks=self.batched_prefill.fallbacks)
         return stats

@@ -6,12 +6,15 @@ Order of work in :meth:`MixedStep.run`:
    check every pool can supply the step, allocate). A shortage raises ``KVCapacityError`` before any chunk
    is touched and before any row's length moves.
 2. Each chunk's row gets blocks for its tokens with ``prepare_append(n, release=False)`` (its first queries
-   still read the old window; released after the forward). A chunk whose pool is short is left out and
-   reported (the backend runs it alone on the path that needs fewer blocks).
-3. One batch, one forward (:class:`~.kv.forward_batch.RaggedPagedContext`). With fast prefill, the
-   KV-shared layers at the end of the stack run only for the last token of the sequences whose logits are
-   needed (decode rows and chunks that complete their prompt): they store nothing, so every other token's
-   work there is dead. Stored K/V and the kept logits are those of the full computation.
+   still read the old window; released after the forward). A chunk whose pool is short is halved until it
+   fits (the scheduler takes the rest next tick); one that cannot take a single token is left out.
+3. One batch (:func:`~.kv.forward_batch.pack_tick`), one forward (:class:`~.kv.forward_batch.RaggedPagedContext`):
+   on CUDA the batch is staged into fixed buffers padded to a token bucket and the forward replays that
+   bucket's CUDA graph (captured on first use); elsewhere (CPU, MoE models, ticks larger than the buffers) it
+   runs eagerly on fresh tensors. With fast prefill, the KV-shared layers at the end of the stack run only
+   for the last token of the sequences whose logits are needed (decode rows and chunks that complete their
+   prompt): they store nothing, so every other token's work there is dead. Stored K/V and the kept logits
+   are those of the full computation.
 4. Lengths move only after the forward: if it raises, every row holds the tokens it held (blocks prepared
    for the tick stay and are reused by the next append).
 """
@@ -26,7 +29,16 @@ from torch import Tensor
 
 from gemmaserve.errors import KVCapacityError
 
-from .kv.forward_batch import RaggedAttention, RaggedPagedContext, build_forward_batch
+from .graphs import StepGraphs
+from .kv.forward_batch import (
+    ForwardBatch,
+    ForwardBuffers,
+    PackedTick,
+    RaggedAttention,
+    RaggedPagedContext,
+    build_forward_batch,
+    pack_tick,
+)
 from .kv.paged_cache import PagedKVCache
 from .kv.pools import KVPools
 from .models.gemma import GemmaForCausalLM
@@ -43,32 +55,56 @@ def shared_tail_start(model: GemmaForCausalLM) -> int | None:
     return start if start < config.num_hidden_layers else None
 
 
+def _block_ms(model: GemmaForCausalLM, attention: RaggedAttention) -> list[int]:
+    """The ragged kernel's query-tile sizes this model's layers use (Triton only)."""
+    if attention != "triton":
+        return []
+    from .kernels.ragged_attention import ragged_block_m
+
+    config = model.config
+    return sorted({ragged_block_m(config.head_dims[i], config.num_attention_heads // config.num_kv_heads[i])
+                   for i in range(config.num_hidden_layers)})
+
+
 class MixedStep:
     """Runs ticks of ``model`` over ``pools``. ``fast_prefill``: narrow the KV-shared tail (see above).
-    Not thread-safe (backend lock). Counters: ``steps``, ``tokens``, ``shrunk`` (halvings of a chunk whose
-    pool was short), ``deferred`` (chunks left out: not even one token fitted)."""
+    ``graphs``: replay CUDA graphs per token bucket for ticks of at most ``max_tokens`` tokens and
+    ``max_seqs`` sequences (rows at most ``width`` blocks); ``fixed_buffers`` (default: with ``graphs``) runs
+    the same padded forwards of the fixed buffers without graphs (the replay-parity reference, CPU tests). Not thread-safe (backend lock). Counters:
+    ``steps``, ``tokens``, ``shrunk`` (halvings of a chunk whose pool was short), ``deferred`` (chunks left
+    out: not even one token fitted), ``eager_steps`` (ticks run without a graph)."""
 
     def __init__(self, model: GemmaForCausalLM, pools: KVPools, attention: RaggedAttention, *,
-                 fast_prefill: bool = True) -> None:
+                 fast_prefill: bool = True, graphs: bool = False, fixed_buffers: bool | None = None,
+                 max_tokens: int = 8192, max_seqs: int = 256, width: int = 1) -> None:
         self.model = model
         self.pools = pools
         self.attention: RaggedAttention = attention
         self.narrow_layer = shared_tail_start(model) if fast_prefill else None
         self.device = next(iter(pools.k.values())).device
+        self.block_ms = _block_ms(model, attention)
+        self.buffers: ForwardBuffers | None = None
+        self.graphs: StepGraphs | None = None
+        if graphs or fixed_buffers:
+            self.buffers = ForwardBuffers(pools, max_tokens=max_tokens, max_seqs=max_seqs, width=width,
+                                          block_ms=self.block_ms, device=self.device)
+        if graphs:
+            self.graphs = StepGraphs(self._bucket_forward, "mixed")
         self.steps = 0
         self.tokens = 0
-        self.deferred = 0
         self.shrunk = 0
+        self.deferred = 0
+        self.eager_steps = 0
 
     @torch.inference_mode()
     def run(self, decode_rows: Sequence[PagedKVCache], decode_ids: Sequence[int],
             chunks: Sequence[tuple[PagedKVCache, Sequence[int], bool]]) -> tuple[Tensor | None, list[Tensor | None], list[int]]:
         """Decode ``decode_ids[i]`` on ``decode_rows[i]`` and append ``chunks[j] = (row, tokens, want_logits)``.
 
-        Returns (decode logits [B, vocab] or None, per chunk its last position's logits [1, vocab] where wanted
-        and the chunk ran whole, per chunk the tokens it ran: all of them, or fewer when its pool was short,
-        0 = left out, row unchanged). Raises KVCapacityError before changing anything if the decode rows'
-        blocks cannot be supplied."""
+        Returns (decode logits [B, vocab] or None, valid until the next call; per chunk its last position's
+        logits [1, vocab] (a copy) where wanted and the chunk ran whole; per chunk the tokens it ran: all of
+        them, or fewer when its pool was short, 0 = left out, row unchanged). Raises KVCapacityError before
+        changing anything if the decode rows' blocks cannot be supplied."""
         if len(decode_ids) != len(decode_rows):
             raise ValueError(f"got {len(decode_ids)} input ids for {len(decode_rows)} decode rows")
         slow = [row for row in decode_rows if not row.decode_needs_nothing()]
@@ -82,7 +118,6 @@ class MixedStep:
         for row in slow:
             row.prepare_append(1)
         taken: list[int] = []
-        left_out: list[int] = []
         sizes = [len(tokens) for _, tokens, _ in chunks]
         for index, (row, _, _) in enumerate(chunks):
             while sizes[index] > 0:  # a short pool takes a shorter chunk (its old window needs fewer blocks)
@@ -92,38 +127,66 @@ class MixedStep:
                 except KVCapacityError:
                     sizes[index] //= 2
                     self.shrunk += 1
-            (taken if sizes[index] else left_out).append(index)
-        self.deferred += len(left_out)
-        chunks = [(row, tokens[: sizes[i]], want and sizes[i] == len(tokens))
-                  for i, (row, tokens, want) in enumerate(chunks)]
-        rows = [*decode_rows, *(chunks[i][0] for i in taken)]
+            if sizes[index]:
+                taken.append(index)
+            else:
+                self.deferred += 1
         out: list[Tensor | None] = [None] * len(chunks)
+        rows = [*decode_rows, *(chunks[i][0] for i in taken)]
         if not rows:
             return None, out, sizes
-        tokens = [*([t] for t in decode_ids), *(chunks[i][1] for i in taken)]
-        batch = build_forward_batch(self.pools, rows, tokens, self.device)
         num_decode = len(decode_rows)
-        wanted = list(range(num_decode)) + [num_decode + j for j, i in enumerate(taken) if chunks[i][2]]
-        wanted_t = torch.tensor(wanted, dtype=torch.int64).to(self.device)
-        narrow = None  # (first narrowed layer, kept token indices) for the model
-        context = RaggedPagedContext(self.model.config, self.pools, batch, self.attention,
-                                     None if self.narrow_layer is None else (self.narrow_layer, wanted_t))
-        if self.narrow_layer is not None:
-            narrow = (self.narrow_layer, batch.last_index[wanted_t])
-        hidden = self.model.forward_hidden(batch.ids[None], batch.positions[None], context, narrow)
-        logits = None
-        if wanted:
-            picked = hidden[0] if narrow is not None else hidden[0, batch.last_index[wanted_t]]
-            logits = self.model.compute_logits(picked)
+        tokens = [*([t] for t in decode_ids), *(chunks[i][1][: sizes[i]] for i in taken)]
+        wanted = [i for i in taken if chunks[i][2] and sizes[i] == len(chunks[i][1])]
+        seq_of = {i: num_decode + j for j, i in enumerate(taken)}
+        tick = pack_tick(self.pools, rows, tokens, [*range(num_decode), *(seq_of[i] for i in wanted)])
+        logits = self._forward(tick)
         for row in decode_rows:
             row.commit_append(1)
-        for j, i in enumerate(taken):
+        for i in taken:
             row = chunks[i][0]
-            row.commit_append(len(chunks[i][1]))
+            row.commit_append(sizes[i])
             row.release_out_of_window(0)
-        if logits is not None:
-            for k, seq in enumerate(wanted[num_decode:], start=num_decode):
-                out[taken[seq - num_decode]] = logits[k : k + 1]
+        for k, i in enumerate(wanted, start=num_decode):
+            out[i] = logits[k : k + 1].clone()
         self.steps += 1
-        self.tokens += batch.num_tokens
-        return (logits[:num_decode] if num_decode and logits is not None else None), out, sizes
+        self.tokens += tick.num_tokens
+        return (logits[:num_decode] if num_decode else None), out, sizes
+
+    def capture_all(self) -> dict[int, float]:
+        """Capture every token bucket's graph now (all padding: only scratch blocks are written); returns
+        seconds per bucket. No-op without graphs."""
+        if self.graphs is None or self.buffers is None:
+            return {}
+        with torch.inference_mode():
+            for bucket in self.buffers.buckets:
+                if not self.graphs.has(bucket):
+                    self.buffers.load_padding(bucket)
+                    self.graphs.capture(bucket)
+        return dict(self.graphs.capture_seconds)
+
+    def _forward(self, tick: PackedTick) -> Tensor:
+        """Logits [R, vocab] of ``tick.logit_seqs`` (a graph replay's rows beyond R are padding)."""
+        buffers = self.buffers
+        if buffers is not None and buffers.bucket_for(tick.num_tokens, len(tick.query_lens)) is not None:
+            bucket = buffers.load(tick)
+            run = self.graphs.run if self.graphs is not None else self._bucket_forward
+            return run(bucket)[0][: len(tick.logit_seqs)]
+        self.eager_steps += 1
+        return self.forward_batch(build_forward_batch(self.pools, tick, self.device, self.block_ms))
+
+    def _bucket_forward(self, bucket: int) -> tuple[Tensor]:
+        assert self.buffers is not None
+        return (self.forward_batch(self.buffers.view(bucket)),)
+
+    def forward_batch(self, batch: ForwardBatch) -> Tensor:
+        """The whole forward of ``batch``: logits [len(logit_seqs), vocab]. Reads only ``batch`` and the pools
+        (graph-capturable for a padded batch of fixed buffers)."""
+        context = RaggedPagedContext(self.model.config, self.pools, batch, self.attention, self.narrow_layer)
+        logit_tokens = batch.logit_tokens()
+        narrow = None if self.narrow_layer is None else (self.narrow_layer, logit_tokens)
+        hidden = self.model.forward_hidden(batch.ids[None], batch.positions[None], context, narrow)
+        picked = hidden[0] if narrow is not None else hidden[0, logit_tokens]
+        if picked.shape[0] == 0:  # no logits wanted (an unpadded batch of mid-prompt chunks)
+            return picked.new_empty((0, self.model.config.vocab_size))
+        return self.model.compute_logits(picked)

@@ -5,7 +5,7 @@ Contract: :mod:`.ragged_reference` (its module docstring). Design:
 - One program per ``(query tile, kv head)``. A query tile is up to ``BLOCK_M`` consecutive queries of ONE
   sequence; the tile map (``tile_seq``, ``tile_q0``: sequence and first query of each tile) is built on the
   host with the batch (:func:`query_tiles`), so the kernel needs no search. Programs past the map's valid
-  length exit at once: the grid may be sized for a padded batch (graph capture).
+  length (read from the device) exit at once: the grid may be sized for a padded batch (graph capture).
 - GQA packing: a program loads its tile's queries for all ``G`` q heads of its kv head as one
   ``[BLOCK_M * G_PAD, D]`` operand, so every K/V tile is read once for the whole group (row ``r`` is query
   ``r // G_PAD``, head ``r % G_PAD``).
@@ -30,10 +30,10 @@ __all__ = ["query_tiles", "ragged_block_m", "ragged_paged_attention"]
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit(do_not_specialize=["window", "num_tiles"])
+@triton.jit(do_not_specialize=["window"])
 def _ragged_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, qstart_ptr, seq_lens_ptr, tile_seq_ptr, tile_q0_ptr, out_ptr,
-    qk_scale, window, num_tiles,
+    q_ptr, k_ptr, v_ptr, bt_ptr, qstart_ptr, seq_lens_ptr, tile_seq_ptr, tile_q0_ptr, num_tiles_ptr, out_ptr,
+    qk_scale, window,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bts, stride_ot, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -41,7 +41,7 @@ def _ragged_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
-    if tile >= num_tiles:
+    if tile >= tl.load(num_tiles_ptr):
         return
     kvh = tl.program_id(1)
     seq = tl.load(tile_seq_ptr + tile)
@@ -136,12 +136,13 @@ def query_tiles(query_lens: Sequence[int], block_m: int) -> tuple[list[int], lis
 def ragged_paged_attention(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
     query_start: torch.Tensor, seq_lens: torch.Tensor, *, scale: float, window: int = 0,
-    tiles: tuple[torch.Tensor, torch.Tensor, int] | None = None, out: torch.Tensor | None = None,
+    tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ragged paged attention (Triton); arguments as ``ragged_paged_attention_reference``. ``tiles``:
-    ``(tile_seq int32 [N], tile_q0 int32 [N], num_valid)`` from :func:`query_tiles` with
+    ``(tile_seq int32 [N], tile_q0 int32 [N], num_valid int32 [1])`` from :func:`query_tiles` with
     :func:`ragged_block_m` of this layer's shapes (built from ``query_start`` on the host, one sync, when
-    None); ``N`` may exceed ``num_valid`` (padding programs exit). No host sync when ``tiles`` is given."""
+    None); ``N`` may exceed ``num_valid`` (padding programs exit at once). Rows of ``q`` that no tile covers
+    (padding tokens) come out as zeros. No host sync when ``tiles`` is given: graph-capturable."""
     if q.dim() != 3 or k_pool.dim() != 4 or k_pool.shape != v_pool.shape:
         raise ValueError(f"q must be [T, H, D] and pools [blocks, block_size, kv_heads, D]; got "
                          f"{tuple(q.shape)}, {tuple(k_pool.shape)}, {tuple(v_pool.shape)}")
@@ -153,14 +154,15 @@ def ragged_paged_attention(
         raise ValueError("q and the pools need a contiguous last dim")
     if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
         raise ValueError("block_tables must be int32 with contiguous rows")
-    out = torch.empty_like(q) if out is None else out
+    out = torch.zeros_like(q) if out is None else out
     group = num_q_heads // num_kv_heads
     block_m = ragged_block_m(head_dim, group)
     if tiles is None:
         starts = query_start.tolist()
         seqs, firsts = query_tiles([b - a for a, b in zip(starts, starts[1:])], block_m)
         tiles = (torch.tensor(seqs, dtype=torch.int32, device=q.device),
-                 torch.tensor(firsts, dtype=torch.int32, device=q.device), len(seqs))
+                 torch.tensor(firsts, dtype=torch.int32, device=q.device),
+                 torch.tensor([len(seqs)], dtype=torch.int32, device=q.device))
     tile_seq, tile_q0, num_valid = tiles
     if num_tokens == 0 or tile_seq.numel() == 0:
         return out
@@ -168,8 +170,8 @@ def ragged_paged_attention(
     tile_n = max(32 if dim_pad <= 256 else 16, triton.next_power_of_2(block_size))
     upcast = _INTERPRET and q.dtype == torch.bfloat16
     _ragged_kernel[(tile_seq.numel(), num_kv_heads)](
-        q, k_pool, v_pool, block_tables, query_start, seq_lens, tile_seq, tile_q0, out,
-        float(scale) * _LOG2E, int(window), int(num_valid),
+        q, k_pool, v_pool, block_tables, query_start, seq_lens, tile_seq, tile_q0, num_valid, out,
+        float(scale) * _LOG2E, int(window),
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=_group_pad(num_q_heads, num_kv_heads), BLOCK_M=block_m, HEAD_DIM=head_dim,

@@ -46,7 +46,7 @@ def ragged_paged_attention_reference(
     block_size = k_pool.shape[1]
     flat_k = k_pool.view(-1, *k_pool.shape[2:])
     flat_v = v_pool.view(-1, *v_pool.shape[2:])
-    out = torch.empty_like(q)
+    out = torch.zeros_like(q)  # rows no sequence covers (padding tokens) stay zero
     for s, ctx in enumerate(lengths):
         lo, hi = starts[s], starts[s + 1]
         if hi == lo:

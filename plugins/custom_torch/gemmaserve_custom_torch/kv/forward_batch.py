@@ -1,27 +1,36 @@
-"""`ForwardBatch`: one tick's tokens of many rows (prefill chunks and decode rows) packed for ONE forward, and
-`RaggedPagedContext`, the attention context that runs it over the paged pools.
+"""`ForwardBatch`: one tick's tokens of many rows (prefill chunks and decode rows) packed for ONE forward, the
+fixed device buffers that hold it for CUDA-graph replay (`ForwardBuffers`), and `RaggedPagedContext`, the
+attention context that runs it over the paged pools.
 
-A batch is built in one place (:func:`build_forward_batch`) from rows whose blocks for the new positions are
-already prepared (``PagedKVCache.prepare_append``; lengths not yet committed). Sequence ``s`` contributes
-``n_s`` tokens at positions ``row.length ...``; tensors (on the pools' device):
+A batch is described in one place (:func:`pack_tick`) from rows whose blocks for the new positions are already
+prepared (``PagedKVCache.prepare_append``; lengths not yet committed). Sequence ``s`` contributes ``n_s``
+tokens at positions ``row.length ...``; the tensors (on the pools' device) are:
 
 - ``ids``, ``positions``: int64 ``[T]`` (tokens of sequence 0, then 1, ...);
+- ``write_slots[group]``: int64 ``[T]``, the flat pool slot each token's K/V goes to (the scratch block for
+  positions the group does not keep, and for padding tokens);
 - ``query_start``: int32 ``[S + 1]``; ``seq_lens``: int32 ``[S]`` = context after the tick (``length + n_s``);
-- ``block_tables[group]``: int32 ``[S, width]`` (``-1`` = not held); ``write_slots[group]``: int64 ``[T]``,
-  the flat pool slot each token's K/V goes to (the scratch block for positions the group does not keep);
-- ``last_index``: int64 ``[S]``, each sequence's last token (whose logits a completed prompt or a decode
-  row needs).
+- ``block_tables[group]``: int32 ``[S, width]`` (``-1`` = not held);
+- ``logit_seqs``: int64 ``[R]``, the sequences whose last token's logits are wanted (decode rows, chunks that
+  complete their prompt), in output order;
+- ``tiles[block_m]``: the Triton kernel's query-tile map.
+
+Padded batches (``ForwardBuffers.view``): tokens past ``T`` are padding (token 0, scratch write slot, in no
+sequence: attention gives them zeros), sequences past ``S`` are empty (``n_s = 0``, ``seq_len = 0``), and
+``logit_seqs`` past ``R`` name an empty sequence when there is one (its attention is zero), else a real one
+(work thrown away). Every shape depends on the bucket only, so the forward can be captured once per bucket.
 
 Every storing layer writes the batch's K/V with one indexed copy, then every layer attends through the block
 tables with the ragged kernel (Triton) or its plain-torch reference (the portable path); fresh keys are read
-back from the pools, so one kernel serves prefill and decode. From ``narrow_layer`` on (the KV-shared layers,
-fast prefill) only the sequences' last tokens are computed: those layers attend as decode rows.
+back from the pools, so one kernel serves prefill and decode. From ``narrow_layer`` on (the KV-shared tail,
+fast prefill) only the last tokens of ``logit_seqs`` are computed: those layers attend as decode rows.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -32,114 +41,290 @@ from ..models.config import GemmaTextConfig
 from .paged_cache import PagedKVCache
 from .pools import KVPools
 
-__all__ = ["ForwardBatch", "RaggedPagedContext", "build_forward_batch"]
+__all__ = ["ForwardBatch", "ForwardBuffers", "PackedTick", "RaggedPagedContext", "build_forward_batch", "pack_tick"]
 
 RaggedAttention = Literal["triton", "reference"]
+Tiles = tuple[Tensor, Tensor, Tensor]  # tile_seq int32 [N], tile_q0 int32 [N], number of valid tiles int32 [1]
+
+
+@dataclass(slots=True)
+class PackedTick:
+    """The host description of a tick (what :func:`pack_tick` returns; lists of ints)."""
+
+    ids: list[int]
+    positions: list[int]
+    write_slots: dict[str, list[int]]
+    query_start: list[int]
+    seq_lens: list[int]
+    tables: dict[str, list[list[int]]]
+    logit_seqs: list[int]
+    query_lens: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.ids)
+
+
+def pack_tick(pools: KVPools, rows: Sequence[PagedKVCache], tokens: Sequence[Sequence[int]],
+              logit_seqs: Sequence[int]) -> PackedTick:
+    """Describe ``tokens[i]`` appended to ``rows[i]`` (prepared, lengths not committed); logits wanted for the
+    last token of each sequence in ``logit_seqs``."""
+    if len(rows) != len(tokens) or not rows:
+        raise ValueError(f"{len(rows)} rows for {len(tokens)} token lists")
+    lens = [len(t) for t in tokens]
+    if min(lens) < 1:
+        raise ValueError("every sequence of a forward batch needs at least one token")
+    bs = pools.block_size
+    ids: list[int] = []
+    positions: list[int] = []
+    starts = [0]
+    for row, chunk in zip(rows, tokens):
+        ids.extend(chunk)
+        positions.extend(range(row.length, row.length + len(chunk)))
+        starts.append(starts[-1] + len(chunk))
+    slots: dict[str, list[int]] = {}
+    tables: dict[str, list[list[int]]] = {}
+    for group in pools.groups:
+        scratch = pools.scratch_block(group) * bs
+        group_slots: list[int] = []
+        for row, n in zip(rows, lens):
+            table, start = row.tables[group], row.length
+            write_from = row.write_start(group, n)
+            group_slots.extend([scratch] * (write_from - start))
+            end = start + n
+            while write_from < end:  # block by block: one list extension per block, not per token
+                block_end = min(end, (write_from // bs + 1) * bs)
+                base = table[write_from // bs] * bs - (write_from // bs) * bs
+                group_slots.extend(range(base + write_from, base + block_end))
+                write_from = block_end
+        slots[group] = group_slots
+        tables[group] = [row.tables[group] for row in rows]
+    return PackedTick(ids, positions, slots, starts, [row.length + n for row, n in zip(rows, lens)], tables,
+                      list(logit_seqs), lens)
 
 
 @dataclass(slots=True)
 class ForwardBatch:
-    """The packed tick (see the module docstring). ``query_lens`` is the host copy of ``n_s``."""
+    """The packed tick on the device (see the module docstring); views of `ForwardBuffers` when padded."""
 
     ids: Tensor
     positions: Tensor
+    write_slots: dict[str, Tensor]
     query_start: Tensor
     seq_lens: Tensor
     block_tables: dict[str, Tensor]
-    write_slots: dict[str, Tensor]
-    last_index: Tensor
-    query_lens: list[int]
-    _tiles: dict[int, tuple[Tensor, Tensor, int]] = field(default_factory=dict)
+    logit_seqs: Tensor
+    tiles: dict[int, Tiles]
 
     @property
     def num_tokens(self) -> int:
         return int(self.ids.shape[0])
 
-    def tiles(self, block_m: int) -> tuple[Tensor, Tensor, int]:
-        """The Triton kernel's query-tile map for tiles of ``block_m`` queries (built once per size)."""
-        tiles = self._tiles.get(block_m)
-        if tiles is None:
-            from ..kernels.ragged_attention import query_tiles
+    @property
+    def last_index(self) -> Tensor:
+        """int64 [S]: each sequence's last token (an empty sequence gives the token before it; harmless)."""
+        return (self.query_start[1:].to(torch.int64) - 1).clamp_(min=0)
 
-            seqs, firsts = query_tiles(self.query_lens, block_m)
-            both = torch.tensor([seqs, firsts], dtype=torch.int32).to(self.ids.device)
-            tiles = self._tiles[block_m] = (both[0], both[1], len(seqs))
-        return tiles
-
-    def last_tokens(self, sequences: Tensor) -> ForwardBatch:
-        """The batch of only the last token of each of ``sequences`` (int64 [S'] on the device): what the
-        narrowed (KV-shared) layers attend with. It writes nothing (``write_slots`` empty)."""
-        count = int(sequences.shape[0])
-        return ForwardBatch(
-            ids=self.ids[self.last_index[sequences]], positions=self.positions[self.last_index[sequences]],
-            query_start=torch.arange(count + 1, dtype=torch.int32, device=self.ids.device),
-            seq_lens=self.seq_lens[sequences].contiguous(),
-            block_tables={g: t[sequences].contiguous() for g, t in self.block_tables.items()},
-            write_slots={}, last_index=torch.arange(count, device=self.ids.device), query_lens=[1] * count,
-        )
+    def logit_tokens(self) -> Tensor:
+        """int64 [R]: the token index of each ``logit_seqs`` entry's last token."""
+        return self.last_index[self.logit_seqs]
 
 
-def build_forward_batch(pools: KVPools, rows: Sequence[PagedKVCache], tokens: Sequence[Sequence[int]],
-                        device: torch.device) -> ForwardBatch:
-    """Pack ``tokens[i]`` appended to ``rows[i]`` (prepared, not committed). One H2D copy per tensor kind."""
-    if len(rows) != len(tokens) or not rows:
-        raise ValueError(f"{len(rows)} rows for {len(tokens)} token lists")
-    bs = pools.block_size
-    lens = [len(t) for t in tokens]
-    if min(lens) < 1:
-        raise ValueError("every sequence of a forward batch needs at least one token")
-    ids: list[int] = []
-    positions: list[int] = []
-    starts = [0]
-    last: list[int] = []
-    for row, chunk in zip(rows, tokens):
-        ids.extend(chunk)
-        positions.extend(range(row.length, row.length + len(chunk)))
-        starts.append(starts[-1] + len(chunk))
-        last.append(starts[-1] - 1)
-    width = max(max(len(t) for t in row.tables.values()) for row in rows)
-    tables: dict[str, list[list[int]]] = {}
-    slots: dict[str, list[int]] = {}
-    for group in pools.groups:
-        scratch = pools.scratch_block(group) * bs
-        tables[group] = [row.tables[group] + [-1] * (width - len(row.tables[group])) for row in rows]
-        group_slots: list[int] = []
-        for row, n in zip(rows, lens):
-            start, end = row.length, row.length + n
-            write_from = row.write_start(group, n)
-            group_slots.extend([scratch] * (write_from - start))
-            if write_from < end:
-                group_slots.extend(row.slots(group, write_from, end).tolist())
-        slots[group] = group_slots
+def _int64(values: list[int]) -> Tensor:
+    """A CPU int64 tensor of ``values`` through the buffer protocol (several times faster than torch.tensor)."""
+    return torch.frombuffer(array("q", values), dtype=torch.int64) if values else torch.zeros(0, dtype=torch.int64)
+
+
+def _tile_map(query_lens: Sequence[int], block_m: int) -> tuple[list[int], list[int]]:
+    from ..kernels.ragged_attention import query_tiles
+
+    return query_tiles(query_lens, block_m)
+
+
+def build_forward_batch(pools: KVPools, tick: PackedTick, device: torch.device, block_ms: Sequence[int]) -> ForwardBatch:
+    """The unpadded batch of ``tick`` in fresh tensors (eager forwards: CPU, MoE, oversized ticks)."""
     groups = list(pools.groups)
-    ints = torch.tensor([ids, positions, *(slots[g] for g in groups)], dtype=torch.int64).to(device)
-    meta = torch.tensor([*starts, *(start + n for start, n in zip((r.length for r in rows), lens))],
-                        dtype=torch.int32).to(device)
-    table_tensor = torch.tensor([tables[g] for g in groups], dtype=torch.int32).to(device)
+    ints = torch.tensor([tick.ids, tick.positions, *(tick.write_slots[g] for g in groups)], dtype=torch.int64)
+    ints = ints.to(device)
+    width = max(len(t) for g in groups for t in tick.tables[g])
+    tables = torch.tensor([[t + [-1] * (width - len(t)) for t in tick.tables[g]] for g in groups], dtype=torch.int32)
+    meta = torch.tensor([*tick.query_start, *tick.seq_lens], dtype=torch.int32).to(device)
+    tiles: dict[int, Tiles] = {}
+    for block_m in block_ms:
+        seqs, firsts = _tile_map(tick.query_lens, block_m)
+        both = torch.tensor([seqs, firsts], dtype=torch.int32).to(device)
+        tiles[block_m] = (both[0], both[1], torch.tensor([len(seqs)], dtype=torch.int32, device=device))
+    count = len(tick.query_lens)
+    tables = tables.to(device)
     return ForwardBatch(
-        ids=ints[0], positions=ints[1], query_start=meta[: len(starts)], seq_lens=meta[len(starts):],
-        block_tables={g: table_tensor[i] for i, g in enumerate(groups)},
-        write_slots={g: ints[2 + i] for i, g in enumerate(groups)},
-        last_index=torch.tensor(last, dtype=torch.int64).to(device), query_lens=lens,
+        ids=ints[0], positions=ints[1], write_slots={g: ints[2 + i] for i, g in enumerate(groups)},
+        query_start=meta[: count + 1], seq_lens=meta[count + 1 :],
+        block_tables={g: tables[i] for i, g in enumerate(groups)},
+        logit_seqs=torch.tensor(tick.logit_seqs, dtype=torch.int64).to(device), tiles=tiles,
     )
 
 
+def token_buckets(max_tokens: int, smallest: int = 16) -> tuple[int, ...]:
+    """Padded token counts up to ``max_tokens``: 16, 32, 48, 64, 96, 128, 192, 256, ... (each power of two and
+    1.5x it, so padding wastes at most a third), ending with ``max_tokens`` itself."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    sizes: set[int] = set()
+    size = smallest
+    while size < max_tokens:
+        sizes.add(size)
+        if size >= 32 and size * 3 // 2 < max_tokens:
+            sizes.add(size * 3 // 2)
+        size *= 2
+    sizes.add(max_tokens)
+    return tuple(sorted(sizes))
+
+
+class ForwardBuffers:
+    """Fixed device buffers for ticks of at most ``max_tokens`` tokens and ``max_seqs`` sequences whose rows
+    hold at most ``width`` blocks. :meth:`load` stages a tick (pinned host staging, one H2D copy per buffer
+    kind) and returns its bucket; :meth:`view` gives the padded `ForwardBatch` of a bucket. Device buffers
+    keep their addresses for the object's lifetime (graphs capture them). Single-threaded (backend lock)."""
+
+    def __init__(self, pools: KVPools, *, max_tokens: int, max_seqs: int, width: int, block_ms: Sequence[int],
+                 device: torch.device) -> None:
+        self.pools = pools
+        self.groups = list(pools.groups)
+        self.max_tokens, self.max_seqs, self.width = max_tokens, max_seqs, width
+        self.buckets = token_buckets(max_tokens)
+        self.block_ms = tuple(sorted(set(block_ms)))
+        self.device = device
+        pin = device.type == "cuda"
+        rows64 = 2 + len(self.groups)
+        self._ints = torch.zeros((rows64, max_tokens), dtype=torch.int64, device=device)
+        self._ints_host = torch.zeros((rows64, max_tokens), dtype=torch.int64, pin_memory=pin)
+        self._max_tiles = {bm: -(-max_tokens // bm) + max_seqs for bm in self.block_ms}
+        meta_len = 2 * max_seqs + 1 + max_seqs + sum(2 * n + 1 for n in self._max_tiles.values())
+        self._meta = torch.zeros(meta_len, dtype=torch.int32, device=device)
+        self._meta_host = torch.zeros(meta_len, dtype=torch.int32, pin_memory=pin)
+        self._tables = torch.full((len(self.groups), max_seqs, width), -1, dtype=torch.int32, device=device)
+        self._tables_host = torch.full((len(self.groups), max_seqs, width), -1, dtype=torch.int32, pin_memory=pin)
+        self._copied: torch.cuda.Event | None = None
+        self._fill_padding(0, max_tokens)
+
+    def _fill_padding(self, start: int, end: int) -> None:
+        bs = self.pools.block_size
+        self._ints_host[:2, start:end] = 0
+        for i, group in enumerate(self.groups):
+            self._ints_host[2 + i, start:end] = self.pools.scratch_block(group) * bs
+
+    def bucket_for(self, num_tokens: int, num_seqs: int) -> int | None:
+        """The smallest bucket holding the tick, or None when it exceeds the buffers."""
+        if num_seqs > self.max_seqs:
+            return None
+        return next((b for b in self.buckets if b >= num_tokens), None)
+
+    def seqs_of(self, bucket: int) -> int:
+        """Sequences (and logits rows) a bucket's forward has room for."""
+        return min(bucket, self.max_seqs)
+
+    def load(self, tick: PackedTick) -> int:
+        """Stage ``tick`` into the buffers; returns its bucket. Raises ValueError if it does not fit (see
+        :meth:`bucket_for`) or a row is wider than the tables."""
+        num_tokens, count = tick.num_tokens, len(tick.query_lens)
+        bucket = self.bucket_for(num_tokens, count)
+        if bucket is None:
+            raise ValueError(f"a tick of {num_tokens} tokens / {count} sequences exceeds the buffers "
+                             f"({self.max_tokens} / {self.max_seqs})")
+        seqs = self.seqs_of(bucket)
+        if self._copied is not None:
+            self._copied.synchronize()  # the last tick's copies have left the staging buffers
+        host = self._ints_host
+        host[0, :num_tokens] = _int64(tick.ids)
+        host[1, :num_tokens] = _int64(tick.positions)
+        for i, group in enumerate(self.groups):
+            host[2 + i, :num_tokens] = _int64(tick.write_slots[group])
+        self._fill_padding(num_tokens, bucket)
+        meta = [*tick.query_start, *([num_tokens] * (seqs - count)), *tick.seq_lens, *([0] * (seqs - count))]
+        pad_seq = count if count < seqs else 0  # an empty sequence when there is one
+        meta += [*tick.logit_seqs, *([pad_seq] * (seqs - len(tick.logit_seqs)))]
+        for bm in self.block_ms:
+            tile_seq, tile_q0 = _tile_map(tick.query_lens, bm)
+            room = self._tiles_of(bucket, bm)
+            meta += [*tile_seq, *([0] * (room - len(tile_seq))), *tile_q0, *([0] * (room - len(tile_q0))),
+                     len(tile_seq)]
+        self._meta_host[: len(meta)] = torch.frombuffer(array("i", meta), dtype=torch.int32)
+        width = max(len(t) for g in self.groups for t in tick.tables[g])
+        if width > self.width:
+            raise ValueError(f"a row holds {width} blocks but the tick buffers are {self.width} wide "
+                             "(MAX_MODEL_LEN / block size)")
+        tables = self._tables_host
+        tables[:, :seqs, :width] = -1
+        for i, group in enumerate(self.groups):
+            lines = [t + [-1] * (width - len(t)) for t in tick.tables[group]]
+            tables[i, :count, :width] = torch.tensor(lines, dtype=torch.int32)
+        self._ints[:, :bucket].copy_(host[:, :bucket], non_blocking=True)
+        self._meta[: len(meta)].copy_(self._meta_host[: len(meta)], non_blocking=True)
+        self._tables[:, :seqs, :width].copy_(tables[:, :seqs, :width], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return bucket
+
+    def load_padding(self, bucket: int) -> None:
+        """Stage an all-padding tick of ``bucket`` tokens (no sequence: writes go to the scratch blocks, no
+        tile runs, logits rows are zero-context decode rows): a valid state to capture a graph from."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        self._fill_padding(0, bucket)
+        seqs = self.seqs_of(bucket)
+        meta = [0] * (seqs + 1) + [0] * seqs + [0] * seqs
+        for bm in self.block_ms:
+            meta += [0] * (2 * self._tiles_of(bucket, bm)) + [0]
+        self._meta_host[: len(meta)] = torch.tensor(meta, dtype=torch.int32)
+        self._ints[:, :bucket].copy_(self._ints_host[:, :bucket])
+        self._meta[: len(meta)].copy_(self._meta_host[: len(meta)])
+        self._tables[:, :seqs].fill_(-1)
+
+    def _tiles_of(self, bucket: int, block_m: int) -> int:
+        return -(-bucket // block_m) + self.seqs_of(bucket)
+
+    def view(self, bucket: int) -> ForwardBatch:
+        """The padded batch of ``bucket`` (views of the buffers; shapes depend on the bucket only)."""
+        seqs = self.seqs_of(bucket)
+        meta = self._meta
+        at = 0
+
+        def take(n: int) -> Tensor:
+            nonlocal at
+            out = meta[at : at + n]
+            at += n
+            return out
+
+        query_start, seq_lens, logit_seqs = take(seqs + 1), take(seqs), take(seqs).to(torch.int64)
+        tiles: dict[int, Tiles] = {}
+        for bm in self.block_ms:
+            room = self._tiles_of(bucket, bm)
+            tiles[bm] = (take(room), take(room), take(1))
+        return ForwardBatch(
+            ids=self._ints[0, :bucket], positions=self._ints[1, :bucket],
+            write_slots={g: self._ints[2 + i, :bucket] for i, g in enumerate(self.groups)},
+            query_start=query_start, seq_lens=seq_lens,
+            block_tables={g: self._tables[i, :seqs] for i, g in enumerate(self.groups)},
+            logit_seqs=logit_seqs, tiles=tiles,
+        )
+
+
 class RaggedPagedContext:
-    """`AttentionContext` of one `ForwardBatch` (B = 1, S = T packed tokens). ``narrow``: from layer
-    ``narrow[0]`` on the model computes only the last tokens of the sequences ``narrow[1]`` (int64 sequence
-    indices; the model's own ``narrow`` takes their token indices, ``batch.last_index[narrow[1]]``) (fast prefill; those
-    layers must store no K/V). ``attention``: the Triton kernels or the plain-torch reference."""
+    """`AttentionContext` of one `ForwardBatch` (B = 1, S = T packed tokens). ``narrow_layer``: from that
+    layer on, the model computes only the last tokens of ``batch.logit_seqs`` (fast prefill; those layers must
+    store no K/V). ``attention``: the Triton kernels or the plain-torch reference."""
 
     def __init__(self, config: GemmaTextConfig, pools: KVPools, batch: ForwardBatch, attention: RaggedAttention,
-                 narrow: tuple[int, Tensor] | None = None) -> None:
+                 narrow_layer: int | None = None) -> None:
         self.config = config
         self.pools = pools
         self.batch = batch
         self.attention = attention
-        self.narrow_layer = narrow[0] if narrow is not None else config.num_hidden_layers
-        self.narrowed = batch.last_tokens(narrow[1]) if narrow is not None else None
-        if narrow is not None and any(config.stores_kv(i) for i in range(narrow[0], config.num_hidden_layers)):
-            raise ValueError(f"layers from {narrow[0]} on store K/V: they cannot be narrowed")
+        self.narrow_layer = config.num_hidden_layers if narrow_layer is None else narrow_layer
+        if any(config.stores_kv(i) for i in range(self.narrow_layer, config.num_hidden_layers)):
+            raise ValueError(f"layers from {narrow_layer} on store K/V: they cannot be narrowed")
+        self._narrowed: tuple[Tensor, Tensor, dict[str, Tensor]] | None = None
         self._ragged: Callable[..., Tensor] = ragged_paged_attention_reference
         self._decode: Callable[..., Tensor] | None = None
         if attention == "triton":
@@ -147,6 +332,16 @@ class RaggedPagedContext:
             from ..kernels.ragged_attention import ragged_paged_attention
 
             self._ragged, self._decode = ragged_paged_attention, paged_decode_attention
+
+    def _narrow(self) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """(query_start, seq_lens, tables) of one query per ``logit_seqs`` entry (built once per forward)."""
+        if self._narrowed is None:
+            batch, sel = self.batch, self.batch.logit_seqs
+            count = int(sel.shape[0])
+            starts = torch.arange(count + 1, dtype=torch.int32, device=sel.device)
+            self._narrowed = (starts, batch.seq_lens[sel].contiguous(),
+                              {g: t[sel].contiguous() for g, t in batch.block_tables.items()})
+        return self._narrowed
 
     def attend(self, layer_idx: int, q: Tensor, k: Tensor | None, v: Tensor | None) -> Tensor:
         source = self.config.kv_source_layer[layer_idx]
@@ -159,21 +354,22 @@ class RaggedPagedContext:
             v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, slots, v[0])
         window = self.config.window_for_layer(layer_idx) or 0
         scale = self.config.attention_scale
-        batch = self.batch
-        if layer_idx >= self.narrow_layer:
-            assert self.narrowed is not None
-            batch = self.narrowed
-            if self._decode is not None:  # one query per sequence: the decode kernel
-                out = self._decode(q[0].contiguous(), k_pool, v_pool, batch.block_tables[group], batch.seq_lens,
-                                   scale=scale, window=window)
+        query_start, seq_lens, tables = self.batch.query_start, self.batch.seq_lens, self.batch.block_tables
+        if layer_idx >= self.narrow_layer:  # one query per logit_seqs entry
+            query_start, seq_lens, tables = self._narrow()
+            if self._decode is not None:
+                out = self._decode(q[0].contiguous(), k_pool, v_pool, tables[group], seq_lens, scale=scale,
+                                   window=window)
                 return out[None]
+            return self._ragged(q[0], k_pool, v_pool, tables[group], query_start, seq_lens, scale=scale,
+                                window=window)[None]
         if self.attention == "triton":
             from ..kernels.ragged_attention import ragged_block_m
 
-            block_m = ragged_block_m(q.shape[-1], q.shape[2] // k_pool.shape[2])
-            out = self._ragged(q[0], k_pool, v_pool, batch.block_tables[group], batch.query_start, batch.seq_lens,
-                               scale=scale, window=window, tiles=batch.tiles(block_m))
+            tiles = self.batch.tiles[ragged_block_m(q.shape[-1], q.shape[2] // k_pool.shape[2])]
+            out = self._ragged(q[0], k_pool, v_pool, tables[group], query_start, seq_lens, scale=scale,
+                               window=window, tiles=tiles)
         else:
-            out = self._ragged(q[0], k_pool, v_pool, batch.block_tables[group], batch.query_start, batch.seq_lens,
-                               scale=scale, window=window)
+            out = self._ragged(q[0], k_pool, v_pool, tables[group], query_start, seq_lens, scale=scale,
+                               window=window)
         return out[None]

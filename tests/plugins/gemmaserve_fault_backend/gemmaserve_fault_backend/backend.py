@@ -11,8 +11,8 @@ Configured through the environment (read once, when the backend is built):
   step is retried alone. With ``FAULT_POISON_AFTER=0`` the prompt's own prefill fails.
 - ``FAULT_AFTER_FORWARD`` (default 1): raise *after* the wrapped forward ran, so the KV it touched
   is left advanced (the worst case for whoever handles the error); 0 raises before it.
-- ``FAULT_DECODE_DELAY_S`` (default 0): sleep this long in every decode step (slows the engine so
-  tests can catch requests while they wait in the queue).
+- ``FAULT_DECODE_DELAY_S`` (default 0): sleep this long in every decode step, and in every one-call tick
+  (``forward_step``) with decoding rows (slows the engine so tests can catch requests while they wait).
 
 Row contexts are tracked through the contract alone (token ids seen by ``prefill_lookup``,
 ``splice_into_batched``, ``decode_step_batched`` and ``remove_row_from_cache``), so any backend can
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gemmaserve.backend import InferenceBackend, PrefillState, SampledTokens
+from gemmaserve.backend import InferenceBackend, PrefillState, SampledTokens, StepOutput
 from gemmaserve.errors import ConfigurationError
 from gemmaserve.sampling_params import RowSampling
 
@@ -152,6 +152,38 @@ class FaultyBackend(InferenceBackend):
             context.append(token)
         self._check(after)
         return logits
+
+    def forward_step(self, states: Sequence[PrefillState], num_tokens: Sequence[int], batched: Any,
+                     input_ids: Sequence[int]) -> StepOutput:
+        """The inner one-call tick, with the decode rows checked as in :meth:`decode_step_batched` (a fault
+        raises the call) and each chunk as in :meth:`prefill_chunk` (a fault is that chunk's error)."""
+        contexts = self._batch_contexts.setdefault(id(batched), []) if batched is not None else []
+        after = [[*context, token] for context, token in zip(contexts, input_ids)]
+        if not self.config.after_forward:
+            self._check(after)
+        if self.config.decode_delay_s and input_ids:
+            time.sleep(self.config.decode_delay_s)
+        errors: list[Exception | None] = [None] * len(states)
+        run = list(range(len(states)))
+        if not self.config.after_forward:
+            for i, (state, num) in enumerate(zip(states, num_tokens)):
+                try:
+                    self._check([state.prompt_ids[: state.num_computed + max(0, min(num, state.num_remaining))]])
+                except InjectedFault as exc:
+                    errors[i] = exc
+            run = [i for i in run if errors[i] is None]
+        out = self.inner.forward_step([states[i] for i in run], [num_tokens[i] for i in run], batched, input_ids)
+        for context, token in zip(contexts, input_ids):
+            context.append(token)
+        self._check(after)
+        for i, error in zip(run, out.prefill_errors):
+            errors[i] = error
+            if error is None:
+                try:
+                    self._check([states[i].prompt_ids[: states[i].num_computed]])
+                except InjectedFault as exc:
+                    errors[i] = exc
+        return StepOutput(errors, out.decode_logits)
 
     def kv_length(self, kv: Any, row_idx: int | None = None) -> int:
         return self.inner.kv_length(kv, row_idx)
