@@ -161,9 +161,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
 
     t0 = time.perf_counter()
-    if args.long_sizes:  # room for A-long's prompts and outputs in the decode tables
-        base = {**base, "max_position_embeddings": max(base["max_position_embeddings"],
-                                                       args.long_prompt_len + args.long_output_len)}
+    longest = max(args.long_prompt_len + args.long_output_len if args.long_sizes else 0,
+                  sum(int(x.split(",")[1]) for x in (args.serving_input, args.serving_output))
+                  if args.serving_rates else 0)
+    if longest > base["max_position_embeddings"]:  # room for A-long's / C's prompts and outputs
+        base = {**base, "max_position_embeddings": longest}
     hf_model = dm.build_hf_model(base, device, dtype, args.seed)
     model = dm.custom_from_hf(hf_model)
     roof = dm.roofline(model)
