@@ -7,7 +7,8 @@ Order of work in :meth:`MixedStep.run`:
    is touched and before any row's length moves.
 2. Each chunk's row gets blocks for its tokens with ``prepare_append(n, release=False)`` (its first queries
    still read the old window; released after the forward). A chunk whose pool is short is halved until it
-   fits (the scheduler takes the rest next tick); one that cannot take a single token is left out.
+   fits (the scheduler takes the rest next tick; a one-token chunk frees its out-of-window blocks first, as
+   a decode row does); one that cannot take a single token is left out.
 3. One batch (:func:`~.kv.forward_batch.pack_tick`), one forward (:class:`~.kv.forward_batch.RaggedPagedContext`):
    on CUDA the batch is staged into fixed buffers padded to a token bucket and the forward replays that
    bucket's CUDA graph (captured on first use); elsewhere (CPU, MoE models, ticks larger than the buffers) it
@@ -122,7 +123,8 @@ class MixedStep:
         for index, (row, _, _) in enumerate(chunks):
             while sizes[index] > 0:  # a short pool takes a shorter chunk (its old window needs fewer blocks)
                 try:
-                    row.prepare_append(sizes[index], release=False)
+                    # a one-token chunk reads only its own window, like a decode row: free what it leaves first
+                    row.prepare_append(sizes[index], release=sizes[index] == 1)
                     break
                 except KVCapacityError:
                     sizes[index] //= 2
