@@ -220,3 +220,72 @@ def test_fixed_buffer_ticks_give_the_unpadded_tokens(tiny_checkpoint, name):
             plain.free_row_kv(state.kv)
     for backend in (plain, padded):
         assert_no_leaks(backend)
+
+
+S_, F_ = "sliding_attention", "full_attention"
+UNSEEN = {  # geometries no other test uses: other windows, layer patterns, GQA ratios, shared-layer counts
+    "w5-gqa4-shared2": {"sliding_window": 5, "num_attention_heads": 4, "num_key_value_heads": 1,
+                        "layer_types": [S_, S_, S_, F_, S_, F_, S_], "num_hidden_layers": 7,
+                        "num_kv_shared_layers": 2},
+    "w12-mha-shared4": {"sliding_window": 12, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32,
+                        "global_head_dim": 64, "layer_types": [S_, F_] * 4, "num_hidden_layers": 8,
+                        "num_kv_shared_layers": 4, "use_double_wide_mlp": False},
+    "w3-noshare-k=v": {"sliding_window": 3, "num_kv_shared_layers": 0, "attention_k_eq_v": True,
+                       "num_global_key_value_heads": 1, "hidden_size_per_layer_input": 0},
+}
+
+
+@pytest.fixture(scope="module")
+def unseen_checkpoint(tmp_path_factory):
+    from tiny_checkpoints import build_tiny_gemma4
+
+    root = tmp_path_factory.mktemp("unseen")
+    return lambda name: build_tiny_gemma4(root / name, seed=7, **UNSEEN[name]) if not (root / name).exists() else root / name
+
+
+@pytest.mark.parametrize("block_size", [2, 4])
+@pytest.mark.parametrize("name", list(UNSEEN))
+def test_unseen_geometries_under_a_small_budget_match_transformers(unseen_checkpoint, hf_reference, name, block_size):
+    """Staggered requests (past several windows, shared prefixes) under a 10-token budget on geometries built
+    only here: every request's greedy tokens equal transformers' generate."""
+    path = unseen_checkpoint(name)
+    backend = make_backend(path, block_size=block_size, kv_blocks=400)
+    hf = hf_reference(path, torch.float32)
+    requests = _requests(17 + block_size)
+    done = run_scheduler(backend, requests, max_batch_size=3, prefill_chunk_tokens=6, max_num_batched_tokens=10)
+    for rid, (prompt, _, n) in zip(sorted(done, key=lambda r: int(r[1:])), requests):
+        assert done[rid].finish_reason is FinishReason.LENGTH, (rid, done[rid].error)
+        assert_matches_hf_generate(hf, prompt, done[rid].output_token_ids)
+    assert_no_leaks(backend)
+
+
+def test_a_decoding_stream_gets_a_token_every_tick_while_long_prompts_prefill(tiny_gemma4_dir):
+    from gemmaserve.engine.request import Request
+    from gemmaserve.engine.scheduler import ContinuousBatchScheduler
+    from gemmaserve.sampling_params import SamplingParams
+    from gemmaserve.settings import CoreSettings
+
+    backend = make_backend(tiny_gemma4_dir, kv_blocks=400)
+    settings = CoreSettings(max_batch_size=8, prefill_chunk_tokens=8, max_num_batched_tokens=16,
+                            max_active_kv_tokens=100_000)
+    sched = ContinuousBatchScheduler(backend, settings)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    sched.add_request(Request("stream", (5, 6, 7), params))
+    got = {"stream": 0}
+
+    def tick() -> None:
+        for event in sched.step():
+            got[event.request_id] = got.get(event.request_id, 0) + len(event.new_token_ids)
+
+    tick()
+    for i in range(5):  # a burst of 60-token prompts: 5 x 60 = 300 prompt tokens through a 16-token budget
+        sched.add_request(Request(f"burst{i}", tuple((11 * j + i) % 300 + 4 for j in range(60)),
+                                  SamplingParams(max_tokens=2, ignore_eos=True)))
+    for _ in range(20):
+        before = got["stream"]
+        tick()
+        assert got["stream"] == before + 1, "the decoding stream stalled during the burst's prefill"
+    while sched.has_work:
+        tick()
+    assert all(got[f"burst{i}"] == 2 for i in range(5))
+    assert_no_leaks(backend)

@@ -40,3 +40,52 @@ def test_pack_tick_describes_positions_slots_and_scratch(tiny_gemma4_dir):
         backend.free_row_kv(a.kv)
         backend.free_row_kv(b.kv)
     assert_no_leaks(backend)
+
+
+@settings(max_examples=40, deadline=None)
+@given(plan=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 8), st.booleans()), min_size=1, max_size=5))
+def test_padded_buffers_hold_the_unpadded_batch_and_inert_padding(tiny_gemma4_dir, plan):
+    """For any tick (rows of any length, chunks of any size, any logits wanted): the fixed buffers' padded view
+    holds the unpadded batch in its first entries; padding tokens write the scratch blocks, padding sequences
+    are empty, the tile map covers exactly the real queries, padded logits rows name an empty sequence."""
+    import torch
+    from gemmaserve_custom_torch.kv.forward_batch import ForwardBuffers, build_forward_batch
+
+    backend = make_backend(tiny_gemma4_dir, block_size=4, kv_blocks=400)
+    pools, bs = backend.pools, backend.pools.block_size
+    buffers = ForwardBuffers(pools, max_tokens=48, max_seqs=6, width=64, block_ms=[16, 32], device=torch.device("cpu"))
+    with backend.lock:
+        states = [backend.prefill_lookup([(5 * i + j) % 200 + 4 for i in range(before + n)])
+                  for j, (before, n, _) in enumerate(plan)]
+        for state, (before, n, _) in zip(states, plan):
+            if before:
+                backend.prefill_chunk(state, before)
+            state.kv.prepare_append(n, release=False)
+        wanted = [j for j, (_, _, want) in enumerate(plan) if want]
+        tick = pack_tick(pools, [s.kv for s in states], [s.prompt_ids[b : b + n] for s, (b, n, _) in zip(states, plan)],
+                         wanted)
+        plain = build_forward_batch(pools, tick, torch.device("cpu"), [16, 32])
+        bucket = buffers.load(tick)
+        view = buffers.view(bucket)
+        t, s = tick.num_tokens, len(plan)
+        assert bucket >= t and view.ids.shape[0] == bucket
+        for name in ("ids", "positions"):
+            assert torch.equal(getattr(view, name)[:t], getattr(plain, name))
+        assert torch.equal(view.query_start[: s + 1], plain.query_start) and bool((view.query_start[s:] == t).all())
+        assert torch.equal(view.seq_lens[:s], plain.seq_lens) and not view.seq_lens[s:].any()
+        for group in pools.groups:
+            assert torch.equal(view.write_slots[group][:t], plain.write_slots[group])
+            assert bool((view.write_slots[group][t:] // bs == pools.scratch_block(group)).all())
+            width = plain.block_tables[group].shape[1]
+            assert torch.equal(view.block_tables[group][:s, :width], plain.block_tables[group])
+        assert view.logit_seqs[: len(wanted)].tolist() == wanted
+        pad = view.logit_seqs[len(wanted):]
+        assert not pad.numel() or s == buffers.seqs_of(bucket) or bool((view.seq_lens[pad] == 0).all())
+        for bm in (16, 32):
+            tile_seq, tile_q0, count = view.tiles[bm]
+            real = int(count[0])
+            assert real == plain.tiles[bm][0].numel()
+            assert torch.equal(tile_seq[:real], plain.tiles[bm][0]) and torch.equal(tile_q0[:real], plain.tiles[bm][1])
+        for state in states:
+            backend.free_row_kv(state.kv)
+    assert_no_leaks(backend)
