@@ -12,7 +12,7 @@ from test_cuda_graphs import cuda_backend, e2b_like_dir, joining_requests, pytes
 def test_graph_ticks_equal_eager_ticks_fp32(e2b_like_dir):
     """fp32: replaying the bucket graphs gives the eager (unpadded, no-graph) ticks' greedy tokens exactly,
     with joins, leaves, chunked prompts past the window and a small token budget."""
-    requests = joining_requests(3)
+    requests = joining_requests(3, count=8)
     graphs = cuda_backend(e2b_like_dir, torch.float32)
     eager = cuda_backend(e2b_like_dir, torch.float32, cuda_graph=False)
     assert graphs.mixed.graphs is not None and eager.mixed.buffers is None
@@ -26,7 +26,7 @@ def test_graph_ticks_equal_eager_ticks_fp32(e2b_like_dir):
 
 
 def test_fast_prefill_on_cuda_keeps_the_tokens_fp32(e2b_like_dir):
-    requests = joining_requests(5, count=10)
+    requests = joining_requests(5, count=6)
     fast = cuda_backend(e2b_like_dir, torch.float32)
     full = cuda_backend(e2b_like_dir, torch.float32, fast_prefill=False)
     kwargs = dict(max_batch_size=8, prefill_chunk_tokens=32, max_num_batched_tokens=64)
