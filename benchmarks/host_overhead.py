@@ -1,12 +1,17 @@
-"""Host time per scheduler tick of the custom_torch decode path, with the model forward stubbed out (CPU).
+"""Host time per scheduler tick of the custom_torch decode path and of its prompt-carrying ticks (``--prefill``),
+with the model forward stubbed out (CPU).
 
 What a decode step costs the host besides the GPU work: the scheduler's per-request bookkeeping (tokens,
 events), the backend's block bookkeeping of rows crossing a block boundary, and staging the fixed decode
 buffers. A tiny random Gemma 4 checkpoint is built in a temporary folder; `StaticDecoder`'s forward is
 replaced by precomputed logits, so the time measured is host work only.
 
+``--prefill``: ``--rows`` cold prompts of ``--prompt-len`` tokens (window 512, blocks of 16) through the
+one-forward tick under the default 8192-token budget, the tick staged into the fixed buffers the CUDA graphs
+replay, the forward itself stubbed: the host time each prompt-carrying tick adds before and after the GPU work.
+
 Usage (repo root):  TRITON_INTERPRET=1 PYTHONPATH=core:plugins/custom_torch:tests \\
-                    .venv/bin/python benchmarks/host_overhead.py --rows 256 [--profile]
+                    .venv/bin/python benchmarks/host_overhead.py --rows 256 [--profile] [--prefill]
 """
 
 from __future__ import annotations
@@ -31,7 +36,12 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=128, help="output tokens per request")
     parser.add_argument("--profile", action="store_true", help="print the top functions (cProfile)")
+    parser.add_argument("--prefill", action="store_true", help="time prompt-carrying ticks instead of decode ticks")
+    parser.add_argument("--prompt-len", type=int, default=512)
     args = parser.parse_args()
+    if args.prefill:
+        prefill_ticks(args)
+        return
 
     from gemmaserve_custom_torch.backend import CustomTorchBackend
     from gemmaserve_custom_torch.models import GemmaForCausalLM
@@ -81,6 +91,56 @@ def main() -> None:
           + (" (under cProfile)" if args.profile else ""))
     if args.profile:
         pstats.Stats(profile).sort_stats("tottime").print_stats(20)
+
+
+def prefill_ticks(args: argparse.Namespace) -> None:
+    """Host time of the ticks that carry prompt tokens (see the module docstring)."""
+    from gemmaserve_custom_torch.backend import CustomTorchBackend
+    from gemmaserve_custom_torch.mixed_step import MixedStep
+    from gemmaserve_custom_torch.models import GemmaForCausalLM
+    from gemmaserve_custom_torch.settings import load_custom_settings
+    from gemmaserve_custom_torch.tokenizer import HFTokenizer
+    from tiny_checkpoints import build_tiny_gemma4
+
+    torch.set_num_threads(1)
+    rows = args.rows
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_tiny_gemma4(Path(tmp) / "ckpt", sliding_window=512, max_position_embeddings=4096)
+        model = GemmaForCausalLM.from_hf(path, "cpu", torch.float32)
+        core = CoreSettings(model=str(path), device="cpu", dtype="float32", kv_block_size=16, max_batch_size=rows,
+                            max_active_kv_tokens=10**7, prefill_chunk_tokens=512, max_waiting_requests=4096)
+        backend = CustomTorchBackend(model, HFTokenizer.from_pretrained(path), core,
+                                     load_custom_settings(kv_blocks=rows * (args.prompt_len // 16 + 40)))
+    mixed = MixedStep(model, backend.pools, "reference", fixed_buffers=True, max_tokens=core.max_num_batched_tokens,
+                      max_seqs=rows, width=4096 // 16)
+    backend.mixed = mixed
+    logits = torch.zeros(rows, model.config.vocab_size)
+    logits[:, 7] = 1.0
+    mixed._bucket_forward = lambda bucket: (logits[: mixed.buffers.seqs_of(bucket)],)  # the stubbed forward
+    if backend.decoder is None:  # decode-only ticks: stub the portable decode step too
+        backend.runner.decode = lambda batch, ids: logits[: len(ids)]
+    scheduler = ContinuousBatchScheduler(backend, core)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    for round_name in ("warm-up", "timed"):
+        for i in range(rows):
+            prompt = tuple((i * 7 + j + len(round_name)) % 400 + 4 for j in range(args.prompt_len))
+            scheduler.add_request(Request(f"{round_name}{i}", prompt, params))
+        profile = cProfile.Profile() if args.profile and round_name == "timed" else None
+        steps_before, tokens_before = mixed.steps, mixed.tokens
+        if profile is not None:
+            profile.enable()
+        start = time.perf_counter()
+        while scheduler.has_work:
+            scheduler.step()
+        elapsed = time.perf_counter() - start
+        if profile is not None:
+            profile.disable()
+    ticks, tokens = mixed.steps - steps_before, mixed.tokens - tokens_before
+    print(f"rows={rows} x {args.prompt_len} tokens: {ticks} prompt-carrying ticks of {tokens / ticks:.0f} tokens, "
+          f"{elapsed / ticks * 1e3:.3f} ms host time per tick (decode-only ticks included in the total)"
+          + (" (under cProfile)" if args.profile else ""))
+    if args.profile:
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

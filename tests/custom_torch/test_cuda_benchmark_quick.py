@@ -15,8 +15,9 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "decode.py"
 def test_decode_benchmark_quick_runs_end_to_end(tmp_path):
     out = tmp_path / "quick.json"
     env = {**os.environ, "OMP_NUM_THREADS": "2", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(out)], capture_output=True,
-                          text=True, env=env, timeout=600)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(out), "--long-sizes", "2",
+                           "--long-prompt-len", "40", "--long-output-len", "4", "--serving-rates", "40",
+                           "--serving-requests", "6"], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["meta"]["quick"] and results["meta"]["config"] == "tiny"
@@ -30,3 +31,10 @@ def test_decode_benchmark_quick_runs_end_to_end(tmp_path):
     assert b["prefix_hit"]["cached_tokens_median"] >= 32 and b["cold"]["cached_tokens_median"] == 0
     assert [r["N"] for r in results["hf_ratio"]] == [1, 2]
     assert "ttft_median_ms" in proc.stdout and "prefix reuse TTFT median" in proc.stdout
+    assert "errors" not in results, results.get("errors")
+    assert [row["N"] for row in results["workload_a_long"]] == [2] and results["workload_a_long"][0]["prompt_len"] == 40
+    assert all(row["prefill_tok_per_s"] > 0 for row in rows + results["workload_a_long"])
+    (serving,) = results["workload_c"]
+    assert serving["requests"] == 6 and not serving["errors"] and serving["ttft_p50_ms"] > 0
+    assert serving["itl_p99_ms"] >= serving["itl_p50_ms"] > 0 and serving["output_tok_per_s"] > 0
+    assert results["meta"]["prefill_gflop_per_token"] <= results["meta"]["prefill_gflop_per_token_full"]
