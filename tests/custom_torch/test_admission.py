@@ -20,8 +20,8 @@ E2B_TEXT = {  # Gemma 4 E2B geometry (gemma4-spec.md §4); only the KV layout ma
 }
 
 
-def _admitted(capacity, geometry, num_tokens, max_tokens_total=10**9):
-    admission = KVAdmission(geometry, capacity, max_tokens_total)
+def _admitted(capacity, geometry, num_tokens):
+    admission = KVAdmission(geometry, capacity)
     count = 0
     while admission.reserve(f"r{count}", num_tokens):
         count += 1
@@ -37,7 +37,7 @@ def test_e2b_equal_memory_window_aware_admits_more_long_requests():
     per_block = sum(g.bytes_per_block(bs, itemsize) for g in groups)
     budget = 1386 * per_block  # ~389 MiB: uniform pools of 1386 blocks each
     geometry = {g.name: GroupGeometry(bs, g.window) for g in groups}
-    assert KVAdmission(geometry, {SLIDING: 1, FULL: 1}, 10**9).footprint(num_tokens) == {SLIDING: 33, FULL: 63}
+    assert KVAdmission(geometry, {SLIDING: 1, FULL: 1}).footprint(num_tokens) == {SLIDING: 33, FULL: 63}
     uniform = plan_pool_sizes(groups, bs, itemsize, budget, sliding_blocks=1386, max_rows=32)
     aware = plan_pool_sizes(groups, bs, itemsize, budget, sliding_blocks=None, max_rows=32)
     for sizes in (uniform, aware):
@@ -78,13 +78,13 @@ def test_tiny_model_equal_memory_runs_more_requests_concurrently(tiny_gemma4_dir
 
 
 def test_footprints_and_reservation_bookkeeping(tiny_gemma4_dir):
-    backend = make_backend(tiny_gemma4_dir, kv_blocks=40, sliding_blocks=12, max_active_kv_tokens=300)
+    backend = make_backend(tiny_gemma4_dir, kv_blocks=40, sliding_blocks=12)
     admission = backend.admission
     assert admission.capacity == {SLIDING: 12, FULL: 68}
     assert admission.footprint(5) == {SLIDING: 2, FULL: 2}
     assert admission.footprint(100) == {SLIDING: 3, FULL: 25}  # sliding capped at ceil(8/4) + 1
     with backend.lock:
-        assert [backend.kv_reserve(f"a{i}", 100) for i in range(3)] == [True, True, False]  # 300 tokens max
+        assert [backend.kv_reserve(f"a{i}", 100) for i in range(3)] == [True, True, False]  # 3 x 25 > 68 full
         assert backend.kv_stats()["full_blocks_reserved"] == 50
         backend.kv_release("a0")
         backend.kv_release("a0")  # idempotent
@@ -100,11 +100,34 @@ def test_footprints_and_reservation_bookkeeping(tiny_gemma4_dir):
     backend.check_integrity()
 
 
+def test_the_token_budget_lives_in_the_core_alone(tiny_gemma4_dir):
+    """MAX_ACTIVE_KV_TOKENS is enforced once, by the core (a request over it is refused at submit; admission
+    waits while running requests hold the budget); the backend's reservations count blocks only."""
+    from gemmaserve.engine.request import Request
+    from gemmaserve.engine.scheduler import ContinuousBatchScheduler
+    from gemmaserve.errors import PromptTooLongError
+    from gemmaserve.sampling_params import SamplingParams
+    from gemmaserve.settings import CoreSettings
+
+    backend = make_backend(tiny_gemma4_dir, kv_blocks=200, max_active_kv_tokens=60)
+    with backend.lock:
+        assert backend.kv_reserve("over-the-token-budget", 100)  # blocks fit: the backend does not count tokens
+        backend.kv_release("over-the-token-budget")
+    sched = ContinuousBatchScheduler(backend, CoreSettings(max_active_kv_tokens=60, max_batch_size=4))
+    with pytest.raises(PromptTooLongError, match="MAX_ACTIVE_KV_TOKENS"):
+        sched.add_request(Request("big", tuple([5] * 50), SamplingParams(max_tokens=11)))
+    for i in range(2):
+        sched.add_request(Request(f"r{i}", tuple([5 + i] * 20), SamplingParams(max_tokens=20, ignore_eos=True)))
+    sched.step()
+    assert sched.stats().num_waiting == 1 and sched.stats().reserved_kv_tokens == 40  # the core's budget waits r1
+    while sched.has_work:
+        sched.step()
+    assert_no_leaks(backend)
+
+
 def test_requests_that_can_never_fit_are_rejected_clearly(tiny_gemma4_dir):
     backend = make_backend(tiny_gemma4_dir, kv_blocks=20, max_active_kv_tokens=500)
     with backend.lock:
-        with pytest.raises(KVCapacityError, match="MAX_ACTIVE_KV_TOKENS"):
-            backend.kv_reserve("big", 501)
         full_total = backend.pools.managers[FULL].num_blocks
         with pytest.raises(KVCapacityError, match=f"full_attention KV pool .* has {full_total} in total"):
             backend.kv_reserve("big", 4 * full_total + 1)

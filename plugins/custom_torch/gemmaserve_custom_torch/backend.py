@@ -90,7 +90,7 @@ class CustomTorchBackend(InferenceBackend):
         )
         self.pools = KVPools(config, num_blocks, self.block_size, self.dtype, self.device)
         self.prefix_cache = PrefixCache(self.pools)
-        self.admission = KVAdmission(self.pools.geometry, num_blocks, settings.max_active_kv_tokens)
+        self.admission = KVAdmission(self.pools.geometry, num_blocks)
         self.prefill_attention, fuse = resolve_fast_paths(custom, self.device.type)
         if fuse:
             fuse_projections(model)

@@ -3,9 +3,10 @@
 A request that will hold at most ``n`` tokens reserves, per group, the most blocks a row of ``n`` tokens can
 ever hold (``GroupGeometry.max_blocks``): ``ceil(n/bs)`` in the full group, ``min(ceil(n/bs), ceil(W/bs)+1)``
 in the sliding group (see ``pools.py`` for why ``+1`` and not more). It is admitted only if, in every group,
-the sum of reservations fits the group's block count, and the reserved tokens fit ``MAX_ACTIVE_KV_TOKENS``.
-Blocks held only by the prefix cache count as free: the cache gives them back on demand. Hence an admitted
-request's allocations never fail (reservations bound what rows hold).
+the sum of reservations fits the group's block count. Blocks held only by the prefix cache count as free: the
+cache gives them back on demand. Hence an admitted request's allocations never fail (reservations bound what
+rows hold). Blocks only: the token budget (``MAX_ACTIVE_KV_TOKENS``) is the core scheduler's, enforced once
+there (validation and admission); ``reserved_tokens`` here is a statistic.
 """
 
 from __future__ import annotations
@@ -20,12 +21,11 @@ __all__ = ["KVAdmission"]
 class KVAdmission:
     """Reservations by request id. Mutated by ``reserve``/``release``; single-threaded (backend lock)."""
 
-    def __init__(self, geometry: dict[str, GroupGeometry], capacity: dict[str, int], max_active_kv_tokens: int) -> None:
+    def __init__(self, geometry: dict[str, GroupGeometry], capacity: dict[str, int]) -> None:
         if set(geometry) != set(capacity):
             raise ValueError(f"geometry groups {sorted(geometry)} != capacity groups {sorted(capacity)}")
         self.geometry = dict(geometry)
         self.capacity = dict(capacity)
-        self.max_active_kv_tokens = max_active_kv_tokens
         self._reservations: dict[str, tuple[int, dict[str, int]]] = {}
         self.reserved = {group: 0 for group in capacity}
         self.reserved_tokens = 0
@@ -43,9 +43,7 @@ class KVAdmission:
         need = self.footprint(num_tokens)
         self._check_ever_fits(num_tokens, need)
         self.release(request_id)
-        fits = self.reserved_tokens + num_tokens <= self.max_active_kv_tokens and all(
-            self.reserved[group] + blocks <= self.capacity[group] for group, blocks in need.items()
-        )
+        fits = all(self.reserved[group] + blocks <= self.capacity[group] for group, blocks in need.items())
         if not fits:
             self.rejections += 1
             return False
@@ -56,11 +54,6 @@ class KVAdmission:
         return True
 
     def _check_ever_fits(self, num_tokens: int, need: dict[str, int]) -> None:
-        if num_tokens > self.max_active_kv_tokens:
-            raise KVCapacityError(
-                f"the request needs {num_tokens} KV tokens but MAX_ACTIVE_KV_TOKENS is {self.max_active_kv_tokens}; "
-                "lower max_tokens, shorten the prompt or raise MAX_ACTIVE_KV_TOKENS"
-            )
         for group, blocks in need.items():
             if blocks > self.capacity[group]:
                 raise KVCapacityError(
@@ -92,5 +85,5 @@ class KVAdmission:
             if total != self.reserved[group] or total > self.capacity[group]:
                 raise RuntimeError(f"KVAdmission: {group} reserved {self.reserved[group]} (sum {total}) vs capacity")
         tokens = sum(n for n, _ in self._reservations.values())
-        if tokens != self.reserved_tokens or tokens > self.max_active_kv_tokens:
-            raise RuntimeError(f"KVAdmission: reserved tokens {self.reserved_tokens} (sum {tokens}) over budget")
+        if tokens != self.reserved_tokens:
+            raise RuntimeError(f"KVAdmission: reserved tokens {self.reserved_tokens} != the reservations' sum {tokens}")
