@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 from gemmaserve.detokenize import IncrementalDetokenizer
 from gemmaserve.engine.request import FinishReason
+from gemmaserve.engine.validation import check_text_can_fit
 from gemmaserve.errors import InvalidRequestError
 from gemmaserve.sampling_params import SamplingParams
 from gemmaserve.settings import CoreSettings, load_settings
@@ -81,11 +82,13 @@ class LLM:
     # -- prompts ------------------------------------------------------------------------------
     def encode_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         """Text is tokenized; a list of ints is taken as token IDs. Raises InvalidRequestError for
-        empty text, text that is not valid Unicode (lone surrogates), or a list holding a non-int."""
+        empty text, text that is not valid Unicode (lone surrogates), or a list holding a non-int, and
+        PromptTooLongError, before tokenizing, for text that cannot fit the model's context."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty")
             _check_unicode(prompt)
+            check_text_can_fit(len(prompt), self.tokenizer, self.engine.scheduler.max_model_len)
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, Sequence):
             for position, token in enumerate(prompt):

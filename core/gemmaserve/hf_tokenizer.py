@@ -6,6 +6,8 @@ this module never imports transformers; :func:`load_hf_tokenizer` imports it whe
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,16 @@ class HFTokenizerAdapter:
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
+
+    @functools.cached_property
+    def max_token_chars(self) -> int | None:
+        """Characters of the longest vocabulary entry (an upper bound on the text one token decodes to: byte
+        and word-start markers are longer than what they stand for), or None if the vocabulary is hidden."""
+        try:
+            vocab = self.hf.get_vocab()
+        except Exception:
+            return None
+        return max((len(piece) for piece in vocab), default=None)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

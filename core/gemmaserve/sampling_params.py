@@ -7,10 +7,14 @@ from dataclasses import dataclass, field
 
 from gemmaserve.errors import InvalidRequestError
 
-__all__ = ["SamplingParams", "RowSampling", "MIN_TEMPERATURE"]
+__all__ = ["SamplingParams", "RowSampling", "MIN_TEMPERATURE", "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS"]
 
 MIN_TEMPERATURE = 1e-5
 """Temperatures in (0, MIN_TEMPERATURE) are treated as greedy (0): logits / T would overflow."""
+MAX_STOP_STRINGS = 16
+"""Stop strings per request (each is matched against the text as it streams)."""
+MAX_STOP_TOKEN_IDS = 1024
+"""Stop token ids per request: more than any tokenizer's special tokens, few enough to check in O(1)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +78,12 @@ class SamplingParams:
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (0 <= self.seed < 2**63)
         ):
             raise InvalidRequestError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(
+                f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are accepted, got {len(self.stop_token_ids)}"
+            )
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings are accepted, got {len(self.stop)}")
         for token_id in self.stop_token_ids:
             if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
                 raise InvalidRequestError(f"stop_token_ids must be non-negative integers, got {token_id!r}")

@@ -82,3 +82,19 @@ def test_bad_stop_values_are_rejected(bad):
 def test_stop_accepts_one_string_or_none():
     assert SamplingParams(stop="END").stop == ("END",)
     assert SamplingParams(stop=None).stop == () and SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+
+
+def test_text_that_can_never_fit_is_refused_before_tokenizing(llm):
+    from gemmaserve.errors import PromptTooLongError
+
+    calls = []
+    original = llm.tokenizer.encode
+    llm.tokenizer.encode = lambda text, **kw: calls.append(len(text)) or original(text, **kw)
+    try:
+        with pytest.raises(PromptTooLongError, match="characters"):
+            llm.generate(["a" * 100_000], SamplingParams(max_tokens=2))
+        assert calls == []
+        assert llm.generate(["hello"], SamplingParams(max_tokens=2))[0].token_ids
+    finally:
+        del llm.tokenizer.encode
+    _idle(llm)

@@ -183,3 +183,50 @@ def test_a_stopped_engine_answers_503_with_retry_after(make_client: Any) -> None
     response = client.post("/v1/completions", json=OK_PROMPT)
     assert_error(response, 503, None)
     assert response.headers["retry-after"] == "1"
+
+
+class CountingTokenizer(CharTokenizer):
+    """Counts the characters it is asked to tokenize."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__(vocab_size)
+        self.encoded_chars = 0
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        self.encoded_chars += len(text)
+        return super().encode(text, add_special_tokens=add_special_tokens)
+
+    def apply_chat_template(self, messages: Any) -> list[int]:
+        self.encoded_chars += sum(len(m["content"]) for m in messages)
+        return super().apply_chat_template(messages)
+
+
+def test_text_that_can_never_fit_is_refused_before_it_is_tokenized(make_client: Any) -> None:
+    """512-token context, one character per token: a 2 MB prompt (or chat message) gets its
+    context_length_exceeded without the tokenizer ever seeing it; one that may fit is tokenized as before."""
+    backend = ReferenceBackend()
+    backend.tokenizer = CountingTokenizer(64)
+    client, _ = make_client(backend)
+    huge = "a" * 2_000_000
+    error = assert_error(client.post("/v1/completions", json={**OK_PROMPT, "prompt": huge}), 400, "prompt",
+                         words=("2000000 characters", "512-token context"))
+    assert error["code"] == "context_length_exceeded"
+    chat = {**OK_CHAT, "messages": [{"role": "user", "content": huge[:600]}]}
+    error = assert_error(client.post("/v1/chat/completions", json=chat), 400, "messages", words=("600 characters",))
+    assert error["code"] == "context_length_exceeded" and backend.tokenizer.encoded_chars == 0
+    assert client.post("/v1/completions", json={**OK_PROMPT, "prompt": "a" * 400}).status_code == 200
+    assert backend.tokenizer.encoded_chars == 400
+
+
+def test_stop_token_ids_are_bounded(make_client: Any) -> None:
+    from gemmaserve.errors import InvalidRequestError
+    from gemmaserve.sampling_params import MAX_STOP_TOKEN_IDS
+
+    client, _ = make_client()
+    too_many = {**OK_PROMPT, "stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))}
+    assert_error(client.post("/v1/completions", json=too_many), 400, "stop_token_ids",
+                 words=(f"at most {MAX_STOP_TOKEN_IDS}",))
+    ok = {**OK_PROMPT, "stop_token_ids": list(range(100, 100 + MAX_STOP_TOKEN_IDS))}
+    assert client.post("/v1/completions", json=ok).status_code == 200
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS + 1)))

@@ -151,6 +151,7 @@ class Request:
         self.prompt_token_ids = tuple(self.prompt_token_ids)
         if self.seed is None:
             self.seed = self.params.seed
+        self._ends = frozenset(self.params.stop_token_ids)  # O(1) per generated token, whatever the list's length
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -189,7 +190,7 @@ class Request:
         if self.want_logprobs and logprob is not None:
             self.output_logprobs.append(logprob)
         params = self.params
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
+        if token_id in self._ends or (not params.ignore_eos and token_id in eos_token_ids):
             self.finish(FinishReason.STOP)
         elif len(self.output_token_ids) >= params.max_tokens:
             self.finish(FinishReason.LENGTH)

@@ -14,7 +14,20 @@ if TYPE_CHECKING:
     from gemmaserve.backend import InferenceBackend
     from gemmaserve.engine.request import Request
 
-__all__ = ["validate_request", "backend_error"]
+__all__ = ["validate_request", "backend_error", "check_text_can_fit"]
+
+
+def check_text_can_fit(chars: int, tokenizer: object, context_limit: int, what: str = "prompt") -> None:
+    """Raise :class:`PromptTooLongError` for text that cannot fit ``context_limit`` tokens whatever it tokenizes
+    to, so it is refused before it is tokenized: a token covers at most the tokenizer's longest vocabulary
+    entry (``tokenizer.max_token_chars``), so ``chars`` characters are at least ``chars / max_token_chars``
+    tokens. No-op for tokenizers that do not tell their longest entry."""
+    longest = getattr(tokenizer, "max_token_chars", None)
+    if isinstance(longest, int) and not isinstance(longest, bool) and longest > 0 and chars > context_limit * longest:
+        raise PromptTooLongError(
+            f"the {what} has {chars} characters: even at {longest} characters per token (this tokenizer's longest "
+            f"token) that is more than the model's {context_limit}-token context; shorten it"
+        )
 
 
 def validate_request(

@@ -187,7 +187,7 @@ class _Server:
             return chat, prepare_chat(chat, self.tokenizer, self.context_limit)
         completion = parse_body(CompletionRequest, raw)
         self.check_model(completion.model)
-        return completion, prepare_completion(completion, self.tokenizer)
+        return completion, prepare_completion(completion, self.tokenizer, self.context_limit)
 
     def _submit(self, prepared: Prepared, timing: Timing) -> Generation:
         try:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gemmaserve.errors import InvalidRequestError
+from gemmaserve.engine.validation import check_text_can_fit
+from gemmaserve.errors import InvalidRequestError, PromptTooLongError
 from gemmaserve.sampling_params import SamplingParams
 from gemmaserve.server.errors import APIError
 from gemmaserve.server.generation import Prepared
@@ -23,9 +24,19 @@ __all__ = ["prepare_completion", "prepare_chat", "COMPLETION_DEFAULT_MAX_TOKENS"
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
-def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer) -> Prepared:
-    """Tokenize the prompt (a string; a token-id list is taken as is) and build the params."""
+def _refuse_text_that_cannot_fit(chars: int, tokenizer: Tokenizer, context_limit: int, param: str) -> None:
+    try:
+        check_text_can_fit(chars, tokenizer, context_limit, param)
+    except PromptTooLongError as exc:
+        raise APIError(400, str(exc), param=param, code="context_length_exceeded") from None
+
+
+def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer, context_limit: int) -> Prepared:
+    """Tokenize the prompt (a string; a token-id list is taken as is) and build the params. A text prompt
+    that cannot fit ``context_limit`` is refused before it is tokenized."""
     prompt = body.prompt
+    if isinstance(prompt, str):
+        _refuse_text_that_cannot_fit(len(prompt), tokenizer, context_limit, "prompt")
     prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not prompt_ids:
         raise APIError(400, "the prompt tokenizes to zero tokens; send a non-empty prompt", param="prompt")
@@ -46,8 +57,10 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limi
             param="messages",
             code="no_chat_template",
         )
+    messages = [message.as_template_dict() for message in body.messages]
+    _refuse_text_that_cannot_fit(sum(len(m["content"] or "") for m in messages), tokenizer, context_limit, "messages")
     try:
-        prompt_ids = tokenizer.apply_chat_template([message.as_template_dict() for message in body.messages])
+        prompt_ids = tokenizer.apply_chat_template(messages)
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param="messages") from None
     if not prompt_ids:

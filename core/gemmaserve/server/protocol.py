@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from gemmaserve.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from gemmaserve.server.errors import APIError
 
 if TYPE_CHECKING:
@@ -28,7 +29,6 @@ __all__ = [
     "MAX_BODY_BYTES",
 ]
 
-MAX_STOP_STRINGS = 16
 MAX_BODY_BYTES = 16 * 2**20
 """Largest request body accepted (HTTP 413 beyond): far more than any context holds as JSON, small
 enough that one request cannot make the server buffer and parse an unbounded amount."""
@@ -78,7 +78,8 @@ class SamplingFields(BaseModel):
     top_k: int | None = Field(None, ge=-1)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: Any = Field(None, validate_default=True, json_schema_extra=_STOP_SCHEMA)
-    stop_token_ids: list[int] | None = Field(None, json_schema_extra=_only(_TOKEN_IDS))
+    stop_token_ids: list[int] | None = Field(
+        None, json_schema_extra=_only({**_TOKEN_IDS, "maxItems": MAX_STOP_TOKEN_IDS}))
     ignore_eos: bool | None = False
     n: int | None = Field(None, ge=1, json_schema_extra=_only({"type": "integer", "const": 1}))
     stream: bool | None = False
@@ -103,6 +104,8 @@ class SamplingFields(BaseModel):
     @field_validator("stop_token_ids")
     @classmethod
     def _check_stop_ids(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and len(value) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are accepted, got {len(value)}")
         if value is not None and any(not 0 <= token <= _MAX_TOKEN_ID for token in value):
             raise ValueError("stop_token_ids must be non-negative token ids")
         return value

@@ -58,6 +58,9 @@ class CharTokenizer:
         self._id_to_char = {index: char for char, index in self._char_to_id.items()}
         self._unknown = self._char_to_id.get("?", len(_SPECIALS))
 
+    max_token_chars = 1
+    """Every token is one character (special tokens never come from text)."""
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         ids = [self._char_to_id.get(char, self._unknown) for char in text.lower()]
         return [BOS_ID, *ids] if add_special_tokens else ids
