@@ -122,7 +122,7 @@ def _workload_a(backend: Any, settings: CoreSettings, sizes: list[int], args: ar
 def _workload_b(backend: Any, settings: CoreSettings, args: argparse.Namespace) -> dict[str, Any]:
     vocab = backend.model_info.vocab_size
     own, total = args.prefix_own, args.prefix_len + args.prefix_own
-    # warm-up of both shapes with prompts of their own (lazily captured prefill graphs are not timed)
+    # warm-up of both shapes with prompts of their own (lazily captured tick graphs are not timed)
     run_engine(backend, settings, random_prompts(1, total, vocab, seed=args.seed + 5), 2)
     warm_prefix = random_prompts(1, args.prefix_len, vocab, seed=args.seed + 6)[0]
     run_engine(backend, settings, [warm_prefix], 1)
@@ -209,9 +209,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     mixed = getattr(backend, "mixed", None)
     if mixed is not None and mixed.graphs is not None:
         section("tick_graph_capture_s", lambda: {str(k): round(v, 3) for k, v in mixed.capture_all().items()})
-    graph_prefill = getattr(backend, "graph_prefill", None)
-    if graph_prefill is not None:
-        section("prefill_graph_capture_s", lambda: {str(k): round(v, 3) for k, v in graph_prefill.capture().items()})
     vocab = base["vocab_size"]
     run_engine(backend, settings, random_prompts(2, args.prompt_len, vocab, seed=99), 4)  # warm-up
     print(f"built in {results['meta']['build_s']} s; copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)

@@ -190,16 +190,18 @@ def profile_prefill(backend: Any, prompt_len: int, repeats: int = 5, seed: int =
 
 
 def profile_prefill_paths(backend: Any, prompt_len: int) -> dict[str, Any]:
-    """:func:`profile_prefill` through the backend as configured (cold chunks as CUDA graphs when it has
-    them) and with the graph prefill switched off (the eager paged prefill)."""
+    """:func:`profile_prefill` through the backend as configured (prefill-only ticks, CUDA graphs per token
+    bucket) and on the one-row eager fallback path (`PagedRunner.prefill`)."""
     out = {"configured": profile_prefill(backend, prompt_len)}
-    runner = backend.runner
-    if runner.graph_prefill is not None:
-        saved, runner.graph_prefill = runner.graph_prefill, None
-        try:
-            out["eager"] = profile_prefill(backend, prompt_len, seed=4343)
-        finally:
-            runner.graph_prefill = saved
+
+    def one_row(state: Any, num: int) -> None:
+        backend._prefill_alone(state, min(num, state.num_remaining))
+
+    backend.prefill_chunk = one_row
+    try:
+        out["one_row_eager"] = profile_prefill(backend, prompt_len, seed=4343)
+    finally:
+        del backend.prefill_chunk  # the class method again
     return out
 
 

@@ -46,12 +46,12 @@ class TestCustomTorchContract(BackendContractTests):
         return None
 
 
-class TestCustomTorchBatchedPrefillContract(TestCustomTorchContract):
-    """The same suite with CUSTOM_BACKEND_BATCHED_PREFILL=on (several rows' chunks in one forward)."""
+class TestCustomTorchSeparateStepsContract(TestCustomTorchContract):
+    """The same suite with CUSTOM_BACKEND_MIXED_STEP=0 (prefill_chunks and decode as separate calls)."""
 
     @pytest.fixture
     def backend(self, tiny_gemma4_dir):
-        backend = make_backend(tiny_gemma4_dir, batched_prefill="on")
+        backend = make_backend(tiny_gemma4_dir, mixed_step=False)
         yield backend
         backend.close()
 

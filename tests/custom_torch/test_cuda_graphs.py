@@ -139,17 +139,19 @@ def test_compile_under_graphs_gives_the_eager_tokens(e2b_like_dir):
 
 
 @pytest.mark.parametrize("name", ["gemma4", "e2b_like"])
-def test_prefill_graph_replay_is_byte_identical_to_its_eager_forward(tiny_checkpoint, e2b_like_dir, name):
-    """Cold and warm chunks: the captured prefill graphs (lazy: first use runs eagerly, later uses replay)
-    give the logits of the same padded forwards run eagerly, bit for bit; a scheduler run keeps no block."""
-    from gemmaserve_custom_torch.prefill_graphs import GraphPrefill
+def test_tick_graph_replay_is_byte_identical_to_its_eager_forward(tiny_checkpoint, e2b_like_dir, name):
+    """Cold and warm chunks: the captured tick graphs (lazy: first use runs eagerly, later uses replay) give
+    the logits of the same padded forwards of the fixed buffers run eagerly, bit for bit; a scheduler run
+    keeps no block."""
+    from gemmaserve_custom_torch.mixed_step import MixedStep
 
     path = e2b_like_dir if name == "e2b_like" else tiny_checkpoint(name)
     graphed = cuda_backend(path)
-    eager = cuda_backend(path, prefill_graph=False)
-    assert graphed.graph_prefill is not None and eager.graph_prefill is None
-    eager.runner.graph_prefill = GraphPrefill(eager.model, eager.pools, buckets=graphed.graph_prefill.buckets,
-                                              attention=eager.prefill_attention, use_graphs=False)
+    eager = cuda_backend(path, cuda_graph=False)
+    buffers = graphed.mixed.buffers
+    assert graphed.mixed.graphs is not None and buffers is not None and eager.mixed.buffers is None
+    eager.mixed = MixedStep(eager.model, eager.pools, "triton", fixed_buffers=True, max_tokens=buffers.max_tokens,
+                            max_seqs=buffers.max_seqs, width=buffers.width)
     rng = random.Random(8)
     long_prompt = [rng.randrange(4, 500) for _ in range(40)]
     prompts = [[rng.randrange(4, 500) for _ in range(length)] for length in (1, 5, 16, 3, 16, 9, 29)]
@@ -164,7 +166,6 @@ def test_prefill_graph_replay_is_byte_identical_to_its_eager_forward(tiny_checkp
                 logits.append(state.last_logits.float().cpu())
                 backend.free_row_kv(state.kv)
         assert torch.equal(logits[0], logits[1]), len(prompt)
-    assert graphed.graph_prefill.graphs.capture_seconds  # captured, then replayed
-    assert graphed.graph_prefill.warm_chunks > 0  # later chunks and the prefix hit
+    assert graphed.mixed.graphs.capture_seconds and graphed.mixed.eager_steps == 0  # captured, then replayed
     run_scheduler(graphed, joining_requests(seed=9, count=10))
     assert_no_leaks(graphed)

@@ -174,24 +174,35 @@ def test_fused_projections_keep_greedy_tokens_in_bf16(e2b_like_dir):
     print(f"\nfused vs unfused: prefill logits max|diff| {diffs}; {same}/{len(PROMPTS)} prompts token-identical")
 
 
-def test_sdpa_prefill_matches_eager_prefill(e2b_like_dir):
-    """Chunked prefill (chunks of 16 across a window of 32) with SDPA vs the eager mask path."""
+def test_ragged_prefill_matches_the_portable_prefill(e2b_like_dir):
+    """Chunked prefill (chunks of 16 across a window of 32) with the Triton ragged kernel vs the eager
+    reference attention of the portable path, and the one-row fallback with SDPA vs eager."""
     prompt = [(7 * i + 3) % 500 + 4 for i in range(100)]
     out = {}
+    modes = {"eager": {"attention": "gather", "cuda_graph": False}, "ragged": {}}
     for dtype in (torch.float32, torch.bfloat16):
-        for mode in ("eager", "sdpa"):
-            backend = cuda_backend(e2b_like_dir, dtype, prefill_attention=mode, fuse="off")
+        for mode, custom in modes.items():
+            backend = cuda_backend(e2b_like_dir, dtype, fuse="off", **custom)
             with backend.lock:
                 state = backend.prefill_lookup(prompt)
                 while not state.is_complete:
                     backend.prefill_chunk(state, 16)
                 out[dtype, mode] = state.last_logits.float()
                 backend.free_row_kv(state.kv)
+        backend = cuda_backend(e2b_like_dir, dtype, fuse="off", prefill_attention="sdpa")
+        with backend.lock:
+            state = backend.prefill_lookup(prompt)
+            while not state.is_complete:
+                backend._prefill_alone(state, min(16, state.num_remaining))
+            out[dtype, "one-row sdpa"] = state.last_logits.float()
+            backend.free_row_kv(state.kv)
     reference = out[torch.float32, "eager"]
-    torch.testing.assert_close(out[torch.float32, "sdpa"], reference, atol=1e-3, rtol=1e-3)
-    assert int(out[torch.float32, "sdpa"].argmax()) == int(reference.argmax())
-    # bf16: both paths round differently (eager: bf16 scores and probabilities like transformers; SDPA: fp32
-    # inside the kernel); SDPA must be no further from the fp32 result than the eager bf16 path
-    errors = {mode: float((out[torch.bfloat16, mode] - reference).abs().max()) for mode in ("eager", "sdpa")}
+    for mode in ("ragged", "one-row sdpa"):
+        torch.testing.assert_close(out[torch.float32, mode], reference, atol=1e-3, rtol=1e-3)
+        assert int(out[torch.float32, mode].argmax()) == int(reference.argmax())
+    # bf16: the paths round differently (eager: bf16 scores and probabilities like transformers; the kernels:
+    # fp32 inside); the kernels must be no further from the fp32 result than the eager bf16 path
+    errors = {mode: float((out[torch.bfloat16, mode] - reference).abs().max()) for mode in (*modes, "one-row sdpa")}
     print(f"\nbf16 prefill logits, max |diff| to fp32: {errors}")
-    assert errors["sdpa"] <= 1.5 * errors["eager"] + 0.05, errors
+    for mode in ("ragged", "one-row sdpa"):
+        assert errors[mode] <= 1.5 * errors["eager"] + 0.05, errors

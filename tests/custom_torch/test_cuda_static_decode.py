@@ -149,7 +149,8 @@ def test_static_decoder_logits_and_greedy_fast_path(tiny_gemma4_dir):
             while len(batch):
                 backend.remove_row_from_cache(batch, 0)
         assert_no_leaks(backend)
-    torch.testing.assert_close(logits["static"], logits["gather"], rtol=0, atol=2e-5)
+    # the two backends prefill through different tick attention (Triton under the interpreter / reference)
+    torch.testing.assert_close(logits["static"], logits["gather"], rtol=0, atol=5e-5)
     stale = logits["static"][0].clone()
     assert static.decoder.greedy_tokens(stale) is None  # only the tensor the last step returned
 
@@ -207,18 +208,23 @@ def test_sdpa_prefill_matches_eager_on_cpu(tiny_gemma4_dir):
     sdpa = make_backend(tiny_gemma4_dir, prefill_chunk_tokens=5, prefill_attention="sdpa")
     assert sdpa.runner.prefill_attention == "sdpa" and eager.runner.prefill_attention == "eager"
     results = []
-    for backend in (eager, sdpa):
+    for backend in (eager, sdpa):  # the one-row fallback path, where the setting applies
         with backend.lock:
             state = backend.prefill_lookup(prompt)
             while not state.is_complete:
-                backend.prefill_chunk(state, 5)
+                backend._prefill_alone(state, min(5, state.num_remaining))
             results.append(state.last_logits.clone())
             backend.free_row_kv(state.kv)
     torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-4)
-    requests = [(prompt, 0, 8), (prompt[:6], 1, 8)]
-    by_eager = run_scheduler(make_backend(tiny_gemma4_dir), requests, prefill_chunk_tokens=5)
-    by_sdpa = run_scheduler(make_backend(tiny_gemma4_dir, prefill_attention="sdpa"), requests, prefill_chunk_tokens=5)
-    assert [r.output_token_ids for r in by_sdpa.values()] == [r.output_token_ids for r in by_eager.values()]
+
+
+@pytest.mark.parametrize("name", ["prefill_graph", "batched_prefill"])
+def test_removed_settings_are_refused_with_the_reason(monkeypatch, name):
+    from gemmaserve.errors import ConfigurationError
+
+    monkeypatch.setenv(f"CUSTOM_BACKEND_{name.upper()}", "1")
+    with pytest.raises(ConfigurationError, match=f"CUSTOM_BACKEND_{name.upper()} was removed"):
+        load_custom_settings()
 
 
 def test_padding_rows_touch_only_the_scratch_block(tiny_gemma4_dir):

@@ -14,7 +14,6 @@ from fixtures_backend import one_torch_thread  # noqa: F401  (autouse)
 from gemmaserve.backend import PrefillState
 from gemmaserve.engine.request import FinishReason
 from gemmaserve_custom_torch.mixed_step import shared_tail_start
-from test_graph_prefill import assert_same_visible_kv
 
 TOPOLOGIES = ["gemma4", "gemma3", "gemma4_k_eq_v", "gemma4_moe"]
 
@@ -98,7 +97,7 @@ def test_portable_prefill_is_bitwise_the_one_row_path_and_close_to_transformers(
     agree with transformers."""
     path = tiny_checkpoint(name)
     mixed = make_backend(path, fast_prefill=False, prefill_chunk_tokens=64)
-    one_row = make_backend(path, mixed_step=False, prefill_chunk_tokens=64)
+    one_row = make_backend(path, prefill_chunk_tokens=64)  # its one-row eager path, driven directly below
     hf = hf_reference(path, torch.float32)
     prompts = [[(5 * i + j) % 300 + 4 for i in range(n)] for j, n in enumerate([6, 3, 8])]  # within the window
     with mixed.lock, one_row.lock:
@@ -109,7 +108,7 @@ def test_portable_prefill_is_bitwise_the_one_row_path_and_close_to_transformers(
         assert mixed.forward_step(packed, [len(p) for p in prompts], None, []).prefill_errors == [None] * 3
         plain = [one_row.prefill_lookup(p) for p in prompts]
         for state, prompt in zip(plain, prompts):
-            one_row.prefill_chunk(state, len(prompt))
+            one_row._prefill_alone(state, len(prompt))  # PagedRunner.prefill: the one-row fallback
     for prompt, state, other, reference in zip(prompts, alone, packed, plain):
         assert torch.equal(state.last_logits, reference.last_logits), prompt
         with torch.inference_mode():

@@ -28,13 +28,27 @@ def reference_last_logits(model, prompt):
 
 
 @pytest.mark.parametrize("name", ["gemma4", "gemma3", "gemma4_k_eq_v"])
-@pytest.mark.parametrize("prompt", [PROMPT_SHORT, PROMPT_LONG], ids=["short", "long"])
-def test_one_chunk_prefill_is_bitwise_the_reference(tiny_checkpoint, name, prompt):
-    backend = make_backend(tiny_checkpoint(name))
+@pytest.mark.parametrize(("prompt", "path"), [(PROMPT_SHORT, "tick"), (PROMPT_SHORT, "one-row"),
+                                              (PROMPT_LONG, "one-row"), (PROMPT_LONG, "tick")],
+                         ids=["short-tick", "short-one-row", "long-one-row", "long-tick"])
+def test_one_chunk_prefill_is_bitwise_the_reference(tiny_checkpoint, name, prompt, path):
+    """fp32, full prefill (fast prefill off): a prompt within the window, prefilled in one tick, and any
+    prompt on the one-row path (one forward, whatever its length) give the reference's logits bit for bit.
+    A prompt past the window runs in ticks of at most W tokens (other matmul shapes than one forward): equal
+    to fp32 rounding, same argmax."""
+    backend = make_backend(tiny_checkpoint(name), fast_prefill=False)
     with backend.lock:
         state = backend.prefill_lookup(prompt)
-        backend.prefill_chunk(state, len(prompt))
-        assert torch.equal(state.last_logits[0], reference_last_logits(backend.model, prompt))
+        if path == "tick":
+            backend.prefill_chunk(state, len(prompt))
+        else:
+            backend._prefill_alone(state, len(prompt))
+        reference = reference_last_logits(backend.model, prompt)
+        if path == "tick" and len(prompt) > backend.model.config.sliding_window:
+            torch.testing.assert_close(state.last_logits[0], reference, rtol=0, atol=1e-5)
+            assert int(state.last_logits.argmax()) == int(reference.argmax())
+        else:
+            assert torch.equal(state.last_logits[0], reference)
         backend.free_row_kv(state.kv)
     assert_no_leaks(backend)
 
@@ -84,9 +98,10 @@ def test_pools_hold_exactly_the_reference_kv(tiny_gemma4_dir):
     prompt = PROMPT_LONG[:21]
     with torch.inference_mode():
         backend.model(torch.tensor([prompt]), ref.next_positions(1, len(prompt)), ref)
-    with backend.lock:
-        result = backend.prefill(prompt)
-        row = result.kv
+    with backend.lock:  # the one-row path: one forward, as the reference (the tick path: test_mixed_step.py)
+        state = backend.prefill_lookup(prompt)
+        backend._prefill_alone(state, len(prompt))
+        row = state.kv
         for layer, keys in stored.items():
             group = backend.pools.group_of_layer[layer]
             first = backend.pools.geometry[group].keep_from(len(prompt))
@@ -103,8 +118,9 @@ def test_batch_of_one_decode_is_bitwise_the_reference(tiny_checkpoint, name):
     ctx = ContiguousKVContext(model.config)
     prompt = PROMPT_LONG[:11]
     with backend.lock, torch.inference_mode():
-        result = backend.prefill(prompt)
-        batch = backend.splice_into_batched(None, result.kv, len(prompt))
+        state = backend.prefill_lookup(prompt)
+        backend._prefill_alone(state, len(prompt))  # one forward, as the reference
+        batch = backend.splice_into_batched(None, state.kv, len(prompt))
         ref = model(torch.tensor([prompt]), ctx.next_positions(1, len(prompt)), ctx, logits_to_keep=1)
         token = int(ref[0, -1].argmax())
         for _ in range(14):  # crosses several blocks and windows

@@ -62,16 +62,17 @@ def test_shared_prefix_reuses_blocks_and_gives_identical_tokens(tiny_gemma4_dir)
 
 
 def test_hit_needs_the_sliding_window_before_it(tiny_gemma4_dir):
-    """A long prompt prefilled in ONE chunk (> W) never writes the sliding K/V of its early positions, so a
-    prompt sharing just its first blocks cannot reuse them (the window before the hit point is missing); one
-    extending it can. Chunked prefill keeps early prefixes hit-able: see test_prefix_sliding.py."""
+    """A hit is valid only where the sliding window before it is stored. A long prompt asked in ONE chunk
+    (> W) is prefilled in ticks of at most W tokens, each caching its blocks before the next releases them,
+    so a prompt sharing just its first blocks reuses them; one extending the whole prompt reuses all of it.
+    A hit whose window was trimmed: see test_prefix_sliding.py."""
     backend = make_backend(tiny_gemma4_dir)
-    _solo(backend, BASE)  # 40 tokens: only the sliding blocks of positions >= 40 - 8 - ... stay
+    _solo(backend, BASE)  # 40 tokens in one prefill_chunk call: five ticks of 8
     geometry = backend.pools.geometry[SLIDING]
     with backend.lock:
         short = BASE[:12] + [400, 401, 402]
         state = backend.prefill_lookup(short)
-        assert state.num_cached == 0, "the sliding window before position 12 was freed; no valid hit"
+        assert state.num_cached == 12, "every block-aligned prefix of a ticked prompt keeps its sliding window"
         backend.free_row_kv(state.kv)
         longer = BASE + [410, 411, 412, 413, 414]
         state = backend.prefill_lookup(longer)

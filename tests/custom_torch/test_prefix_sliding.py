@@ -46,9 +46,9 @@ def _run(backend, requests, chunk, **kwargs):
         (2, 5, B, 20, True),  # chunks straddle blocks
         (4, 8, PREFIX[:20], 19, True),  # the whole prompt is cached: one token is recomputed
         (4, 16, B, 20, True),  # the one-forward tick caps chunks at W, so every sliding position is stored
-        (4, 16, B, 16, False),  # chunks > W write only their last window of sliding K/V: hits land at chunk ends
+        (4, 16, B, 20, False),  # so do prefill_chunks without mixed ticks (prefill-only ticks)
     ],
-    ids=["bs4-chunk4", "bs4-chunk8", "bs2-chunk5", "prefix-only", "chunk-over-window", "chunk-over-window-old"],
+    ids=["bs4-chunk4", "bs4-chunk8", "bs2-chunk5", "prefix-only", "chunk-over-window", "chunk-over-window-apart"],
 )
 def test_prefix_of_a_longer_prompt_is_hit(tiny_gemma4_dir, block_size, chunk, second, hit, mixed):
     backend = make_backend(tiny_gemma4_dir, block_size=block_size, mixed_step=mixed)

@@ -89,3 +89,101 @@ def test_padded_buffers_hold_the_unpadded_batch_and_inert_padding(tiny_gemma4_di
         for state in states:
             backend.free_row_kv(state.kv)
     assert_no_leaks(backend)
+
+
+def test_a_pool_without_headroom_falls_back_to_the_one_row_path(tiny_gemma4_dir):
+    """A sliding pool of one row's window and no headroom: a chunk's tick cannot hold its old window and its
+    new blocks at once, so it shrinks, and one that cannot take a token runs alone on the one-row path (which
+    gathers the old window first); the prompt completes with the logits of a roomy backend."""
+    import torch
+
+    prompt = [(3 * i + 1) % 200 + 4 for i in range(20)]
+    tight = make_backend(tiny_gemma4_dir, kv_blocks=None, kv_memory_gb=0.001, sliding_blocks=3)
+    plain = make_backend(tiny_gemma4_dir)
+    logits = []
+    for backend in (plain, tight):
+        with backend.lock:
+            state = backend.prefill_lookup(prompt)
+            backend.prefill_chunk(state, 12)
+            backend.prefill_chunk(state, 8)
+            logits.append(state.last_logits.clone())
+            backend.free_row_kv(state.kv)
+        assert_no_leaks(backend)
+    assert tight.mixed.shrunk > 0 and plain.mixed.shrunk == plain.mixed.deferred == 0
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_a_chunk_no_tick_can_place_runs_on_the_one_row_path(tiny_gemma4_dir, monkeypatch):
+    """When a tick cannot give a chunk even one token's blocks, the chunk runs alone on the one-row path
+    within the same call, and the prompt's logits are those of the tick path."""
+    import torch
+    from gemmaserve.errors import KVCapacityError
+    from gemmaserve_custom_torch.kv.paged_cache import PagedKVCache
+
+    prompt = [(5 * i + 2) % 200 + 4 for i in range(14)]
+    plain, starved = make_backend(tiny_gemma4_dir), make_backend(tiny_gemma4_dir)
+    in_tick = {"on": False}
+    original_run, original_prepare = starved.mixed.run, PagedKVCache.prepare_append
+
+    def run(*args, **kwargs):
+        in_tick["on"] = True
+        try:
+            return original_run(*args, **kwargs)
+        finally:
+            in_tick["on"] = False
+
+    def prepare(self, num_new, *, release=True):
+        if in_tick["on"]:
+            raise KVCapacityError("no block for the tick (test)")
+        return original_prepare(self, num_new, release=release)
+
+    monkeypatch.setattr(starved.mixed, "run", run)
+    monkeypatch.setattr(PagedKVCache, "prepare_append", prepare)
+    logits = []
+    for backend in (plain, starved):
+        with backend.lock:
+            state = backend.prefill_lookup(prompt)
+            backend.prefill_chunk(state, len(prompt))
+            assert state.is_complete
+            logits.append(state.last_logits.clone())
+            backend.free_row_kv(state.kv)
+        assert_no_leaks(backend)
+    assert starved.mixed.deferred > 0 and starved.mixed.steps == 0
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_default_pools_leave_room_for_a_burst_of_chunks(tiny_gemma4_dir):
+    """The default sliding pool keeps one chunk of headroom per row, so a burst of MAX_BATCH_SIZE requests
+    prefilled together never shrinks a chunk for lack of blocks (H200 run 10: without the headroom, workload
+    B's chunks ran one by one)."""
+    import random
+
+    from gemmaserve.settings import CoreSettings
+    from gemmaserve_custom_torch.backend import CustomTorchBackend
+    from gemmaserve_custom_torch.kv.pools import kv_groups, plan_pool_sizes
+    from gemmaserve_custom_torch.settings import load_custom_settings
+    from gemmaserve_custom_torch.tokenizer import HFTokenizer
+
+    from fixtures_backend import run_scheduler
+
+    groups = kv_groups(make_backend(tiny_gemma4_dir).model.config)
+    plain = plan_pool_sizes(groups, 4, 4, 10**9, sliding_blocks=None, max_rows=16)
+    roomy = plan_pool_sizes(groups, 4, 4, 10**9, sliding_blocks=None, max_rows=16, sliding_headroom_tokens=8)
+    assert plain["sliding_attention"] == 16 * 3 and roomy["sliding_attention"] == 16 * (3 + 2)
+
+    rows = 24
+    core = CoreSettings(model=str(tiny_gemma4_dir), device="cpu", dtype="float32", kv_block_size=4,
+                        max_batch_size=rows, max_active_kv_tokens=rows * 256, prefill_chunk_tokens=8)
+    model = make_backend(tiny_gemma4_dir).model
+    backend = CustomTorchBackend(model, HFTokenizer.from_pretrained(tiny_gemma4_dir), core, load_custom_settings())
+    rng = random.Random(3)
+    prefix = [rng.randrange(4, 200) for _ in range(24)]
+    cold = [([rng.randrange(4, 200) for _ in range(28)], 0, 2) for _ in range(rows)]
+    run_scheduler(backend, cold, max_batch_size=rows, prefill_chunk_tokens=8, max_active_kv_tokens=rows * 256)
+    run_scheduler(backend, [(prefix + [5, 6, 7, 8], 0, 1)], prefill_chunk_tokens=8)
+    hits = [(prefix + [rng.randrange(4, 200) for _ in range(4)], 0, 2) for _ in range(rows)]
+    run_scheduler(backend, hits, max_batch_size=rows, prefill_chunk_tokens=8, max_active_kv_tokens=rows * 256)
+    stats = backend.kv_stats()
+    assert stats["mixed_steps"] > 0 and stats["mixed_step_shrunk_chunks"] == 0, stats
+    assert stats["prefix_hits"] >= rows
+    assert_no_leaks(backend)

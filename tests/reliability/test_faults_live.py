@@ -195,8 +195,9 @@ def test_kv_pool_exhaustion_rejects_new_work_instead_of_crashing(tiny_kv_server:
 
 
 def test_a_huge_prompt_does_not_stall_other_streams(load_server: LiveServer) -> None:
-    """Tokenizing a 2 MB prompt takes seconds; it runs off the event loop, so a concurrent stream keeps
-    receiving tokens. A body over 16 MiB is refused with 413 before it is buffered."""
+    """A 2 MB prompt cannot fit the context whatever it tokenizes to: it is refused before it is tokenized
+    (tokenizing it took seconds before), and a concurrent stream keeps receiving tokens. A body over 16 MiB is
+    refused with 413 before it is buffered."""
     huge = {"prompt": "The quick brown fox " * 100_000, "max_tokens": 2}
     streaming = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0.0, "ignore_eos": True, "stream": True}
 
@@ -223,8 +224,9 @@ def test_a_huge_prompt_does_not_stall_other_streams(load_server: LiveServer) -> 
 
     gaps, response, took = asyncio.run(run())
     assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
-    assert took > 0.5, "the huge prompt was expected to take a while to tokenize"
-    assert max(gaps) < min(1.0, took / 2), (max(gaps), took)
+    assert "characters" in response.json()["error"]["message"], "refused by its length, before tokenizing"
+    assert took < 0.5, f"refusing the huge prompt took {took:.2f} s: was it tokenized?"
+    assert max(gaps) < 1.0, (max(gaps), took)
     oversized = b'{"prompt": "' + b"a" * (16 * 2**20) + b'"}'
     response = httpx.post(f"{load_server.base_url}/v1/completions", content=oversized, timeout=60,
                           headers={"content-type": "application/json"})

@@ -1,11 +1,15 @@
 """`CustomTorchBackend`: the InferenceBackend of custom-{cuda,mps,cpu} over the hand-written Gemma model.
 
 In-flight KV is one `PagedKVCache` per row (``RowKV``) and a `BatchedPagedKVCache` for the decoding rows
-(``BatchKV``). With triton attention (auto on CUDA) decode runs through a `StaticDecoder` (fixed buffers,
-CUDA graphs per batch bucket on CUDA); the gather path runs `PagedRunner.decode`. On CUDA, prefill uses
-SDPA and q/k/v + gate/up weights and RMSNorms are fused at load (``CUSTOM_BACKEND_PREFILL_ATTENTION`` /
-``_FUSE``); cold prefill chunks replay CUDA graphs per padded length (`GraphPrefill`, ``_PREFILL_GRAPH``). It caches prefixes itself (`PrefixCache`, progressively after every prefill chunk), so
-``set_cache_adapter`` is a no-op, and admits by window-aware block reservations (`KVAdmission`). All methods run under ``self.lock`` (the caller's job).
+(``BatchKV``). Every forward that carries prompt tokens is a `MixedStep` tick (``forward_step``, and the
+``prefill_chunk(s)`` primitives as prefill-only ticks): one ragged forward over the decode rows and the
+chunks, replayed as a CUDA graph per token bucket on CUDA. A chunk whose sliding pool cannot hold even one
+token's blocks runs alone on `PagedRunner.prefill` (it gathers its old window, then frees it). Ticks with
+decode rows only run through the `StaticDecoder` (fixed buffers, CUDA graphs per batch bucket) with triton
+attention (auto on CUDA), or `PagedRunner.decode` on the gather path. q/k/v + gate/up weights, RMSNorms and
+the elementwise chains are fused at load on CUDA (``CUSTOM_BACKEND_FUSE``). It caches prefixes itself
+(`PrefixCache`, progressively after every prefill chunk), so ``set_cache_adapter`` is a no-op, and admits by
+window-aware block reservations (`KVAdmission`). All methods run under ``self.lock`` (the caller's job).
 """
 
 from __future__ import annotations
@@ -31,12 +35,10 @@ from gemmaserve.sampling_params import RowSampling
 from gemmaserve.settings import CoreSettings
 
 from .kernels import HAS_TRITON
-from .batched_prefill import BatchedPrefill
 from .kv import BatchedPagedKVCache, KVAdmission, KVPools, PagedKVCache, PrefixCache, kv_groups, plan_pool_sizes
 from .models.fusion import fuse_elementwise, fuse_norms, fuse_projections
 from .mixed_step import MixedStep
 from .models.gemma import GemmaForCausalLM
-from .prefill_graphs import make_graph_prefill
 from .runner import PagedRunner
 from .sampling import sample_tokens
 from .settings import CustomTorchSettings, load_custom_settings, resolve_attention, resolve_fast_paths
@@ -77,16 +79,12 @@ class CustomTorchBackend(InferenceBackend):
         max_len = min(settings.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         self.attention = resolve_attention(custom.attention, self.device.type, HAS_TRITON)
         on_cuda = self.device.type == "cuda"
-        batched_prefill = custom.batched_prefill == "on" or (custom.batched_prefill == "auto" and on_cuda)
-        # chunks that read their old window from the pools keep it until their forward ends (mixed step too)
-        fixed_buffer_prefill = custom.mixed_step or batched_prefill or (
-            custom.prefill_graph and on_cuda and not config.moe_num_experts)
         windows = [g.window for g in kv_groups(config) if g.window is not None]
         num_blocks = plan_pool_sizes(
             kv_groups(config), self.block_size, param.element_size(), _budget_bytes(config, settings, custom, param),
             sliding_blocks=custom.sliding_blocks, max_rows=settings.max_batch_size,
-            # a fixed-buffer prefill chunk keeps its first queries' sliding blocks until its forward ends
-            sliding_headroom_tokens=min([settings.prefill_chunk_tokens, *windows]) if fixed_buffer_prefill else 0,
+            # a tick's chunk keeps its first queries' sliding blocks until its forward ends
+            sliding_headroom_tokens=min([settings.prefill_chunk_tokens, *windows]),
         )
         self.pools = KVPools(config, num_blocks, self.block_size, self.dtype, self.device)
         self.prefix_cache = PrefixCache(self.pools)
@@ -97,43 +95,34 @@ class CustomTorchBackend(InferenceBackend):
             if HAS_TRITON and self.device.type == "cuda":
                 fuse_norms(model)
                 fuse_elementwise(model)
-        self.graph_prefill = make_graph_prefill(model, self.pools, custom, self.prefill_attention,
-                                                settings.prefill_chunk_tokens)
-        self.runner = PagedRunner(model, self.pools, self.attention, self.prefill_attention, self.graph_prefill)
-        self.batched_prefill: BatchedPrefill | None = None
-        if batched_prefill:
-            # with CUDA-graph prefill, one or a few chunks are cheaper replayed one by one than run eagerly
-            self.batched_prefill = BatchedPrefill(model, self.pools, self.prefill_attention,
-                                                  min_rows=4 if self.graph_prefill is not None else 2)
-        self.decoder = make_decoder(model, self.pools, custom, self.attention, settings.max_batch_size,
-                                    width=-(-max_len // self.block_size))
-        self.mixed: MixedStep | None = None
-        if custom.mixed_step:
-            graphs = custom.cuda_graph and on_cuda and self.attention == "triton" and not config.moe_num_experts
-            self.mixed = MixedStep(model, self.pools, "triton" if self.attention == "triton" else "reference",
-                                   fast_prefill=custom.fast_prefill, graphs=graphs,
-                                   max_tokens=settings.max_num_batched_tokens, max_seqs=settings.max_batch_size,
-                                   width=-(-max_len // self.block_size))
-        if self.mixed is not None and custom.graph_capture == "startup":
+        width = -(-max_len // self.block_size)
+        self.runner = PagedRunner(model, self.pools, self.attention, self.prefill_attention)
+        self.decoder = make_decoder(model, self.pools, custom, self.attention, settings.max_batch_size, width=width)
+        graphs = custom.cuda_graph and on_cuda and self.attention == "triton" and not config.moe_num_experts
+        self.mixed = MixedStep(model, self.pools, "triton" if self.attention == "triton" else "reference",
+                               fast_prefill=custom.fast_prefill, graphs=graphs,
+                               max_tokens=settings.max_num_batched_tokens, max_seqs=settings.max_batch_size,
+                               width=width)
+        if custom.graph_capture == "startup":
             seconds = self.mixed.capture_all()
             logger.info("custom_torch: captured %d tick graphs in %.1f s", len(seconds), sum(seconds.values()))
-        windows_all = [g.window for g in kv_groups(config) if g.window is not None]
-        self._max_step_chunk = min(windows_all) if windows_all else None  # a chunk stores every position it reads
+        self.max_chunk_tokens = min(windows) if windows else None  # a tick's chunk then stores all it reads
         self.capabilities = BackendCapabilities(
             continuous_batching=True, uses_core_cache_manager=False, kv_reservation=True, logprobs=True,
-            mixed_step=self.mixed is not None,
+            mixed_step=custom.mixed_step,
         )
         self.model_info = ModelInfo(
             name=name, vocab_size=config.vocab_size, max_model_len=max_len, eos_token_ids=config.eos_token_ids,
             architecture=config.model_type, dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
         )
         logger.info(
-            "custom_torch: %s on %s (%s), block size %d, pools %s (%.1f MiB), decode attention %s (%s), prefill "
-            "attention %s (%s), fused projections %s",
+            "custom_torch: %s on %s (%s), block size %d, pools %s (%.1f MiB), decode %s attention (%s), ticks %s "
+            "(%s), fast prefill %s, fused %s",
             name, self.device, self.model_info.dtype, self.block_size, num_blocks, self.pools.nbytes / 2**20,
-            self.attention, "fixed buffers" if self.decoder is None else (
+            self.attention, "gather path" if self.decoder is None else (
                 "CUDA graphs" if self.decoder.graphs is not None else "fixed buffers, eager"),
-            self.prefill_attention, "CUDA graphs for cold chunks" if self.graph_prefill else "eager", fuse,
+            "one forward" if custom.mixed_step else "prefill and decode apart",
+            "CUDA graphs per token bucket" if graphs else "eager", self.mixed.narrow_layer is not None, fuse,
         )
 
     @classmethod
@@ -162,104 +151,85 @@ class CustomTorchBackend(InferenceBackend):
         return PrefillState(prompt, row, num_cached=hit, num_computed=hit)
 
     def prefill_chunk(self, state: PrefillState, num_tokens: int) -> None:
-        num = min(num_tokens, state.num_remaining)
-        if num <= 0:
-            return
-        start = state.num_computed
-        done = start + num == len(state.prompt_ids)
-        logits = self.runner.prefill(state.kv, state.prompt_ids[start : start + num], want_logits=done)
-        state.num_computed += num
-        self.prefix_cache.cache_prefix(state.prompt_ids, state.kv)  # before the next chunk drops sliding blocks
-        if done:
-            state.last_logits = logits
+        """Exactly ``num_tokens`` more prompt tokens (clamped): prefill-only ticks (see :meth:`prefill_chunks`)."""
+        error = self.prefill_chunks([state], [num_tokens])[0]
+        if error is not None:
+            raise error
 
     def prefill_chunks(self, states: Sequence[PrefillState], num_tokens: Sequence[int]) -> list[Exception | None]:
-        """Chunks that fit a batch (at most 128 tokens and the window) run through `BatchedPrefill`, in
-        sub-batches of at least ``min_rows`` rows; the rest, and the rows of a batch that raised, run one by
-        one (:meth:`prefill_chunk`), each reporting its own exception."""
+        """Every state advances by exactly its chunk: prefill-only `MixedStep` ticks (all chunks in one forward)
+        until each is done, since a tick takes at most the narrowest window per chunk. A chunk that cannot get
+        a single token's blocks runs alone on the one-row path, which frees its old window first."""
         if len(states) != len(num_tokens):
             raise ValueError(f"{len(states)} states but {len(num_tokens)} chunk sizes")
-        items = [(state, min(num, state.num_remaining)) for state, num in zip(states, num_tokens)]
-        batched = self.batched_prefill
-        eligible = [] if batched is None else [i for i, (s, n) in enumerate(items) if batched.applies(s.kv, n)]
-        done: set[int] = set()
-        errors: list[Exception | None] = [None] * len(items)
-        if batched is not None and len(eligible) >= batched.min_rows:
-            sizes = [items[i][1] for i in eligible]
-            for group in batched.plan(sizes, [batched.num_keys(items[i][0].kv, items[i][1]) for i in eligible]):
-                if len(group) < batched.min_rows:
-                    continue
-                chosen = [items[eligible[j]] for j in group]
-                chunks = [state.prompt_ids[state.num_computed : state.num_computed + num] for state, num in chosen]
-                finals = [state.num_computed + num == len(state.prompt_ids) for state, num in chosen]
-                try:  # nothing has moved if this raises: the rows run one by one below, reusing prepared blocks
-                    logits = batched.prefill([state.kv for state, _ in chosen], chunks, finals)
-                except Exception as exc:
-                    batched.fallbacks += 1
-                    logger.info("custom_torch: batched prefill of %d rows fell back to one by one: %s: %s",
-                                len(chosen), type(exc).__name__, exc)
-                    continue
-                done.update(eligible[j] for j in group)
-                for (state, num), final, row_logits in zip(chosen, finals, logits):  # cannot raise
-                    state.num_computed += num
-                    if final:
-                        state.last_logits = row_logits
-                for j in group:
-                    state = items[eligible[j]][0]
-                    try:
-                        self.prefix_cache.cache_prefix(state.prompt_ids, state.kv)
-                    except Exception as exc:  # this request fails alone; its KV is consistent
-                        errors[eligible[j]] = exc
-        for i, (state, num) in enumerate(items):
-            if i not in done and num > 0:
-                try:
-                    self.prefill_chunk(state, num)
-                except Exception as exc:
-                    errors[i] = exc
-        return errors
+        targets = [state.num_computed + max(0, min(num, state.num_remaining)) for state, num in zip(states, num_tokens)]
+        errors: list[Exception | None] = [None] * len(states)
+        while True:
+            pending = [i for i, state in enumerate(states) if errors[i] is None and state.num_computed < targets[i]]
+            if not pending:
+                return errors
+            step = self._tick([states[i] for i in pending], [targets[i] - states[i].num_computed for i in pending],
+                              [], [])
+            for i, error in zip(pending, step.prefill_errors):
+                errors[i] = error
 
     def forward_step(
         self, states: Sequence[PrefillState], num_tokens: Sequence[int], batched: BatchedPagedKVCache | None,
         input_ids: Sequence[int],
     ) -> StepOutput:
-        """The tick as one `MixedStep` forward; a tick without chunks replays the decode graphs instead (when
+        """The tick as one `MixedStep` forward (a tick without chunks replays the decode graphs instead, when
         the fixed-buffer decoder exists). Chunks are capped at the narrowest window (each then stores every
-        position its queries read). A chunk whose pool is short runs shorter; one that cannot take a single
-        token runs alone afterwards (`prefill_chunk`, which frees its old window first); a chunk's
-        prefix-cache failure is reported for it alone."""
-        if self.mixed is None:
-            return super().forward_step(states, num_tokens, batched, input_ids)
+        position its queries read) and run shorter when their pool is short; a chunk's prefix-cache failure is
+        reported for it alone."""
         if len(states) != len(num_tokens):
             raise ValueError(f"{len(states)} states but {len(num_tokens)} chunk sizes")
         rows = batched.rows if batched is not None else []
         if len(input_ids) != len(rows):
             raise ValueError(f"got {len(input_ids)} input ids for a batch of {len(rows)} rows")
-        cap = self._max_step_chunk
-        sizes = [min(num, state.num_remaining, cap or num) for state, num in zip(states, num_tokens)]
-        work = [i for i, n in enumerate(sizes) if n > 0]
-        if not work:
+        if not any(min(num, state.num_remaining) > 0 for state, num in zip(states, num_tokens)):
             logits = self.decode_step_batched(batched, input_ids) if rows else None
             return StepOutput([None] * len(states), logits)
+        return self._tick(states, num_tokens, rows, input_ids)
+
+    def _tick(self, states: Sequence[PrefillState], num_tokens: Sequence[int], rows: Sequence[PagedKVCache],
+              input_ids: Sequence[int]) -> StepOutput:
+        """One `MixedStep` forward: ``rows`` decode ``input_ids``, each state takes up to its chunk (capped at
+        the window, shorter when its pool is short). A chunk that got no block runs alone right after on the
+        one-row path. Updates the states and the prefix cache; per state None or its exception."""
+        cap = self.max_chunk_tokens
+        sizes = [min(num, state.num_remaining, cap or num) for state, num in zip(states, num_tokens)]
+        work = [i for i, n in enumerate(sizes) if n > 0]
         chunks = []
         for i in work:
-            state, n = states[i], sizes[i]
-            start = state.num_computed
-            chunks.append((state.kv, state.prompt_ids[start : start + n], start + n == len(state.prompt_ids)))
+            state, start = states[i], states[i].num_computed
+            chunks.append((state.kv, state.prompt_ids[start : start + sizes[i]],
+                           start + sizes[i] == len(state.prompt_ids)))
         decode_logits, chunk_logits, ran = self.mixed.run(rows, input_ids, chunks)
         errors: list[Exception | None] = [None] * len(states)
         for j, i in enumerate(work):
             state = states[i]
             try:
-                if not ran[j]:  # not one token fitted: the one-row path releases before it allocates
-                    self.prefill_chunk(state, sizes[i])
+                if not ran[j]:  # not one token's blocks: the one-row path frees the old window first
+                    self._prefill_alone(state, sizes[i])
                     continue
                 state.num_computed += ran[j]
                 if state.num_computed == len(state.prompt_ids):
                     state.last_logits = chunk_logits[j]
-                self.prefix_cache.cache_prefix(state.prompt_ids, state.kv)
+                self.prefix_cache.cache_prefix(state.prompt_ids, state.kv)  # before the next chunk drops blocks
             except Exception as exc:  # this request fails alone; the others' KV is consistent
                 errors[i] = exc
         return StepOutput(errors, decode_logits)
+
+    def _prefill_alone(self, state: PrefillState, num: int) -> None:
+        """``num`` tokens of one row on the eager one-row path (`PagedRunner.prefill`: gathers the keys its
+        first queries read, frees the out-of-window blocks, then allocates): the fallback for a tight pool."""
+        start = state.num_computed
+        done = start + num == len(state.prompt_ids)
+        logits = self.runner.prefill(state.kv, state.prompt_ids[start : start + num], want_logits=done)
+        state.num_computed += num
+        self.prefix_cache.cache_prefix(state.prompt_ids, state.kv)
+        if done:
+            state.last_logits = logits
 
     def prefill_store(self, state: PrefillState) -> None:
         if state.is_complete:
@@ -336,12 +306,9 @@ class CustomTorchBackend(InferenceBackend):
             prefix_hits=self.prefix_cache.stats["hits"], prefix_hit_tokens=self.prefix_cache.stats["hit_tokens"],
             prefix_lookups=self.prefix_cache.stats["lookups"],
         )
-        if self.mixed is not None:
-            stats.update(mixed_steps=self.mixed.steps, mixed_step_tokens=self.mixed.tokens,
-                         mixed_step_shrunk_chunks=self.mixed.shrunk, mixed_step_deferred_chunks=self.mixed.deferred,
-                         mixed_step_eager=self.mixed.eager_steps)
-        if self.batched_prefill is not None:
-            stats.update(prefill_batches=self.batched_prefill.batches, prefill_batch_fallbacks=self.batched_prefill.fallbacks)
+        stats.update(mixed_steps=self.mixed.steps, mixed_step_tokens=self.mixed.tokens,
+                     mixed_step_shrunk_chunks=self.mixed.shrunk, mixed_step_deferred_chunks=self.mixed.deferred,
+                     mixed_step_eager=self.mixed.eager_steps)
         return stats
 
     # -- lifecycle -----------------------------------------------------------------------------

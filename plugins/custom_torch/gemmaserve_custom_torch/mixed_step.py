@@ -8,7 +8,8 @@ Order of work in :meth:`MixedStep.run`:
 2. Each chunk's row gets blocks for its tokens with ``prepare_append(n, release=False)`` (its first queries
    still read the old window; released after the forward). A chunk whose pool is short is halved until it
    fits (the scheduler takes the rest next tick; a one-token chunk frees its out-of-window blocks first, as
-   a decode row does); one that cannot take a single token is left out.
+   a decode row does); one that cannot take a single token is left out (the backend then runs it on the
+   one-row path, which gathers its old window before freeing it).
 3. One batch (:func:`~.kv.forward_batch.pack_tick`), one forward (:class:`~.kv.forward_batch.RaggedPagedContext`):
    on CUDA the batch is staged into fixed buffers padded to a token bucket and the forward replays that
    bucket's CUDA graph (captured on first use); elsewhere (CPU, MoE models, ticks larger than the buffers) it

@@ -1,4 +1,4 @@
-"""`PagedRunner`: prefill and decode orchestration of the model over paged KV.
+"""`PagedRunner`: the one-row eager prefill and the portable decode step of the model over paged KV.
 
 Prefill (one row, one chunk [start, end)): gather the sliding keys the chunk's first queries still see
 (``first_visible(start)`` .. ``start``) *before* ``prepare_append`` frees out-of-window blocks, then run the
@@ -9,8 +9,8 @@ fresh ones, so with ``eager`` attention logits equal the contiguous reference bi
 runs torch's fused kernels instead (plain causal when the chunk has no earlier keys and the window does
 not bite, else the explicit mask).
 
-Chunks the ``graph_prefill`` takes (cold ones, and warm ones no longer than the window) run there
-(fixed buffers, CUDA graphs) when one is set.
+The one-row prefill is the fallback of the one-forward tick (`MixedStep`) for a chunk whose sliding pool
+cannot hold its old window and its new blocks at once: it gathers the old keys first, so it needs no headroom.
 
 Decode (all rows, one token each): free out-of-window blocks, check every pool can supply the new blocks
 (before touching any row), allocate, build the `DecodeState` tensors and run one forward with a
@@ -26,14 +26,12 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from gemmaserve.errors import KVCapacityError
 
 from .kv.batched import BatchedPagedKVCache, PagedDecodeContext
 from .kv.paged_cache import PagedKVCache
 from .kv.pools import KVPools
 from .models.attention_context import build_attention_mask, eager_attention, sdpa_attention
 from .models.gemma import GemmaForCausalLM
-from .prefill_graphs import GraphPrefill
 
 __all__ = ["PagedPrefillContext", "PagedRunner", "PrefillAttention"]
 
@@ -116,13 +114,12 @@ class PagedRunner:
     """Runs ``model`` over rows of ``pools``. Stateless between calls apart from the rows it mutates."""
 
     def __init__(self, model: GemmaForCausalLM, pools: KVPools, attention: Literal["gather", "triton"],
-                 prefill_attention: PrefillAttention = "eager", graph_prefill: GraphPrefill | None = None) -> None:
+                 prefill_attention: PrefillAttention = "eager") -> None:
         self.model = model
         self.pools = pools
         self.config = model.config
         self.attention = attention
         self.prefill_attention = prefill_attention
-        self.graph_prefill = graph_prefill  # serves cold chunks (empty row) when set
         self.device = next(iter(pools.k.values())).device
 
     @torch.inference_mode()
@@ -131,11 +128,6 @@ class PagedRunner:
         [1, vocab] if ``want_logits``. On an exception the row's KV is undefined: free it."""
         start, num_new = row.length, len(token_ids)
         assert num_new > 0
-        if self.graph_prefill is not None and self.graph_prefill.applies(row, num_new):
-            try:
-                return self.graph_prefill.prefill(row, token_ids, want_logits=want_logits)
-            except KVCapacityError:  # a warm chunk holds a few extra blocks; the eager path needs fewer
-                pass
         old: dict[int, tuple[Tensor, Tensor]] = {}
         for name, group in self.pools.groups.items():
             if group.window is None:

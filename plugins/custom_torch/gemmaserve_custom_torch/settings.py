@@ -22,9 +22,18 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from gemmaserve.errors import ConfigurationError
 from gemmaserve.settings import build_settings
 
-__all__ = ["CustomTorchSettings", "load_custom_settings", "resolve_attention", "resolve_fast_paths"]
+__all__ = ["REMOVED_SETTINGS", "CustomTorchSettings", "load_custom_settings", "resolve_attention",
+           "resolve_fast_paths"]
 
 AttentionMode = Literal["auto", "triton", "gather"]
+
+
+REMOVED_SETTINGS = {
+    "prefill_graph": "prompt chunks run in the one-forward tick, whose CUDA graphs per token bucket replaced the "
+                     "prefill graphs (CUSTOM_BACKEND_CUDA_GRAPH=0 turns every graph off)",
+    "batched_prefill": "the one-forward tick runs every chunk of a tick in one forward",
+}
+"""Settings of earlier releases that are refused (naming why) instead of silently ignored."""
 
 
 class CustomTorchSettings(BaseSettings):
@@ -45,22 +54,17 @@ class CustomTorchSettings(BaseSettings):
         None, ge=1, le=1024, description="Tokens per KV block. Unset: the core KV_BLOCK_SIZE."
     )
     cuda_graph: bool = Field(
-        True, description="Replay decode as CUDA graphs, one per batch bucket (CUDA + triton attention; 0 disables)."
-    )
-    prefill_graph: bool = Field(
-        True, description="Replay cold prefill chunks (empty row, up to 2048 tokens) as CUDA graphs per padded length "
-        "(CUDA only; not for MoE models; 0 disables)."
-    )
-    batched_prefill: Literal["auto", "on", "off"] = Field(
-        "auto", description="Run the prefill chunks of several requests in one forward (auto = on CUDA)."
+        True, description="Replay decode as CUDA graphs per batch bucket and ticks with prompt tokens per token bucket "
+        "(CUDA + triton attention; 0 disables)."
     )
     graph_capture: Literal["lazy", "startup"] = Field(
-        "lazy", description="Capture a decode / prefill bucket's graph on its first use (lazy) or all at startup."
+        "lazy", description="Capture a decode / tick bucket's graph on its first use (lazy) or all at startup."
     )
     compile: bool = Field(False, description="torch.compile the decode forward (dynamic=False), under the graphs.")
     explain: bool = Field(False, description="Log torch._dynamo.explain graph/break counts at the first decode.")
     prefill_attention: Literal["auto", "eager", "sdpa"] = Field(
-        "auto", description="Prefill attention: eager (bitwise transformers), sdpa (fused kernels); auto = sdpa on CUDA."
+        "auto", description="Attention of the one-row prefill fallback (a chunk whose pool is too tight for the tick): "
+        "eager (bitwise transformers), sdpa (fused kernels); auto = sdpa on CUDA."
     )
     fuse: Literal["auto", "on", "off"] = Field(
         "auto", description="Fuse q/k/v and gate/up matmuls, RMSNorm and elementwise kernels at load; auto = on CUDA."
@@ -68,6 +72,8 @@ class CustomTorchSettings(BaseSettings):
     attention: AttentionMode = Field(
         "auto", description="Decode attention: auto (triton on CUDA, else gather), triton (paged kernel) or gather."
     )
+    prefill_graph: str | None = Field(None, description="Removed (refused if set): see REMOVED_SETTINGS.")
+    batched_prefill: str | None = Field(None, description="Removed (refused if set): see REMOVED_SETTINGS.")
     mixed_step: bool = Field(
         True, description="Run each tick's prefill chunks and decode rows as one ragged forward (forward_step); "
         "0 keeps the separate prefill_chunks + decode path. Decode-only ticks replay the decode graphs either way."
@@ -76,6 +82,13 @@ class CustomTorchSettings(BaseSettings):
         True, description="In the one-forward tick, run the trailing KV-shared layers (Gemma 4) only for tokens whose "
         "logits are needed (stored K/V and sampled tokens unchanged); 0 computes every token through every layer."
     )
+
+    @model_validator(mode="after")
+    def _refuse_removed(self) -> CustomTorchSettings:
+        for name, why in REMOVED_SETTINGS.items():
+            if getattr(self, name) is not None:
+                raise ValueError(f"CUSTOM_BACKEND_{name.upper()} was removed: {why}; unset it")
+        return self
 
     @model_validator(mode="after")
     def _exclusive_budget(self) -> CustomTorchSettings:

@@ -99,8 +99,8 @@ def plan_pool_sizes(
 ) -> dict[str, int]:
     """Blocks per group for a memory budget. The sliding group gets ``sliding_blocks`` if given, else
     ``min(uniform, max_rows * (max sliding blocks per row + ceil(sliding_headroom_tokens / block_size)))``
-    (window-aware: more cannot be used by ``max_rows`` rows; the headroom is what a fixed-buffer prefill chunk
-    holds on top of the window while it runs, see ``prefill_graphs.py``); the full group gets the rest.
+    (window-aware: more cannot be used by ``max_rows`` rows; the headroom is what a tick's prefill chunk
+    holds on top of the window while it runs, see ``mixed_step.py``); the full group gets the rest.
     Raises ConfigurationError if the budget cannot hold one block each."""
     per_block = {g.name: g.bytes_per_block(block_size, itemsize) for g in groups}
     total = sum(per_block.values())
