@@ -175,6 +175,9 @@ class StepOutput:
     decode_logits: Logits | None
 
 
+_LOCK_CREATION = threading.Lock()
+
+
 class InferenceBackend(ABC):
     """Base class every backend implements. See the module docstring for the call protocol.
 
@@ -186,10 +189,25 @@ class InferenceBackend(ABC):
     capabilities: BackendCapabilities = BackendCapabilities()
     model_info: ModelInfo
     tokenizer: Tokenizer
+    last_cache_hit_tokens: int = 0
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.last_cache_hit_tokens = 0
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The backend's lock (see the class docstring). Created on first use when a subclass's ``__init__``
+        did not call ``super().__init__()``, so such a backend still works instead of failing the engine."""
+        lock = self.__dict__.get("_backend_lock")
+        if lock is None:
+            with _LOCK_CREATION:
+                lock = self.__dict__.setdefault("_backend_lock", threading.RLock())
+        return lock
+
+    @lock.setter
+    def lock(self, value: threading.RLock) -> None:  # wrappers share their inner backend's lock
+        self.__dict__["_backend_lock"] = value
 
     # -- prefix cache -------------------------------------------------------------------------
     def set_cache_adapter(self, cache_manager: CacheManager | None) -> None:

@@ -7,6 +7,7 @@ listing backends never imports torch, transformers, triton or mlx.
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,9 @@ __all__ = ["BackendSpec", "BackendStatus", "BackendRegistry", "KNOWN_BACKENDS", 
 
 BackendFactory = Callable[[str, str, "CoreSettings"], "InferenceBackend"]
 """``factory(model_path, device, settings) -> InferenceBackend``."""
+
+
+_NAME = re.compile(r"[a-z0-9][a-z0-9-]*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +51,13 @@ class BackendSpec:
     requires_model: bool = True
 
     def __post_init__(self) -> None:
-        if not self.name or self.name != self.name.lower():
-            raise ValueError(f"backend name must be non-empty lower case, got {self.name!r}")
+        for key in (self.name, *self.aliases):
+            if not _NAME.fullmatch(key):
+                raise ValueError(
+                    f"backend name {key!r} is not selectable: names and aliases are lower-case letters, digits and "
+                    "'-' (BACKEND is normalised to lower case with '_' turned into '-'), e.g. "
+                    f"{re.sub('[^a-z0-9-]+', '-', key.lower()).strip('-') or 'my-backend'!r}"
+                )
         if ":" not in self.factory:
             raise ValueError(f"factory must be a 'module:attribute' path, got {self.factory!r}")
 

@@ -121,8 +121,12 @@ def test_broken_plugin_hook_does_not_break_others(fake_plugins) -> None:
 def test_spec_validation() -> None:
     with pytest.raises(ValueError, match="module:attribute"):
         BackendSpec("x", "no_colon", ("cpu",))
-    with pytest.raises(ValueError, match="lower case"):
+    with pytest.raises(ValueError, match="lower-case"):
         BackendSpec("X", "a:b", ("cpu",))
+    with pytest.raises(ValueError, match="'my-gpu'"):  # BACKEND=my_gpu would be normalised to my-gpu
+        BackendSpec("my_gpu", "a:b", ("cpu",))
+    with pytest.raises(ValueError, match="'fast-one'"):
+        BackendSpec("ok", "a:b", ("cpu",), aliases=("fast_one",))
     registry = BackendRegistry()
     registry.add(BackendSpec("a", "m:f", ("cpu",), aliases=("b",)), "p")
     registry.check_integrity()
@@ -154,3 +158,23 @@ def test_plugin_module_is_a_module_of_hookimpls() -> None:
         assert load_registry().get("theta") is not None
     finally:
         unregister_plugin("inline_plugin")
+
+
+def test_a_backend_that_skipped_super_init_still_serves(monkeypatch) -> None:
+    """A third-party backend whose __init__ forgets super().__init__() gets its lock on first use instead of
+    killing the engine thread (LLM.generate used to hang forever)."""
+    from gemmaserve import LLM, SamplingParams
+    from gemmaserve.backend import InferenceBackend
+    from gemmaserve.engine import Engine
+    from gemmaserve.settings import CoreSettings
+    from gemmaserve.testing import ReferenceBackend
+
+    monkeypatch.setattr(InferenceBackend, "__init__", lambda self: None)  # what a forgotten super() leaves
+    backend = ReferenceBackend()
+    monkeypatch.undo()
+    assert "_backend_lock" not in backend.__dict__
+    assert backend.lock is backend.lock and backend.last_cache_hit_tokens == 0
+    settings = CoreSettings(max_batch_size=4)
+    with LLM(settings=settings, engine=Engine(backend, settings, owns_backend=True)) as llm:
+        out = llm.generate(["hello"], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out[0].token_ids) == 3
