@@ -90,6 +90,14 @@ KNOWN_BACKENDS: tuple[KnownBackend, ...] = (
 )
 
 
+_FIRST_PARTY = {known.name: known.distribution for known in KNOWN_BACKENDS}
+
+
+def _dist_key(name: str) -> str:
+    """A distribution name as packaging normalises it (``Foo_Bar`` == ``foo-bar``)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 @dataclass(slots=True)
 class BackendStatus:
     """A registry row: the spec (None when the plugin is not installed) and availability."""
@@ -121,9 +129,16 @@ class BackendRegistry:
     plugin_errors: dict[str, str] = field(default_factory=dict)
 
     def add(self, spec: BackendSpec, plugin: str) -> None:
-        """Register ``spec`` from ``plugin``; a name or alias taken by another plugin is an error."""
+        """Register ``spec`` from ``plugin`` (its distribution name when installed); a name or alias taken by
+        another plugin, or a first-party name (`KNOWN_BACKENDS`) from any other distribution, is an error."""
         spec = replace(spec, plugin=plugin)
         for key in (spec.name, *spec.aliases):
+            known = _FIRST_PARTY.get(key)
+            if known is not None and _dist_key(plugin) != _dist_key(known):
+                raise ConfigurationError(
+                    f"backend name {key!r} from plugin {plugin!r} is reserved for the first-party distribution "
+                    f"{known!r}; register it under another name"
+                )
             owner = self.aliases.get(key) or (key if key in self.specs else None)
             if owner is not None and self.specs[owner].plugin != plugin:
                 raise ConfigurationError(

@@ -7,6 +7,7 @@ The decision and every rejected alternative (with its reason) are logged and ret
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass, field
 
 from gemmaserve.errors import BackendUnavailableError, ConfigurationError
@@ -30,8 +31,10 @@ class Selection:
     rejected: dict[str, str] = field(default_factory=dict)
 
 
-def probe_backend(spec: BackendSpec, settings: CoreSettings, device: str) -> str | None:
-    """Why ``spec`` cannot run on ``device`` with these settings, or None if it can."""
+def probe_backend(spec: BackendSpec, settings: CoreSettings, device: str, *, strict: bool = False) -> str | None:
+    """Why ``spec`` cannot run on ``device`` with these settings, or None if it can. ``strict`` (choosing the
+    backend to start): an invalid setting of the plugin (``ConfigurationError`` from its probe) is raised, since
+    invalid values stop startup, instead of counting as "unavailable" and letting another backend be chosen."""
     if device not in spec.devices:
         return f"does not run on {device} (runs on: {', '.join(spec.devices)})"
     report = detect_devices()
@@ -41,6 +44,10 @@ def probe_backend(spec: BackendSpec, settings: CoreSettings, device: str) -> str
         return None
     try:
         return resolve_dotted(spec.probe)(settings, device)
+    except ConfigurationError:
+        if strict:
+            raise
+        return f"invalid settings: {sys.exc_info()[1]}"
     except Exception as exc:  # a broken probe means "unavailable", with the error as the reason
         return f"availability probe failed: {type(exc).__name__}: {exc}"
 
@@ -86,11 +93,17 @@ def select_backend(settings: CoreSettings, registry: BackendRegistry | None = No
         spec = registry.get(hooked)
         if spec is None:
             raise ConfigurationError(f"a plugin selected unknown backend {hooked!r}")
+        reason = probe_backend(spec, settings, device, strict=True)
+        if reason is not None:  # a plugin's choice gets the same device and probe checks as any other
+            raise BackendUnavailableError(
+                f"a plugin's gemmaserve_select_backend hook chose backend {spec.name!r}, which cannot run on "
+                f"{device}: {reason}"
+            )
         selection = Selection(spec, device, "chosen by a plugin's gemmaserve_select_backend hook", rejected)
         _log(selection)
         return selection
     for spec in candidates:
-        reason = probe_backend(spec, settings, device)
+        reason = probe_backend(spec, settings, device, strict=True)
         if reason is None:
             selection = Selection(spec, device, f"highest-priority available backend on {device}", rejected)
             _log(selection)
@@ -113,7 +126,7 @@ def _select_explicit(settings: CoreSettings, registry: BackendRegistry) -> Selec
             f"unknown BACKEND={settings.backend!r}; accepted: auto, {', '.join(registry.known_names())}"
         )
     device = settings.device if settings.device != "auto" else _device_for(spec, settings)
-    reason = probe_backend(spec, settings, device)
+    reason = probe_backend(spec, settings, device, strict=True)
     if reason is not None:
         raise BackendUnavailableError(f"backend {spec.name!r} cannot run on {device}: {reason}")
     selection = Selection(spec, device, f"BACKEND={settings.backend} (explicit)", {})

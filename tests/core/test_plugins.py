@@ -178,3 +178,59 @@ def test_a_backend_that_skipped_super_init_still_serves(monkeypatch) -> None:
     with LLM(settings=settings, engine=Engine(backend, settings, owns_backend=True)) as llm:
         out = llm.generate(["hello"], SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(out[0].token_ids) == 3
+
+
+def test_first_party_names_are_reserved(fake_plugins) -> None:
+    """A third-party plugin that registers 'hf' fails (reported against it); the real hf plugin keeps the
+    name whatever the loading order."""
+    fake_plugins("aaa_impostor", BackendSpec("hf", "x.y:z", ("cpu",)), BackendSpec("own-name", "x.y:z", ("cpu",)))
+    registry = load_registry()
+    assert "reserved for the first-party distribution 'gemmaserve-hf-torch'" in registry.plugin_errors["aaa_impostor"]
+    hf = registry.get("hf")
+    assert hf is None or hf.plugin.replace("_", "-") == "gemmaserve-hf-torch"
+    reg = BackendRegistry()
+    reg.add(BackendSpec("hf", "m:f", ("cpu",)), "gemmaserve_hf_torch")  # the real distribution (any spelling)
+    with pytest.raises(ConfigurationError, match="reserved"):
+        BackendRegistry().add(BackendSpec("mine", "m:f", ("cpu",), aliases=("custom-cpu",)), "other-dist")
+
+
+class _Chooser:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @hookimpl
+    def gemmaserve_select_backend(self, settings, candidates, device):  # type: ignore[no-untyped-def]
+        return self.name
+
+
+def test_a_plugins_choice_gets_the_device_and_probe_checks(fake_plugins) -> None:
+    fake_plugins("fake_choice", BackendSpec("unicorn-only", "x.y:z", ("cpu",), f"{PROBE_MODULE}:unavailable_probe"),
+                 BackendSpec("fine", "x.y:z", ("cpu",), f"{PROBE_MODULE}:available_probe"))
+    settings = load_settings(backend="auto", device="cpu")
+    for choice, expected in (("unicorn-only", "needs a unicorn"), ("fine", None)):
+        register_plugin(_Chooser(choice), "fake_chooser")
+        try:
+            if expected is None:
+                assert select_backend(settings).spec.name == "fine"
+            else:
+                with pytest.raises(BackendUnavailableError, match=f"hook chose backend 'unicorn-only'.*{expected}"):
+                    select_backend(settings)
+        finally:
+            unregister_plugin("fake_chooser")
+
+
+def config_error_probe(settings: object, device: str) -> str | None:
+    raise ConfigurationError("settings: FAKE_TRUST=maybe is not a boolean")
+
+
+def test_invalid_plugin_settings_stop_auto_selection(fake_plugins) -> None:
+    """BACKEND=auto must not fall through past a plugin whose settings are invalid (they stop startup); the
+    listing shows the problem instead of raising."""
+    fake_plugins("fake_strict", BackendSpec("strict-one", "x.y:z", ("cpu",), f"{PROBE_MODULE}:config_error_probe",
+                                            priority=-50),
+                 BackendSpec("fallback", "x.y:z", ("cpu",), f"{PROBE_MODULE}:available_probe", priority=-40))
+    settings = load_settings(backend="auto", device="cpu")
+    with pytest.raises(ConfigurationError, match="FAKE_TRUST=maybe"):
+        select_backend(settings)
+    rows = {row.name: row for row in backend_statuses(settings)}
+    assert not rows["strict-one"].available and "FAKE_TRUST=maybe" in (rows["strict-one"].reason or "")

@@ -36,14 +36,12 @@ def unavailable_reason(settings: CoreSettings, device: str) -> str | None:
     problem = device_unavailable_reason(device)
     if problem is not None:
         return problem
-    if settings.model:
-        from gemmaserve.errors import ConfigurationError
-        from gemmaserve_hf_torch.settings import load_hf_settings
+    from gemmaserve_hf_torch.settings import load_hf_settings
 
-        try:
-            trust_remote_code = load_hf_settings().trust_remote_code
-        except ConfigurationError as exc:
-            return str(exc)
+    # an invalid HF_* setting raises ConfigurationError: it stops startup (selection) instead of reading as
+    # "unavailable" and letting BACKEND=auto fall through to another backend
+    trust_remote_code = load_hf_settings().trust_remote_code
+    if settings.model:
         return model_dir_problem(Path(settings.model), trust_remote_code=trust_remote_code)
     return None
 
