@@ -207,7 +207,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model=args.model, backend=args.backend, device=args.device, dtype=args.dtype,
         max_batch_size=args.max_batch_size, max_active_kv_tokens=args.max_active_kv_tokens,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-        log_level=args.log_level, host=args.host, port=args.port,
+        log_level=args.log_level, host=args.host, port=args.port, api_key=args.api_key,
     )
     _setup_logging(settings)
     serve(settings)
@@ -218,6 +218,8 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
     p.add_argument("--host", default=None, help="bind address (env HOST; default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (env PORT; default 8000)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' (env API_KEY or VLLM_API_KEY; /health, /metrics open)")
     _add_engine_flags(p)
     p.set_defaults(func=cmd_serve)
 

@@ -75,6 +75,10 @@ class CoreSettings(BaseSettings):
         1024, ge=1, validation_alias=env_alias("MAX_WAITING_REQUESTS"),
         description="Queue bound; beyond it new requests are refused as overloaded (HTTP 429).",
     )
+    api_key: str | None = Field(
+        None, min_length=1, validation_alias=AliasChoices("API_KEY", "GEMMASERVE_API_KEY", "VLLM_API_KEY"),
+        description="HTTP server: require 'Authorization: Bearer <key>' on every endpoint but /health and /metrics.",
+    )
     host: str = Field("127.0.0.1", validation_alias=env_alias("HOST"), description="HTTP server bind address.")
     port: int = Field(8000, ge=0, le=65535, validation_alias=env_alias("PORT"), description="HTTP server port.")
     log_level: Literal["debug", "info", "warning", "error"] = Field(

@@ -137,7 +137,7 @@ def test_plugin_registers_three_device_specs():
 def test_explicit_backend_picks_its_device(tiny_gemma4_dir):
     registry = BackendRegistry()
     for spec in plugin.SPECS:
-        registry.add(spec, "custom_torch")
+        registry.add(spec, "gemmaserve-custom-torch")  # first-party names are reserved for their distribution
     selection = select_backend(CoreSettings(backend="custom-cpu", model=str(tiny_gemma4_dir)), registry)
     assert (selection.spec.name, selection.device) == ("custom-cpu", "cpu")
     assert select_backend(CoreSettings(backend="auto", device="cpu"), registry).spec.name == "custom-cpu"

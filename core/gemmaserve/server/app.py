@@ -10,6 +10,7 @@ that disconnects (while waiting, or mid-stream) cancels its request, which frees
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -43,16 +44,20 @@ OFFLOAD_BODY_BYTES = 32 * 1024
 GIL), so one huge prompt cannot freeze the event loop that streams everyone else's tokens."""
 
 
-def create_app(engine: Engine, model_name: str, *, model_aliases: Sequence[str] = ()) -> FastAPI:
+def create_app(
+    engine: Engine, model_name: str, *, model_aliases: Sequence[str] = (), api_key: str | None = None
+) -> FastAPI:
     """The app around ``engine`` (started, or started on first request). The caller owns the
     engine's lifetime. ``model`` in requests must be ``model_name``, one of ``model_aliases``, or
-    absent; anything else is a 404."""
+    absent; anything else is a 404. ``api_key``: every endpoint but ``/health`` and ``/metrics`` needs
+    ``Authorization: Bearer <api_key>`` (401 otherwise, OpenAI's error body)."""
     app = FastAPI(title="gemmaserve", version="0.1.0", description="OpenAI-compatible Gemma inference server")
     metrics = ServerMetrics()
     server = _Server(engine, model_name, frozenset({model_name, *model_aliases}), metrics)
     app.state.engine = engine
     app.state.metrics = metrics
     _add_error_handlers(app)
+    _add_guards(app, api_key)
     install_openapi(app, server.context_limit)
 
     @app.post("/v1/completions", response_model=None)
@@ -88,6 +93,34 @@ def create_app(engine: Engine, model_name: str, *, model_aliases: Sequence[str] 
         return JSONResponse(report, status_code=200 if report["integrity"] == "ok" else 500)
 
     return app
+
+
+_OPEN_PATHS = frozenset({"/health", "/metrics"})
+"""Endpoints an API key does not guard (load balancers and scrapers call them, as with vLLM)."""
+_GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+def _add_guards(app: FastAPI, api_key: str | None) -> None:
+    """API-key check (when set) and JSON-only generation bodies: a browser page can POST ``text/plain`` or a
+    form to localhost without a CORS preflight, so anything but JSON is refused with 415 before it runs."""
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    @app.middleware("http")
+    async def _guard(request: Request, call_next: Callable[[Request], Any]) -> Response:
+        path = request.url.path
+        if expected is not None and path not in _OPEN_PATHS:
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                error = APIError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>' with the "
+                                 "server's --api-key", code="invalid_api_key")
+                return JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        if request.method == "POST" and path in _GENERATION_PATHS:
+            kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+            if kind and kind != "application/json":
+                error = APIError(415, f"the body must be JSON (Content-Type: application/json), got {kind!r}",
+                                 code="unsupported_media_type")
+                return JSONResponse(error.body(), status_code=415)
+        return await call_next(request)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

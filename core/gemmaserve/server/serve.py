@@ -67,7 +67,7 @@ def serve(settings: CoreSettings) -> None:
     engine.start()
     try:
         name = served_model_name(settings, engine.backend.model_info.name)
-        app = create_app(engine, name, model_aliases=model_aliases(settings))
+        app = create_app(engine, name, model_aliases=model_aliases(settings), api_key=settings.api_key)
         logger.info("serving %s (backend %s) on http://%s:%d", name, engine.backend_name, settings.host, settings.port)
         config = uvicorn.Config(
             app,

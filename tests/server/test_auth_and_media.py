@@ -1,0 +1,70 @@
+"""--api-key (Bearer auth with OpenAI's 401 body; /health and /metrics open) and JSON-only generation bodies
+(a cross-site text/plain or form POST is refused with 415 before anything runs)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+from server_harness import REFERENCE_MODEL as MODEL
+from server_harness import reference_engine
+
+from gemmaserve.server.app import create_app
+from gemmaserve.settings import CoreSettings
+
+BODY = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+
+
+@pytest.fixture
+def guarded() -> Iterator[tuple[TestClient, object]]:
+    engine = reference_engine()
+    yield TestClient(create_app(engine, MODEL, api_key="s3cret"), raise_server_exceptions=False), engine
+    engine.shutdown(timeout=10)
+
+
+@pytest.mark.parametrize("header", [None, "Bearer wrong", "s3cret", "Bearer s3cret2", "bearer s3cret"])
+def test_a_wrong_or_missing_key_gets_openais_401(guarded, header) -> None:
+    client, engine = guarded
+    headers = {} if header is None else {"Authorization": header}
+    for method, path in (("post", "/v1/completions"), ("get", "/v1/models"), ("get", "/debug/kv")):
+        response = getattr(client, method)(path, headers=headers, **({"json": BODY} if method == "post" else {}))
+        assert response.status_code == 401, (path, response.text)
+        error = response.json()["error"]
+        assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error" and error["param"] is None
+        assert "API key" in error["message"] and response.headers["www-authenticate"] == "Bearer"
+    assert engine.stats().finished == {}  # nothing ran
+
+
+def test_the_right_key_serves_and_health_and_metrics_stay_open(guarded) -> None:
+    client, _ = guarded
+    ok = {"Authorization": "Bearer s3cret"}
+    assert client.post("/v1/completions", json=BODY, headers=ok).status_code == 200
+    assert client.get("/v1/models", headers=ok).status_code == 200
+    assert client.get("/health").status_code == 200
+    assert client.get("/metrics").status_code == 200
+
+
+@pytest.mark.parametrize("kind", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
+                                  "text/plain;charset=UTF-8"])
+def test_non_json_generation_bodies_are_refused_before_they_run(make_client, kind) -> None:
+    client, engine = make_client()
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        response = client.post(path, content=json.dumps(BODY), headers={"content-type": kind})
+        assert response.status_code == 415, response.text
+        assert response.json()["error"]["code"] == "unsupported_media_type"
+        assert kind.split(";")[0] in response.json()["error"]["message"]
+    assert engine.stats().finished == {}
+    ok = client.post("/v1/completions", content=json.dumps(BODY), headers={"content-type": "application/json; charset=utf-8"})
+    assert ok.status_code == 200
+
+
+def test_the_key_comes_from_api_key_or_vllm_api_key(monkeypatch) -> None:
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert CoreSettings().api_key == "from-vllm"
+    monkeypatch.setenv("API_KEY", "ours")
+    assert CoreSettings().api_key == "ours"
+    monkeypatch.delenv("API_KEY")
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert CoreSettings().api_key is None
