@@ -208,6 +208,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_batch_size=args.max_batch_size, max_active_kv_tokens=args.max_active_kv_tokens,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         log_level=args.log_level, host=args.host, port=args.port, api_key=args.api_key,
+        allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
+        enable_debug_endpoints=args.enable_debug_endpoints,
     )
     _setup_logging(settings)
     serve(settings)
@@ -220,6 +222,12 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=None, help="port (env PORT; default 8000)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' (env API_KEY or VLLM_API_KEY; /health, /metrics open)")
+    p.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated Host names accepted besides the loopback ones (env ALLOWED_HOSTS)")
+    p.add_argument("--allowed-origins", default=None,
+                   help="comma-separated CORS origins ('*' = any; env ALLOWED_ORIGINS); default: CORS off")
+    p.add_argument("--enable-debug-endpoints", action="store_true", default=None,
+                   help="serve /debug/kv, /docs and /redoc (env ENABLE_DEBUG_ENDPOINTS)")
     _add_engine_flags(p)
     p.set_defaults(func=cmd_serve)
 

@@ -79,6 +79,19 @@ class CoreSettings(BaseSettings):
         None, min_length=1, validation_alias=AliasChoices("API_KEY", "GEMMASERVE_API_KEY", "VLLM_API_KEY"),
         description="HTTP server: require 'Authorization: Bearer <key>' on every endpoint but /health and /metrics.",
     )
+    allowed_hosts: str = Field(
+        "", validation_alias=env_alias("ALLOWED_HOSTS"),
+        description="HTTP server: comma-separated Host names accepted besides the loopback names (which are the only "
+        "ones accepted when bound to a loopback address: no DNS rebinding); empty and not on loopback = any host.",
+    )
+    allowed_origins: str = Field(
+        "", validation_alias=env_alias("ALLOWED_ORIGINS"),
+        description="HTTP server: comma-separated browser origins allowed by CORS ('*' = any); empty = CORS off.",
+    )
+    enable_debug_endpoints: bool = Field(
+        False, validation_alias=env_alias("ENABLE_DEBUG_ENDPOINTS"),
+        description="HTTP server: serve /debug/kv and the /docs and /redoc pages.",
+    )
     host: str = Field("127.0.0.1", validation_alias=env_alias("HOST"), description="HTTP server bind address.")
     port: int = Field(8000, ge=0, le=65535, validation_alias=env_alias("PORT"), description="HTTP server port.")
     log_level: Literal["debug", "info", "warning", "error"] = Field(

@@ -129,7 +129,8 @@ class LiveServer:
             key: value for key, value in os.environ.items()
             if key not in _SETTINGS_ENV and not key.startswith(("GEMMASERVE_", "CUSTOM_BACKEND_"))
         }
-        defaults = {"DEVICE": "cpu", "DTYPE": "float32", "LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1"}
+        defaults = {"DEVICE": "cpu", "DTYPE": "float32", "LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1",
+                    "ENABLE_DEBUG_ENDPOINTS": "1"}  # the tests read /debug/kv
         self._log = self.log_path.open("w")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "gemmaserve", "serve", "--host", "127.0.0.1", "--port", str(self.port)],

@@ -68,3 +68,43 @@ def test_the_key_comes_from_api_key_or_vllm_api_key(monkeypatch) -> None:
     monkeypatch.delenv("API_KEY")
     monkeypatch.delenv("VLLM_API_KEY")
     assert CoreSettings().api_key is None
+
+
+def test_only_allowed_host_headers_are_served() -> None:
+    """Bound to loopback, the server answers only loopback Host names (a DNS-rebinding page's own name is
+    refused) plus --allowed-hosts; bound elsewhere without --allowed-hosts, any."""
+    from gemmaserve.server.serve import allowed_hosts
+
+    hosts = allowed_hosts(CoreSettings(host="127.0.0.1", allowed_hosts="gpu-box.internal"))
+    assert hosts is not None and {"localhost", "127.0.0.1", "::1", "gpu-box.internal"} <= set(hosts)
+    assert allowed_hosts(CoreSettings(host="0.0.0.0")) is None
+    assert allowed_hosts(CoreSettings(host="0.0.0.0", allowed_hosts="a.example, b.example")) == ["a.example", "b.example"]
+    engine = reference_engine()
+    try:
+        client = TestClient(create_app(engine, MODEL, allowed_hosts=hosts), raise_server_exceptions=False)
+        for host in ("127.0.0.1:8000", "localhost", "[::1]:8000", "GPU-BOX.internal:80"):
+            assert client.get("/health", headers={"host": host}).status_code == 200, host
+        for host in ("attacker.example", "attacker.example:8000", "127.0.0.1.attacker.example", ""):
+            response = client.post("/v1/completions", json=BODY, headers={"host": host})
+            assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_host", host
+        assert engine.stats().finished == {}
+    finally:
+        engine.shutdown(timeout=10)
+
+
+def test_cors_is_off_unless_origins_are_given_and_debug_pages_need_the_flag() -> None:
+    engine = reference_engine()
+    try:
+        plain = TestClient(create_app(engine, MODEL, debug_endpoints=False), raise_server_exceptions=False)
+        origin = {"origin": "https://app.example"}
+        assert "access-control-allow-origin" not in plain.get("/v1/models", headers=origin).headers
+        for path in ("/debug/kv", "/docs", "/redoc"):
+            assert plain.get(path).status_code == 404, path
+        assert plain.get("/openapi.json").status_code == 200
+        cors = TestClient(create_app(engine, MODEL, allowed_origins=["https://app.example"]),
+                          raise_server_exceptions=False)
+        assert cors.get("/v1/models", headers=origin).headers["access-control-allow-origin"] == "https://app.example"
+        assert "access-control-allow-origin" not in cors.get("/v1/models", headers={"origin": "https://evil.example"}).headers
+        assert cors.get("/debug/kv").status_code == 200 and cors.get("/docs").status_code == 200
+    finally:
+        engine.shutdown(timeout=10)

@@ -45,19 +45,28 @@ GIL), so one huge prompt cannot freeze the event loop that streams everyone else
 
 
 def create_app(
-    engine: Engine, model_name: str, *, model_aliases: Sequence[str] = (), api_key: str | None = None
+    engine: Engine, model_name: str, *, model_aliases: Sequence[str] = (), api_key: str | None = None,
+    allowed_hosts: Sequence[str] | None = None, allowed_origins: Sequence[str] = (), debug_endpoints: bool = True,
 ) -> FastAPI:
     """The app around ``engine`` (started, or started on first request). The caller owns the
     engine's lifetime. ``model`` in requests must be ``model_name``, one of ``model_aliases``, or
     absent; anything else is a 404. ``api_key``: every endpoint but ``/health`` and ``/metrics`` needs
-    ``Authorization: Bearer <api_key>`` (401 otherwise, OpenAI's error body)."""
-    app = FastAPI(title="gemmaserve", version="0.1.0", description="OpenAI-compatible Gemma inference server")
+    ``Authorization: Bearer <api_key>`` (401 otherwise, OpenAI's error body). ``allowed_hosts``: the Host
+    header names accepted (None = any; 400 ``invalid_host`` otherwise). ``allowed_origins``: CORS origins
+    (none = no CORS headers). ``debug_endpoints``: serve ``/debug/kv``, ``/docs`` and ``/redoc``."""
+    docs = {} if debug_endpoints else {"docs_url": None, "redoc_url": None}
+    app = FastAPI(title="gemmaserve", version="0.1.0", description="OpenAI-compatible Gemma inference server", **docs)
     metrics = ServerMetrics()
     server = _Server(engine, model_name, frozenset({model_name, *model_aliases}), metrics)
     app.state.engine = engine
     app.state.metrics = metrics
     _add_error_handlers(app)
-    _add_guards(app, api_key)
+    _add_guards(app, api_key, allowed_hosts)
+    if allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
     install_openapi(app, server.context_limit)
 
     @app.post("/v1/completions", response_model=None)
@@ -87,10 +96,11 @@ def create_app(
     def prometheus_metrics() -> Response:  # sync: engine.stats() may wait for the current tick
         return PlainTextResponse(metrics.render(engine.stats()), media_type="text/plain; version=0.0.4")
 
-    @app.get("/debug/kv", response_model=None)
-    def debug_kv() -> Response:  # sync: takes the engine and backend locks
-        report = kv_report(engine)
-        return JSONResponse(report, status_code=200 if report["integrity"] == "ok" else 500)
+    if debug_endpoints:
+        @app.get("/debug/kv", response_model=None)
+        def debug_kv() -> Response:  # sync: takes the engine and backend locks
+            report = kv_report(engine)
+            return JSONResponse(report, status_code=200 if report["integrity"] == "ok" else 500)
 
     return app
 
@@ -100,14 +110,28 @@ _OPEN_PATHS = frozenset({"/health", "/metrics"})
 _GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
-def _add_guards(app: FastAPI, api_key: str | None) -> None:
-    """API-key check (when set) and JSON-only generation bodies: a browser page can POST ``text/plain`` or a
-    form to localhost without a CORS preflight, so anything but JSON is refused with 415 before it runs."""
+def _host_name(header: str) -> str:
+    """The name part of a Host header (``[::1]:8000`` -> ``::1``, ``Example.COM:80`` -> ``example.com``)."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1 : header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+def _add_guards(app: FastAPI, api_key: str | None, allowed_hosts: Sequence[str] | None = None) -> None:
+    """Host allow-list (DNS rebinding), API-key check (when set) and JSON-only generation bodies: a browser page
+    can POST ``text/plain`` or a form to localhost without a CORS preflight, so anything but JSON is refused
+    with 415 before it runs."""
     expected = f"Bearer {api_key}".encode() if api_key else None
+    hosts = None if allowed_hosts is None else frozenset(_host_name(h) for h in allowed_hosts)
 
     @app.middleware("http")
     async def _guard(request: Request, call_next: Callable[[Request], Any]) -> Response:
         path = request.url.path
+        if hosts is not None and _host_name(request.headers.get("host", "")) not in hosts:
+            error = APIError(400, f"Host {request.headers.get('host', '')!r} is not served here; add it with "
+                             "--allowed-hosts (ALLOWED_HOSTS)", code="invalid_host")
+            return JSONResponse(error.body(), status_code=400)
         if expected is not None and path not in _OPEN_PATHS:
             given = request.headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, expected):

@@ -55,6 +55,22 @@ def _engine_stopping_server(config: object, engine: object) -> object:
     return _engine_stopping_server_class()(config, engine)
 
 
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+def _split(value: str) -> list[str]:
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def allowed_hosts(settings: CoreSettings) -> list[str] | None:
+    """Host names the server answers: on a loopback address only the loopback names plus ``ALLOWED_HOSTS`` (a
+    web page's rebinding of its own name to 127.0.0.1 is refused); elsewhere ``ALLOWED_HOSTS``, or any (None)."""
+    extra = _split(settings.allowed_hosts)
+    if settings.host in LOOPBACK_HOSTS or settings.host.startswith("127."):
+        return [*LOOPBACK_HOSTS, settings.host, *extra]
+    return extra or None
+
+
 def serve(settings: CoreSettings) -> None:
     """Blocking: serve HTTP on settings.host:settings.port; shuts the engine down on exit.
     Raises what ``build_engine`` raises (ConfigurationError, BackendUnavailableError, ModelLoadError)."""
@@ -67,7 +83,9 @@ def serve(settings: CoreSettings) -> None:
     engine.start()
     try:
         name = served_model_name(settings, engine.backend.model_info.name)
-        app = create_app(engine, name, model_aliases=model_aliases(settings), api_key=settings.api_key)
+        app = create_app(engine, name, model_aliases=model_aliases(settings), api_key=settings.api_key,
+                         allowed_hosts=allowed_hosts(settings), allowed_origins=_split(settings.allowed_origins),
+                         debug_endpoints=settings.enable_debug_endpoints)
         logger.info("serving %s (backend %s) on http://%s:%d", name, engine.backend_name, settings.host, settings.port)
         config = uvicorn.Config(
             app,
