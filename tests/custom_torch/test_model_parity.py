@@ -277,3 +277,23 @@ def test_contiguous_context_rejects_misuse(tiny_gemma4_dir: Path) -> None:
         ctx.attend(0, q, None, None)
     with pytest.raises(RuntimeError, match="layer 1"):
         ctx.attend(3, q, None, None)  # layer 3 reuses layer 1's KV, which has not run
+
+
+def test_a_truncated_or_missing_weight_file_names_the_file(tmp_path: Path, tiny_gemma4_dir: Path) -> None:
+    import shutil
+
+    from gemmaserve.errors import ModelLoadError
+    from gemmaserve.settings import CoreSettings
+    from gemmaserve_custom_torch.backend import create_backend
+
+    truncated = tmp_path / "truncated"
+    shutil.copytree(tiny_gemma4_dir, truncated)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors .*truncated or corrupt"):
+        create_backend(str(truncated), "cpu", CoreSettings(model=str(truncated), device="cpu"))
+    garbage = tmp_path / "garbage"
+    shutil.copytree(tiny_gemma4_dir, garbage)
+    (garbage / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        GemmaForCausalLM.from_hf(garbage)

@@ -115,3 +115,12 @@ def test_greedy_equals_generate_for_one_request(any_backend: HFTorchBackend) -> 
     for prompt in ([7, 8, 9], list(range(40, 67))):  # the second is longer than the sliding window (8)
         params = SamplingParams(max_tokens=16, ignore_eos=True)
         assert list(any_backend.generate_stream(prompt, params)) == hf_greedy(model, prompt, 16)
+
+
+def test_a_truncated_weight_file_is_a_clear_model_load_error(llama_dir: Path, tmp_path: Path) -> None:
+    truncated = tmp_path / "truncated"
+    shutil.copytree(llama_dir, truncated)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match="truncated or corrupt"):
+        create_backend(str(truncated), "cpu", cpu_settings())

@@ -182,7 +182,9 @@ def load_model(model_path: str, device: str, settings: CoreSettings, hf_settings
             trust_remote_code=hf_settings.trust_remote_code,
         )
     except Exception as exc:
-        raise ModelLoadError(f"transformers could not load {str(path)!r}: {type(exc).__name__}: {exc}") from None
+        hint = ("; a weight file is probably truncated or corrupt (an interrupted download or copy): fetch or "
+                "convert it again") if "safetensor" in type(exc).__name__.lower() else ""
+        raise ModelLoadError(f"transformers could not load {str(path)!r}: {type(exc).__name__}: {exc}{hint}") from None
     model = model.to(torch_device).eval()
     text_config = model.config.get_text_config(decoder=True)
     return LoadedModel(

@@ -340,9 +340,13 @@ class GemmaForCausalLM(nn.Module):
         for key in wanted:
             by_file.setdefault(key_to_file[key], []).append(key)
         for file, keys in by_file.items():
-            with safe_open(file, framework="pt", device=str(device)) as f:
-                for key in keys:
-                    state[wanted[key]] = f.get_tensor(key).to(dtype)
+            try:
+                with safe_open(file, framework="pt", device=str(device)) as f:
+                    for key in keys:
+                        state[wanted[key]] = f.get_tensor(key).to(dtype)
+            except Exception as exc:
+                raise ValueError(f"{file}: reading its tensors failed: {type(exc).__name__}: {exc}; the file is "
+                                 "probably corrupt: fetch or convert it again") from None
         model.load_state_dict(state, strict=True, assign=True)
         model.requires_grad_(False)
         return model.eval()
@@ -371,12 +375,21 @@ def _weight_files(folder: Path) -> list[Path]:
 
 
 def _key_index(folder: Path, files: list[Path]) -> dict[str, str]:
-    """Every tensor name in the checkpoint -> the file holding it."""
+    """Every tensor name in the checkpoint -> the file holding it. Raises ValueError naming a weight file that
+    is missing, truncated or corrupt (safetensors' own errors are not the caller's to decode)."""
     index: dict[str, str] = {}
     for file in files:
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                index[key] = str(file)
+        if not file.is_file():
+            raise ValueError(f"{file} is listed in the checkpoint's index but does not exist")
+        try:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                    index[key] = str(file)
+        except Exception as exc:
+            raise ValueError(
+                f"{file} ({file.stat().st_size} bytes) is not a readable safetensors file: {exc}; it is probably "
+                "truncated or corrupt (an interrupted download or copy): fetch or convert it again"
+            ) from None
     return index
 
 
