@@ -230,7 +230,7 @@ class InferenceBackend(ABC):
         self, states: Sequence[PrefillState], num_tokens: Sequence[int]
     ) -> list[Exception | None]:
         """Advance several prefills by one chunk each (``num_tokens[i]`` for ``states[i]``, clamped like
-        :meth:`prefill_chunk`). The scheduler calls this once per tick for every prefilling request, so a
+        :meth:`prefill_chunk`). The scheduler calls this once per tick for the chunks the token budget allows, so a
         backend can run them as one batched forward (one pass over the weights for all of them).
 
         Returns, per state, None when its chunk ran, or the exception its chunk raised: that request then

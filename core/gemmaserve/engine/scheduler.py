@@ -9,8 +9,12 @@ reservations when a request ends, before its final event is emitted.
 
 Failure isolation: a backend exception during one request's admission (``kv_reserve``), prefill,
 first sample or splice fails only that request (``finish_reason="error"``, KV freed). An exception
-from ``decode_step_batched`` or the sampling after it drops the batch and retries the step for each
-row alone (:mod:`gemmaserve.engine.isolation`): only rows whose solo step fails too are failed.
+from ``decode_step_batched`` (or a ``forward_step``) or the sampling after it drops the batch and retries the
+step for each row alone (:mod:`gemmaserve.engine.isolation`): only rows whose solo step fails too are failed.
+
+A tick's work is planned against ``MAX_NUM_BATCHED_TOKENS`` (decode rows first, then prefill chunks in arrival
+order) and runs as ``prefill_chunks`` + ``decode_step_batched``, or as one ``forward_step`` for backends with
+``capabilities.mixed_step``.
 """
 
 from __future__ import annotations
