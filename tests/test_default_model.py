@@ -342,7 +342,7 @@ def _safetensors_dtypes(path: Path) -> set[str]:
 
 
 def test_folder_layout(model_dir: Path) -> None:
-    names = {p.name for p in model_dir.iterdir()}
+    names = {p.name for p in model_dir.iterdir()} - {dm.VERIFIED_NAME}  # the content check's record
     assert set(dm._REQUIRED_FILES) | {"README.md", "README.upstream.md", dm.MARKER_NAME} == names
     config = json.loads((model_dir / "config.json").read_text())
     assert config["model_type"] == "gemma3_text"
@@ -494,3 +494,36 @@ def test_tokenizer_adds_bos_like_gguf(converted_tokenizer: Any, reference_tokeni
         assert tokenizer("hello").input_ids.count(2) == 1
         assert 2 not in tokenizer("hello", add_special_tokens=False).input_ids
         assert 1 not in tokenizer("hello").input_ids  # no EOS appended
+
+
+def test_a_same_size_corruption_is_caught_by_content_and_files_are_hashed_once(tmp_path: Path, monkeypatch) -> None:
+    """The cheap readiness check stats sizes only; the start-up check (``content=True``) compares SHA-256s with
+    the marker, so a same-size corruption is a problem (ensure_default_model then rebuilds). A file unchanged
+    since its last verification is not re-hashed."""
+    folder = _write_fake_folder(dm.default_model_dir(tmp_path))
+    assert dm._folder_problem(folder, content=True) is None
+    assert (folder / dm.VERIFIED_NAME).is_file()
+    hashed: list[str] = []
+    original = dm._sha256
+    monkeypatch.setattr(dm, "_sha256", lambda path: hashed.append(path.name) or original(path))
+    assert dm._folder_problem(folder, content=True) is None and hashed == []  # verified before: no hashing
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])  # same size, other content
+    assert dm.is_default_model_ready(tmp_path), "the cheap check cannot see it"
+    problem = dm._folder_problem(folder, content=True)
+    assert problem is not None and "model.safetensors" in problem and "SHA-256" in problem
+    assert hashed == ["model.safetensors"]
+
+
+def test_folders_without_recorded_hashes_are_verified_from_first_sight(tmp_path: Path) -> None:
+    folder = _write_fake_folder(dm.default_model_dir(tmp_path))
+    marker = json.loads((folder / dm.MARKER_NAME).read_text())
+    del marker["sha256"]  # a folder converted before hashes were recorded
+    (folder / dm.MARKER_NAME).write_text(json.dumps(marker))
+    assert dm._folder_problem(folder, content=True) is None  # first sight: the baseline
+    weights = folder / "tokenizer.json" if (folder / "tokenizer.json").exists() else folder / "model.safetensors"
+    data = weights.read_bytes()
+    time.sleep(0.01)
+    weights.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])
+    assert "SHA-256" in (dm._folder_problem(folder, content=True) or "")

@@ -43,6 +43,7 @@ safetensors and tqdm are imported inside the conversion, and a missing one raise
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import json
 import logging
@@ -144,7 +145,8 @@ def default_model_dir(cache_dir: Path | str | None = None) -> Path:
 
 def is_default_model_ready(cache_dir: Path | str | None = None) -> bool:
     """True if the folder exists with a valid completion marker. Cheap: reads the marker and stats
-    the files it lists; imports nothing heavy and hashes nothing. The marker's source SHA-256 must
+    the files it lists; imports nothing heavy and hashes nothing (``ensure_default_model`` also checks the
+    files' SHA-256 and rebuilds a folder whose content changed). The marker's source SHA-256 must
     match the installed source package's (skipped when that package is not installed)."""
     return _folder_problem(default_model_dir(cache_dir)) is None
 
@@ -158,7 +160,7 @@ def ensure_default_model(cache_dir: Path | str | None = None, progress: bool = T
     :class:`DefaultModelError` for any other actionable failure.
     """
     target = default_model_dir(cache_dir)
-    if _folder_problem(target) is None:
+    if _folder_problem(target, content=True) is None:
         return target
     _require_conversion_dependencies()
     try:
@@ -170,8 +172,9 @@ def ensure_default_model(cache_dir: Path | str | None = None, progress: bool = T
     return _publish_once(target, lambda scratch: _build_model_folder(scratch, progress))
 
 
-def _folder_problem(folder: Path) -> str | None:
-    """Why ``folder`` is not a usable default-model folder, or None if it is."""
+def _folder_problem(folder: Path, *, content: bool = False) -> str | None:
+    """Why ``folder`` is not a usable default-model folder, or None if it is. ``content``: also check every
+    file's SHA-256 against the marker (:func:`_content_problem`), which catches a same-size corruption."""
     try:
         marker = json.loads((folder / MARKER_NAME).read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -195,6 +198,49 @@ def _folder_problem(folder: Path) -> str | None:
     expected_sha256 = _installed_source_sha256()
     if expected_sha256 is not None and marker.get("source_sha256") != expected_sha256:
         return "made from a different GGUF than the installed source package ships"
+    return _content_problem(folder, marker) if content else None
+
+
+VERIFIED_NAME = ".verified.json"
+"""Per file: (size, mtime_ns, SHA-256) last verified, so a start re-hashes only files that changed."""
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _content_problem(folder: Path, marker: dict[str, Any]) -> str | None:
+    """A file whose SHA-256 differs from the marker's (folders converted before hashes were recorded: from
+    the one first verified here), or None. Files unchanged since their last verification (same size and
+    mtime, see ``VERIFIED_NAME``) are not re-hashed; the record is updated best effort."""
+    recorded = marker.get("sha256") if isinstance(marker.get("sha256"), dict) else {}
+    try:
+        verified = json.loads((folder / VERIFIED_NAME).read_text(encoding="utf-8"))
+        verified = verified if isinstance(verified, dict) else {}
+    except (OSError, ValueError):
+        verified = {}
+    changed = False
+    for name in marker["files"]:
+        stat = (folder / name).stat()
+        seen = verified.get(name)
+        if isinstance(seen, list) and len(seen) == 3 and seen[:2] == [stat.st_size, stat.st_mtime_ns]:
+            digest = seen[2]
+        else:
+            digest = _sha256(folder / name)
+            baseline = recorded.get(name) or (seen[2] if isinstance(seen, list) and len(seen) == 3 else None)
+            if baseline is not None and digest != baseline:
+                return f"{name} does not match its recorded SHA-256 (the file changed or is corrupt)"
+            verified[name] = [stat.st_size, stat.st_mtime_ns, digest]
+            changed = True
+        if recorded.get(name) not in (None, digest):
+            return f"{name} does not match its recorded SHA-256 (the file changed or is corrupt)"
+    if changed:
+        with contextlib.suppress(OSError):
+            (folder / VERIFIED_NAME).write_text(json.dumps(verified) + "\n", encoding="utf-8")
     return None
 
 
@@ -222,7 +268,7 @@ def _publish_once(target: Path, build: Callable[[Path], Path]) -> Path:
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(target.with_name(f".{target.name}.lock")):
-        problem = _folder_problem(target)
+        problem = _folder_problem(target, content=True)
         if problem is None:
             return target
         logger.info("Preparing %s in %s (%s)", DEFAULT_MODEL_NAME, target, problem)
@@ -233,7 +279,7 @@ def _publish_once(target: Path, build: Callable[[Path], Path]) -> Path:
             _replace_dir(finished, target)
         finally:
             _remove_path(scratch)
-        problem = _folder_problem(target)
+        problem = _folder_problem(target, content=True)
         if problem is not None:
             raise DefaultModelError(f"The freshly built folder {target} is not valid: {problem}.")
     return target
@@ -764,15 +810,18 @@ def _assemble_gguf(source: Any, gguf_path: Path) -> None:
 def _write_marker(model_dir: Path, source_sha256: str, seconds: float) -> None:
     """Flush every file to disk, then write the completion marker (the folder's last file)."""
     files = {}
+    digests = {}
     for path in sorted(model_dir.iterdir()):
         _fsync_file(path)
         files[path.name] = path.stat().st_size
+        digests[path.name] = _sha256(path)
     marker = {
         "format_version": FORMAT_VERSION,
         "model": DEFAULT_MODEL_NAME,
         "source_sha256": source_sha256,
         "dtype": STORAGE_DTYPE,
         "files": files,
+        "sha256": digests,
         "conversion_seconds": round(seconds, 2),
         "versions": _package_versions(),
     }
