@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     settings = _settings(device, dtype_name, max_rows, max_len, max_rows * max_len, args.max_num_batched_tokens)
     from serving_workloads import gemm_tflops, prefill_flops_per_token, run_arrivals
 
-    fast = load_custom_settings().fast_prefill and load_custom_settings().mixed_step
+    fast = load_custom_settings().fast_prefill  # every prompt token runs in the tick forward
     flops = prefill_flops_per_token(model, fast=fast)
     tflops = gemm_tflops(device)
     args.prefill_ceiling = (flops, tflops * 1e12) if tflops else None

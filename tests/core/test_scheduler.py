@@ -101,20 +101,31 @@ def test_tokens_do_not_depend_on_batch_or_arrival(
     sched, backend, _ = make(
         cache_blocks=cache_blocks, block_size=block_size, prefill_chunk_tokens=chunk, max_batch_size=batch
     )
+    recorder, params = run_arrivals(sched, requests)
+    for rid, (prompt, sampling) in params.items():
+        assert recorder.outputs[rid].token_ids == backend.reference_generate(prompt, sampling), rid
+    assert_idle(sched)
+
+
+def run_arrivals(
+    sched: ContinuousBatchScheduler, requests: list[tuple[list[int], int, int, float, int]]
+) -> tuple[Recorder, dict[str, tuple[list[int], SamplingParams]]]:
+    """Tick ``sched`` until it drains, adding each ``(prompt, max_tokens, arrival tick, temperature, seed)``
+    at its tick (id = its index); checks integrity every tick. Returns the events and each id's params."""
     recorder = Recorder()
-    params = {}
+    params: dict[str, tuple[list[int], SamplingParams]] = {}
+    last = max(arrival for _, _, arrival, _, _ in requests)
     for tick in itertools.count():
         for index, (prompt, max_tokens, arrival, temperature, seed) in enumerate(requests):
             if arrival == tick:
                 params[str(index)] = (prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed))
                 sched.add_request(Request(str(index), tuple(prompt), params[str(index)][1]))
-        if tick > 6 and not sched.has_work:
-            break
+        if tick > last and not sched.has_work:
+            return recorder, params
+        assert tick < 10_000, "scheduler did not drain"
         recorder.feed(sched.step())
         check_all(sched)
-    for rid, (prompt, sampling) in params.items():
-        assert recorder.outputs[rid].token_ids == backend.reference_generate(prompt, sampling), rid
-    assert_idle(sched)
+    raise AssertionError("unreachable")
 
 
 # -- validation and overload ------------------------------------------------------------------------------

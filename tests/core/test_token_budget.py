@@ -3,10 +3,7 @@ ReferenceBackend in both modes: seed primitives (``prefill_chunks`` + ``decode_s
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
-from gemmaserve.engine.request import Request
 from gemmaserve.errors import ConfigurationError
 from gemmaserve.sampling_params import SamplingParams
 from gemmaserve.settings import CoreSettings, build_settings
@@ -14,7 +11,7 @@ from gemmaserve.testing.reference_backend import ReferenceBackend
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from test_scheduler import Recorder, assert_idle, check_all, make, req, run
+from test_scheduler import Recorder, assert_idle, make, req, run, run_arrivals
 
 _request = st.tuples(
     st.lists(st.integers(5, 8), min_size=1, max_size=30),
@@ -43,18 +40,7 @@ def test_tokens_do_not_depend_on_the_budget_or_the_tick_shape(
     budget = batch + extra_budget
     sched, _, _ = make(backend, cache_blocks=cache_blocks, prefill_chunk_tokens=chunk, max_batch_size=batch,
                        max_num_batched_tokens=budget)
-    recorder = Recorder()
-    params: dict[str, tuple[list[int], SamplingParams]] = {}
-    for tick in itertools.count():
-        for index, (prompt, max_tokens, arrival, temperature, seed) in enumerate(requests):
-            if arrival == tick:
-                params[str(index)] = (prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed))
-                sched.add_request(Request(str(index), tuple(prompt), params[str(index)][1]))
-        if tick > 5 and not sched.has_work:
-            break
-        assert tick < 2000, "scheduler did not drain"
-        recorder.feed(sched.step())
-        check_all(sched)
+    recorder, params = run_arrivals(sched, requests)
     for rid, (prompt, sampling) in params.items():
         assert recorder.outputs[rid].token_ids == backend.reference_generate(prompt, sampling), rid
     for sizes, rows in backend.step_calls:

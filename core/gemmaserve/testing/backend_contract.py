@@ -130,11 +130,7 @@ class BackendContractTests:
         prompts = self.make_prompts(backend)
         size = max(self.chunk_sizes)
         with backend.lock:
-            expected = []
-            for prompt in prompts:
-                whole = backend.prefill(prompt)
-                expected.append(greedy_rows(backend, whole.last_logits, [0]))
-                backend.free_row_kv(whole.kv)
+            expected = _one_shot_first_tokens(backend, prompts)
             states = [backend.prefill_lookup(prompt) for prompt in prompts]
             while not all(state.is_complete for state in states):
                 open_states = [state for state in states if not state.is_complete]
@@ -164,11 +160,7 @@ class BackendContractTests:
         solo = [solo_greedy(backend, prompt, max(n, longest) + 1) for prompt in decoding]  # >= 1 token a tick
         size = max(self.chunk_sizes)
         with backend.lock:
-            expected = []
-            for prompt in prefilling:
-                whole = backend.prefill(prompt)
-                expected.append(greedy_rows(backend, whole.last_logits, [0]))
-                backend.free_row_kv(whole.kv)
+            expected = _one_shot_first_tokens(backend, prefilling)
             batch = _prefilled_batch(backend, decoding)
             got = [[] for _ in decoding]
             last = [solo[i][0] for i in range(len(decoding))]
@@ -331,6 +323,16 @@ class BackendContractTests:
         self._batched(backend)
         self._core_cache(backend)
         run_row_ops_property(backend, max_examples=self.property_examples)
+
+
+def _one_shot_first_tokens(backend: InferenceBackend, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The greedy first token of each prompt after a one-shot ``prefill`` (KV freed; ``backend.lock`` held)."""
+    tokens = []
+    for prompt in prompts:
+        whole = backend.prefill(prompt)
+        tokens.append(greedy_rows(backend, whole.last_logits, [0]))
+        backend.free_row_kv(whole.kv)
+    return tokens
 
 
 def _prefilled_batch(backend: InferenceBackend, prompts: Sequence[Sequence[int]]) -> Any:

@@ -23,7 +23,6 @@ Order of work in :meth:`MixedStep.run`:
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -41,7 +40,7 @@ from .kv.forward_batch import (
     build_forward_batch,
     pack_tick,
 )
-from .kv.paged_cache import PagedKVCache
+from .kv.paged_cache import PagedKVCache, prepare_decode_rows
 from .kv.pools import KVPools
 from .models.gemma import GemmaForCausalLM
 
@@ -109,16 +108,7 @@ class MixedStep:
         changing anything if the decode rows' blocks cannot be supplied."""
         if len(decode_ids) != len(decode_rows):
             raise ValueError(f"got {len(decode_ids)} input ids for {len(decode_rows)} decode rows")
-        slow = [row for row in decode_rows if not row.decode_needs_nothing()]
-        for row in slow:
-            row.release_out_of_window(1)
-        needs: Counter[str] = Counter()
-        for row in slow:
-            needs.update(row.append_needs(1))
-        for group, num in needs.items():
-            self.pools.ensure_free(group, num)
-        for row in slow:
-            row.prepare_append(1)
+        prepare_decode_rows(self.pools, decode_rows)
         taken: list[int] = []
         sizes = [len(tokens) for _, tokens, _ in chunks]
         for index, (row, _, _) in enumerate(chunks):

@@ -19,16 +19,14 @@ Decode (all rows, one token each): free out-of-window blocks, check every pool c
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-
 from .kv.batched import BatchedPagedKVCache, PagedDecodeContext
-from .kv.paged_cache import PagedKVCache
+from .kv.paged_cache import PagedKVCache, prepare_decode_rows
 from .kv.pools import KVPools
 from .models.attention_context import build_attention_mask, eager_attention, sdpa_attention
 from .models.gemma import GemmaForCausalLM
@@ -153,15 +151,7 @@ class PagedRunner:
         changing any row if a pool cannot supply the step's new blocks."""
         if len(input_ids) != len(batch):
             raise ValueError(f"got {len(input_ids)} input ids for a batch of {len(batch)} rows")
-        for row in batch.rows:
-            row.release_out_of_window(1)
-        needs: Counter[str] = Counter()
-        for row in batch.rows:
-            needs.update(row.append_needs(1))
-        for group, num in needs.items():
-            self.pools.ensure_free(group, num)
-        for row in batch.rows:
-            row.prepare_append(1)
+        prepare_decode_rows(self.pools, batch.rows)
         state = batch.prepare_step(gather=self.attention == "gather")
         context = PagedDecodeContext(self.config, self.pools, state, self.attention)
         ids = torch.tensor(list(input_ids), dtype=torch.int64, device=self.device)[:, None]

@@ -14,7 +14,6 @@ that changed. Logits returned by :meth:`decode` live in a buffer the next step o
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,6 +23,7 @@ from torch import Tensor
 from .graphs import StepGraphs, explain_report, maybe_compile
 from .kv.batched import BatchedPagedKVCache, DecodeState, PagedDecodeContext
 from .kv.decode_state import BatchedDecodeState, graph_buckets, pick_bucket
+from .kv.paged_cache import prepare_decode_rows
 from .kv.pools import KVPools
 from .models.gemma import GemmaForCausalLM
 from .settings import CustomTorchSettings
@@ -75,17 +75,7 @@ class StaticDecoder:
         if len(input_ids) != len(rows) or not rows:
             raise ValueError(f"got {len(input_ids)} input ids for a batch of {len(rows)} rows")
         bucket = pick_bucket(self.buckets, len(rows))
-        slow = [row for row in rows if not row.decode_needs_nothing()]
-        if slow:
-            for row in slow:
-                row.release_out_of_window(1)
-            needs: Counter[str] = Counter()
-            for row in slow:
-                needs.update(row.append_needs(1))
-            for group, num in needs.items():
-                self.pools.ensure_free(group, num)
-            for row in slow:
-                row.prepare_append(1)
+        slow = prepare_decode_rows(self.pools, rows)
         self.state.load(rows, input_ids, bucket)
         if self._explain_pending:
             self.run_explain(bucket)
@@ -93,7 +83,7 @@ class StaticDecoder:
         for row in rows:
             row.commit_append(1)
         self.steps += 1
-        self.slow_rows += len(slow)
+        self.slow_rows += slow
         self._last = (logits[: len(rows)], tokens[: len(rows)])
         return self._last[0]
 

@@ -19,11 +19,12 @@ Contract: :mod:`.ragged_reference` (its module docstring). Design:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import triton
 import triton.language as tl
+
+from .paged_attention import _tile_kv, _tile_pages
+from .ragged_reference import query_tiles
 
 __all__ = ["query_tiles", "ragged_block_m", "ragged_paged_attention"]
 
@@ -82,15 +83,9 @@ def _ragged_kernel(
     v_head = v_ptr + kvh.to(tl.int64) * stride_vh
     for t in range(0, n_tiles):
         kpos = base + t * TILE_N + offs_n
-        in_range = (kpos >= lo) & (kpos < hi)
-        page = tl.load(bt_row + kpos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
-        slot = kpos % BLOCK_SIZE
-        kv_mask = in_range[:, None] & d_mask[None, :]
-        k = tl.load(k_head + (page * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_head + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        in_range, page = _tile_pages(bt_row, base, t, lo, hi, offs_n, TILE_N, BLOCK_SIZE)  # the decode kernel's
+        k, v = _tile_kv(k_head, v_head, base, t, page, in_range, offs_n, offs_d, d_mask,
+                        stride_kb, stride_ks, stride_vb, stride_vs, TILE_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, UPCAST)
         s = (tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale).to(tl.float32)
         visible = in_range[None, :] & (kpos[None, :] <= pos[:, None])
         visible = visible & ((window <= 0) | (kpos[None, :] > pos[:, None] - window))
@@ -120,17 +115,6 @@ def ragged_block_m(head_dim: int, group: int) -> int:
     pad = triton.next_power_of_2(group)
     rows = 64 if head_dim <= 256 else 32
     return max(1, rows // pad, -(-16 // pad))
-
-
-def query_tiles(query_lens: Sequence[int], block_m: int) -> tuple[list[int], list[int]]:
-    """Host tile map of a batch: (sequence, first query) of each ``block_m``-query tile, in order."""
-    seqs: list[int] = []
-    firsts: list[int] = []
-    for s, n in enumerate(query_lens):
-        for q0 in range(0, n, block_m):
-            seqs.append(s)
-            firsts.append(q0)
-    return seqs, firsts
 
 
 def ragged_paged_attention(

@@ -23,7 +23,18 @@ from torch import Tensor
 
 from ..models.attention_context import build_attention_mask, eager_attention
 
-__all__ = ["ragged_paged_attention_reference", "sequence_key_slots"]
+__all__ = ["query_tiles", "ragged_paged_attention_reference", "sequence_key_slots"]
+
+
+def query_tiles(query_lens: Sequence[int], block_m: int) -> tuple[list[int], list[int]]:
+    """Host tile map of a batch for the Triton kernel: (sequence, first query) of each ``block_m``-query tile."""
+    seqs: list[int] = []
+    firsts: list[int] = []
+    for s, n in enumerate(query_lens):
+        for q0 in range(0, n, block_m):
+            seqs.append(s)
+            firsts.append(q0)
+    return seqs, firsts
 
 
 def sequence_key_slots(table: Sequence[int], first: int, end: int, block_size: int) -> Tensor:

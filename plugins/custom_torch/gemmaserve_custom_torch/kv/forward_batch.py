@@ -36,7 +36,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from ..kernels.ragged_reference import ragged_paged_attention_reference
+from ..kernels.ragged_reference import query_tiles, ragged_paged_attention_reference
 from ..models.config import GemmaTextConfig
 from .paged_cache import PagedKVCache
 from .pools import KVPools
@@ -135,12 +135,6 @@ def _int64(values: list[int]) -> Tensor:
     return torch.frombuffer(array("q", values), dtype=torch.int64) if values else torch.zeros(0, dtype=torch.int64)
 
 
-def _tile_map(query_lens: Sequence[int], block_m: int) -> tuple[list[int], list[int]]:
-    from ..kernels.ragged_attention import query_tiles
-
-    return query_tiles(query_lens, block_m)
-
-
 def build_forward_batch(pools: KVPools, tick: PackedTick, device: torch.device, block_ms: Sequence[int]) -> ForwardBatch:
     """The unpadded batch of ``tick`` in fresh tensors (eager forwards: CPU, MoE, oversized ticks)."""
     groups = list(pools.groups)
@@ -151,7 +145,7 @@ def build_forward_batch(pools: KVPools, tick: PackedTick, device: torch.device, 
     meta = torch.tensor([*tick.query_start, *tick.seq_lens], dtype=torch.int32).to(device)
     tiles: dict[int, Tiles] = {}
     for block_m in block_ms:
-        seqs, firsts = _tile_map(tick.query_lens, block_m)
+        seqs, firsts = query_tiles(tick.query_lens, block_m)
         both = torch.tensor([seqs, firsts], dtype=torch.int32).to(device)
         tiles[block_m] = (both[0], both[1], torch.tensor([len(seqs)], dtype=torch.int32, device=device))
     count = len(tick.query_lens)
@@ -244,7 +238,7 @@ class ForwardBuffers:
         pad_seq = count if count < seqs else 0  # an empty sequence when there is one
         meta += [*tick.logit_seqs, *([pad_seq] * (seqs - len(tick.logit_seqs)))]
         for bm in self.block_ms:
-            tile_seq, tile_q0 = _tile_map(tick.query_lens, bm)
+            tile_seq, tile_q0 = query_tiles(tick.query_lens, bm)
             room = self._tiles_of(bucket, bm)
             meta += [*tile_seq, *([0] * (room - len(tile_seq))), *tile_q0, *([0] * (room - len(tile_q0))),
                      len(tile_seq)]
@@ -327,11 +321,12 @@ class RaggedPagedContext:
         self._narrowed: tuple[Tensor, Tensor, dict[str, Tensor]] | None = None
         self._ragged: Callable[..., Tensor] = ragged_paged_attention_reference
         self._decode: Callable[..., Tensor] | None = None
+        self._block_m: Callable[[int, int], int] | None = None
         if attention == "triton":
             from ..kernels.paged_attention import paged_decode_attention
-            from ..kernels.ragged_attention import ragged_paged_attention
+            from ..kernels.ragged_attention import ragged_block_m, ragged_paged_attention
 
-            self._ragged, self._decode = ragged_paged_attention, paged_decode_attention
+            self._ragged, self._decode, self._block_m = ragged_paged_attention, paged_decode_attention, ragged_block_m
 
     def _narrow(self) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """(query_start, seq_lens, tables) of one query per ``logit_seqs`` entry (built once per forward)."""
@@ -363,13 +358,9 @@ class RaggedPagedContext:
                 return out[None]
             return self._ragged(q[0], k_pool, v_pool, tables[group], query_start, seq_lens, scale=scale,
                                 window=window)[None]
-        if self.attention == "triton":
-            from ..kernels.ragged_attention import ragged_block_m
-
-            tiles = self.batch.tiles[ragged_block_m(q.shape[-1], q.shape[2] // k_pool.shape[2])]
-            out = self._ragged(q[0], k_pool, v_pool, tables[group], query_start, seq_lens, scale=scale,
-                               window=window, tiles=tiles)
-        else:
-            out = self._ragged(q[0], k_pool, v_pool, tables[group], query_start, seq_lens, scale=scale,
-                               window=window)
+        tiles = {}
+        if self._block_m is not None:  # the Triton kernel: its tile map for this layer's shapes
+            tiles["tiles"] = self.batch.tiles[self._block_m(q.shape[-1], q.shape[2] // k_pool.shape[2])]
+        out = self._ragged(q[0], k_pool, v_pool, tables[group], query_start, seq_lens, scale=scale, window=window,
+                           **tiles)
         return out[None]

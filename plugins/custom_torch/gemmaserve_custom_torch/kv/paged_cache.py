@@ -12,12 +12,14 @@ cache) and ``commit_append`` advances ``length``. If the forward fails in betwee
 from __future__ import annotations
 
 import itertools
+from collections import Counter
+from collections.abc import Sequence
 
 import torch
 
 from .pools import KVPools
 
-__all__ = ["PagedKVCache"]
+__all__ = ["PagedKVCache", "prepare_decode_rows"]
 
 
 _UIDS = itertools.count()
@@ -194,3 +196,21 @@ class PagedKVCache:
             for b in table:
                 if b >= 0 and self.pools.refcount(group, b) < 1:
                     raise RuntimeError(f"PagedKVCache: {group} block {b} is held but free")
+
+
+def prepare_decode_rows(pools: KVPools, rows: Sequence[PagedKVCache]) -> int:
+    """Give every row the block of its next position (the one decode step of all decode drivers): rows that
+    need nothing (``decode_needs_nothing``) are skipped; the others free what leaves the window, then, once
+    every pool is known to supply the step's new blocks, allocate. Raises KVCapacityError before changing any
+    row's blocks. Returns how many rows needed bookkeeping."""
+    slow = [row for row in rows if not row.decode_needs_nothing()]
+    for row in slow:
+        row.release_out_of_window(1)
+    needs: Counter[str] = Counter()
+    for row in slow:
+        needs.update(row.append_needs(1))
+    for group, num in needs.items():
+        pools.ensure_free(group, num)
+    for row in slow:
+        row.prepare_append(1)
+    return len(slow)
