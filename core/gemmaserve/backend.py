@@ -19,6 +19,13 @@ the token budget allows) as ONE call instead of ``prefill_chunks`` + ``decode_st
     out = forward_step(states, num_tokens, batch, last_tokens)   # one forward over everything
     tokens = sample(out.decode_logits, rows)                     # first tokens from state.last_logits
 
+Backends with ``capabilities.async_decode`` take a decode-only tick as a launch that does not wait for its
+tokens; the scheduler launches step k+1 (rows whose token is still on the device name its row in step k)
+before it reads step k's tokens, so its host work overlaps the device:
+
+    pending = decode_step_async(batch, last_tokens, from_previous, rows)   # returns at once
+    tokens = previous_pending.result()                                      # step k's tokens, on the host
+
 Row order is list order: the batch's row ``i`` is the ``i``-th spliced row still present, and
 ``remove_row_from_cache`` behaves like ``list.pop(i)``. KV handles (``RowKV``, ``BatchKV``) are
 opaque to the core; only the backend that made them may touch them.
@@ -55,6 +62,8 @@ __all__ = [
     "PrefillState",
     "PrefillResult",
     "SampledTokens",
+    "PendingTokens",
+    "ReadyTokens",
     "StepOutput",
     "InferenceBackend",
     "RowKV",
@@ -85,6 +94,9 @@ class BackendCapabilities:
     - ``logprobs``: ``sample(..., want_logprobs=True)`` returns the chosen tokens' log-probabilities.
     - ``mixed_step``: implements :meth:`InferenceBackend.forward_step`; the scheduler then runs each tick's
       prefill chunks and decode rows through that one call.
+    - ``async_decode``: :meth:`InferenceBackend.decode_step_async` returns before the step's tokens reach the
+      host, and feeds tokens the host has not read yet from the device; the scheduler (``ASYNC_SCHEDULING``)
+      then launches decode step k+1 before it applies step k's tokens, so its bookkeeping overlaps the device.
     """
 
     continuous_batching: bool = True
@@ -92,6 +104,7 @@ class BackendCapabilities:
     kv_reservation: bool = False
     logprobs: bool = False
     mixed_step: bool = False
+    async_decode: bool = False
     max_concurrent_streams: int = 1
 
 
@@ -164,6 +177,26 @@ class SampledTokens:
 
     token_ids: list[int]
     logprobs: list[float] | None = None
+
+
+class PendingTokens:
+    """The sampled tokens of a launched decode step (:meth:`InferenceBackend.decode_step_async`).
+
+    :meth:`result` waits until they are on the host and returns them; it may be called more than once (same
+    object back). A backend's subclass starts the device-to-host copy when the step is launched."""
+
+    def result(self) -> SampledTokens:
+        raise NotImplementedError
+
+
+class ReadyTokens(PendingTokens):
+    """Tokens already on the host (a backend whose steps are synchronous)."""
+
+    def __init__(self, sampled: SampledTokens) -> None:
+        self.sampled = sampled
+
+    def result(self) -> SampledTokens:
+        return self.sampled
 
 
 @dataclass(slots=True)
@@ -298,6 +331,38 @@ class InferenceBackend(ABC):
     def decode_step_batched(self, batched: BatchKV, input_ids: Sequence[int]) -> Logits:
         """One forward over all rows: row ``i`` consumes ``input_ids[i]`` and appends its KV.
         Returns logits of shape [rows, vocab]. Mutates ``batched``."""
+
+    def decode_step_async(
+        self, batched: BatchKV, input_ids: Sequence[int], from_previous: Sequence[int], rows: Sequence[RowSampling],
+        *, want_logprobs: bool = False,
+    ) -> PendingTokens:
+        """One decode step and its sampling, launched without waiting for the tokens (``capabilities.async_decode``).
+
+        Row ``i`` consumes ``input_ids[i]`` when ``from_previous[i] < 0``, else the token that row
+        ``from_previous[i]`` of the previous ``decode_step_async`` call sampled, which the host may not have read
+        yet (that entry of ``input_ids`` is ignored). ``rows[i]`` samples row ``i``, as :meth:`sample` does.
+        Between two calls the caller may remove rows and splice new ones (new rows pass -1); after any other
+        forward (``decode_step_batched``, ``forward_step``, a prefill) it passes -1 for every row. Mutates
+        ``batched`` like :meth:`decode_step_batched`; if it raises, the rows hold the KV they held before.
+
+        The default is synchronous (:meth:`decode_step_batched` then :meth:`sample`): correct for every backend,
+        with nothing overlapped. Backends that declare ``async_decode`` override it."""
+        if not (len(input_ids) == len(from_previous) == len(rows)):
+            raise ValueError(f"{len(input_ids)} input ids, {len(from_previous)} sources and {len(rows)} samplings")
+        previous = self._async_previous
+        ids = []
+        for token, source in zip(input_ids, from_previous):
+            if source < 0:
+                ids.append(token)
+            elif previous is None or source >= len(previous):
+                raise ValueError(f"row source {source} does not name a row of the previous decode_step_async call")
+            else:
+                ids.append(previous[source])
+        sampled = self.sample(self.decode_step_batched(batched, ids), rows, want_logprobs=want_logprobs)
+        self._async_previous = sampled.token_ids
+        return ReadyTokens(sampled)
+
+    _async_previous: list[int] | None = None
 
     @abstractmethod
     def kv_length(self, kv: RowKV | BatchKV, row_idx: int | None = None) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, deque
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from gemmaserve.engine.request import FinishReason, Request, RequestEvent, RequestState
@@ -124,8 +125,9 @@ class RequestQueues:
         self.finished[request.finish_reason.value] += 1
         events.append(request.take_event())
 
-    def check_integrity(self, max_tokens: int, max_running: int) -> None:
-        """Raise RuntimeError if queues, states, reservations or batch KV lengths disagree."""
+    def check_integrity(self, max_tokens: int, max_running: int, ahead: Collection[Request] = ()) -> None:
+        """Raise RuntimeError if queues, states, reservations or batch KV lengths disagree (rows in ``ahead`` hold
+        one KV position more: a launched decode step fed them a token not appended yet)."""
         queues = {
             "waiting": (list(self.waiting), {RequestState.WAITING}),
             "prefilling": (self.prefilling, {RequestState.PREFILLING}),
@@ -149,4 +151,4 @@ class RequestQueues:
             state = request.prefill_state
             if state is not None and self.backend.kv_length(state.kv) != state.num_computed:
                 raise RuntimeError(f"prefill KV of {request.request_id} != its {state.num_computed} computed tokens")
-        self.rows.check_integrity()
+        self.rows.check_integrity(ahead)

@@ -171,14 +171,15 @@ class Request:
         assert new_state in _TRANSITIONS[self.state], f"{self.request_id}: {self.state} -> {new_state}"
         self.state = new_state
 
-    def row_sampling(self) -> RowSampling:
-        """Sampling view for the next token (``step`` = tokens generated so far). ``top_k`` is capped
+    def row_sampling(self, ahead: int = 0) -> RowSampling:
+        """Sampling view for the next token (``step`` = tokens generated so far, plus ``ahead`` sampled but not
+        appended yet: a launched asynchronous decode step). ``top_k`` is capped
         at MAX_TOP_K: any k beyond the vocabulary keeps every token, and backends that put k in a
         fixed-width integer (torch) must not overflow on, say, ``top_k=10**30``."""
         assert self.seed is not None, "seed is assigned at admission"
         params = self.params
         top_k = min(params.top_k, MAX_TOP_K)
-        return RowSampling(params.temperature, params.top_p, top_k, self.seed, len(self.output_token_ids))
+        return RowSampling(params.temperature, params.top_p, top_k, self.seed, len(self.output_token_ids) + ahead)
 
     def append_token(self, token_id: int, logprob: float | None, eos_token_ids: tuple[int, ...]) -> bool:
         """Record a generated token; finish (reason ``stop``/``length``) if it ends the request.

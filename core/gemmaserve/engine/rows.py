@@ -8,6 +8,7 @@ driving thread only, with ``backend.lock`` held.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -79,12 +80,14 @@ class RowBatch:
                 break
         return dropped
 
-    def check_integrity(self) -> None:
-        """Row ``i``'s KV must hold its prompt plus every generated token but the last (not fed yet)."""
+    def check_integrity(self, ahead: Collection[Request] = ()) -> None:
+        """Row ``i``'s KV must hold its prompt plus every generated token but the last (not fed yet), plus one
+        for a row in ``ahead`` (a launched step fed it a token that is not appended yet)."""
         if (self.batch is None) != (not self.rows):
             raise RuntimeError(f"batch is {'missing' if self.batch is None else 'present'} with {len(self.rows)} rows")
+        launched = {id(request) for request in ahead}
         for index, request in enumerate(self.rows):
-            expected = request.num_prompt_tokens + len(request.output_token_ids) - 1
+            expected = request.num_prompt_tokens + len(request.output_token_ids) - 1 + (id(request) in launched)
             actual = self.backend.kv_length(self.batch, index)
             if actual != expected:
                 raise RuntimeError(f"row {index} ({request.request_id}) holds {actual} KV tokens, expected {expected}")

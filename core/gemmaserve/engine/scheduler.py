@@ -15,6 +15,13 @@ step for each row alone (:mod:`gemmaserve.engine.isolation`): only rows whose so
 A tick's work is planned against ``MAX_NUM_BATCHED_TOKENS`` (decode rows first, then prefill chunks in arrival
 order) and runs as ``prefill_chunks`` + ``decode_step_batched``, or as one ``forward_step`` for backends with
 ``capabilities.mixed_step``.
+
+Asynchronous decode (``ASYNC_SCHEDULING`` and ``capabilities.async_decode``): a decode-only tick launches step
+k+1 (``decode_step_async``; rows feed step k's tokens straight from the device) and only then applies step k's
+tokens (stops, events, finished rows leave), so that bookkeeping runs while the device computes. A row that
+finished at step k was launched once more: that token is dropped (it emits nothing after its end) and its KV
+freed; the extra position fits its reservation (prompt + max_tokens). Any other forward first applies the
+launched step (:meth:`_collect_launched`), so prefill, mixed ticks and solo retries see settled rows.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from gemmaserve.engine.validation import backend_error, validate_request
 from gemmaserve.errors import EngineOverloadedError, InvalidRequestError, KVCapacityError
 
 if TYPE_CHECKING:
-    from gemmaserve.backend import InferenceBackend, PrefillState, SampledTokens
+    from gemmaserve.backend import InferenceBackend, PendingTokens, PrefillState, SampledTokens
     from gemmaserve.kv.cache_manager import CacheManager
     from gemmaserve.settings import CoreSettings
 
@@ -49,6 +56,14 @@ class AbortIncompleteError(RuntimeError):
         self.events = events
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _LaunchedStep:
+    """A ``decode_step_async`` step whose tokens are not applied yet: its handle and its rows in launch order."""
+
+    pending: PendingTokens
+    requests: list[Request]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +112,8 @@ class ContinuousBatchScheduler:
         self._q = RequestQueues(backend)
         self._seed_rng = random.Random()
         self._counters: Counter[str] = Counter()
+        self._async = self._caps.async_decode and settings.async_scheduling and not self._streaming
+        self._launched: _LaunchedStep | None = None
 
     # -- queries --------------------------------------------------------------------------------
     @property
@@ -183,6 +200,7 @@ class ContinuousBatchScheduler:
             except Exception as exc:
                 logger.exception("aborting request %s failed", rid)
                 failure = failure or exc
+        self._launched = None  # every row it carried is gone
         if failure is not None:
             raise AbortIncompleteError(events) from failure
         return events
@@ -193,6 +211,7 @@ class ContinuousBatchScheduler:
         this retires to ``events``, and return the unfinished requests. The scheduler must not be
         used afterwards."""
         orphans: list[Request] = []
+        self._launched = None
         with self.backend.lock:
             for request in list(self._q.requests.values()):
                 try:
@@ -299,6 +318,8 @@ class ContinuousBatchScheduler:
         work = self._plan_chunks(events)
         pending = [(request, state, num) for request, state, num, _ in work if num > 0]
         errors: dict[str, Exception] = {}
+        if pending:
+            self._collect_launched(events)
         if len(pending) > 1:
             try:
                 results = self.backend.prefill_chunks([s for _, s, _ in pending], [n for _, _, n in pending])
@@ -335,6 +356,11 @@ class ContinuousBatchScheduler:
         work = self._plan_chunks(events)
         pending = [(request, state, num) for request, state, num, _ in work if num > 0]
         batch = self._q.rows
+        if not pending and self._async:
+            self._async_decode(events)
+            self._finish_chunks(work, {}, events)
+            return
+        self._collect_launched(events)
         if not pending and not batch.rows:
             self._finish_chunks(work, {}, events)
             return
@@ -394,6 +420,9 @@ class ContinuousBatchScheduler:
         return self.cache_manager.free_capacity_blocks() > 0
 
     def _decode(self, events: list[RequestEvent]) -> None:
+        if self._async:
+            self._async_decode(events)
+            return
         batch = self._q.rows
         if not batch.rows:
             return
@@ -420,6 +449,78 @@ class ContinuousBatchScheduler:
                 self._q.remove_row(index, events)
                 self._q.retire(request, events)
         events.extend(request.take_event() for request in rows if not request.is_finished)
+
+    def _async_decode(self, events: list[RequestEvent]) -> None:
+        """Launch this tick's decode step, then apply the step launched last tick (see the module docstring).
+        Applies first instead when every row's length limit ends with the launched token (nothing to win)."""
+        batch = self._q.rows
+        launched, self._launched = self._launched, None
+        if launched is not None and (not batch.rows or self._launched_ends_every_row(launched)):
+            self._apply_launched(launched, events)
+            launched = None
+        if not batch.rows:
+            return
+        rows = list(batch.rows)
+        index = {id(request): i for i, request in enumerate(launched.requests)} if launched is not None else {}
+        sources = [index.get(id(request), -1) for request in rows]
+        input_ids = [request.output_token_ids[-1] if source < 0 else 0 for request, source in zip(rows, sources)]
+        sampling = [request.row_sampling(ahead=int(source >= 0)) for request, source in zip(rows, sources)]
+        try:
+            pending = self.backend.decode_step_async(
+                batch.batch, input_ids, sources, sampling, want_logprobs=any(r.want_logprobs for r in rows))
+        except Exception as exc:
+            if launched is not None:
+                self._apply_launched(launched, events)
+            if batch.rows:
+                self._counters["decode_failures"] += 1
+                logger.warning("decode step over %d rows failed; retrying each row alone", len(batch), exc_info=True)
+                self._retry_rows_alone(exc, events)
+            return
+        self._launched = _LaunchedStep(pending, rows)
+        if launched is not None:
+            self._apply_launched(launched, events)
+
+    @staticmethod
+    def _launched_ends_every_row(launched: _LaunchedStep) -> bool:
+        """True when every live row of ``launched`` reaches its ``max_tokens`` with the launched token."""
+        return all(r.is_finished or len(r.output_token_ids) + 1 >= r.params.max_tokens for r in launched.requests)
+
+    def _collect_launched(self, events: list[RequestEvent]) -> None:
+        """Apply the launched step, if any (before any forward other than ``decode_step_async``)."""
+        launched, self._launched = self._launched, None
+        if launched is not None:
+            self._apply_launched(launched, events)
+
+    def _apply_launched(self, launched: _LaunchedStep, events: list[RequestEvent]) -> None:
+        """Wait for ``launched``'s tokens and append them to its rows that are still live (a row cancelled or
+        failed meanwhile gets nothing); finished rows leave the batch. If reading them raises, the step launched
+        after it (which fed on them) is dropped too and the rows are retried alone."""
+        want_logprobs = any(request.want_logprobs for request in launched.requests)
+        try:
+            sampled = launched.pending.result()
+            if len(sampled.token_ids) != len(launched.requests):
+                raise RuntimeError(f"backend sampled {len(sampled.token_ids)} tokens for {len(launched.requests)} rows")
+            if want_logprobs and (sampled.logprobs is None or len(sampled.logprobs) != len(launched.requests)):
+                raise RuntimeError("backend did not return one logprob per row although logprobs were requested")
+        except Exception as exc:
+            self._launched = None
+            self._counters["decode_failures"] += 1
+            logger.warning("reading a launched decode step failed; retrying each row alone", exc_info=True)
+            self._retry_rows_alone(exc, events)
+            return
+        live = [(i, request) for i, request in enumerate(launched.requests) if not request.is_finished]
+        self._counters["generated_tokens"] += len(live)
+        for i, request in live:
+            request.append_token(sampled.token_ids[i], sampled.logprobs[i] if sampled.logprobs else None, self._eos)
+        batch = self._q.rows
+        ended = {id(request) for _, request in live if request.is_finished}
+        for index in reversed(range(len(batch.rows)) if ended else ()):
+            request = batch.rows[index] if index < len(batch.rows) else None
+            if request is not None and id(request) in ended:
+                self._q.remove_row(index, events)
+                if request.request_id in self._q.requests:  # else a failed removal retired the whole batch
+                    self._q.retire(request, events)
+        events.extend(request.take_event() for _, request in live if not request.is_finished)
 
     def _retry_rows_alone(self, exc: Exception, events: list[RequestEvent]) -> None:
         """The batched step raised ``exc``: drop the batch (freeing its KV), then redo the step for
@@ -481,4 +582,5 @@ class ContinuousBatchScheduler:
     def check_integrity(self) -> None:
         """Raise RuntimeError if queues, states, reservations or batch KV lengths disagree."""
         with self.backend.lock:
-            self._q.check_integrity(self.settings.max_active_kv_tokens, self._max_running)
+            ahead = self._launched.requests if self._launched is not None else ()
+            self._q.check_integrity(self.settings.max_active_kv_tokens, self._max_running, ahead)

@@ -189,6 +189,49 @@ class BackendContractTests:
                 backend.remove_row_from_cache(batch, 0)
         self._finish(backend)
 
+    def test_decode_step_async_feeds_on_the_previous_step(self, backend: InferenceBackend) -> None:
+        """``decode_step_async`` (every backend has it; ``async_decode`` ones overlap it): rows that name their row
+        of the previous call consume the token it sampled, read only after the next step was launched; a row
+        removed with a step in flight leaves the others exact; a row spliced meanwhile passes -1. Greedy tokens
+        equal each prompt's solo decode."""
+        self._batched(backend)
+        backend.set_cache_adapter(None)
+        prompts = self.make_prompts(backend)
+        n = self.num_decode_tokens
+        solo = [solo_greedy(backend, prompt, n + 1) for prompt in prompts]
+        greedy = RowSampling(0.0, 1.0, 0, 0, 0)
+        with backend.lock:
+            batch = _prefilled_batch(backend, prompts[:-1])
+            live = list(range(len(prompts) - 1))  # the prompt of each batch row
+            got = {i: [solo[i][0]] for i in range(len(prompts))}
+            pending = backend.decode_step_async(batch, [solo[i][0] for i in live], [-1] * len(live), [greedy] * len(live))
+            launched = list(live)
+            for step in range(1, n):
+                if step == 2:  # a row leaves while its step is in flight; its launched token is dropped below
+                    backend.remove_row_from_cache(batch, 0)
+                    live.pop(0)
+                if step == 3:  # a row joins: its first token comes from the host
+                    result = backend.prefill(prompts[-1])
+                    batch = backend.splice_into_batched(batch, result.kv, backend.kv_length(result.kv))
+                    live.append(len(prompts) - 1)
+                sources = [launched.index(i) if i in launched else -1 for i in live]
+                ids = [got[i][-1] if source < 0 else 0 for i, source in zip(live, sources)]
+                following = backend.decode_step_async(batch, ids, sources, [greedy] * len(live))
+                tokens = pending.result().token_ids
+                assert len(tokens) == len(launched)
+                for j, i in enumerate(launched):
+                    if i in live:
+                        got[i].append(tokens[j])
+                pending, launched = following, list(live)
+            tokens = pending.result().token_ids
+            for j, i in enumerate(launched):
+                got[i].append(tokens[j])
+            for i, tokens in got.items():
+                assert tokens == solo[i][: len(tokens)], f"prompt {i}"
+            for _ in live:
+                backend.remove_row_from_cache(batch, 0)
+        self._finish(backend)
+
     def test_abandoned_prefill_frees_everything(self, backend: InferenceBackend) -> None:
         self._batched(backend)
         cache = self._core_cache(backend)

@@ -70,7 +70,9 @@ class ReferenceBackend(InferenceBackend):
     ``fail_on_token`` makes ``prefill_chunk`` raise on a prompt chunk containing that token,
     ``fail_on_decode_token`` makes ``decode_step_batched`` raise when a row feeds that token;
     ``decode_delay_s`` sleeps in every decode step (engine timing tests); ``mixed_step`` declares
-    :meth:`forward_step` (whole ticks in one call), whose chunks take at most ``max_step_chunk`` tokens."""
+    :meth:`forward_step` (whole ticks in one call), whose chunks take at most ``max_step_chunk`` tokens;
+    ``async_decode`` declares :meth:`decode_step_async` (the contract's synchronous default), so the scheduler
+    launches each decode step before it applies the previous one's tokens."""
 
     def __init__(
         self,
@@ -86,6 +88,7 @@ class ReferenceBackend(InferenceBackend):
         decode_delay_s: float = 0.0,
         mixed_step: bool = False,
         max_step_chunk: int | None = None,
+        async_decode: bool = False,
     ) -> None:
         super().__init__()
         self.capabilities = BackendCapabilities(
@@ -95,6 +98,7 @@ class ReferenceBackend(InferenceBackend):
             logprobs=True,
             max_concurrent_streams=max_concurrent_streams,
             mixed_step=mixed_step,
+            async_decode=async_decode,
         )
         self.max_step_chunk = max_step_chunk
         self.step_calls: list[tuple[list[int], int]] = []  # (chunk sizes asked, decode rows) per forward_step

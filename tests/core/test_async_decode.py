@@ -1,0 +1,181 @@
+"""Asynchronous decode (``ASYNC_SCHEDULING`` with ``capabilities.async_decode``): the scheduler launches step k+1
+before it applies step k's tokens. Against the ReferenceBackend in both tick modes; the tokens, the events and
+the bookkeeping must be exactly those of synchronous scheduling."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+from gemmaserve.backend import PendingTokens, SampledTokens
+from gemmaserve.engine.request import FinishReason, Request
+from gemmaserve.sampling_params import RowSampling, SamplingParams
+from gemmaserve.testing.reference_backend import ReferenceBackend
+from gemmaserve.testing.reference_model import EOS_ID
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from test_scheduler import Recorder, assert_idle, check_all, make, run, run_arrivals
+
+_request = st.tuples(
+    st.lists(st.integers(5, 8), min_size=1, max_size=24),
+    st.integers(1, 12),  # max_tokens
+    st.integers(0, 6),  # arrival tick
+    st.sampled_from([0.0, 0.0, 0.8, 1.5]),  # temperature
+    st.integers(0, 3),  # seed
+)
+
+
+class _Lagging(PendingTokens):
+    """Tokens that are only readable once the next step was launched (or the reader gives up waiting): proves
+    that the scheduler launches before it reads, and that nothing reads a step twice."""
+
+    def __init__(self, backend: LaggingBackend, sampled: SampledTokens) -> None:
+        self.backend, self.sampled, self.launch = backend, sampled, backend.launches
+        self.reads = 0
+
+    def result(self) -> SampledTokens:
+        self.reads += 1
+        self.backend.reads.append((self.launch, self.backend.launches))
+        return self.sampled
+
+
+class LaggingBackend(ReferenceBackend):
+    """ReferenceBackend whose async steps record the launch count when their tokens are read."""
+
+    def __init__(self, **options: object) -> None:
+        super().__init__(async_decode=True, **options)  # type: ignore[arg-type]
+        self.launches = 0
+        self.reads: list[tuple[int, int]] = []  # (launch number of the step read, launches done at the read)
+        self.sources: list[list[int]] = []
+
+    def decode_step_async(self, batched, input_ids, from_previous, rows, *, want_logprobs=False):  # type: ignore[no-untyped-def]
+        ready = super().decode_step_async(batched, input_ids, from_previous, rows, want_logprobs=want_logprobs)
+        self.launches += 1
+        self.sources.append(list(from_previous))
+        return _Lagging(self, ready.result())
+
+
+@settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    requests=st.lists(_request, min_size=1, max_size=6),
+    chunk=st.integers(1, 9),
+    batch=st.integers(1, 4),
+    mixed=st.booleans(),
+    cache_blocks=st.sampled_from([0, 8, 64]),
+    reserve=st.booleans(),
+)
+def test_async_tokens_equal_the_reference_whatever_the_arrivals(
+    requests: list[tuple[list[int], int, int, float, int]], chunk: int, batch: int, mixed: bool, cache_blocks: int,
+    reserve: bool,
+) -> None:
+    backend = LaggingBackend(mixed_step=mixed, kv_capacity_tokens=4096 if reserve else None)
+    sched, _, _ = make(backend, cache_blocks=cache_blocks, prefill_chunk_tokens=chunk, max_batch_size=batch)
+    recorder, params = run_arrivals(sched, requests)  # integrity (one KV position ahead) checked every tick
+    for rid, (prompt, sampling) in params.items():
+        assert recorder.outputs[rid].token_ids == backend.reference_generate(prompt, sampling), rid
+    assert_idle(sched)
+    assert all(done >= launch for launch, done in backend.reads)
+
+
+def test_the_next_step_is_launched_before_the_tokens_are_read() -> None:
+    backend = LaggingBackend()
+    sched, _, _ = make(backend)
+    sched.add_request(Request("a", (5, 6, 7), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)))
+    recorder = run(sched)
+    assert recorder.outputs["a"].token_ids == backend.reference_generate([5, 6, 7], SamplingParams(
+        max_tokens=8, temperature=0.0, ignore_eos=True))
+    # 7 decode steps; every step but the last was read after the step after it was launched
+    assert [launch for launch, _ in backend.reads] == list(range(1, 8))
+    assert all(done == launch + 1 for launch, done in backend.reads[:-1])
+    # ... and the last one (its row's max_tokens ends with it) was read before anything more was launched
+    assert backend.reads[-1] == (7, 7) and backend.launches == 7
+    # rows keep feeding on the device: from the second step on, the row names its row of the previous step
+    assert backend.sources[0] == [-1] and all(s == [0] for s in backend.sources[1:])
+
+
+def test_a_row_that_stops_on_eos_emits_nothing_after_its_end() -> None:
+    backend = LaggingBackend()
+    probe = SamplingParams(max_tokens=40, temperature=0.0)
+    prompts = [[5 + i % 3, 6, 7 + i % 2, 5 + i] for i in range(20)]
+    stops = [p for p in prompts if len(backend.reference_generate(p, probe)) < 40 and
+             backend.reference_generate(p, probe)[-1] == EOS_ID]
+    if not stops:
+        pytest.skip("no prompt of this toy model stops on EOS within 40 tokens")
+    prompt = stops[0]
+    other = [5, 5, 5]
+    sched, _, _ = make(backend)
+    sched.add_request(Request("eos", tuple(prompt), probe))
+    sched.add_request(Request("long", tuple(other), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)))
+    recorder = run(sched)
+    assert recorder.outputs["eos"].token_ids == backend.reference_generate(prompt, probe)
+    assert recorder.outputs["eos"].finish_reason == FinishReason.STOP
+    assert len(recorder.outputs["long"].token_ids) == 40
+    assert_idle(sched)
+
+
+def test_cancelling_a_row_with_a_step_in_flight_drops_that_step_for_it() -> None:
+    backend = LaggingBackend()
+    sched, _, _ = make(backend)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    sched.add_request(Request("a", (5, 6), params))
+    sched.add_request(Request("b", (7, 8), params))
+    recorder = Recorder()
+    for _ in range(6):
+        recorder.feed(sched.step())
+        check_all(sched)
+    assert sched._launched is not None and any(r.request_id == "a" for r in sched._launched.requests)
+    got = len(recorder.tokens["a"])
+    recorder.feed(sched.abort_request("a"))
+    check_all(sched)
+    recorder = run(sched, recorder)
+    assert recorder.outputs["a"].finish_reason == FinishReason.CANCELLED
+    assert len(recorder.tokens["a"]) == got  # the launched step's token for "a" was dropped
+    assert recorder.outputs["b"].token_ids == backend.reference_generate([7, 8], params)
+    assert_idle(sched)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_failing_step_retries_rows_alone_as_in_synchronous_decode(mixed: bool) -> None:
+    probe = ReferenceBackend()
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7], [8, 7, 6, 5], [6, 6]]
+    tokens = probe.reference_generate(prompts[0], params)
+    outputs = {}
+    for use_async in (False, True):
+        backend = ReferenceBackend(mixed_step=mixed, async_decode=use_async, fail_on_decode_token=tokens[3])
+        sched, _, _ = make(backend)
+        for i, prompt in enumerate(prompts):
+            sched.add_request(Request(str(i), tuple(prompt), params))
+        recorder = run(sched)
+        outputs[use_async] = {rid: (o.token_ids, o.finish_reason) for rid, o in recorder.outputs.items()}
+        assert_idle(sched)
+    assert outputs[True] == outputs[False]
+    assert outputs[True]["0"][1] == FinishReason.ERROR and outputs[True]["1"][1] == FinishReason.LENGTH
+
+
+def test_async_scheduling_off_runs_synchronously() -> None:
+    backend = LaggingBackend()
+    sched, _, _ = make(backend, async_scheduling=False)  # type: ignore[arg-type]
+    sched.add_request(Request("a", (5, 6, 7), SamplingParams(max_tokens=5, temperature=0.0)))
+    run(sched)
+    assert backend.launches == 0 and not backend.reads
+    assert_idle(sched)
+
+
+def test_seeded_rows_sample_with_the_step_of_the_token_they_produce() -> None:
+    """A row launched ahead samples its token with step = tokens generated + 1 (the one not applied yet)."""
+    seen: list[list[int]] = []
+
+    class Recording(LaggingBackend):
+        def sample(self, logits, rows: Sequence[RowSampling], *, want_logprobs: bool = False):  # type: ignore[no-untyped-def]
+            seen.append([row.step for row in rows])
+            return super().sample(logits, rows, want_logprobs=want_logprobs)
+
+    backend = Recording()
+    sched, _, _ = make(backend)
+    params = SamplingParams(max_tokens=6, temperature=0.9, seed=3, ignore_eos=True)
+    sched.add_request(Request("a", (5, 6, 7), params))
+    recorder = run(sched)
+    assert recorder.outputs["a"].token_ids == backend.reference_generate([5, 6, 7], params)
+    assert seen == [[step] for step in range(6)]
