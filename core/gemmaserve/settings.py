@@ -71,6 +71,12 @@ class CoreSettings(BaseSettings):
         description="Token budget of one scheduler tick: one token per decoding row first, then prefill chunks "
         "of waiting requests in arrival order until the budget is spent (must be >= MAX_BATCH_SIZE).",
     )
+    async_scheduling: bool = Field(
+        True, validation_alias=env_alias("ASYNC_SCHEDULING"),
+        description="Launch the next decode step before the host has read the current one's tokens (backends that "
+        "declare async_decode): the host's bookkeeping of step k overlaps the device running step k+1. "
+        "0 = every tick waits for its tokens before the next one is planned.",
+    )
     max_waiting_requests: int = Field(
         1024, ge=1, validation_alias=env_alias("MAX_WAITING_REQUESTS"),
         description="Queue bound; beyond it new requests are refused as overloaded (HTTP 429).",
