@@ -209,7 +209,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         log_level=args.log_level, host=args.host, port=args.port, api_key=args.api_key,
         allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
-        enable_debug_endpoints=args.enable_debug_endpoints,
+        enable_debug_endpoints=args.enable_debug_endpoints, timeout_keep_alive=args.timeout_keep_alive,
+        client_header_timeout=args.client_header_timeout, client_body_timeout=args.client_body_timeout,
+        limit_concurrency=args.limit_concurrency,
     )
     _setup_logging(settings)
     serve(settings)
@@ -228,6 +230,18 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated CORS origins ('*' = any; env ALLOWED_ORIGINS); default: CORS off")
     p.add_argument("--enable-debug-endpoints", action="store_true", default=None,
                    help="serve /debug/kv, /docs and /redoc (env ENABLE_DEBUG_ENDPOINTS)")
+    p.add_argument("--timeout-keep-alive", type=float, default=None,
+                   help="seconds a connection may stay silent before or between requests (env TIMEOUT_KEEP_ALIVE; "
+                   "default 5)")
+    p.add_argument("--client-header-timeout", type=float, default=None,
+                   help="seconds a request may take to send its headers; 408 and close after "
+                   "(env CLIENT_HEADER_TIMEOUT; default 10)")
+    p.add_argument("--client-body-timeout", type=float, default=None,
+                   help="seconds a request may take to send its body after its headers; 408 and close after "
+                   "(env CLIENT_BODY_TIMEOUT; default 60)")
+    p.add_argument("--limit-concurrency", type=int, default=None,
+                   help="most connections served at once; requests on others get 503 (env LIMIT_CONCURRENCY; "
+                   "default 2048)")
     _add_engine_flags(p)
     p.set_defaults(func=cmd_serve)
 

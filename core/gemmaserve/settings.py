@@ -103,6 +103,25 @@ class CoreSettings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", validation_alias=env_alias("LOG_LEVEL"), description="Logging level."
     )
+    timeout_keep_alive: float = Field(
+        5.0, gt=0, validation_alias=AliasChoices("TIMEOUT_KEEP_ALIVE", "GEMMASERVE_TIMEOUT_KEEP_ALIVE",
+                                                 "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"),
+        description="HTTP server: seconds a connection may stay silent before its first request or between "
+        "requests before it is closed (uvicorn's timeout_keep_alive).",
+    )
+    client_header_timeout: float = Field(
+        10.0, gt=0, validation_alias=env_alias("CLIENT_HEADER_TIMEOUT"),
+        description="HTTP server: seconds from a request's first byte to the end of its headers (408 and close after).",
+    )
+    client_body_timeout: float = Field(
+        60.0, gt=0, validation_alias=env_alias("CLIENT_BODY_TIMEOUT"),
+        description="HTTP server: seconds from the end of a request's headers to the end of its body (408 and close).",
+    )
+    limit_concurrency: int = Field(
+        2048, ge=1, validation_alias=env_alias("LIMIT_CONCURRENCY"),
+        description="HTTP server: most connections served at once; a request on one beyond is answered 503 "
+        "(uvicorn's limit_concurrency). Lowered to fit the file-descriptor limit.",
+    )
 
     @field_validator("backend")
     @classmethod

@@ -52,3 +52,13 @@ def test_invalid_values_name_field_and_accepted(
     message = str(info.value)
     assert env in message
     assert expected_fragment in message
+
+
+def test_connection_settings_take_uvicorn_and_vllm_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "7.5")
+    monkeypatch.setenv("LIMIT_CONCURRENCY", "12")
+    settings = load_settings()
+    assert settings.timeout_keep_alive == 7.5 and settings.limit_concurrency == 12
+    assert (settings.client_header_timeout, settings.client_body_timeout) == (10.0, 60.0)
+    with pytest.raises(ConfigurationError, match="CLIENT_BODY_TIMEOUT"):
+        load_settings(client_body_timeout=0)

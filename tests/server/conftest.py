@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from server_harness import REFERENCE_MODEL as MODEL
-from server_harness import ServerPool, plugin_installed, reference_engine
+from server_harness import RLIMIT_NOFILE_KEY, ServerPool, plugin_installed, reference_engine
 
 from gemmaserve.engine.engine import Engine
 from gemmaserve.server.app import create_app
@@ -55,6 +55,9 @@ LIVE_CONFIGS: dict[str, dict[str, str]] = {
     "hf": {"BACKEND": "hf"},
     "custom-cpu": {"BACKEND": "custom-cpu"},
     "overload": {"BACKEND": OVERLOAD_BACKEND, "MAX_WAITING_REQUESTS": "1", "MAX_BATCH_SIZE": "1"},
+    # short client timeouts, 3 connections, 256 file descriptors (tests/server/test_live_connections.py)
+    "guarded": {"BACKEND": OVERLOAD_BACKEND, "TIMEOUT_KEEP_ALIVE": "2", "CLIENT_HEADER_TIMEOUT": "1.5",
+                "CLIENT_BODY_TIMEOUT": "1.5", "LIMIT_CONCURRENCY": "3", RLIMIT_NOFILE_KEY: "256"},
 }
 """Live servers (env on top of DEVICE=cpu, DTYPE=float32): tests get them through ``live_server``."""
 

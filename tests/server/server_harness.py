@@ -31,6 +31,7 @@ __all__ = [
     "REFERENCE_MODEL",
     "build_chat_checkpoint",
     "LiveServer",
+    "RLIMIT_NOFILE_KEY",
     "ServerPool",
     "ThreadedServer",
     "free_port",
@@ -117,6 +118,19 @@ def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.05
         time.sleep(interval)
 
 
+RLIMIT_NOFILE_KEY = "_TEST_RLIMIT_NOFILE"
+"""In a LiveServer's env: not passed on, but the server process's file-descriptor limit (soft and hard)."""
+
+
+def _limit_fds(limit: int) -> Any:
+    def apply() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+    return apply
+
+
 class LiveServer:
     """``python -m gemmaserve serve`` in a subprocess on a free port, configured through the env.
     Construction only spawns it; :meth:`wait_healthy` waits for ``GET /health``."""
@@ -132,9 +146,12 @@ class LiveServer:
         defaults = {"DEVICE": "cpu", "DTYPE": "float32", "LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1",
                     "ENABLE_DEBUG_ENDPOINTS": "1"}  # the tests read /debug/kv
         self._log = self.log_path.open("w")
+        child_env = {**inherited, **defaults, **env}
+        nofile = child_env.pop(RLIMIT_NOFILE_KEY, None)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "gemmaserve", "serve", "--host", "127.0.0.1", "--port", str(self.port)],
-            env={**inherited, **defaults, **env}, cwd=workdir, stdout=self._log, stderr=subprocess.STDOUT,
+            env=child_env, cwd=workdir, stdout=self._log, stderr=subprocess.STDOUT,
+            preexec_fn=None if nofile is None else _limit_fds(int(nofile)),
         )
         self._healthy = False
 

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from gemmaserve.errors import GemmaserveError
+from gemmaserve.server.connections import OVER_LIMIT_KEY
 from gemmaserve.server.debug import kv_report
 from gemmaserve.server.errors import CLIENT_CLOSED, APIError, ClientDisconnected, from_engine_error
 from gemmaserve.server.generation import Generation, Prepared, Step, Timing
@@ -128,6 +129,10 @@ def _add_guards(app: FastAPI, api_key: str | None, allowed_hosts: Sequence[str] 
     @app.middleware("http")
     async def _guard(request: Request, call_next: Callable[[Request], Any]) -> Response:
         path = request.url.path
+        if request.scope.get("state", {}).get(OVER_LIMIT_KEY):
+            error = APIError(503, "too many connections are open (LIMIT_CONCURRENCY); retry later",
+                             code="too_many_connections", headers={"Connection": "close"})
+            return JSONResponse(error.body(), status_code=503, headers=error.headers)
         if hosts is not None and _host_name(request.headers.get("host", "")) not in hosts:
             error = APIError(400, f"Host {request.headers.get('host', '')!r} is not served here; add it with "
                              "--allowed-hosts (ALLOWED_HOSTS)", code="invalid_host")

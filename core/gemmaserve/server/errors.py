@@ -21,6 +21,7 @@ _TYPES = {
     400: "invalid_request_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     499: "client_closed_request",

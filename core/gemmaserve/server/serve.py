@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from pathlib import Path
+from typing import Any
 
+from gemmaserve.server.connections import (
+    AcceptErrorFilter,
+    ConnectionLimits,
+    effective_connection_limit,
+    guarded_protocol_class,
+    raise_fd_limit,
+)
 from gemmaserve.settings import CoreSettings
 
 __all__ = ["serve", "served_model_name", "model_aliases"]
@@ -47,6 +56,11 @@ def _engine_stopping_server_class() -> type:
                 threading.Thread(target=self._engine.shutdown, name="engine-shutdown", daemon=True).start()
             super().handle_exit(sig, frame)
 
+        async def serve(self, sockets: list[Any] | None = None) -> None:
+            # out of file descriptors, asyncio logs a traceback per pending connection: summarize them
+            asyncio.get_running_loop().set_exception_handler(AcceptErrorFilter())
+            await super().serve(sockets)
+
     return EngineStoppingServer
 
 
@@ -71,6 +85,17 @@ def allowed_hosts(settings: CoreSettings) -> list[str] | None:
     return extra or None
 
 
+def connection_limits(settings: CoreSettings) -> ConnectionLimits:
+    """The connection timeouts and bound of ``settings``; raises the soft file-descriptor limit to the hard one
+    and keeps the connection bound below it."""
+    return ConnectionLimits(
+        timeout_keep_alive=settings.timeout_keep_alive,
+        header_timeout=settings.client_header_timeout,
+        body_timeout=settings.client_body_timeout,
+        limit_concurrency=effective_connection_limit(settings.limit_concurrency, raise_fd_limit()),
+    )
+
+
 def serve(settings: CoreSettings) -> None:
     """Blocking: serve HTTP on settings.host:settings.port; shuts the engine down on exit.
     Raises what ``build_engine`` raises (ConfigurationError, BackendUnavailableError, ModelLoadError)."""
@@ -87,12 +112,15 @@ def serve(settings: CoreSettings) -> None:
                          allowed_hosts=allowed_hosts(settings), allowed_origins=_split(settings.allowed_origins),
                          debug_endpoints=settings.enable_debug_endpoints)
         logger.info("serving %s (backend %s) on http://%s:%d", name, engine.backend_name, settings.host, settings.port)
+        limits = connection_limits(settings)
         config = uvicorn.Config(
             app,
             host=settings.host,
             port=settings.port,
             log_level=settings.log_level,
             access_log=settings.log_level == "debug",
+            http=guarded_protocol_class(limits),
+            timeout_keep_alive=limits.timeout_keep_alive,  # type: ignore[arg-type]  # a float works
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
         _engine_stopping_server(config, engine).run()
