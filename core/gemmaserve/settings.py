@@ -122,6 +122,11 @@ class CoreSettings(BaseSettings):
         description="HTTP server: most connections served at once; a request on one beyond is answered 503 "
         "(uvicorn's limit_concurrency). Lowered to fit the file-descriptor limit.",
     )
+    shutdown_timeout: float = Field(
+        10.0, ge=0, validation_alias=env_alias("SHUTDOWN_TIMEOUT"),
+        description="HTTP server: on SIGTERM/SIGINT, seconds running requests get to finish (new ones are refused) "
+        "before the rest are cancelled.",
+    )
 
     @field_validator("backend")
     @classmethod

@@ -62,3 +62,11 @@ def test_connection_settings_take_uvicorn_and_vllm_names(monkeypatch: pytest.Mon
     assert (settings.client_header_timeout, settings.client_body_timeout) == (10.0, 60.0)
     with pytest.raises(ConfigurationError, match="CLIENT_BODY_TIMEOUT"):
         load_settings(client_body_timeout=0)
+
+
+def test_shutdown_timeout_default_and_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load_settings().shutdown_timeout == 10.0
+    monkeypatch.setenv("SHUTDOWN_TIMEOUT", "0")
+    assert load_settings().shutdown_timeout == 0.0
+    with pytest.raises(ConfigurationError, match="SHUTDOWN_TIMEOUT"):
+        load_settings(shutdown_timeout=-1)

@@ -35,7 +35,7 @@ from gemmaserve.server.responses import SSE_DONE, ResponseMeta, chat_logprobs, c
 if TYPE_CHECKING:
     from gemmaserve.engine.engine import Engine
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "Drain"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +61,9 @@ def create_app(
     server = _Server(engine, model_name, frozenset({model_name, *model_aliases}), metrics)
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.drain = drain = Drain()
     _add_error_handlers(app)
-    _add_guards(app, api_key, allowed_hosts)
+    _add_guards(app, api_key, allowed_hosts, drain)
     if allowed_origins:
         from starlette.middleware.cors import CORSMiddleware
 
@@ -89,6 +90,8 @@ def create_app(
 
     @app.get("/health", response_model=None)
     async def health() -> Response:
+        if drain.active:
+            raise APIError(503, "the server is shutting down", code="server_shutting_down")
         if not engine.is_alive():
             raise APIError(503, "the engine loop is not running", code="engine_unavailable")
         return JSONResponse({"status": "ok"})
@@ -119,7 +122,16 @@ def _host_name(header: str) -> str:
     return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
 
 
-def _add_guards(app: FastAPI, api_key: str | None, allowed_hosts: Sequence[str] | None = None) -> None:
+class Drain:
+    """Set (``active``) once shutdown began: new generation requests get 503 ``server_shutting_down`` while
+    the running ones finish (``gemmaserve serve``'s ``--shutdown-timeout``)."""
+
+    def __init__(self) -> None:
+        self.active = False
+
+
+def _add_guards(app: FastAPI, api_key: str | None, allowed_hosts: Sequence[str] | None = None,
+                drain: Drain | None = None) -> None:
     """Host allow-list (DNS rebinding), API-key check (when set) and JSON-only generation bodies: a browser page
     can POST ``text/plain`` or a form to localhost without a CORS preflight, so anything but JSON is refused
     with 415 before it runs."""
@@ -143,6 +155,10 @@ def _add_guards(app: FastAPI, api_key: str | None, allowed_hosts: Sequence[str] 
                 error = APIError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>' with the "
                                  "server's --api-key", code="invalid_api_key")
                 return JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        if drain is not None and drain.active and path in _GENERATION_PATHS:
+            error = APIError(503, "the server is shutting down and takes no new requests; retry on another "
+                             "server or later", code="server_shutting_down", headers={"Connection": "close"})
+            return JSONResponse(error.body(), status_code=503, headers=error.headers)
         if request.method == "POST" and path in _GENERATION_PATHS:
             kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
             if kind and kind != "application/json":

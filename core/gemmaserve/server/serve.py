@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +23,10 @@ __all__ = ["serve", "served_model_name", "model_aliases"]
 
 logger = logging.getLogger(__name__)
 
-GRACEFUL_SHUTDOWN_S = 5
-"""On SIGINT/SIGTERM, open streams get this long before they are cut and their requests cancelled."""
+CANCEL_GRACE_S = 3.0
+"""After ``--shutdown-timeout`` the engine is stopped, so the requests still running end with the clean
+"shutting down" error (503, or an in-band error and ``[DONE]`` on a stream); uvicorn waits this much longer
+for their handlers to send it before it cancels them."""
 
 
 def served_model_name(settings: CoreSettings, fallback: str) -> str:
@@ -39,34 +43,63 @@ def model_aliases(settings: CoreSettings) -> list[str]:
     return [settings.model, str(Path(settings.model).resolve())]
 
 
-def _engine_stopping_server_class() -> type:
+def _draining_server_class() -> type:
     import uvicorn
 
-    class EngineStoppingServer(uvicorn.Server):
-        """On SIGINT/SIGTERM, stop the engine first (off the event loop): in-flight requests finish as
-        cancelled, so their handlers answer 503 / an in-band error + ``[DONE]`` within the grace period
-        instead of being cut off when uvicorn gives up on them."""
+    class DrainingServer(uvicorn.Server):
+        """On the first SIGINT/SIGTERM: uvicorn stops accepting connections and closes idle ones; the app refuses
+        new generation requests (503 ``server_shutting_down``, ``/health`` 503); running requests and streams go
+        on. After ``shutdown_timeout`` seconds the engine is stopped (off the event loop), so what still runs
+        ends as cancelled with the clean errors; a second signal stops the engine at once."""
 
-        def __init__(self, config: uvicorn.Config, engine: object) -> None:
+        def __init__(self, config: uvicorn.Config, engine: Any, drain: Any, shutdown_timeout: float) -> None:
             super().__init__(config)
             self._engine = engine
+            self._drain = drain
+            self._shutdown_timeout = shutdown_timeout
+            self._timer: threading.Timer | None = None
 
-        def handle_exit(self, sig: int, frame: object) -> None:
+        def handle_exit(self, sig: int, frame: Any) -> None:
             if not self.should_exit:
-                threading.Thread(target=self._engine.shutdown, name="engine-shutdown", daemon=True).start()
+                self._drain.active = True
+                logger.info("shutting down: draining running requests for up to %g s", self._shutdown_timeout)
+                self._timer = threading.Timer(self._shutdown_timeout, self._stop_engine)
+                self._timer.daemon = True
+                self._timer.start()
+            else:
+                self._stop_engine()
             super().handle_exit(sig, frame)
+
+        def _stop_engine(self) -> None:
+            if self._engine.is_alive():
+                logger.info("shutdown timeout: cancelling the requests still running")
+            threading.Thread(target=self._engine.shutdown, name="engine-shutdown", daemon=True).start()
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            """uvicorn re-raises the signal once it has shut down, which kills the process before the engine and
+            backend are closed (SIGTERM's default action): a drained server returns normally instead (exit 0)."""
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    self._captured_signals.clear()
 
         async def serve(self, sockets: list[Any] | None = None) -> None:
             # out of file descriptors, asyncio logs a traceback per pending connection: summarize them
             asyncio.get_running_loop().set_exception_handler(AcceptErrorFilter())
-            await super().serve(sockets)
+            try:
+                await super().serve(sockets)
+            finally:
+                if self._timer is not None:
+                    self._timer.cancel()
 
-    return EngineStoppingServer
+    return DrainingServer
 
 
-def _engine_stopping_server(config: object, engine: object) -> object:
-    """A uvicorn server for ``config`` that stops ``engine`` as soon as shutdown begins."""
-    return _engine_stopping_server_class()(config, engine)
+def _draining_server(config: Any, engine: Any, drain: Any, shutdown_timeout: float) -> Any:
+    """A uvicorn server for ``config`` that drains ``engine``'s requests on shutdown (see DrainingServer)."""
+    return _draining_server_class()(config, engine, drain, shutdown_timeout)
 
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -121,8 +154,8 @@ def serve(settings: CoreSettings) -> None:
             access_log=settings.log_level == "debug",
             http=guarded_protocol_class(limits),
             timeout_keep_alive=limits.timeout_keep_alive,  # type: ignore[arg-type]  # a float works
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            timeout_graceful_shutdown=settings.shutdown_timeout + CANCEL_GRACE_S,  # type: ignore[arg-type]
         )
-        _engine_stopping_server(config, engine).run()
+        _draining_server(config, engine, app.state.drain, settings.shutdown_timeout).run()
     finally:
         engine.shutdown()
