@@ -53,6 +53,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile-size", type=int, default=32, help="rows of the profiled eager step (0 = skip)")
     p.add_argument("--compile-size", type=int, default=0, help="also measure CUSTOM_BACKEND_COMPILE=1 at N (0 = skip)")
     p.add_argument("--eager-sizes", default="1,32", help="also run these N with CUDA graphs off (64 tokens)")
+    p.add_argument("--sync-sizes", default="", help="also run workload A at these N with ASYNC_SCHEDULING=0")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the scheduler's per-tick token budget")
     p.add_argument("--long-sizes", default="", help="workload A-long concurrencies (2,048-token prompts; '' = skip)")
     p.add_argument("--long-prompt-len", type=int, default=2048)
@@ -92,7 +93,9 @@ def _workload_a(backend: Any, settings: CoreSettings, sizes: list[int], args: ar
     decoder = getattr(backend, "decoder", None)
     for n in sizes:
         prompts = random_prompts(n, args.prompt_len, vocab, seed=args.seed + 1000 * n + len(label))
-        step = StepTimer(backend, "decode_step_batched", lambda batch, ids: len(ids), settings.device)
+        method = ("decode_step_async" if settings.async_scheduling and backend.capabilities.async_decode
+                  else "decode_step_batched")
+        step = StepTimer(backend, method, lambda batch, ids, *rest: len(ids), settings.device)
         replay = None
         if decoder is not None and decoder.graphs is not None:
             replay = StepTimer(decoder.graphs, "run", lambda bucket: bucket, settings.device)
@@ -263,6 +266,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             return rows
 
         section("no_graph", eager_runs)
+    sync_sizes = [int(x) for x in args.sync_sizes.split(",") if x]
+    if sync_sizes:
+        sync = settings.model_copy(update={"async_scheduling": False})
+        section("workload_a_sync",
+                lambda: _workload_a(backend, sync, sync_sizes, args, roof, bandwidth, args.output_len, "custom-sync"))
     if args.compile_size and decoder is not None:
         section("compile", lambda: dp.compile_on_off(_custom_backend, model, settings, args, roof, bandwidth,
                                                      _workload_a, backend))
@@ -288,7 +296,7 @@ def _print_tables(results: dict[str, Any]) -> None:
             "roofline_ms", "pct_of_roofline"]
     print("\n" + " | ".join(cols))
     for row in (results.get("workload_a", []) + results.get("workload_a_long", []) + results.get("no_graph", [])
-                + results.get("hf", [])):
+                + results.get("workload_a_sync", []) + results.get("hf", [])):
         print(" | ".join(str(row.get(c)) for c in cols), "| prefill tok/s", row.get("prefill_tok_per_s"),
               row.get("prefill_pct_of_compute_roofline"))
     for row in results.get("workload_c", []):

@@ -99,11 +99,13 @@ def run_scheduler(
     max_active_kv_tokens: int = 100_000,
     max_num_batched_tokens: int = 8192,
     check_every_tick: bool = True,
+    async_scheduling: bool = True,
 ) -> dict[str, Request]:
     """Drive ContinuousBatchScheduler to completion. ``requests``: (prompt, arrival tick, max_tokens),
     greedy, ignore_eos. Returns the finished requests by id ("r0", "r1", ...)."""
     settings = CoreSettings(max_batch_size=max_batch_size, prefill_chunk_tokens=prefill_chunk_tokens,
-                            max_active_kv_tokens=max_active_kv_tokens, max_num_batched_tokens=max_num_batched_tokens)
+                            max_active_kv_tokens=max_active_kv_tokens, max_num_batched_tokens=max_num_batched_tokens,
+                            async_scheduling=async_scheduling)
     sched = ContinuousBatchScheduler(backend, settings)
     made = {f"r{i}": Request(f"r{i}", tuple(p), SamplingParams(max_tokens=n, ignore_eos=True))
             for i, (p, _, n) in enumerate(requests)}

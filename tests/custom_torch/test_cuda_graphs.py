@@ -82,8 +82,8 @@ def test_graph_replay_is_byte_identical_to_eager_across_buckets(tiny_checkpoint,
     for graphs in (False, True):
         backend = cuda_backend(path, block_size=4, cuda_graph=graphs)
         assert (backend.decoder.graphs is not None) == graphs
-        steps = record_logits(backend)
-        finished = run_scheduler(backend, requests, check_every_tick=True)
+        steps = record_logits(backend)  # decode_step_batched: synchronous scheduling
+        finished = run_scheduler(backend, requests, check_every_tick=True, async_scheduling=False)
         runs[graphs] = ({rid: r.output_token_ids for rid, r in finished.items()}, steps, backend)
         assert_no_leaks(backend)
     assert runs[True][0] == runs[False][0]
@@ -93,6 +93,22 @@ def test_graph_replay_is_byte_identical_to_eager_across_buckets(tiny_checkpoint,
     graphs = runs[True][2].decoder.graphs
     assert set(graphs.capture_seconds) == {1, 2, 4, 8}  # every bucket was used, captured once
     print(f"\n{name}: capture seconds per bucket {graphs.capture_seconds}")
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_async_decode_gives_the_synchronous_tokens(e2b_like_dir, graphs):
+    """fp32, rows joining and leaving: launching step k+1 from step k's device tokens (graph outputs) before
+    reading them gives the tokens of synchronous decode; rows do feed on the device."""
+    requests = joining_requests(seed=9, count=14)
+    got = {}
+    for use_async in (False, True):
+        backend = cuda_backend(e2b_like_dir, torch.float32, block_size=4, cuda_graph=graphs)
+        assert backend.capabilities.async_decode
+        finished = run_scheduler(backend, requests, check_every_tick=True, async_scheduling=use_async)
+        got[use_async] = {rid: r.output_token_ids for rid, r in finished.items()}
+        assert (backend.decoder.fed_rows > 0) == use_async
+        assert_no_leaks(backend)
+    assert got[True] == got[False]
 
 
 def test_startup_capture_serves_the_same_tokens(e2b_like_dir):

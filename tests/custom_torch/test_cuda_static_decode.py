@@ -4,6 +4,7 @@ fast-path predicate, settings, projection fusion and SDPA prefill (fp32 on CPU).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -11,8 +12,11 @@ import torch
 
 from fixtures_backend import SLIDING, assert_no_leaks, make_backend, run_scheduler
 from fixtures_backend import one_torch_thread  # noqa: F401  (autouse)
-from gemmaserve.engine.request import FinishReason
-from gemmaserve.sampling_params import RowSampling
+from gemmaserve.engine.request import FinishReason, Request
+from gemmaserve.engine.scheduler import ContinuousBatchScheduler
+from gemmaserve.sampling_params import RowSampling, SamplingParams
+from gemmaserve.settings import CoreSettings
+from gemmaserve.testing.backend_contract import BackendContractTests
 from gemmaserve.testing.row_driver import solo_greedy
 from gemmaserve_custom_torch.kernels import paged_decode_attention_reference
 from gemmaserve_custom_torch.kv import PagedKVCache
@@ -25,12 +29,14 @@ from gemmaserve_custom_torch.static_decode import StaticDecoder
 
 
 def with_static_decoder(backend, max_batch_size: int = 8):
-    """Swap ``backend``'s decode onto the fixed-buffer decoder, eager, with the plain-torch kernel."""
+    """Swap ``backend``'s decode onto the fixed-buffer decoder, eager, with the plain-torch kernel (which makes
+    it an ``async_decode`` backend, as on CUDA)."""
     width = -(-backend.model_info.max_model_len // backend.block_size)
     backend.decoder = StaticDecoder(
         backend.model, backend.pools, buckets=graph_buckets(max_batch_size), width=width,
         kernel=paged_decode_attention_reference, use_graphs=False,
     )
+    backend.capabilities = dataclasses.replace(backend.capabilities, async_decode=True)
     return backend
 
 
@@ -126,6 +132,67 @@ def test_static_decoder_matches_gather_path_through_the_scheduler(tiny_checkpoin
         assert static[rid].finish_reason is FinishReason.LENGTH
     assert static_backend.decoder.steps > 0 and static_backend.decoder.slow_rows > 0
     assert_no_leaks(static_backend)
+
+
+def _run_mixed_params(backend, async_scheduling: bool) -> dict[str, tuple[list[int], list[float] | None, str]]:
+    """Greedy, seeded (temperature / top-p / top-k) and logprob requests arriving over several ticks."""
+    settings = CoreSettings(max_batch_size=8, prefill_chunk_tokens=16, max_active_kv_tokens=100_000,
+                            async_scheduling=async_scheduling)
+    sched = ContinuousBatchScheduler(backend, settings)
+    rng = random.Random(11)
+    plans = []
+    for i in range(10):
+        params = [SamplingParams(max_tokens=rng.randrange(1, 14), temperature=0.0),
+                  SamplingParams(max_tokens=rng.randrange(1, 14), temperature=0.9, top_p=0.9, seed=i),
+                  SamplingParams(max_tokens=rng.randrange(1, 14), temperature=1.3, top_k=5, seed=3)][i % 3]
+        prompt = tuple(rng.randrange(4, 500) for _ in range(rng.randrange(1, 20)))
+        plans.append((Request(f"r{i}", prompt, params, want_logprobs=i % 4 == 1), rng.randrange(0, 8)))
+    for tick in range(10_000):
+        for request, arrival in plans:
+            if arrival == tick:
+                sched.add_request(request)
+        if tick > 8 and not sched.has_work:
+            break
+        sched.step()
+        sched.check_integrity()
+        backend.check_integrity()
+    return {r.request_id: (list(r.output_token_ids), list(r.output_logprobs) or None, r.finish_reason.value)
+            for r, _ in plans}
+
+
+def test_async_decode_gives_the_synchronous_tokens_and_logprobs(tiny_gemma4_dir):
+    """The fixed-buffer decoder fed from its previous step's device tokens (asynchronous scheduling) gives
+    exactly the tokens, logprobs and finish reasons of synchronous scheduling; rows do feed on the device."""
+    sync = with_static_decoder(make_backend(tiny_gemma4_dir))
+    expected = _run_mixed_params(sync, async_scheduling=False)
+    assert sync.decoder.fed_rows == 0
+    fast = with_static_decoder(make_backend(tiny_gemma4_dir))
+    got = _run_mixed_params(fast, async_scheduling=True)
+    assert {rid: (tokens, reason) for rid, (tokens, _, reason) in got.items()} == {
+        rid: (tokens, reason) for rid, (tokens, _, reason) in expected.items()}
+    for rid, (_, logprobs, _) in got.items():  # a finished row's extra step changes the batch: fp32 rounding
+        assert (logprobs is None) == (expected[rid][1] is None), rid
+        if logprobs is not None:
+            assert logprobs == pytest.approx(expected[rid][1], abs=1e-5), rid
+    assert fast.decoder.fed_rows > 0
+    assert_no_leaks(fast)
+
+
+def test_async_decode_conformance(tiny_gemma4_dir):
+    """The conformance kit's decode_step_async test on the fixed-buffer decoder (device-fed rows, a row leaving
+    and one joining with a step in flight)."""
+    backend = with_static_decoder(make_backend(tiny_gemma4_dir))
+    BackendContractTests().test_decode_step_async_feeds_on_the_previous_step(backend)
+    assert backend.decoder.fed_rows > 0
+    with pytest.raises(ValueError, match="do not index the previous step"):
+        with backend.lock:
+            result = backend.prefill([5, 6, 7])
+            batch = backend.splice_into_batched(None, result.kv, backend.kv_length(result.kv))
+            try:
+                backend.decode_step_async(batch, [0], [0], [RowSampling(0.0, 1.0, 0, 0, 0)])  # no previous step
+            finally:
+                backend.remove_row_from_cache(batch, 0)
+    assert_no_leaks(backend)
 
 
 def test_static_decoder_logits_and_greedy_fast_path(tiny_gemma4_dir):

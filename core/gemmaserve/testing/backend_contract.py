@@ -201,6 +201,7 @@ class BackendContractTests:
         solo = [solo_greedy(backend, prompt, n + 1) for prompt in prompts]
         greedy = RowSampling(0.0, 1.0, 0, 0, 0)
         with backend.lock:
+            joiner = backend.prefill(prompts[-1])  # before the first launch: a prefill is another forward
             batch = _prefilled_batch(backend, prompts[:-1])
             live = list(range(len(prompts) - 1))  # the prompt of each batch row
             got = {i: [solo[i][0]] for i in range(len(prompts))}
@@ -211,8 +212,7 @@ class BackendContractTests:
                     backend.remove_row_from_cache(batch, 0)
                     live.pop(0)
                 if step == 3:  # a row joins: its first token comes from the host
-                    result = backend.prefill(prompts[-1])
-                    batch = backend.splice_into_batched(batch, result.kv, backend.kv_length(result.kv))
+                    batch = backend.splice_into_batched(batch, joiner.kv, backend.kv_length(joiner.kv))
                     live.append(len(prompts) - 1)
                 sources = [launched.index(i) if i in launched else -1 for i in live]
                 ids = [got[i][-1] if source < 0 else 0 for i, source in zip(live, sources)]
@@ -230,6 +230,8 @@ class BackendContractTests:
                 assert tokens == solo[i][: len(tokens)], f"prompt {i}"
             for _ in live:
                 backend.remove_row_from_cache(batch, 0)
+            if len(prompts) - 1 not in live:  # fewer than four decode steps: the joiner never joined
+                backend.free_row_kv(joiner.kv)
         self._finish(backend)
 
     def test_abandoned_prefill_frees_everything(self, backend: InferenceBackend) -> None:

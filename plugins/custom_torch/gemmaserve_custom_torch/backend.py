@@ -40,7 +40,7 @@ from .models.fusion import fuse_elementwise, fuse_norms, fuse_projections
 from .mixed_step import MixedStep
 from .models.gemma import GemmaForCausalLM
 from .runner import PagedRunner
-from .sampling import sample_tokens
+from .sampling import DeviceTokens, sample_on_device, sample_tokens
 from .settings import CustomTorchSettings, load_custom_settings, resolve_attention, resolve_fast_paths
 from .static_decode import make_decoder
 from .tokenizer import HFTokenizer
@@ -109,8 +109,9 @@ class CustomTorchBackend(InferenceBackend):
         self.max_chunk_tokens = min(windows) if windows else None  # a tick's chunk then stores all it reads
         self.capabilities = BackendCapabilities(
             continuous_batching=True, uses_core_cache_manager=False, kv_reservation=True, logprobs=True,
-            mixed_step=custom.mixed_step,
+            mixed_step=custom.mixed_step, async_decode=self.decoder is not None,
         )
+        self._device_tokens: torch.Tensor | None = None  # the last decode_step_async's sampled ids
         self.model_info = ModelInfo(
             name=name, vocab_size=config.vocab_size, max_model_len=max_len, eos_token_ids=config.eos_token_ids,
             architecture=config.model_type, dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
@@ -196,6 +197,7 @@ class CustomTorchBackend(InferenceBackend):
         """One `MixedStep` forward: ``rows`` decode ``input_ids``, each state takes up to its chunk (capped at
         the window, shorter when its pool is short). A chunk that got no block runs alone right after on the
         one-row path. Updates the states and the prefix cache; per state None or its exception."""
+        self._device_tokens = None  # the next decode_step_async feeds from the host (contract)
         cap = self.max_chunk_tokens
         sizes = [min(num, state.num_remaining, cap or num) for state, num in zip(states, num_tokens)]
         work = [i for i, n in enumerate(sizes) if n > 0]
@@ -256,9 +258,32 @@ class CustomTorchBackend(InferenceBackend):
 
     def decode_step_batched(self, batched: BatchedPagedKVCache, input_ids: Sequence[int]) -> torch.Tensor:
         """Logits [rows, vocab]; on the fixed-buffer path they are overwritten by the next step."""
+        self._device_tokens = None  # graph outputs the next async step could feed on are overwritten now
         if self.decoder is not None:
             return self.decoder.decode(batched, input_ids)
         return self.runner.decode(batched, input_ids)
+
+    def decode_step_async(
+        self, batched: BatchedPagedKVCache, input_ids: Sequence[int], from_previous: Sequence[int],
+        rows: Sequence[RowSampling], *, want_logprobs: bool = False,
+    ) -> DeviceTokens:
+        """The fixed-buffer decode step with the sampling on the device and nothing read back: rows with a source
+        take the previous step's device token (gathered before the forward), the tokens' copy to the host is
+        queued behind the step. Without the fixed-buffer decoder: the contract's synchronous default."""
+        if self.decoder is None:
+            return super().decode_step_async(batched, input_ids, from_previous, rows, want_logprobs=want_logprobs)
+        if not (len(input_ids) == len(from_previous) == len(rows)):
+            raise ValueError(f"{len(input_ids)} input ids, {len(from_previous)} sources and {len(rows)} samplings")
+        previous, self._device_tokens = self._device_tokens, None
+        logits = self.decoder.decode(batched, input_ids, from_previous, previous)
+        tokens = None
+        if not want_logprobs and all(row.is_greedy for row in rows):
+            tokens = self.decoder.greedy_tokens(logits)  # the argmax the decode graph already took
+        logprobs = None
+        if tokens is None:
+            tokens, logprobs = sample_on_device(logits, rows, want_logprobs=want_logprobs)
+        self._device_tokens = tokens
+        return DeviceTokens(tokens, logprobs)
 
     def kv_length(self, kv: PagedKVCache | BatchedPagedKVCache, row_idx: int | None = None) -> int:
         if isinstance(kv, BatchedPagedKVCache):

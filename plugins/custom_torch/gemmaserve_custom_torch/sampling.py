@@ -7,7 +7,9 @@
   and (seed, step), whatever else is in the batch, and matches the pure-Python reference up to float rounding.
 - logprob: the chosen token's ``log_softmax(logits)`` under the raw (unscaled, unfiltered) distribution.
 
-Vectorised over rows; one host sync per call. All-greedy calls without logprobs skip the float64 copy.
+Vectorised over rows. :func:`sample_on_device` leaves the tokens (and logprobs) on the device without a host
+sync (its small host-to-device copies go through pinned memory on CUDA), for asynchronous decode;
+:func:`sample_tokens` reads them back (one sync). All-greedy calls without logprobs skip the float64 copy.
 """
 
 from __future__ import annotations
@@ -17,53 +19,101 @@ from collections.abc import Sequence
 
 import torch
 
-from gemmaserve.backend import SampledTokens
+from gemmaserve.backend import PendingTokens, SampledTokens
 from gemmaserve.engine.sampling_cpu import sampling_seed
 from gemmaserve.sampling_params import RowSampling
 
-__all__ = ["sample_tokens"]
+__all__ = ["DeviceTokens", "sample_tokens", "sample_on_device", "to_device"]
+
+
+def to_device(values: Sequence[float] | Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a tensor on ``device`` without waiting for the device: on CUDA through pinned memory with a
+    non-blocking copy (the caching host allocator keeps the pinned block until the copy is done)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+class DeviceTokens(PendingTokens):
+    """Sampled tokens (and logprobs) still on the device: the copy to pinned host memory is queued at once,
+    :meth:`result` waits for it alone (not for work queued after it). On CPU the copy is immediate."""
+
+    def __init__(self, tokens: torch.Tensor, logprobs: torch.Tensor | None) -> None:
+        self._done: torch.cuda.Event | None = None
+        self._sampled: SampledTokens | None = None
+        if tokens.device.type != "cuda":
+            self._host = (tokens.cpu(), None if logprobs is None else logprobs.cpu())
+            return
+        host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host_tokens.copy_(tokens, non_blocking=True)
+        host_logprobs = None
+        if logprobs is not None:
+            host_logprobs = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
+            host_logprobs.copy_(logprobs, non_blocking=True)
+        self._host = (host_tokens, host_logprobs)
+        self._done = torch.cuda.Event()
+        self._done.record()
+
+    def result(self) -> SampledTokens:
+        if self._sampled is None:
+            if self._done is not None:
+                self._done.synchronize()
+            tokens, logprobs = self._host
+            self._sampled = SampledTokens(
+                tokens.tolist(), None if logprobs is None else [float(x) for x in logprobs.tolist()])
+        return self._sampled
 
 
 def sample_tokens(logits: torch.Tensor, rows: Sequence[RowSampling], *, want_logprobs: bool = False) -> SampledTokens:
     """One token per row of ``logits`` [rows, vocab] (any float dtype, any device). Does not mutate logits."""
+    tokens, logprobs = sample_on_device(logits, rows, want_logprobs=want_logprobs)
+    if logprobs is None:
+        return SampledTokens(tokens.tolist())
+    return SampledTokens(tokens.tolist(), [float(x) for x in logprobs.tolist()])
+
+
+def sample_on_device(
+    logits: torch.Tensor, rows: Sequence[RowSampling], *, want_logprobs: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """As :func:`sample_tokens`, but returns (token ids int64 [rows], logprobs [rows] or None) on the logits'
+    device, without a host sync."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [{len(rows)}, vocab] for {len(rows)} rows, got {tuple(logits.shape)}")
     if not want_logprobs and all(row.is_greedy for row in rows):
         # argmax in the logits' own dtype: widening is exact and monotone, so the pick (ties: lowest index) is
         # the same as in float64, without the [rows, vocab] float64 copy
-        return SampledTokens(logits.argmax(dim=-1).tolist())
+        return logits.argmax(dim=-1), None
     work_dtype = torch.float32 if logits.device.type == "mps" else torch.float64
     values = logits.to(work_dtype)
     tokens = values.argmax(dim=-1)
     sampled = [i for i, row in enumerate(rows) if not row.is_greedy]
     if sampled:
-        index = torch.tensor(sampled, device=logits.device)
+        index = to_device(sampled, torch.int64, logits.device)
         tokens[index] = _sample_filtered(values[index], [rows[i] for i in sampled])
-    token_list = tokens.tolist()
     if not want_logprobs:
-        return SampledTokens(token_list)
-    logprobs = torch.log_softmax(values, dim=-1).gather(1, tokens[:, None])[:, 0]
-    return SampledTokens(token_list, [float(x) for x in logprobs.tolist()])
+        return tokens, None
+    return tokens, torch.log_softmax(values, dim=-1).gather(1, tokens[:, None])[:, 0]
 
 
 def _sample_filtered(values: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
     """Temperature / top-k / top-p sampling of every row of ``values`` [n, vocab]; returns token ids [n]."""
     n, vocab = values.shape
     device, dtype = values.device, values.dtype
-    temps = torch.tensor([row.temperature for row in rows], dtype=dtype, device=device)
+    temps = to_device([row.temperature for row in rows], dtype, device)
     scaled, order = torch.sort(values / temps[:, None], dim=-1, descending=True, stable=True)
     ranks = torch.arange(vocab, device=device)
-    top_k = torch.tensor([row.top_k if row.top_k > 0 else vocab for row in rows], device=device)
+    top_k = to_device([row.top_k if row.top_k > 0 else vocab for row in rows], torch.int64, device)
     keep = ranks[None, :] < top_k[:, None]
     probs = torch.softmax(scaled.masked_fill(~keep, float("-inf")), dim=-1)
-    top_p = torch.tensor([row.top_p for row in rows], dtype=dtype, device=device)
+    top_p = to_device([row.top_p for row in rows], dtype, device)
     before = torch.cumsum(probs, dim=-1) - probs  # mass strictly before each rank
     keep &= (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
     keep[:, 0] = True  # the most likely token always survives (a tiny top_p or rounding must not empty a row)
     probs = probs.masked_fill(~keep, 0.0)
     cumulative = torch.cumsum(probs / probs.sum(dim=-1, keepdim=True), dim=-1)
     uniform = [random.Random(sampling_seed(r.seed, r.step)).random() for r in rows]
-    draws = torch.tensor(uniform, dtype=dtype, device=device)
+    draws = to_device(uniform, dtype, device)
     picked = torch.searchsorted(cumulative, draws[:, None], right=True)[:, 0]
     picked = torch.minimum(picked, keep.sum(dim=-1) - 1)  # rounding: never past the last kept token
     return order.gather(1, picked[:, None])[:, 0]

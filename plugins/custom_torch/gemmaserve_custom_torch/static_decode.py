@@ -7,8 +7,10 @@ forward eagerly (the parity reference). The forward also takes the greedy argmax
 :meth:`greedy_tokens` hands to the sampler when every row is greedy.
 
 Per-step host work: the block bookkeeping of rows that cross a block boundary (the others pass
-``PagedKVCache.decode_needs_nothing``), one H2D copy of ids + positions, and H2D copies of the table rows
-that changed. Logits returned by :meth:`decode` live in a buffer the next step overwrites.
+``PagedKVCache.decode_needs_nothing``), one H2D copy of ids + positions (+ sources), and H2D copies of the table
+rows that changed; none of it waits for the device. Asynchronous decode passes ``previous`` (the device tokens
+of the step before) and per row the index it feeds on, gathered on the device before the forward. Logits
+returned by :meth:`decode` live in a buffer the next step overwrites.
 """
 
 from __future__ import annotations
@@ -66,17 +68,26 @@ class StaticDecoder:
         self._last: tuple[Tensor, Tensor] | None = None
         self.steps = 0
         self.slow_rows = 0  # rows that needed block bookkeeping (for stats)
+        self.fed_rows = 0  # rows that consumed the previous step's device token (asynchronous decode)
 
     @torch.inference_mode()
-    def decode(self, batch: BatchedPagedKVCache, input_ids: Sequence[int]) -> Tensor:
-        """Row ``i`` consumes ``input_ids[i]``; returns logits [B, vocab] (valid until the next call).
-        Raises KVCapacityError before changing any row's length if a pool cannot supply the new blocks."""
+    def decode(self, batch: BatchedPagedKVCache, input_ids: Sequence[int], sources: Sequence[int] | None = None,
+               previous: Tensor | None = None) -> Tensor:
+        """Row ``i`` consumes ``input_ids[i]``, or ``previous[sources[i]]`` when ``sources[i] >= 0`` (device
+        tokens of the step before); returns logits [B, vocab] (valid until the next call). Raises
+        KVCapacityError before changing any row's length if a pool cannot supply the new blocks."""
         rows = batch.rows
         if len(input_ids) != len(rows) or not rows:
             raise ValueError(f"got {len(input_ids)} input ids for a batch of {len(rows)} rows")
+        fed = sources is not None and any(source >= 0 for source in sources)
+        if fed and (previous is None or len(sources) != len(rows) or max(sources) >= len(previous)):
+            raise ValueError(f"row sources {list(sources)} do not index the previous step's {0 if previous is None else len(previous)} tokens")
         bucket = pick_bucket(self.buckets, len(rows))
         slow = prepare_decode_rows(self.pools, rows)
-        self.state.load(rows, input_ids, bucket)
+        self.state.load(rows, input_ids, bucket, sources if fed else None)
+        if fed:
+            self.state.feed_previous(previous, bucket)
+            self.fed_rows += sum(source >= 0 for source in sources)
         if self._explain_pending:
             self.run_explain(bucket)
         logits, tokens = self.graphs.run(bucket) if self.graphs is not None else self._run_forward(bucket)

@@ -2,8 +2,9 @@
 
 Buffers (``R`` = capacity rows = the largest bucket, ``W`` = table width = blocks of the longest row):
 
-- ``ids`` int64 ``[R]`` (token each row consumes) and ``positions`` int64 ``[R]`` (its position): rewritten
-  every step from the host by one H2D copy of ``[2, bucket]``;
+- ``ids`` int64 ``[R]`` (token each row consumes), ``positions`` int64 ``[R]`` (its position) and ``sources``
+  int64 ``[R]`` (-1, or the row of the previous step whose device token it consumes instead: asynchronous
+  decode, :meth:`BatchedDecodeState.feed_previous`): rewritten every step by one H2D copy of ``[3, bucket]``;
 - ``tables[group]`` int32 ``[R, W]``: block table per group. A device row is rewritten only when its slot
   now holds another row (``PagedKVCache.uid``) or that row's ``version`` moved, so a steady step copies
   nothing (a row changes tables once per block, every ``block_size`` steps).
@@ -11,6 +12,8 @@ Buffers (``R`` = capacity rows = the largest bucket, ``W`` = table width = block
 Padding: rows ``B .. bucket-1`` of a step consume token 0 at position 0 with table ``[scratch, -1, ...]``,
 so they write one K/V into the group's scratch block and attend over it alone (finite, never read back).
 Write slots and ``seq_lens`` are derived on the device (inside the graph) by :meth:`step_tensors`.
+On CUDA every host-to-device copy goes through pinned memory without blocking, so staging a step never waits
+for the step before it (asynchronous decode launches a step while the previous one runs).
 """
 
 from __future__ import annotations
@@ -63,8 +66,8 @@ class BatchedDecodeState:
         self.width = width
         device = next(iter(pools.k.values())).device
         self.device = device
-        self.io = torch.zeros((2, capacity), dtype=torch.int64, device=device)  # ids, positions
-        self.ids, self.positions = self.io[0], self.io[1]
+        self.io = torch.zeros((3, capacity), dtype=torch.int64, device=device)  # ids, positions, sources
+        self.ids, self.positions, self.sources = self.io[0], self.io[1], self.io[2]
         self._host_tables: dict[str, Tensor] = {}
         self.tables: dict[str, Tensor] = {}
         for group in pools.groups:
@@ -75,16 +78,19 @@ class BatchedDecodeState:
         self._keys: list[tuple[int, int]] = [_PAD] * capacity
         self.rows_copied = 0  # table rows sent to the device so far (for tests and stats)
 
-    def load(self, rows: Sequence[PagedKVCache], input_ids: Sequence[int], bucket: int) -> None:
-        """Stage a step of ``rows`` (row ``i`` consumes ``input_ids[i]`` at position ``rows[i].length``)
-        padded to ``bucket`` rows. Rows must already hold the block of their new position."""
+    def load(self, rows: Sequence[PagedKVCache], input_ids: Sequence[int], bucket: int,
+             sources: Sequence[int] | None = None) -> None:
+        """Stage a step of ``rows`` (row ``i`` consumes ``input_ids[i]`` at position ``rows[i].length``, or, when
+        ``sources[i] >= 0``, the token :meth:`feed_previous` puts there) padded to ``bucket`` rows. Rows must
+        already hold the block of their new position."""
         count = len(rows)
         if not count <= bucket <= self.capacity or len(input_ids) != count:
             raise ValueError(f"{count} rows / {len(input_ids)} ids do not fit bucket {bucket} of {self.capacity}")
         pad = bucket - count
-        staged = torch.tensor([[*input_ids, *([0] * pad)], [row.length for row in rows] + [0] * pad],
+        staged = torch.tensor([[*input_ids, *([0] * pad)], [row.length for row in rows] + [0] * pad,
+                               [*(sources if sources is not None else [-1] * count), *([-1] * pad)]],
                               dtype=torch.int64)
-        self.io[:, :bucket].copy_(staged)
+        self._to_device(self.io[:, :bucket], staged)
         dirty = [i for i, row in enumerate(rows) if self._keys[i] != (row.uid, row.version)]
         dirty += [i for i in range(count, bucket) if self._keys[i] != _PAD]
         if not dirty:
@@ -111,10 +117,29 @@ class BatchedDecodeState:
         host, device_table = self._host_tables[group], self.tables[group]
         lo, hi = dirty[0], dirty[-1] + 1
         if hi - lo <= 2 * len(dirty):  # dense enough: one contiguous copy
-            device_table[lo:hi].copy_(host[lo:hi])
+            self._to_device(device_table[lo:hi], host[lo:hi])
             return
         index = torch.tensor(dirty, dtype=torch.int64)
-        device_table.index_copy_(0, index.to(self.device), host[index].to(self.device))
+        lines = torch.empty((len(dirty), host.shape[1]), dtype=host.dtype, device=self.device)
+        self._to_device(lines, host[index])
+        on_device = torch.empty(len(dirty), dtype=torch.int64, device=self.device)
+        self._to_device(on_device, index)
+        device_table.index_copy_(0, on_device, lines)
+
+    def _to_device(self, target: Tensor, host: Tensor) -> None:
+        """Copy ``host`` into the device tensor ``target`` without waiting for queued device work (CUDA: via
+        pinned memory the caching host allocator keeps until the copy ran)."""
+        if self.device.type == "cuda":
+            target.copy_(host.pin_memory(), non_blocking=True)
+        else:
+            target.copy_(host)
+
+    def feed_previous(self, previous: Tensor, bucket: int) -> None:
+        """Rows whose staged source is ``s >= 0`` consume ``previous[s]`` (the device tokens of the previous
+        step) instead of their staged id: device ops only, queued before the step's forward."""
+        sources = self.sources[:bucket]
+        ids = self.ids[:bucket]
+        ids.copy_(torch.where(sources >= 0, previous.index_select(0, sources.clamp(min=0)), ids))
 
     def step_tensors(self, bucket: int) -> tuple[Tensor, Tensor, dict[str, Tensor], dict[str, Tensor]]:
         """Device-side views/derivations for a ``bucket``-row step (no host sync, graph-capturable):
