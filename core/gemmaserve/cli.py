@@ -212,6 +212,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         enable_debug_endpoints=args.enable_debug_endpoints, timeout_keep_alive=args.timeout_keep_alive,
         client_header_timeout=args.client_header_timeout, client_body_timeout=args.client_body_timeout,
         limit_concurrency=args.limit_concurrency, shutdown_timeout=args.shutdown_timeout,
+        default_max_tokens=args.default_max_tokens,
     )
     _setup_logging(settings)
     serve(settings)
@@ -239,6 +240,9 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--client-body-timeout", type=float, default=None,
                    help="seconds a request may take to send its body after its headers; 408 and close after "
                    "(env CLIENT_BODY_TIMEOUT; default 60)")
+    p.add_argument("--default-max-tokens", type=int, default=None,
+                   help="max_tokens of a chat request that sends none, within the rest of the context; 0 = the rest "
+                   "of the context (env DEFAULT_MAX_TOKENS; default 2048)")
     p.add_argument("--shutdown-timeout", type=float, default=None,
                    help="on SIGTERM/SIGINT, seconds running requests get to finish while new ones are refused; "
                    "then the rest are cancelled (env SHUTDOWN_TIMEOUT; default 10)")

@@ -127,6 +127,11 @@ class CoreSettings(BaseSettings):
         description="HTTP server: on SIGTERM/SIGINT, seconds running requests get to finish (new ones are refused) "
         "before the rest are cancelled.",
     )
+    default_max_tokens: int = Field(
+        2048, ge=0, validation_alias=env_alias("DEFAULT_MAX_TOKENS"),
+        description="HTTP server: max_tokens of a chat request that sends none, capped by the rest of the context "
+        "(0 = the rest of the context). Completions default to 16, as OpenAI's.",
+    )
 
     @field_validator("backend")
     @classmethod

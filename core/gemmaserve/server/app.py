@@ -262,7 +262,8 @@ class _Server:
         if endpoint == "chat":
             chat = parse_body(ChatCompletionRequest, raw)
             self.check_model(chat.model)
-            return chat, prepare_chat(chat, self.tokenizer, self.context_limit)
+            return chat, prepare_chat(chat, self.tokenizer, self.context_limit,
+                                      self.engine.settings.default_max_tokens)
         completion = parse_body(CompletionRequest, raw)
         self.check_model(completion.model)
         return completion, prepare_completion(completion, self.tokenizer, self.context_limit)

@@ -1,7 +1,9 @@
 """From a validated request body to what the engine needs: prompt token ids and SamplingParams.
 
-Defaults follow OpenAI: ``temperature`` 1, ``top_p`` 1, ``max_tokens`` 16 for completions and
-"the rest of the context" for chat. Tokenizer errors (no chat template, ...) and SamplingParams
+Defaults follow OpenAI: ``temperature`` 1, ``top_p`` 1, ``max_tokens`` 16 for completions; for chat
+``max_tokens`` defaults to ``DEFAULT_MAX_TOKENS`` capped by the rest of the context (admission reserves KV for
+prompt + ``max_tokens``, so a default of "the rest of the context" let a few chats hold the whole KV budget and
+keep every other request queued). Tokenizer errors (no chat template, ...) and SamplingParams
 errors become :class:`APIError` 400 naming the field.
 """
 
@@ -19,7 +21,7 @@ if TYPE_CHECKING:
     from gemmaserve.backend import Tokenizer
     from gemmaserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
-__all__ = ["prepare_completion", "prepare_chat", "COMPLETION_DEFAULT_MAX_TOKENS"]
+__all__ = ["prepare_completion", "prepare_chat", "default_max_tokens_for", "COMPLETION_DEFAULT_MAX_TOKENS"]
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
@@ -45,9 +47,10 @@ def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer, context_li
     return Prepared(prompt_ids, params, body.stop_strings, body.logprobs is not None, "prompt")
 
 
-def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limit: int) -> Prepared:
-    """Render the messages with the model's chat template; without ``max_tokens`` the request may
-    use the rest of ``context_limit``."""
+def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limit: int,
+                 default_max_tokens: int = 0) -> Prepared:
+    """Render the messages with the model's chat template; without ``max_tokens`` the request may generate
+    ``default_max_tokens`` tokens, or fewer if the rest of ``context_limit`` is smaller (0: the rest of it)."""
     if not tokenizer.has_chat_template:
         raise APIError(
             400,
@@ -65,9 +68,17 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limi
         raise APIError(400, str(exc), param="messages") from None
     if not prompt_ids:
         raise APIError(400, "the chat template rendered these messages to zero tokens", param="messages")
-    max_tokens = body.requested_max_tokens or max(1, context_limit - len(prompt_ids))
+    max_tokens = body.requested_max_tokens or default_max_tokens_for(len(prompt_ids), context_limit,
+                                                                      default_max_tokens)
     params = _sampling(body, max_tokens)
     return Prepared(prompt_ids, params, body.stop_strings, bool(body.logprobs), "messages")
+
+
+def default_max_tokens_for(prompt_tokens: int, context_limit: int, default_max_tokens: int) -> int:
+    """``max_tokens`` of a request that gives none: ``default_max_tokens`` (0 = no cap) within the rest of the
+    context, at least 1 (a prompt that fills the context is then refused as too long)."""
+    rest = max(1, context_limit - prompt_tokens)
+    return min(rest, default_max_tokens) if default_max_tokens > 0 else rest
 
 
 def _sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
