@@ -11,7 +11,8 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from gemmaserve.errors import GemmaserveError
+from gemmaserve import __version__
+from gemmaserve.errors import ConfigurationError, GemmaserveError
 from gemmaserve.sampling_params import SamplingParams
 from gemmaserve.settings import CoreSettings, load_settings
 
@@ -212,11 +213,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         enable_debug_endpoints=args.enable_debug_endpoints, timeout_keep_alive=args.timeout_keep_alive,
         client_header_timeout=args.client_header_timeout, client_body_timeout=args.client_body_timeout,
         limit_concurrency=args.limit_concurrency, shutdown_timeout=args.shutdown_timeout,
-        default_max_tokens=args.default_max_tokens,
+        default_max_tokens=args.default_max_tokens, served_model_name=_served_names(args.served_model_name),
     )
     _setup_logging(settings)
     serve(settings)
     return 0
+
+
+def _served_names(names: Sequence[str] | None) -> str | None:
+    """``--served-model-name a b`` as the setting's comma-separated form; names must be non-empty, without commas."""
+    if names is None:
+        return None
+    for name in names:
+        if not name.strip() or "," in name:
+            raise ConfigurationError(
+                f"--served-model-name: each name must be non-empty and contain no comma, got {name!r}; "
+                "give several names separated by spaces")
+    return ",".join(name.strip() for name in names)
 
 
 def _add_serve_command(sub: argparse._SubParsersAction) -> None:
@@ -240,6 +253,9 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--client-body-timeout", type=float, default=None,
                    help="seconds a request may take to send its body after its headers; 408 and close after "
                    "(env CLIENT_BODY_TIMEOUT; default 60)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model names to serve under (env SERVED_MODEL_NAME, comma-separated): /v1/models lists them, "
+                   "requests may name any, responses name the first; default: the checkpoint folder's name")
     p.add_argument("--default-max-tokens", type=int, default=None,
                    help="max_tokens of a chat request that sends none, within the rest of the context; 0 = the rest "
                    "of the context (env DEFAULT_MAX_TOKENS; default 2048)")
@@ -264,6 +280,7 @@ EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_serve
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gemmaserve", description="Serve Gemma models fast.")
+    parser.add_argument("--version", action="version", version=f"gemmaserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("backends", help="list backends, their availability and the automatic choice")

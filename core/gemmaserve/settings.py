@@ -132,6 +132,11 @@ class CoreSettings(BaseSettings):
         description="HTTP server: max_tokens of a chat request that sends none, capped by the rest of the context "
         "(0 = the rest of the context). Completions default to 16, as OpenAI's.",
     )
+    served_model_name: str = Field(
+        "", validation_alias=env_alias("SERVED_MODEL_NAME"),
+        description="HTTP server: comma-separated model names to serve under (vLLM's --served-model-name): "
+        "/v1/models lists them, requests may name any, responses name the first; empty = the checkpoint folder's name.",
+    )
 
     @field_validator("backend")
     @classmethod

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from gemmaserve import __version__
 from gemmaserve.errors import GemmaserveError
 from gemmaserve.server.connections import OVER_LIMIT_KEY
 from gemmaserve.server.debug import kv_report
@@ -28,8 +29,15 @@ from gemmaserve.server.errors import CLIENT_CLOSED, APIError, ClientDisconnected
 from gemmaserve.server.generation import Generation, Prepared, Step, Timing
 from gemmaserve.server.metrics import ServerMetrics
 from gemmaserve.server.openapi import install_openapi
-from gemmaserve.server.prepare import prepare_chat, prepare_completion
-from gemmaserve.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body, read_body
+from gemmaserve.server.prepare import prepare_chat, prepare_completion, render_chat, tokenize_text
+from gemmaserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse_body,
+    read_body,
+)
 from gemmaserve.server.responses import SSE_DONE, ResponseMeta, chat_logprobs, completion_logprobs, sse
 
 if TYPE_CHECKING:
@@ -48,17 +56,21 @@ GIL), so one huge prompt cannot freeze the event loop that streams everyone else
 def create_app(
     engine: Engine, model_name: str, *, model_aliases: Sequence[str] = (), api_key: str | None = None,
     allowed_hosts: Sequence[str] | None = None, allowed_origins: Sequence[str] = (), debug_endpoints: bool = True,
+    extra_model_names: Sequence[str] = (),
 ) -> FastAPI:
     """The app around ``engine`` (started, or started on first request). The caller owns the
-    engine's lifetime. ``model`` in requests must be ``model_name``, one of ``model_aliases``, or
-    absent; anything else is a 404. ``api_key``: every endpoint but ``/health`` and ``/metrics`` needs
+    engine's lifetime. ``model`` in requests must be ``model_name``, one of ``extra_model_names`` (listed by
+    ``/v1/models`` after it, as vLLM's ``--served-model-name``), one of ``model_aliases`` (accepted, not
+    listed), or absent; anything else is a 404. Responses name ``model_name``. ``api_key``: every endpoint but ``/health`` and ``/metrics`` needs
     ``Authorization: Bearer <api_key>`` (401 otherwise, OpenAI's error body). ``allowed_hosts``: the Host
     header names accepted (None = any; 400 ``invalid_host`` otherwise). ``allowed_origins``: CORS origins
     (none = no CORS headers). ``debug_endpoints``: serve ``/debug/kv``, ``/docs`` and ``/redoc``."""
     docs = {} if debug_endpoints else {"docs_url": None, "redoc_url": None}
-    app = FastAPI(title="gemmaserve", version="0.1.0", description="OpenAI-compatible Gemma inference server", **docs)
+    app = FastAPI(title="gemmaserve", version=__version__, description="OpenAI-compatible Gemma inference server",
+                  **docs)
     metrics = ServerMetrics()
-    server = _Server(engine, model_name, frozenset({model_name, *model_aliases}), metrics)
+    listed = (model_name, *(name for name in extra_model_names if name != model_name))
+    server = _Server(engine, model_name, frozenset({*listed, *model_aliases}), metrics, listed)
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.drain = drain = Drain()
@@ -79,14 +91,26 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         return await server.handle(request, "chat")
 
+    @app.post("/tokenize", response_model=None)
+    async def tokenize(request: Request) -> Response:
+        return JSONResponse(await server.run_json(request, server.tokenize))
+
+    @app.post("/detokenize", response_model=None)
+    async def detokenize(request: Request) -> Response:
+        return JSONResponse(await server.run_json(request, server.detokenize))
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [server.model_card()]}
+        return {"object": "list", "data": [server.model_card(name) for name in server.listed]}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> dict[str, Any]:
         server.check_model(model_id)
-        return server.model_card()
+        return server.model_card(model_id if model_id in server.listed else server.model_name)
 
     @app.get("/health", response_model=None)
     async def health() -> Response:
@@ -112,6 +136,7 @@ def create_app(
 _OPEN_PATHS = frozenset({"/health", "/metrics"})
 """Endpoints an API key does not guard (load balancers and scrapers call them, as with vLLM)."""
 _GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+_JSON_BODY_PATHS = _GENERATION_PATHS | {"/tokenize", "/detokenize"}
 
 
 def _host_name(header: str) -> str:
@@ -159,7 +184,7 @@ def _add_guards(app: FastAPI, api_key: str | None, allowed_hosts: Sequence[str] 
             error = APIError(503, "the server is shutting down and takes no new requests; retry on another "
                              "server or later", code="server_shutting_down", headers={"Connection": "close"})
             return JSONResponse(error.body(), status_code=503, headers=error.headers)
-        if request.method == "POST" and path in _GENERATION_PATHS:
+        if request.method == "POST" and path in _JSON_BODY_PATHS:
             kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
             if kind and kind != "application/json":
                 error = APIError(415, f"the body must be JSON (Content-Type: application/json), got {kind!r}",
@@ -188,10 +213,12 @@ def _add_error_handlers(app: FastAPI) -> None:
 class _Server:
     """Request handling shared by both generation endpoints."""
 
-    def __init__(self, engine: Engine, model_name: str, accepted: frozenset[str], metrics: ServerMetrics) -> None:
+    def __init__(self, engine: Engine, model_name: str, accepted: frozenset[str], metrics: ServerMetrics,
+                 listed: Sequence[str] = ()) -> None:
         self.engine = engine
         self.model_name = model_name
         self.accepted = accepted
+        self.listed = tuple(listed) or (model_name,)
         self.metrics = metrics
         self.tokenizer = engine.backend.tokenizer
         self.info = engine.backend.model_info
@@ -201,9 +228,9 @@ class _Server:
         """Most prompt + output tokens one request may hold."""
         return min(self.engine.scheduler.max_model_len, self.engine.settings.max_active_kv_tokens)
 
-    def model_card(self) -> dict[str, Any]:
+    def model_card(self, name: str | None = None) -> dict[str, Any]:
         return {
-            "id": self.model_name,
+            "id": name or self.model_name,
             "object": "model",
             "created": 0,
             "owned_by": "gemmaserve",
@@ -214,10 +241,49 @@ class _Server:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.accepted:
+            served = " or ".join(repr(n) for n in self.listed)
             raise APIError(
-                404, f"model {name!r} does not exist; this server serves {self.model_name!r} (see GET /v1/models)",
+                404, f"model {name!r} does not exist; this server serves {served} (see GET /v1/models)",
                 param="model", code="model_not_found",
             )
+
+    # -- /tokenize, /detokenize ----------------------------------------------------------------------------
+    async def run_json(self, request: Request, work: Callable[[bytes], dict[str, Any]]) -> dict[str, Any]:
+        """Read the body and run ``work`` on it: on a worker thread for large bodies (tokenizing)."""
+        raw = await read_body(request)
+        if len(raw) > OFFLOAD_BODY_BYTES:
+            return await asyncio.to_thread(work, raw)
+        return work(raw)
+
+    def tokenize(self, raw: bytes) -> dict[str, Any]:
+        """vLLM's /tokenize: ``{count, max_model_len, tokens, token_strs}``."""
+        body = parse_body(TokenizeRequest, raw)
+        self.check_model(body.model)
+        if body.prompt is not None:
+            add_special = body.add_special_tokens is not False
+            ids = tokenize_text(body.prompt, self.tokenizer, self.context_limit, add_special_tokens=add_special)
+            param = "prompt"
+        else:
+            assert body.messages is not None
+            ids = render_chat([m.as_template_dict() for m in body.messages], self.tokenizer, self.context_limit)
+            param = "messages"
+        if len(ids) > self.context_limit:
+            raise APIError(400, f"the {param} is {len(ids)} tokens; this model's context holds {self.context_limit}",
+                           param=param, code="context_length_exceeded")
+        return {"count": len(ids), "max_model_len": self.context_limit, "tokens": ids, "token_strs": None}
+
+    def detokenize(self, raw: bytes) -> dict[str, Any]:
+        """vLLM's /detokenize: ``{prompt}``, special tokens included (the text the ids stand for)."""
+        body = parse_body(DetokenizeRequest, raw)
+        self.check_model(body.model)
+        if len(body.tokens) > self.context_limit:
+            raise APIError(400, f"at most {self.context_limit} tokens (the context) are accepted, got "
+                           f"{len(body.tokens)}", param="tokens", code="invalid_value")
+        bad = next((t for t in body.tokens if t >= self.info.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary (ids are 0..{self.info.vocab_size - 1})",
+                           param="tokens", code="invalid_value")
+        return {"prompt": self.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     # -- one request ---------------------------------------------------------------------------------
     async def handle(self, request: Request, endpoint: str) -> Response:

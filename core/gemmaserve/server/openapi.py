@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi.openapi.utils import get_openapi
 
-from gemmaserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from gemmaserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -43,7 +43,8 @@ _ERRORS = {
     "500": "the backend failed on this request",
     "503": "the engine is not running; retry after `Retry-After` seconds",
 }
-_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 
 
 def install_openapi(app: FastAPI, context_limit: int) -> None:
@@ -60,7 +61,8 @@ def install_openapi(app: FastAPI, context_limit: int) -> None:
                 schema = model.model_json_schema(ref_template=_REF)
                 components.update(schema.pop("$defs", {}))
                 for name in ("max_tokens", "max_completion_tokens"):
-                    schema["properties"][name]["anyOf"][0]["maximum"] = max(1, context_limit - 1)
+                    if name in schema["properties"]:
+                        schema["properties"][name]["anyOf"][0]["maximum"] = max(1, context_limit - 1)
                 components[model.__name__] = schema
                 ref = {"$ref": _REF.format(model=model.__name__)}
                 operation = document["paths"][path]["post"]
@@ -84,9 +86,14 @@ _GENERATION = {
 _RESPONSES: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
     "/v1/completions": _GENERATION,
     "/v1/chat/completions": _GENERATION,
+    "/tokenize": {"200": ("`{count, max_model_len, tokens, token_strs}`", _JSON),
+                  **{status: (_ERRORS[status], _ERROR) for status in ("400", "404", "413")}},
+    "/detokenize": {"200": ("`{prompt}`", _JSON), **{status: (_ERRORS[status], _ERROR) for status in ("400", "404", "413")}},
+    "/version": {"200": ("`{version}`", _JSON)},
     "/v1/models": {"200": ("the served model", _JSON)},
     "/v1/models/{model_id}": {"200": ("the served model", _JSON), "404": ("unknown model", _ERROR)},
-    "/health": {"200": ("the engine loop runs", _JSON), "503": ("the engine loop is not running", _ERROR)},
+    "/health": {"200": ("the engine loop runs", _JSON),
+                "503": ("the engine loop is not running, or the server is shutting down", _ERROR)},
     "/metrics": {"200": ("Prometheus text format 0.0.4", {"text/plain": {"schema": {"type": "string"}}})},
     "/debug/kv": {"200": ("KV snapshot, integrity ok", _JSON), "500": ("KV snapshot naming an inconsistency", _JSON)},
 }

@@ -9,7 +9,7 @@ errors become :class:`APIError` 400 naming the field.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gemmaserve.engine.validation import check_text_can_fit
 from gemmaserve.errors import InvalidRequestError, PromptTooLongError
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from gemmaserve.backend import Tokenizer
     from gemmaserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
-__all__ = ["prepare_completion", "prepare_chat", "default_max_tokens_for", "COMPLETION_DEFAULT_MAX_TOKENS"]
+__all__ = ["prepare_completion", "prepare_chat", "default_max_tokens_for", "tokenize_text", "render_chat", "COMPLETION_DEFAULT_MAX_TOKENS"]
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
@@ -51,16 +51,31 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limi
                  default_max_tokens: int = 0) -> Prepared:
     """Render the messages with the model's chat template; without ``max_tokens`` the request may generate
     ``default_max_tokens`` tokens, or fewer if the rest of ``context_limit`` is smaller (0: the rest of it)."""
+    prompt_ids = render_chat([message.as_template_dict() for message in body.messages], tokenizer, context_limit)
+    max_tokens = body.requested_max_tokens or default_max_tokens_for(len(prompt_ids), context_limit,
+                                                                      default_max_tokens)
+    params = _sampling(body, max_tokens)
+    return Prepared(prompt_ids, params, body.stop_strings, bool(body.logprobs), "messages")
+
+
+def tokenize_text(text: str, tokenizer: Tokenizer, context_limit: int, *, add_special_tokens: bool = True) -> list[int]:
+    """``text``'s token ids; text that cannot fit ``context_limit`` is refused before it is tokenized."""
+    _refuse_text_that_cannot_fit(len(text), tokenizer, context_limit, "prompt")
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def render_chat(messages: list[dict[str, Any]], tokenizer: Tokenizer, context_limit: int) -> list[int]:
+    """The chat template applied to ``messages`` (with the generation prompt); 400 without a template, for
+    messages that cannot fit ``context_limit`` (checked before rendering) or that render to nothing."""
     if not tokenizer.has_chat_template:
         raise APIError(
             400,
-            "this model has no chat template, so /v1/chat/completions cannot render messages; "
+            "this model has no chat template, so chat messages cannot be rendered; "
             "use /v1/completions with a plain prompt, or serve a checkpoint whose tokenizer_config.json "
             "has a chat_template",
             param="messages",
             code="no_chat_template",
         )
-    messages = [message.as_template_dict() for message in body.messages]
     _refuse_text_that_cannot_fit(sum(len(m["content"] or "") for m in messages), tokenizer, context_limit, "messages")
     try:
         prompt_ids = tokenizer.apply_chat_template(messages)
@@ -68,10 +83,7 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limi
         raise APIError(400, str(exc), param="messages") from None
     if not prompt_ids:
         raise APIError(400, "the chat template rendered these messages to zero tokens", param="messages")
-    max_tokens = body.requested_max_tokens or default_max_tokens_for(len(prompt_ids), context_limit,
-                                                                      default_max_tokens)
-    params = _sampling(body, max_tokens)
-    return Prepared(prompt_ids, params, body.stop_strings, bool(body.logprobs), "messages")
+    return prompt_ids
 
 
 def default_max_tokens_for(prompt_tokens: int, context_limit: int, default_max_tokens: int) -> int:

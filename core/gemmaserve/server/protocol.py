@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gemmaserve.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from gemmaserve.server.errors import APIError
@@ -23,6 +23,8 @@ __all__ = [
     "ChatMessage",
     "SamplingFields",
     "StreamOptions",
+    "TokenizeRequest",
+    "DetokenizeRequest",
     "parse_body",
     "read_body",
     "MAX_STOP_STRINGS",
@@ -237,6 +239,81 @@ class ChatCompletionRequest(SamplingFields):
         return value
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize, vLLM's two shapes: ``{model?, prompt, add_special_tokens?}`` or ``{model?, messages,
+    add_generation_prompt?}``. vLLM options gemmaserve does not implement are refused unless left at their
+    default: ``return_token_strs``, ``continue_final_message``, ``chat_template``, ``chat_template_kwargs``,
+    ``tools``, ``mm_processor_kwargs``, ``add_generation_prompt: false``."""
+
+    model_config = _STRICT
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = Field(None, json_schema_extra=_only({"const": True}))
+    return_token_strs: bool | None = Field(None, json_schema_extra=_only({"const": False}))
+    continue_final_message: bool | None = Field(None, json_schema_extra=_only({"const": False}))
+    chat_template: str | None = Field(None, json_schema_extra=_NULL)
+    chat_template_kwargs: dict[str, Any] | None = Field(None, json_schema_extra=_NULL)
+    tools: list[Any] | None = Field(None, json_schema_extra=_NULL)
+    mm_processor_kwargs: dict[str, Any] | None = Field(None, json_schema_extra=_NULL)
+
+    @field_validator("return_token_strs")
+    @classmethod
+    def _check_token_strs(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("return_token_strs is not supported; use /detokenize to read tokens back")
+        return value
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _check_continue(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("continue_final_message is not supported; leave it unset or false")
+        return value
+
+    @field_validator("add_generation_prompt")
+    @classmethod
+    def _check_generation_prompt(cls, value: bool | None) -> bool | None:
+        if value is False:
+            raise ValueError("only add_generation_prompt=true is supported (the chat template always appends it)")
+        return value
+
+    @field_validator("chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs")
+    @classmethod
+    def _check_unsupported(cls, value: Any, info: Any) -> Any:
+        if value is not None:
+            raise ValueError(f"{info.field_name} is not supported; the model's own chat template is used")
+        return value
+
+    @model_validator(mode="after")
+    def _one_shape(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send either 'prompt' (a string) or 'messages' (a chat), not both and not neither")
+        if self.messages is not None and self.add_special_tokens:
+            raise ValueError("add_special_tokens is not supported with messages: the chat template adds them")
+        if self.prompt is not None and self.add_generation_prompt is not None:
+            raise ValueError("add_generation_prompt applies to messages only")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize: ``{model?, tokens}`` -> ``{prompt}`` (vLLM's shape)."""
+
+    model_config = _STRICT
+
+    model: str | None = None
+    tokens: list[int] = Field(json_schema_extra=_TOKEN_IDS)
+
+    @field_validator("tokens")
+    @classmethod
+    def _check_tokens(cls, value: list[int]) -> list[int]:
+        if any(isinstance(t, bool) or not 0 <= t <= _MAX_TOKEN_ID for t in value):
+            raise ValueError("tokens must be non-negative integer token ids")
+        return value
+
+
 async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
     """The whole request body; raises APIError(413) as soon as it is known to exceed ``limit``
     bytes (from Content-Length, or while reading), without buffering the rest."""
@@ -280,6 +357,8 @@ def _as_api_error(exc: ValidationError) -> APIError:
     message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
     if "input" in error and kind not in ("value_error",):
         message += f" (got {_short(error['input'])})"
+    if not loc and kind == "value_error":  # a check across fields (model validator)
+        return APIError(400, message, param="body", code="invalid_value")
     if not loc:
         return APIError(400, f"the request body must be a JSON object: {message}", param="body")
     return APIError(400, f"invalid '{param}': {message}", param=param, code="invalid_value")

@@ -19,7 +19,7 @@ from gemmaserve.server.connections import (
 )
 from gemmaserve.settings import CoreSettings
 
-__all__ = ["serve", "served_model_name", "model_aliases"]
+__all__ = ["serve", "served_model_name", "model_names", "model_aliases"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +34,12 @@ def served_model_name(settings: CoreSettings, fallback: str) -> str:
     if settings.model:
         return Path(settings.model).resolve().name
     return fallback
+
+
+def model_names(settings: CoreSettings, fallback: str) -> list[str]:
+    """The names ``/v1/models`` lists (responses use the first): ``SERVED_MODEL_NAME`` (``--served-model-name``)
+    when given, as vLLM's; else the checkpoint folder's name."""
+    return _split(settings.served_model_name) or [served_model_name(settings, fallback)]
 
 
 def model_aliases(settings: CoreSettings) -> list[str]:
@@ -140,8 +146,11 @@ def serve(settings: CoreSettings) -> None:
     engine = build_engine(settings)
     engine.start()
     try:
-        name = served_model_name(settings, engine.backend.model_info.name)
-        app = create_app(engine, name, model_aliases=model_aliases(settings), api_key=settings.api_key,
+        names = model_names(settings, engine.backend.model_info.name)
+        name = names[0]
+        app = create_app(engine, name, extra_model_names=names[1:],
+                         model_aliases=[] if settings.served_model_name else model_aliases(settings),
+                         api_key=settings.api_key,
                          allowed_hosts=allowed_hosts(settings), allowed_origins=_split(settings.allowed_origins),
                          debug_endpoints=settings.enable_debug_endpoints)
         logger.info("serving %s (backend %s) on http://%s:%d", name, engine.backend_name, settings.host, settings.port)
