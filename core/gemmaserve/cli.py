@@ -27,27 +27,41 @@ DEMO_PROMPTS = (
 )
 
 
+def _default(field: str) -> str:
+    """CoreSettings' default of ``field`` as the help shows it."""
+    value = CoreSettings.model_fields[field].default
+    return "unset" if value is None else "empty" if value == "" else str(value)
+
+
+def _env_flag(group: argparse._ArgumentGroup, flag: str, help_text: str, **kwargs: object) -> None:
+    """A flag backed by a setting: the help names its env var and its default (the flag's own default is None:
+    unset flags leave env / .env in charge)."""
+    field = flag.lstrip("-").replace("-", "_")
+    group.add_argument(flag, help=f"{help_text} (env {field.upper()}; default: {_default(field)})", **kwargs)
+
+
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine (override env settings)")
-    group.add_argument("--model", help="checkpoint directory (env MODEL); default: the embedded Gemma 3 270M")
-    group.add_argument("--backend", help="backend name or 'auto' (env BACKEND); see `gemmaserve backends`")
-    group.add_argument("--device", help="auto, cpu, cuda or mps (env DEVICE)")
-    group.add_argument("--dtype", help="auto, float32, bfloat16 or float16 (env DTYPE)")
-    group.add_argument("--max-batch-size", type=int, help="max concurrent decoding rows (env MAX_BATCH_SIZE)")
-    group.add_argument("--max-active-kv-tokens", type=int, help="KV token budget (env MAX_ACTIVE_KV_TOKENS)")
-    group.add_argument("--max-model-len", type=int, help="max prompt+output tokens per request (env MAX_MODEL_LEN)")
-    group.add_argument("--max-num-batched-tokens", type=int,
-                       help="token budget of one scheduler tick, decode rows first (env MAX_NUM_BATCHED_TOKENS)")
-    group.add_argument("--log-level", help="debug, info, warning or error (env LOG_LEVEL)")
+    _env_flag(group, "--model", "checkpoint directory; unset = the embedded Gemma 3 270M")
+    _env_flag(group, "--backend", "backend name or 'auto'; see `gemmaserve backends`")
+    _env_flag(group, "--device", "auto, cpu, cuda or mps")
+    _env_flag(group, "--dtype", "auto, float32, bfloat16 or float16")
+    _env_flag(group, "--max-batch-size", "max concurrent decoding rows", type=int)
+    _env_flag(group, "--max-active-kv-tokens", "KV token budget of all admitted requests", type=int)
+    _env_flag(group, "--max-model-len", "max prompt+output tokens per request; unset = the model's own", type=int)
+    _env_flag(group, "--max-num-batched-tokens", "token budget of one scheduler tick, decode rows first", type=int)
+    _env_flag(group, "--log-level", "debug, info, warning or error")
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser, default_max_tokens: int) -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=int, default=default_max_tokens)
-    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--top-k", type=int, default=0)
-    group.add_argument("--seed", type=int, default=None)
+    group.add_argument("--max-tokens", type=int, default=default_max_tokens, help="tokens to generate "
+                       "(default: %(default)s)")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, up to 100 (default: %(default)s)")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, in (0, 1] (default: %(default)s)")
+    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off "
+                       "(default: %(default)s)")
+    group.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
 
 
@@ -128,6 +142,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _setup_logging(settings)
     params = sampling_from_args(args)
     prompt: str | list[int] = _parse_token_ids(args.prompt) if args.token_ids else args.prompt
+    if not prompt:  # before loading the model (seconds), not after
+        from gemmaserve.errors import InvalidRequestError
+
+        raise InvalidRequestError("the prompt is empty; give the text to continue, e.g. gemmaserve generate "
+                                  "'The capital of France is'")
     with LLM(settings=settings) as llm:
         start = time.perf_counter()
         final = None
@@ -234,37 +253,29 @@ def _served_names(names: Sequence[str] | None) -> str | None:
 
 def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
-    p.add_argument("--host", default=None, help="bind address (env HOST; default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="port (env PORT; default 8000)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer <key>' (env API_KEY or VLLM_API_KEY; /health, /metrics open)")
-    p.add_argument("--allowed-hosts", default=None,
-                   help="comma-separated Host names accepted besides the loopback ones (env ALLOWED_HOSTS)")
-    p.add_argument("--allowed-origins", default=None,
-                   help="comma-separated CORS origins ('*' = any; env ALLOWED_ORIGINS); default: CORS off")
-    p.add_argument("--enable-debug-endpoints", action="store_true", default=None,
-                   help="serve /debug/kv, /docs and /redoc (env ENABLE_DEBUG_ENDPOINTS)")
-    p.add_argument("--timeout-keep-alive", type=float, default=None,
-                   help="seconds a connection may stay silent before or between requests (env TIMEOUT_KEEP_ALIVE; "
-                   "default 5)")
-    p.add_argument("--client-header-timeout", type=float, default=None,
-                   help="seconds a request may take to send its headers; 408 and close after "
-                   "(env CLIENT_HEADER_TIMEOUT; default 10)")
-    p.add_argument("--client-body-timeout", type=float, default=None,
-                   help="seconds a request may take to send its body after its headers; 408 and close after "
-                   "(env CLIENT_BODY_TIMEOUT; default 60)")
-    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="model names to serve under (env SERVED_MODEL_NAME, comma-separated): /v1/models lists them, "
-                   "requests may name any, responses name the first; default: the checkpoint folder's name")
-    p.add_argument("--default-max-tokens", type=int, default=None,
-                   help="max_tokens of a chat request that sends none, within the rest of the context; 0 = the rest "
-                   "of the context (env DEFAULT_MAX_TOKENS; default 2048)")
-    p.add_argument("--shutdown-timeout", type=float, default=None,
-                   help="on SIGTERM/SIGINT, seconds running requests get to finish while new ones are refused; "
-                   "then the rest are cancelled (env SHUTDOWN_TIMEOUT; default 10)")
-    p.add_argument("--limit-concurrency", type=int, default=None,
-                   help="most connections served at once; requests on others get 503 (env LIMIT_CONCURRENCY; "
-                   "default 2048)")
+    g = p.add_argument_group("server (override env settings)")
+    _env_flag(g, "--host", "bind address")
+    _env_flag(g, "--port", "port", type=int)
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on every endpoint but "
+                   "/health and /metrics (env API_KEY or VLLM_API_KEY; default: unset, no key)")
+    _env_flag(g, "--allowed-hosts", "comma-separated Host names accepted besides the loopback ones; empty: on "
+              "loopback only those, elsewhere any")
+    _env_flag(g, "--allowed-origins", "comma-separated CORS origins ('*' = any); empty = CORS off")
+    _env_flag(g, "--enable-debug-endpoints", "serve /debug/kv, /docs and /redoc", action="store_true", default=None)
+    _env_flag(g, "--served-model-name", "model names to serve under (comma-separated in the env): /v1/models lists "
+              "them, requests may name any, responses name the first; empty = the checkpoint folder's name",
+              nargs="+", default=None, metavar="NAME")
+    _env_flag(g, "--default-max-tokens", "max_tokens of a chat request that sends none, within the rest of the "
+              "context; 0 = the rest of the context", type=int)
+    _env_flag(g, "--timeout-keep-alive", "seconds a connection may stay silent before or between requests",
+              type=float)
+    _env_flag(g, "--client-header-timeout", "seconds a request may take to send its headers; 408 and close after",
+              type=float)
+    _env_flag(g, "--client-body-timeout", "seconds a request may take to send its body after its headers; 408 and "
+              "close after", type=float)
+    _env_flag(g, "--limit-concurrency", "most connections served at once; requests on others get 503", type=int)
+    _env_flag(g, "--shutdown-timeout", "on SIGTERM/SIGINT, seconds running requests get to finish while new ones "
+              "are refused; then the rest are cancelled", type=float)
     _add_engine_flags(p)
     p.set_defaults(func=cmd_serve)
 

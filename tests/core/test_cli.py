@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+import json
+
 import pytest
 
-from gemmaserve.cli import _parse_token_ids, main
+from gemmaserve.cli import _parse_token_ids, build_parser, main
 from gemmaserve.engine.engine import Engine
 from gemmaserve.engine.request import FinishReason
 from gemmaserve.errors import InvalidRequestError
@@ -46,3 +49,53 @@ def test_sampling_params_accepts_vllm_top_k_minus_one() -> None:
     assert SamplingParams(top_k=-1).top_k == 0
     with pytest.raises(InvalidRequestError, match="top_k"):
         SamplingParams(top_k=-2)
+
+
+def test_generate_rejects_an_empty_prompt_before_loading_the_model(monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    def no_model(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was loaded for an empty prompt")
+
+    monkeypatch.setattr("gemmaserve.api.LLM", no_model)
+    assert main(["generate", ""]) == 2
+    assert "the prompt is empty" in capsys.readouterr().err
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+@pytest.mark.parametrize("command", sorted(_subcommands()))
+def test_help_shows_every_options_default(command: str) -> None:
+    parser = _subcommands()[command]
+    text = " ".join(parser.format_help().split())
+    for action in parser._actions:
+        if not action.option_strings or action.nargs == 0:  # positionals, --help, on/off flags
+            continue
+        help_text = " ".join((action.help or "").split()) % {"default": action.default}
+        assert "default" in help_text and help_text in text, (command, action.option_strings, action.help)
+    if command == "generate":
+        assert "(env BACKEND; default: auto)" in text and "(default: 64)" in text
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1e-9, 2.0, 2.5, 100.0, 100.5, -0.1, float("inf"), float("nan")])
+def test_temperature_range_is_the_same_offline_and_over_http(temperature: float) -> None:
+    from gemmaserve.server.errors import APIError
+    from gemmaserve.server.protocol import CompletionRequest, parse_body
+
+    try:
+        SamplingParams(temperature=temperature)
+        offline = True
+    except InvalidRequestError:
+        offline = False
+    raw = json.dumps({"prompt": "x", "temperature": temperature}).encode()
+    try:
+        parse_body(CompletionRequest, raw)
+        http = True
+    except APIError as exc:
+        assert exc.param == "temperature"
+        http = False
+    assert offline == http, (temperature, offline, http)
+    assert offline == (0 <= temperature <= 100)

@@ -50,7 +50,7 @@ COMPLETION_CASES: list[tuple[str, Any, int, str | None, tuple[str, ...]]] = [
     ("max-tokens-float", {"max_tokens": 5.5}, 400, "max_tokens", ("integer",)),
     ("max-completion-tokens-zero", {"max_completion_tokens": 0}, 400, "max_completion_tokens", ()),
     ("temperature-negative", {"temperature": -0.1}, 400, "temperature", ()),
-    ("temperature-too-high", {"temperature": 2.5}, 400, "temperature", ()),
+    ("temperature-too-high", {"temperature": 100.5}, 400, "temperature", ("100",)),
     ("temperature-string", {"temperature": "hot"}, 400, "temperature", ("number",)),
     ("top-p-zero", {"top_p": 0}, 400, "top_p", ()),
     ("top-p-too-high", {"top_p": 1.5}, 400, "top_p", ()),

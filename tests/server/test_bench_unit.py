@@ -16,7 +16,7 @@ from server_harness import ThreadedServer, free_port, reference_engine
 
 from gemmaserve.bench.dataset import arrival_gaps, random_requests
 from gemmaserve.bench.report import RequestRecord, format_report, percentile, summarize
-from gemmaserve.bench.serving import BenchConfig, run_benchmark
+from gemmaserve.bench.serving import BenchConfig, run_benchmark, server_root
 from gemmaserve.server.app import create_app
 
 
@@ -83,7 +83,8 @@ def test_benchmark_against_the_reference_backend() -> None:
     engine = reference_engine()
     server = ThreadedServer(create_app(engine, "tiny-ref"))
     try:
-        config = BenchConfig(base_url=server.base_url, num_prompts=12, input_len=16, output_len=5, max_concurrency=3,
+        # the OpenAI client's base URL (with /v1) works too: the bench must not ask for /v1/v1/models
+        config = BenchConfig(base_url=server.base_url + "/v1/", num_prompts=12, input_len=16, output_len=5, max_concurrency=3,
                              request_rate=200.0)
         summary = asyncio.run(run_benchmark(config, progress=False, detailed=True))
     finally:
@@ -95,3 +96,10 @@ def test_benchmark_against_the_reference_backend() -> None:
     assert all(len(r["itl"]) == 4 and r["ttft"] > 0 for r in summary["per_request"])
     assert engine.stats().finished == {"length": 12}
     json.dumps(summary)  # the result file is plain JSON
+
+
+@pytest.mark.parametrize("url", ["http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/",
+                                 " http://h:8000/v1 "])
+def test_base_url_with_or_without_v1(url: str) -> None:
+    assert server_root(url) == "http://h:8000"
+    assert server_root("http://h:8000/api/v1") == "http://h:8000/api"  # a proxy prefix is kept

@@ -53,13 +53,21 @@ class BenchConfig:
         return data
 
 
+def server_root(base_url: str) -> str:
+    """The server's root URL from ``--base-url`` given with or without the OpenAI client's ``/v1`` suffix
+    (``http://h:8000``, ``http://h:8000/``, ``http://h:8000/v1`` and ``http://h:8000/v1/`` all give
+    ``http://h:8000``); the benchmark adds ``/v1/models`` and ``/v1/completions`` itself."""
+    root = base_url.strip().rstrip("/")
+    return root[: -len("/v1")] if root.endswith("/v1") else root
+
+
 async def run_benchmark(config: BenchConfig, *, progress: bool = True, detailed: bool = False) -> dict[str, Any]:
     """Run the workload against ``config.base_url`` and return the summary (``per_request`` too
     when ``detailed``). Raises BenchError if the server cannot be queried for its model."""
     import httpx
     from tqdm import tqdm
 
-    base = config.base_url.rstrip("/")
+    base = server_root(config.base_url)
     connections = config.max_concurrency or config.num_prompts
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     async with httpx.AsyncClient(timeout=config.timeout_s, limits=limits) as client:
@@ -209,7 +217,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def add_bench_command(sub: argparse._SubParsersAction) -> None:
     """Register ``gemmaserve bench``."""
     p = sub.add_parser("bench", help="client-side serving benchmark against a running server")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server address (default %(default)s)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="server address, with or without /v1 (default %(default)s)")
     p.add_argument("--model", default=None, help="model name (default: the server's first model)")
     p.add_argument("--num-prompts", type=_positive_int, default=100, help="requests to send (default %(default)s)")
     p.add_argument("--input-len", type=_positive_int, default=128,
@@ -222,11 +231,11 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
                    help="requests/s; inf sends all at once (default %(default)s)")
     p.add_argument("--burstiness", type=_positive_float, default=1.0,
                    help="gamma shape of arrival gaps; 1 = Poisson (default %(default)s)")
-    p.add_argument("--max-concurrency", type=_positive_int, default=None, help="cap on requests in flight")
+    p.add_argument("--max-concurrency", type=_positive_int, default=None, help="cap on requests in flight (default: no cap)")
     p.add_argument("--seed", type=int, default=0, help="dataset and arrival seed (default %(default)s)")
     p.add_argument("--timeout", type=_positive_float, default=600.0,
                    help="per-request timeout, s (default %(default)s)")
-    p.add_argument("--result-file", default=None, help="write the summary as JSON here")
+    p.add_argument("--result-file", default=None, help="write the summary as JSON here (default: not written)")
     p.add_argument("--save-detailed", action="store_true", help="include per-request records in the JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_bench)

@@ -35,6 +35,9 @@ MAX_BODY_BYTES = 16 * 2**20
 """Largest request body accepted (HTTP 413 beyond): far more than any context holds as JSON, small
 enough that one request cannot make the server buffer and parse an unbounded amount."""
 _MAX_TOKEN_ID = 2**31 - 1
+MAX_TEMPERATURE = 100.0
+"""The range SamplingParams accepts offline ([0, 100]); OpenAI documents [0, 2], vLLM accepts more, so a
+temperature that works in ``LLM.generate`` works over HTTP too (tests/core/test_cli.py checks they agree)."""
 _STRICT = ConfigDict(strict=True, extra="ignore")
 
 # JSON schemas of what the hand-written validators accept (for the OpenAPI document)
@@ -75,7 +78,7 @@ class SamplingFields(BaseModel):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1)
     seed: int | None = Field(None, ge=0, lt=2**63)
