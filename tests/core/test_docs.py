@@ -40,3 +40,16 @@ def test_every_plugin_setting_is_documented() -> None:
     text = (DOCS / "settings.md").read_text()
     missing = [name for name in _plugin_env_names() if f"`{name}`" not in text]
     assert not missing, f"document these plugin settings in docs/settings.md: {missing}"
+
+
+def test_the_license_file_is_the_apache_2_license_the_metadata_names() -> None:
+    import hashlib
+    import re
+
+    root = DOCS.parent
+    text = (root / "LICENSE").read_text()
+    # the canonical https://www.apache.org/licenses/LICENSE-2.0.txt, byte for byte
+    assert hashlib.sha256(text.encode()).hexdigest() == "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
+    for pyproject in [root / "pyproject.toml", *sorted((root / "plugins").glob("*/pyproject.toml"))]:
+        assert re.search(r'^license = "Apache-2.0"$', pyproject.read_text(), re.M), pyproject
+    assert "[LICENSE](LICENSE)" in (root / "README.md").read_text()
