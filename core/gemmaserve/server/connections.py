@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import resource
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -178,6 +177,8 @@ class AcceptErrorFilter:
 
 def raise_fd_limit() -> int:
     """Raise the soft RLIMIT_NOFILE to the hard limit (as vLLM does); returns the soft limit now in effect."""
+    import resource  # POSIX only: imported here so the app module imports anywhere
+
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or hard > soft:
         target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
