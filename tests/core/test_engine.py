@@ -364,7 +364,10 @@ class _ChunkFaults(ReferenceBackend):
 def test_prefill_chunks_failures_stay_with_their_requests(mode: str) -> None:
     backend = _ChunkFaults(mode)
     with make_engine(backend) as engine:
-        outputs = engine.generate([[5, 6, 7], [57, 8], [9, 10, 11, 12]], SamplingParams(max_tokens=3, ignore_eos=True))
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        with engine._cond:  # the engine thread takes all three in one tick (one prefill_chunks call), even on a busy box
+            handles = [engine.submit(prompt, params) for prompt in ([5, 6, 7], [57, 8], [9, 10, 11, 12])]
+        outputs = [handle.result(timeout=10) for handle in handles]
         assert backend.calls >= 1
         if mode == "raise":  # every request retried alone and finished
             assert [o.finish_reason for o in outputs] == ["length"] * 3
@@ -398,7 +401,8 @@ def test_recovery_delivers_every_final_event_when_one_abort_fails() -> None:
     broken.abort_request = flaky_abort  # type: ignore[method-assign]
     try:
         params = SamplingParams(max_tokens=50, ignore_eos=True)
-        handles = [engine.submit([5, 6 + i], params, request_id=rid) for i, rid in enumerate("abc")]
+        with engine._cond:  # all three live at once, even on a busy box
+            handles = [engine.submit([5, 6 + i], params, request_id=rid) for i, rid in enumerate("abc")]
         outputs = [handle.result(timeout=5) for handle in handles]
         assert crashed == {"step": True, "abort": True}
         assert [o.finish_reason for o in outputs] == ["error"] * 3
@@ -406,3 +410,23 @@ def test_recovery_delivers_every_final_event_when_one_abort_fails() -> None:
         assert_idle(engine)
     finally:
         engine.shutdown()
+
+
+def test_the_first_engine_freezes_the_startup_objects_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The objects alive when the first engine is built (the backend, the libraries) leave the cyclic GC's scans
+    (gc.freeze after one collection); later engines do not collect or freeze again."""
+    import gc
+
+    from gemmaserve.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_frozen", False)
+    collections: list[int] = []
+    monkeypatch.setattr(gc, "collect", lambda *args: collections.append(1) or 0)
+    backend = ReferenceBackend()
+    first = make_engine(backend)
+    assert collections == [1] and gc.get_freeze_count() > 0
+    frozen = gc.get_freeze_count()
+    second = make_engine(ReferenceBackend())
+    assert collections == [1] and gc.get_freeze_count() == frozen
+    first.shutdown()
+    second.shutdown()

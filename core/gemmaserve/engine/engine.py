@@ -9,6 +9,7 @@ wait for the tick in progress.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import uuid
@@ -30,6 +31,24 @@ if TYPE_CHECKING:
 __all__ = ["Engine", "EngineStats"]
 
 logger = logging.getLogger(__name__)
+
+_FROZEN = threading.Lock()
+_frozen = False
+
+
+def freeze_startup_objects() -> None:
+    """Once per process: collect, then move every object alive now (the model, its tensors and modules, the
+    libraries) to the cyclic garbage collector's permanent generation, so its collections during serving scan
+    only the objects serving makes. Without this, the collections the engine thread's allocations trigger
+    re-scan the whole model: 5 ms of every 7 ms decode tick at 256 rows on the CI box (stubbed forward)."""
+    global _frozen
+    with _FROZEN:
+        if _frozen:
+            return
+        _frozen = True
+        gc.collect()
+        gc.freeze()
+        logger.debug("froze %d startup objects out of the cyclic garbage collector's scans", gc.get_freeze_count())
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +86,7 @@ class Engine:
         owns_backend: bool = False,
         backend_name: str | None = None,
     ) -> None:
+        freeze_startup_objects()  # the backend is built: its objects live as long as the process serves
         self.backend = backend
         self.backend_name = backend_name or type(backend).__name__
         self.settings = settings
