@@ -82,7 +82,8 @@ class LLM:
     # -- prompts ------------------------------------------------------------------------------
     def encode_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         """Text is tokenized; a list of ints is taken as token IDs. Raises InvalidRequestError for
-        empty text, text that is not valid Unicode (lone surrogates), or a list holding a non-int, and
+        empty text, text that is not valid Unicode (lone surrogates), a list holding a non-int or an id outside
+        the vocabulary, and
         PromptTooLongError, before tokenizing, for text that cannot fit the model's context."""
         if isinstance(prompt, str):
             if not prompt:
@@ -91,11 +92,19 @@ class LLM:
             check_text_can_fit(len(prompt), self.tokenizer, self.engine.scheduler.max_model_len)
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, Sequence):
+            vocab_size = self.engine.backend.model_info.vocab_size
             for position, token in enumerate(prompt):
                 if isinstance(token, bool) or not isinstance(token, int):
                     raise InvalidRequestError(
                         f"prompt token {token!r} at position {position} is not an int; a prompt is a string "
                         "or a list of integer token IDs"
+                    )
+                # checked here, not only at submit: the stop-string detokenizer decodes the prompt first, and
+                # Hugging Face tokenizers raise OverflowError on a negative id
+                if not 0 <= token < vocab_size:
+                    raise InvalidRequestError(
+                        f"prompt token {token!r} at position {position} is not a valid token id; "
+                        f"token ids are integers in [0, {vocab_size})"
                     )
             return None, list(prompt)
         raise InvalidRequestError(
