@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from gemmaserve.engine.engine import freeze_startup_objects
 from gemmaserve.engine.request import Request
 from gemmaserve.engine.scheduler import ContinuousBatchScheduler
 from gemmaserve.sampling_params import SamplingParams
@@ -70,6 +71,7 @@ def main() -> None:
         return stub[bucket]
 
     decoder._forward = stubbed_forward
+    freeze_startup_objects()  # as the engine does when it is built
     scheduler = ContinuousBatchScheduler(backend, core)
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     prompts = [tuple((i * 7 + j) % 400 + 4 for j in range(20)) for i in range(rows)]
@@ -119,6 +121,7 @@ def prefill_ticks(args: argparse.Namespace) -> None:
     mixed._bucket_forward = lambda bucket: (logits[: mixed.buffers.seqs_of(bucket)],)  # the stubbed forward
     if backend.decoder is None:  # decode-only ticks: stub the portable decode step too
         backend.runner.decode = lambda batch, ids: logits[: len(ids)]
+    freeze_startup_objects()  # as the engine does when it is built
     scheduler = ContinuousBatchScheduler(backend, core)
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     for round_name in ("warm-up", "timed"):
