@@ -4,7 +4,9 @@ CPU-bound startups overlap), over one tiny random Gemma 4 checkpoint built once 
 - ``load_server``: custom-cpu, default batch size, MAX_WAITING_REQUESTS=160 (load, disconnects, fuzzing);
 - ``faulty_server``: the fault plugin around custom-cpu: poison sequence ``POISON`` fails a row two
   tokens after it; 20 ms per decode step; MAX_BATCH_SIZE=4 (backend faults, cancels while queued);
-- ``tiny_kv_server``: custom-cpu with an 8-block KV pool and a queue of 4 (KV exhaustion).
+- ``tiny_kv_server``: custom-cpu with an 8-block KV pool and a queue of 4 (KV exhaustion);
+- ``draining_server``: the fault plugin without poison, 20 ms per decode step, SHUTDOWN_TIMEOUT=3 (the drain
+  test stops it with SIGTERM).
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ SERVERS: dict[str, dict[str, str]] = {
         "BACKEND": "faulty", "FAULT_POISON": ",".join(map(str, POISON)), "FAULT_POISON_AFTER": "2",
         "FAULT_DECODE_DELAY_S": "0.02", "MAX_BATCH_SIZE": "4", "MAX_WAITING_REQUESTS": "16",
     },
+    # SIGTERM-ed by test_drain_live.py: 20 ms per decode step, so stream lengths set what ends within the drain
+    "draining_server": {"BACKEND": "faulty", "FAULT_DECODE_DELAY_S": "0.02", "SHUTDOWN_TIMEOUT": "3",
+                        "LOG_LEVEL": "info"},
     "tiny_kv_server": {
         "BACKEND": "custom-cpu", "CUSTOM_BACKEND_KV_BLOCKS": "8", "MAX_WAITING_REQUESTS": "4",
         "MAX_BATCH_SIZE": "8",
@@ -53,10 +58,12 @@ class _Pool:
 
     def take(self, name: str, checkpoint: Path) -> LiveServer:
         if not self.servers:
-            site = install_fault_plugin(self.workdir / "fault_site") if "faulty_server" in self.needed else None
-            for key in sorted(self.needed | {name}):
+            keys = sorted(self.needed | {name})
+            faulty = [key for key in keys if SERVERS[key]["BACKEND"] == "faulty"]
+            site = install_fault_plugin(self.workdir / "fault_site") if faulty else None
+            for key in keys:
                 env = {**SERVERS[key], "MODEL": str(checkpoint)}
-                if key == "faulty_server":
+                if key in faulty:
                     assert site is not None
                     env = with_pythonpath(env, site)
                 self.servers[key] = LiveServer(env, self.workdir)
@@ -83,6 +90,11 @@ def load_server(reliability_pool: _Pool, tiny_checkpoint: Path) -> LiveServer:
 @pytest.fixture(scope="session")
 def faulty_server(reliability_pool: _Pool, tiny_checkpoint: Path) -> LiveServer:
     return reliability_pool.take("faulty_server", tiny_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def draining_server(reliability_pool: _Pool, tiny_checkpoint: Path) -> LiveServer:
+    return reliability_pool.take("draining_server", tiny_checkpoint)
 
 
 @pytest.fixture(scope="session")

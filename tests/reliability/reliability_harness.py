@@ -31,6 +31,7 @@ __all__ = [
     "require_custom_torch",
     "rss_kib",
     "scrape",
+    "sse_events",
     "stream_completion",
     "wait_idle",
     "wait_until",
@@ -57,6 +58,7 @@ LiveServer = _server.LiveServer
 build_chat_checkpoint = _server.build_chat_checkpoint
 metric = _server.metric
 wait_until = _server.wait_until
+sse_events = _server.sse_events
 parse_prometheus = _server.parse_prometheus
 
 

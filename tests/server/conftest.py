@@ -58,8 +58,6 @@ LIVE_CONFIGS: dict[str, dict[str, str]] = {
     # short client timeouts, 3 connections, 256 file descriptors (tests/server/test_live_connections.py)
     "guarded": {"BACKEND": OVERLOAD_BACKEND, "TIMEOUT_KEEP_ALIVE": "2", "CLIENT_HEADER_TIMEOUT": "1.5",
                 "CLIENT_BODY_TIMEOUT": "1.5", "LIMIT_CONCURRENCY": "3", RLIMIT_NOFILE_KEY: "256"},
-    # stopped with SIGTERM by tests/server/test_live_drain.py
-    "drain": {"BACKEND": OVERLOAD_BACKEND, "SHUTDOWN_TIMEOUT": "3", "LOG_LEVEL": "info"},
 }
 """Live servers (env on top of DEVICE=cpu, DTYPE=float32): tests get them through ``live_server``."""
 

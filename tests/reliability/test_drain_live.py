@@ -1,27 +1,19 @@
-"""A graceful drain on SIGTERM (a `gemmaserve serve` subprocess with SHUTDOWN_TIMEOUT=3): a stream open at
-SIGTERM that ends within the timeout completes normally; one that cannot is cancelled at the timeout with the
-clean in-band error; new requests are refused meanwhile; the process exits 0."""
+"""A graceful drain on SIGTERM (a `gemmaserve serve` subprocess with SHUTDOWN_TIMEOUT=3 whose decode steps take
+20 ms, so a 20-token stream ends in ~0.4 s and a 600-token one would need ~12 s): a stream open at SIGTERM that
+ends within the timeout completes normally; one that cannot is cancelled at the timeout with the clean in-band
+error; new requests are refused meanwhile; the process exits 0."""
 
 from __future__ import annotations
 
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import pytest
-from server_harness import LiveServer, ServerPool, sse_events
+from reliability_harness import LiveServer, sse_events
 
 SHUTDOWN_TIMEOUT = 3.0
-
-
-@pytest.fixture(scope="module", params=["drain"])
-def live_server(request: pytest.FixtureRequest, server_pool: ServerPool) -> Iterator[LiveServer]:
-    server = server_pool.take(request.param)
-    yield server
-    server.stop()
 
 
 def _stream(base: str, max_tokens: int, started: threading.Event, out: dict[str, Any]) -> None:
@@ -37,13 +29,14 @@ def _stream(base: str, max_tokens: int, started: threading.Event, out: dict[str,
     out["ended"] = time.monotonic()
 
 
-def test_sigterm_lets_running_streams_finish_refuses_new_ones_and_exits(live_server: LiveServer) -> None:
+def test_sigterm_lets_running_streams_finish_refuses_new_ones_and_exits(draining_server: LiveServer) -> None:
+    live_server = draining_server
     base = live_server.base_url
     short: dict[str, Any] = {}
     long: dict[str, Any] = {}
     short_started, long_started = threading.Event(), threading.Event()
-    threads = [threading.Thread(target=_stream, args=(base, 1000, long_started, long)),
-               threading.Thread(target=_stream, args=(base, 60, short_started, short))]
+    threads = [threading.Thread(target=_stream, args=(base, 600, long_started, long)),
+               threading.Thread(target=_stream, args=(base, 20, short_started, short))]
     threads[0].start()
     assert long_started.wait(60)
     threads[1].start()
@@ -66,7 +59,7 @@ def test_sigterm_lets_running_streams_finish_refuses_new_ones_and_exits(live_ser
 
     for thread in threads:
         thread.join(timeout=30)
-    # the short stream finished on its own: 60 tokens, finish_reason length, no error
+    # the short stream finished on its own: 20 tokens, finish_reason length, no error
     chunks = [e for e in short["events"] if e != "[DONE]"]
     assert short["events"][-1] == "[DONE]" and not any("error" in c for c in chunks), short["events"][-3:]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
