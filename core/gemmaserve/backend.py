@@ -64,6 +64,7 @@ __all__ = [
     "SampledTokens",
     "PendingTokens",
     "ReadyTokens",
+    "LaunchedStep",
     "StepOutput",
     "InferenceBackend",
     "RowKV",
@@ -97,6 +98,7 @@ class BackendCapabilities:
     - ``async_decode``: :meth:`InferenceBackend.decode_step_async` returns before the step's tokens reach the
       host, and feeds tokens the host has not read yet from the device; the scheduler (``ASYNC_SCHEDULING``)
       then launches decode step k+1 before it applies step k's tokens, so its bookkeeping overlaps the device.
+      With ``mixed_step`` too, ticks that carry prompt tokens launch the same way (``forward_step_async``).
     """
 
     continuous_batching: bool = True
@@ -197,6 +199,16 @@ class ReadyTokens(PendingTokens):
 
     def result(self) -> SampledTokens:
         return self.sampled
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """Result of :meth:`InferenceBackend.forward_step_async`: per prefill state None or the exception its chunk
+    raised (known at launch), and the step's sampled tokens: one per decode row, then the first token of each
+    state that completed its prompt in this call without an error, in state order."""
+
+    prefill_errors: list[Exception | None]
+    tokens: PendingTokens
 
 
 @dataclass(slots=True)
@@ -339,28 +351,64 @@ class InferenceBackend(ABC):
         """One decode step and its sampling, launched without waiting for the tokens (``capabilities.async_decode``).
 
         Row ``i`` consumes ``input_ids[i]`` when ``from_previous[i] < 0``, else the token that row
-        ``from_previous[i]`` of the previous ``decode_step_async`` call sampled, which the host may not have read
+        ``from_previous[i]`` of the previous asynchronous call (this or ``forward_step_async``) sampled, which the host may not have read
         yet (that entry of ``input_ids`` is ignored). ``rows[i]`` samples row ``i``, as :meth:`sample` does.
         Between two calls the caller may remove rows and splice new ones (new rows pass -1); after any other
-        forward (``decode_step_batched``, ``forward_step``, a prefill) it passes -1 for every row. Mutates
+        forward (``decode_step_batched``, ``forward_step``, a prefill outside ``forward_step_async``) it passes
+        -1 for every row. Mutates
         ``batched`` like :meth:`decode_step_batched`; if it raises, the rows hold the KV they held before.
 
         The default is synchronous (:meth:`decode_step_batched` then :meth:`sample`): correct for every backend,
         with nothing overlapped. Backends that declare ``async_decode`` override it."""
         if not (len(input_ids) == len(from_previous) == len(rows)):
             raise ValueError(f"{len(input_ids)} input ids, {len(from_previous)} sources and {len(rows)} samplings")
+        ids = self._resolve_previous(input_ids, from_previous)
+        sampled = self.sample(self.decode_step_batched(batched, ids), rows, want_logprobs=want_logprobs)
+        self._async_previous = sampled.token_ids
+        return ReadyTokens(sampled)
+
+    def forward_step_async(
+        self, states: Sequence[PrefillState], num_tokens: Sequence[int], batched: BatchKV | None,
+        input_ids: Sequence[int], from_previous: Sequence[int], rows: Sequence[RowSampling],
+        first_rows: Sequence[RowSampling], *, want_logprobs: bool = False,
+    ) -> LaunchedStep:
+        """A whole tick (``forward_step``) with its sampling, launched without waiting for the tokens (backends
+        with ``mixed_step`` and ``async_decode``). Decode rows take their ids as in :meth:`decode_step_async`
+        (``from_previous`` names rows of the previous asynchronous call) and are sampled with ``rows``; a
+        state whose prompt completes is sampled with ``first_rows[i]`` (its first token; ``last_logits`` is
+        still set). The tokens come back in one :class:`PendingTokens` (see :class:`LaunchedStep`); the
+        failure rules are those of ``forward_step``.
+
+        The default is synchronous (``forward_step`` then ``sample``); ``async_decode`` backends override it."""
+        if not (len(input_ids) == len(from_previous) == len(rows)) or len(first_rows) != len(states):
+            raise ValueError(f"{len(input_ids)} input ids, {len(from_previous)} sources and {len(rows)} samplings "
+                             f"for the rows; {len(first_rows)} first-token samplings for {len(states)} states")
+        ids = self._resolve_previous(input_ids, from_previous)
+        out = self.forward_step(states, num_tokens, batched, ids)
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        parts = [(out.decode_logits, list(rows))] if rows else []
+        parts += [(state.last_logits, [first_rows[i]]) for i, state in enumerate(states)
+                  if out.prefill_errors[i] is None and state.is_complete]
+        for logits, samplings in parts:
+            sampled = self.sample(logits, samplings, want_logprobs=want_logprobs)
+            token_ids += sampled.token_ids
+            logprobs += sampled.logprobs or []
+        self._async_previous = token_ids
+        return LaunchedStep(out.prefill_errors, ReadyTokens(SampledTokens(token_ids, logprobs if want_logprobs else None)))
+
+    def _resolve_previous(self, input_ids: Sequence[int], from_previous: Sequence[int]) -> list[int]:
+        """Host ids of an asynchronous call's rows (the synchronous defaults' bookkeeping)."""
         previous = self._async_previous
         ids = []
         for token, source in zip(input_ids, from_previous):
             if source < 0:
                 ids.append(token)
             elif previous is None or source >= len(previous):
-                raise ValueError(f"row source {source} does not name a row of the previous decode_step_async call")
+                raise ValueError(f"row source {source} does not name a row of the previous asynchronous call")
             else:
                 ids.append(previous[source])
-        sampled = self.sample(self.decode_step_batched(batched, ids), rows, want_logprobs=want_logprobs)
-        self._async_previous = sampled.token_ids
-        return ReadyTokens(sampled)
+        return ids
 
     _async_previous: list[int] | None = None
 

@@ -179,3 +179,64 @@ def test_seeded_rows_sample_with_the_step_of_the_token_they_produce() -> None:
     recorder = run(sched)
     assert recorder.outputs["a"].token_ids == backend.reference_generate([5, 6, 7], params)
     assert seen == [[step] for step in range(6)]
+
+
+def test_mixed_ticks_launch_before_the_previous_tick_is_applied() -> None:
+    """With mixed_step, a tick carrying prompt chunks launches too (forward_step_async): a completed prompt's
+    first token is applied one tick later, and the tokens are those of the reference."""
+    calls: list[int] = []
+
+    class Counting(ReferenceBackend):
+        def forward_step_async(self, states, *args, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append(len(states))
+            return super().forward_step_async(states, *args, **kwargs)
+
+    backend = Counting(mixed_step=True, async_decode=True)
+    sched, _, _ = make(backend, prefill_chunk_tokens=4)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = {"a": [5, 6, 7, 8, 5, 6, 7], "b": [8, 8, 7], "c": [6, 5, 6, 5, 6, 5, 6, 5, 6]}
+    for rid, prompt in prompts.items():
+        sched.add_request(Request(rid, tuple(prompt), params))
+    recorder = Recorder()
+    recorder.feed(sched.step())  # tick 1 launches every first chunk; b completes, its first token is in flight
+    assert calls == [3] and "b" not in recorder.tokens and sched._awaiting_first == {"b"}
+    recorder.feed(sched.step())  # tick 2 applies tick 1: b's first token arrives
+    assert recorder.tokens["b"] == backend.reference_generate(prompts["b"], params)[:1]
+    recorder = run(sched, recorder)
+    for rid, prompt in prompts.items():
+        assert recorder.outputs[rid].token_ids == backend.reference_generate(prompt, params), rid
+    assert_idle(sched)
+
+
+def test_cancelling_a_prompt_whose_first_token_is_in_flight() -> None:
+    backend = ReferenceBackend(mixed_step=True, async_decode=True)
+    sched, _, _ = make(backend)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    sched.add_request(Request("a", (5, 6, 7), params))
+    sched.add_request(Request("b", (8, 7), params))
+    recorder = Recorder()
+    recorder.feed(sched.step())
+    assert sched._awaiting_first == {"a", "b"}
+    recorder.feed(sched.abort_request("a"))
+    check_all(sched)
+    recorder = run(sched, recorder)
+    assert recorder.outputs["a"].finish_reason == FinishReason.CANCELLED and recorder.outputs["a"].token_ids == []
+    assert recorder.outputs["b"].token_ids == backend.reference_generate([8, 7], params)
+    assert_idle(sched)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_failing_chunk_fails_its_request_alone_as_in_synchronous_ticks(mixed: bool) -> None:
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7], [8, 40, 6, 5], [6, 6], [7, 5, 5, 5, 6]]
+    outputs = {}
+    for use_async in (False, True):
+        backend = ReferenceBackend(mixed_step=mixed, async_decode=use_async, fail_on_token=40)
+        sched, _, _ = make(backend, prefill_chunk_tokens=2)
+        for i, prompt in enumerate(prompts):
+            sched.add_request(Request(str(i), tuple(prompt), params))
+        recorder = run(sched)
+        outputs[use_async] = {rid: (o.token_ids, o.finish_reason) for rid, o in recorder.outputs.items()}
+        assert_idle(sched)
+    assert outputs[True] == outputs[False]
+    assert outputs[True]["1"][1] == FinishReason.ERROR and outputs[True]["0"][1] == FinishReason.LENGTH

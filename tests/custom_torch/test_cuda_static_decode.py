@@ -160,13 +160,28 @@ def _run_mixed_params(backend, async_scheduling: bool) -> dict[str, tuple[list[i
             for r, _ in plans}
 
 
-def test_async_decode_gives_the_synchronous_tokens_and_logprobs(tiny_gemma4_dir):
-    """The fixed-buffer decoder fed from its previous step's device tokens (asynchronous scheduling) gives
-    exactly the tokens, logprobs and finish reasons of synchronous scheduling; rows do feed on the device."""
-    sync = with_static_decoder(make_backend(tiny_gemma4_dir))
+def _with_fixed_tick_buffers(backend):
+    """The tick forward through the padded fixed buffers the CUDA graphs replay (eagerly, reference attention)."""
+    from gemmaserve_custom_torch.mixed_step import MixedStep
+
+    backend.mixed = MixedStep(backend.model, backend.pools, "reference", fixed_buffers=True, max_tokens=8192,
+                              max_seqs=8, width=-(-backend.model_info.max_model_len // backend.block_size))
+    return backend
+
+
+@pytest.mark.parametrize("fixed_tick_buffers", [False, True])
+def test_async_decode_gives_the_synchronous_tokens_and_logprobs(tiny_gemma4_dir, fixed_tick_buffers):
+    """The fixed-buffer decoder and the tick forward fed from the previous step's device tokens (asynchronous
+    scheduling, decode-only and prompt-carrying ticks) give exactly the tokens, logprobs and finish reasons of
+    synchronous scheduling; rows do feed on the device."""
+    wrap = _with_fixed_tick_buffers if fixed_tick_buffers else (lambda backend: backend)
+    sync = wrap(with_static_decoder(make_backend(tiny_gemma4_dir)))
     expected = _run_mixed_params(sync, async_scheduling=False)
     assert sync.decoder.fed_rows == 0
-    fast = with_static_decoder(make_backend(tiny_gemma4_dir))
+    fast = wrap(with_static_decoder(make_backend(tiny_gemma4_dir)))
+    launched = []
+    original = fast.forward_step_async
+    fast.forward_step_async = lambda *a, **k: launched.append(1) or original(*a, **k)
     got = _run_mixed_params(fast, async_scheduling=True)
     assert {rid: (tokens, reason) for rid, (tokens, _, reason) in got.items()} == {
         rid: (tokens, reason) for rid, (tokens, _, reason) in expected.items()}
@@ -174,6 +189,7 @@ def test_async_decode_gives_the_synchronous_tokens_and_logprobs(tiny_gemma4_dir)
         assert (logprobs is None) == (expected[rid][1] is None), rid
         if logprobs is not None:
             assert logprobs == pytest.approx(expected[rid][1], abs=1e-5), rid
+    assert launched, "prompt-carrying ticks went through forward_step_async"
     assert fast.decoder.fed_rows > 0
     assert_no_leaks(fast)
 

@@ -144,18 +144,18 @@ def test_a_raising_forward_leaves_every_row_as_it_was(tiny_gemma4_dir, monkeypat
     backend = make_backend(tiny_gemma4_dir)
     original, calls = backend.mixed.run, {"n": 0}
 
-    def raising(decode_rows, decode_ids, chunks):
+    def raising(decode_rows, decode_ids, chunks, *feed):
         calls["n"] += 1
         if calls["n"] == 2:
             before = [row.length for row in decode_rows] + [row.length for row, _, _ in chunks]
             backend.model.forward_hidden = boom
             try:
-                return original(decode_rows, decode_ids, chunks)
+                return original(decode_rows, decode_ids, chunks, *feed)
             finally:
                 del backend.model.forward_hidden  # the class method again
                 after = [row.length for row in decode_rows] + [row.length for row, _, _ in chunks]
                 assert after == before
-        return original(decode_rows, decode_ids, chunks)
+        return original(decode_rows, decode_ids, chunks, *feed)
 
     def boom(*args, **kwargs):
         raise RuntimeError("injected forward failure")

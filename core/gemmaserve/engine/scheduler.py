@@ -21,7 +21,10 @@ k+1 (``decode_step_async``; rows feed step k's tokens straight from the device) 
 tokens (stops, events, finished rows leave), so that bookkeeping runs while the device computes. A row that
 finished at step k was launched once more: that token is dropped (it emits nothing after its end) and its KV
 freed; the extra position fits its reservation (prompt + max_tokens). Any other forward first applies the
-launched step (:meth:`_collect_launched`), so prefill, mixed ticks and solo retries see settled rows.
+launched step (:meth:`_collect_launched`), so prefill, mixed ticks and solo retries see settled rows. With
+``mixed_step`` too, ticks that carry prompt tokens launch the same way (``forward_step_async``): a prompt that
+completes at tick k gets its first token (sampled on the device at k) when tick k is applied, during tick
+k+1, and joins the batch then; until then it is not planned again.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from gemmaserve.errors import EngineOverloadedError, InvalidRequestError, KVCapa
 
 if TYPE_CHECKING:
     from gemmaserve.backend import InferenceBackend, PendingTokens, PrefillState, SampledTokens
+    from gemmaserve.sampling_params import RowSampling
     from gemmaserve.kv.cache_manager import CacheManager
     from gemmaserve.settings import CoreSettings
 
@@ -60,10 +64,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class _LaunchedStep:
-    """A ``decode_step_async`` step whose tokens are not applied yet: its handle and its rows in launch order."""
+    """A launched step whose tokens are not applied yet: its handle, its decode rows in launch order, and the
+    prefilling requests whose first token follows the rows' tokens (``forward_step_async``)."""
 
     pending: PendingTokens
     requests: list[Request]
+    completions: tuple[Request, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +120,7 @@ class ContinuousBatchScheduler:
         self._counters: Counter[str] = Counter()
         self._async = self._caps.async_decode and settings.async_scheduling and not self._streaming
         self._launched: _LaunchedStep | None = None
+        self._awaiting_first: set[str] = set()  # prompts complete, first token launched but not applied
 
     # -- queries --------------------------------------------------------------------------------
     @property
@@ -201,6 +208,7 @@ class ContinuousBatchScheduler:
                 logger.exception("aborting request %s failed", rid)
                 failure = failure or exc
         self._launched = None  # every row it carried is gone
+        self._awaiting_first.clear()
         if failure is not None:
             raise AbortIncompleteError(events) from failure
         return events
@@ -212,6 +220,7 @@ class ContinuousBatchScheduler:
         used afterwards."""
         orphans: list[Request] = []
         self._launched = None
+        self._awaiting_first.clear()
         with self.backend.lock:
             for request in list(self._q.requests.values()):
                 try:
@@ -299,6 +308,8 @@ class ContinuousBatchScheduler:
         for request in list(self._q.prefilling):
             if budget <= 0:
                 break
+            if request.request_id in self._awaiting_first:
+                continue
             try:
                 state = request.prefill_state
                 if state is None:
@@ -360,6 +371,9 @@ class ContinuousBatchScheduler:
             self._async_decode(events)
             self._finish_chunks(work, {}, events)
             return
+        if self._async:
+            self._async_mixed_tick(work, pending, events)
+            return
         self._collect_launched(events)
         if not pending and not batch.rows:
             self._finish_chunks(work, {}, events)
@@ -392,18 +406,23 @@ class ContinuousBatchScheduler:
                 self._retry_rows_alone(failure, events)
         self._finish_chunks(work, errors, events)
 
-    def _complete_prefill(self, request: Request, events: list[RequestEvent]) -> None:
-        """Store the prompt, sample the first token, then splice the row (or finish right away)."""
+    def _complete_prefill(self, request: Request, events: list[RequestEvent],
+                          first: tuple[int, float | None] | None = None) -> None:
+        """Store the prompt, sample the first token (or take ``first``, sampled in a launched step), then splice
+        the row (or finish right away)."""
         state = request.prefill_state
         assert state is not None and state.is_complete
         if self._may_store():
             self.backend.prefill_store(state)
         else:
             self._counters["skipped_stores"] += 1
-        sampled = self.backend.sample(state.last_logits, [request.row_sampling()], want_logprobs=request.want_logprobs)
+        if first is None:
+            sampled = self.backend.sample(state.last_logits, [request.row_sampling()],
+                                          want_logprobs=request.want_logprobs)
+            first = (sampled.token_ids[0], sampled.logprobs[0] if sampled.logprobs else None)
         self._counters.update(prompt_tokens=request.num_prompt_tokens, cached_tokens=request.cached_tokens)
         self._counters["generated_tokens"] += 1
-        if request.append_token(sampled.token_ids[0], sampled.logprobs[0] if sampled.logprobs else None, self._eos):
+        if request.append_token(first[0], first[1], self._eos):
             self._q.release(request, events)  # frees the prefill KV
             self._q.retire(request, events)
             return
@@ -461,10 +480,7 @@ class ContinuousBatchScheduler:
         if not batch.rows:
             return
         rows = list(batch.rows)
-        index = {id(request): i for i, request in enumerate(launched.requests)} if launched is not None else {}
-        sources = [index.get(id(request), -1) for request in rows]
-        input_ids = [request.output_token_ids[-1] if source < 0 else 0 for request, source in zip(rows, sources)]
-        sampling = [request.row_sampling(ahead=int(source >= 0)) for request, source in zip(rows, sources)]
+        input_ids, sources, sampling = self._row_inputs(rows, launched)
         try:
             pending = self.backend.decode_step_async(
                 batch.batch, input_ids, sources, sampling, want_logprobs=any(r.want_logprobs for r in rows))
@@ -481,6 +497,60 @@ class ContinuousBatchScheduler:
             self._apply_launched(launched, events)
 
     @staticmethod
+    def _row_inputs(rows: list[Request], launched: _LaunchedStep | None) -> tuple[list[int], list[int], list[RowSampling]]:
+        """Per decode row: its host input id (0 when it feeds on the device), its row in ``launched`` (-1 = none)
+        and its sampling (step one ahead when its previous token is not applied yet)."""
+        index = {id(request): i for i, request in enumerate(launched.requests)} if launched is not None else {}
+        sources = [index.get(id(request), -1) for request in rows]
+        input_ids = [request.output_token_ids[-1] if source < 0 else 0 for request, source in zip(rows, sources)]
+        sampling = [request.row_sampling(ahead=int(source >= 0)) for request, source in zip(rows, sources)]
+        return input_ids, sources, sampling
+
+    def _async_mixed_tick(self, work: list[tuple[Request, PrefillState, int, int]],
+                          pending: list[tuple[Request, PrefillState, int]], events: list[RequestEvent]) -> None:
+        """A tick with prompt chunks through ``forward_step_async``, then the previous launch applied. A chunk's
+        error fails its request at once; prompts that completed wait for their first token (next apply). If the
+        call raises, the previous launch is applied, the rows are retried alone and the chunks run as in a
+        synchronous tick."""
+        batch = self._q.rows
+        launched, self._launched = self._launched, None
+        rows = list(batch.rows)
+        input_ids, sources, sampling = self._row_inputs(rows, launched)
+        states = [state for _, state, _ in pending]
+        first_rows = [request.row_sampling() for request, _, _ in pending]
+        want = any(r.want_logprobs for r in rows) or any(r.want_logprobs for r, _, _ in pending)
+        try:
+            out = self.backend.forward_step_async(states, [n for _, _, n in pending], batch.batch, input_ids, sources,
+                                                  sampling, first_rows, want_logprobs=want)
+            if len(out.prefill_errors) != len(pending):
+                raise RuntimeError(f"forward_step_async returned {len(out.prefill_errors)} results for {len(pending)} states")
+        except Exception as exc:
+            logger.warning("mixed step over %d rows and %d chunks failed; retrying each alone", len(rows),
+                           len(pending), exc_info=True)
+            if launched is not None:
+                self._apply_launched(launched, events)
+            if batch.rows:
+                self._counters["decode_failures"] += 1
+                self._retry_rows_alone(exc, events)
+            self._finish_chunks(work, {}, events)
+            return
+        completions = []
+        befores = {id(request): before for request, _, _, before in work}
+        for (request, state, _), error in zip(pending, out.prefill_errors):
+            before = befores[id(request)]
+            if error is None and state.num_computed <= before and not state.is_complete:
+                error = RuntimeError(f"forward_step_async made no progress at {before}/{len(state.prompt_ids)} tokens")
+            if error is not None:
+                self._q.fail(request, error, events, phase="prefill")
+            elif state.is_complete:
+                completions.append(request)
+                self._awaiting_first.add(request.request_id)
+        self._launched = _LaunchedStep(out.tokens, rows, tuple(completions))
+        if launched is not None:
+            self._apply_launched(launched, events)
+        self._finish_chunks([w for w in work if w[2] == 0], {}, events)  # prompts complete with nothing to run
+
+    @staticmethod
     def _launched_ends_every_row(launched: _LaunchedStep) -> bool:
         """True when every live row of ``launched`` reaches its ``max_tokens`` with the launched token."""
         return all(r.is_finished or len(r.output_token_ids) + 1 >= r.params.max_tokens for r in launched.requests)
@@ -493,19 +563,23 @@ class ContinuousBatchScheduler:
 
     def _apply_launched(self, launched: _LaunchedStep, events: list[RequestEvent]) -> None:
         """Wait for ``launched``'s tokens and append them to its rows that are still live (a row cancelled or
-        failed meanwhile gets nothing); finished rows leave the batch. If reading them raises, the step launched
-        after it (which fed on them) is dropped too and the rows are retried alone."""
-        want_logprobs = any(request.want_logprobs for request in launched.requests)
+        failed meanwhile gets nothing); finished rows leave the batch; prompts that completed get their first
+        token and join the batch. If reading them raises, the step launched after it (which fed on them) is
+        dropped too, the rows are retried alone and the completed prompts sample their first token again."""
+        count = len(launched.requests) + len(launched.completions)
+        want_logprobs = any(r.want_logprobs for r in (*launched.requests, *launched.completions))
         try:
             sampled = launched.pending.result()
-            if len(sampled.token_ids) != len(launched.requests):
-                raise RuntimeError(f"backend sampled {len(sampled.token_ids)} tokens for {len(launched.requests)} rows")
-            if want_logprobs and (sampled.logprobs is None or len(sampled.logprobs) != len(launched.requests)):
+            if len(sampled.token_ids) != count:
+                raise RuntimeError(f"backend sampled {len(sampled.token_ids)} tokens for {count} rows and prompts")
+            if want_logprobs and (sampled.logprobs is None or len(sampled.logprobs) != count):
                 raise RuntimeError("backend did not return one logprob per row although logprobs were requested")
         except Exception as exc:
-            self._launched = None
+            dropped, self._launched = self._launched, None
+            for request in (*launched.completions, *(dropped.completions if dropped is not None else ())):
+                self._awaiting_first.discard(request.request_id)  # planned again: first token from last_logits
             self._counters["decode_failures"] += 1
-            logger.warning("reading a launched decode step failed; retrying each row alone", exc_info=True)
+            logger.warning("reading a launched step failed; retrying each row alone", exc_info=True)
             self._retry_rows_alone(exc, events)
             return
         live = [(i, request) for i, request in enumerate(launched.requests) if not request.is_finished]
@@ -521,6 +595,15 @@ class ContinuousBatchScheduler:
                 if request.request_id in self._q.requests:  # else a failed removal retired the whole batch
                     self._q.retire(request, events)
         events.extend(request.take_event() for _, request in live if not request.is_finished)
+        for j, request in enumerate(launched.completions, start=len(launched.requests)):
+            self._awaiting_first.discard(request.request_id)
+            if request.is_finished:  # cancelled or failed while its first token was in flight
+                continue
+            try:
+                self._complete_prefill(request, events, (sampled.token_ids[j],
+                                                         sampled.logprobs[j] if sampled.logprobs else None))
+            except Exception as exc:
+                self._q.fail(request, exc, events, phase="prefill")
 
     def _retry_rows_alone(self, exc: Exception, events: list[RequestEvent]) -> None:
         """The batched step raised ``exc``: drop the batch (freeing its KV), then redo the step for

@@ -25,6 +25,7 @@ import torch
 from gemmaserve.backend import (
     BackendCapabilities,
     InferenceBackend,
+    LaunchedStep,
     ModelInfo,
     PrefillState,
     SampledTokens,
@@ -193,7 +194,8 @@ class CustomTorchBackend(InferenceBackend):
         return self._tick(states, num_tokens, rows, input_ids)
 
     def _tick(self, states: Sequence[PrefillState], num_tokens: Sequence[int], rows: Sequence[PagedKVCache],
-              input_ids: Sequence[int]) -> StepOutput:
+              input_ids: Sequence[int], sources: Sequence[int] | None = None,
+              previous: torch.Tensor | None = None) -> StepOutput:
         """One `MixedStep` forward: ``rows`` decode ``input_ids``, each state takes up to its chunk (capped at
         the window, shorter when its pool is short). A chunk that got no block runs alone right after on the
         one-row path. Updates the states and the prefix cache; per state None or its exception."""
@@ -206,7 +208,7 @@ class CustomTorchBackend(InferenceBackend):
             state, start = states[i], states[i].num_computed
             chunks.append((state.kv, state.prompt_ids[start : start + sizes[i]],
                            start + sizes[i] == len(state.prompt_ids)))
-        decode_logits, chunk_logits, ran = self.mixed.run(rows, input_ids, chunks)
+        decode_logits, chunk_logits, ran = self.mixed.run(rows, input_ids, chunks, sources, previous)
         errors: list[Exception | None] = [None] * len(states)
         for j, i in enumerate(work):
             state = states[i]
@@ -221,6 +223,40 @@ class CustomTorchBackend(InferenceBackend):
             except Exception as exc:  # this request fails alone; the others' KV is consistent
                 errors[i] = exc
         return StepOutput(errors, decode_logits)
+
+    def forward_step_async(
+        self, states: Sequence[PrefillState], num_tokens: Sequence[int], batched: BatchedPagedKVCache | None,
+        input_ids: Sequence[int], from_previous: Sequence[int], rows: Sequence[RowSampling],
+        first_rows: Sequence[RowSampling], *, want_logprobs: bool = False,
+    ) -> LaunchedStep:
+        """The `MixedStep` tick with the decode rows fed from the previous step's device tokens and every token
+        (decode rows', then first tokens of completed prompts) sampled on the device in one call; the copy to
+        the host is queued behind the tick (:class:`DeviceTokens`). Without the fixed-buffer decoder: the
+        contract's synchronous default."""
+        if self.decoder is None:
+            return super().forward_step_async(states, num_tokens, batched, input_ids, from_previous, rows,
+                                              first_rows, want_logprobs=want_logprobs)
+        decode_rows = batched.rows if batched is not None else []
+        if not (len(input_ids) == len(from_previous) == len(rows) == len(decode_rows)) or len(first_rows) != len(states):
+            raise ValueError(f"{len(input_ids)} input ids / {len(from_previous)} sources / {len(rows)} samplings for "
+                             f"{len(decode_rows)} rows; {len(first_rows)} first-token samplings for {len(states)} states")
+        if len(num_tokens) != len(states):
+            raise ValueError(f"{len(states)} states but {len(num_tokens)} chunk sizes")
+        if not any(min(num, state.num_remaining) > 0 for state, num in zip(states, num_tokens)):
+            tokens = (self.decode_step_async(batched, input_ids, from_previous, rows, want_logprobs=want_logprobs)
+                      if decode_rows else DeviceTokens(torch.zeros(0, dtype=torch.int64), None))
+            return LaunchedStep([None] * len(states), tokens)
+        previous = self._device_tokens  # _tick forgets it: the tick's own tokens replace it below
+        out = self._tick(states, num_tokens, decode_rows, input_ids, from_previous, previous)
+        completed = [i for i, state in enumerate(states) if out.prefill_errors[i] is None and state.is_complete]
+        parts = ([out.decode_logits] if decode_rows else []) + [states[i].last_logits for i in completed]
+        samplings = [*rows, *(first_rows[i] for i in completed)]
+        if not parts:
+            return LaunchedStep(out.prefill_errors, DeviceTokens(torch.zeros(0, dtype=torch.int64), None))
+        logits = parts[0] if len(parts) == 1 else torch.cat([p.to(parts[0].dtype) for p in parts])
+        tokens, logprobs = sample_on_device(logits, samplings, want_logprobs=want_logprobs)
+        self._device_tokens = tokens
+        return LaunchedStep(out.prefill_errors, DeviceTokens(tokens, logprobs))
 
     def _prefill_alone(self, state: PrefillState, num: int) -> None:
         """``num`` tokens of one row on the eager one-row path (`PagedRunner.prefill`: gathers the keys its

@@ -40,9 +40,11 @@ from .kv.forward_batch import (
     build_forward_batch,
     pack_tick,
 )
+from .kv.decode_state import feed_previous
 from .kv.paged_cache import PagedKVCache, prepare_decode_rows
 from .kv.pools import KVPools
 from .models.gemma import GemmaForCausalLM
+from .sampling import to_device
 
 __all__ = ["MixedStep", "shared_tail_start"]
 
@@ -99,8 +101,11 @@ class MixedStep:
 
     @torch.inference_mode()
     def run(self, decode_rows: Sequence[PagedKVCache], decode_ids: Sequence[int],
-            chunks: Sequence[tuple[PagedKVCache, Sequence[int], bool]]) -> tuple[Tensor | None, list[Tensor | None], list[int]]:
+            chunks: Sequence[tuple[PagedKVCache, Sequence[int], bool]], sources: Sequence[int] | None = None,
+            previous: Tensor | None = None) -> tuple[Tensor | None, list[Tensor | None], list[int]]:
         """Decode ``decode_ids[i]`` on ``decode_rows[i]`` and append ``chunks[j] = (row, tokens, want_logits)``.
+        With ``sources``, decode row ``i`` consumes ``previous[sources[i]]`` instead where ``sources[i] >= 0``
+        (asynchronous decode: the previous step's device tokens, gathered on the device before the forward).
 
         Returns (decode logits [B, vocab] or None, valid until the next call; per chunk its last position's
         logits [1, vocab] (a copy) where wanted and the chunk ran whole; per chunk the tokens it ran: all of
@@ -108,6 +113,10 @@ class MixedStep:
         changing anything if the decode rows' blocks cannot be supplied."""
         if len(decode_ids) != len(decode_rows):
             raise ValueError(f"got {len(decode_ids)} input ids for {len(decode_rows)} decode rows")
+        fed = sources is not None and any(source >= 0 for source in sources)
+        if fed and (previous is None or len(sources) != len(decode_rows) or max(sources) >= len(previous)):
+            raise ValueError(f"row sources {list(sources)} do not index the previous step's "
+                             f"{0 if previous is None else len(previous)} tokens")
         prepare_decode_rows(self.pools, decode_rows)
         taken: list[int] = []
         sizes = [len(tokens) for _, tokens, _ in chunks]
@@ -133,7 +142,8 @@ class MixedStep:
         wanted = [i for i in taken if chunks[i][2] and sizes[i] == len(chunks[i][1])]
         seq_of = {i: num_decode + j for j, i in enumerate(taken)}
         tick = pack_tick(self.pools, rows, tokens, [*range(num_decode), *(seq_of[i] for i in wanted)])
-        logits = self._forward(tick)
+        feed = (to_device(list(sources), torch.int64, self.device), previous) if fed else None
+        logits = self._forward(tick, feed)
         for row in decode_rows:
             row.commit_append(1)
         for i in taken:
@@ -158,15 +168,21 @@ class MixedStep:
                     self.graphs.capture(bucket)
         return dict(self.graphs.capture_seconds)
 
-    def _forward(self, tick: PackedTick) -> Tensor:
-        """Logits [R, vocab] of ``tick.logit_seqs`` (a graph replay's rows beyond R are padding)."""
+    def _forward(self, tick: PackedTick, feed: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """Logits [R, vocab] of ``tick.logit_seqs`` (a graph replay's rows beyond R are padding). ``feed``:
+        (sources, previous tokens) of the decode rows, the first tokens of the batch."""
         buffers = self.buffers
         if buffers is not None and buffers.bucket_for(tick.num_tokens, len(tick.query_lens)) is not None:
             bucket = buffers.load(tick)
+            if feed is not None:
+                feed_previous(buffers.ids[: len(feed[0])], *feed)
             run = self.graphs.run if self.graphs is not None else self._bucket_forward
             return run(bucket)[0][: len(tick.logit_seqs)]
         self.eager_steps += 1
-        return self.forward_batch(build_forward_batch(self.pools, tick, self.device, self.block_ms))
+        batch = build_forward_batch(self.pools, tick, self.device, self.block_ms)
+        if feed is not None:
+            feed_previous(batch.ids[: len(feed[0])], *feed)
+        return self.forward_batch(batch)
 
     def _bucket_forward(self, bucket: int) -> tuple[Tensor]:
         assert self.buffers is not None

@@ -26,9 +26,15 @@ from torch import Tensor
 from .paged_cache import PagedKVCache
 from .pools import KVPools
 
-__all__ = ["BatchedDecodeState", "graph_buckets", "pick_bucket"]
+__all__ = ["BatchedDecodeState", "feed_previous", "graph_buckets", "pick_bucket"]
 
 _PAD = (-1, -1)  # slot key of a padding row
+
+
+def feed_previous(ids: Tensor, sources: Tensor, previous: Tensor) -> None:
+    """Asynchronous decode's one device gather: ``ids[i] = previous[sources[i]]`` where ``sources[i] >= 0``
+    (the previous step's sampled tokens, not read by the host), unchanged elsewhere. In place, no host sync."""
+    ids.copy_(torch.where(sources >= 0, previous.index_select(0, sources.clamp(min=0)), ids))
 
 
 def graph_buckets(max_batch_size: int) -> tuple[int, ...]:
@@ -137,9 +143,7 @@ class BatchedDecodeState:
     def feed_previous(self, previous: Tensor, bucket: int) -> None:
         """Rows whose staged source is ``s >= 0`` consume ``previous[s]`` (the device tokens of the previous
         step) instead of their staged id: device ops only, queued before the step's forward."""
-        sources = self.sources[:bucket]
-        ids = self.ids[:bucket]
-        ids.copy_(torch.where(sources >= 0, previous.index_select(0, sources.clamp(min=0)), ids))
+        feed_previous(self.ids[:bucket], self.sources[:bucket], previous)
 
     def step_tensors(self, bucket: int) -> tuple[Tensor, Tensor, dict[str, Tensor], dict[str, Tensor]]:
         """Device-side views/derivations for a ``bucket``-row step (no host sync, graph-capturable):

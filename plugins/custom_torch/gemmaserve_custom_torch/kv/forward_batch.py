@@ -207,6 +207,11 @@ class ForwardBuffers:
         for i, group in enumerate(self.groups):
             self._ints_host[2 + i, start:end] = self.pools.scratch_block(group) * bs
 
+    @property
+    def ids(self) -> Tensor:
+        """int64 [max_tokens]: the staged token ids (decode rows first), which every bucket's batch views."""
+        return self._ints[0]
+
     def bucket_for(self, num_tokens: int, num_seqs: int) -> int | None:
         """The smallest bucket holding the tick, or None when it exceeds the buffers."""
         if num_seqs > self.max_seqs:
