@@ -421,12 +421,16 @@ def test_the_first_engine_freezes_the_startup_objects_once(monkeypatch: pytest.M
 
     monkeypatch.setattr(engine_module, "_frozen", False)
     collections: list[int] = []
-    monkeypatch.setattr(gc, "collect", lambda *args: collections.append(1) or 0)
-    backend = ReferenceBackend()
-    first = make_engine(backend)
-    assert collections == [1] and gc.get_freeze_count() > 0
-    frozen = gc.get_freeze_count()
-    second = make_engine(ReferenceBackend())
-    assert collections == [1] and gc.get_freeze_count() == frozen
-    first.shutdown()
-    second.shutdown()
+    collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *args: collections.append(1) or collect(*args))
+    gc.unfreeze()
+    try:
+        first = make_engine(ReferenceBackend())
+        assert collections == [1] and gc.get_freeze_count() > 0
+        frozen = gc.get_freeze_count()
+        second = make_engine(ReferenceBackend())
+        assert collections == [1] and gc.get_freeze_count() == frozen
+        first.shutdown()
+        second.shutdown()
+    finally:
+        gc.unfreeze()  # the rest of the test session collects everything again
