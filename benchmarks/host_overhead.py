@@ -6,12 +6,16 @@ events), the backend's block bookkeeping of rows crossing a block boundary, and 
 buffers. A tiny random Gemma 4 checkpoint is built in a temporary folder; `StaticDecoder`'s forward is
 replaced by precomputed logits, so the time measured is host work only.
 
+``--engine``: the same decode through the public `Engine` (its thread, the events delivered to a callback per
+request, as the benchmarks and the server receive them): the TPOT median is then the host time per decode
+tick of the whole path, and the time spent in garbage collections is reported with it.
+
 ``--prefill``: ``--rows`` cold prompts of ``--prompt-len`` tokens (window 512, blocks of 16) through the
 one-forward tick under the default 8192-token budget, the tick staged into the fixed buffers the CUDA graphs
 replay, the forward itself stubbed: the host time each prompt-carrying tick adds before and after the GPU work.
 
 Usage (repo root):  TRITON_INTERPRET=1 PYTHONPATH=core:plugins/custom_torch:tests \\
-                    .venv/bin/python benchmarks/host_overhead.py --rows 256 [--profile] [--prefill]
+                    .venv/bin/python benchmarks/host_overhead.py --rows 256 [--profile] [--prefill | --engine]
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print the top functions (cProfile)")
     parser.add_argument("--prefill", action="store_true", help="time prompt-carrying ticks instead of decode ticks")
     parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--engine", action="store_true", help="decode through the Engine (events, callbacks)")
     args = parser.parse_args()
     if args.prefill:
         prefill_ticks(args)
@@ -71,6 +76,9 @@ def main() -> None:
         return stub[bucket]
 
     decoder._forward = stubbed_forward
+    if args.engine:
+        engine_ticks(args, backend, core)
+        return
     freeze_startup_objects()  # as the engine does when it is built
     scheduler = ContinuousBatchScheduler(backend, core)
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
@@ -93,6 +101,51 @@ def main() -> None:
           + (" (under cProfile)" if args.profile else ""))
     if args.profile:
         pstats.Stats(profile).sort_stats("tottime").print_stats(20)
+
+
+def engine_ticks(args: argparse.Namespace, backend: object, core: CoreSettings) -> None:
+    """``--engine``: TPOT of stubbed-forward decode through the Engine, and the garbage collections' share."""
+    import gc
+    import statistics
+
+    from decode_workloads import run_engine
+    from gemmaserve_custom_torch.mixed_step import MixedStep
+
+    rows = args.rows
+    backend.mixed = MixedStep(backend.model, backend.pools, "reference", max_tokens=core.max_num_batched_tokens,
+                              max_seqs=rows, width=64)  # the 20-token prompts' prefill: eager, quick
+    prompts = [[(i * 7 + j) % 400 + 4 for j in range(20)] for i in range(rows)]
+    run_engine(backend, core, prompts, 8)  # warm-up; the first engine freezes the startup objects
+    collecting = {"s": 0.0, "start": 0.0}
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            collecting["start"] = time.perf_counter()
+        else:
+            collecting["s"] += time.perf_counter() - collecting["start"]
+
+    gc.callbacks.append(on_gc)
+    profile = cProfile.Profile() if args.profile else None
+    if profile is not None:  # the engine thread does the work
+        from gemmaserve.engine.engine import Engine
+
+        run = Engine._run
+
+        def profiled(self: Engine) -> None:
+            profile.enable()
+            try:
+                run(self)
+            finally:
+                profile.disable()
+
+        Engine._run = profiled  # type: ignore[method-assign]
+    result = run_engine(backend, core, prompts, args.tokens)
+    gc.callbacks.remove(on_gc)
+    print(f"rows={rows}: engine TPOT median {statistics.median(result.tpot_ms):.3f} ms (host only), "
+          f"{collecting['s'] * 1e3 / args.tokens:.3f} ms per token in garbage collections"
+          + (" (under cProfile)" if args.profile else ""))
+    if profile is not None:
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
 
 
 def prefill_ticks(args: argparse.Namespace) -> None:
