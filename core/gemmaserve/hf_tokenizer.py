@@ -14,16 +14,60 @@ from typing import Any
 
 from gemmaserve.errors import InvalidRequestError, ModelLoadError
 
-__all__ = ["HFTokenizerAdapter", "load_hf_tokenizer"]
+__all__ = ["GEMMA_CHAT_TEMPLATE", "TURN_END_TOKENS", "HFTokenizerAdapter", "load_hf_tokenizer"]
+
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] in ('system', 'developer') and messages | length > 1 -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = '' -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/... "
+    "(after an optional first system message)') }}"
+    "{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}"
+    "{{ '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
+"""The Gemma turn format (Gemma 2 / 3's own template, for text): ``<start_of_turn>user\\n...<end_of_turn>\\n``
+per message, a first system message prefixed to the first user turn, ``<start_of_turn>model\\n`` as the
+generation prompt. Used for a Gemma-family tokenizer (one whose vocabulary holds ``<start_of_turn>`` and
+``<end_of_turn>``) that ships no chat template, such as the default model converted from its GGUF."""
+
+TURN_END_TOKENS = ("<end_of_turn>", "<turn|>", "<|im_end|>", "<|eot_id|>", "<|end|>")
+"""Tokens that end an assistant turn in common chat templates; one that the template in use writes and that is
+a single vocabulary token stops a chat generation (:attr:`HFTokenizerAdapter.chat_stop_token_ids`)."""
 
 
 class HFTokenizerAdapter:
-    """Text <-> token IDs through a loaded transformers tokenizer. Stateless after construction;
-    thread-safe as far as the wrapped fast tokenizer is."""
+    """Text <-> token IDs through a loaded transformers tokenizer. Thread-safe as far as the wrapped fast
+    tokenizer is (:meth:`set_chat_template` is meant for start-up, before requests arrive).
 
-    def __init__(self, hf_tokenizer: Any, model_name: str = "") -> None:
+    The chat template is, first one found: ``chat_template`` (``--chat-template``), the tokenizer's own, or
+    :data:`GEMMA_CHAT_TEMPLATE` for a Gemma-family tokenizer without one (``chat_template_source`` says which:
+    ``"configured"``, ``"tokenizer"``, ``"gemma-default"``, or None without a template)."""
+
+    def __init__(self, hf_tokenizer: Any, model_name: str = "", chat_template: str | None = None) -> None:
         self.hf = hf_tokenizer
         self.model_name = model_name
+        self.chat_template: str | None = None
+        self.chat_template_source: str | None = None
+        self.chat_stop_token_ids: tuple[int, ...] = ()
+        own = getattr(hf_tokenizer, "chat_template", None)
+        if chat_template:
+            self.set_chat_template(chat_template)
+        elif own:
+            self._use_template(own, "tokenizer")
+        elif self.is_gemma_family:
+            self._use_template(GEMMA_CHAT_TEMPLATE, "gemma-default")
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
@@ -33,7 +77,52 @@ class HFTokenizerAdapter:
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self.hf, "chat_template", None))
+        return bool(self.chat_template)
+
+    def set_chat_template(self, template: str) -> None:
+        """Render chats with ``template`` (Jinja text) from now on (``--chat-template``). Raises ValueError if it
+        is empty or not valid Jinja."""
+        if not isinstance(template, str) or not template.strip():
+            raise ValueError("the chat template is empty")
+        try:
+            import jinja2.sandbox
+
+            jinja2.sandbox.ImmutableSandboxedEnvironment().parse(template)
+        except ImportError:  # transformers needs jinja2 to render; it then reports the problem itself
+            pass
+        except Exception as exc:  # jinja2.TemplateSyntaxError
+            raise ValueError(f"the chat template is not valid Jinja: {exc}") from None
+        self._use_template(template, "configured")
+
+    def _use_template(self, template: Any, source: str) -> None:
+        self.chat_template = template
+        self.chat_template_source = source
+        text = template if isinstance(template, str) else " ".join(str(t) for t in dict(template).values())
+        ids = []
+        for token in TURN_END_TOKENS:
+            token_id = self._single_token_id(token) if token in text else None
+            if token_id is not None and token_id not in ids:
+                ids.append(token_id)
+        self.chat_stop_token_ids = tuple(ids)
+
+    def _single_token_id(self, token: str) -> int | None:
+        """The id of ``token`` if the vocabulary holds it as one token, else None."""
+        try:
+            ids = list(self.hf.encode(token, add_special_tokens=False))
+        except Exception:
+            return None
+        unk = getattr(self.hf, "unk_token_id", None)
+        return int(ids[0]) if len(ids) == 1 and ids[0] != unk else None
+
+    @property
+    def _template_argument(self) -> str | None:
+        """What transformers' ``chat_template=`` gets: the template text (None: the tokenizer's own named set)."""
+        return self.chat_template if isinstance(self.chat_template, str) else None
+
+    @functools.cached_property
+    def is_gemma_family(self) -> bool:
+        """The vocabulary holds ``<start_of_turn>`` and ``<end_of_turn>`` as single tokens (Gemma 1-3)."""
+        return all(self._single_token_id(token) is not None for token in ("<start_of_turn>", "<end_of_turn>"))
 
     @functools.cached_property
     def max_token_chars(self) -> int | None:
@@ -52,8 +141,8 @@ class HFTokenizerAdapter:
         return (int(eos),) if isinstance(eos, int) else ()
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        """Token IDs of ``messages`` rendered with the model's chat template plus the generation
-        prompt. Raises InvalidRequestError if the model has no template or a message is malformed."""
+        """Token IDs of ``messages`` rendered with the chat template plus the generation prompt. Raises
+        InvalidRequestError if the model has no template or a message is malformed."""
         if not self.has_chat_template:
             name = f"model {self.model_name!r}" if self.model_name else "this model"
             raise InvalidRequestError(
@@ -65,7 +154,9 @@ class HFTokenizerAdapter:
                     f"message {index} must be an object with a string 'role' and a 'content'; got {message!r}"
                 )
         try:
-            rendered = self.hf.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=True)
+            rendered = self.hf.apply_chat_template(
+                list(messages), chat_template=self._template_argument, tokenize=True, add_generation_prompt=True
+            )
         except Exception as exc:  # jinja errors (e.g. "roles must alternate") are the request's fault
             raise InvalidRequestError(f"the chat template rejected these messages: {exc}") from None
         if isinstance(rendered, Mapping) or hasattr(rendered, "keys"):  # a BatchEncoding

@@ -685,7 +685,17 @@ def _write_tokenizer(gguf_path: Path, gguf: _GgufFile, model_dir: Path) -> None:
     # keys when tokenizer.json exists; they are written for other readers, as on the Hub.
     config["add_bos_token"] = bool(gguf.metadata.get("tokenizer.ggml.add_bos_token", True))
     config["add_eos_token"] = bool(gguf.metadata.get("tokenizer.ggml.add_eos_token", False))
+    _carry_chat_template(gguf.metadata, config)
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _carry_chat_template(metadata: dict[str, Any], tokenizer_config: dict[str, Any]) -> None:
+    """Copy the GGUF's ``tokenizer.chat_template`` (when it has one) into ``tokenizer_config``. The GGUF shipped
+    today has none (it is the base model): the tokenizer adapter then renders chats with the Gemma turn format
+    (``gemmaserve.hf_tokenizer.GEMMA_CHAT_TEMPLATE``), as for any Gemma-family tokenizer without a template."""
+    template = metadata.get("tokenizer.chat_template")
+    if isinstance(template, str) and template.strip():
+        tokenizer_config["chat_template"] = template
 
 
 def _copy_licence_files(source: Any, model_dir: Path) -> None:

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from gemmaserve.backend import Tokenizer
     from gemmaserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
-__all__ = ["prepare_completion", "prepare_chat", "default_max_tokens_for", "tokenize_text", "render_chat", "COMPLETION_DEFAULT_MAX_TOKENS"]
+__all__ = ["prepare_completion", "prepare_chat", "default_max_tokens_for", "tokenize_text", "render_chat",
+           "chat_stop_token_ids", "COMPLETION_DEFAULT_MAX_TOKENS"]
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
@@ -54,8 +55,14 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limi
     prompt_ids = render_chat([message.as_template_dict() for message in body.messages], tokenizer, context_limit)
     max_tokens = body.requested_max_tokens or default_max_tokens_for(len(prompt_ids), context_limit,
                                                                       default_max_tokens)
-    params = _sampling(body, max_tokens)
+    params = _sampling(body, max_tokens, () if body.ignore_eos else chat_stop_token_ids(tokenizer))
     return Prepared(prompt_ids, params, body.stop_strings, bool(body.logprobs), "messages")
+
+
+def chat_stop_token_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The tokens that end an assistant turn in the tokenizer's chat template (``<end_of_turn>`` for Gemma): a
+    chat ends there, as at EOS (see :attr:`gemmaserve.hf_tokenizer.HFTokenizerAdapter.chat_stop_token_ids`)."""
+    return tuple(int(token) for token in getattr(tokenizer, "chat_stop_token_ids", ()) or ())
 
 
 def tokenize_text(text: str, tokenizer: Tokenizer, context_limit: int, *, add_special_tokens: bool = True) -> list[int]:
@@ -93,8 +100,10 @@ def default_max_tokens_for(prompt_tokens: int, context_limit: int, default_max_t
     return min(rest, default_max_tokens) if default_max_tokens > 0 else rest
 
 
-def _sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
+def _sampling(body: SamplingFields, max_tokens: int, extra_stop_ids: tuple[int, ...] = ()) -> SamplingParams:
     top_k = body.top_k if body.top_k is not None else 0
+    stop_ids = tuple(body.stop_token_ids or ())
+    stop_ids += tuple(token for token in extra_stop_ids if token not in stop_ids)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -102,7 +111,7 @@ def _sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=0 if top_k == -1 else top_k,
             seed=body.seed,
-            stop_token_ids=tuple(body.stop_token_ids or ()),
+            stop_token_ids=stop_ids,
             ignore_eos=bool(body.ignore_eos),
         )
     except InvalidRequestError as exc:  # the protocol checks ranges first; this is a backstop
