@@ -1,36 +1,25 @@
-"""Token sampling on mlx arrays: greedy, temperature, top-k, top-p, seeded per row.
+"""Token sampling on mlx arrays, following the one sampling definition (``gemmaserve.engine.sampling_cpu``):
 
-A sampled row's randomness is Gumbel noise drawn from a key derived from ``(seed, step)`` only, and
-every other operation is row-wise, so a row's token never depends on the other rows of the batch.
-Filters follow the usual order: temperature, then top-k (ties at the k-th value kept), then top-p
-over what top-k left (the smallest prefix of the sorted tokens whose mass reaches ``top_p``).
+greedy is the argmax (lowest index on a tie); a sampled row scales by ``1 / temperature``, keeps the ``top_k``
+largest, then the smallest most-likely prefix whose probability reaches ``top_p``, renormalises, and picks the
+token where the cumulative probability first exceeds ``random.Random(sampling_seed(seed, step)).random()``.
+So a seed gives the same tokens as on the torch backends (up to float32 rounding here) and a row's token never
+depends on the other rows of the batch.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from typing import cast
 
 import mlx.core as mx
 
 from gemmaserve.backend import SampledTokens
+from gemmaserve.engine.sampling_cpu import sampling_seed
 from gemmaserve.sampling_params import RowSampling, SamplingParams
 
-__all__ = ["row_key", "sample_tokens", "sample_rows", "StreamSampler"]
-
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(value: int) -> int:
-    z = (value + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
-def row_key(seed: int, step: int) -> mx.array:
-    """The PRNG key of token ``step`` of a row seeded with ``seed`` (a pure function of both)."""
-    return mx.random.key(_splitmix64((_splitmix64(seed) + step) & _MASK64))
+__all__ = ["sample_tokens", "sample_rows", "StreamSampler"]
 
 
 def sample_tokens(logits: mx.array, rows: Sequence[RowSampling]) -> mx.array:
@@ -48,22 +37,26 @@ def sample_tokens(logits: mx.array, rows: Sequence[RowSampling]) -> mx.array:
 
 
 def _sample_filtered(logits: mx.array, rows: Sequence[RowSampling]) -> mx.array:
+    """Temperature / top-k / top-p sampling of every row of ``logits`` [n, vocab] (the definition above)."""
     vocab = logits.shape[-1]
     temps = mx.array([row.temperature for row in rows], dtype=mx.float32)[:, None]
     scaled = logits.astype(mx.float32) / temps
-    ordered = -mx.sort(-scaled, axis=-1)
-    kth = mx.array([(row.top_k if 0 < row.top_k < vocab else vocab) - 1 for row in rows])[:, None]
-    top_k_floor = mx.take_along_axis(ordered, kth, axis=-1)
-    in_top_k = ordered >= top_k_floor
-    probs = mx.softmax(mx.where(in_top_k, ordered, -mx.inf), axis=-1)
-    mass_before = mx.cumsum(probs, axis=-1) - probs
+    order = mx.argsort(-scaled, axis=-1)
+    ordered = mx.take_along_axis(scaled, order, axis=-1)
+    ranks = mx.arange(vocab)[None, :]
+    top_k = mx.array([row.top_k if row.top_k > 0 else vocab for row in rows])[:, None]
+    keep = ranks < top_k
+    probs = mx.softmax(mx.where(keep, ordered, -mx.inf), axis=-1)
     top_p = mx.array([row.top_p for row in rows], dtype=mx.float32)[:, None]
-    keep = in_top_k & ((mass_before < top_p) | (top_p >= 1.0))
-    num_kept = mx.maximum(keep.astype(mx.int32).sum(axis=-1, keepdims=True), 1)
-    floor = mx.maximum(top_k_floor, mx.take_along_axis(ordered, num_kept - 1, axis=-1))
-    filtered = mx.where(scaled >= floor, scaled, -mx.inf)
-    noise = mx.stack([mx.random.gumbel((vocab,), key=row_key(row.seed, row.step)) for row in rows])
-    return mx.argmax(filtered + noise, axis=-1).astype(mx.int32)
+    before = mx.cumsum(probs, axis=-1) - probs  # mass strictly before each rank
+    keep = keep & ((before < top_p) | (top_p >= 1.0))
+    keep = keep | (ranks == 0)  # the most likely token always survives
+    probs = mx.where(keep, probs, 0.0)
+    cumulative = mx.cumsum(probs / probs.sum(axis=-1, keepdims=True), axis=-1)
+    draws = mx.array([random.Random(sampling_seed(r.seed, r.step)).random() for r in rows], dtype=mx.float32)
+    picked = (cumulative <= draws[:, None]).astype(mx.int32).sum(axis=-1)  # first rank whose cumulative > draw
+    picked = mx.minimum(picked, keep.astype(mx.int32).sum(axis=-1) - 1)  # rounding: never past the last kept
+    return mx.take_along_axis(order, picked[:, None], axis=-1)[:, 0].astype(mx.int32)
 
 
 def sample_rows(logits: mx.array, rows: Sequence[RowSampling], *, want_logprobs: bool = False) -> SampledTokens:
