@@ -14,10 +14,13 @@ from gemmaserve.settings import CoreSettings
 from gemmaserve.testing import ReferenceBackend
 
 
-@pytest.fixture
-def llm():
+@pytest.fixture(params=["sync", "async", "async-mixed"])
+def llm(request):
+    """The offline API over the reference backend, synchronous and with asynchronous scheduling (decode-only
+    launches, and prompt ticks too): stop strings cancel a request whose next step may already be launched."""
     settings = CoreSettings(max_batch_size=8, prefill_chunk_tokens=8, max_active_kv_tokens=8192)
-    backend = ReferenceBackend(max_model_len=512)
+    backend = ReferenceBackend(max_model_len=512, async_decode=request.param != "sync",
+                               mixed_step=request.param == "async-mixed")
     cache = CacheManager(64, 4)
     backend.set_cache_adapter(cache)
     model = LLM(settings=settings, engine=Engine(backend, settings, cache, owns_backend=True))

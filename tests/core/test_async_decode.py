@@ -240,3 +240,38 @@ def test_a_failing_chunk_fails_its_request_alone_as_in_synchronous_ticks(mixed: 
         assert_idle(sched)
     assert outputs[True] == outputs[False]
     assert outputs[True]["1"][1] == FinishReason.ERROR and outputs[True]["0"][1] == FinishReason.LENGTH
+
+
+def test_through_the_engine_cancel_and_shutdown_with_steps_in_flight() -> None:
+    """The engine thread with asynchronous ticks: a request cancelled mid-stream ends cancelled and emits nothing
+    after; the others keep the reference tokens; a shutdown with a launched step cancels the rest, no hang."""
+    import time
+
+    from gemmaserve.engine import Engine
+    from gemmaserve.settings import CoreSettings
+
+    backend = LaggingBackend(mixed_step=True, decode_delay_s=0.001)
+    settings = CoreSettings(max_batch_size=8, prefill_chunk_tokens=4, max_active_kv_tokens=8192)
+    engine = Engine(backend, settings)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    prompts = [(5, 6, 7), (8, 7, 6, 5, 5), (6, 6), (7, 8)]
+    handles = [engine.submit(list(p), params, request_id=str(i)) for i, p in enumerate(prompts)]
+    seen = []
+    for event in handles[0]:
+        seen.extend(event.new_token_ids)
+        if len(seen) >= 3 and not event.finished:
+            handles[0].cancel()
+        if event.finished:
+            break
+    assert event.output.finish_reason == FinishReason.CANCELLED and event.output.token_ids == seen
+    for i in (1, 2, 3):
+        assert handles[i].result(timeout=10).token_ids == backend.reference_generate(list(prompts[i]), params)
+    engine.check_integrity()
+    launches = backend.launches
+    late = [engine.submit([5, 5, 6], SamplingParams(max_tokens=400, ignore_eos=True)) for _ in range(3)]
+    deadline = time.monotonic() + 10
+    while backend.launches < launches + 20:  # the late ones are decoding, a step launched ahead
+        assert time.monotonic() < deadline, "the engine made no progress"
+        time.sleep(0.005)
+    engine.shutdown(timeout=10)
+    assert all(h.result(timeout=10).finish_reason == FinishReason.CANCELLED for h in late)
