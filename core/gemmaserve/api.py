@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Union
 from gemmaserve.detokenize import IncrementalDetokenizer
 from gemmaserve.engine.request import FinishReason
 from gemmaserve.engine.validation import check_text_can_fit
-from gemmaserve.errors import InvalidRequestError
+from gemmaserve.errors import ConfigurationError, InvalidRequestError
 from gemmaserve.sampling_params import SamplingParams
 from gemmaserve.settings import CoreSettings, load_settings
 
@@ -73,9 +73,19 @@ class LLM:
         **overrides: Any,
     ) -> None:
         from gemmaserve.engine.factory import build_engine
+        from gemmaserve.hf_tokenizer import configure_chat_template, read_chat_template
 
+        _check_options(overrides)
         self.settings = settings or load_settings(model=model, backend=backend, device=device, **overrides)
+        template = read_chat_template(self.settings.chat_template) if self.settings.chat_template else None
         self.engine = engine if engine is not None else build_engine(self.settings)
+        try:
+            if template is not None:
+                configure_chat_template(self.engine.backend.tokenizer, template)
+        except BaseException:
+            if engine is None:
+                self.engine.shutdown()
+            raise
         self.engine.start()
         self.tokenizer = self.engine.backend.tokenizer
 
@@ -270,6 +280,63 @@ class _StopWatcher:
         if self.callbacks:
             self._seen_final.wait()
         return output
+
+
+VLLM_OPTIONS_NOT_IMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "tensor_parallel_size": ((1,), "one process drives one device"),
+    "pipeline_parallel_size": ((1,), "one process drives one device"),
+    "data_parallel_size": ((1,), "run one LLM per device"),
+    "distributed_executor_backend": ((None,), "one process drives one device"),
+    "quantization": ((None,), "weights load in `dtype`"),
+    "kv_cache_dtype": (("auto",), "the KV cache is kept in the model dtype"),
+    "tokenizer": ((None,), "the tokenizer is the checkpoint's own (point `model` at a folder holding both)"),
+    "tokenizer_mode": (("auto",), "the checkpoint's fast tokenizer is used"),
+    "skip_tokenizer_init": ((False,), "the checkpoint's tokenizer is always loaded"),
+    "revision": ((None,), "`model` is a local folder; nothing is downloaded"),
+    "tokenizer_revision": ((None,), "`model` is a local folder; nothing is downloaded"),
+    "download_dir": ((None,), "`model` is a local folder; nothing is downloaded"),
+    "trust_remote_code": ((False,), "set HF_TRUST_REMOTE_CODE for the hf backend"),
+    "seed": ((None,), "seed each request with SamplingParams(seed=...)"),
+    "gpu_memory_utilization": ((None,), "KV memory is sized by max_active_kv_tokens"),
+    "swap_space": ((None, 0), "the KV cache is not swapped to the host"),
+    "cpu_offload_gb": ((None, 0), "weights stay on the device"),
+    "enforce_eager": ((None, False), "CUDA graphs are a custom-cuda plugin setting"),
+    "max_num_seqs": ((None,), "use max_batch_size"),
+    "max_seq_len_to_capture": ((None,), "CUDA graph sizes are a custom-cuda plugin setting"),
+    "enable_prefix_caching": ((None, True), "prefix caching is always on"),
+    "enable_lora": ((None, False), "LoRA adapters are not supported"),
+    "speculative_config": ((None,), "speculative decoding is not supported"),
+    "limit_mm_per_prompt": ((None,), "only text prompts are supported"),
+    "hf_overrides": ((None,), "the checkpoint's config.json is used as is"),
+}
+"""Options of vLLM's ``LLM(...)`` that gemmaserve does not implement: each accepted only at the value that means
+what gemmaserve does anyway; anything else is a ConfigurationError (never silently ignored)."""
+
+_LLM_PARAMETERS = ("model", "backend", "device", "settings", "engine")
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    """Every keyword of ``LLM(...)`` beyond its parameters must be a core setting (``max_model_len``,
+    ``max_batch_size``...); a vLLM option gemmaserve does not implement raises ConfigurationError unless it has the
+    value that changes nothing, anything else TypeError naming close matches."""
+    from difflib import get_close_matches
+
+    known = tuple(CoreSettings.model_fields)
+    for name, value in options.items():
+        if name in known:
+            continue
+        if name in VLLM_OPTIONS_NOT_IMPLEMENTED:
+            accepted, why = VLLM_OPTIONS_NOT_IMPLEMENTED[name]
+            if any(value is a or (type(value) is type(a) and value == a) for a in accepted):
+                continue
+            shown = " or ".join(repr(a) for a in accepted)
+            raise ConfigurationError(f"LLM({name}={value!r}) is not implemented by gemmaserve ({why}); leave it "
+                                     f"unset or {shown}")
+        candidates = (*_LLM_PARAMETERS, *known, *VLLM_OPTIONS_NOT_IMPLEMENTED)
+        close = get_close_matches(name, candidates, n=3, cutoff=0.6)
+        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else (
+            "; it takes model, backend, device, settings, engine and the core settings (see docs/settings.md)")
+        raise TypeError(f"LLM() got an unexpected keyword argument {name!r}{hint}")
 
 
 def _check_unicode(text: str) -> None:

@@ -12,9 +12,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gemmaserve.errors import InvalidRequestError, ModelLoadError
+from gemmaserve.errors import ConfigurationError, InvalidRequestError, ModelLoadError
 
-__all__ = ["GEMMA_CHAT_TEMPLATE", "TURN_END_TOKENS", "HFTokenizerAdapter", "load_hf_tokenizer"]
+__all__ = [
+    "GEMMA_CHAT_TEMPLATE", "TURN_END_TOKENS", "HFTokenizerAdapter", "load_hf_tokenizer", "read_chat_template",
+    "configure_chat_template",
+]
 
 GEMMA_CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -140,9 +143,15 @@ class HFTokenizerAdapter:
         eos = getattr(self.hf, "eos_token_id", None)
         return (int(eos),) if isinstance(eos, int) else ()
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        """Token IDs of ``messages`` rendered with the chat template plus the generation prompt. Raises
-        InvalidRequestError if the model has no template or a message is malformed."""
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True,
+        continue_final_message: bool = False, template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """Token IDs of ``messages`` rendered with the chat template, plus the generation prompt unless
+        ``add_generation_prompt`` is false. ``continue_final_message``: the last message is left open for the
+        model to continue (transformers' option: the render is cut after its content). ``template_kwargs``:
+        extra template variables. Raises InvalidRequestError if the model has no template, a message is
+        malformed or the template refuses the messages."""
         if not self.has_chat_template:
             name = f"model {self.model_name!r}" if self.model_name else "this model"
             raise InvalidRequestError(
@@ -155,13 +164,55 @@ class HFTokenizerAdapter:
                 )
         try:
             rendered = self.hf.apply_chat_template(
-                list(messages), chat_template=self._template_argument, tokenize=True, add_generation_prompt=True
+                list(messages), chat_template=self._template_argument, tokenize=True,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                **dict(template_kwargs or {}),
             )
         except Exception as exc:  # jinja errors (e.g. "roles must alternate") are the request's fault
             raise InvalidRequestError(f"the chat template rejected these messages: {exc}") from None
         if isinstance(rendered, Mapping) or hasattr(rendered, "keys"):  # a BatchEncoding
             rendered = rendered["input_ids"]
         return [int(token) for token in rendered]
+
+
+def read_chat_template(value: str) -> str:
+    """The template text of ``CHAT_TEMPLATE`` / ``--chat-template``, as vLLM's flag takes it: the path of a template
+    file, or the template itself (text holding ``{`` or a newline). Raises ConfigurationError for a path that
+    cannot be read and for text that is neither."""
+    try:
+        path = Path(value).expanduser()
+        is_file = path.is_file()
+    except (OSError, ValueError):  # a long inline template is no valid path
+        is_file = False
+    if is_file:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigurationError(f"CHAT_TEMPLATE: cannot read the template file {value!r} ({exc})") from None
+        if not text.strip():
+            raise ConfigurationError(f"CHAT_TEMPLATE: the template file {value!r} is empty")
+        return text
+    if "{" in value or "\n" in value:
+        return value
+    raise ConfigurationError(
+        f"CHAT_TEMPLATE / --chat-template {value!r} is neither a readable file nor a Jinja template; give the path "
+        "of a template file, or the template itself (it holds {{ ... }} / {% ... %})"
+    )
+
+
+def configure_chat_template(tokenizer: Any, template: str) -> None:
+    """Make ``tokenizer`` render chats with ``template`` (text from :func:`read_chat_template`). Raises
+    ConfigurationError if the backend's tokenizer cannot take a template or the template is not valid Jinja."""
+    setter = getattr(tokenizer, "set_chat_template", None)
+    if not callable(setter):
+        raise ConfigurationError(
+            f"CHAT_TEMPLATE / --chat-template is not supported by this backend's tokenizer "
+            f"({type(tokenizer).__name__}); unset it, or use a backend whose tokenizer is a Hugging Face one"
+        )
+    try:
+        setter(template)
+    except ValueError as exc:
+        raise ConfigurationError(f"CHAT_TEMPLATE / --chat-template: {exc}") from None
 
 
 def load_hf_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> HFTokenizerAdapter:

@@ -132,6 +132,12 @@ class CoreSettings(BaseSettings):
         description="HTTP server: max_tokens of a chat request that sends none, capped by the rest of the context "
         "(0 = the rest of the context). Completions default to 16, as OpenAI's.",
     )
+    chat_template: str | None = Field(
+        None, validation_alias=env_alias("CHAT_TEMPLATE"),
+        description="Chat template (vLLM's --chat-template): a Jinja template file, or the template itself; "
+        "replaces the checkpoint's own. Unset: the checkpoint's template (Gemma's turn format for a Gemma tokenizer "
+        "without one).",
+    )
     served_model_name: str = Field(
         "", validation_alias=env_alias("SERVED_MODEL_NAME"),
         description="HTTP server: comma-separated model names to serve under (vLLM's --served-model-name): "

@@ -57,8 +57,10 @@ def test_tokenize_messages_is_what_chat_prefills(client: TestClient, engine: Eng
     ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "body", "not both"),
     ({"prompt": 5}, "prompt", "string"),
     ({"prompt": "a", "return_token_strs": True}, "return_token_strs", "not supported"),
+    # the reference tokenizer renders messages only (tests/server/test_chat_template_options.py has the options)
     ({"messages": [{"role": "user", "content": "b"}], "add_generation_prompt": False}, "add_generation_prompt",
-     "only add_generation_prompt=true"),
+     "not supported"),
+    ({"prompt": "a", "continue_final_message": False}, "body", "messages only"),
     ({"messages": [{"role": "user", "content": "b"}], "continue_final_message": True}, "continue_final_message",
      "not supported"),
     ({"messages": [{"role": "user", "content": "b"}], "chat_template": "{{x}}"}, "chat_template", "not supported"),

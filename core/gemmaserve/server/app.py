@@ -265,7 +265,9 @@ class _Server:
             param = "prompt"
         else:
             assert body.messages is not None
-            ids = render_chat([m.as_template_dict() for m in body.messages], self.tokenizer, self.context_limit)
+            body.check_generation_prompt()
+            ids = render_chat([m.as_template_dict() for m in body.messages], self.tokenizer, self.context_limit,
+                              body.template_options)
             param = "messages"
         if len(ids) > self.context_limit:
             raise APIError(400, f"the {param} is {len(ids)} tokens; this model's context holds {self.context_limit}",
@@ -394,6 +396,8 @@ class _View:
         if isinstance(body, CompletionRequest) and body.echo:
             prompt = body.prompt
             echo = prompt if isinstance(prompt, str) else server.tokenizer.decode(prompt)
+        elif isinstance(body, ChatCompletionRequest):
+            echo = body.echo_text
         return cls(endpoint == "chat", generation, body, server, echo)
 
     def full_body(self) -> dict[str, Any]:
@@ -401,12 +405,13 @@ class _View:
         assert gen.finish_reason is not None
         logprobs = self._logprobs(gen.token_ids, gen.logprobs, len(self.echo)) if gen.prepared.want_logprobs else None
         if self.chat:
-            return self.meta.chat(gen.text, gen.finish_reason, logprobs, gen.usage())
+            return self.meta.chat(self.echo + gen.text, gen.finish_reason, logprobs, gen.usage())
         return self.meta.completion(self.echo + gen.text, gen.finish_reason, logprobs, gen.usage())
 
     def opening_chunks(self) -> list[dict[str, Any]]:
         if self.chat:
-            return [self.meta.chat_chunk(None, None, role=True)]
+            role = self.meta.chat_chunk(None, None, role=True)
+            return [role, self.meta.chat_chunk(self.echo, None)] if self.echo else [role]
         return [self.meta.completion_chunk(self.echo, None)] if self.echo else []
 
     def chunk(self, step: Step) -> dict[str, Any]:

@@ -9,6 +9,7 @@ errors become :class:`APIError` 400 naming the field.
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any
 
 from gemmaserve.engine.validation import check_text_can_fit
@@ -52,7 +53,9 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limi
                  default_max_tokens: int = 0) -> Prepared:
     """Render the messages with the model's chat template; without ``max_tokens`` the request may generate
     ``default_max_tokens`` tokens, or fewer if the rest of ``context_limit`` is smaller (0: the rest of it)."""
-    prompt_ids = render_chat([message.as_template_dict() for message in body.messages], tokenizer, context_limit)
+    body.check_generation_prompt()
+    prompt_ids = render_chat([message.as_template_dict() for message in body.messages], tokenizer, context_limit,
+                             body.template_options)
     max_tokens = body.requested_max_tokens or default_max_tokens_for(len(prompt_ids), context_limit,
                                                                       default_max_tokens)
     params = _sampling(body, max_tokens, () if body.ignore_eos else chat_stop_token_ids(tokenizer))
@@ -71,9 +74,14 @@ def tokenize_text(text: str, tokenizer: Tokenizer, context_limit: int, *, add_sp
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def render_chat(messages: list[dict[str, Any]], tokenizer: Tokenizer, context_limit: int) -> list[int]:
+def render_chat(messages: list[dict[str, Any]], tokenizer: Tokenizer, context_limit: int,
+                options: dict[str, Any] | None = None) -> list[int]:
     """The chat template applied to ``messages`` (with the generation prompt); 400 without a template, for
-    messages that cannot fit ``context_limit`` (checked before rendering) or that render to nothing."""
+    messages that cannot fit ``context_limit`` (checked before rendering) or that render to nothing. ``options``:
+    ``apply_chat_template`` keywords (``add_generation_prompt``, ``continue_final_message``, ``template_kwargs``),
+    given only when they differ from the default; a tokenizer that does not take one is a 400 naming it."""
+    options = options or {}
+    _check_template_options(tokenizer, options)
     if not tokenizer.has_chat_template:
         raise APIError(
             400,
@@ -85,12 +93,34 @@ def render_chat(messages: list[dict[str, Any]], tokenizer: Tokenizer, context_li
         )
     _refuse_text_that_cannot_fit(sum(len(m["content"] or "") for m in messages), tokenizer, context_limit, "messages")
     try:
-        prompt_ids = tokenizer.apply_chat_template(messages)
+        prompt_ids = tokenizer.apply_chat_template(messages, **options)
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param="messages") from None
     if not prompt_ids:
         raise APIError(400, "the chat template rendered these messages to zero tokens", param="messages")
     return prompt_ids
+
+
+_OPTION_FIELDS = {"add_generation_prompt": "add_generation_prompt", "continue_final_message": "continue_final_message",
+                  "template_kwargs": "chat_template_kwargs"}
+
+
+def _check_template_options(tokenizer: Tokenizer, options: dict[str, Any]) -> None:
+    """400 naming the request field if this backend's tokenizer cannot take an option (the core protocol's
+    ``apply_chat_template(messages)`` takes none; :class:`~gemmaserve.hf_tokenizer.HFTokenizerAdapter` takes all)."""
+    if not options:
+        return
+    try:
+        parameters = inspect.signature(tokenizer.apply_chat_template).parameters
+    except (TypeError, ValueError):
+        parameters = {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    for option in options:
+        if option not in parameters:
+            field = _OPTION_FIELDS[option]
+            raise APIError(400, f"{field} is not supported by this backend's tokenizer (its chat template takes "
+                           "the messages only); leave it at its default", param=field, code="invalid_value")
 
 
 def default_max_tokens_for(prompt_tokens: int, context_limit: int, default_max_tokens: int) -> int:

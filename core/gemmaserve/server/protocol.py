@@ -216,10 +216,69 @@ class ChatMessage(BaseModel):
         return {"role": self.role, "content": self.content}
 
 
-class ChatCompletionRequest(SamplingFields):
-    """POST /v1/chat/completions."""
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize", "tools",
+    "documents", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "padding", "truncation",
+    "max_length", "return_tensors",
+})
+"""``chat_template_kwargs`` keys that would override what the server passes to the template itself."""
+
+
+class ChatTemplateOptions(BaseModel):
+    """vLLM's chat template options, shared by /v1/chat/completions and /tokenize (messages)."""
+
+    model_config = _STRICT
+
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(value or ()))
+        if reserved:
+            raise ValueError(f"{', '.join(reserved)} cannot be set through chat_template_kwargs; use the request "
+                             "field of that name where there is one")
+        return value
+
+    def check_generation_prompt(self) -> None:
+        """400 if ``add_generation_prompt: true`` is sent with ``continue_final_message: true`` (vLLM's rule)."""
+        if self.continue_final_message and self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+            raise APIError(400, "add_generation_prompt and continue_final_message cannot both be true: either the "
+                           "model starts a new turn (add_generation_prompt) or it continues the last message "
+                           "(continue_final_message, which appends no generation prompt)",
+                           param="continue_final_message", code="invalid_value")
+
+    @property
+    def generation_prompt(self) -> bool:
+        """Whether the template appends the generation prompt: ``add_generation_prompt`` (default true), off with
+        ``continue_final_message`` unless asked for explicitly (which :meth:`check_generation_prompt` refuses)."""
+        return self.add_generation_prompt is not False and not self.continue_final_message
+
+    @property
+    def template_options(self) -> dict[str, Any]:
+        """The keyword arguments of ``Tokenizer.apply_chat_template`` beyond the messages that differ from the
+        default (empty for a plain chat, so a tokenizer without these options still serves it)."""
+        options: dict[str, Any] = {}
+        if self.continue_final_message:  # first: what a tokenizer without options is refused for is named first
+            options["continue_final_message"] = True
+        if not self.generation_prompt:
+            options["add_generation_prompt"] = False
+        if self.chat_template_kwargs:
+            options["template_kwargs"] = dict(self.chat_template_kwargs)
+        return options
+
+
+class ChatCompletionRequest(ChatTemplateOptions, SamplingFields):
+    """POST /v1/chat/completions. vLLM's template options: ``chat_template_kwargs`` (extra template variables),
+    ``add_generation_prompt`` (default true), ``continue_final_message`` (continue the last message, no
+    generation prompt; not with an explicit ``add_generation_prompt: true``), ``echo`` (the last message's content
+    is prepended to the reply when it has the reply's role). A per-request ``chat_template`` is refused."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    echo: bool | None = False
+    chat_template: str | None = Field(None, json_schema_extra=_NULL)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=0)
     tools: list[Any] | None = Field(None, json_schema_extra=_only({"type": "array", "maxItems": 0}))
@@ -234,6 +293,24 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("tools (function calling) are not supported; leave them unset")
         return value
 
+    @field_validator("chat_template")
+    @classmethod
+    def _check_chat_template(cls, value: str | None) -> str | None:
+        if value is not None:
+            raise ValueError("a per-request chat template is not accepted; start the server with --chat-template "
+                             "FILE (CHAT_TEMPLATE), or pass template variables in chat_template_kwargs")
+        return value
+
+    @property
+    def echo_text(self) -> str:
+        """What ``echo`` prepends (vLLM's rule): the last message's content if its role is the reply's role
+        (``assistant`` with the generation prompt, else the last message's own role), else nothing."""
+        if not self.echo:
+            return ""
+        last = self.messages[-1]
+        role = "assistant" if self.generation_prompt else last.role
+        return str(last.content or "") if last.role == role else ""
+
     @field_validator("response_format")
     @classmethod
     def _check_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -242,11 +319,11 @@ class ChatCompletionRequest(SamplingFields):
         return value
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatTemplateOptions):
     """POST /tokenize, vLLM's two shapes: ``{model?, prompt, add_special_tokens?}`` or ``{model?, messages,
-    add_generation_prompt?}``. vLLM options gemmaserve does not implement are refused unless left at their
-    default: ``return_token_strs``, ``continue_final_message``, ``chat_template``, ``chat_template_kwargs``,
-    ``tools``, ``mm_processor_kwargs``, ``add_generation_prompt: false``."""
+    add_generation_prompt?, continue_final_message?, chat_template_kwargs?}`` (rendered as the chat endpoint
+    renders them). vLLM options gemmaserve does not implement are refused unless left at their default:
+    ``return_token_strs``, ``chat_template``, ``tools``, ``mm_processor_kwargs``."""
 
     model_config = _STRICT
 
@@ -254,11 +331,10 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool | None = None
-    add_generation_prompt: bool | None = Field(None, json_schema_extra=_only({"const": True}))
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
     return_token_strs: bool | None = Field(None, json_schema_extra=_only({"const": False}))
-    continue_final_message: bool | None = Field(None, json_schema_extra=_only({"const": False}))
     chat_template: str | None = Field(None, json_schema_extra=_NULL)
-    chat_template_kwargs: dict[str, Any] | None = Field(None, json_schema_extra=_NULL)
     tools: list[Any] | None = Field(None, json_schema_extra=_NULL)
     mm_processor_kwargs: dict[str, Any] | None = Field(None, json_schema_extra=_NULL)
 
@@ -269,25 +345,11 @@ class TokenizeRequest(BaseModel):
             raise ValueError("return_token_strs is not supported; use /detokenize to read tokens back")
         return value
 
-    @field_validator("continue_final_message")
-    @classmethod
-    def _check_continue(cls, value: bool | None) -> bool | None:
-        if value:
-            raise ValueError("continue_final_message is not supported; leave it unset or false")
-        return value
-
-    @field_validator("add_generation_prompt")
-    @classmethod
-    def _check_generation_prompt(cls, value: bool | None) -> bool | None:
-        if value is False:
-            raise ValueError("only add_generation_prompt=true is supported (the chat template always appends it)")
-        return value
-
-    @field_validator("chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs")
+    @field_validator("chat_template", "tools", "mm_processor_kwargs")
     @classmethod
     def _check_unsupported(cls, value: Any, info: Any) -> Any:
         if value is not None:
-            raise ValueError(f"{info.field_name} is not supported; the model's own chat template is used")
+            raise ValueError(f"{info.field_name} is not supported; the server's chat template is used")
         return value
 
     @model_validator(mode="after")
@@ -296,8 +358,10 @@ class TokenizeRequest(BaseModel):
             raise ValueError("send either 'prompt' (a string) or 'messages' (a chat), not both and not neither")
         if self.messages is not None and self.add_special_tokens:
             raise ValueError("add_special_tokens is not supported with messages: the chat template adds them")
-        if self.prompt is not None and self.add_generation_prompt is not None:
-            raise ValueError("add_generation_prompt applies to messages only")
+        if self.prompt is not None and (self.add_generation_prompt is not None or self.continue_final_message
+                                        is not None or self.chat_template_kwargs is not None):
+            raise ValueError("add_generation_prompt, continue_final_message and chat_template_kwargs apply to "
+                             "messages only")
         return self
 
 

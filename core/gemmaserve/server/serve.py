@@ -143,7 +143,16 @@ def serve(settings: CoreSettings) -> None:
     from gemmaserve.engine.factory import build_engine
     from gemmaserve.server.app import create_app
 
+    from gemmaserve.hf_tokenizer import configure_chat_template, read_chat_template
+
+    template = read_chat_template(settings.chat_template) if settings.chat_template else None  # before the load
     engine = build_engine(settings)
+    try:
+        if template is not None:
+            configure_chat_template(engine.backend.tokenizer, template)
+    except BaseException:
+        engine.shutdown()
+        raise
     engine.start()
     try:
         names = model_names(settings, engine.backend.model_info.name)
