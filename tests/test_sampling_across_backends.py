@@ -70,9 +70,100 @@ def test_one_seed_gives_the_same_tokens_on_every_backend(tmp_path) -> None:
     prompts = [[rng.randrange(4, 500) for _ in range(rng.randrange(3, 12))] for _ in range(4)]
     params = [SamplingParams(max_tokens=10, temperature=t, top_p=p, top_k=k, seed=s, ignore_eos=True)
               for t, p, k, s in [(0.9, 0.95, 0, 1), (1.3, 1.0, 20, 2), (0.7, 0.8, 5, 3), (0.0, 1.0, 0, 4)]]
+    params += [  # min_p, logit_bias (greedy and sampled), min_tokens
+        SamplingParams(max_tokens=10, temperature=1.2, min_p=0.2, seed=5, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=0.0, logit_bias={7: 100.0}, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=1.0, seed=6, logit_bias={11: 5.0, 12: -100.0}, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0.0, min_tokens=8, stop_token_ids=[prompts[0][0]]),
+    ]
+    prompts = prompts + prompts
     backends = ["custom-cpu", "hf"]
     if _mlx_sample() is not None:
         backends.append("mlx")
     runs = {name: _generate(path, name, params, prompts) for name in backends}
     for name in backends[1:]:
         assert runs[name] == runs["custom-cpu"], name
+
+
+_adjusted_row = st.tuples(
+    st.sampled_from([0.0, 0.5, 1.0, 1.5]),  # temperature
+    st.sampled_from([1.0, 0.9, 0.5]),  # top_p
+    st.sampled_from([0, 3, 30]),  # top_k
+    st.integers(0, 2**63 - 1),  # seed
+    st.integers(0, 50),  # step
+    st.sampled_from([0.0, 0.05, 0.3, 0.9]),  # min_p
+    st.lists(st.tuples(st.integers(0, 96), st.sampled_from([-100.0, -3.0, 2.5, 8.0])), max_size=4),  # logit_bias
+    st.lists(st.integers(0, 96), max_size=3),  # banned
+)
+
+
+@settings(max_examples=80, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.lists(_adjusted_row, min_size=1, max_size=5), data_seed=st.integers(0, 2**31))
+def test_min_p_logit_bias_and_bans_agree_across_implementations(rows, data_seed) -> None:
+    generator = torch.Generator().manual_seed(data_seed)
+    logits = torch.randn(len(rows), 97, generator=generator) * 3
+    samplings = [RowSampling(t, p, k, seed, step, min_p, tuple(dict(bias).items()), tuple(sorted(set(banned))))
+                 for t, p, k, seed, step, min_p, bias, banned in rows]
+    expected = [sample_row([float(x) for x in logits[i]], row, want_logprob=True) for i, row in enumerate(samplings)]
+    got = sample_tokens(logits, samplings, want_logprobs=True)
+    assert got.token_ids == [token for token, _ in expected]
+    assert got.logprobs == pytest.approx([logprob for _, logprob in expected], abs=1e-9)
+    assert not any(token in row.banned for token, row in zip(got.token_ids, samplings))
+    mlx = _mlx_sample()
+    if mlx is not None:
+        assert mlx(logits, samplings) == got.token_ids
+
+
+def test_min_p_keeps_what_transformers_keeps() -> None:
+    """With temperature, top-k and top-p, the tokens min_p leaves drawable are those transformers' warpers
+    (in generate's order) leave finite."""
+    transformers = pytest.importorskip("transformers")
+    from gemmaserve.engine.sampling_cpu import _filtered_probs
+
+    generator = torch.Generator().manual_seed(3)
+    for case in range(40):
+        logits = torch.randn(1, 200, generator=generator, dtype=torch.float64) * 2
+        temperature, top_k, top_p, min_p = [(0.7, 0, 1.0, 0.1), (1.0, 50, 0.9, 0.05), (1.3, 0, 0.95, 0.2),
+                                            (0.5, 20, 1.0, 0.5)][case % 4]
+        warpers = transformers.LogitsProcessorList([
+            transformers.TemperatureLogitsWarper(temperature),
+            *([transformers.TopKLogitsWarper(top_k)] if top_k else []),
+            *([transformers.TopPLogitsWarper(top_p)] if top_p < 1.0 else []),
+            transformers.MinPLogitsWarper(min_p),
+        ])
+        kept_hf = set(torch.isfinite(warpers(torch.zeros(1, 1, dtype=torch.long), logits.clone()))[0].nonzero()[:, 0].tolist())
+        row = RowSampling(temperature, top_p, top_k, 0, 0, min_p)
+        kept = {token for token, p in _filtered_probs([float(x) for x in logits[0]], row) if p > 0}
+        assert kept == kept_hf, case
+
+
+def test_min_tokens_and_logit_bias_through_the_scheduler() -> None:
+    """min_tokens: no EOS before it (a request that would stop at once runs on); logit_bias 100 forces a token."""
+    from gemmaserve.engine.request import Request
+    from gemmaserve.engine.scheduler import ContinuousBatchScheduler
+    from gemmaserve.settings import CoreSettings
+    from gemmaserve.testing.reference_backend import ReferenceBackend
+    from gemmaserve.testing.reference_model import EOS_ID
+
+    backend = ReferenceBackend(async_decode=True)
+    greedy = SamplingParams(max_tokens=40, temperature=0.0)
+    prompts = [[5 + i % 3, 6, 7 + i % 2, 5 + i] for i in range(40)]
+    early = next((p for p in prompts if backend.reference_generate(p, greedy)[-1] == EOS_ID
+                  and len(backend.reference_generate(p, greedy)) < 6), None)
+    if early is None:
+        pytest.skip("no prompt of the toy model stops within 6 tokens")
+    sched = ContinuousBatchScheduler(backend, CoreSettings(max_batch_size=4, max_active_kv_tokens=4096))
+    params = {
+        "min": SamplingParams(max_tokens=12, temperature=0.0, min_tokens=8),
+        "bias": SamplingParams(max_tokens=5, temperature=0.9, seed=2, logit_bias={"9": 100.0}),
+    }
+    requests = {rid: Request(rid, tuple(early), p) for rid, p in params.items()}
+    for request in requests.values():
+        sched.add_request(request)
+    while sched.has_work:
+        sched.step()
+        sched.check_integrity()
+    minimum = requests["min"].output_token_ids
+    assert len(minimum) >= 8 and EOS_ID not in minimum[:8]
+    assert minimum == backend.reference_generate(early, params["min"])
+    assert requests["bias"].output_token_ids == [9] * 5

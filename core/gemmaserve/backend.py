@@ -451,7 +451,8 @@ class InferenceBackend(ABC):
         seed = params.seed if params.seed is not None else 0
         with self.lock:
             result = self.prefill(prompt_ids)
-            row = RowSampling(params.temperature, params.top_p, params.top_k, seed, 0)
+            eos = self.model_info.eos_token_ids
+            row = RowSampling.for_params(params, seed, 0, eos)
             token = self.sample(result.last_logits, [row]).token_ids[0]
             batched = self.splice_into_batched(None, result.kv, self.kv_length(result.kv))
         try:
@@ -461,7 +462,7 @@ class InferenceBackend(ABC):
                     return
                 with self.lock:
                     logits = self.decode_step_batched(batched, [token])
-                    row = RowSampling(params.temperature, params.top_p, params.top_k, seed, step)
+                    row = RowSampling.for_params(params, seed, step, eos)
                     token = self.sample(logits, [row]).token_ids[0]
         finally:
             with self.lock:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gemmaserve.errors import InvalidRequestError
 
-__all__ = ["SamplingParams", "RowSampling", "MIN_TEMPERATURE", "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS"]
+__all__ = ["SamplingParams", "RowSampling", "MIN_TEMPERATURE", "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "MAX_LOGIT_BIAS"]
 
 MIN_TEMPERATURE = 1e-5
 """Temperatures in (0, MIN_TEMPERATURE) are treated as greedy (0): logits / T would overflow."""
@@ -15,6 +16,8 @@ MAX_STOP_STRINGS = 16
 """Stop strings per request (each is matched against the text as it streams)."""
 MAX_STOP_TOKEN_IDS = 1024
 """Stop token ids per request: more than any tokenizer's special tokens, few enough to check in O(1)."""
+MAX_LOGIT_BIAS = 1024
+"""Entries of ``logit_bias`` per request (OpenAI documents 300; vLLM accepts more)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +26,10 @@ class SamplingParams:
 
     ``temperature == 0`` (the default) means greedy; so does any temperature below ``MIN_TEMPERATURE``. ``top_k`` 0 or -1 and ``top_p == 1`` disable
     those filters.
+    ``min_p`` drops tokens less likely than ``min_p`` times the most likely one (after temperature, top-k and
+    top-p; transformers' order). ``min_tokens``: EOS and ``stop_token_ids`` cannot be sampled before that many
+    tokens. ``logit_bias`` maps token ids to a value in [-100, 100] added to their logits before anything else
+    (OpenAI's definition; -100 in practice bans a token).
     ``seed`` makes sampling reproducible: the same seed, prompt and parameters give the same tokens,
     whatever else is in the batch. ``stop_token_ids`` end the request (the stop token is kept in the
     output, like EOS); ``ignore_eos`` keeps generating past EOS (benchmarks). ``stop`` strings end the
@@ -38,8 +45,24 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     stop: tuple[str, ...] = field(default_factory=tuple)
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            bias = ()
+        elif isinstance(bias, dict):
+            try:
+                bias = tuple(sorted((int(k), v) for k, v in bias.items()))  # JSON object keys are strings
+            except (TypeError, ValueError):
+                raise InvalidRequestError("logit_bias keys must be token ids (integers)") from None
+        elif isinstance(bias, (list, tuple)):
+            bias = tuple(tuple(pair) for pair in bias)
+        else:
+            raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {type(bias).__name__}")
+        object.__setattr__(self, "logit_bias", bias)
         strings = self.stop
         if strings is None:
             strings = ()
@@ -90,6 +113,22 @@ class SamplingParams:
         for text in self.stop:
             if not isinstance(text, str) or not text:
                 raise InvalidRequestError(f"stop must hold non-empty strings, got {text!r}")
+        if not _is_real(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise InvalidRequestError(f"min_p must be a number in [0, 1] (0 = off), got {self.min_p!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or not (
+                0 <= self.min_tokens <= self.max_tokens):
+            raise InvalidRequestError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"at most {MAX_LOGIT_BIAS} logit_bias entries are accepted, got {len(self.logit_bias)}")
+        for pair in self.logit_bias:
+            if len(pair) != 2:
+                raise InvalidRequestError(f"logit_bias entries are (token id, bias) pairs, got {pair!r}")
+            token_id, value = pair
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise InvalidRequestError(f"logit_bias keys must be non-negative token ids, got {token_id!r}")
+            if not _is_real(value) or not (-100.0 <= value <= 100.0):
+                raise InvalidRequestError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for {token_id}")
 
     @property
     def is_greedy(self) -> bool:
@@ -113,7 +152,26 @@ class RowSampling:
     top_k: int
     seed: int
     step: int
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    banned: tuple[int, ...] = ()
+    """Token ids that may not be picked at this step (EOS and stop ids before ``min_tokens``)."""
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """True when the logits change before sampling (``logit_bias``, ``banned``): no raw-argmax shortcut."""
+        return bool(self.logit_bias or self.banned)
+
+    @classmethod
+    def for_params(cls, params: SamplingParams, seed: int, step: int, eos_token_ids: Sequence[int] = (),
+                   top_k: int | None = None) -> RowSampling:
+        """The row view of ``params`` for token ``step`` (bans EOS and stop ids while ``step < min_tokens``)."""
+        banned: tuple[int, ...] = ()
+        if step < params.min_tokens:
+            banned = tuple(sorted({*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)}))
+        return cls(params.temperature, params.top_p, params.top_k if top_k is None else top_k, seed, step,
+                   params.min_p, params.logit_bias, banned)

@@ -2,13 +2,14 @@
 
 Imported only by the torch backends (``import gemmaserve`` never imports it, nor torch):
 
+- first ``logit_bias`` is added and ``banned`` tokens set to -inf (:func:`adjust_logits`).
 - ``temperature == 0``: argmax (lowest index wins a tie).
 - otherwise: logits / temperature, keep the ``top_k`` largest (0 = all), then the smallest most-likely prefix
-  whose probability reaches ``top_p`` (ties: lower index first), renormalise, and pick with the uniform draw
-  ``random.Random(sampling_seed(seed, step)).random()``. So a row's token is a pure function of its logits
+  whose probability reaches ``top_p`` (ties: lower index first), then those at least ``min_p`` times as likely
+  as the most likely, renormalise, and pick with the uniform draw ``random.Random(sampling_seed(seed, step)).random()``. So a row's token is a pure function of its logits
   and (seed, step), whatever else is in the batch and whichever backend runs it, and matches the pure-Python
   definition up to float rounding (float64 here; float32 on MPS).
-- logprob: the chosen token's ``log_softmax(logits)`` under the raw (unscaled, unfiltered) distribution.
+- logprob: the chosen token's ``log_softmax`` under the adjusted (unscaled, unfiltered) distribution.
 
 Vectorised over rows. :func:`sample_on_device` leaves the tokens (and logprobs) on the device without a host
 sync (its small host-to-device copies go through pinned memory on CUDA), for asynchronous decode;
@@ -17,6 +18,7 @@ sync (its small host-to-device copies go through pinned memory on CUDA), for asy
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 
@@ -26,7 +28,7 @@ from gemmaserve.backend import SampledTokens
 from gemmaserve.engine.sampling_cpu import sampling_seed
 from gemmaserve.sampling_params import RowSampling
 
-__all__ = ["sample_tokens", "sample_on_device", "to_device"]
+__all__ = ["adjust_logits", "sample_tokens", "sample_on_device", "to_device"]
 
 
 def to_device(values: Sequence[float] | Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -53,12 +55,15 @@ def sample_on_device(
     device, without a host sync."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [{len(rows)}, vocab] for {len(rows)} rows, got {tuple(logits.shape)}")
-    if not want_logprobs and all(row.is_greedy for row in rows):
+    adjusted = any(row.adjusts_logits for row in rows)
+    if not want_logprobs and not adjusted and all(row.is_greedy for row in rows):
         # argmax in the logits' own dtype: widening is exact and monotone, so the pick (ties: lowest index) is
         # the same as in float64, without the [rows, vocab] float64 copy
         return logits.argmax(dim=-1), None
     work_dtype = torch.float32 if logits.device.type == "mps" else torch.float64
     values = logits.to(work_dtype)
+    if adjusted:
+        values = adjust_logits(values.clone(), rows)
     tokens = values.argmax(dim=-1)
     sampled = [i for i, row in enumerate(rows) if not row.is_greedy]
     if sampled:
@@ -67,6 +72,22 @@ def sample_on_device(
     if not want_logprobs:
         return tokens, None
     return tokens, torch.log_softmax(values, dim=-1).gather(1, tokens[:, None])[:, 0]
+
+
+def adjust_logits(values: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
+    """In place on ``values`` [rows, vocab]: add each row's ``logit_bias``, set its ``banned`` tokens to -inf
+    (ids beyond the vocabulary are ignored). Returns ``values``."""
+    vocab = values.shape[1]
+    bias_at = [(i, token, bias) for i, row in enumerate(rows) for token, bias in row.logit_bias if token < vocab]
+    banned_at = [(i, token) for i, row in enumerate(rows) for token in row.banned if token < vocab]
+    device, dtype = values.device, values.dtype
+    if bias_at:
+        index = to_device([[i for i, _, _ in bias_at], [t for _, t, _ in bias_at]], torch.int64, device)
+        values.index_put_((index[0], index[1]), to_device([b for _, _, b in bias_at], dtype, device), accumulate=True)
+    if banned_at:
+        index = to_device([[i for i, _ in banned_at], [t for _, t in banned_at]], torch.int64, device)
+        values[index[0], index[1]] = float("-inf")
+    return values
 
 
 def _sample_filtered(values: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
@@ -82,6 +103,10 @@ def _sample_filtered(values: torch.Tensor, rows: Sequence[RowSampling]) -> torch
     top_p = to_device([row.top_p for row in rows], dtype, device)
     before = torch.cumsum(probs, dim=-1) - probs  # mass strictly before each rank
     keep &= (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    if any(row.min_p > 0.0 for row in rows):  # a ratio to the most likely token: scaled >= max + log(min_p)
+        log_min_p = to_device([math.log(row.min_p) if row.min_p > 0.0 else -math.inf for row in rows], dtype, device)
+        keep &= scaled >= scaled[:, :1] + log_min_p[:, None]
+    keep &= probs > 0  # banned (-inf) tokens can never be drawn, even by the rounding clamp below
     keep[:, 0] = True  # the most likely token always survives (a tiny top_p or rounding must not empty a row)
     probs = probs.masked_fill(~keep, 0.0)
     cumulative = torch.cumsum(probs / probs.sum(dim=-1, keepdim=True), dim=-1)

@@ -130,6 +130,7 @@ class Request:
     params: SamplingParams
     want_logprobs: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
+    eos_token_ids: tuple[int, ...] = ()  # the model's, set when the scheduler queues it (min_tokens bans them)
     state: RequestState = RequestState.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -178,8 +179,8 @@ class Request:
         fixed-width integer (torch) must not overflow on, say, ``top_k=10**30``."""
         assert self.seed is not None, "seed is assigned at admission"
         params = self.params
-        top_k = min(params.top_k, MAX_TOP_K)
-        return RowSampling(params.temperature, params.top_p, top_k, self.seed, len(self.output_token_ids) + ahead)
+        return RowSampling.for_params(params, self.seed, len(self.output_token_ids) + ahead, self.eos_token_ids,
+                                      top_k=min(params.top_k, MAX_TOP_K))
 
     def append_token(self, token_id: int, logprob: float | None, eos_token_ids: tuple[int, ...]) -> bool:
         """Record a generated token; finish (reason ``stop``/``length``) if it ends the request.

@@ -3,12 +3,15 @@
 Used by the reference backend and as the executable definition of the sampling semantics other
 backends should match:
 
-- ``temperature == 0``: argmax (lowest index wins a tie); no randomness.
-- otherwise: scale logits by ``1 / temperature``, keep the ``top_k`` largest (0 = all), then the
-  smallest set of most likely tokens whose probability reaches ``top_p`` (ties broken by lower
-  index), renormalize and draw with ``random.Random(sampling_seed(seed, step))``.
-- the reported logprob is the chosen token's log-probability under the model's unscaled, unfiltered
-  distribution ``log_softmax(logits)``.
+- first the logits are adjusted: ``logit_bias`` values are added, ``banned`` tokens (EOS and stop ids
+  before ``min_tokens``) become ``-inf``.
+- ``temperature == 0``: argmax of the adjusted logits (lowest index wins a tie); no randomness.
+- otherwise: scale by ``1 / temperature``, keep the ``top_k`` largest (0 = all), then the smallest set of
+  most likely tokens whose probability reaches ``top_p`` (ties broken by lower index), then (``min_p``)
+  only those at least ``min_p`` times as likely as the most likely one (transformers' order: a ratio test,
+  ``scaled >= max + log(min_p)``), renormalize and draw with ``random.Random(sampling_seed(seed, step))``.
+- the reported logprob is the chosen token's log-probability under the adjusted, unscaled, unfiltered
+  distribution ``log_softmax(adjusted logits)`` (the raw model's when nothing is adjusted).
 
 Everything here is a pure function of its arguments, so it is safe from any thread.
 """
@@ -21,7 +24,7 @@ from collections.abc import Sequence
 
 from gemmaserve.sampling_params import RowSampling
 
-__all__ = ["sampling_seed", "log_softmax", "sample_row", "sample_rows"]
+__all__ = ["sampling_seed", "log_softmax", "adjust_logits", "sample_row", "sample_rows"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -47,12 +50,25 @@ def _argmax(values: Sequence[float]) -> int:
     return best
 
 
+def adjust_logits(logits: Sequence[float], row: RowSampling) -> list[float]:
+    """The logits after ``logit_bias`` (added) and ``banned`` (-inf); ids beyond the vocabulary are ignored."""
+    out = list(logits)
+    for token, bias in row.logit_bias:
+        if token < len(out):
+            out[token] += bias
+    for token in row.banned:
+        if token < len(out):
+            out[token] = -math.inf
+    return out
+
+
 def _filtered_probs(logits: Sequence[float], row: RowSampling) -> list[tuple[int, float]]:
     """(token, probability) pairs left after temperature, top-k and top-p, most likely first."""
     scaled = [x / row.temperature for x in logits]
     order = sorted(range(len(scaled)), key=lambda i: (-scaled[i], i))
     if row.top_k > 0:
         order = order[: row.top_k]
+    order = [i for i in order if scaled[i] != -math.inf] or order[:1]  # banned tokens can never be drawn
     top = scaled[order[0]]
     weights = [math.exp(scaled[i] - top) for i in order]
     total = math.fsum(weights)
@@ -66,11 +82,19 @@ def _filtered_probs(logits: Sequence[float], row: RowSampling) -> list[tuple[int
                 break
         total = math.fsum(probs)
         probs = [p / total for p in probs]
+    if row.min_p > 0.0:
+        floor = scaled[order[0]] + math.log(row.min_p)
+        kept = [j for j, i in enumerate(order) if j == 0 or scaled[i] >= floor]
+        order, probs = [order[j] for j in kept], [probs[j] for j in kept]
+        total = math.fsum(probs)
+        probs = [p / total for p in probs]
     return list(zip(order, probs))
 
 
 def sample_row(logits: Sequence[float], row: RowSampling, *, want_logprob: bool = False) -> tuple[int, float | None]:
     """Pick one token from one row of logits; returns (token, logprob or None)."""
+    if row.adjusts_logits:
+        logits = adjust_logits(logits, row)
     if row.is_greedy:
         token = _argmax(logits)
     else:

@@ -174,6 +174,7 @@ class ContinuousBatchScheduler:
                 f"{len(self._q.waiting)} requests are already waiting "
                 f"(MAX_WAITING_REQUESTS={self.settings.max_waiting_requests}); retry later"
             )
+        request.eos_token_ids = self._eos
         self._q.enqueue(request)
 
     def abort_request(

@@ -47,6 +47,11 @@ def validate_request(
                 f"prompt token {token_id!r} at position {position} is not a valid token id; "
                 f"token ids are integers in [0, {vocab_size})"
             )
+    for token_id, _ in request.params.logit_bias:
+        if token_id >= vocab_size:
+            raise InvalidRequestError(
+                f"logit_bias names token {token_id}, outside the vocabulary; token ids are integers in [0, {vocab_size})"
+            )
     if request.want_logprobs and not backend.capabilities.logprobs:
         raise InvalidRequestError(f"backend {backend.model_info.name!r} cannot return logprobs; do not request them")
     max_tokens = request.params.max_tokens

@@ -281,7 +281,7 @@ class ReferenceBackend(InferenceBackend):
         entries = [KVEntry(token, position) for position, token in enumerate(prompt_ids)]
         out: list[int] = []
         while True:
-            row = RowSampling(params.temperature, params.top_p, params.top_k, params.seed or 0, len(out))
+            row = RowSampling.for_params(params, params.seed or 0, len(out), self.model_info.eos_token_ids)
             token = sample_rows([next_token_logits(entries, self.model_info.vocab_size)], [row])[0][0]
             out.append(token)
             eos = not params.ignore_eos and token in self.model_info.eos_token_ids

@@ -313,7 +313,7 @@ class CustomTorchBackend(InferenceBackend):
         previous, self._device_tokens = self._device_tokens, None
         logits = self.decoder.decode(batched, input_ids, from_previous, previous)
         tokens = None
-        if not want_logprobs and all(row.is_greedy for row in rows):
+        if not want_logprobs and all(row.is_greedy and not row.adjusts_logits for row in rows):
             tokens = self.decoder.greedy_tokens(logits)  # the argmax the decode graph already took
         logprobs = None
         if tokens is None:
@@ -332,7 +332,7 @@ class CustomTorchBackend(InferenceBackend):
         self, logits: torch.Tensor, rows: Sequence[RowSampling], *, want_logprobs: bool = False
     ) -> SampledTokens:
         greedy = None
-        if self.decoder is not None and not want_logprobs and all(row.is_greedy for row in rows):
+        if self.decoder is not None and not want_logprobs and all(row.is_greedy and not row.adjusts_logits for row in rows):
             greedy = self.decoder.greedy_tokens(logits)  # the argmax the decode graph already took
         if greedy is not None:
             return SampledTokens(greedy.tolist())  # int64 tensor: tolist() gives ints

@@ -1,7 +1,9 @@
 """Token sampling on mlx arrays, following the one sampling definition (``gemmaserve.engine.sampling_cpu``):
 
-greedy is the argmax (lowest index on a tie); a sampled row scales by ``1 / temperature``, keeps the ``top_k``
-largest, then the smallest most-likely prefix whose probability reaches ``top_p``, renormalises, and picks the
+the logits get ``logit_bias`` added and ``banned`` tokens set to -inf first; greedy is then the argmax (lowest
+index on a tie); a sampled row scales by ``1 / temperature``, keeps the ``top_k`` largest, then the smallest
+most-likely prefix whose probability reaches ``top_p``, then those at least ``min_p`` times as likely as the
+most likely one, renormalises, and picks the
 token where the cumulative probability first exceeds ``random.Random(sampling_seed(seed, step)).random()``.
 So a seed gives the same tokens as on the torch backends (up to float32 rounding here) and a row's token never
 depends on the other rows of the batch.
@@ -9,6 +11,7 @@ depends on the other rows of the batch.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from typing import cast
@@ -25,6 +28,8 @@ __all__ = ["sample_tokens", "sample_rows", "StreamSampler"]
 def sample_tokens(logits: mx.array, rows: Sequence[RowSampling]) -> mx.array:
     """One token per row of ``logits`` [R, vocab] as an int32 array [R]; no host synchronisation."""
     assert logits.ndim == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
+    if any(row.adjusts_logits for row in rows):
+        logits = adjust_logits(logits, rows)
     greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
     sampled_idx = [i for i, row in enumerate(rows) if not row.is_greedy]
     if not sampled_idx:
@@ -34,6 +39,21 @@ def sample_tokens(logits: mx.array, rows: Sequence[RowSampling]) -> mx.array:
         return picked
     greedy[mx.array(sampled_idx)] = picked
     return greedy
+
+
+def adjust_logits(logits: mx.array, rows: Sequence[RowSampling]) -> mx.array:
+    """``logits`` (as float32) plus each row's ``logit_bias``, its ``banned`` tokens at -inf (ids beyond the
+    vocabulary ignored); a new array."""
+    vocab = logits.shape[-1]
+    out = logits.astype(mx.float32)
+    bias_at = [(i, token, bias) for i, row in enumerate(rows) for token, bias in row.logit_bias if token < vocab]
+    if bias_at:
+        out = out.at[mx.array([i for i, _, _ in bias_at]), mx.array([t for _, t, _ in bias_at])].add(
+            mx.array([b for _, _, b in bias_at], dtype=mx.float32))
+    banned_at = [(i, token) for i, row in enumerate(rows) for token in row.banned if token < vocab]
+    if banned_at:
+        out = out.at[mx.array([i for i, _ in banned_at]), mx.array([t for _, t in banned_at])].add(-mx.inf)
+    return out
 
 
 def _sample_filtered(logits: mx.array, rows: Sequence[RowSampling]) -> mx.array:
@@ -50,6 +70,11 @@ def _sample_filtered(logits: mx.array, rows: Sequence[RowSampling]) -> mx.array:
     top_p = mx.array([row.top_p for row in rows], dtype=mx.float32)[:, None]
     before = mx.cumsum(probs, axis=-1) - probs  # mass strictly before each rank
     keep = keep & ((before < top_p) | (top_p >= 1.0))
+    if any(row.min_p > 0.0 for row in rows):  # a ratio to the most likely token: scaled >= max + log(min_p)
+        log_min_p = mx.array([math.log(row.min_p) if row.min_p > 0.0 else -math.inf for row in rows],
+                             dtype=mx.float32)[:, None]
+        keep = keep & (ordered >= ordered[:, :1] + log_min_p)
+    keep = keep & (probs > 0)  # banned (-inf) tokens can never be drawn
     keep = keep | (ranks == 0)  # the most likely token always survives
     probs = mx.where(keep, probs, 0.0)
     cumulative = mx.cumsum(probs / probs.sum(axis=-1, keepdims=True), axis=-1)
@@ -63,6 +88,8 @@ def sample_rows(logits: mx.array, rows: Sequence[RowSampling], *, want_logprobs:
     """Sample and bring the tokens (and the chosen tokens' log-probabilities under the unfiltered
     model distribution, when asked) to the host."""
     tokens = sample_tokens(logits, rows)
+    if any(row.adjusts_logits for row in rows):
+        logits = adjust_logits(logits, rows)  # logprobs of the distribution actually sampled from
     if not want_logprobs:
         return SampledTokens(cast("list[int]", tokens.tolist()))
     logits32 = logits.astype(mx.float32)
@@ -76,13 +103,14 @@ class StreamSampler:
     """An mlx_lm ``sampler`` (log-probs [1, vocab] -> token [1]) that numbers its calls as steps, so a
     seeded stream draws the same tokens as the batched backend would."""
 
-    def __init__(self, params: SamplingParams, seed: int) -> None:
+    def __init__(self, params: SamplingParams, seed: int, eos_token_ids: Sequence[int] = ()) -> None:
         self._params = params
         self._seed = seed
+        self._eos_token_ids = tuple(eos_token_ids)  # banned before min_tokens
         self.step = 0
 
     def __call__(self, logprobs: mx.array) -> mx.array:
-        row = RowSampling(self._params.temperature, self._params.top_p, self._params.top_k, self._seed, self.step)
+        row = RowSampling.for_params(self._params, self._seed, self.step, self._eos_token_ids)
         self.step += 1
         return sample_tokens(logprobs.reshape(1, -1), [row])
 

@@ -79,7 +79,7 @@ class MlxStreamBackend(InferenceBackend):
                 self._model,
                 self._stream,
                 max_tokens=params.max_tokens,
-                sampler=StreamSampler(params, seed),
+                sampler=StreamSampler(params, seed, self.model_info.eos_token_ids),
                 prompt_cache=cache,
             )
             self._active_streams += 1
