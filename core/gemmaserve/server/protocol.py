@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from gemmaserve.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from gemmaserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from gemmaserve.server.errors import APIError
 
 if TYPE_CHECKING:
@@ -91,7 +91,12 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, allow_inf_nan=False, json_schema_extra=_only({"const": 0}))
     frequency_penalty: float | None = Field(None, allow_inf_nan=False, json_schema_extra=_only({"const": 0}))
-    logit_bias: dict[str, float] | None = Field(None, json_schema_extra=_only({"type": "object", "maxProperties": 0}))
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra=_only({
+        "type": "object", "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}))
+    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    min_tokens: int | None = Field(None, ge=0)
+    repetition_penalty: float | None = Field(None, allow_inf_nan=False, json_schema_extra=_only({"const": 1}))
     user: str | None = None
 
     @field_validator("stop")
@@ -132,8 +137,22 @@ class SamplingFields(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported; leave it unset")
+        if value is None:
+            return value
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries are accepted, got {len(value)}")
+        for key, bias in value.items():
+            if not (key.isdigit() and int(key) <= _MAX_TOKEN_ID):
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
+        return value
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _check_repetition_penalty(cls, value: float | None) -> float | None:
+        if value not in (None, 1.0):
+            raise ValueError("repetition_penalty is not supported yet; leave it unset or 1")
         return value
 
     @property
