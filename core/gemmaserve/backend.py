@@ -125,7 +125,13 @@ class ModelInfo:
 
 @runtime_checkable
 class Tokenizer(Protocol):
-    """Text <-> token IDs. ``apply_chat_template`` raises ``InvalidRequestError`` if the model has none."""
+    """Text <-> token IDs. ``apply_chat_template`` raises ``InvalidRequestError`` if the model has none.
+
+    Optional, found by the server when present (``gemmaserve.hf_tokenizer.HFTokenizerAdapter`` has them all):
+    ``apply_chat_template`` keywords ``add_generation_prompt``, ``continue_final_message`` and
+    ``template_kwargs`` (without them a request setting those options gets a 400 naming the field);
+    ``chat_stop_token_ids`` (tokens that end a chat turn, treated like EOS on chat requests); and
+    ``set_chat_template(template)`` (``--chat-template``)."""
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
