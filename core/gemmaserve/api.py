@@ -76,6 +76,12 @@ class LLM:
         from gemmaserve.hf_tokenizer import configure_chat_template, read_chat_template
 
         _check_options(overrides)
+        given = sorted([*(name for name in overrides if name in CoreSettings.model_fields),
+                        *(name for name, value in (("model", model), ("backend", backend), ("device", device))
+                          if value is not None)])
+        if settings is not None and given:
+            raise TypeError(f"LLM(settings=...) takes no other settings, got {', '.join(given)}; put them in the "
+                            "CoreSettings (settings.model_copy(update={...})) or drop settings=")
         self.settings = settings or load_settings(model=model, backend=backend, device=device, **overrides)
         template = read_chat_template(self.settings.chat_template) if self.settings.chat_template else None
         self.engine = engine if engine is not None else build_engine(self.settings)

@@ -50,3 +50,14 @@ def test_out_of_vocabulary_prompt_ids_are_invalid_requests(llm: LLM, bad: int, s
     with pytest.raises(InvalidRequestError, match="not a valid token id"):
         llm.generate([[5, bad]], params)
     assert llm.generate([[5, 6]], params)[0].finish_reason in ("length", "stop")
+
+
+def test_settings_with_other_settings_is_a_type_error() -> None:
+    """LLM(settings=..., max_batch_size=...) used to drop the keyword silently."""
+    from gemmaserve.settings import CoreSettings
+
+    settings = CoreSettings(max_batch_size=4)
+    with pytest.raises(TypeError, match="max_batch_size"):
+        LLM(settings=settings, max_batch_size=8)
+    with pytest.raises(TypeError, match="model"):
+        LLM("/some/model", settings=settings)
