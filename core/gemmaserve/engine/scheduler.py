@@ -486,12 +486,8 @@ class ContinuousBatchScheduler:
             pending = self.backend.decode_step_async(
                 batch.batch, input_ids, sources, sampling, want_logprobs=any(r.want_logprobs for r in rows))
         except Exception as exc:
-            if launched is not None:
-                self._apply_launched(launched, events)
-            if batch.rows:
-                self._counters["decode_failures"] += 1
-                logger.warning("decode step over %d rows failed; retrying each row alone", len(batch), exc_info=True)
-                self._retry_rows_alone(exc, events)
+            logger.warning("decode step over %d rows failed; retrying each row alone", len(rows), exc_info=True)
+            self._launch_failed(launched, exc, events)
             return
         self._launched = _LaunchedStep(pending, rows)
         if launched is not None:
@@ -528,11 +524,7 @@ class ContinuousBatchScheduler:
         except Exception as exc:
             logger.warning("mixed step over %d rows and %d chunks failed; retrying each alone", len(rows),
                            len(pending), exc_info=True)
-            if launched is not None:
-                self._apply_launched(launched, events)
-            if batch.rows:
-                self._counters["decode_failures"] += 1
-                self._retry_rows_alone(exc, events)
+            self._launch_failed(launched, exc, events)
             self._finish_chunks(work, {}, events)
             return
         completions = []
@@ -550,6 +542,14 @@ class ContinuousBatchScheduler:
         if launched is not None:
             self._apply_launched(launched, events)
         self._finish_chunks([w for w in work if w[2] == 0], {}, events)  # prompts complete with nothing to run
+
+    def _launch_failed(self, launched: _LaunchedStep | None, exc: Exception, events: list[RequestEvent]) -> None:
+        """A launch raised (nothing ran): apply the step launched before it, then retry the rows alone."""
+        if launched is not None:
+            self._apply_launched(launched, events)
+        if self._q.rows.rows:
+            self._counters["decode_failures"] += 1
+            self._retry_rows_alone(exc, events)
 
     @staticmethod
     def _launched_ends_every_row(launched: _LaunchedStep) -> bool:
