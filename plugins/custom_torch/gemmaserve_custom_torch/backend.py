@@ -27,7 +27,9 @@ from gemmaserve.backend import (
     InferenceBackend,
     LaunchedStep,
     ModelInfo,
+    PendingTokens,
     PrefillState,
+    ReadyTokens,
     SampledTokens,
     StepOutput,
 )
@@ -244,7 +246,7 @@ class CustomTorchBackend(InferenceBackend):
             raise ValueError(f"{len(states)} states but {len(num_tokens)} chunk sizes")
         if not any(min(num, state.num_remaining) > 0 for state, num in zip(states, num_tokens)):
             tokens = (self.decode_step_async(batched, input_ids, from_previous, rows, want_logprobs=want_logprobs)
-                      if decode_rows else DeviceTokens(torch.zeros(0, dtype=torch.int64), None))
+                      if decode_rows else ReadyTokens(SampledTokens([])))
             return LaunchedStep([None] * len(states), tokens)
         previous = self._device_tokens  # _tick forgets it: the tick's own tokens replace it below
         out = self._tick(states, num_tokens, decode_rows, input_ids, from_previous, previous)
@@ -252,7 +254,7 @@ class CustomTorchBackend(InferenceBackend):
         parts = ([out.decode_logits] if decode_rows else []) + [states[i].last_logits for i in completed]
         samplings = [*rows, *(first_rows[i] for i in completed)]
         if not parts:
-            return LaunchedStep(out.prefill_errors, DeviceTokens(torch.zeros(0, dtype=torch.int64), None))
+            return LaunchedStep(out.prefill_errors, ReadyTokens(SampledTokens([])))
         logits = parts[0] if len(parts) == 1 else torch.cat([p.to(parts[0].dtype) for p in parts])
         tokens, logprobs = sample_on_device(logits, samplings, want_logprobs=want_logprobs)
         self._device_tokens = tokens
@@ -302,7 +304,7 @@ class CustomTorchBackend(InferenceBackend):
     def decode_step_async(
         self, batched: BatchedPagedKVCache, input_ids: Sequence[int], from_previous: Sequence[int],
         rows: Sequence[RowSampling], *, want_logprobs: bool = False,
-    ) -> DeviceTokens:
+    ) -> PendingTokens:
         """The fixed-buffer decode step with the sampling on the device and nothing read back: rows with a source
         take the previous step's device token (gathered before the forward), the tokens' copy to the host is
         queued behind the step. Without the fixed-buffer decoder: the contract's synchronous default."""

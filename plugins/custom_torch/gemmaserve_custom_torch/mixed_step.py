@@ -40,7 +40,7 @@ from .kv.forward_batch import (
     build_forward_batch,
     pack_tick,
 )
-from .kv.decode_state import feed_previous
+from .kv.decode_state import count_fed, feed_previous
 from .kv.paged_cache import PagedKVCache, prepare_decode_rows
 from .kv.pools import KVPools
 from .models.gemma import GemmaForCausalLM
@@ -113,10 +113,7 @@ class MixedStep:
         changing anything if the decode rows' blocks cannot be supplied."""
         if len(decode_ids) != len(decode_rows):
             raise ValueError(f"got {len(decode_ids)} input ids for {len(decode_rows)} decode rows")
-        fed = sources is not None and any(source >= 0 for source in sources)
-        if fed and (previous is None or len(sources) != len(decode_rows) or max(sources) >= len(previous)):
-            raise ValueError(f"row sources {list(sources)} do not index the previous step's "
-                             f"{0 if previous is None else len(previous)} tokens")
+        fed = count_fed(sources, previous, len(decode_rows))
         prepare_decode_rows(self.pools, decode_rows)
         taken: list[int] = []
         sizes = [len(tokens) for _, tokens, _ in chunks]

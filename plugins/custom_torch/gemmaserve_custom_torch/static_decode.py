@@ -24,7 +24,7 @@ from torch import Tensor
 
 from .graphs import StepGraphs, explain_report, maybe_compile
 from .kv.batched import BatchedPagedKVCache, DecodeState, PagedDecodeContext
-from .kv.decode_state import BatchedDecodeState, graph_buckets, pick_bucket
+from .kv.decode_state import BatchedDecodeState, count_fed, graph_buckets, pick_bucket
 from .kv.paged_cache import prepare_decode_rows
 from .kv.pools import KVPools
 from .models.gemma import GemmaForCausalLM
@@ -79,15 +79,13 @@ class StaticDecoder:
         rows = batch.rows
         if len(input_ids) != len(rows) or not rows:
             raise ValueError(f"got {len(input_ids)} input ids for a batch of {len(rows)} rows")
-        fed = sources is not None and any(source >= 0 for source in sources)
-        if fed and (previous is None or len(sources) != len(rows) or max(sources) >= len(previous)):
-            raise ValueError(f"row sources {list(sources)} do not index the previous step's {0 if previous is None else len(previous)} tokens")
+        fed = count_fed(sources, previous, len(rows))
         bucket = pick_bucket(self.buckets, len(rows))
         slow = prepare_decode_rows(self.pools, rows)
         self.state.load(rows, input_ids, bucket, sources if fed else None)
         if fed:
             self.state.feed_previous(previous, bucket)
-            self.fed_rows += sum(source >= 0 for source in sources)
+            self.fed_rows += fed
         if self._explain_pending:
             self.run_explain(bucket)
         logits, tokens = self.graphs.run(bucket) if self.graphs is not None else self._run_forward(bucket)

@@ -26,9 +26,21 @@ from torch import Tensor
 from .paged_cache import PagedKVCache
 from .pools import KVPools
 
-__all__ = ["BatchedDecodeState", "feed_previous", "graph_buckets", "pick_bucket"]
+__all__ = ["BatchedDecodeState", "count_fed", "feed_previous", "graph_buckets", "pick_bucket"]
 
 _PAD = (-1, -1)  # slot key of a padding row
+
+
+def count_fed(sources: Sequence[int] | None, previous: Tensor | None, num_rows: int) -> int:
+    """How many of ``num_rows`` rows consume a token of ``previous`` (``sources[i] >= 0``). Raises ValueError
+    if ``sources`` does not name one entry per row and only rows of ``previous``."""
+    if sources is None:
+        return 0
+    fed = sum(source >= 0 for source in sources)
+    if fed and (previous is None or len(sources) != num_rows or max(sources) >= len(previous)):
+        raise ValueError(f"row sources {list(sources)} do not index the previous step's "
+                         f"{0 if previous is None else len(previous)} tokens")
+    return fed
 
 
 def feed_previous(ids: Tensor, sources: Tensor, previous: Tensor) -> None:
