@@ -53,6 +53,8 @@ class SamplingParams:
         bias = self.logit_bias
         if bias is None:
             bias = ()
+        elif isinstance(bias, (dict, list, tuple)) and len(bias) > MAX_LOGIT_BIAS:  # before converting them all
+            raise InvalidRequestError(f"logit_bias accepts at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
         elif isinstance(bias, dict):
             try:
                 bias = tuple(sorted((int(k), v) for k, v in bias.items()))  # JSON object keys are strings
@@ -119,8 +121,6 @@ class SamplingParams:
                 0 <= self.min_tokens <= self.max_tokens):
             raise InvalidRequestError(
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
-        if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise InvalidRequestError(f"at most {MAX_LOGIT_BIAS} logit_bias entries are accepted, got {len(self.logit_bias)}")
         for pair in self.logit_bias:
             if len(pair) != 2:
                 raise InvalidRequestError(f"logit_bias entries are (token id, bias) pairs, got {pair!r}")

@@ -145,7 +145,7 @@ def _sampling(body: SamplingFields, max_tokens: int, extra_stop_ids: tuple[int, 
             ignore_eos=bool(body.ignore_eos),
             min_p=0.0 if body.min_p is None else body.min_p,
             min_tokens=0 if body.min_tokens is None else body.min_tokens,
-            logit_bias={int(token): bias for token, bias in (body.logit_bias or {}).items()},
+            logit_bias=body.logit_bias or {},  # keys are JSON strings: SamplingParams reads and checks them
         )
     except InvalidRequestError as exc:  # the protocol checks ranges first; this is a backstop
         raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None

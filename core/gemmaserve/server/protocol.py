@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from gemmaserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from gemmaserve.server.errors import APIError
@@ -70,6 +70,11 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+_UNSUPPORTED_PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+"""Penalty fields refused unless at their neutral value. (``logit_bias``, ``min_p`` and ``min_tokens`` are checked
+once, by ``SamplingParams``.)"""
+
+
 class SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions. ``None`` means "the default"."""
 
@@ -127,32 +132,12 @@ class SamplingFields(BaseModel):
             raise ValueError("only n=1 is supported; send one request per completion")
         return value
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator(*_UNSUPPORTED_PENALTIES)
     @classmethod
-    def _check_penalty(cls, value: float | None) -> float | None:
-        if value not in (None, 0.0):
-            raise ValueError("penalties are not supported; leave it unset or 0")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value is None:
-            return value
-        if len(value) > MAX_LOGIT_BIAS:
-            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries are accepted, got {len(value)}")
-        for key, bias in value.items():
-            if not (key.isdigit() and int(key) <= _MAX_TOKEN_ID):
-                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
-        return value
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _check_repetition_penalty(cls, value: float | None) -> float | None:
-        if value not in (None, 1.0):
-            raise ValueError("repetition_penalty is not supported yet; leave it unset or 1")
+    def _check_penalty(cls, value: float | None, info: ValidationInfo) -> float | None:
+        neutral = _UNSUPPORTED_PENALTIES[info.field_name]
+        if value not in (None, neutral):
+            raise ValueError(f"{info.field_name} is not supported yet; leave it unset or {neutral:g}")
         return value
 
     @property
