@@ -135,21 +135,25 @@ def test_cancelling_a_row_with_a_step_in_flight_drops_that_step_for_it() -> None
     assert_idle(sched)
 
 
+def _outcomes(prompts: list[list[int]], params: SamplingParams, scheduler: dict[str, int],
+              **backend: object) -> dict[str, tuple[list[int], FinishReason]]:
+    """(tokens, finish reason) per request id of ``prompts`` run to the end on a fresh ReferenceBackend."""
+    sched, _, _ = make(ReferenceBackend(**backend), **scheduler)  # type: ignore[arg-type]
+    for i, prompt in enumerate(prompts):
+        sched.add_request(Request(str(i), tuple(prompt), params))
+    recorder = run(sched)
+    assert_idle(sched)
+    return {rid: (o.token_ids, o.finish_reason) for rid, o in recorder.outputs.items()}
+
+
 @pytest.mark.parametrize("mixed", [False, True])
 def test_a_failing_step_retries_rows_alone_as_in_synchronous_decode(mixed: bool) -> None:
     probe = ReferenceBackend()
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     prompts = [[5, 6, 7], [8, 7, 6, 5], [6, 6]]
     tokens = probe.reference_generate(prompts[0], params)
-    outputs = {}
-    for use_async in (False, True):
-        backend = ReferenceBackend(mixed_step=mixed, async_decode=use_async, fail_on_decode_token=tokens[3])
-        sched, _, _ = make(backend)
-        for i, prompt in enumerate(prompts):
-            sched.add_request(Request(str(i), tuple(prompt), params))
-        recorder = run(sched)
-        outputs[use_async] = {rid: (o.token_ids, o.finish_reason) for rid, o in recorder.outputs.items()}
-        assert_idle(sched)
+    outputs = {use_async: _outcomes(prompts, params, {}, mixed_step=mixed, async_decode=use_async,
+                                    fail_on_decode_token=tokens[3]) for use_async in (False, True)}
     assert outputs[True] == outputs[False]
     assert outputs[True]["0"][1] == FinishReason.ERROR and outputs[True]["1"][1] == FinishReason.LENGTH
 
@@ -229,15 +233,8 @@ def test_cancelling_a_prompt_whose_first_token_is_in_flight() -> None:
 def test_a_failing_chunk_fails_its_request_alone_as_in_synchronous_ticks(mixed: bool) -> None:
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = [[5, 6, 7], [8, 40, 6, 5], [6, 6], [7, 5, 5, 5, 6]]
-    outputs = {}
-    for use_async in (False, True):
-        backend = ReferenceBackend(mixed_step=mixed, async_decode=use_async, fail_on_token=40)
-        sched, _, _ = make(backend, prefill_chunk_tokens=2)
-        for i, prompt in enumerate(prompts):
-            sched.add_request(Request(str(i), tuple(prompt), params))
-        recorder = run(sched)
-        outputs[use_async] = {rid: (o.token_ids, o.finish_reason) for rid, o in recorder.outputs.items()}
-        assert_idle(sched)
+    outputs = {use_async: _outcomes(prompts, params, {"prefill_chunk_tokens": 2}, mixed_step=mixed,
+                                    async_decode=use_async, fail_on_token=40) for use_async in (False, True)}
     assert outputs[True] == outputs[False]
     assert outputs[True]["1"][1] == FinishReason.ERROR and outputs[True]["0"][1] == FinishReason.LENGTH
 

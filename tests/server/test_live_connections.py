@@ -54,6 +54,25 @@ def response_json(raw: bytes) -> tuple[int, dict[str, str], dict]:
     return status, headers, json.loads(body)
 
 
+def trickle_until_closed(sock: socket.socket, pieces: Iterator[bytes]) -> tuple[bytes, float]:
+    """Send one piece every 0.25 s until the server answers (a JSON body arrived) or hangs up; then everything
+    it sent and when it closed the connection."""
+    sock.settimeout(0.25)
+    received = b""
+    for piece in pieces:
+        try:
+            sock.sendall(piece)
+        except (BrokenPipeError, ConnectionResetError):
+            break
+        with contextlib.suppress(socket.timeout):
+            chunk = sock.recv(65536)
+            received += chunk
+            if not chunk or b"}" in received:
+                break
+    rest, closed = read_until_closed(sock)
+    return received + rest, closed
+
+
 def test_a_silent_connection_is_closed_after_the_keep_alive_timeout(live_server: LiveServer) -> None:
     with connect(live_server) as sock:
         start = time.monotonic()
@@ -66,20 +85,9 @@ def test_headers_trickled_past_the_header_timeout_get_408_and_close(live_server:
     with connect(live_server) as sock:
         start = time.monotonic()
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
-        sock.settimeout(0.25)
-        received = b""
-        for i in range(40):  # a header line every 0.25 s: each byte would reset an idle timer, not this one
-            try:
-                sock.sendall(f"X-Slow-{i}: 1\r\n".encode())
-            except (BrokenPipeError, ConnectionResetError):
-                break
-            with contextlib.suppress(socket.timeout):
-                chunk = sock.recv(65536)
-                received += chunk
-                if not chunk or b"}" in received:
-                    break
-        rest, closed = read_until_closed(sock)
-    status, headers, body = response_json(received + rest)
+        # a header line every 0.25 s: each byte would reset an idle timer, not this one
+        raw, closed = trickle_until_closed(sock, (f"X-Slow-{i}: 1\r\n".encode() for i in range(40)))
+    status, headers, body = response_json(raw)
     assert status == 408 and headers["connection"] == "close"
     assert body["error"]["code"] == "request_timeout" and "headers" in body["error"]["message"]
     assert HEADER_TIMEOUT - 0.3 <= closed - start < HEADER_TIMEOUT + 3, closed - start
@@ -91,20 +99,9 @@ def test_a_body_trickled_past_the_body_timeout_gets_408_and_close(live_server: L
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      + f"Content-Length: {len(body) + 100}\r\n\r\n".encode() + body)
         start = time.monotonic()
-        sock.settimeout(0.25)
-        received = b""
-        for _ in range(40):  # one byte every 0.25 s, never reaching Content-Length in time
-            try:
-                sock.sendall(b" ")
-            except (BrokenPipeError, ConnectionResetError):
-                break
-            with contextlib.suppress(socket.timeout):
-                chunk = sock.recv(65536)
-                received += chunk
-                if not chunk or b"}" in received:
-                    break
-        rest, closed = read_until_closed(sock)
-    status, headers, error = response_json(received + rest)
+        # one byte every 0.25 s, never reaching Content-Length in time
+        raw, closed = trickle_until_closed(sock, (b" " for _ in range(40)))
+    status, headers, error = response_json(raw)
     assert status == 408 and headers["connection"] == "close"
     assert error["error"]["code"] == "request_timeout" and "body" in error["error"]["message"]
     assert BODY_TIMEOUT - 0.3 <= closed - start < BODY_TIMEOUT + 3, closed - start
