@@ -44,6 +44,8 @@ def main() -> None:
     parser.add_argument("--prefill", action="store_true", help="time prompt-carrying ticks instead of decode ticks")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--engine", action="store_true", help="decode through the Engine (events, callbacks)")
+    parser.add_argument("--no-gc-freeze", action="store_true",
+                        help="with --engine: skip the engine's gc.freeze() of the startup objects (what it saves)")
     args = parser.parse_args()
     if args.prefill:
         prefill_ticks(args)
@@ -112,6 +114,10 @@ def engine_ticks(args: argparse.Namespace, backend: object, core: CoreSettings) 
     from gemmaserve_custom_torch.mixed_step import MixedStep
 
     rows = args.rows
+    if args.no_gc_freeze:
+        from gemmaserve.engine import engine as engine_module
+
+        engine_module._frozen = True  # as if already frozen: nothing is
     backend.mixed = MixedStep(backend.model, backend.pools, "reference", max_tokens=core.max_num_batched_tokens,
                               max_seqs=rows, width=64)  # the 20-token prompts' prefill: eager, quick
     prompts = [[(i * 7 + j) % 400 + 4 for j in range(20)] for i in range(rows)]

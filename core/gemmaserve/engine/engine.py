@@ -40,7 +40,8 @@ def freeze_startup_objects() -> None:
     """Once per process: collect, then move every object alive now (the model, its tensors and modules, the
     libraries) to the cyclic garbage collector's permanent generation, so its collections during serving scan
     only the objects serving makes. Without this, the collections the engine thread's allocations trigger
-    re-scan the whole model: 5 ms of every 7 ms decode tick at 256 rows on the CI box (stubbed forward)."""
+    re-scan the whole model: ~3 ms of a ~4.7 ms decode tick at 256 rows on the CI box, forward stubbed
+    (``benchmarks/host_overhead.py --engine [--no-gc-freeze]``)."""
     global _frozen
     with _FROZEN:
         if _frozen:
