@@ -8,6 +8,8 @@ import dataclasses
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from fixtures_backend import SLIDING, assert_no_leaks, make_backend, run_scheduler
@@ -365,3 +367,47 @@ def test_triton_rms_norm_matches_the_eager_module_under_interpreter():
     proc = subprocess.run([sys.executable, "-c", _RMS_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert float(proc.stdout.strip().splitlines()[-1]) < 1e-5
+
+
+class _FakeRow:
+    """What `BatchedDecodeState.load` reads of a row: uid, version, length, tables."""
+
+    def __init__(self, uid: int, tables: dict[str, list[int]]) -> None:
+        self.uid, self.version, self.length, self.tables = uid, 0, 3, tables
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=st.lists(st.tuples(st.integers(1, 4), st.lists(st.tuples(st.integers(0, 5), st.integers(-1, 30),
+                                                                       st.integers(0, 9)), max_size=6)),
+                      min_size=1, max_size=12))
+def test_decode_state_sends_only_changed_entries_and_mirrors_the_device(tiny_gemma4_dir, steps):
+    """Any sequence of steps over a changing set of rows (tables growing, shrinking, entries rewritten, rows
+    joining and leaving slots): after every load the device tables equal each row's table padded with -1 (and
+    padding slots hold the scratch block), and an unchanged step sends no table entry."""
+    backend = make_backend(tiny_gemma4_dir, block_size=4)
+    state = BatchedDecodeState(backend.pools, capacity=4, width=10)
+    groups = list(backend.pools.groups)
+    pool = [_FakeRow(uid, {g: [uid + 1] for g in groups}) for uid in range(6)]
+    for k, (count, edits) in enumerate(steps):
+        for which, value, column in edits:  # edit a row's table: set/extend (value >= 0) or truncate (-1)
+            row = pool[which]
+            for group in groups:
+                table = row.tables[group]
+                if value < 0:
+                    del table[column:]
+                elif column < len(table):
+                    table[column] = value
+                else:
+                    table.append(value)
+            row.version += 1
+        rows = pool[:count] if k % 2 else pool[-count:]  # rows move between slots
+        state.load(rows, [1] * count, bucket=4)
+        state.check_integrity(rows)
+        device = {g: state.tables[g].tolist() for g in groups}
+        for i in range(4):
+            for group in groups:
+                want = rows[i].tables[group] if i < count else [backend.pools.scratch_block(group)]
+                assert device[group][i] == want + [-1] * (10 - len(want))
+        sent = state.entries_copied
+        state.load(rows, [1] * count, bucket=4)
+        assert state.entries_copied == sent

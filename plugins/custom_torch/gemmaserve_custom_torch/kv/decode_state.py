@@ -5,9 +5,10 @@ Buffers (``R`` = capacity rows = the largest bucket, ``W`` = table width = block
 - ``ids`` int64 ``[R]`` (token each row consumes), ``positions`` int64 ``[R]`` (its position) and ``sources``
   int64 ``[R]`` (-1, or the row of the previous step whose device token it consumes instead: asynchronous
   decode, :meth:`BatchedDecodeState.feed_previous`): rewritten every step by one H2D copy of ``[3, bucket]``;
-- ``tables[group]`` int32 ``[R, W]``: block table per group. A device row is rewritten only when its slot
-  now holds another row (``PagedKVCache.uid``) or that row's ``version`` moved, so a steady step copies
-  nothing (a row changes tables once per block, every ``block_size`` steps).
+- ``tables[group]`` int32 ``[R, W]``: block table per group. A slot is looked at only when it now holds
+  another row (``PagedKVCache.uid``) or that row's ``version`` moved, and then only the entries that differ
+  from the host mirror (what the device holds) are sent, so a steady step copies no table entry and a row
+  that grew by a block sends one (a row changes tables once per block, every ``block_size`` steps).
 
 Padding: rows ``B .. bucket-1`` of a step consume token 0 at position 0 with table ``[scratch, -1, ...]``,
 so they write one K/V into the group's scratch block and attend over it alone (finite, never read back).
@@ -18,7 +19,9 @@ for the step before it (asynchronous decode launches a step while the previous o
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
+from itertools import repeat
 
 import torch
 from torch import Tensor
@@ -86,71 +89,96 @@ class BatchedDecodeState:
         self.device = device
         self.io = torch.zeros((3, capacity), dtype=torch.int64, device=device)  # ids, positions, sources
         self.ids, self.positions, self.sources = self.io[0], self.io[1], self.io[2]
-        self._host_tables: dict[str, Tensor] = {}
+        self.groups = list(pools.groups)
+        self._scratch = {group: [pools.scratch_block(group)] for group in self.groups}
+        # host mirror: per group, each slot's table as last sent (the device row is it, padded with -1)
+        self._mirror: dict[str, list[list[int]]] = {g: [list(self._scratch[g]) for _ in range(capacity)]
+                                                     for g in self.groups}
         self.tables: dict[str, Tensor] = {}
-        for group in pools.groups:
+        for group in self.groups:
             host = torch.full((capacity, width), -1, dtype=torch.int32)
             host[:, 0] = pools.scratch_block(group)
-            self._host_tables[group] = host
             self.tables[group] = host.to(device)
         self._keys: list[tuple[int, int]] = [_PAD] * capacity
-        self.rows_copied = 0  # table rows sent to the device so far (for tests and stats)
+        self.rows_copied = 0  # table rows rewritten on the device so far (for tests and stats)
+        self.entries_copied = 0  # table entries sent to the device so far
 
     def load(self, rows: Sequence[PagedKVCache], input_ids: Sequence[int], bucket: int,
              sources: Sequence[int] | None = None) -> None:
         """Stage a step of ``rows`` (row ``i`` consumes ``input_ids[i]`` at position ``rows[i].length``, or, when
         ``sources[i] >= 0``, the token :meth:`feed_previous` puts there) padded to ``bucket`` rows. Rows must
-        already hold the block of their new position."""
+        already hold the block of their new position. One host-to-device copy carries the step's ids, positions,
+        sources and every table entry that changed since the slot's last step."""
         count = len(rows)
         if not count <= bucket <= self.capacity or len(input_ids) != count:
             raise ValueError(f"{count} rows / {len(input_ids)} ids do not fit bucket {bucket} of {self.capacity}")
         pad = bucket - count
-        staged = torch.tensor([[*input_ids, *([0] * pad)], [row.length for row in rows] + [0] * pad,
-                               [*(sources if sources is not None else [-1] * count), *([-1] * pad)]],
-                              dtype=torch.int64)
-        self._to_device(self.io[:, :bucket], staged)
-        dirty = [i for i, row in enumerate(rows) if self._keys[i] != (row.uid, row.version)]
-        dirty += [i for i in range(count, bucket) if self._keys[i] != _PAD]
-        if not dirty:
-            return
-        width = self.width
-        for group, host in self._host_tables.items():
-            scratch = [self.pools.scratch_block(group)]
-            lines = []
-            for i in dirty:
-                table = rows[i].tables[group] if i < count else scratch
-                if len(table) > width:
-                    raise ValueError(
-                        f"a row holds {len(table)} blocks but the decode tables are {width} wide "
-                        f"(MAX_MODEL_LEN / block size); the row is longer than the model length"
-                    )
-                lines.append(table + [-1] * (width - len(table)))
-            host[dirty] = torch.tensor(lines, dtype=torch.int32)  # one conversion for every dirty row
-            self._copy_rows(group, dirty)
+        staged = array("q", input_ids)
+        staged.extend(repeat(0, pad))
+        staged.extend(row.length for row in rows)
+        staged.extend(repeat(0, pad))
+        staged.extend(sources if sources is not None else repeat(-1, count))
+        staged.extend(repeat(-1, pad))
+        keys = self._keys
+        dirty = [i for i, row in enumerate(rows) if keys[i] != (row.uid, row.version)]
+        dirty += [i for i in range(count, bucket) if keys[i] != _PAD]
+        changes = [self._changes(group, rows, dirty, count) for group in self.groups] if dirty else []
+        for group_changes in changes:
+            for part in group_changes:
+                staged.extend(part)
+        on_device = self._to_device(staged)
+        self.io[:, :bucket].copy_(on_device[: 3 * bucket].view(3, bucket))
+        at = 3 * bucket
+        for group, (slot, column, value) in zip(self.groups, changes):
+            n = len(slot)
+            if n:
+                part = on_device[at : at + 3 * n].view(3, n)
+                self.tables[group].index_put_((part[0], part[1]), part[2].to(torch.int32))
+                self.entries_copied += n
+            at += 3 * n
         for i in dirty:
-            self._keys[i] = (rows[i].uid, rows[i].version) if i < count else _PAD
+            keys[i] = (rows[i].uid, rows[i].version) if i < count else _PAD
         self.rows_copied += len(dirty)
 
-    def _copy_rows(self, group: str, dirty: list[int]) -> None:
-        host, device_table = self._host_tables[group], self.tables[group]
-        lo, hi = dirty[0], dirty[-1] + 1
-        if hi - lo <= 2 * len(dirty):  # dense enough: one contiguous copy
-            self._to_device(device_table[lo:hi], host[lo:hi])
-            return
-        index = torch.tensor(dirty, dtype=torch.int64)
-        lines = torch.empty((len(dirty), host.shape[1]), dtype=host.dtype, device=self.device)
-        self._to_device(lines, host[index])
-        on_device = torch.empty(len(dirty), dtype=torch.int64, device=self.device)
-        self._to_device(on_device, index)
-        device_table.index_copy_(0, on_device, lines)
+    def _changes(self, group: str, rows: Sequence[PagedKVCache], dirty: list[int],
+                 count: int) -> tuple[list[int], list[int], list[int]]:
+        """(slots, columns, values) of the ``group`` table entries of ``dirty`` slots that differ from what the
+        device holds; updates the mirror. Raises ValueError (before touching it) if a row is wider than the
+        tables."""
+        mirror, width = self._mirror[group], self.width
+        slots: list[int] = []
+        columns: list[int] = []
+        values: list[int] = []
+        new_tables = [rows[i].tables[group] if i < count else self._scratch[group] for i in dirty]
+        for table in new_tables:
+            if len(table) > width:
+                raise ValueError(
+                    f"a row holds {len(table)} blocks but the decode tables are {width} wide "
+                    f"(MAX_MODEL_LEN / block size); the row is longer than the model length"
+                )
+        for i, new in zip(dirty, new_tables):
+            old = mirror[i]
+            n_old, n_new = len(old), len(new)
+            if n_new >= n_old and new[:n_old] == old:  # the common step: blocks appended
+                changed: Sequence[int] = range(n_old, n_new)
+            else:
+                changed = [j for j, (a, b) in enumerate(zip(new, old)) if a != b]
+                changed += range(min(n_old, n_new), n_new)
+                changed += [j for j in range(n_new, n_old) if old[j] != -1]
+            for j in changed:
+                slots.append(i)
+                columns.append(j)
+                values.append(new[j] if j < n_new else -1)
+            mirror[i] = list(new)
+        return slots, columns, values
 
-    def _to_device(self, target: Tensor, host: Tensor) -> None:
-        """Copy ``host`` into the device tensor ``target`` without waiting for queued device work (CUDA: via
-        pinned memory the caching host allocator keeps until the copy ran)."""
+    def _to_device(self, staged: array) -> Tensor:
+        """``staged`` (int64) on the device without waiting for queued device work (CUDA: through pinned memory
+        the caching host allocator keeps until the copy ran)."""
+        host = torch.frombuffer(staged, dtype=torch.int64) if len(staged) else torch.zeros(0, dtype=torch.int64)
         if self.device.type == "cuda":
-            target.copy_(host.pin_memory(), non_blocking=True)
-        else:
-            target.copy_(host)
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host.clone()
 
     def feed_previous(self, previous: Tensor, bucket: int) -> None:
         """Rows whose staged source is ``s >= 0`` consume ``previous[s]`` (the device tokens of the previous
@@ -172,12 +200,10 @@ class BatchedDecodeState:
 
     def check_integrity(self, rows: Sequence[PagedKVCache]) -> None:
         """Device tables equal their host mirrors; mirrors of rows whose key is current equal the rows' tables."""
-        for group, host in self._host_tables.items():
-            device_rows = self.tables[group].cpu()
+        for group, mirror in self._mirror.items():
+            device_rows = self.tables[group].cpu().tolist()
             for i, key in enumerate(self._keys):
-                if i < len(rows) and key == (rows[i].uid, rows[i].version):
-                    table = rows[i].tables[group]
-                    if host[i, : len(table)].tolist() != table:
-                        raise RuntimeError(f"BatchedDecodeState: row {i} {group} host mirror is stale")
-                if not torch.equal(device_rows[i], host[i]):
+                if i < len(rows) and key == (rows[i].uid, rows[i].version) and mirror[i] != rows[i].tables[group]:
+                    raise RuntimeError(f"BatchedDecodeState: row {i} {group} host mirror is stale")
+                if device_rows[i] != mirror[i] + [-1] * (self.width - len(mirror[i])):
                     raise RuntimeError(f"BatchedDecodeState: row {i} {group} device table differs from the host")

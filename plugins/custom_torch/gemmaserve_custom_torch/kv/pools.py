@@ -28,6 +28,7 @@ import torch
 
 from gemmaserve.errors import ConfigurationError, KVCapacityError
 from gemmaserve.kv.block_manager import BlockManager
+from gemmaserve.torch_sampling import to_device
 
 from ..models.config import FULL, SLIDING, GemmaTextConfig
 
@@ -202,16 +203,22 @@ class KVPools:
         return self.managers[group].refcount(block_id)
 
     def read_blocks(self, group: str, block_ids: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Copies of the K/V of ``block_ids`` in every layer of ``group`` (for copy-on-write)."""
-        index = torch.tensor(list(block_ids), device=self._device)
+        """Copies of the K/V of ``block_ids`` in every layer of ``group`` (for copy-on-write). Queued on the
+        device in stream order; never waits for it."""
+        index = self._index(block_ids)
         return [(self.k[layer][index], self.v[layer][index]) for layer in self.groups[group].layers]  # copies
 
     def write_blocks(self, group: str, block_ids: Sequence[int], data: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Inverse of ``read_blocks``: store ``data`` into ``block_ids`` (one indexed write per layer)."""
-        index = torch.tensor(list(block_ids), device=self._device)
+        index = self._index(block_ids)
         for layer, (k, v) in zip(self.groups[group].layers, data):
             self.k[layer].index_copy_(0, index, k)
             self.v[layer].index_copy_(0, index, v)
+
+    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """``block_ids`` as an int64 device tensor, copied without a host sync (a plain ``torch.tensor(...,
+        device=cuda)`` waits for every queued kernel: the tick in flight)."""
+        return to_device(list(block_ids), torch.int64, self._device)
 
     @property
     def _device(self) -> torch.device:

@@ -1,0 +1,379 @@
+"""Where an engine tick's time goes (diagnostic; CUDA, or --quick on CPU with the tiny model).
+
+Drives the real Engine over the custom_torch backend at Gemma 4 E2B shapes (random bf16 weights, as
+benchmarks/decode.py) and records, per tick on the engine thread: the interval between tick starts, the host
+time of the launch call (``decode_step_async`` / ``forward_step_async``), the time blocked waiting for the
+previous launch's tokens, event delivery, the decode rows and the prompt tokens it carried. Sections:
+
+- ``decode``: workload A at ``--rows`` (every prompt at once), the steady decode ticks summarised;
+- ``decode_cprofile``: the same under cProfile on the engine thread (top functions by own time);
+- ``decode_trace``: torch.profiler over ``--trace-ticks`` decode ticks: GPU busy/idle in the window, the
+  longest GPU-idle gaps, and the host ops by own CPU time;
+- ``serving``: workload C (Poisson arrivals, ``--rate``) with the longest ticks broken down, to explain the
+  inter-token latency tail, and the objects the garbage collector tracks afterwards;
+- ``serving_cprofile``: workload C under cProfile on the engine thread.
+
+Usage (repo root):  python benchmarks/tick_profile.py --json out.json      (H200: about 3 minutes)
+                    python benchmarks/tick_profile.py --quick --json q.json (CPU, seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import decode_model as dm  # noqa: E402
+from decode import _custom_backend, _settings  # noqa: E402
+from decode_workloads import random_prompts, run_engine  # noqa: E402
+from serving_workloads import pct, run_arrivals  # noqa: E402
+
+from gemmaserve.engine.engine import Engine  # noqa: E402
+from gemmaserve.engine.scheduler import ContinuousBatchScheduler as Scheduler  # noqa: E402
+
+
+class TickRecorder:
+    """Patches the Scheduler, the Engine and ``backend`` (class/instance attributes) to time each tick; undo
+    with :meth:`restore`. One record per ``step_prefill`` call (a tick starts there)."""
+
+    def __init__(self, backend: Any, on_tick: Any = None) -> None:
+        self.ticks: list[dict[str, float]] = []
+        self.backend, self.on_tick = backend, on_tick
+        self._saved: list[tuple[Any, str, Any]] = []
+        self.depth = 0
+        self._gc_start = 0.0
+        rec = self
+
+        def patch(owner: Any, name: str, make: Any) -> None:
+            original = getattr(owner, name)
+            self._saved.append((owner, name, original))
+            setattr(owner, name, make(original))
+
+        def step_prefill(original: Any) -> Any:
+            def timed(sched: Scheduler) -> Any:
+                tick = {"start": time.perf_counter(), "launch_ms": 0.0, "wait_ms": 0.0, "deliver_ms": 0.0,
+                        "rows": 0, "prompt_tokens": 0, "chunks": 0}
+                rec.ticks.append(tick)
+                if rec.on_tick is not None:
+                    rec.on_tick(len(rec.ticks))
+                out = original(sched)
+                tick["prefill_half_ms"] = (time.perf_counter() - tick["start"]) * 1e3
+                return out
+            return timed
+
+        def deliver(original: Any) -> Any:
+            def timed(engine: Engine, events: Any) -> Any:
+                t0 = time.perf_counter()
+                out = original(engine, events)
+                if rec.ticks:
+                    rec.ticks[-1]["deliver_ms"] += (time.perf_counter() - t0) * 1e3
+                return out
+            return timed
+
+        def wrap_pending(pending: Any) -> Any:
+            result = pending.result
+
+            def timed_result() -> Any:
+                t0 = time.perf_counter()
+                out = result()
+                if rec.ticks:
+                    rec.ticks[-1]["wait_ms"] += (time.perf_counter() - t0) * 1e3
+                return out
+            pending.result = timed_result
+            return pending
+
+        def launch(rows_arg: int, tokens_arg: int | None, pending: str | None) -> Any:
+            def make(original: Any) -> Any:
+                def timed(*args: Any, **kwargs: Any) -> Any:
+                    t0 = time.perf_counter()
+                    rec.depth += 1
+                    try:
+                        out = original(*args, **kwargs)
+                    finally:
+                        rec.depth -= 1
+                    if rec.ticks and rec.depth == 0:  # a call made inside another launch call is its part
+                        tick = rec.ticks[-1]
+                        tick["launch_ms"] += (time.perf_counter() - t0) * 1e3
+                        tick["rows"] += len(args[rows_arg])
+                        if tokens_arg is not None:
+                            tick["prompt_tokens"] += sum(args[tokens_arg])
+                            tick["chunks"] += len(args[tokens_arg])
+                        if pending == "self":
+                            return wrap_pending(out)
+                        if pending is not None:
+                            wrap_pending(getattr(out, pending))
+                    return out
+                return timed
+            return make
+
+        def phase(column: str) -> Any:
+            def make(original: Any) -> Any:
+                def timed(*args: Any, **kwargs: Any) -> Any:
+                    t0 = time.perf_counter()
+                    try:
+                        return original(*args, **kwargs)
+                    finally:
+                        if rec.ticks:
+                            tick = rec.ticks[-1]
+                            tick[column] = tick.get(column, 0.0) + (time.perf_counter() - t0) * 1e3
+                return timed
+            return make
+
+        patch(Scheduler, "step_prefill", step_prefill)
+        patch(Engine, "_deliver", deliver)
+        for name in ("_admit", "_plan_chunks", "_apply_launched", "_complete_prefill", "_finish_chunks"):
+            patch(Scheduler, name, phase(name.strip("_") + "_ms"))
+        for owner, name in ((getattr(backend, "decoder", None), "decode"), (getattr(backend, "mixed", None), "run")):
+            if owner is not None:
+                patch(owner, name, phase(f"{type(owner).__name__}.{name}_ms"))
+                graphs = getattr(owner, "graphs", None)
+                if graphs is not None:
+                    patch(graphs, "run", phase(f"{type(owner).__name__}.graphs.run_ms"))
+                state = getattr(owner, "state", None)
+                if state is not None:
+                    patch(state, "load", phase(f"{type(owner).__name__}.state.load_ms"))
+        import gc
+
+        def on_gc(stage: str, info: dict[str, Any]) -> None:
+            if stage == "start":
+                rec._gc_start = time.perf_counter()
+            elif rec.ticks:
+                tick = rec.ticks[-1]
+                tick["gc_ms"] = tick.get("gc_ms", 0.0) + (time.perf_counter() - rec._gc_start) * 1e3
+                if info.get("generation") == 2:
+                    tick["gc2"] = tick.get("gc2", 0) + 1
+
+        self._gc = on_gc
+        gc.callbacks.append(on_gc)
+        patch(backend, "decode_step_async", launch(1, None, "self"))
+        patch(backend, "forward_step_async", launch(3, 1, "tokens"))
+        patch(backend, "decode_step_batched", launch(1, None, None))  # the synchronous ticks (CPU)
+        patch(backend, "forward_step", launch(3, 1, None))
+
+    def restore(self) -> None:
+        import gc
+
+        gc.callbacks.remove(self._gc)
+        for owner, name, original in reversed(self._saved):
+            if isinstance(owner, type) or name not in vars(owner):
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)  # the instance attribute shadowed the class's method
+
+    def intervals(self) -> list[dict[str, float]]:
+        """Each tick with ``interval_ms`` (start to the next tick's start); the last tick is dropped."""
+        out = []
+        for tick, after in zip(self.ticks, self.ticks[1:]):
+            out.append({**tick, "interval_ms": (after["start"] - tick["start"]) * 1e3})
+        return out
+
+
+def _summary(ticks: list[dict[str, float]]) -> dict[str, Any]:
+    keys = sorted({k for t in ticks for k in t if k.endswith("_ms") or k == "gc2"})
+    out: dict[str, Any] = {"ticks": len(ticks)}
+    for key in keys:
+        values = [t.get(key, 0.0) for t in ticks]
+        if values:
+            out[key] = {"p50": round(statistics.median(values), 3), "p99": round(pct(values, 99) or 0, 3),
+                        "mean": round(statistics.fmean(values), 3)}
+    if ticks:
+        out["host_not_waiting_ms_p50"] = round(statistics.median(t["interval_ms"] - t["wait_ms"] for t in ticks), 3)
+    return out
+
+
+def _decode(backend: Any, settings: Any, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    prompts = random_prompts(args.rows, args.prompt_len, vocab, seed=1)
+    rec = TickRecorder(backend)
+    try:
+        result = run_engine(backend, settings, prompts, args.output_len)
+    finally:
+        rec.restore()
+    steady = [t for t in rec.intervals() if t["prompt_tokens"] == 0 and t["rows"] >= args.rows]
+    steady = steady[5:-5] if len(steady) > 20 else steady
+    return {"rows": args.rows, "tpot_median_ms": round(statistics.median(result.tpot_ms), 3),
+            "steady_decode_ticks": _summary(steady)}
+
+
+def _profiled(work: Any) -> tuple[Any, str]:
+    """``work()`` with cProfile on the engine thread; (its result, the top functions by own and cumulative time)."""
+    profile = cProfile.Profile()
+    run = Engine._run
+
+    def profiled(self: Engine) -> None:
+        profile.enable()
+        try:
+            run(self)
+        finally:
+            profile.disable()
+
+    Engine._run = profiled  # type: ignore[method-assign]
+    try:
+        result = work()
+    finally:
+        Engine._run = run  # type: ignore[method-assign]
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("tottime").print_stats(45)
+    stats.sort_stats("cumulative").print_stats(60)
+    return result, text.getvalue()
+
+
+def _decode_cprofile(backend: Any, settings: Any, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    prompts = random_prompts(args.rows, args.prompt_len, vocab, seed=2)
+    result, stats = _profiled(lambda: run_engine(backend, settings, prompts, args.output_len))
+    return {"tpot_median_ms_under_cprofile": round(statistics.median(result.tpot_ms), 3), "stats": stats}
+
+
+def _decode_trace(backend: Any, settings: Any, args: argparse.Namespace, vocab: int, out_dir: Path) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if settings.device == "cuda" else [])
+    prof = profile(activities=activities)
+    first = args.prompt_len // max(1, settings.max_num_batched_tokens // args.rows) + 20  # well into decode
+    window = {"on": False}
+
+    def on_tick(n: int) -> None:
+        if n == first and not window["on"]:
+            if settings.device == "cuda":
+                torch.cuda.synchronize()
+            prof.start()
+            window["on"] = True
+        elif n == first + args.trace_ticks and window["on"]:
+            if settings.device == "cuda":
+                torch.cuda.synchronize()
+            prof.stop()
+            window["on"] = False
+
+    rec = TickRecorder(backend, on_tick)
+    try:
+        run_engine(backend, settings, random_prompts(args.rows, args.prompt_len, vocab, seed=3), args.output_len)
+    finally:
+        rec.restore()
+        if window["on"]:
+            prof.stop()
+    out: dict[str, Any] = {"ticks": args.trace_ticks, "first_tick": first}
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if kernels:
+        busy, gaps, end = 0.0, [], kernels[0][0]
+        for start, stop, name in kernels:
+            if start > end:
+                gaps.append((start - end, name))
+            busy += max(0.0, stop - max(start, end))
+            end = max(end, stop)
+        span = end - kernels[0][0]
+        gaps.sort(reverse=True)
+        out.update(gpu_span_us=round(span, 1), gpu_busy_us=round(busy, 1), gpu_idle_pct=round(100 * (1 - busy / span), 1),
+                   gaps_over_20us=sum(1 for g, _ in gaps if g > 20), idle_in_gaps_over_20us=round(sum(g for g, _ in gaps if g > 20), 1),
+                   longest_gaps_us=[(round(g, 1), n[:60]) for g, n in gaps[:15]])
+    out["host_ops"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
+    if settings.device == "cuda":
+        out["device_ops"] = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20,
+                                                      max_name_column_width=60)
+    prof.export_chrome_trace(str(out_dir / "decode_trace.json"))
+    return out
+
+
+def _serving_work(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(77)
+    (in_lo, in_hi), (out_lo, out_hi) = (map(int, x.split(",")) for x in (args.serving_input, args.serving_output))
+    return [([rng.randrange(4, vocab) for _ in range(rng.randint(in_lo, in_hi))], rng.randint(out_lo, out_hi))
+            for _ in range(args.serving_requests)]
+
+
+def _serving_cprofile(backend: Any, settings: Any, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    work = _serving_work(args, vocab)
+    row, stats = _profiled(lambda: run_arrivals(backend, settings, work, args.rate, seed=6))
+    return {"result_under_cprofile": row, "stats": stats}
+
+
+def _heap() -> dict[str, Any]:
+    """Objects the garbage collector tracks (what a full collection walks), by type."""
+    import gc
+    from collections import Counter
+
+    objects = gc.get_objects()
+    return {"tracked": len(objects), "frozen": gc.get_freeze_count(),
+            "top_types": Counter(type(o).__name__ for o in objects).most_common(12)}
+
+
+def _serving(backend: Any, settings: Any, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    work = _serving_work(args, vocab)
+    rec = TickRecorder(backend)
+    try:
+        row = run_arrivals(backend, settings, work, args.rate, seed=5)
+    finally:
+        rec.restore()
+    ticks = rec.intervals()
+    ticks = ticks[len(ticks) // 10:]  # past the ramp
+    decode_only = [t for t in ticks if t["prompt_tokens"] == 0 and t["rows"] > 0]
+    mixed = [t for t in ticks if t["prompt_tokens"] > 0]
+    longest = sorted(ticks, key=lambda t: -t["interval_ms"])[: max(1, len(ticks) // 100)]
+    return {"result": row, "heap_after": _heap(), "decode_only_ticks": _summary(decode_only), "mixed_ticks": _summary(mixed),
+            "mixed_prompt_tokens_p50": statistics.median(t["prompt_tokens"] for t in mixed) if mixed else None,
+            "idle_ticks": sum(1 for t in ticks if t["rows"] == 0 and t["prompt_tokens"] == 0),
+            "longest_1pct": [{k: round(v, 3) for k, v in t.items() if k != "start"} for t in longest[:40]]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", type=Path, default=Path("tick_profile.json"))
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--rows", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--trace-ticks", type=int, default=10)
+    p.add_argument("--rate", type=float, default=20.0)
+    p.add_argument("--serving-requests", type=int, default=400)
+    p.add_argument("--serving-input", default="128,2048")
+    p.add_argument("--serving-output", default="32,512")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--sections", default="decode,decode_cprofile,decode_trace,serving")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rows, args.prompt_len, args.output_len, args.trace_ticks = 4, 24, 40, 4
+        args.serving_requests, args.serving_input, args.serving_output, args.rate = 20, "8,40", "2,8", 50.0
+    device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
+    dtype, dtype_name = (torch.bfloat16, "bfloat16") if device == "cuda" else (torch.float32, "float32")
+    base = dm.TINY if args.quick else {**dm.E2B, "max_position_embeddings": 4096}
+    model = dm.custom_from_hf(dm.build_hf_model(base, device, dtype, 0))
+    max_len = base["max_position_embeddings"]
+    settings = _settings(device, dtype_name, args.rows, max_len, args.rows * max_len, args.max_num_batched_tokens)
+    backend = _custom_backend(model, settings)
+    for part in (getattr(backend, "decoder", None), getattr(backend, "mixed", None)):
+        if part is not None and getattr(part, "graphs", None) is not None:
+            part.capture_all()
+    vocab = base["vocab_size"]
+    run_engine(backend, settings, random_prompts(2, args.prompt_len, vocab, seed=99), 4)  # warm-up
+    results: dict[str, Any] = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv[1:],
+                                        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                                        "torch": torch.__version__}}
+    sections = {
+        "decode": lambda: _decode(backend, settings, args, vocab),
+        "decode_cprofile": lambda: _decode_cprofile(backend, settings, args, vocab),
+        "decode_trace": lambda: _decode_trace(backend, settings, args, vocab, args.json.parent),
+        "serving": lambda: _serving(backend, settings, args, vocab),
+        "serving_cprofile": lambda: _serving_cprofile(backend, settings, args, vocab),
+    }
+    for name in args.sections.split(","):
+        t0 = time.perf_counter()
+        results[name] = sections[name]()
+        text = results[name]
+        print(f"{name} ({time.perf_counter() - t0:.1f} s):",
+              json.dumps({k: v for k, v in text.items() if k not in ("host_ops", "device_ops", "stats")})[:3000], flush=True)
+        args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
