@@ -10,7 +10,8 @@ replaced by precomputed logits, so the time measured is host work only.
 request, as the benchmarks and the server receive them): the TPOT median is then the host time per decode
 tick of the whole path, and the time spent in garbage collections is reported with it.
 
-``--prefill``: ``--rows`` cold prompts of ``--prompt-len`` tokens (window 512, blocks of 16) through the
+``--prefill``: ``--rows`` cold prompts of ``--prompt-len`` tokens (after a ``--prefix-len`` prefix they all share
+and the cache holds: workload B's prefix hits) (window 512, blocks of 16) through the
 one-forward tick under the default 8192-token budget, the tick staged into the fixed buffers the CUDA graphs
 replay, the forward itself stubbed: the host time each prompt-carrying tick adds before and after the GPU work.
 
@@ -43,6 +44,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print the top functions (cProfile)")
     parser.add_argument("--prefill", action="store_true", help="time prompt-carrying ticks instead of decode ticks")
     parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--prefix-len", type=int, default=0,
+                        help="--prefill: a prefix every prompt shares before its own --prompt-len tokens (a cache hit)")
     parser.add_argument("--engine", action="store_true", help="decode through the Engine (events, callbacks)")
     parser.add_argument("--no-gc-freeze", action="store_true",
                         help="with --engine: skip the engine's gc.freeze() of the startup objects (what it saves)")
@@ -171,7 +174,7 @@ def prefill_ticks(args: argparse.Namespace) -> None:
         core = CoreSettings(model=str(path), device="cpu", dtype="float32", kv_block_size=16, max_batch_size=rows,
                             max_active_kv_tokens=10**7, prefill_chunk_tokens=512, max_waiting_requests=4096)
         backend = CustomTorchBackend(model, HFTokenizer.from_pretrained(path), core,
-                                     load_custom_settings(kv_blocks=rows * (args.prompt_len // 16 + 40)))
+                                     load_custom_settings(kv_blocks=rows * ((args.prompt_len + args.prefix_len) // 16 + 40)))
     mixed = MixedStep(model, backend.pools, "reference", fixed_buffers=True, max_tokens=core.max_num_batched_tokens,
                       max_seqs=rows, width=4096 // 16)
     backend.mixed = mixed
@@ -183,9 +186,10 @@ def prefill_ticks(args: argparse.Namespace) -> None:
     freeze_startup_objects()  # as the engine does when it is built
     scheduler = ContinuousBatchScheduler(backend, core)
     params = SamplingParams(max_tokens=2, ignore_eos=True)
+    shared = tuple((j * 13) % 400 + 4 for j in range(args.prefix_len))  # cached by the warm-up round
     for round_name in ("warm-up", "timed"):
         for i in range(rows):
-            prompt = tuple((i * 7 + j + len(round_name)) % 400 + 4 for j in range(args.prompt_len))
+            prompt = shared + tuple((i * 7 + j + len(round_name)) % 400 + 4 for j in range(args.prompt_len))
             scheduler.add_request(Request(f"{round_name}{i}", prompt, params))
         profile = cProfile.Profile() if args.profile and round_name == "timed" else None
         steps_before, tokens_before = mixed.steps, mixed.tokens

@@ -11,6 +11,7 @@ previous launch's tokens, event delivery, the decode rows and the prompt tokens 
   longest GPU-idle gaps, and the host ops by own CPU time;
 - ``serving``: workload C (Poisson arrivals, ``--rate``) with the longest ticks broken down, to explain the
   inter-token latency tail, and the objects the garbage collector tracks afterwards;
+- ``prefix_hit``: workload B's prefix-hit requests, every tick (under cProfile);
 - ``serving_cprofile``: workload C under cProfile on the engine thread.
 
 Usage (repo root):  python benchmarks/tick_profile.py --json out.json      (H200: about 3 minutes)
@@ -285,6 +286,23 @@ def _decode_trace(backend: Any, settings: Any, args: argparse.Namespace, vocab: 
     return out
 
 
+def _prefix_hit(backend: Any, settings: Any, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    """Workload B's prefix-hit half (64 requests = a cached 1,536-token prefix + 64 own tokens), every tick
+    (timed under cProfile, whose top functions come with them)."""
+    prefix = random_prompts(1, args.prefix_len, vocab, seed=8)[0]
+    own = args.prefix_own
+    run_engine(backend, settings, random_prompts(1, own, vocab, seed=11, prefix=prefix), 1)  # caches the prefix
+    rec = TickRecorder(backend)
+    try:
+        result, stats = _profiled(lambda: run_engine(backend, settings, random_prompts(64, own, vocab, seed=10,
+                                                                                   prefix=prefix), 8))
+    finally:
+        rec.restore()
+    return {"ttft_median_ms": round(statistics.median(result.ttft_ms), 3),
+            "cached_tokens_median": statistics.median(result.cached_tokens), "stats_under_cprofile": stats,
+            "ticks": [{k: round(v, 3) for k, v in t.items() if k != "start"} for t in rec.intervals()[:20]]}
+
+
 def _serving_work(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
     rng = random.Random(77)
     (in_lo, in_hi), (out_lo, out_hi) = (map(int, x.split(",")) for x in (args.serving_input, args.serving_output))
@@ -338,18 +356,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--serving-requests", type=int, default=400)
     p.add_argument("--serving-input", default="128,2048")
     p.add_argument("--serving-output", default="32,512")
+    p.add_argument("--max-len", type=int, default=0, help="model length (0 = 4,096; 256 with --quick)")
+    p.add_argument("--prefix-len", type=int, default=1536)
+    p.add_argument("--prefix-own", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--sections", default="decode,decode_cprofile,decode_trace,serving")
     args = p.parse_args(argv)
     if args.quick:
         args.rows, args.prompt_len, args.output_len, args.trace_ticks = 4, 24, 40, 4
+        args.prefix_len, args.prefix_own = (1536, 64) if args.max_len >= 1600 else (32, 4)
         args.serving_requests, args.serving_input, args.serving_output, args.rate = 20, "8,40", "2,8", 50.0
     device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     dtype, dtype_name = (torch.bfloat16, "bfloat16") if device == "cuda" else (torch.float32, "float32")
-    base = dm.TINY if args.quick else {**dm.E2B, "max_position_embeddings": 4096}
+    base = {**(dm.TINY if args.quick else dm.E2B), "max_position_embeddings": args.max_len or (256 if args.quick else 4096)}
     model = dm.custom_from_hf(dm.build_hf_model(base, device, dtype, 0))
     max_len = base["max_position_embeddings"]
-    settings = _settings(device, dtype_name, args.rows, max_len, args.rows * max_len, args.max_num_batched_tokens)
+    settings = _settings(device, dtype_name, max(args.rows, 64), max_len, args.rows * max_len, args.max_num_batched_tokens)
     backend = _custom_backend(model, settings)
     for part in (getattr(backend, "decoder", None), getattr(backend, "mixed", None)):
         if part is not None and getattr(part, "graphs", None) is not None:
@@ -364,6 +386,7 @@ def main(argv: list[str] | None = None) -> None:
         "decode_cprofile": lambda: _decode_cprofile(backend, settings, args, vocab),
         "decode_trace": lambda: _decode_trace(backend, settings, args, vocab, args.json.parent),
         "serving": lambda: _serving(backend, settings, args, vocab),
+        "prefix_hit": lambda: _prefix_hit(backend, settings, args, vocab),
         "serving_cprofile": lambda: _serving_cprofile(backend, settings, args, vocab),
     }
     for name in args.sections.split(","):

@@ -236,3 +236,23 @@ def test_attention_contexts_used_directly_are_consistent(tiny_gemma4_dir):
         dctx.check_integrity()
     backend.remove_row_from_cache(batch, 0)
     assert_no_leaks(backend)
+
+
+def test_copy_blocks_copies_every_layer_of_the_group_and_nothing_else(tiny_gemma4_dir):
+    backend = make_backend(tiny_gemma4_dir, block_size=4)
+    pools = backend.pools
+    for group, spec in pools.groups.items():
+        source, target, other = pools.allocate(group, 3)
+        for layer in spec.layers:
+            for pool in (pools.k[layer], pools.v[layer]):
+                pool[source].normal_()
+                pool[target].zero_()
+                pool[other].fill_(7.0)
+        pools.copy_blocks(group, [source], [target])
+        for layer in spec.layers:
+            for pool in (pools.k[layer], pools.v[layer]):
+                assert torch.equal(pool[target], pool[source]) and bool((pool[other] == 7.0).all())
+        with pytest.raises(ValueError, match="source blocks"):
+            pools.copy_blocks(group, [source], [])
+        pools.decref(group, [source, target, other])
+    pools.check_integrity()

@@ -15,6 +15,7 @@ window-aware block reservations (`KVAdmission`). All methods run under ``self.lo
 from __future__ import annotations
 
 import logging
+import operator
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -143,7 +144,7 @@ class CustomTorchBackend(InferenceBackend):
 
     # -- prefill -------------------------------------------------------------------------------
     def prefill_lookup(self, prompt_ids: Sequence[int]) -> PrefillState:
-        prompt = tuple(int(t) for t in prompt_ids)
+        prompt = tuple(map(operator.index, prompt_ids))  # ints (a float id raises TypeError); C speed
         if not prompt:
             raise InvalidRequestError("the prompt is empty; send at least one token")
         if len(prompt) > self.model_info.max_model_len:

@@ -6,9 +6,10 @@ Buffers (``R`` = capacity rows = the largest bucket, ``W`` = table width = block
   int64 ``[R]`` (-1, or the row of the previous step whose device token it consumes instead: asynchronous
   decode, :meth:`BatchedDecodeState.feed_previous`): rewritten every step by one H2D copy of ``[3, bucket]``;
 - ``tables[group]`` int32 ``[R, W]``: block table per group. A slot is looked at only when it now holds
-  another row (``PagedKVCache.uid``) or that row's ``version`` moved, and then only the entries that differ
-  from the host mirror (what the device holds) are sent, so a steady step copies no table entry and a row
-  that grew by a block sends one (a row changes tables once per block, every ``block_size`` steps).
+  another row (``PagedKVCache.uid``) or that row's ``version`` moved, and then only what changed from the
+  host mirror (what the device holds) is sent: the appended entries when a table only grew, else the whole
+  row. A steady step copies no table entry, a row that grew by a block sends one (a row changes tables once
+  per block, every ``block_size`` steps).
 
 Padding: rows ``B .. bucket-1`` of a step consume token 0 at position 0 with table ``[scratch, -1, ...]``,
 so they write one K/V into the group's scratch block and attend over it alone (finite, never read back).
@@ -142,8 +143,9 @@ class BatchedDecodeState:
 
     def _changes(self, group: str, rows: Sequence[PagedKVCache], dirty: list[int],
                  count: int) -> tuple[list[int], list[int], list[int]]:
-        """(slots, columns, values) of the ``group`` table entries of ``dirty`` slots that differ from what the
-        device holds; updates the mirror. Raises ValueError (before touching it) if a row is wider than the
+        """(slots, columns, values) of the ``group`` table entries of ``dirty`` slots to rewrite on the device:
+        the appended entries when the table only grew, else the whole row (the entries the device holds
+        beyond the new length become -1); updates the mirror. Raises ValueError (before touching it) if a row is wider than the
         tables."""
         mirror, width = self._mirror[group], self.width
         slots: list[int] = []
@@ -159,16 +161,12 @@ class BatchedDecodeState:
         for i, new in zip(dirty, new_tables):
             old = mirror[i]
             n_old, n_new = len(old), len(new)
-            if n_new >= n_old and new[:n_old] == old:  # the common step: blocks appended
-                changed: Sequence[int] = range(n_old, n_new)
-            else:
-                changed = [j for j, (a, b) in enumerate(zip(new, old)) if a != b]
-                changed += range(min(n_old, n_new), n_new)
-                changed += [j for j in range(n_new, n_old) if old[j] != -1]
-            for j in changed:
-                slots.append(i)
-                columns.append(j)
-                values.append(new[j] if j < n_new else -1)
+            start = n_old if n_new >= n_old and new[:n_old] == old else 0  # blocks appended: send only those
+            end = max(n_old, n_new)
+            slots.extend(repeat(i, end - start))
+            columns.extend(range(start, end))
+            values.extend(new[start:])
+            values.extend(repeat(-1, end - max(start, n_new)))
             mirror[i] = list(new)
         return slots, columns, values
 

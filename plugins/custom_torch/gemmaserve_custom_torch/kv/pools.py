@@ -215,6 +215,21 @@ class KVPools:
             self.k[layer].index_copy_(0, index, k)
             self.v[layer].index_copy_(0, index, v)
 
+    def copy_blocks(self, group: str, sources: Sequence[int], targets: Sequence[int]) -> None:
+        """K/V of block ``sources[i]`` into block ``targets[i]`` in every layer of ``group``: one multi-tensor copy
+        queued on the device (no index tensors, no host sync). Both sides must be held by the caller."""
+        if len(sources) != len(targets):
+            raise ValueError(f"{len(sources)} source blocks for {len(targets)} targets")
+        into: list[torch.Tensor] = []
+        out_of: list[torch.Tensor] = []
+        for layer in self.groups[group].layers:
+            for pool in (self.k[layer], self.v[layer]):
+                for source, target in zip(sources, targets):
+                    into.append(pool[target])
+                    out_of.append(pool[source])
+        if into:
+            torch._foreach_copy_(into, out_of)
+
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
         """``block_ids`` as an int64 device tensor, copied without a host sync (a plain ``torch.tensor(...,
         device=cuda)`` waits for every queued kernel: the tick in flight)."""

@@ -161,10 +161,8 @@ class PrefixCache:
         copies: dict[str, int] = {}
         try:
             for group in self.pools.groups:
-                source = row.tables[group][j]
-                data = self.pools.read_blocks(group, [source])
-                copies[group] = self.pools.allocate(group, 1)[0]
-                self.pools.write_blocks(group, [copies[group]], data)
+                copies[group] = self.pools.allocate(group, 1)[0]  # the row holds the source meanwhile
+                self.pools.copy_blocks(group, [row.tables[group][j]], [copies[group]])
         except KVCapacityError:
             for group, block in copies.items():
                 self.pools.decref(group, [block])
