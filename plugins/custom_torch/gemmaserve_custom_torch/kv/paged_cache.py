@@ -40,6 +40,7 @@ class PagedKVCache:
         self.uid = next(_UIDS)  # unique per row for the process lifetime (unlike id(), never reused)
         self.freed = False
         self._exclusive: tuple[int, int] = (-1, -1)  # (version, logical block) last seen held by this row alone
+        self.indexed: tuple[int, int] = (-1, 0)  # (version, full blocks) the prefix cache last indexed of this row
         pools.live_rows.add(self)
 
     # -- setup from the prefix cache ---------------------------------------------------------------

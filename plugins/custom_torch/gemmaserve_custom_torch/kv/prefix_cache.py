@@ -117,9 +117,12 @@ class PrefixCache:
     def cache_prefix(self, prompt_ids: Sequence[int], row: PagedKVCache) -> int:
         """Index the full blocks of ``prompt_ids[:row.length]`` (after every prefill chunk, before the next
         drops sliding blocks), taking the cache's own references and re-attaching trimmed sliding ids the row
-        holds. Allocates nothing; does not change ``row``. Returns the number of blocks newly cached."""
+        holds. Allocates nothing; changes only ``row.indexed`` (a second call on an unchanged row is a no-op, even
+        if the cache evicted some of those blocks meanwhile). Returns the number of blocks newly cached."""
         assert not row.freed and row.length <= len(prompt_ids), "cache_prefix() needs a live row of the prompt"
         num_full = row.length // self.block_size
+        if row.indexed == (row.version, num_full):  # indexed already and unchanged since (store() after a chunk)
+            return 0
         given = [self._value_of(row, j) for j in range(num_full)]
         result = self.radix.insert(tuple(prompt_ids[: num_full * self.block_size]), given)
         for value in result.new_values:
@@ -136,6 +139,7 @@ class PrefixCache:
                 self.pools.incref(SLIDING, [mine.sliding])
                 self._trimmable[mine.sliding] = held
         self.stats["stored_blocks"] += len(result.new_values)
+        row.indexed = (row.version, num_full)
         return len(result.new_values)
 
     def store(self, prompt_ids: Sequence[int], row: PagedKVCache) -> int:
