@@ -167,3 +167,32 @@ def test_min_tokens_and_logit_bias_through_the_scheduler() -> None:
     assert len(minimum) >= 8 and EOS_ID not in minimum[:8]
     assert minimum == backend.reference_generate(early, params["min"])
     assert requests["bias"].output_token_ids == [9] * 5
+
+
+def _pack(allowed: set[int], nbytes: int) -> bytes:
+    mask = bytearray(nbytes)
+    for token in allowed:
+        mask[token >> 3] |= 1 << (token & 7)
+    return bytes(mask)
+
+
+@settings(max_examples=80, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.lists(st.tuples(_row, st.sets(st.integers(0, 96), min_size=1, max_size=8), st.integers(0, 3)),
+                     min_size=1, max_size=5), data_seed=st.integers(0, 2**31))
+def test_allowed_masks_agree_across_implementations_and_only_allowed_tokens_are_picked(rows, data_seed) -> None:
+    """Structured output's per-row mask (some rows unconstrained, masks shorter or longer than the vocabulary):
+    torch and mlx pick the definition's token, always one the mask allows."""
+    generator = torch.Generator().manual_seed(data_seed)
+    logits = torch.randn(len(rows), 97, generator=generator) * 3
+    samplings = []
+    for (t, p, k, seed, step), allowed, shape in rows:
+        mask = None if shape == 0 else _pack(allowed, {1: 13, 2: 16, 3: 40}[shape])  # 13 bytes = 104 tokens
+        samplings.append(RowSampling(t, p, k, seed, step, allowed=mask))
+    expected = [sample_row([float(x) for x in logits[i]], row)[0] for i, row in enumerate(samplings)]
+    got = sample_tokens(logits, samplings).token_ids
+    assert got == expected
+    for token, ((_, allowed, shape), row) in zip(got, zip(rows, samplings)):
+        assert row.allowed is None or token in allowed
+    mlx = _mlx_sample()
+    if mlx is not None:
+        assert mlx(logits, samplings) == got

@@ -99,6 +99,9 @@ class BackendCapabilities:
       host, and feeds tokens the host has not read yet from the device; the scheduler (``ASYNC_SCHEDULING``)
       then launches decode step k+1 before it applies step k's tokens, so its bookkeeping overlaps the device.
       With ``mixed_step`` too, ticks that carry prompt tokens launch the same way (``forward_step_async``).
+    - ``allowed_token_masks``: every sampling call honours ``RowSampling.allowed`` (structured output's
+      per-row mask: tokens outside it get -inf before temperature and the filters, as
+      ``gemmaserve.engine.sampling_cpu`` defines). Without it the scheduler refuses constrained requests.
     """
 
     continuous_batching: bool = True
@@ -107,6 +110,7 @@ class BackendCapabilities:
     logprobs: bool = False
     mixed_step: bool = False
     async_decode: bool = False
+    allowed_token_masks: bool = False
     max_concurrent_streams: int = 1
 
 
@@ -130,8 +134,9 @@ class Tokenizer(Protocol):
     Optional, found by the server when present (``gemmaserve.hf_tokenizer.HFTokenizerAdapter`` has them all):
     ``apply_chat_template`` keywords ``add_generation_prompt``, ``continue_final_message`` and
     ``template_kwargs`` (without them a request setting those options gets a 400 naming the field);
-    ``chat_stop_token_ids`` (tokens that end a chat turn, treated like EOS on chat requests); and
-    ``set_chat_template(template)`` (``--chat-template``)."""
+    ``chat_stop_token_ids`` (tokens that end a chat turn, treated like EOS on chat requests);
+    ``set_chat_template(template)`` (``--chat-template``); and ``tokenizer_json()`` (the Hugging Face
+    ``tokenizer.json`` text: structured output compiles its grammars against this vocabulary)."""
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 

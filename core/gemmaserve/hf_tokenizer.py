@@ -78,6 +78,20 @@ class HFTokenizerAdapter:
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
+    def tokenizer_json(self) -> str:
+        """The fast tokenizer's ``tokenizer.json`` text (added tokens included; padding and truncation off): the
+        vocabulary structured output compiles against. Raises InvalidRequestError for a slow tokenizer."""
+        import copy
+
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is None:
+            raise InvalidRequestError("structured output needs a fast (Rust) Hugging Face tokenizer; this model's "
+                                      "tokenizer is a slow one")
+        backend = copy.copy(backend)
+        backend.no_padding()
+        backend.no_truncation()
+        return str(backend.to_str())
+
     @property
     def has_chat_template(self) -> bool:
         return bool(self.chat_template)

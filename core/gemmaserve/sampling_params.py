@@ -7,8 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gemmaserve.errors import InvalidRequestError
+from gemmaserve.structured.spec import StructuredOutputs
 
-__all__ = ["SamplingParams", "RowSampling", "MIN_TEMPERATURE", "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "MAX_LOGIT_BIAS"]
+__all__ = ["SamplingParams", "RowSampling", "allowed_tokens", "MIN_TEMPERATURE", "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "MAX_LOGIT_BIAS"]
 
 MIN_TEMPERATURE = 1e-5
 """Temperatures in (0, MIN_TEMPERATURE) are treated as greedy (0): logits / T would overflow."""
@@ -29,7 +30,9 @@ class SamplingParams:
     ``min_p`` drops tokens less likely than ``min_p`` times the most likely one (after temperature, top-k and
     top-p; transformers' order). ``min_tokens``: EOS and ``stop_token_ids`` cannot be sampled before that many
     tokens. ``logit_bias`` maps token ids to a value in [-100, 100] added to their logits before anything else
-    (OpenAI's definition; -100 in practice bans a token).
+    (OpenAI's definition; -100 in practice bans a token). ``structured_outputs`` (a
+    :class:`~gemmaserve.structured.StructuredOutputs`, or vLLM's dict of it) constrains the text to a JSON schema,
+    regex, choice or grammar; the request stops when the constraint is complete.
     ``seed`` makes sampling reproducible: the same seed, prompt and parameters give the same tokens,
     whatever else is in the batch. ``stop_token_ids`` end the request (the stop token is kept in the
     output, like EOS); ``ignore_eos`` keeps generating past EOS (benchmarks). ``stop`` strings end the
@@ -48,8 +51,12 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
+        spec = self.structured_outputs
+        if spec is not None and not isinstance(spec, StructuredOutputs):
+            object.__setattr__(self, "structured_outputs", StructuredOutputs.from_mapping(spec))
         bias = self.logit_bias
         if bias is None:
             bias = ()
@@ -156,6 +163,10 @@ class RowSampling:
     logit_bias: tuple[tuple[int, float], ...] = ()
     banned: tuple[int, ...] = ()
     """Token ids that may not be picked at this step (EOS and stop ids before ``min_tokens``)."""
+    allowed: bytes | None = None
+    """Structured output: the tokens that may be picked at this step as a bitmask (bit ``t % 8`` of byte
+    ``t // 8`` set = token ``t`` allowed; tokens past the mask's end are not allowed); None = every token.
+    Applied after ``logit_bias`` and ``banned``, before temperature and the filters (:func:`allowed_tokens`)."""
 
     @property
     def is_greedy(self) -> bool:
@@ -163,15 +174,22 @@ class RowSampling:
 
     @property
     def adjusts_logits(self) -> bool:
-        """True when the logits change before sampling (``logit_bias``, ``banned``): no raw-argmax shortcut."""
-        return bool(self.logit_bias or self.banned)
+        """True when the logits change before sampling (``logit_bias``, ``banned``, ``allowed``): no raw-argmax
+        shortcut."""
+        return bool(self.logit_bias or self.banned) or self.allowed is not None
 
     @classmethod
     def for_params(cls, params: SamplingParams, seed: int, step: int, eos_token_ids: Sequence[int] = (),
-                   top_k: int | None = None) -> RowSampling:
-        """The row view of ``params`` for token ``step`` (bans EOS and stop ids while ``step < min_tokens``)."""
+                   top_k: int | None = None, allowed: bytes | None = None) -> RowSampling:
+        """The row view of ``params`` for token ``step`` (bans EOS and stop ids while ``step < min_tokens``;
+        ``allowed``: the structured-output mask of this step)."""
         banned: tuple[int, ...] = ()
         if step < params.min_tokens:
             banned = tuple(sorted({*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)}))
         return cls(params.temperature, params.top_p, params.top_k if top_k is None else top_k, seed, step,
-                   params.min_p, params.logit_bias, banned)
+                   params.min_p, params.logit_bias, banned, allowed)
+
+
+def allowed_tokens(mask: bytes, vocab_size: int) -> list[bool]:
+    """The ``RowSampling.allowed`` bitmask as one flag per token id in ``[0, vocab_size)`` (reference unpacking)."""
+    return [t < 8 * len(mask) and bool(mask[t >> 3] >> (t & 7) & 1) for t in range(vocab_size)]

@@ -2,7 +2,8 @@
 
 Imported only by the torch backends (``import gemmaserve`` never imports it, nor torch):
 
-- first ``logit_bias`` is added and ``banned`` tokens set to -inf (:func:`adjust_logits`).
+- first ``logit_bias`` is added, ``banned`` tokens and tokens outside the ``allowed`` mask (structured output)
+  set to -inf (:func:`adjust_logits`).
 - ``temperature == 0``: argmax (lowest index wins a tie).
 - otherwise: logits / temperature, keep the ``top_k`` largest (0 = all), then the smallest most-likely prefix
   whose probability reaches ``top_p`` (ties: lower index first), then those at least ``min_p`` times as likely
@@ -75,8 +76,8 @@ def sample_on_device(
 
 
 def adjust_logits(values: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
-    """In place on ``values`` [rows, vocab]: add each row's ``logit_bias``, set its ``banned`` tokens to -inf
-    (ids beyond the vocabulary are ignored). Returns ``values``."""
+    """In place on ``values`` [rows, vocab]: add each row's ``logit_bias``, set its ``banned`` tokens and those
+    outside its ``allowed`` mask to -inf (ids beyond the vocabulary are ignored). Returns ``values``."""
     vocab = values.shape[1]
     bias_at = [(i, token, bias) for i, row in enumerate(rows) for token, bias in row.logit_bias if token < vocab]
     banned_at = [(i, token) for i, row in enumerate(rows) for token in row.banned if token < vocab]
@@ -87,7 +88,29 @@ def adjust_logits(values: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Te
     if banned_at:
         index = to_device([[i for i, _ in banned_at], [t for _, t in banned_at]], torch.int64, device)
         values[index[0], index[1]] = float("-inf")
+    masked = [i for i, row in enumerate(rows) if row.allowed is not None]
+    if masked:
+        index = to_device(masked, torch.int64, device)
+        allowed = allowed_on_device([rows[i].allowed or b"" for i in masked], vocab, device)
+        values[index] = values[index].masked_fill(~allowed, float("-inf"))
     return values
+
+
+def allowed_on_device(masks: Sequence[bytes], vocab: int, device: torch.device) -> torch.Tensor:
+    """bool [len(masks), vocab]: the ``RowSampling.allowed`` bitmasks unpacked on ``device`` (one small copy;
+    tokens past a mask's end are not allowed)."""
+    width = -(-vocab // 8)
+    packed = torch.zeros((len(masks), width), dtype=torch.uint8)
+    for i, mask in enumerate(masks):
+        n = min(len(mask), width)
+        if n:
+            packed[i, :n] = torch.frombuffer(bytearray(mask[:n]), dtype=torch.uint8)
+    if device.type == "cuda":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    else:
+        packed = packed.to(device)
+    bits = torch.arange(8, dtype=torch.uint8, device=device)
+    return ((packed[:, :, None] >> bits) & 1).bool().reshape(len(masks), width * 8)[:, :vocab]
 
 
 def _sample_filtered(values: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:

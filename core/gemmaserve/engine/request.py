@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gemmaserve.sampling_params import RowSampling, SamplingParams
+from gemmaserve.structured.grammar import ConstraintError, TokenConstraint
 
 if TYPE_CHECKING:
     from gemmaserve.backend import PrefillState
@@ -147,6 +148,10 @@ class Request:
     prefill_state: PrefillState | None = None
     stream: Any = None
     """Streaming-only backends: the ``generate_stream`` iterator (owned by the scheduler)."""
+    constraint: TokenConstraint | None = None
+    """Structured output: the request's position in its grammar (compiled by the scheduler's validation)."""
+    constraint_error: ConstraintError | None = None
+    """Why the constraint cannot continue; the next appended token ends the request with it."""
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = tuple(self.prompt_token_ids)
@@ -180,19 +185,43 @@ class Request:
         assert self.seed is not None, "seed is assigned at admission"
         params = self.params
         return RowSampling.for_params(params, self.seed, len(self.output_token_ids) + ahead, self.eos_token_ids,
-                                      top_k=min(params.top_k, MAX_TOP_K))
+                                      top_k=min(params.top_k, MAX_TOP_K), allowed=self._allowed(ahead))
+
+    def _allowed(self, ahead: int) -> bytes | None:
+        """The constraint's mask for the next token (None without one). A constraint that cannot continue gives
+        an empty mask and records why: the token sampled under it ends the request (:meth:`append_token`)."""
+        if self.constraint is None:
+            return None
+        assert not ahead, "a constrained request's next mask needs its previous token (no launch ahead)"
+        if self.constraint_error is None:
+            try:
+                return self.constraint.allowed()
+            except ConstraintError as exc:
+                self.constraint_error = exc
+        return b""
 
     def append_token(self, token_id: int, logprob: float | None, eos_token_ids: tuple[int, ...]) -> bool:
-        """Record a generated token; finish (reason ``stop``/``length``) if it ends the request.
-        Returns True when the request is now finished."""
+        """Record a generated token; finish (reason ``stop``/``length``) if it ends the request: a stop or EOS
+        token, ``max_tokens``, or a structured-output constraint that is complete (``stop``) or cannot continue
+        (``error``; the token is then dropped). Returns True when the request is now finished."""
         now = time.monotonic()
         if self.first_token_time is None:
             self.first_token_time = now
+        complete = False
+        if self.constraint is not None:
+            if self.constraint_error is None:
+                try:
+                    complete = self.constraint.accept(token_id)
+                except ConstraintError as exc:
+                    self.constraint_error = exc
+            if self.constraint_error is not None:  # the token is not kept: nothing valid could be sampled
+                self.finish(FinishReason.ERROR, self.constraint_error)
+                return True
         self.output_token_ids.append(token_id)
         if self.want_logprobs and logprob is not None:
             self.output_logprobs.append(logprob)
         params = self.params
-        if token_id in self._ends or (not params.ignore_eos and token_id in eos_token_ids):
+        if complete or token_id in self._ends or (not params.ignore_eos and token_id in eos_token_ids):
             self.finish(FinishReason.STOP)
         elif len(self.output_token_ids) >= params.max_tokens:
             self.finish(FinishReason.LENGTH)

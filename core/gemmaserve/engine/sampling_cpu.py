@@ -4,7 +4,7 @@ Used by the reference backend and as the executable definition of the sampling s
 backends should match:
 
 - first the logits are adjusted: ``logit_bias`` values are added, ``banned`` tokens (EOS and stop ids
-  before ``min_tokens``) become ``-inf``.
+  before ``min_tokens``) and tokens outside the ``allowed`` mask (structured output) become ``-inf``.
 - ``temperature == 0``: argmax of the adjusted logits (lowest index wins a tie); no randomness.
 - otherwise: scale by ``1 / temperature``, keep the ``top_k`` largest (0 = all), then the smallest set of
   most likely tokens whose probability reaches ``top_p`` (ties broken by lower index), then (``min_p``)
@@ -22,7 +22,7 @@ import math
 import random
 from collections.abc import Sequence
 
-from gemmaserve.sampling_params import RowSampling
+from gemmaserve.sampling_params import RowSampling, allowed_tokens
 
 __all__ = ["sampling_seed", "log_softmax", "adjust_logits", "sample_row", "sample_rows"]
 
@@ -51,7 +51,8 @@ def _argmax(values: Sequence[float]) -> int:
 
 
 def adjust_logits(logits: Sequence[float], row: RowSampling) -> list[float]:
-    """The logits after ``logit_bias`` (added) and ``banned`` (-inf); ids beyond the vocabulary are ignored."""
+    """The logits after ``logit_bias`` (added), ``banned`` and tokens outside ``allowed`` (-inf); ids beyond the
+    vocabulary are ignored."""
     out = list(logits)
     for token, bias in row.logit_bias:
         if token < len(out):
@@ -59,6 +60,10 @@ def adjust_logits(logits: Sequence[float], row: RowSampling) -> list[float]:
     for token in row.banned:
         if token < len(out):
             out[token] = -math.inf
+    if row.allowed is not None:
+        for token, ok in enumerate(allowed_tokens(row.allowed, len(out))):
+            if not ok:
+                out[token] = -math.inf
     return out
 
 

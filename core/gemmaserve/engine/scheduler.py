@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import threading
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -41,6 +42,7 @@ from gemmaserve.engine.queues import RequestQueues
 from gemmaserve.engine.request import FinishReason, Request, RequestEvent, RequestState
 from gemmaserve.engine.validation import backend_error, validate_request
 from gemmaserve.errors import EngineOverloadedError, InvalidRequestError, KVCapacityError
+from gemmaserve.structured.grammar import GrammarCompiler
 
 if TYPE_CHECKING:
     from gemmaserve.backend import InferenceBackend, PendingTokens, PrefillState, SampledTokens
@@ -121,6 +123,8 @@ class ContinuousBatchScheduler:
         self._async = self._caps.async_decode and settings.async_scheduling and not self._streaming
         self._launched: _LaunchedStep | None = None
         self._awaiting_first: set[str] = set()  # prompts complete, first token launched but not applied
+        self._grammars: GrammarCompiler | None = None  # structured output, built on the first constraint
+        self._compiler_lock = threading.Lock()
 
     # -- queries --------------------------------------------------------------------------------
     @property
@@ -160,8 +164,24 @@ class ContinuousBatchScheduler:
 
     # -- requests in and out ----------------------------------------------------------------------
     def validate_request(self, request: Request) -> None:
-        """Raise InvalidRequestError / PromptTooLongError if ``request`` can never run. Pure."""
+        """Raise InvalidRequestError / PromptTooLongError if ``request`` can never run. Compiles its structured
+        output constraint (once: sets ``request.constraint``); otherwise pure. Thread-safe."""
         validate_request(request, self.backend, self.max_model_len, self.settings.max_active_kv_tokens)
+        spec = request.params.structured_outputs
+        if spec is not None and request.constraint is None:
+            if self._streaming or not self._caps.allowed_token_masks:
+                raise InvalidRequestError(
+                    f"backend {self.backend.model_info.name!r} does not apply allowed-token masks "
+                    "(capabilities.allowed_token_masks), so it cannot serve structured output; send the request "
+                    "without structured_outputs / response_format")
+            request.constraint = self._grammar_compiler().compile(spec)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        with self._compiler_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.backend.tokenizer, self.backend.model_info.vocab_size,
+                                                 self._eos)
+            return self._grammars
 
     def add_request(self, request: Request) -> None:
         """Validate and queue (FIFO). Raises the validation errors, InvalidRequestError for an id
@@ -475,7 +495,8 @@ class ContinuousBatchScheduler:
         Applies first instead when every row's length limit ends with the launched token (nothing to win)."""
         batch = self._q.rows
         launched, self._launched = self._launched, None
-        if launched is not None and (not batch.rows or self._launched_ends_every_row(launched)):
+        if launched is not None and (not batch.rows or self._launched_ends_every_row(launched)
+                                     or self._launched_constrained(launched)):
             self._apply_launched(launched, events)
             launched = None
         if not batch.rows:
@@ -511,6 +532,10 @@ class ContinuousBatchScheduler:
         synchronous tick."""
         batch = self._q.rows
         launched, self._launched = self._launched, None
+        if launched is not None and self._launched_constrained(launched):
+            self._apply_launched(launched, events)  # their masks need the launched tokens
+            launched = None
+            pending = [(r, s, n) for r, s, n in pending if not r.is_finished]
         rows = list(batch.rows)
         input_ids, sources, sampling = self._row_inputs(rows, launched)
         states = [state for _, state, _ in pending]
@@ -555,6 +580,12 @@ class ContinuousBatchScheduler:
     def _launched_ends_every_row(launched: _LaunchedStep) -> bool:
         """True when every live row of ``launched`` reaches its ``max_tokens`` with the launched token."""
         return all(r.is_finished or len(r.output_token_ids) + 1 >= r.params.max_tokens for r in launched.requests)
+
+    @staticmethod
+    def _launched_constrained(launched: _LaunchedStep) -> bool:
+        """True when a live row of ``launched`` has a structured-output constraint: its next mask needs the
+        launched token, so the step is applied before the next one launches."""
+        return any(r.constraint is not None and not r.is_finished for r in launched.requests)
 
     def _collect_launched(self, events: list[RequestEvent]) -> None:
         """Apply the launched step, if any (before any forward other than ``decode_step_async``)."""

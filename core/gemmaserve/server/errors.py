@@ -91,6 +91,8 @@ def from_output_error(error_type: str | None, message: str | None, *, prompt_par
     if error_type in ("KVCapacityError", "PromptTooLongError", "InvalidRequestError"):
         code = "kv_capacity_exceeded" if error_type == "KVCapacityError" else None
         return APIError(400, text, param=prompt_param, code=code)
+    if error_type == "ConstraintError":  # the output constraint could not be continued
+        return APIError(400, text, param="structured_outputs", code="constraint_unsatisfiable")
     if error_type == "EngineOverloadedError":
         return APIError(429, f"server overloaded: {text}", code="engine_overloaded")
     return APIError(500, f"{error_type or 'BackendStepError'}: {text}", code="backend_error")
@@ -98,7 +100,8 @@ def from_output_error(error_type: str | None, message: str | None, *, prompt_par
 
 def _guess_param(message: str, default: str) -> str | None:
     """Engine validation messages start with the field they are about."""
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "logprobs"):
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "logprobs",
+                 "structured_outputs"):
         if re.search(rf"\b{name}\b", message):
             return name
     return default if "prompt" in message else None

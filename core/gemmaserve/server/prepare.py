@@ -135,7 +135,13 @@ def _sampling(body: SamplingFields, max_tokens: int, extra_stop_ids: tuple[int, 
     stop_ids = tuple(body.stop_token_ids or ())
     stop_ids += tuple(token for token in extra_stop_ids if token not in stop_ids)
     try:
+        structured = body.structured
+    except InvalidRequestError as exc:
+        named = [name for name in ("structured_outputs", "response_format") if name in str(exc)]
+        raise APIError(400, str(exc), param=named[0] if named else "structured_outputs") from None
+    try:
         return SamplingParams(
+            structured_outputs=structured,
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
@@ -148,4 +154,4 @@ def _sampling(body: SamplingFields, max_tokens: int, extra_stop_ids: tuple[int, 
             logit_bias=body.logit_bias or {},  # keys are JSON strings: SamplingParams reads and checks them
         )
     except InvalidRequestError as exc:  # the protocol checks ranges first; this is a backstop
-        raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
+        raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0].split(".", 1)[0]) from None

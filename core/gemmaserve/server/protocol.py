@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from gemmaserve.errors import InvalidRequestError
 from gemmaserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from gemmaserve.structured.spec import StructuredOutputs, from_response_format
 from gemmaserve.server.errors import APIError
 
 if TYPE_CHECKING:
@@ -55,6 +57,16 @@ _CONTENT_SCHEMA: dict[str, Any] = {"anyOf": [{"type": "string"}, _NULL, {"type":
     "type": "object", "required": ["type", "text"],
     "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
 }}]}
+
+
+_RESPONSE_FORMAT_SCHEMA: dict[str, Any] = {"type": "object", "required": ["type"], "properties": {
+    "type": {"enum": ["text", "json_object", "json_schema"]},
+    "json_schema": {"type": "object", "properties": {"name": {"type": "string"}, "schema": {"type": "object"},
+                                                     "strict": {"type": ["boolean", "null"]}}}}}
+_STRUCTURED_SCHEMA: dict[str, Any] = {"type": "object", "properties": {
+    "json": {"type": ["object", "string"]}, "regex": {"type": "string"},
+    "choice": {"type": "array", "items": {"type": "string"}}, "grammar": {"type": "string"},
+    "json_object": {"type": "boolean"}, "disable_any_whitespace": {"type": "boolean"}}}
 
 
 def _only(schema: dict[str, Any]) -> dict[str, Any]:
@@ -103,6 +115,12 @@ class SamplingFields(BaseModel):
     min_tokens: int | None = Field(None, ge=0)
     repetition_penalty: float | None = Field(None, allow_inf_nan=False, json_schema_extra=_only({"const": 1}))
     user: str | None = None
+    response_format: dict[str, Any] | None = Field(None, json_schema_extra=_only(_RESPONSE_FORMAT_SCHEMA))
+    structured_outputs: dict[str, Any] | None = Field(None, json_schema_extra=_only(_STRUCTURED_SCHEMA))
+    guided_json: Any = Field(None, json_schema_extra=_only({"type": ["object", "string"]}))
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -139,6 +157,24 @@ class SamplingFields(BaseModel):
         if value not in (None, neutral):
             raise ValueError(f"{info.field_name} is not supported yet; leave it unset or {neutral:g}")
         return value
+
+    @property
+    def structured(self) -> StructuredOutputs | None:
+        """The output constraint: ``structured_outputs`` (vLLM), ``response_format`` (OpenAI) or vLLM's older
+        ``guided_*`` fields; at most one of the three ways. Raises InvalidRequestError naming the problem."""
+        guided = {name: value for name, value in (("json", self.guided_json), ("regex", self.guided_regex),
+                                                  ("choice", self.guided_choice), ("grammar", self.guided_grammar))
+                  if value is not None}
+        given = [name for name, present in (("structured_outputs", self.structured_outputs is not None),
+                                            ("response_format", bool(from_response_format(self.response_format))),
+                                            ("guided_*", bool(guided))) if present]
+        if len(given) > 1:
+            raise InvalidRequestError(f"give one output constraint, not {' and '.join(given)}")
+        if self.structured_outputs is not None:
+            return StructuredOutputs.from_mapping(self.structured_outputs)
+        if guided:
+            return StructuredOutputs.from_mapping(guided)
+        return from_response_format(self.response_format)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -286,9 +322,6 @@ class ChatCompletionRequest(ChatTemplateOptions, SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=0)
     tools: list[Any] | None = Field(None, json_schema_extra=_only({"type": "array", "maxItems": 0}))
-    response_format: dict[str, Any] | None = Field(
-        None, json_schema_extra=_only({"type": "object", "properties": {"type": {"enum": ["text", None]}}})
-    )
 
     @field_validator("tools")
     @classmethod
@@ -315,12 +348,6 @@ class ChatCompletionRequest(ChatTemplateOptions, SamplingFields):
         role = "assistant" if self.generation_prompt else last.role
         return str(last.content or "") if last.role == role else ""
 
-    @field_validator("response_format")
-    @classmethod
-    def _check_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type") not in (None, "text"):
-            raise ValueError('only response_format {"type": "text"} is supported')
-        return value
 
 
 class TokenizeRequest(ChatTemplateOptions):

@@ -96,6 +96,7 @@ class ReferenceBackend(InferenceBackend):
             uses_core_cache_manager=True,
             kv_reservation=kv_capacity_tokens is not None,
             logprobs=True,
+            allowed_token_masks=True,
             max_concurrent_streams=max_concurrent_streams,
             mixed_step=mixed_step,
             async_decode=async_decode,

@@ -74,6 +74,25 @@ class CharTokenizer:
                 parts.append(_SPECIALS[token_id] if 0 <= token_id < len(_SPECIALS) else f"<unused{token_id}>")
         return "".join(parts)
 
+    def tokenizer_json(self) -> str:
+        """This vocabulary as a Hugging Face ``tokenizer.json`` (a word-level model over single characters, the
+        special tokens as added tokens): what structured output compiles its grammars against."""
+        import json
+
+        vocab = {**{name: i for i, name in enumerate(_SPECIALS)}, **self._char_to_id}
+        added = [{"id": i, "content": name, "single_word": False, "lstrip": False, "rstrip": False,
+                  "normalized": False, "special": True} for i, name in enumerate(_SPECIALS)]
+        return json.dumps({
+            "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+            "normalizer": {"type": "Lowercase"},
+            "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "."}, "behavior": "Isolated", "invert": False},
+            "post_processor": None,
+            "decoder": {"type": "Sequence", "decoders": [  # sentencepiece style: token strings are their text
+                {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+                {"type": "ByteFallback"}, {"type": "Fuse"}]},
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "?"},
+        })
+
     def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         ids = [BOS_ID]
         for message in messages:

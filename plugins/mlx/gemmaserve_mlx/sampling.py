@@ -1,6 +1,6 @@
 """Token sampling on mlx arrays, following the one sampling definition (``gemmaserve.engine.sampling_cpu``):
 
-the logits get ``logit_bias`` added and ``banned`` tokens set to -inf first; greedy is then the argmax (lowest
+the logits get ``logit_bias`` added and ``banned`` tokens (and those outside ``allowed``) set to -inf first; greedy is then the argmax (lowest
 index on a tie); a sampled row scales by ``1 / temperature``, keeps the ``top_k`` largest, then the smallest
 most-likely prefix whose probability reaches ``top_p``, then those at least ``min_p`` times as likely as the
 most likely one, renormalises, and picks the
@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import cast
 
 import mlx.core as mx
+import numpy as np
 
 from gemmaserve.backend import SampledTokens
 from gemmaserve.engine.sampling_cpu import sampling_seed
@@ -53,7 +54,22 @@ def adjust_logits(logits: mx.array, rows: Sequence[RowSampling]) -> mx.array:
     banned_at = [(i, token) for i, row in enumerate(rows) for token in row.banned if token < vocab]
     if banned_at:
         out = out.at[mx.array([i for i, _ in banned_at]), mx.array([t for _, t in banned_at])].add(-mx.inf)
+    masked = [i for i, row in enumerate(rows) if row.allowed is not None]
+    if masked:
+        keep = mx.ones(out.shape, dtype=mx.bool_)
+        keep[mx.array(masked)] = allowed_mask(rows, masked, vocab)
+        out = mx.where(keep, out, -mx.inf)
     return out
+
+
+def allowed_mask(rows: Sequence[RowSampling], masked: Sequence[int], vocab: int) -> mx.array:
+    """bool [len(masked), vocab]: the ``allowed`` bitmasks of ``rows[masked]`` unpacked (tokens past a mask's
+    end are not allowed)."""
+    width = -(-vocab // 8)
+    packed = b"".join(bytes(rows[i].allowed or b"")[:width].ljust(width, b"\0") for i in masked)
+    array = mx.array(np.frombuffer(packed, dtype=np.uint8).reshape(len(masked), width))
+    bits = mx.arange(8, dtype=mx.uint8)
+    return ((array[:, :, None] >> bits) & 1).astype(mx.bool_).reshape(len(masked), width * 8)[:, :vocab]
 
 
 def _sample_filtered(logits: mx.array, rows: Sequence[RowSampling]) -> mx.array:

@@ -1,0 +1,138 @@
+"""What a request constrains its output to: :class:`StructuredOutputs` (vLLM's ``structured_outputs`` fields)
+and the reading of OpenAI's ``response_format``. Pure data and validation; compiling is
+:mod:`gemmaserve.structured.grammar`'s job."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gemmaserve.errors import InvalidRequestError
+
+__all__ = ["StructuredOutputs", "MAX_CONSTRAINT_CHARS", "MAX_CHOICES", "from_response_format"]
+
+MAX_CONSTRAINT_CHARS = 256 * 1024
+"""Largest schema / regex / grammar (as text) a request may send: compiling is work on the request's thread."""
+MAX_CHOICES = 1024
+"""Most alternatives of a ``choice`` constraint."""
+
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_REFUSED = ("structural_tag", "whitespace_pattern", "disable_fallback", "disable_additional_properties")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputs:
+    """Exactly one constraint on the generated text:
+
+    - ``json``: a JSON schema (a dict, or its JSON text); the output is one JSON value valid under it, written
+      compactly (no whitespace between tokens: bounded, unlike a free-whitespace grammar);
+    - ``json_object``: any JSON object (OpenAI's ``{"type": "json_object"}``);
+    - ``regex``: the whole output matches the regular expression (Rust ``regex`` syntax, as vLLM's backends);
+    - ``choice``: the output is exactly one of the strings;
+    - ``grammar``: a context-free grammar in GBNF / EBNF (llama.cpp's format, ``root ::= ...``) or Lark.
+
+    When the constraint is complete the request finishes with ``finish_reason="stop"``. Raises
+    :class:`InvalidRequestError` naming the problem when not exactly one is given or one is malformed."""
+
+    json: Any = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, str):
+            try:
+                object.__setattr__(self, "json", json.loads(self.json))
+            except ValueError as exc:
+                raise InvalidRequestError(f"structured_outputs.json is not valid JSON: {exc}") from None
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not isinstance(self.choice, Sequence):
+                raise InvalidRequestError("structured_outputs.choice must be a list of strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [kind for kind in _KINDS if self._value(kind) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured_outputs takes exactly one of json, regex, choice, grammar, json_object; got "
+                + (", ".join(given) if given else "none"))
+        if self.json is not None:
+            if not isinstance(self.json, (dict, bool)):
+                raise InvalidRequestError(
+                    f"structured_outputs.json must be a JSON schema object, got {type(self.json).__name__}")
+            _check_size("json", json.dumps(self.json))
+        for name in ("regex", "grammar"):
+            value = self._value(name)
+            if value is not None:
+                if not isinstance(value, str) or not value:
+                    raise InvalidRequestError(f"structured_outputs.{name} must be a non-empty string")
+                _check_size(name, value)
+        if self.choice is not None:
+            if not self.choice or len(self.choice) > MAX_CHOICES:
+                raise InvalidRequestError(f"structured_outputs.choice takes 1 to {MAX_CHOICES} strings, "
+                                          f"got {len(self.choice)}")
+            if not all(isinstance(c, str) and c for c in self.choice):
+                raise InvalidRequestError("structured_outputs.choice must hold non-empty strings")
+            _check_size("choice", json.dumps(self.choice))
+        if not isinstance(self.json_object, bool):
+            raise InvalidRequestError("structured_outputs.json_object must be true or false")
+
+    def _value(self, kind: str) -> Any:
+        return getattr(self, kind)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: json, json_object, regex, choice or grammar."""
+        return next(kind for kind in _KINDS if self._value(kind) not in (None, False))
+
+    @property
+    def key(self) -> str:
+        """A canonical text of the constraint (compiled grammars are cached by it)."""
+        return self.kind + ":" + json.dumps(self._value(self.kind), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_mapping(cls, fields: Mapping[str, Any]) -> StructuredOutputs:
+        """From vLLM's ``structured_outputs`` object; options gemmaserve does not implement are refused by name."""
+        if not isinstance(fields, Mapping):
+            raise InvalidRequestError("structured_outputs must be an object")
+        refused = [name for name in _REFUSED if fields.get(name) not in (None, False)]
+        if refused:
+            raise InvalidRequestError(f"structured_outputs.{refused[0]} is not supported; accepted: "
+                                      f"{', '.join(_KINDS)}, disable_any_whitespace")
+        unknown = sorted(set(fields) - set(_KINDS) - set(_REFUSED) - {"disable_any_whitespace"})
+        if unknown:
+            raise InvalidRequestError(f"structured_outputs.{unknown[0]} is not a known field; accepted: "
+                                      f"{', '.join(_KINDS)}, disable_any_whitespace")
+        return cls(**{k: v for k, v in fields.items() if k in _KINDS})
+
+
+def _check_size(name: str, text: str) -> None:
+    if len(text) > MAX_CONSTRAINT_CHARS:
+        raise InvalidRequestError(f"structured_outputs.{name} is {len(text)} characters; at most "
+                                  f"{MAX_CONSTRAINT_CHARS} are accepted")
+
+
+def from_response_format(response_format: Mapping[str, Any] | None) -> StructuredOutputs | None:
+    """OpenAI's ``response_format``: ``{"type": "text"}`` (no constraint), ``{"type": "json_object"}``, or
+    ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``. The output follows
+    the schema either way (``strict`` changes nothing: every schema is enforced). Raises InvalidRequestError."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, Mapping):
+        raise InvalidRequestError("response_format must be an object")
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, Mapping):
+            raise InvalidRequestError('response_format of type "json_schema" needs a "json_schema" object')
+        schema = spec.get("schema", spec.get("json_schema"))
+        if schema is None:
+            raise InvalidRequestError('response_format.json_schema needs a "schema"')
+        return StructuredOutputs(json=schema)
+    raise InvalidRequestError(f"response_format.type {kind!r} is not supported; accepted: text, json_object, "
+                              "json_schema")
