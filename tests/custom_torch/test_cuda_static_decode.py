@@ -136,8 +136,10 @@ def test_static_decoder_matches_gather_path_through_the_scheduler(tiny_checkpoin
     assert_no_leaks(static_backend)
 
 
-def _run_mixed_params(backend, async_scheduling: bool) -> dict[str, tuple[list[int], list[float] | None, str]]:
-    """Greedy, seeded (temperature / top-p / top-k) and logprob requests arriving over several ticks."""
+def _run_mixed_params(backend, async_scheduling: bool,
+                      constrained: bool = False) -> dict[str, tuple[list[int], list[float] | None, str]]:
+    """Greedy, seeded (temperature / top-p / top-k) and logprob requests arriving over several ticks; with
+    ``constrained`` every third one has a structured-output constraint."""
     settings = CoreSettings(max_batch_size=8, prefill_chunk_tokens=16, max_active_kv_tokens=100_000,
                             async_scheduling=async_scheduling)
     sched = ContinuousBatchScheduler(backend, settings)
@@ -147,6 +149,10 @@ def _run_mixed_params(backend, async_scheduling: bool) -> dict[str, tuple[list[i
         params = [SamplingParams(max_tokens=rng.randrange(1, 14), temperature=0.0),
                   SamplingParams(max_tokens=rng.randrange(1, 14), temperature=0.9, top_p=0.9, seed=i),
                   SamplingParams(max_tokens=rng.randrange(1, 14), temperature=1.3, top_k=5, seed=3)][i % 3]
+        if constrained and i % 3 == 1:
+            spec = [{"regex": "[a-f]{2,9}"}, {"json": {"type": "object", "additionalProperties": False, "required": ["k"],
+                                                       "properties": {"k": {"type": "integer", "maximum": 99}}}}][i % 2]
+            params = dataclasses.replace(params, structured_outputs=spec, max_tokens=40)
         prompt = tuple(rng.randrange(4, 500) for _ in range(rng.randrange(1, 20)))
         plans.append((Request(f"r{i}", prompt, params, want_logprobs=i % 4 == 1), rng.randrange(0, 8)))
     for tick in range(10_000):
@@ -193,6 +199,20 @@ def test_async_decode_gives_the_synchronous_tokens_and_logprobs(tiny_gemma4_dir,
             assert logprobs == pytest.approx(expected[rid][1], abs=1e-5), rid
     assert launched, "prompt-carrying ticks went through forward_step_async"
     assert fast.decoder.fed_rows > 0
+    assert_no_leaks(fast)
+
+
+def test_async_scheduling_with_constrained_rows_gives_the_synchronous_tokens(tiny_gemma4_dir):
+    """Structured-output rows need their previous token for their next mask: with them in the batch the
+    scheduler applies each launched step before the next launch, and every request's tokens are those of
+    synchronous scheduling; the constrained outputs are complete (stop) and valid."""
+    expected = _run_mixed_params(with_static_decoder(make_backend(tiny_gemma4_dir)), False, constrained=True)
+    fast = with_static_decoder(make_backend(tiny_gemma4_dir))
+    got = _run_mixed_params(fast, True, constrained=True)
+    assert {rid: (tokens, reason) for rid, (tokens, _, reason) in got.items()} == {
+        rid: (tokens, reason) for rid, (tokens, _, reason) in expected.items()}
+    constrained = [got[f"r{i}"] for i in range(10) if i % 3 == 1]
+    assert all(reason == "stop" for _, _, reason in constrained), constrained
     assert_no_leaks(fast)
 
 

@@ -176,6 +176,14 @@ class ContinuousBatchScheduler:
                     "without structured_outputs / response_format")
             request.constraint = self._grammar_compiler().compile(spec)
 
+    def warm_grammars(self) -> bool:
+        """Build structured output's view of the vocabulary now (seconds for a large one) rather than on the
+        first constrained request. False (nothing done) when this backend cannot serve constraints."""
+        if self._streaming or not self._caps.allowed_token_masks or GrammarCompiler.available(self.backend.tokenizer):
+            return False
+        self._grammar_compiler().warm()
+        return True
+
     def _grammar_compiler(self) -> GrammarCompiler:
         with self._compiler_lock:
             if self._grammars is None:

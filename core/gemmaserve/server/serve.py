@@ -135,6 +135,15 @@ def connection_limits(settings: CoreSettings) -> ConnectionLimits:
     )
 
 
+def _warm_grammars(engine: Any) -> None:
+    """Structured output's vocabulary, built while the server starts taking requests (logged, never fatal)."""
+    try:
+        if engine.scheduler.warm_grammars():
+            logger.info("structured output ready (vocabulary of %d tokens)", engine.backend.model_info.vocab_size)
+    except Exception:
+        logger.warning("could not prepare structured output; constrained requests will try again", exc_info=True)
+
+
 def serve(settings: CoreSettings) -> None:
     """Blocking: serve HTTP on settings.host:settings.port; shuts the engine down on exit.
     Raises what ``build_engine`` raises (ConfigurationError, BackendUnavailableError, ModelLoadError)."""
@@ -154,6 +163,7 @@ def serve(settings: CoreSettings) -> None:
         engine.shutdown()
         raise
     engine.start()
+    threading.Thread(target=_warm_grammars, args=(engine,), name="gemmaserve-grammar-warmup", daemon=True).start()
     try:
         names = model_names(settings, engine.backend.model_info.name)
         name = names[0]

@@ -48,7 +48,8 @@ class TokenConstraint:
         matcher = self._matcher
         mask = matcher.compute_bitmask()
         if matcher.is_error():
-            raise ConstraintError(f"the {self._what} constraint cannot continue: {matcher.get_error()}")
+            raise ConstraintError(f"no token can continue the {self._what} constraint from here "
+                                  f"({_first_line(matcher.get_error())})")
         if not mask.strip(b"\0"):
             raise ConstraintError(f"no token can continue the {self._what} constraint from here")
         return mask
@@ -59,7 +60,7 @@ class TokenConstraint:
         matcher = self._matcher
         if not matcher.consume_token(token_id):
             raise ConstraintError(f"token {token_id} does not continue the {self._what} constraint "
-                                  f"({matcher.get_error() or 'rejected'})")
+                                  f"({_first_line(matcher.get_error()) or 'rejected'})")
         return matcher.is_stopped()
 
     @property
@@ -126,12 +127,17 @@ class GrammarCompiler:
             raise InvalidRequestError(f"structured_outputs.{spec.kind} is invalid: {messages[0].strip()}")
         template = llguidance.LLMatcher(vocabulary, grammar, log_level=0)
         if template.is_error():
-            raise InvalidRequestError(f"structured_outputs.{spec.kind} is invalid: {template.get_error()}")
+            raise InvalidRequestError(f"structured_outputs.{spec.kind} is invalid: {_first_line(template.get_error())}")
         with self._lock:
             self._cache[key] = template
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
         return TokenConstraint(template.deep_copy(), spec.kind)
+
+
+def _first_line(text: str) -> str:
+    """llguidance's error text without the parser-state dump that follows its first line."""
+    return text.strip().split("\n", 1)[0]
 
 
 def _grammar_text(spec: StructuredOutputs) -> str:

@@ -305,6 +305,34 @@ class BackendContractTests:
                 backend.remove_row_from_cache(batch, index)
         self._finish(backend)
 
+    def test_allowed_token_masks_are_honoured(self, backend: InferenceBackend) -> None:
+        """``capabilities.allowed_token_masks``: greedy and sampled rows only ever pick a token their
+        ``RowSampling.allowed`` bitmask sets, rows without a mask are unaffected, and a mask shorter than the
+        vocabulary allows nothing past its end."""
+        self._batched(backend)
+        if not backend.capabilities.allowed_token_masks:
+            pytest.skip("backend does not declare allowed_token_masks")
+        prompts = self.make_prompts(backend)[:3]
+        vocab = backend.model_info.vocab_size
+        with backend.lock:
+            batch = _prefilled_batch(backend, prompts)
+            logits = backend.decode_step_batched(batch, [p[-1] for p in prompts])
+            free = backend.sample(logits, [RowSampling(0.0, 1.0, 0, 1, 1)] * 3).token_ids
+            for allowed in ({vocab - 1}, {0, vocab // 2, vocab - 1}, set(range(3, min(vocab, 11)))):
+                mask = bytearray(-(-vocab // 8))
+                for token in allowed:
+                    mask[token >> 3] |= 1 << (token & 7)
+                for temperature, seed in ((0.0, 0), (1.0, 5), (100.0, 9)):
+                    rows = [RowSampling(temperature, 1.0, 0, seed + i, 2, allowed=bytes(mask)) for i in range(2)]
+                    picked = backend.sample(logits, [*rows, RowSampling(0.0, 1.0, 0, 1, 1)]).token_ids
+                    assert picked[0] in allowed and picked[1] in allowed, (picked, allowed)
+                    assert picked[2] == free[2], "a mask on one row changed another row's token"
+            short = RowSampling(0.0, 1.0, 0, 1, 1, allowed=b"\x10")  # token 4 only; nothing past byte 0
+            assert backend.sample(logits, [short] * 3).token_ids == [4, 4, 4]
+            for index in (2, 1, 0):
+                backend.remove_row_from_cache(batch, index)
+        self._finish(backend)
+
     # -- prefix cache -------------------------------------------------------------------------------
     def test_prefix_cache_second_pass_hits_with_same_tokens(self, backend: InferenceBackend) -> None:
         self._batched(backend)
