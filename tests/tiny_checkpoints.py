@@ -82,8 +82,8 @@ GEMMA3_BASE: dict[str, Any] = {
 }
 
 
-@functools.lru_cache(maxsize=1)
-def _train_tokenizer_json() -> str:
+@functools.lru_cache(maxsize=4)
+def _train_tokenizer_json(extra_special_tokens: tuple[str, ...] = ()) -> str:
     """A byte-level BPE with VOCAB_SIZE entries, trained on _CORPUS (deterministic, ~10 ms)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -92,7 +92,7 @@ def _train_tokenizer_json() -> str:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
-        special_tokens=_SPECIAL_TOKENS,
+        special_tokens=_SPECIAL_TOKENS + list(extra_special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -100,13 +100,18 @@ def _train_tokenizer_json() -> str:
     return tok.to_str()
 
 
-def save_tiny_tokenizer(path: str | Path) -> None:
-    """Write tokenizer.json + tokenizer_config.json loadable by `AutoTokenizer.from_pretrained(path)`."""
+GEMMA4_TOOL_TOKENS = ("<|tool_call>", "<tool_call|>", '<|"|>')
+"""Gemma 4's tool-call markers, for a tokenizer that carries them (``save_tiny_tokenizer(path, GEMMA4_TOOL_TOKENS)``)."""
+
+
+def save_tiny_tokenizer(path: str | Path, extra_special_tokens: tuple[str, ...] = ()) -> None:
+    """Write tokenizer.json + tokenizer_config.json loadable by `AutoTokenizer.from_pretrained(path)`;
+    ``extra_special_tokens`` become special tokens right after the four standard ones."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_train_tokenizer_json()),
+        tokenizer_object=Tokenizer.from_str(_train_tokenizer_json(tuple(extra_special_tokens))),
         pad_token="<pad>",
         eos_token="<eos>",
         bos_token="<bos>",

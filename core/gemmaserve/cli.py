@@ -233,7 +233,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         client_header_timeout=args.client_header_timeout, client_body_timeout=args.client_body_timeout,
         limit_concurrency=args.limit_concurrency, shutdown_timeout=args.shutdown_timeout,
         default_max_tokens=args.default_max_tokens, served_model_name=_served_names(args.served_model_name),
-        chat_template=args.chat_template,
+        chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
     )
     _setup_logging(settings)
     serve(settings)
@@ -269,6 +269,8 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     _env_flag(g, "--chat-template", "chat template replacing the checkpoint's: a Jinja file, or the template "
               "itself (vLLM's flag); unset = the checkpoint's own, or Gemma's turn format for a Gemma tokenizer",
               metavar="FILE")
+    _env_flag(g, "--tool-call-parser", "how tool calls are read from chat replies (vLLM's flag): gemma4, json, or "
+              "auto (gemma4 when the tokenizer has Gemma 4's <|tool_call> token)", choices=["auto", "gemma4", "json"])
     _env_flag(g, "--default-max-tokens", "max_tokens of a chat request that sends none, within the rest of the "
               "context; 0 = the rest of the context", type=int)
     _env_flag(g, "--timeout-keep-alive", "seconds a connection may stay silent before or between requests",

@@ -138,6 +138,12 @@ class CoreSettings(BaseSettings):
         "replaces the checkpoint's own. Unset: the checkpoint's template (Gemma's turn format for a Gemma tokenizer "
         "without one).",
     )
+    tool_call_parser: Literal["auto", "gemma4", "json"] = Field(
+        "auto", validation_alias=env_alias("TOOL_CALL_PARSER"),
+        description="HTTP server: how tool calls are read from a chat reply (vLLM's --tool-call-parser): gemma4 "
+        "(<|tool_call>call:NAME{...}<tool_call|>), json ({\"name\": ..., \"arguments\": {...}}), or auto: gemma4 when "
+        "the tokenizer has Gemma 4's <|tool_call> token, else json.",
+    )
     served_model_name: str = Field(
         "", validation_alias=env_alias("SERVED_MODEL_NAME"),
         description="HTTP server: comma-separated model names to serve under (vLLM's --served-model-name): "

@@ -43,6 +43,11 @@ class Prepared:
     stop: list[str]
     want_logprobs: bool
     prompt_param: str = "prompt"
+    tool_parser: str | None = None
+    """Chat with tools: the parser (``gemmaserve.tools.PARSERS``) that reads calls out of the reply."""
+    hidden_token_ids: tuple[int, ...] = ()
+    """Stop tokens whose text is left out when the reply is decoded with its special tokens (the gemma4 parser
+    needs them: its markers are special tokens)."""
 
 
 @dataclass(slots=True)
@@ -100,7 +105,9 @@ class Generation:
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self._engine = engine
-        self._detok = IncrementalDetokenizer(tokenizer, prepared.stop, prompt_ids=prepared.prompt_ids)
+        self._detok = IncrementalDetokenizer(tokenizer, prepared.stop, prompt_ids=prepared.prompt_ids,
+                                             skip_special_tokens=not prepared.hidden_token_ids)
+        self._hidden = frozenset(prepared.hidden_token_ids)
         self._queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
         self._pending: asyncio.Future[RequestEvent] | None = None
         self._engine_done = False
@@ -215,7 +222,12 @@ class Generation:
         step = Step("", [], [] if self.prepared.want_logprobs else None)
         if token_ids:
             self.timing.on_tokens()
-        consumed, delta = self._detok.add_until_stop(token_ids)
+        shown, hidden_tail = token_ids, 0
+        if self._hidden and token_ids and token_ids[-1] in self._hidden:  # a stop token ends the reply: no text
+            shown, hidden_tail = token_ids[:-1], 1
+        consumed, delta = self._detok.add_until_stop(shown)
+        if not delta.stopped:
+            consumed += hidden_tail
         step.text = delta.text
         step.token_ids = list(token_ids[:consumed])
         self.token_ids += step.token_ids

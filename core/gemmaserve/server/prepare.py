@@ -9,11 +9,15 @@ errors become :class:`APIError` 400 naming the field.
 
 from __future__ import annotations
 
+import dataclasses
+
 import inspect
 from typing import TYPE_CHECKING, Any
 
 from gemmaserve.engine.validation import check_text_can_fit
 from gemmaserve.errors import InvalidRequestError, PromptTooLongError
+from gemmaserve.tools.constraints import tool_call_constraint
+from gemmaserve.tools.parsers import GEMMA4_CALL_OPEN
 from gemmaserve.sampling_params import SamplingParams
 from gemmaserve.server.errors import APIError
 from gemmaserve.server.generation import Prepared
@@ -50,16 +54,49 @@ def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer, context_li
 
 
 def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limit: int,
-                 default_max_tokens: int = 0) -> Prepared:
+                 default_max_tokens: int = 0, tool_call_parser: str = "auto") -> Prepared:
     """Render the messages with the model's chat template; without ``max_tokens`` the request may generate
-    ``default_max_tokens`` tokens, or fewer if the rest of ``context_limit`` is smaller (0: the rest of it)."""
+    ``default_max_tokens`` tokens, or fewer if the rest of ``context_limit`` is smaller (0: the rest of it).
+    With ``tools`` (and ``tool_choice`` other than ``"none"``) the template gets them, the reply is read with
+    the tool-call parser, and ``"required"`` or a named function constrains the reply to a call."""
     body.check_generation_prompt()
+    mode = body.tool_mode
+    options = body.template_options
+    parser = None
+    if mode is not None:
+        options = {**options, "template_kwargs": {**options.get("template_kwargs", {}), "tools": body.tool_functions}}
+        parser = resolve_tool_parser(tokenizer, tool_call_parser)
     prompt_ids = render_chat([message.as_template_dict() for message in body.messages], tokenizer, context_limit,
-                             body.template_options)
+                             options)
     max_tokens = body.requested_max_tokens or default_max_tokens_for(len(prompt_ids), context_limit,
                                                                       default_max_tokens)
     params = _sampling(body, max_tokens, () if body.ignore_eos else chat_stop_token_ids(tokenizer))
-    return Prepared(prompt_ids, params, body.stop_strings, bool(body.logprobs), "messages")
+    if mode not in (None, "auto"):
+        if params.structured_outputs is not None:
+            raise APIError(400, f'tool_choice "{mode}" constrains the reply to a tool call; it cannot be combined '
+                           "with response_format / structured_outputs", param="tool_choice")
+        functions = [tool["function"] for tool in body.tool_functions]
+        try:
+            constraint = tool_call_constraint(functions, mode, parser or "json", body.parallel_tool_calls is not False)
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), param="tools") from None
+        params = dataclasses.replace(params, structured_outputs=constraint)
+    hidden: tuple[int, ...] = ()
+    if parser == "gemma4":  # its markers are special tokens: decode with them, but not the stop tokens' text
+        hidden = tuple(dict.fromkeys([*params.stop_token_ids, *getattr(tokenizer, "eos_token_ids", ())]))
+    return Prepared(prompt_ids, params, body.stop_strings, bool(body.logprobs), "messages", parser, hidden)
+
+
+def resolve_tool_parser(tokenizer: Tokenizer, setting: str) -> str:
+    """``--tool-call-parser`` for this tokenizer: ``auto`` is gemma4 when ``<|tool_call>`` is one token of the
+    vocabulary, else json."""
+    if setting != "auto":
+        return setting
+    try:
+        ids = tokenizer.encode(GEMMA4_CALL_OPEN, add_special_tokens=False)
+    except Exception:
+        return "json"
+    return "gemma4" if len(ids) == 1 else "json"
 
 
 def chat_stop_token_ids(tokenizer: Tokenizer) -> tuple[int, ...]:

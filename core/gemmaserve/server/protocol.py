@@ -7,6 +7,8 @@ unknown fields are ignored, and every problem becomes an :class:`~gemmaserve.ser
 
 from __future__ import annotations
 
+import json
+import re
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -251,9 +253,83 @@ class ChatMessage(BaseModel):
             return "".join(texts)
         raise ValueError("content must be a string, a list of text parts, or null")
 
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
     def as_template_dict(self) -> dict[str, Any]:
-        """What the chat template sees: role and plain-text content."""
-        return {"role": self.role, "content": self.content}
+        """What the chat template sees: role and plain-text content; an assistant message's ``tool_calls`` (their
+        JSON ``arguments`` as objects, as Hugging Face templates expect), a tool message's ``tool_call_id`` and
+        ``name``."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [call.as_template_dict() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class MessageFunction(BaseModel):
+    model_config = _STRICT
+
+    name: str = Field(min_length=1)
+    arguments: str = "{}"
+
+
+class MessageToolCall(BaseModel):
+    """An earlier call in the conversation (an assistant message's ``tool_calls`` entry)."""
+
+    model_config = _STRICT
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: MessageFunction
+
+    def as_template_dict(self) -> dict[str, Any]:
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            raise APIError(400, f"tool call {self.function.name!r}: arguments must be a JSON object text, got "
+                           f"{self.function.arguments[:80]!r}", param="messages") from None
+        if not isinstance(arguments, dict):
+            raise APIError(400, f"tool call {self.function.name!r}: arguments must be a JSON object",
+                           param="messages")
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+
+
+MAX_TOOLS = 128
+"""Functions one request may offer."""
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _STRICT
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        if not _TOOL_NAME.match(value):
+            raise ValueError("function names are 1 to 64 letters, digits, '_', '.' or '-'")
+        return value
+
+
+class ToolDefinition(BaseModel):
+    """One entry of ``tools``: ``{"type": "function", "function": {"name", "description", "parameters"}}``."""
+
+    model_config = _STRICT
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+ChatMessage.model_rebuild()  # its tool_calls refer to the models above
 
 
 RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -321,14 +397,42 @@ class ChatCompletionRequest(ChatTemplateOptions, SamplingFields):
     chat_template: str | None = Field(None, json_schema_extra=_NULL)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=0)
-    tools: list[Any] | None = Field(None, json_schema_extra=_only({"type": "array", "maxItems": 0}))
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Any = Field(None, json_schema_extra=_only({"anyOf": [
+        {"enum": ["none", "auto", "required"]},
+        {"type": "object", "required": ["type", "function"], "properties": {
+            "type": {"const": "function"}, "function": {"type": "object", "required": ["name"],
+                                                        "properties": {"name": {"type": "string"}}}}}]}))
+    parallel_tool_calls: bool | None = None
 
-    @field_validator("tools")
-    @classmethod
-    def _check_tools(cls, value: list[Any] | None) -> list[Any] | None:
-        if value:
-            raise ValueError("tools (function calling) are not supported; leave them unset")
-        return value
+    @property
+    def tool_mode(self) -> str | None:
+        """None (no tools, or ``tool_choice: "none"``), ``"auto"``, ``"required"``, or the one function's name
+        ``tool_choice`` names. Raises APIError naming ``tool_choice`` when it is malformed or names no tool."""
+        choice = self.tool_choice
+        names = [tool.function.name for tool in self.tools or ()]
+        if choice is None:
+            return "auto" if names else None
+        if choice == "none":
+            return None
+        if choice in ("auto", "required"):
+            if not names:
+                raise APIError(400, f'tool_choice "{choice}" needs tools', param="tool_choice")
+            return str(choice)
+        if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+            name = choice["function"].get("name")
+            if name in names:
+                return str(name)
+            raise APIError(400, f"tool_choice names function {name!r}, which is not among the tools "
+                           f"({', '.join(names) or 'none given'})", param="tool_choice")
+        raise APIError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                       '{"name": ...}}', param="tool_choice")
+
+    @property
+    def tool_functions(self) -> list[dict[str, Any]]:
+        """The tools as the chat template (and the call constraint) sees them: OpenAI's ``function`` objects."""
+        return [{"type": "function", "function": tool.function.model_dump(exclude_none=True)}
+                for tool in self.tools or ()]
 
     @field_validator("chat_template")
     @classmethod

@@ -46,17 +46,23 @@ class ResponseMeta:
         return {**self._base("text_completion"), "choices": [], "usage": usage}
 
     # -- /v1/chat/completions ----------------------------------------------------------------------
-    def chat(self, text: str, finish_reason: str | None, logprobs: Any, usage: dict[str, Any]) -> dict[str, Any]:
-        message = {"role": "assistant", "content": text}
+    def chat(self, text: str, finish_reason: str | None, logprobs: Any, usage: dict[str, Any],
+             tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": text or (None if tool_calls else text)}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
         choice = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}
         return {**self._base("chat.completion"), "choices": [choice], "usage": usage}
 
     def chat_chunk(
-        self, text: str | None, finish_reason: str | None, logprobs: Any = None, *, role: bool = False
+        self, text: str | None, finish_reason: str | None, logprobs: Any = None, *, role: bool = False,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
         if text:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
         return {**self._base("chat.completion.chunk"), "choices": [choice]}
 

@@ -1,0 +1,296 @@
+"""Tool calls in a model's text: streaming parsers for Gemma 4's native format and for JSON.
+
+- ``gemma4``: ``<|tool_call>call:NAME{key:value,...}<tool_call|>``, one block per call; a value is a string
+  between ``<|"|>`` markers, a number, ``true`` / ``false`` / ``null``, an object ``{key:value,...}`` or a list
+  ``[value,...]``. The markers are special tokens: the text fed here must keep them (decoded with
+  ``skip_special_tokens=False``).
+- ``json``: the whole reply is one call ``{"name": ..., "arguments": {...}}`` (``parameters`` is accepted for
+  ``arguments``) or a list of them, optionally in a Markdown code fence; anything else is content.
+
+A parser is fed the reply's text in whatever pieces it arrives (a marker split across pieces, several calls in
+one piece) and returns the content to show now and the calls completed so far; :meth:`finish` flushes at the end.
+Text that could still be the start of a marker is held back, never shown and then retracted. A call whose body
+does not parse is shown as content (nothing is lost). Not thread-safe: one parser per response.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["GEMMA4_CALL_CLOSE", "GEMMA4_CALL_OPEN", "GEMMA4_STRING", "Gemma4ToolParser", "JsonToolParser",
+           "ParsedText", "ToolCall", "ToolParser", "format_gemma_value", "parse_gemma_arguments", "PARSERS"]
+
+GEMMA4_CALL_OPEN = "<|tool_call>"
+GEMMA4_CALL_CLOSE = "<tool_call|>"
+GEMMA4_STRING = '<|"|>'
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One parsed call: ``arguments`` is the JSON text of the arguments object (OpenAI's shape)."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+    def to_openai(self, index: int | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id, "type": "function",
+                               "function": {"name": self.name, "arguments": self.arguments}}
+        return out if index is None else {"index": index, **out}
+
+
+@dataclass(slots=True)
+class ParsedText:
+    """What a piece of text turned into: content to show and the calls it completed."""
+
+    content: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+
+
+class ToolParser:
+    """Base of the streaming parsers (see the module docstring)."""
+
+    name = ""
+
+    def feed(self, text: str) -> ParsedText:
+        raise NotImplementedError
+
+    def finish(self) -> ParsedText:
+        raise NotImplementedError
+
+
+def _held_back(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+    for size in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
+class Gemma4ToolParser(ToolParser):
+    name = "gemma4"
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._in_call = False
+
+    def feed(self, text: str) -> ParsedText:
+        self._buffer += text
+        out = ParsedText()
+        while True:
+            if not self._in_call:
+                at = self._buffer.find(GEMMA4_CALL_OPEN)
+                if at < 0:
+                    keep = _held_back(self._buffer, GEMMA4_CALL_OPEN)
+                    out.content += self._buffer[: len(self._buffer) - keep]
+                    self._buffer = self._buffer[len(self._buffer) - keep:]
+                    return out
+                out.content += self._buffer[:at]
+                self._buffer = self._buffer[at + len(GEMMA4_CALL_OPEN):]
+                self._in_call = True
+            end = self._buffer.find(GEMMA4_CALL_CLOSE)
+            if end < 0:
+                return out
+            body, self._buffer = self._buffer[:end], self._buffer[end + len(GEMMA4_CALL_CLOSE):]
+            self._in_call = False
+            call = _parse_gemma_call(body)
+            if call is None:
+                out.content += GEMMA4_CALL_OPEN + body + GEMMA4_CALL_CLOSE
+            else:
+                out.calls.append(call)
+
+    def finish(self) -> ParsedText:
+        """An unterminated call is shown as the text it was (with its opening marker)."""
+        rest = (GEMMA4_CALL_OPEN if self._in_call else "") + self._buffer
+        self._buffer, self._in_call = "", False
+        return ParsedText(rest)
+
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
+
+
+def _parse_gemma_call(body: str) -> ToolCall | None:
+    text = body.strip()
+    if not text.startswith("call:"):
+        return None
+    match = _NAME.match(text, 5)
+    if match is None:
+        return None
+    try:
+        value, end = _GemmaValues(text).value(match.end())
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or text[end:].strip():
+        return None
+    return ToolCall(match.group(0), json.dumps(value, ensure_ascii=False))
+
+
+def parse_gemma_arguments(text: str) -> Any:
+    """The value written in Gemma 4's argument syntax (``{key:<|"|>text<|"|>,n:3}``) as Python data. Raises
+    ValueError if ``text`` is not exactly one value."""
+    parser = _GemmaValues(text)
+    value, end = parser.value(0)
+    if text[end:].strip():
+        raise ValueError(f"unexpected text after the value at {end}")
+    return value
+
+
+class _GemmaValues:
+    """Recursive-descent reader of Gemma 4 argument values."""
+
+    _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+    _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def _skip(self, at: int) -> int:
+        while at < len(self.text) and self.text[at] in " \t\n\r":
+            at += 1
+        return at
+
+    def value(self, at: int) -> tuple[Any, int]:
+        text = self.text
+        at = self._skip(at)
+        if text.startswith(GEMMA4_STRING, at):
+            end = text.find(GEMMA4_STRING, at + len(GEMMA4_STRING))
+            if end < 0:
+                raise ValueError("unterminated string")
+            return text[at + len(GEMMA4_STRING): end], end + len(GEMMA4_STRING)
+        if text.startswith("{", at):
+            return self._object(at + 1)
+        if text.startswith("[", at):
+            return self._list(at + 1)
+        for word, value in (("true", True), ("false", False), ("null", None)):
+            if text.startswith(word, at):
+                return value, at + len(word)
+        match = self._NUMBER.match(text, at)
+        if match is None:
+            raise ValueError(f"no value at {at}")
+        number = match.group(0)
+        return (float(number) if any(c in number for c in ".eE") else int(number)), match.end()
+
+    def _object(self, at: int) -> tuple[dict[str, Any], int]:
+        out: dict[str, Any] = {}
+        at = self._skip(at)
+        if self.text.startswith("}", at):
+            return out, at + 1
+        while True:
+            at = self._skip(at)
+            if self.text.startswith(GEMMA4_STRING, at):  # a quoted key
+                key, at = self.value(at)
+            else:
+                match = self._KEY.match(self.text, at)
+                if match is None:
+                    raise ValueError(f"no key at {at}")
+                key, at = match.group(0), match.end()
+            at = self._skip(at)
+            if not self.text.startswith(":", at):
+                raise ValueError(f"':' expected at {at}")
+            out[key], at = self.value(at + 1)
+            at = self._skip(at)
+            if self.text.startswith(",", at):
+                at += 1
+                continue
+            if self.text.startswith("}", at):
+                return out, at + 1
+            raise ValueError(f"',' or '}}' expected at {at}")
+
+    def _list(self, at: int) -> tuple[list[Any], int]:
+        out: list[Any] = []
+        at = self._skip(at)
+        if self.text.startswith("]", at):
+            return out, at + 1
+        while True:
+            item, at = self.value(at)
+            out.append(item)
+            at = self._skip(at)
+            if self.text.startswith(",", at):
+                at += 1
+                continue
+            if self.text.startswith("]", at):
+                return out, at + 1
+            raise ValueError(f"',' or ']' expected at {at}")
+
+
+def format_gemma_value(value: Any) -> str:
+    """``value`` in Gemma 4's argument syntax (the inverse of :func:`parse_gemma_arguments`)."""
+    if isinstance(value, str):
+        return GEMMA4_STRING + value + GEMMA4_STRING
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (int, float)):
+        return json.dumps(value)
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{key}:{format_gemma_value(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(format_gemma_value(item) for item in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} in Gemma 4's argument syntax")
+
+
+_FENCE = re.compile(r"^\s*```[a-zA-Z_]*\s*\n?(.*?)\n?\s*```\s*$", re.DOTALL)
+
+
+class JsonToolParser(ToolParser):
+    """See the module docstring. A reply that starts like JSON (``{``, ``[`` or a code fence) is held until the
+    end, then parsed; any other reply streams as content at once."""
+
+    name = "json"
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._decided: bool | None = None  # None: undecided; True: holding a possible call; False: content
+
+    def feed(self, text: str) -> ParsedText:
+        if self._decided is False:
+            return ParsedText(text)
+        self._buffer += text
+        stripped = self._buffer.lstrip()
+        if not stripped:
+            return ParsedText()
+        if self._decided is None:
+            self._decided = stripped[0] in "{[" or stripped.startswith("```") or "```".startswith(stripped)
+            if not self._decided:
+                out, self._buffer = self._buffer, ""
+                return ParsedText(out)
+        return ParsedText()
+
+    def finish(self) -> ParsedText:
+        text, self._buffer = self._buffer, ""
+        if not self._decided:
+            return ParsedText(text)
+        body = text
+        fenced = _FENCE.match(text)
+        if fenced is not None:
+            body = fenced.group(1)
+        try:
+            value = json.loads(body)
+        except ValueError:
+            return ParsedText(text)
+        items = value if isinstance(value, list) else [value]
+        calls = []
+        for item in items:
+            if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
+                return ParsedText(text)
+            arguments = item.get("arguments", item.get("parameters", {}))
+            if isinstance(arguments, str):  # already JSON text
+                try:
+                    arguments = json.loads(arguments)
+                except ValueError:
+                    return ParsedText(text)
+            if not isinstance(arguments, dict):
+                return ParsedText(text)
+            calls.append(ToolCall(item["name"], json.dumps(arguments, ensure_ascii=False)))
+        return ParsedText("", calls) if calls else ParsedText(text)
+
+
+PARSERS: dict[str, type[ToolParser]] = {"gemma4": Gemma4ToolParser, "json": JsonToolParser}
+"""The parsers by ``--tool-call-parser`` name."""

@@ -1,0 +1,110 @@
+"""The tool-call parsers over adversarial chunkings: markers split anywhere, several calls per chunk, text that
+looks like the start of a marker, bodies that do not parse, replies that end inside a call."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gemmaserve.tools.parsers import (
+    GEMMA4_CALL_CLOSE,
+    GEMMA4_CALL_OPEN,
+    Gemma4ToolParser,
+    JsonToolParser,
+    format_gemma_value,
+    parse_gemma_arguments,
+)
+
+_text = st.lists(st.sampled_from(list("ab <|>_:{}\"'\n,") + ["<|", "<|tool", "tool_call|", "é"]),
+                 max_size=12).map("".join)  # pieces that look like the start of a marker
+_key = st.from_regex(r"[a-z_][a-z0-9_]{0,6}", fullmatch=True)
+_scalar = st.one_of(st.text(alphabet="abc xyz,:{}[]0123", max_size=8), st.integers(-10**6, 10**6), st.booleans(),
+                    st.none(), st.floats(-1e3, 1e3, allow_nan=False, allow_infinity=False).map(lambda x: round(x, 3)))
+_value = st.recursive(_scalar, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                       st.dictionaries(_key, inner, max_size=3)), max_leaves=6)
+_call = st.tuples(st.from_regex(r"[a-z][a-z0-9_]{0,8}", fullmatch=True), st.dictionaries(_key, _value, max_size=4))
+
+
+def _feed_in_pieces(parser, text: str, cuts: list[int]):
+    points = sorted({min(len(text), c) for c in cuts})
+    pieces = [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
+    content, calls = "", []
+    for piece in pieces:
+        out = parser.feed(piece)
+        assert GEMMA4_CALL_OPEN not in out.content or GEMMA4_CALL_CLOSE in out.content  # never a bare opener
+        content += out.content
+        calls += out.calls
+    out = parser.finish()
+    return content + out.content, calls + out.calls
+
+
+@settings(max_examples=300, deadline=None)
+@given(parts=st.lists(st.tuples(_text, _call), max_size=4), tail=_text, cuts=st.lists(st.integers(0, 400), max_size=12))
+def test_gemma4_calls_and_content_survive_any_chunking(parts, tail, cuts) -> None:
+    text, want_content, want_calls = "", "", []
+    for before, (name, args) in parts:
+        text += before + GEMMA4_CALL_OPEN + f"call:{name}{format_gemma_value(args)}" + GEMMA4_CALL_CLOSE
+        want_content += before
+        want_calls.append((name, args))
+    text += tail
+    want_content += tail
+    content, calls = _feed_in_pieces(Gemma4ToolParser(), text, cuts)
+    assert content == want_content
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == want_calls
+    assert len({c.id for c in calls}) == len(calls)
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=_value)
+def test_gemma_value_round_trip(value) -> None:
+    assert parse_gemma_arguments(format_gemma_value(value)) == value
+
+
+@pytest.mark.parametrize("body", ["call:f", "call:f{a:}", "call:{a:1}", "nonsense", "call:f{a:1}}", 'call:f{a:<|"|>x}'])
+def test_a_gemma4_block_that_does_not_parse_stays_content(body) -> None:
+    text = "before " + GEMMA4_CALL_OPEN + body + GEMMA4_CALL_CLOSE + " after"
+    for cuts in ([], [3, 9, 15, 21], list(range(len(text)))):
+        content, calls = _feed_in_pieces(Gemma4ToolParser(), text, cuts)
+        assert calls == [] and content == text
+
+
+def test_an_unterminated_gemma4_call_is_content_at_the_end() -> None:
+    parser = Gemma4ToolParser()
+    assert parser.feed("hi <|tool").content == "hi "
+    assert parser.feed("_call>call:f{a:1").content == ""
+    assert parser.finish().content == GEMMA4_CALL_OPEN + "call:f{a:1"
+    parser = Gemma4ToolParser()
+    assert parser.feed("x <|to").content == "x "
+    assert parser.finish().content == "<|to"  # not a marker after all
+
+
+@settings(max_examples=150, deadline=None)
+@given(calls=st.lists(_call, min_size=1, max_size=3), shape=st.sampled_from(["one", "list", "fence", "params"]),
+       cuts=st.lists(st.integers(0, 300), max_size=8))
+def test_json_calls_in_any_chunking(calls, shape, cuts) -> None:
+    key = "parameters" if shape == "params" else "arguments"
+    objects = [{"name": name, key: args} for name, args in calls]
+    body = json.dumps(objects[0] if shape in ("one", "params") else objects)
+    text = f"```json\n{body}\n```" if shape == "fence" else body
+    content, parsed = _feed_in_pieces(JsonToolParser(), text, cuts)
+    want = calls[:1] if shape in ("one", "params") else calls
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in parsed] == want
+
+
+@pytest.mark.parametrize("text", ["plain words", "{not json", '{"x": 1}', '[{"name": 3}]', "```\nhello\n```",
+                                  '{"name": "f", "arguments": "not json"}', '{"name": "f", "arguments": [1]}', ""])
+def test_json_text_that_is_not_a_call_is_content(text) -> None:
+    for cuts in ([], list(range(len(text)))):
+        content, calls = _feed_in_pieces(JsonToolParser(), text, cuts)
+        assert calls == [] and content == text
+
+
+def test_json_plain_text_streams_at_once() -> None:
+    parser = JsonToolParser()
+    assert parser.feed("  ").content == ""
+    assert parser.feed("hello").content == "  hello"
+    assert parser.feed(" there").content == " there"
+    assert parser.finish().content == ""

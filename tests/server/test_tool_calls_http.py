@@ -1,0 +1,150 @@
+"""Tool calling through the official ``openai`` client on a tiny random Gemma 4 whose tokenizer carries Gemma 4's
+tool-call tokens and whose chat template renders tools and earlier calls: with random weights only the
+``tool_choice`` constraint can produce a call, so every call parsing and its arguments validating is the test.
+Both parsers (gemma4, json), streamed and not."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from gemmaserve.server.app import create_app
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("llguidance")
+
+MODEL = "tiny-tools"
+TOOLS_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}tools:{% for t in tools %} {{ t.function.name }}{% endfor %}\n{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}[called {{ c.function.name }} with {{ c.function.arguments | tojson }}]{% endfor %}"
+    "{% if m.tool_call_id %} (result of {{ m.tool_call_id }}){% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}model:{% endif %}"
+)
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "weather in a city", "parameters": {
+    "type": "object", "required": ["city", "unit"], "additionalProperties": False, "properties": {
+        "city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}, "days": {"enum": [1, 2, 7]},
+        "flags": {"type": "array", "items": {"enum": ["wind", "rain"]}},
+        "where": {"type": "object", "additionalProperties": False, "properties": {"north": {"type": "boolean"}}}}}}}
+CLOCK = {"type": "function", "function": {"name": "clock", "parameters": {
+    "type": "object", "additionalProperties": False, "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}}}}}
+TOOLS = [WEATHER, CLOCK]
+SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+
+
+@pytest.fixture(scope="module")
+def tool_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    pytest.importorskip("gemmaserve_custom_torch")
+    from tiny_checkpoints import GEMMA4_TOOL_TOKENS, build_tiny_gemma4, save_tiny_tokenizer
+
+    path = build_tiny_gemma4(tmp_path_factory.mktemp("tools") / "ckpt")
+    save_tiny_tokenizer(path, GEMMA4_TOOL_TOKENS)
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = TOOLS_TEMPLATE
+    config_file.write_text(json.dumps(config))
+    return path
+
+
+def _client(path, **settings: Any) -> tuple[Any, Any]:
+    from gemmaserve.engine.engine import Engine
+    from gemmaserve_custom_torch.backend import CustomTorchBackend
+    from gemmaserve_custom_torch.settings import load_custom_settings
+    from server_harness import reference_settings
+
+    core = reference_settings(model=str(path), **settings)
+    engine = Engine(CustomTorchBackend.from_checkpoint(path, "cpu", core, load_custom_settings()), core)
+    http = TestClient(create_app(engine, MODEL), raise_server_exceptions=False)
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0), engine
+
+
+@pytest.fixture(scope="module", params=["gemma4", "json"])
+def client(request, tool_checkpoint) -> Iterator[tuple[Any, str]]:
+    """One app per parser: ``auto`` picks gemma4 for this tokenizer; json is forced."""
+    setting = "auto" if request.param == "gemma4" else "json"
+    client, engine = _client(tool_checkpoint, tool_call_parser=setting)
+    yield client, request.param
+    engine.shutdown(timeout=10)
+
+
+def _check_calls(calls: Any, allowed: set[str]) -> None:
+    assert calls, "no tool call"
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_") and call.function.name in allowed
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_required_and_named_tool_choice_give_valid_calls(client) -> None:
+    client, parser = client
+    messages = [{"role": "user", "content": "what is the weather"}]
+    for choice, allowed, parallel in (("required", {"get_weather", "clock"}, False),
+                                      ("required", {"get_weather", "clock"}, True),
+                                      ({"type": "function", "function": {"name": "clock"}}, {"clock"}, False),
+                                      ({"type": "function", "function": {"name": "get_weather"}}, {"get_weather"}, True)):
+        for seed in range(2):
+            reply = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice=choice,
+                                                   parallel_tool_calls=parallel, max_tokens=300, temperature=1.0,
+                                                   seed=seed)
+            choice0 = reply.choices[0]
+            assert choice0.finish_reason == "tool_calls", (parser, choice0)
+            _check_calls(choice0.message.tool_calls, allowed)
+            if not parallel or choice != "required":
+                assert len(choice0.message.tool_calls) == 1
+            stream = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice=choice,
+                                                    parallel_tool_calls=parallel, max_tokens=300, temperature=1.0,
+                                                    seed=seed, stream=True)
+            deltas = [c.choices[0] for c in stream if c.choices]
+            streamed = [call for d in deltas for call in d.delta.tool_calls or []]
+            assert [c.index for c in streamed] == list(range(len(streamed)))
+            assert [(c.function.name, c.function.arguments) for c in streamed] == [
+                (c.function.name, c.function.arguments) for c in choice0.message.tool_calls]
+            assert [d.finish_reason for d in deltas if d.finish_reason] == ["tool_calls"]
+            assert "<|tool_call>" not in "".join(d.delta.content or "" for d in deltas)
+
+
+def test_auto_and_none_answer_and_conversations_with_calls_render(client) -> None:
+    client, _ = client
+    history = [{"role": "user", "content": "weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "cold"}]
+    for choice in ("auto", "none"):
+        reply = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice=choice,
+                                               max_tokens=8, temperature=0.0)
+        assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=history[:2] + [{
+            "role": "assistant", "content": None, "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": "not json"}}]}],
+            max_tokens=4)
+    assert caught.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="required",
+                                       response_format={"type": "json_object"}, max_tokens=4)
+    assert caught.value.body["param"] == "tool_choice"
+
+
+def test_the_template_sees_tools_and_earlier_calls(tool_checkpoint) -> None:
+    from gemmaserve.server.prepare import prepare_chat
+    from gemmaserve.server.protocol import ChatCompletionRequest
+    from gemmaserve_custom_torch.tokenizer import HFTokenizer
+
+    tokenizer = HFTokenizer.from_pretrained(tool_checkpoint)
+    body = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_9", "type": "function", "function": {"name": "clock", "arguments": '{"zone": "UTC"}'}}]},
+        {"role": "tool", "tool_call_id": "call_9", "content": "noon"}], "tools": TOOLS})
+    prepared = prepare_chat(body, tokenizer, 512)
+    text = tokenizer.decode(prepared.prompt_ids, skip_special_tokens=False)
+    assert "tools: get_weather clock" in text and '[called clock with {"zone": "UTC"}]' in text
+    assert "(result of call_9)" in text and prepared.tool_parser == "gemma4"
+    none = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+                                                 "tool_choice": "none"})
+    assert prepare_chat(none, tokenizer, 512).tool_parser is None
