@@ -100,7 +100,7 @@ def _train_tokenizer_json(extra_special_tokens: tuple[str, ...] = ()) -> str:
     return tok.to_str()
 
 
-GEMMA4_TOOL_TOKENS = ("<|tool_call>", "<tool_call|>", '<|"|>')
+GEMMA4_TOOL_TOKENS = ("<|tool_call>", "<tool_call|>", '<|"|>', "<|channel>", "<channel|>")
 """Gemma 4's tool-call markers, for a tokenizer that carries them (``save_tiny_tokenizer(path, GEMMA4_TOOL_TOKENS)``)."""
 
 

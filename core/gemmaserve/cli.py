@@ -234,6 +234,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         limit_concurrency=args.limit_concurrency, shutdown_timeout=args.shutdown_timeout,
         default_max_tokens=args.default_max_tokens, served_model_name=_served_names(args.served_model_name),
         chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     _setup_logging(settings)
     serve(settings)
@@ -271,6 +272,8 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
               metavar="FILE")
     _env_flag(g, "--tool-call-parser", "how tool calls are read from chat replies (vLLM's flag): gemma4, json, or "
               "auto (gemma4 when the tokenizer has Gemma 4's <|tool_call> token)", choices=["auto", "gemma4", "json"])
+    _env_flag(g, "--reasoning-parser", "gemma4: Gemma 4's reasoning channel goes to message.reasoning_content "
+              "(vLLM's flag); unset = off", choices=["", "gemma4"])
     _env_flag(g, "--default-max-tokens", "max_tokens of a chat request that sends none, within the rest of the "
               "context; 0 = the rest of the context", type=int)
     _env_flag(g, "--timeout-keep-alive", "seconds a connection may stay silent before or between requests",

@@ -144,6 +144,11 @@ class CoreSettings(BaseSettings):
         "(<|tool_call>call:NAME{...}<tool_call|>), json ({\"name\": ..., \"arguments\": {...}}), or auto: gemma4 when "
         "the tokenizer has Gemma 4's <|tool_call> token, else json.",
     )
+    reasoning_parser: Literal["", "gemma4"] = Field(
+        "", validation_alias=env_alias("REASONING_PARSER"),
+        description="HTTP server: gemma4 moves Gemma 4's reasoning channel (<|channel>thought...<channel|>) of a chat "
+        "reply into message.reasoning_content (vLLM's --reasoning-parser); empty = off (the channel is content).",
+    )
     served_model_name: str = Field(
         "", validation_alias=env_alias("SERVED_MODEL_NAME"),
         description="HTTP server: comma-separated model names to serve under (vLLM's --served-model-name): "

@@ -108,3 +108,33 @@ def test_json_plain_text_streams_at_once() -> None:
     assert parser.feed("hello").content == "  hello"
     assert parser.feed(" there").content == " there"
     assert parser.finish().content == ""
+
+
+@settings(max_examples=200, deadline=None)
+@given(parts=st.lists(st.tuples(_text, _text, st.booleans()), max_size=3), tail=_text,
+       open_end=st.booleans(), cuts=st.lists(st.integers(0, 300), max_size=10))
+def test_gemma4_reasoning_channel_in_any_chunking(parts, tail, open_end, cuts) -> None:
+    from gemmaserve.tools.parsers import GEMMA4_CHANNEL_CLOSE, GEMMA4_CHANNEL_OPEN, Gemma4ReasoningParser
+
+    text, want_reasoning, want_content = "", "", ""
+    for before, thought, labelled in parts:
+        before = before.replace("<|", "")  # content that cannot open a channel by accident
+        thought = thought.replace("<", "")
+        text += before + GEMMA4_CHANNEL_OPEN + ("thought\n" if labelled else "") + thought + GEMMA4_CHANNEL_CLOSE
+        want_content += before
+        want_reasoning += thought
+    tail = tail.replace("<|", "")
+    if open_end:
+        text += GEMMA4_CHANNEL_OPEN + "thought\n" + tail.replace("<", "")
+        want_reasoning += tail.replace("<", "")
+    else:
+        text += tail
+        want_content += tail
+    parser = Gemma4ReasoningParser()
+    points = sorted({min(len(text), c) for c in cuts})
+    reasoning = content = ""
+    for a, b in zip([0, *points], [*points, len(text)]):
+        r, c = parser.feed(text[a:b])
+        reasoning, content = reasoning + r, content + c
+    r, c = parser.finish()
+    assert (reasoning + r, content + c) == (want_reasoning, want_content)

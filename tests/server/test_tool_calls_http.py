@@ -148,3 +148,22 @@ def test_the_template_sees_tools_and_earlier_calls(tool_checkpoint) -> None:
     none = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
                                                  "tool_choice": "none"})
     assert prepare_chat(none, tokenizer, 512).tool_parser is None
+
+
+def test_reasoning_channel_goes_to_reasoning_content(tool_checkpoint) -> None:
+    """REASONING_PARSER=gemma4: a reply forced (by a grammar) to open with Gemma 4's reasoning channel returns
+    the channel as ``reasoning_content`` and the rest as ``content``, streamed and not."""
+    client, engine = _client(tool_checkpoint, reasoning_parser="gemma4")
+    grammar = 'start: <|channel> "thought\\n" /[a-z]{2,6}/ <channel|> /[a-z]{2,6}/'
+    try:
+        for seed in range(3):
+            kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "think"}], max_tokens=40,
+                          temperature=1.0, seed=seed, extra_body={"structured_outputs": {"grammar": grammar}})
+            message = client.chat.completions.create(**kwargs).choices[0].message
+            thought, answer = message.reasoning_content, message.content
+            assert thought and answer and thought.isalpha() and answer.isalpha(), message
+            chunks = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+            assert "".join(getattr(d, "reasoning_content", None) or "" for d in chunks) == thought
+            assert "".join(d.content or "" for d in chunks) == answer
+    finally:
+        engine.shutdown(timeout=10)

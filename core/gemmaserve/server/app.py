@@ -30,7 +30,7 @@ from gemmaserve.server.generation import Generation, Prepared, Step, Timing
 from gemmaserve.server.metrics import ServerMetrics
 from gemmaserve.server.openapi import install_openapi
 from gemmaserve.server.prepare import prepare_chat, prepare_completion, render_chat, tokenize_text
-from gemmaserve.tools.parsers import PARSERS, ParsedText, ToolParser
+from gemmaserve.tools.parsers import PARSERS, Gemma4ReasoningParser, ParsedText, ToolParser
 from gemmaserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -332,7 +332,8 @@ class _Server:
             chat = parse_body(ChatCompletionRequest, raw)
             self.check_model(chat.model)
             return chat, prepare_chat(chat, self.tokenizer, self.context_limit,
-                                      self.engine.settings.default_max_tokens, self.engine.settings.tool_call_parser)
+                                      self.engine.settings.default_max_tokens, self.engine.settings.tool_call_parser,
+                                      self.engine.settings.reasoning_parser)
         completion = parse_body(CompletionRequest, raw)
         self.check_model(completion.model)
         return completion, prepare_completion(completion, self.tokenizer, self.context_limit)
@@ -392,6 +393,8 @@ class _View:
         parser = generation.prepared.tool_parser if chat else None
         self.tools: ToolParser | None = PARSERS[parser]() if parser else None
         self._num_calls = 0  # tool calls streamed so far
+        reasoning = generation.prepared.reasoning_parser if chat else None
+        self.reasoning = Gemma4ReasoningParser() if reasoning == "gemma4" else None
 
     @classmethod
     def create(cls, endpoint: str, generation: Generation, body: CompletionRequest | ChatCompletionRequest,
@@ -408,11 +411,11 @@ class _View:
         gen = self.generation
         assert gen.finish_reason is not None
         logprobs = self._logprobs(gen.token_ids, gen.logprobs, len(self.echo)) if gen.prepared.want_logprobs else None
-        if self.chat and self.tools is not None:
-            parsed = self._parse(gen.text, final=True)
+        if self.chat and (self.tools is not None or self.reasoning is not None):
+            thought, parsed = self._parse(gen.text, final=True)
             calls = [call.to_openai() for call in parsed.calls]
             return self.meta.chat(self.echo + parsed.content, self._finish_reason(gen.finish_reason), logprobs,
-                                  gen.usage(), calls)
+                                  gen.usage(), calls, reasoning=thought if self.reasoning is not None else None)
         if self.chat:
             return self.meta.chat(self.echo + gen.text, gen.finish_reason, logprobs, gen.usage())
         return self.meta.completion(self.echo + gen.text, gen.finish_reason, logprobs, gen.usage())
@@ -428,25 +431,33 @@ class _View:
         if step.logprobs is not None:
             logprobs = self._logprobs(step.token_ids, step.logprobs, self._offset)
         self._offset += len(step.text)
-        if self.chat and self.tools is not None:
+        if self.chat and (self.tools is not None or self.reasoning is not None):
             first = self._num_calls
-            parsed = self._parse(step.text, final=step.finish_reason is not None)
+            thought, parsed = self._parse(step.text, final=step.finish_reason is not None)
             calls = [call.to_openai(first + i) for i, call in enumerate(parsed.calls)]
             return self.meta.chat_chunk(parsed.content, self._finish_reason(step.finish_reason), logprobs,
-                                        tool_calls=calls)
+                                        tool_calls=calls, reasoning=thought)
         if self.chat:
             return self.meta.chat_chunk(step.text, step.finish_reason, logprobs)
         return self.meta.completion_chunk(step.text, step.finish_reason, logprobs)
 
-    def _parse(self, text: str, *, final: bool) -> ParsedText:
-        """``text`` through the tool-call parser (flushed at the end); counts the calls."""
-        assert self.tools is not None
+    def _parse(self, text: str, *, final: bool) -> tuple[str, ParsedText]:
+        """``text`` through the reasoning parser, then its content through the tool-call parser (both flushed at
+        the end): (reasoning, content and calls). Counts the calls."""
+        thought = ""
+        if self.reasoning is not None:
+            thought, text = self.reasoning.feed(text)
+            if final:
+                more, rest = self.reasoning.finish()
+                thought, text = thought + more, text + rest
+        if self.tools is None:
+            return thought, ParsedText(text)
         parsed = self.tools.feed(text)
         if final:
-            rest = self.tools.finish()
-            parsed = ParsedText(parsed.content + rest.content, parsed.calls + rest.calls)
+            rest_calls = self.tools.finish()
+            parsed = ParsedText(parsed.content + rest_calls.content, parsed.calls + rest_calls.calls)
         self._num_calls += len(parsed.calls)
-        return parsed
+        return thought, parsed
 
     def _finish_reason(self, reason: str | None) -> str | None:
         """OpenAI's ``tool_calls`` for a reply that ended on its own after making calls."""

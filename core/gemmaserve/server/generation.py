@@ -45,9 +45,11 @@ class Prepared:
     prompt_param: str = "prompt"
     tool_parser: str | None = None
     """Chat with tools: the parser (``gemmaserve.tools.PARSERS``) that reads calls out of the reply."""
+    reasoning_parser: str | None = None
+    """Chat: ``gemma4`` reads the reasoning channel out of the reply (``message.reasoning_content``)."""
     hidden_token_ids: tuple[int, ...] = ()
-    """Stop tokens whose text is left out when the reply is decoded with its special tokens (the gemma4 parser
-    needs them: its markers are special tokens)."""
+    """Stop tokens whose text is left out when the reply is decoded with its special tokens (the gemma4 parsers
+    need them: their markers are special tokens)."""
 
 
 @dataclass(slots=True)

@@ -54,7 +54,7 @@ def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer, context_li
 
 
 def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limit: int,
-                 default_max_tokens: int = 0, tool_call_parser: str = "auto") -> Prepared:
+                 default_max_tokens: int = 0, tool_call_parser: str = "auto", reasoning_parser: str = "") -> Prepared:
     """Render the messages with the model's chat template; without ``max_tokens`` the request may generate
     ``default_max_tokens`` tokens, or fewer if the rest of ``context_limit`` is smaller (0: the rest of it).
     With ``tools`` (and ``tool_choice`` other than ``"none"``) the template gets them, the reply is read with
@@ -82,9 +82,10 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limi
             raise APIError(400, str(exc), param="tools") from None
         params = dataclasses.replace(params, structured_outputs=constraint)
     hidden: tuple[int, ...] = ()
-    if parser == "gemma4":  # its markers are special tokens: decode with them, but not the stop tokens' text
+    if parser == "gemma4" or reasoning_parser:  # markers are special tokens: decode with them, not the stops' text
         hidden = tuple(dict.fromkeys([*params.stop_token_ids, *getattr(tokenizer, "eos_token_ids", ())]))
-    return Prepared(prompt_ids, params, body.stop_strings, bool(body.logprobs), "messages", parser, hidden)
+    return Prepared(prompt_ids, params, body.stop_strings, bool(body.logprobs), "messages", parser,
+                    reasoning_parser or None, hidden)
 
 
 def resolve_tool_parser(tokenizer: Tokenizer, setting: str) -> str:

@@ -47,8 +47,10 @@ class ResponseMeta:
 
     # -- /v1/chat/completions ----------------------------------------------------------------------
     def chat(self, text: str, finish_reason: str | None, logprobs: Any, usage: dict[str, Any],
-             tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+             tool_calls: list[dict[str, Any]] | None = None, reasoning: str | None = None) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": text or (None if tool_calls else text)}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning or None
         if tool_calls:
             message["tool_calls"] = tool_calls
         choice = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}
@@ -56,9 +58,11 @@ class ResponseMeta:
 
     def chat_chunk(
         self, text: str | None, finish_reason: str | None, logprobs: Any = None, *, role: bool = False,
-        tool_calls: list[dict[str, Any]] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None, reasoning: str | None = None,
     ) -> dict[str, Any]:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         if text:
             delta["content"] = text
         if tool_calls:

@@ -21,7 +21,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["GEMMA4_CALL_CLOSE", "GEMMA4_CALL_OPEN", "GEMMA4_STRING", "Gemma4ToolParser", "JsonToolParser",
+__all__ = ["GEMMA4_CALL_CLOSE", "GEMMA4_CALL_OPEN", "GEMMA4_CHANNEL_CLOSE", "GEMMA4_CHANNEL_OPEN", "GEMMA4_STRING",
+           "Gemma4ReasoningParser", "Gemma4ToolParser", "JsonToolParser",
            "ParsedText", "ToolCall", "ToolParser", "format_gemma_value", "parse_gemma_arguments", "PARSERS"]
 
 GEMMA4_CALL_OPEN = "<|tool_call>"
@@ -294,3 +295,56 @@ class JsonToolParser(ToolParser):
 
 PARSERS: dict[str, type[ToolParser]] = {"gemma4": Gemma4ToolParser, "json": JsonToolParser}
 """The parsers by ``--tool-call-parser`` name."""
+
+
+GEMMA4_CHANNEL_OPEN = "<|channel>"
+GEMMA4_CHANNEL_CLOSE = "<channel|>"
+
+
+class Gemma4ReasoningParser:
+    """Gemma 4's reasoning channel (``--reasoning-parser gemma4``): text between ``<|channel>`` and
+    ``<channel|>`` (a leading ``thought`` label and newline dropped) is reasoning, the rest content. Streaming
+    and chunking as the tool parsers: :meth:`feed` returns (reasoning, content) made final; :meth:`finish`
+    flushes (an unterminated channel is reasoning: the model was still thinking)."""
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._in_channel = False
+        self._label_pending = False
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self._buffer += text
+        reasoning = content = ""
+        while True:
+            marker = GEMMA4_CHANNEL_CLOSE if self._in_channel else GEMMA4_CHANNEL_OPEN
+            at = self._buffer.find(marker)
+            if self._in_channel and self._label_pending:
+                label = "thought\n"
+                head = self._buffer[: len(label)]
+                if label.startswith(head) and len(head) < len(label) and at < 0:
+                    return reasoning, content  # the label may still be arriving
+                if self._buffer.startswith(label):
+                    self._buffer = self._buffer[len(label):]
+                elif self._buffer.startswith("thought") and (at == len("thought")):
+                    self._buffer = self._buffer[len("thought"):]
+                self._label_pending = False
+                continue
+            if at < 0:
+                keep = _held_back(self._buffer, marker)
+                ready, self._buffer = self._buffer[: len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
+                if self._in_channel:
+                    reasoning += ready
+                else:
+                    content += ready
+                return reasoning, content
+            if self._in_channel:
+                reasoning += self._buffer[:at]
+            else:
+                content += self._buffer[:at]
+            self._buffer = self._buffer[at + len(marker):]
+            self._in_channel = not self._in_channel
+            self._label_pending = self._in_channel
+
+    def finish(self) -> tuple[str, str]:
+        rest, self._buffer = self._buffer, ""
+        return (rest, "") if self._in_channel else ("", rest)
