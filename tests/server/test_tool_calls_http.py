@@ -167,3 +167,28 @@ def test_reasoning_channel_goes_to_reasoning_content(tool_checkpoint) -> None:
             assert "".join(d.content or "" for d in chunks) == answer
     finally:
         engine.shutdown(timeout=10)
+
+
+@pytest.mark.parametrize("backend", ["hf", "mlx"])
+def test_tool_calls_on_the_other_backends(tool_checkpoint, backend) -> None:
+    """The same required / named calls through hf and mlx (built as `gemmaserve serve` builds them)."""
+    from gemmaserve.engine.factory import build_engine
+    from server_harness import plugin_installed, reference_settings
+
+    if not plugin_installed({"hf": "gemmaserve_hf_torch", "mlx": "gemmaserve_mlx"}[backend]):
+        pytest.skip(f"{backend} backend not installed")
+    settings = reference_settings(model=str(tool_checkpoint), backend=backend, dtype="float32")
+    engine = build_engine(settings)
+    engine.start()
+    try:
+        http = TestClient(create_app(engine, MODEL), raise_server_exceptions=False)
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+        for choice, allowed in (("required", {"get_weather", "clock"}),
+                                ({"type": "function", "function": {"name": "get_weather"}}, {"get_weather"})):
+            reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                   tools=TOOLS, tool_choice=choice, max_tokens=300, temperature=1.0,
+                                                   seed=3)
+            assert reply.choices[0].finish_reason == "tool_calls", reply.choices[0]
+            _check_calls(reply.choices[0].message.tool_calls, allowed)
+    finally:
+        engine.shutdown(timeout=10)
