@@ -75,8 +75,10 @@ def test_one_seed_gives_the_same_tokens_on_every_backend(tmp_path) -> None:
         SamplingParams(max_tokens=6, temperature=0.0, logit_bias={7: 100.0}, ignore_eos=True),
         SamplingParams(max_tokens=8, temperature=1.0, seed=6, logit_bias={11: 5.0, 12: -100.0}, ignore_eos=True),
         SamplingParams(max_tokens=8, temperature=0.0, min_tokens=8, stop_token_ids=[prompts[0][0]]),
+        SamplingParams(max_tokens=10, temperature=0.9, seed=7, repetition_penalty=1.4, presence_penalty=0.5,
+                       frequency_penalty=0.3, ignore_eos=True),  # penalties
     ]
-    prompts = prompts + prompts
+    prompts = (prompts * 3)[: len(params)]
     backends = ["custom-cpu", "hf"]
     if _mlx_sample() is not None:
         backends.append("mlx")
@@ -196,3 +198,48 @@ def test_allowed_masks_agree_across_implementations_and_only_allowed_tokens_are_
     mlx = _mlx_sample()
     if mlx is not None:
         assert mlx(logits, samplings) == got
+
+
+_penalized_row = st.tuples(
+    _row, st.sampled_from([1.0, 0.7, 1.3, 2.0]), st.sampled_from([0.0, -1.5, 0.8]), st.sampled_from([0.0, 0.4, 2.0]),
+    st.frozensets(st.integers(0, 110), max_size=6), st.dictionaries(st.integers(0, 110), st.integers(1, 5), max_size=6))
+
+
+@settings(max_examples=80, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.lists(_penalized_row, min_size=1, max_size=5), data_seed=st.integers(0, 2**31))
+def test_penalties_agree_across_implementations(rows, data_seed) -> None:
+    """repetition / presence / frequency penalties (ids past the vocabulary ignored): torch and mlx pick the
+    definition's token; logprobs follow the penalized distribution."""
+    generator = torch.Generator().manual_seed(data_seed)
+    logits = torch.randn(len(rows), 97, generator=generator) * 3
+    samplings = [RowSampling(t, p, k, seed, step, repetition_penalty=rp, presence_penalty=pp, frequency_penalty=fp,
+                             prompt_tokens=prompt, output_counts=tuple(sorted(counts.items())))
+                 for (t, p, k, seed, step), rp, pp, fp, prompt, counts in rows]
+    expected = [sample_row([float(x) for x in logits[i]], row, want_logprob=True) for i, row in enumerate(samplings)]
+    got = sample_tokens(logits, samplings, want_logprobs=True)
+    assert got.token_ids == [token for token, _ in expected]
+    assert got.logprobs == pytest.approx([logprob for _, logprob in expected], abs=1e-9)
+    mlx = _mlx_sample()
+    if mlx is not None:
+        assert mlx(logits, samplings) == got.token_ids
+
+
+def test_repetition_penalty_matches_transformers_generate(tmp_path) -> None:
+    """Greedy with repetition_penalty gives transformers' tokens (its RepetitionPenaltyLogitsProcessor has the
+    same definition over prompt + output) on custom-cpu and hf."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from tiny_checkpoints import build_tiny_gemma4
+
+    path = build_tiny_gemma4(tmp_path / "ckpt")
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    prompts = [[5, 9, 9, 13, 5], [17, 4, 4, 4, 21, 33, 17]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.6, ignore_eos=True)
+    want = []
+    for prompt in prompts:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, repetition_penalty=1.6,
+                             eos_token_id=None, pad_token_id=0)
+        want.append(out[0, len(prompt):].tolist())
+    for backend in ("custom-cpu", "hf"):
+        assert _generate(path, backend, [params] * 2, prompts) == want, backend

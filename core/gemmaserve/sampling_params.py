@@ -32,7 +32,11 @@ class SamplingParams:
     tokens. ``logit_bias`` maps token ids to a value in [-100, 100] added to their logits before anything else
     (OpenAI's definition; -100 in practice bans a token). ``structured_outputs`` (a
     :class:`~gemmaserve.structured.StructuredOutputs`, or vLLM's dict of it) constrains the text to a JSON schema,
-    regex, choice or grammar; the request stops when the constraint is complete.
+    regex, choice or grammar; the request stops when the constraint is complete. Penalties (vLLM's and OpenAI's
+    definitions, applied after ``logit_bias``): ``repetition_penalty`` divides the positive logits of tokens seen
+    in the prompt or the output so far by it and multiplies their negative ones (1 = off);
+    ``frequency_penalty`` subtracts itself times a token's count in the output, ``presence_penalty`` itself once
+    for every token the output holds (0 = off).
     ``seed`` makes sampling reproducible: the same seed, prompt and parameters give the same tokens,
     whatever else is in the batch. ``stop_token_ids`` end the request (the stop token is kept in the
     output, like EOS); ``ignore_eos`` keeps generating past EOS (benchmarks). ``stop`` strings end the
@@ -52,6 +56,9 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     structured_outputs: StructuredOutputs | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         spec = self.structured_outputs
@@ -128,6 +135,13 @@ class SamplingParams:
                 0 <= self.min_tokens <= self.max_tokens):
             raise InvalidRequestError(
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if not _is_real(self.repetition_penalty) or not (0.0 < self.repetition_penalty <= 100.0):
+            raise InvalidRequestError(
+                f"repetition_penalty must be a number in (0, 100] (1 = off), got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not (-2.0 <= value <= 2.0):
+                raise InvalidRequestError(f"{name} must be a number in [-2, 2] (0 = off), got {value!r}")
         for pair in self.logit_bias:
             if len(pair) != 2:
                 raise InvalidRequestError(f"logit_bias entries are (token id, bias) pairs, got {pair!r}")
@@ -140,6 +154,11 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when a penalty changes the logits (each step then depends on the tokens generated so far)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 def _is_real(value: object) -> bool:
@@ -163,6 +182,13 @@ class RowSampling:
     logit_bias: tuple[tuple[int, float], ...] = ()
     banned: tuple[int, ...] = ()
     """Token ids that may not be picked at this step (EOS and stop ids before ``min_tokens``)."""
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    prompt_tokens: frozenset[int] = frozenset()
+    """Penalties: the prompt's distinct tokens (only with a ``repetition_penalty``)."""
+    output_counts: tuple[tuple[int, int], ...] = ()
+    """Penalties: ``(token, count)`` of every token generated so far."""
     allowed: bytes | None = None
     """Structured output: the tokens that may be picked at this step as a bitmask (bit ``t % 8`` of byte
     ``t // 8`` set = token ``t`` allowed; tokens past the mask's end are not allowed); None = every token.
@@ -176,18 +202,33 @@ class RowSampling:
     def adjusts_logits(self) -> bool:
         """True when the logits change before sampling (``logit_bias``, ``banned``, ``allowed``): no raw-argmax
         shortcut."""
-        return bool(self.logit_bias or self.banned) or self.allowed is not None
+        return bool(self.logit_bias or self.banned) or self.allowed is not None or self.has_penalties
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def penalized_tokens(self) -> list[tuple[int, int]]:
+        """``(token, count in the output)`` of every token a penalty touches (count 0: seen in the prompt only)."""
+        counts = dict(self.output_counts)
+        if self.repetition_penalty != 1.0:
+            for token in self.prompt_tokens:
+                counts.setdefault(token, 0)
+        return sorted(counts.items())
 
     @classmethod
     def for_params(cls, params: SamplingParams, seed: int, step: int, eos_token_ids: Sequence[int] = (),
-                   top_k: int | None = None, allowed: bytes | None = None) -> RowSampling:
+                   top_k: int | None = None, allowed: bytes | None = None, prompt_tokens: frozenset[int] = frozenset(),
+                   output_counts: tuple[tuple[int, int], ...] = ()) -> RowSampling:
         """The row view of ``params`` for token ``step`` (bans EOS and stop ids while ``step < min_tokens``;
-        ``allowed``: the structured-output mask of this step)."""
+        ``allowed``: the structured-output mask of this step; ``prompt_tokens`` / ``output_counts``: what the
+        penalties look at)."""
         banned: tuple[int, ...] = ()
         if step < params.min_tokens:
             banned = tuple(sorted({*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)}))
         return cls(params.temperature, params.top_p, params.top_k if top_k is None else top_k, seed, step,
-                   params.min_p, params.logit_bias, banned, allowed)
+                   params.min_p, params.logit_bias, banned, params.repetition_penalty, params.presence_penalty,
+                   params.frequency_penalty, prompt_tokens, output_counts, allowed)
 
 
 def allowed_tokens(mask: bytes, vocab_size: int) -> list[bool]:

@@ -2,8 +2,8 @@
 
 Imported only by the torch backends (``import gemmaserve`` never imports it, nor torch):
 
-- first ``logit_bias`` is added, ``banned`` tokens and tokens outside the ``allowed`` mask (structured output)
-  set to -inf (:func:`adjust_logits`).
+- first ``logit_bias`` is added, the penalties applied, ``banned`` tokens and tokens outside the ``allowed``
+  mask (structured output) set to -inf (:func:`adjust_logits`).
 - ``temperature == 0``: argmax (lowest index wins a tie).
 - otherwise: logits / temperature, keep the ``top_k`` largest (0 = all), then the smallest most-likely prefix
   whose probability reaches ``top_p`` (ties: lower index first), then those at least ``min_p`` times as likely
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from gemmaserve.backend import SampledTokens
-from gemmaserve.engine.sampling_cpu import sampling_seed
+from gemmaserve.engine.sampling_cpu import penalty_offset, sampling_seed
 from gemmaserve.sampling_params import RowSampling
 
 __all__ = ["adjust_logits", "sample_tokens", "sample_on_device", "to_device"]
@@ -85,6 +85,14 @@ def adjust_logits(values: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Te
     if bias_at:
         index = to_device([[i for i, _, _ in bias_at], [t for _, t, _ in bias_at]], torch.int64, device)
         values.index_put_((index[0], index[1]), to_device([b for _, _, b in bias_at], dtype, device), accumulate=True)
+    penalized_at = [(i, token, count) for i, row in enumerate(rows) if row.has_penalties
+                    for token, count in row.penalized_tokens() if token < vocab]
+    if penalized_at:
+        index = to_device([[i for i, _, _ in penalized_at], [t for _, t, _ in penalized_at]], torch.int64, device)
+        rp = to_device([rows[i].repetition_penalty for i, _, _ in penalized_at], dtype, device)
+        offset = to_device([penalty_offset(c, rows[i]) for i, _, c in penalized_at], dtype, device)
+        current = values[index[0], index[1]]
+        values[index[0], index[1]] = torch.where(current > 0, current / rp, current * rp) - offset
     if banned_at:
         index = to_device([[i for i, _ in banned_at], [t for _, t in banned_at]], torch.int64, device)
         values[index[0], index[1]] = float("-inf")

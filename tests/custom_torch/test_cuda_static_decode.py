@@ -139,7 +139,7 @@ def test_static_decoder_matches_gather_path_through_the_scheduler(tiny_checkpoin
 def _run_mixed_params(backend, async_scheduling: bool,
                       constrained: bool = False) -> dict[str, tuple[list[int], list[float] | None, str]]:
     """Greedy, seeded (temperature / top-p / top-k) and logprob requests arriving over several ticks; with
-    ``constrained`` every third one has a structured-output constraint."""
+    ``constrained`` every third one has a structured-output constraint and every third other one penalties."""
     settings = CoreSettings(max_batch_size=8, prefill_chunk_tokens=16, max_active_kv_tokens=100_000,
                             async_scheduling=async_scheduling)
     sched = ContinuousBatchScheduler(backend, settings)
@@ -153,6 +153,8 @@ def _run_mixed_params(backend, async_scheduling: bool,
             spec = [{"regex": "[a-f]{2,9}"}, {"json": {"type": "object", "additionalProperties": False, "required": ["k"],
                                                        "properties": {"k": {"type": "integer", "maximum": 99}}}}][i % 2]
             params = dataclasses.replace(params, structured_outputs=spec, max_tokens=40)
+        elif constrained and i % 3 == 2:  # penalties: the next logits depend on the tokens so far too
+            params = dataclasses.replace(params, repetition_penalty=1.5, frequency_penalty=0.4, presence_penalty=0.2)
         prompt = tuple(rng.randrange(4, 500) for _ in range(rng.randrange(1, 20)))
         plans.append((Request(f"r{i}", prompt, params, want_logprobs=i % 4 == 1), rng.randrange(0, 8)))
     for tick in range(10_000):
@@ -203,9 +205,9 @@ def test_async_decode_gives_the_synchronous_tokens_and_logprobs(tiny_gemma4_dir,
 
 
 def test_async_scheduling_with_constrained_rows_gives_the_synchronous_tokens(tiny_gemma4_dir):
-    """Structured-output rows need their previous token for their next mask: with them in the batch the
-    scheduler applies each launched step before the next launch, and every request's tokens are those of
-    synchronous scheduling; the constrained outputs are complete (stop) and valid."""
+    """Structured-output rows need their previous token for their next mask, penalized rows for their counts:
+    with them in the batch the scheduler applies each launched step before the next launch, and every request's
+    tokens are those of synchronous scheduling; the constrained outputs are complete (stop)."""
     expected = _run_mixed_params(with_static_decoder(make_backend(tiny_gemma4_dir)), False, constrained=True)
     fast = with_static_decoder(make_backend(tiny_gemma4_dir))
     got = _run_mixed_params(fast, True, constrained=True)

@@ -1,4 +1,4 @@
-"""min_p, min_tokens and logit_bias over HTTP reach the engine's sampling (never silently ignored): the
+"""min_p, min_tokens, logit_bias and the penalties over HTTP reach the engine's sampling (never silently ignored): the
 completions equal the offline reference for the same parameters."""
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ def test_sampling_fields_reach_the_sampler(ref: Any) -> None:
     forced = _complete(client, temperature=0.9, seed=3, logit_bias={"9": 100})
     assert forced["choices"][0]["text"] == tokenizer.decode([9] * 8)
     for fields in ({"temperature": 1.5, "seed": 4, "min_p": 0.3}, {"temperature": 0.0, "logit_bias": {"12": 6.5}},
-                   {"temperature": 0.0, "min_tokens": 8, "ignore_eos": False}):
+                   {"temperature": 0.0, "min_tokens": 8, "ignore_eos": False},
+                   {"temperature": 0.0, "repetition_penalty": 1.8},
+                   {"temperature": 1.2, "seed": 8, "presence_penalty": 1.5, "frequency_penalty": -0.5}):
         params = {**fields, "logit_bias": {int(k): v for k, v in fields.get("logit_bias", {}).items()}}
         params.pop("ignore_eos", None)
         assert _complete(client, **fields)["choices"][0]["text"] == expected(**params), fields

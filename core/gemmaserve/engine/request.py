@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -152,6 +153,7 @@ class Request:
     """Structured output: the request's position in its grammar (compiled by the scheduler's validation)."""
     constraint_error: ConstraintError | None = None
     """Why the constraint cannot continue; the next appended token ends the request with it."""
+    _prompt_set: frozenset[int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = tuple(self.prompt_token_ids)
@@ -184,8 +186,24 @@ class Request:
         fixed-width integer (torch) must not overflow on, say, ``top_k=10**30``."""
         assert self.seed is not None, "seed is assigned at admission"
         params = self.params
+        prompt_tokens: frozenset[int] = frozenset()
+        counts: tuple[tuple[int, int], ...] = ()
+        if params.has_penalties:
+            assert not ahead, "a penalized request's next logits need its previous token (no launch ahead)"
+            if params.repetition_penalty != 1.0:
+                if self._prompt_set is None:
+                    self._prompt_set = frozenset(self.prompt_token_ids)
+                prompt_tokens = self._prompt_set
+            counts = tuple(Counter(self.output_token_ids).items())
         return RowSampling.for_params(params, self.seed, len(self.output_token_ids) + ahead, self.eos_token_ids,
-                                      top_k=min(params.top_k, MAX_TOP_K), allowed=self._allowed(ahead))
+                                      top_k=min(params.top_k, MAX_TOP_K), allowed=self._allowed(ahead),
+                                      prompt_tokens=prompt_tokens, output_counts=counts)
+
+    @property
+    def needs_previous_token(self) -> bool:
+        """True when the next step's sampling depends on the token just sampled (a structured-output constraint
+        or a penalty): the scheduler then never launches this row's next step ahead of applying its token."""
+        return self.constraint is not None or self.params.has_penalties
 
     def _allowed(self, ahead: int) -> bytes | None:
         """The constraint's mask for the next token (None without one). A constraint that cannot continue gives

@@ -3,8 +3,10 @@
 Used by the reference backend and as the executable definition of the sampling semantics other
 backends should match:
 
-- first the logits are adjusted: ``logit_bias`` values are added, ``banned`` tokens (EOS and stop ids
-  before ``min_tokens``) and tokens outside the ``allowed`` mask (structured output) become ``-inf``.
+- first the logits are adjusted: ``logit_bias`` values are added, the penalties applied to the tokens they
+  touch (:func:`penalized`: repetition for tokens of the prompt or output, then frequency and presence for the
+  output's), then ``banned`` tokens (EOS and stop ids before ``min_tokens``) and tokens outside the ``allowed``
+  mask (structured output) become ``-inf``.
 - ``temperature == 0``: argmax of the adjusted logits (lowest index wins a tie); no randomness.
 - otherwise: scale by ``1 / temperature``, keep the ``top_k`` largest (0 = all), then the smallest set of
   most likely tokens whose probability reaches ``top_p`` (ties broken by lower index), then (``min_p``)
@@ -24,7 +26,7 @@ from collections.abc import Sequence
 
 from gemmaserve.sampling_params import RowSampling, allowed_tokens
 
-__all__ = ["sampling_seed", "log_softmax", "adjust_logits", "sample_row", "sample_rows"]
+__all__ = ["sampling_seed", "log_softmax", "adjust_logits", "penalized", "penalty_offset", "sample_row", "sample_rows"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -57,6 +59,10 @@ def adjust_logits(logits: Sequence[float], row: RowSampling) -> list[float]:
     for token, bias in row.logit_bias:
         if token < len(out):
             out[token] += bias
+    if row.has_penalties:
+        for token, count in row.penalized_tokens():
+            if token < len(out):
+                out[token] = penalized(out[token], count, row)
     for token in row.banned:
         if token < len(out):
             out[token] = -math.inf
@@ -65,6 +71,20 @@ def adjust_logits(logits: Sequence[float], row: RowSampling) -> list[float]:
             if not ok:
                 out[token] = -math.inf
     return out
+
+
+def penalized(logit: float, count: int, row: RowSampling) -> float:
+    """One logit after the penalties: repetition (the token was seen in the prompt or output), then frequency
+    (``count`` in the output) and presence (``count > 0``)."""
+    rp = row.repetition_penalty
+    if rp != 1.0:
+        logit = logit / rp if logit > 0 else logit * rp
+    return logit - penalty_offset(count, row)
+
+
+def penalty_offset(count: int, row: RowSampling) -> float:
+    """What frequency and presence take off a logit for a token the output holds ``count`` times."""
+    return row.frequency_penalty * count + (row.presence_penalty if count > 0 else 0.0)
 
 
 def _filtered_probs(logits: Sequence[float], row: RowSampling) -> list[tuple[int, float]]:

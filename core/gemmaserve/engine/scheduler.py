@@ -591,9 +591,10 @@ class ContinuousBatchScheduler:
 
     @staticmethod
     def _launched_constrained(launched: _LaunchedStep) -> bool:
-        """True when a live row of ``launched`` has a structured-output constraint: its next mask needs the
-        launched token, so the step is applied before the next one launches."""
-        return any(r.constraint is not None and not r.is_finished for r in launched.requests)
+        """True when a live row of ``launched`` samples its next token from what it sampled last
+        (``Request.needs_previous_token``: a constraint's mask, penalties' counts), so the step is applied
+        before the next one launches."""
+        return any(r.needs_previous_token and not r.is_finished for r in launched.requests)
 
     def _collect_launched(self, events: list[RequestEvent]) -> None:
         """Apply the launched step, if any (before any forward other than ``decode_step_async``)."""

@@ -11,7 +11,7 @@ import json
 import re
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gemmaserve.errors import InvalidRequestError
 from gemmaserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
@@ -84,11 +84,6 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-_UNSUPPORTED_PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
-"""Penalty fields refused unless at their neutral value. (``logit_bias``, ``min_p`` and ``min_tokens`` are checked
-once, by ``SamplingParams``.)"""
-
-
 class SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions. ``None`` means "the default"."""
 
@@ -108,14 +103,14 @@ class SamplingFields(BaseModel):
     n: int | None = Field(None, ge=1, json_schema_extra=_only({"type": "integer", "const": 1}))
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = Field(None, allow_inf_nan=False, json_schema_extra=_only({"const": 0}))
-    frequency_penalty: float | None = Field(None, allow_inf_nan=False, json_schema_extra=_only({"const": 0}))
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = Field(None, json_schema_extra=_only({
         "type": "object", "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^[0-9]{1,10}$"},
         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}))
     min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     min_tokens: int | None = Field(None, ge=0)
-    repetition_penalty: float | None = Field(None, allow_inf_nan=False, json_schema_extra=_only({"const": 1}))
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0, allow_inf_nan=False)
     user: str | None = None
     response_format: dict[str, Any] | None = Field(None, json_schema_extra=_only(_RESPONSE_FORMAT_SCHEMA))
     structured_outputs: dict[str, Any] | None = Field(None, json_schema_extra=_only(_STRUCTURED_SCHEMA))
@@ -150,14 +145,6 @@ class SamplingFields(BaseModel):
     def _check_n(cls, value: int | None) -> int | None:
         if value not in (None, 1):
             raise ValueError("only n=1 is supported; send one request per completion")
-        return value
-
-    @field_validator(*_UNSUPPORTED_PENALTIES)
-    @classmethod
-    def _check_penalty(cls, value: float | None, info: ValidationInfo) -> float | None:
-        neutral = _UNSUPPORTED_PENALTIES[info.field_name]
-        if value not in (None, neutral):
-            raise ValueError(f"{info.field_name} is not supported yet; leave it unset or {neutral:g}")
         return value
 
     @property

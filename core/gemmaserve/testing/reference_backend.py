@@ -12,6 +12,8 @@ block pool (``block_id -> entries``) and copies blocks in and out. Every method 
 
 from __future__ import annotations
 
+from collections import Counter
+
 import itertools
 import time
 from collections.abc import Sequence
@@ -282,7 +284,10 @@ class ReferenceBackend(InferenceBackend):
         entries = [KVEntry(token, position) for position, token in enumerate(prompt_ids)]
         out: list[int] = []
         while True:
-            row = RowSampling.for_params(params, params.seed or 0, len(out), self.model_info.eos_token_ids)
+            row = RowSampling.for_params(params, params.seed or 0, len(out), self.model_info.eos_token_ids,
+                                         prompt_tokens=frozenset(prompt_ids) if params.repetition_penalty != 1.0 else
+                                         frozenset(), output_counts=tuple(Counter(out).items()) if params.has_penalties
+                                         else ())
             token = sample_rows([next_token_logits(entries, self.model_info.vocab_size)], [row])[0][0]
             out.append(token)
             eos = not params.ignore_eos and token in self.model_info.eos_token_ids

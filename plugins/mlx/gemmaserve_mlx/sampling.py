@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from gemmaserve.backend import SampledTokens
-from gemmaserve.engine.sampling_cpu import sampling_seed
+from gemmaserve.engine.sampling_cpu import penalty_offset, sampling_seed
 from gemmaserve.sampling_params import RowSampling, SamplingParams
 
 __all__ = ["sample_tokens", "sample_rows", "StreamSampler"]
@@ -51,6 +51,14 @@ def adjust_logits(logits: mx.array, rows: Sequence[RowSampling]) -> mx.array:
     if bias_at:
         out = out.at[mx.array([i for i, _, _ in bias_at]), mx.array([t for _, t, _ in bias_at])].add(
             mx.array([b for _, _, b in bias_at], dtype=mx.float32))
+    penalized_at = [(i, token, count) for i, row in enumerate(rows) if row.has_penalties
+                    for token, count in row.penalized_tokens() if token < vocab]
+    if penalized_at:
+        rows_at, tokens_at = mx.array([i for i, _, _ in penalized_at]), mx.array([t for _, t, _ in penalized_at])
+        rp = mx.array([rows[i].repetition_penalty for i, _, _ in penalized_at], dtype=mx.float32)
+        offset = mx.array([penalty_offset(c, rows[i]) for i, _, c in penalized_at], dtype=mx.float32)
+        current = out[rows_at, tokens_at]
+        out[rows_at, tokens_at] = mx.where(current > 0, current / rp, current * rp) - offset
     banned_at = [(i, token) for i, row in enumerate(rows) for token in row.banned if token < vocab]
     if banned_at:
         out = out.at[mx.array([i for i, _ in banned_at]), mx.array([t for _, t in banned_at])].add(-mx.inf)
