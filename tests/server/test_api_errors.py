@@ -57,7 +57,7 @@ COMPLETION_CASES: list[tuple[str, Any, int, str | None, tuple[str, ...]]] = [
     ("top-k-too-low", {"top_k": -2}, 400, "top_k", ()),
     ("top-k-float", {"top_k": 1.5}, 400, "top_k", ()),
     ("seed-negative", {"seed": -1}, 400, "seed", ()),
-    ("n-two", {"n": 2}, 400, "n", ("n=1",)),
+    ("n-zero", {"n": 0}, 400, "n", ("greater than or equal to 1",)),
     ("best-of-two", {"best_of": 2}, 400, "best_of", ()),
     ("stop-empty-string", {"stop": [""]}, 400, "stop", ("non-empty",)),
     ("too-many-stops", {"stop": [str(i) for i in range(17)]}, 400, "stop", ("16",)),
@@ -112,7 +112,7 @@ CHAT_CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("bad-regex", {"structured_outputs": {"regex": "a(b"}}, 400, "structured_outputs"),
     ("two-constraints", {"structured_outputs": {"regex": "a"}, "guided_choice": ["x"]}, 400, "structured_outputs"),
     ("unknown-constraint-field", {"structured_outputs": {"yaml": "x"}}, 400, "structured_outputs"),
-    ("n-three", {"n": 3}, 400, "n"),
+    ("n-too-many", {"n": 65}, 400, "n"),
     ("prompt-too-long", {"messages": [{"role": "user", "content": "b" * 600}]}, 400, "messages"),
     ("unknown-model", {"model": "llama"}, 404, "model"),
 ]

@@ -216,7 +216,7 @@ BAD_INPUTS = [
     ({"prompt": "hi", "max_tokens": 2000}, 400, "max_tokens"),
     ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "hi", "temperature": 101}, 400, "temperature"),
-    ({"prompt": "hi", "n": 2}, 400, "n"),
+    ({"prompt": "hi", "n": 65}, 400, "n"),
     ({"prompt": ""}, 400, "prompt"),
     ({"prompt": [1, 600]}, 400, "prompt"),
     ({"prompt": "hi", "model": "gpt-4o"}, 404, "model"),

@@ -10,6 +10,7 @@ that disconnects (while waiting, or mid-stream) cancels its request, which frees
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -309,6 +310,8 @@ class _Server:
             body, prepared = await asyncio.to_thread(self._prepare, raw, endpoint)
         else:
             body, prepared = self._prepare(raw, endpoint)
+        if (body.n or 1) > 1:
+            return await self._handle_choices(request, endpoint, body, prepared, timing)
         generation = self._submit(prepared, timing)
         view = _View.create(endpoint, generation, body, self)
         try:
@@ -371,6 +374,83 @@ class _Server:
             pass
         finally:
             generation.close()
+            self.metrics.record_request(endpoint, status)
+
+    async def _handle_choices(self, request: Request, endpoint: str, body: Any, prepared: Prepared,
+                              timing: Timing) -> Response:
+        """``n`` > 1: one engine request per choice (choice ``i`` samples with ``seed + i`` when a seed is given),
+        answered as one response whose ``choices`` carry their ``index``; usage counts the prompt once. Streamed,
+        the choices' chunks interleave as their tokens arrive."""
+        n = int(body.n)
+        generations: list[Generation] = []
+        try:
+            for i in range(n):
+                params = prepared.params
+                if params.seed is not None:
+                    params = dataclasses.replace(params, seed=(params.seed + i) % 2**63)
+                generations.append(self._submit(dataclasses.replace(prepared, params=params),
+                                                timing if i == 0 else Timing(start=timing.start)))
+        except BaseException:
+            for generation in generations:
+                generation.close()
+            raise
+        views = [_View.create(endpoint, generation, body, self) for generation in generations]
+        group = _Choices(generations)
+        try:
+            async with _cancel_on_disconnect(request, group):
+                firsts = list(await asyncio.gather(*(g.next_step() for g in generations)))
+                if not body.stream:
+                    await asyncio.gather(*(_drain(g) for g in generations))
+        except BaseException:
+            group.close()
+            raise
+        if not body.stream:
+            for generation in generations:
+                self._observe(generation)
+            return JSONResponse(_merge_bodies([view.full_body() for view in views]))
+        return StreamingResponse(self._stream_choices(views, generations, firsts, endpoint),
+                                 media_type="text/event-stream", headers=_SSE_HEADERS)
+
+    async def _stream_choices(self, views: list[_View], generations: list[Generation], firsts: list[Step | None],
+                              endpoint: str) -> AsyncIterator[str]:
+        status = CLIENT_CLOSED
+        try:
+            for index, view in enumerate(views):
+                for chunk in view.opening_chunks():
+                    yield sse(_indexed(chunk, index))
+            for index, (view, step) in enumerate(zip(views, firsts)):
+                if step is not None:
+                    yield sse(_indexed(view.chunk(step), index))
+            waiting = {asyncio.ensure_future(g.next_step()): i for i, g in enumerate(generations) if not g.done}
+            try:
+                while waiting:
+                    done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        index = waiting.pop(task)
+                        step = task.result()
+                        if step is None:
+                            continue
+                        yield sse(_indexed(views[index].chunk(step), index))
+                        if not generations[index].done:
+                            waiting[asyncio.ensure_future(generations[index].next_step())] = index
+            finally:
+                for task in waiting:
+                    task.cancel()
+            if views[0].include_usage:
+                yield sse(_usage_chunk(views))
+            for generation in generations:
+                self._observe(generation)
+            status = 200
+            yield SSE_DONE
+        except APIError as exc:  # one choice failed mid-stream: report it in-band, end them all
+            status = exc.status
+            yield sse(exc.body())
+            yield SSE_DONE
+        except ClientDisconnected:
+            pass
+        finally:
+            for generation in generations:
+                generation.close()
             self.metrics.record_request(endpoint, status)
 
     def _observe(self, generation: Generation) -> None:
@@ -473,8 +553,54 @@ class _View:
         return completion_logprobs(self.tokenizer, token_ids, logprobs, offset)
 
 
+class _Choices:
+    """The generations of one ``n`` > 1 request, cancelled and closed together."""
+
+    def __init__(self, generations: list[Generation]) -> None:
+        self.generations = generations
+
+    def client_gone(self) -> None:
+        for generation in self.generations:
+            generation.client_gone()
+
+    def close(self) -> None:
+        for generation in self.generations:
+            generation.close()
+
+
+async def _drain(generation: Generation) -> None:
+    while await generation.next_step() is not None:
+        pass
+
+
+def _indexed(chunk: dict[str, Any], index: int) -> dict[str, Any]:
+    for choice in chunk.get("choices", ()):
+        choice["index"] = index
+    return chunk
+
+
+def _merge_bodies(bodies: list[dict[str, Any]]) -> dict[str, Any]:
+    """One response of the choices' bodies: their ``choices`` in order (``index`` set), usage summed over the
+    completions, the prompt counted once."""
+    merged = dict(bodies[0])
+    merged["choices"] = [_indexed(body, i)["choices"][0] for i, body in enumerate(bodies)]
+    merged["usage"] = _summed_usage([body["usage"] for body in bodies])
+    return merged
+
+
+def _summed_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
+    completion = sum(u["completion_tokens"] for u in usages)
+    return {**usages[0], "completion_tokens": completion, "total_tokens": usages[0]["prompt_tokens"] + completion}
+
+
+def _usage_chunk(views: list[_View]) -> dict[str, Any]:
+    chunk = views[0].usage_chunk()
+    chunk["usage"] = _summed_usage([view.generation.usage() for view in views])
+    return chunk
+
+
 @asynccontextmanager
-async def _cancel_on_disconnect(request: Request, generation: Generation) -> AsyncIterator[None]:
+async def _cancel_on_disconnect(request: Request, generation: Generation | _Choices) -> AsyncIterator[None]:
     """While the body is open, watch the connection; a disconnect cancels ``generation``."""
 
     async def watch(receive: Callable[[], Any]) -> None:

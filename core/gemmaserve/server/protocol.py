@@ -39,6 +39,8 @@ MAX_BODY_BYTES = 16 * 2**20
 """Largest request body accepted (HTTP 413 beyond): far more than any context holds as JSON, small
 enough that one request cannot make the server buffer and parse an unbounded amount."""
 _MAX_TOKEN_ID = 2**31 - 1
+MAX_N = 64
+"""Choices one request may ask for (``n``): each is its own engine request."""
 MAX_TEMPERATURE = 100.0
 """The range SamplingParams accepts offline ([0, 100]); OpenAI documents [0, 2], vLLM accepts more, so a
 temperature that works in ``LLM.generate`` works over HTTP too (tests/core/test_cli.py checks they agree)."""
@@ -100,7 +102,7 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = Field(
         None, json_schema_extra=_only({**_TOKEN_IDS, "maxItems": MAX_STOP_TOKEN_IDS}))
     ignore_eos: bool | None = False
-    n: int | None = Field(None, ge=1, json_schema_extra=_only({"type": "integer", "const": 1}))
+    n: int | None = Field(None, ge=1, json_schema_extra=_only({"type": "integer", "minimum": 1, "maximum": 64}))
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
@@ -143,8 +145,8 @@ class SamplingFields(BaseModel):
     @field_validator("n")
     @classmethod
     def _check_n(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise ValueError("only n=1 is supported; send one request per completion")
+        if value is not None and value > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N}; send several requests for more choices")
         return value
 
     @property
