@@ -58,6 +58,9 @@ COMPLETION_CASES: list[tuple[str, Any, int, str | None, tuple[str, ...]]] = [
     ("top-k-float", {"top_k": 1.5}, 400, "top_k", ()),
     ("seed-negative", {"seed": -1}, 400, "seed", ()),
     ("n-zero", {"n": 0}, 400, "n", ("greater than or equal to 1",)),
+    ("unknown-field", {"frobnicate": 1}, 400, "frobnicate", ("unknown field",)),
+    ("beam-search", {"use_beam_search": True}, 400, "use_beam_search", ("not supported",)),
+    ("store", {"store": True}, 400, "store", ("not supported",)),
     ("best-of-two", {"best_of": 2}, 400, "best_of", ()),
     ("stop-empty-string", {"stop": [""]}, 400, "stop", ("non-empty",)),
     ("too-many-stops", {"stop": [str(i) for i in range(17)]}, 400, "stop", ("16",)),
@@ -244,3 +247,13 @@ def test_stop_token_ids_are_bounded(make_client: Any) -> None:
     assert client.post("/v1/completions", json=ok).status_code == 200
     with pytest.raises(InvalidRequestError, match="stop_token_ids"):
         SamplingParams(stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS + 1)))
+
+
+def test_neutral_extras_are_accepted_at_their_neutral_values(ref: Any) -> None:
+    client, _ = ref
+    body = {"prompt": "hi", "max_tokens": 2, "store": False, "metadata": None, "skip_special_tokens": True,
+            "include_stop_str_in_output": False, "length_penalty": 1.0, "priority": 0, "service_tier": "auto"}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "functions": [{"name": "f"}]}
+    response = client.post("/v1/chat/completions", json=chat)
+    assert response.status_code == 400 and "tools" in response.json()["error"]["message"]

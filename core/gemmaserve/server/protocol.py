@@ -86,10 +86,47 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+NEUTRAL_EXTRAS: dict[str, tuple[Any, ...]] = {
+    # OpenAI fields with nothing to do here: accepted at these values only
+    "store": (None, False), "metadata": (None,), "service_tier": (None, "auto", "default"),
+    # vLLM's extra sampling fields, accepted at their defaults (which is what gemmaserve does)
+    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "include_stop_str_in_output": (None, False), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
+    "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,), "bad_words": (None, []),
+    "allowed_token_ids": (None,), "priority": (None, 0), "add_special_tokens": (None,),
+    "return_tokens_as_token_ids": (None, False), "detokenize": (None, True),
+}
+"""Request fields gemmaserve does not implement but accepts at the value that means "off" / the default (any
+other value is a 400 naming the field). Every other unknown field is a 400 too: nothing is silently ignored."""
+
+
 class SamplingFields(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions. ``None`` means "the default"."""
+    """Fields shared by /v1/completions and /v1/chat/completions. ``None`` means "the default". A field the
+    request models do not define is refused (400 naming it), except :data:`NEUTRAL_EXTRAS` at their neutral
+    values."""
 
     model_config = _STRICT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unknown_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        known = set(cls.model_fields)
+        for name, value in data.items():
+            if name in known:
+                continue
+            if name in NEUTRAL_EXTRAS:
+                if not any(value == neutral and type(value) is type(neutral) or value is neutral
+                           for neutral in NEUTRAL_EXTRAS[name]):
+                    raise APIError(400, f"{name}={value!r} is not supported; leave it unset"
+                                   + (f" or {NEUTRAL_EXTRAS[name][1]!r}" if len(NEUTRAL_EXTRAS[name]) > 1 else ""),
+                                   param=name)
+                continue
+            hint = "; use tools / tool_choice" if name in ("functions", "function_call") else ""
+            raise APIError(400, f"unknown field {name!r}: gemmaserve does not implement it{hint} (the accepted fields "
+                           "are listed in docs/api.md)", param=name)
+        return data
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
