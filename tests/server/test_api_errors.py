@@ -257,3 +257,22 @@ def test_neutral_extras_are_accepted_at_their_neutral_values(ref: Any) -> None:
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "functions": [{"name": "f"}]}
     response = client.post("/v1/chat/completions", json=chat)
     assert response.status_code == 400 and "tools" in response.json()["error"]["message"]
+
+
+def test_debug_kv_reports_are_shared_within_their_interval(ref: Any) -> None:
+    """A flood of /debug/kv requests takes the engine's locks at most once per REPORT_INTERVAL_S."""
+    import time
+
+    from gemmaserve.server import debug
+
+    client, engine = ref
+    calls = []
+    original = debug.kv_report
+    debug.kv_report = lambda e: calls.append(1) or original(e)
+    try:
+        time.sleep(debug.REPORT_INTERVAL_S)
+        reports = [client.get("/debug/kv").json() for _ in range(20)]
+    finally:
+        debug.kv_report = original
+    assert all(r["integrity"] == "ok" for r in reports) and all(r["age_s"] >= 0 for r in reports)
+    assert 1 <= len(calls) < 20

@@ -25,7 +25,7 @@ from starlette.requests import ClientDisconnect
 from gemmaserve import __version__
 from gemmaserve.errors import GemmaserveError
 from gemmaserve.server.connections import OVER_LIMIT_KEY
-from gemmaserve.server.debug import kv_report
+from gemmaserve.server.debug import KVReportCache
 from gemmaserve.server.errors import CLIENT_CLOSED, APIError, ClientDisconnected, from_engine_error
 from gemmaserve.server.generation import Generation, Prepared, Step, Timing
 from gemmaserve.server.metrics import ServerMetrics
@@ -127,9 +127,11 @@ def create_app(
         return PlainTextResponse(metrics.render(engine.stats()), media_type="text/plain; version=0.0.4")
 
     if debug_endpoints:
+        reports = KVReportCache(engine)
+
         @app.get("/debug/kv", response_model=None)
-        def debug_kv() -> Response:  # sync: takes the engine and backend locks
-            report = kv_report(engine)
+        def debug_kv() -> Response:  # sync: takes the engine and backend locks (at most once per interval)
+            report = reports.get()
             return JSONResponse(report, status_code=200 if report["integrity"] == "ok" else 500)
 
     return app

@@ -1,16 +1,41 @@
 """``GET /debug/kv``: KV bookkeeping snapshot plus integrity checks (engine, scheduler, backend).
 
-Blocking (takes the engine's step lock and the backend lock): call it from a worker thread.
+Blocking (takes the engine's step lock and the backend lock): call it from a worker thread. The server answers
+through :class:`KVReportCache`, so a flood of requests takes those locks at most once per interval.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gemmaserve.engine.engine import Engine
 
-__all__ = ["kv_report"]
+__all__ = ["KVReportCache", "kv_report"]
+
+REPORT_INTERVAL_S = 0.1
+"""A ``/debug/kv`` report is reused for this long: the checks take the engine's locks, which stalls generation."""
+
+
+class KVReportCache:
+    """:func:`kv_report` of ``engine``, computed at most once per ``interval_s``: callers in between (and callers
+    waiting while one is computed) get that report, with ``age_s`` saying how old it is. Thread-safe."""
+
+    def __init__(self, engine: Engine, interval_s: float = REPORT_INTERVAL_S) -> None:
+        self._engine = engine
+        self._interval = interval_s
+        self._lock = threading.Lock()
+        self._report: dict[str, Any] | None = None
+        self._at = 0.0
+
+    def get(self) -> dict[str, Any]:
+        with self._lock:
+            now = time.monotonic()
+            if self._report is None or now - self._at >= self._interval:
+                self._report, self._at = kv_report(self._engine), time.monotonic()
+            return {**self._report, "age_s": round(time.monotonic() - self._at, 3)}
 
 
 def kv_report(engine: Engine) -> dict[str, Any]:
