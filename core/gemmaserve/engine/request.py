@@ -154,6 +154,8 @@ class Request:
     constraint_error: ConstraintError | None = None
     """Why the constraint cannot continue; the next appended token ends the request with it."""
     _prompt_set: frozenset[int] | None = field(default=None, repr=False)
+    _output_counts: Counter[int] = field(default_factory=Counter, repr=False)
+    """Penalties: how often each token was generated (kept up to date by append_token)."""
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = tuple(self.prompt_token_ids)
@@ -194,7 +196,7 @@ class Request:
                 if self._prompt_set is None:
                     self._prompt_set = frozenset(self.prompt_token_ids)
                 prompt_tokens = self._prompt_set
-            counts = tuple(Counter(self.output_token_ids).items())
+            counts = tuple(self._output_counts.items())
         return RowSampling.for_params(params, self.seed, len(self.output_token_ids) + ahead, self.eos_token_ids,
                                       top_k=min(params.top_k, MAX_TOP_K), allowed=self._allowed(ahead),
                                       prompt_tokens=prompt_tokens, output_counts=counts)
@@ -236,6 +238,8 @@ class Request:
                 self.finish(FinishReason.ERROR, self.constraint_error)
                 return True
         self.output_token_ids.append(token_id)
+        if self.params.has_penalties:
+            self._output_counts[token_id] += 1
         if self.want_logprobs and logprob is not None:
             self.output_logprobs.append(logprob)
         params = self.params
