@@ -192,3 +192,21 @@ def test_tool_calls_on_the_other_backends(tool_checkpoint, backend) -> None:
             _check_calls(reply.choices[0].message.tool_calls, allowed)
     finally:
         engine.shutdown(timeout=10)
+
+
+def test_parallel_tool_calls_false_returns_at_most_one_call(client) -> None:
+    """With tool_choice auto the model may write several calls; parallel_tool_calls=false keeps the first."""
+    client, parser = client
+    if parser != "gemma4":
+        pytest.skip("the forcing grammar writes Gemma 4 call blocks")
+    grammar = 'start: (<|tool_call> "call:clock{zone:" <|"|> "UTC" <|"|> "}" <tool_call|>)~2'
+    for parallel, want in ((True, 2), (False, 1)):
+        for stream in (False, True):
+            kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "time?"}], tools=TOOLS, max_tokens=60,
+                          temperature=0.0, parallel_tool_calls=parallel, extra_body={"structured_outputs": {"grammar": grammar}})
+            if stream:
+                chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+                calls = [call for c in chunks for call in c.delta.tool_calls or []]
+            else:
+                calls = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+            assert len(calls) == want and all(json.loads(c.function.arguments) == {"zone": "UTC"} for c in calls)

@@ -550,6 +550,8 @@ class _View:
         if final:
             rest_calls = self.tools.finish()
             parsed = ParsedText(parsed.content + rest_calls.content, parsed.calls + rest_calls.calls)
+        if not self.generation.prepared.parallel_tool_calls:  # at most one call: later ones are dropped
+            parsed.calls = parsed.calls[: max(0, 1 - self._num_calls)]
         self._num_calls += len(parsed.calls)
         return thought, parsed
 

@@ -45,6 +45,8 @@ class Prepared:
     prompt_param: str = "prompt"
     tool_parser: str | None = None
     """Chat with tools: the parser (``gemmaserve.tools.PARSERS``) that reads calls out of the reply."""
+    parallel_tool_calls: bool = True
+    """False: at most one tool call is returned (later ones are dropped, as OpenAI's flag promises)."""
     reasoning_parser: str | None = None
     """Chat: ``gemma4`` reads the reasoning channel out of the reply (``message.reasoning_content``)."""
     hidden_token_ids: tuple[int, ...] = ()

@@ -85,7 +85,7 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limi
     if parser == "gemma4" or reasoning_parser:  # markers are special tokens: decode with them, not the stops' text
         hidden = tuple(dict.fromkeys([*params.stop_token_ids, *getattr(tokenizer, "eos_token_ids", ())]))
     return Prepared(prompt_ids, params, body.stop_strings, bool(body.logprobs), "messages", parser,
-                    reasoning_parser or None, hidden)
+                    body.parallel_tool_calls is not False, reasoning_parser or None, hidden)
 
 
 def resolve_tool_parser(tokenizer: Tokenizer, setting: str) -> str:
