@@ -259,20 +259,33 @@ def test_neutral_extras_are_accepted_at_their_neutral_values(ref: Any) -> None:
     assert response.status_code == 400 and "tools" in response.json()["error"]["message"]
 
 
-def test_debug_kv_reports_are_shared_within_their_interval(ref: Any) -> None:
-    """A flood of /debug/kv requests takes the engine's locks at most once per REPORT_INTERVAL_S."""
+def test_debug_kv_reports_are_fresh_shared_and_spaced(ref: Any) -> None:
+    """Every /debug/kv caller gets a report computed after it asked; concurrent callers share one; reports start
+    at least REPORT_INTERVAL_S apart (a flood takes the engine's locks at most 1/interval times a second)."""
+    import threading
     import time
 
     from gemmaserve.server import debug
 
     client, engine = ref
-    calls = []
+    starts: list[float] = []
     original = debug.kv_report
-    debug.kv_report = lambda e: calls.append(1) or original(e)
+    debug.kv_report = lambda e: starts.append(time.monotonic()) or original(e)
     try:
-        time.sleep(debug.REPORT_INTERVAL_S)
-        reports = [client.get("/debug/kv").json() for _ in range(20)]
+        asked = time.monotonic()
+        first = client.get("/debug/kv").json()
+        assert starts and starts[-1] >= asked and first["integrity"] == "ok"
+        cache = debug.KVReportCache(engine, interval_s=0.05)
+        before = len(starts)
+        results: list[dict[str, Any]] = []
+        threads = [threading.Thread(target=lambda: results.append(cache.get())) for _ in range(12)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        made = starts[before:]
+        assert len(results) == 12 and all(r["integrity"] == "ok" for r in results)
+        assert 1 <= len(made) < 12  # shared
+        assert all(b - a >= 0.05 - 1e-3 for a, b in zip(made, made[1:]))  # spaced
     finally:
         debug.kv_report = original
-    assert all(r["integrity"] == "ok" for r in reports) and all(r["age_s"] >= 0 for r in reports)
-    assert 1 <= len(calls) < 20

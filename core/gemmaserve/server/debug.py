@@ -1,7 +1,8 @@
 """``GET /debug/kv``: KV bookkeeping snapshot plus integrity checks (engine, scheduler, backend).
 
 Blocking (takes the engine's step lock and the backend lock): call it from a worker thread. The server answers
-through :class:`KVReportCache`, so a flood of requests takes those locks at most once per interval.
+through :class:`KVReportCache`, so a flood of requests takes those locks at most 1/REPORT_INTERVAL_S times a
+second, while every caller still gets a report computed after it asked.
 """
 
 from __future__ import annotations
@@ -16,26 +17,50 @@ if TYPE_CHECKING:
 __all__ = ["KVReportCache", "kv_report"]
 
 REPORT_INTERVAL_S = 0.1
-"""A ``/debug/kv`` report is reused for this long: the checks take the engine's locks, which stalls generation."""
+"""Reports start at least this far apart: the checks take the engine's locks, which stalls generation."""
 
 
 class KVReportCache:
-    """:func:`kv_report` of ``engine``, computed at most once per ``interval_s``: callers in between (and callers
-    waiting while one is computed) get that report, with ``age_s`` saying how old it is. Thread-safe."""
+    """:func:`kv_report` of ``engine`` for many callers. Every caller gets a report whose computation started
+    after it arrived (never a stale one); callers arriving while one is computed share the next one, and
+    computations start at least ``interval_s`` apart, so a flood takes the engine's locks at most 1/interval
+    times a second. Thread-safe (callers wait on worker threads)."""
 
     def __init__(self, engine: Engine, interval_s: float = REPORT_INTERVAL_S) -> None:
         self._engine = engine
         self._interval = interval_s
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._busy = False
         self._report: dict[str, Any] | None = None
-        self._at = 0.0
+        self._started = float("-inf")  # when the computation of ``_report`` started
+        self._last_start = float("-inf")
 
     def get(self) -> dict[str, Any]:
-        with self._lock:
-            now = time.monotonic()
-            if self._report is None or now - self._at >= self._interval:
-                self._report, self._at = kv_report(self._engine), time.monotonic()
-            return {**self._report, "age_s": round(time.monotonic() - self._at, 3)}
+        arrival = time.monotonic()
+        with self._cond:
+            while True:
+                if self._report is not None and self._started >= arrival:
+                    return dict(self._report)
+                if not self._busy:
+                    break
+                self._cond.wait()
+            self._busy = True
+            delay = self._interval - (time.monotonic() - self._last_start)
+        try:
+            if delay > 0:
+                time.sleep(delay)
+            started = time.monotonic()
+            report = kv_report(self._engine)
+        except BaseException:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self._report, self._started, self._last_start = report, started, started
+            self._busy = False
+            self._cond.notify_all()
+        return dict(report)
 
 
 def kv_report(engine: Engine) -> dict[str, Any]:
