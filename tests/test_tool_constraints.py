@@ -1,0 +1,89 @@
+"""``tool_choice`` required / named as a constraint, without a model: random walks through the constraint's allowed
+tokens (any token it allows may be picked) always end in calls that parse, name an offered function and whose
+arguments validate against its parameter schema (for the schema features the Gemma 4 grammar models)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("llguidance")
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("tokenizers")
+
+from gemmaserve.structured import GrammarCompiler  # noqa: E402
+from gemmaserve.tools import Gemma4ToolParser, JsonToolParser, tool_call_constraint  # noqa: E402
+
+
+class _Vocabulary:
+    """The tiny test tokenizer with Gemma 4's tool tokens, as the constraint compiler sees a tokenizer."""
+
+    def __init__(self) -> None:
+        from tokenizers import Tokenizer
+
+        from tiny_checkpoints import GEMMA4_TOOL_TOKENS, _train_tokenizer_json
+
+        self.text = _train_tokenizer_json(tuple(GEMMA4_TOOL_TOKENS))
+        self.tokenizer = Tokenizer.from_str(self.text)
+
+    def tokenizer_json(self) -> str:
+        return self.text
+
+
+@pytest.fixture(scope="module")
+def vocabulary() -> _Vocabulary:
+    return _Vocabulary()
+
+
+_leaf = st.one_of(
+    st.sampled_from([{"type": "boolean"}, {"type": "null"}, {"type": "integer"}, {"type": "number"},
+                     {"type": "string", "pattern": "^[a-z]{1,3}$"}, {"type": "string", "maxLength": 4}]),
+    st.lists(st.sampled_from(["a", "b c", "x_y", 3, 4.5, True, None]), min_size=1, max_size=3, unique=True)
+    .map(lambda values: {"enum": values}),
+)
+_parameters = st.recursive(_leaf, lambda inner: st.one_of(
+    st.builds(lambda item: {"type": "array", "items": item}, inner),
+    st.dictionaries(st.from_regex(r"[a-z]{1,5}", fullmatch=True), inner, min_size=1, max_size=3)
+    .map(lambda props: {"type": "object", "properties": props, "additionalProperties": False}),
+), max_leaves=5).filter(lambda schema: schema.get("type") == "object")
+
+
+def _walk(vocabulary: _Vocabulary, constraint, seed: int) -> str:
+    rng = random.Random(seed)
+    tokens = []
+    for _ in range(400):
+        mask = constraint.allowed()
+        allowed = [t for t in range(len(mask) * 8) if mask[t >> 3] >> (t & 7) & 1]
+        token = rng.choice(allowed)
+        tokens.append(token)
+        if constraint.accept(token):
+            break
+    return vocabulary.tokenizer.decode(tokens, skip_special_tokens=False).replace("<eos>", "")
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
+                                                                                     HealthCheck.function_scoped_fixture])
+@given(schemas=st.lists(_parameters, min_size=1, max_size=3), parser=st.sampled_from(["gemma4", "json"]),
+       named=st.booleans(), parallel=st.booleans(), seed=st.integers(0, 2**20))
+def test_forced_calls_parse_and_validate(vocabulary, schemas, parser, named, parallel, seed) -> None:
+    tools = [{"name": f"fn_{i}", "parameters": schema} for i, schema in enumerate(schemas)]
+    choice = tools[-1]["name"] if named else "required"
+    compiler = GrammarCompiler(vocabulary, 512, [1])
+    constraint = compiler.compile(tool_call_constraint(tools, choice, parser, parallel))
+    text = _walk(vocabulary, constraint, seed)
+    assume(constraint.is_complete)  # a walk through unbounded numbers or lists may not finish in 400 tokens
+    reader = Gemma4ToolParser() if parser == "gemma4" else JsonToolParser()
+    out = reader.feed(text)
+    rest = reader.finish()
+    calls = out.calls + rest.calls
+    assert calls and not (out.content + rest.content).strip(), text
+    if not (parallel and not named):
+        assert len(calls) == 1
+    offered = {tool["name"]: tool["parameters"] for tool in tools}
+    for call in calls:
+        assert call.name in offered and (not named or call.name == choice)
+        jsonschema.validate(json.loads(call.arguments), offered[call.name])
