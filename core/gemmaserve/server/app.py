@@ -324,24 +324,7 @@ class _Server:
             body, prepared = await self.offload(self._prepare, raw, endpoint)
         else:
             body, prepared = self._prepare(raw, endpoint)
-        if (body.n or 1) > 1:
-            return await self._handle_choices(request, endpoint, body, prepared, timing)
-        generation = self._submit(prepared, timing)
-        view = _View.create(endpoint, generation, body, self)
-        try:
-            async with _cancel_on_disconnect(request, generation):
-                first = await generation.next_step()
-                if not body.stream:
-                    while await generation.next_step() is not None:
-                        pass
-        except BaseException:
-            generation.close()
-            raise
-        if not body.stream:
-            self._observe(generation)
-            return JSONResponse(view.full_body())
-        return StreamingResponse(self._stream(view, generation, first, endpoint), media_type="text/event-stream",
-                                 headers=_SSE_HEADERS)
+        return await self._handle_choices(request, endpoint, body, prepared, timing)
 
     def _prepare(self, raw: bytes, endpoint: str) -> tuple[CompletionRequest | ChatCompletionRequest, Prepared]:
         """Parse, check the model, tokenize. Pure CPU work: runs on the loop or a worker thread."""
@@ -364,38 +347,12 @@ class _Server:
             param = prepared.prompt_param
             raise from_engine_error(exc, engine_alive=alive, prompt_param=param, prompt_fits=fits) from None
 
-    async def _stream(
-        self, view: _View, generation: Generation, first: Step | None, endpoint: str
-    ) -> AsyncIterator[str]:
-        status = CLIENT_CLOSED  # unless the stream ends on its own
-        try:
-            for chunk in view.opening_chunks():
-                yield sse(chunk)
-            step = first
-            while step is not None:
-                yield sse(view.chunk(step))
-                step = await generation.next_step()
-            if view.include_usage:
-                yield sse(view.usage_chunk())
-            self._observe(generation)
-            status = 200
-            yield SSE_DONE
-        except APIError as exc:  # the engine failed the request mid-stream: report it in-band
-            status = exc.status
-            yield sse(exc.body())
-            yield SSE_DONE
-        except ClientDisconnected:
-            pass
-        finally:
-            generation.close()
-            self.metrics.record_request(endpoint, status)
-
     async def _handle_choices(self, request: Request, endpoint: str, body: Any, prepared: Prepared,
                               timing: Timing) -> Response:
-        """``n`` > 1: one engine request per choice (choice ``i`` samples with ``seed + i`` when a seed is given),
-        answered as one response whose ``choices`` carry their ``index``; usage counts the prompt once. Streamed,
-        the choices' chunks interleave as their tokens arrive."""
-        n = int(body.n)
+        """One engine request per choice (``n``, default 1; choice ``i`` samples with ``seed + i`` when a seed is
+        given), answered as one response whose ``choices`` carry their ``index``; usage counts the prompt once.
+        Streamed, the choices' chunks interleave as their tokens arrive."""
+        n = body.n or 1
         generations: list[Generation] = []
         try:
             for i in range(n):
