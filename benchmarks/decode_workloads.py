@@ -87,6 +87,27 @@ def random_prompts(count: int, length: int, vocab: int, seed: int, prefix: Seque
     return [list(prefix) + [rng.randrange(4, vocab) for _ in range(length)] for _ in range(count)]
 
 
+def profile_engine_thread(work: Callable[[], Any]) -> tuple[Any, Any]:
+    """``work()`` with cProfile enabled on every Engine thread it starts; returns (its result, the profile)."""
+    import cProfile
+
+    profile = cProfile.Profile()
+    run = Engine._run
+
+    def profiled(self: Engine) -> None:
+        profile.enable()
+        try:
+            run(self)
+        finally:
+            profile.disable()
+
+    Engine._run = profiled  # type: ignore[method-assign]
+    try:
+        return work(), profile
+    finally:
+        Engine._run = run  # type: ignore[method-assign]
+
+
 def run_engine(backend: Any, settings: CoreSettings, prompts: Sequence[Sequence[int]], output_len: int) -> RunResult:
     """Submit every prompt at once (greedy, EOS ignored) to a fresh Engine over ``backend``; wait for all."""
     result = RunResult(len(prompts), len(prompts[0]), output_len, 0.0)

@@ -113,7 +113,7 @@ def engine_ticks(args: argparse.Namespace, backend: object, core: CoreSettings) 
     import gc
     import statistics
 
-    from decode_workloads import run_engine
+    from decode_workloads import profile_engine_thread, run_engine
     from gemmaserve_custom_torch.mixed_step import MixedStep
 
     rows = args.rows
@@ -134,21 +134,10 @@ def engine_ticks(args: argparse.Namespace, backend: object, core: CoreSettings) 
             collecting["s"] += time.perf_counter() - collecting["start"]
 
     gc.callbacks.append(on_gc)
-    profile = cProfile.Profile() if args.profile else None
-    if profile is not None:  # the engine thread does the work
-        from gemmaserve.engine.engine import Engine
-
-        run = Engine._run
-
-        def profiled(self: Engine) -> None:
-            profile.enable()
-            try:
-                run(self)
-            finally:
-                profile.disable()
-
-        Engine._run = profiled  # type: ignore[method-assign]
-    result = run_engine(backend, core, prompts, args.tokens)
+    if args.profile:  # the engine thread does the work
+        result, profile = profile_engine_thread(lambda: run_engine(backend, core, prompts, args.tokens))
+    else:
+        result, profile = run_engine(backend, core, prompts, args.tokens), None
     gc.callbacks.remove(on_gc)
     print(f"rows={rows}: engine TPOT median {statistics.median(result.tpot_ms):.3f} ms (host only), "
           f"{collecting['s'] * 1e3 / args.tokens:.3f} ms per token in garbage collections"

@@ -21,7 +21,6 @@ Usage (repo root):  python benchmarks/tick_profile.py --json out.json      (H200
 from __future__ import annotations
 
 import argparse
-import cProfile
 import io
 import json
 import pstats
@@ -37,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode_model as dm  # noqa: E402
 from decode import _custom_backend, _settings  # noqa: E402
-from decode_workloads import random_prompts, run_engine  # noqa: E402
+from decode_workloads import profile_engine_thread, random_prompts, run_engine  # noqa: E402
 from serving_workloads import pct, run_arrivals  # noqa: E402
 
 from gemmaserve.engine.engine import Engine  # noqa: E402
@@ -208,21 +207,7 @@ def _decode(backend: Any, settings: Any, args: argparse.Namespace, vocab: int) -
 
 def _profiled(work: Any) -> tuple[Any, str]:
     """``work()`` with cProfile on the engine thread; (its result, the top functions by own and cumulative time)."""
-    profile = cProfile.Profile()
-    run = Engine._run
-
-    def profiled(self: Engine) -> None:
-        profile.enable()
-        try:
-            run(self)
-        finally:
-            profile.disable()
-
-    Engine._run = profiled  # type: ignore[method-assign]
-    try:
-        result = work()
-    finally:
-        Engine._run = run  # type: ignore[method-assign]
+    result, profile = profile_engine_thread(work)
     text = io.StringIO()
     stats = pstats.Stats(profile, stream=text)
     stats.sort_stats("tottime").print_stats(45)
