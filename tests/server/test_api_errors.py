@@ -103,6 +103,9 @@ CHAT_CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("image-part", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      400, "messages.0.content"),
     ("message-not-object", {"messages": ["hi"]}, 400, "messages.0"),
+    ("message-unknown-field", {"messages": [{"role": "user", "content": "x", "mood": "happy"}]}, 400, "messages.0"),
+    ("message-refusal-text", {"messages": [{"role": "assistant", "content": "x", "refusal": "no"}]}, 400,
+     "messages.0"),
     ("top-logprobs", {"logprobs": True, "top_logprobs": 3}, 400, "top_logprobs"),
     ("tool-not-function", {"tools": [{"type": "code", "function": {"name": "f"}}]}, 400, "tools.0.type"),
     ("tool-bad-name", {"tools": [{"type": "function", "function": {"name": "a b"}}]}, 400, "tools.0.function.name"),
@@ -254,6 +257,11 @@ def test_neutral_extras_are_accepted_at_their_neutral_values(ref: Any) -> None:
     body = {"prompt": "hi", "max_tokens": 2, "store": False, "metadata": None, "skip_special_tokens": True,
             "include_stop_str_in_output": False, "length_penalty": 1.0, "priority": 0, "service_tier": "auto"}
     assert client.post("/v1/completions", json=body).status_code == 200
+    echoed = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "refusal": None,
+                                                                "annotations": [], "audio": None, "function_call": None,
+                                                                "reasoning_content": "hm"},
+                           {"role": "user", "content": "again"}], "max_tokens": 2}
+    assert client.post("/v1/chat/completions", json=echoed).status_code == 200  # an OpenAI reply sent back
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "functions": [{"name": "f"}]}
     response = client.post("/v1/chat/completions", json=chat)
     assert response.status_code == 400 and "tools" in response.json()["error"]["message"]

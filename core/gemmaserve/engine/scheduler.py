@@ -543,7 +543,6 @@ class ContinuousBatchScheduler:
         if launched is not None and self._launched_constrained(launched):
             self._apply_launched(launched, events)  # their masks need the launched tokens
             launched = None
-            pending = [(r, s, n) for r, s, n in pending if not r.is_finished]
         rows = list(batch.rows)
         input_ids, sources, sampling = self._row_inputs(rows, launched)
         states = [state for _, state, _ in pending]

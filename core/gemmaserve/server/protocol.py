@@ -193,8 +193,9 @@ class SamplingFields(BaseModel):
         guided = {name: value for name, value in (("json", self.guided_json), ("regex", self.guided_regex),
                                                   ("choice", self.guided_choice), ("grammar", self.guided_grammar))
                   if value is not None}
+        formatted = from_response_format(self.response_format)
         given = [name for name, present in (("structured_outputs", self.structured_outputs is not None),
-                                            ("response_format", bool(from_response_format(self.response_format))),
+                                            ("response_format", formatted is not None),
                                             ("guided_*", bool(guided))) if present]
         if len(given) > 1:
             raise InvalidRequestError(f"give one output constraint, not {' and '.join(given)}")
@@ -202,7 +203,7 @@ class SamplingFields(BaseModel):
             return StructuredOutputs.from_mapping(self.structured_outputs)
         if guided:
             return StructuredOutputs.from_mapping(guided)
-        return from_response_format(self.response_format)
+        return formatted
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -257,6 +258,9 @@ class CompletionRequest(SamplingFields):
         return value
 
 
+_ECHOED_REPLY_FIELDS = frozenset({"refusal", "annotations", "audio", "function_call"})
+
+
 class ChatMessage(BaseModel):
     """One chat message; ``content`` is a string or a list of ``{"type": "text", "text": ...}`` parts."""
 
@@ -264,6 +268,23 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Any = Field(None, validate_default=True, json_schema_extra=_CONTENT_SCHEMA)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unknown_fields(cls, data: Any) -> Any:
+        """A message field the template would not see is refused, except the fields an OpenAI reply carries when
+        a client sends it back unchanged (``refusal``, ``annotations``, ``audio``, ``function_call`` when empty;
+        ``reasoning_content``, which the next turn does not take)."""
+        if not isinstance(data, dict):
+            return data
+        for name, value in data.items():
+            if name in cls.model_fields or name == "reasoning_content":
+                continue
+            if name in _ECHOED_REPLY_FIELDS and value in (None, []):
+                continue
+            raise ValueError(f"message field {name!r} is not supported (accepted: role, content, tool_calls, "
+                             "tool_call_id, name)")
+        return data
 
     @field_validator("content")
     @classmethod
