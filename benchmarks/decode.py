@@ -79,11 +79,12 @@ def _settings(device: str, dtype: str, max_rows: int, max_len: int, tokens: int,
                         max_waiting_requests=4096, max_num_batched_tokens=max(budget, max_rows))
 
 
-def _custom_backend(model: Any, settings: CoreSettings, **custom: Any) -> Any:
+def _custom_backend(model: Any, settings: CoreSettings, tokenizer: Any = None, **custom: Any) -> Any:
     from gemmaserve_custom_torch.backend import CustomTorchBackend
     from gemmaserve_custom_torch.settings import load_custom_settings
 
-    return CustomTorchBackend(model, dm.IdsOnlyTokenizer(), settings, load_custom_settings(**custom), name="e2b-random")
+    return CustomTorchBackend(model, tokenizer or dm.IdsOnlyTokenizer(), settings, load_custom_settings(**custom),
+                              name="e2b-random")
 
 
 def _workload_a(backend: Any, settings: CoreSettings, sizes: list[int], args: argparse.Namespace, roof: Any,

@@ -108,8 +108,10 @@ def profile_engine_thread(work: Callable[[], Any]) -> tuple[Any, Any]:
         Engine._run = run  # type: ignore[method-assign]
 
 
-def run_engine(backend: Any, settings: CoreSettings, prompts: Sequence[Sequence[int]], output_len: int) -> RunResult:
-    """Submit every prompt at once (greedy, EOS ignored) to a fresh Engine over ``backend``; wait for all."""
+def run_engine(backend: Any, settings: CoreSettings, prompts: Sequence[Sequence[int]], output_len: int,
+               params: SamplingParams | None = None) -> RunResult:
+    """Submit every prompt at once (``params``; default greedy, EOS ignored) to a fresh Engine over ``backend``;
+    wait for all."""
     result = RunResult(len(prompts), len(prompts[0]), output_len, 0.0)
     lock = threading.Lock()
     submitted: dict[str, float] = {}
@@ -128,7 +130,8 @@ def run_engine(backend: Any, settings: CoreSettings, prompts: Sequence[Sequence[
                 if event.output.error is not None:
                     result.errors.append(str(event.output.error))
 
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    if params is None:
+        params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     engine = Engine(backend, settings)
     handles = []
     start = time.perf_counter()

@@ -6,9 +6,13 @@ decode slowdown of constrained rows.
 - compile: a 20-property object schema (integers, strings, enums), first time and from the cache;
 - mask: per-step mask time over one constrained generation (tokens picked at random among the allowed ones);
 - decode: ``--rows`` requests on the tiny random Gemma 4 (custom-cpu, fp32), each ``--tokens`` long, all
-  unconstrained and then all constrained to a JSON schema that cannot end early; TPOT medians and their ratio.
+  unconstrained and then all constrained to a JSON schema that cannot end early; TPOT medians and their ratio;
+- ``--e2b`` (CUDA): the same decode comparison on the custom_torch backend at Gemma 4 E2B shapes (random bf16
+  weights, CUDA graphs, asynchronous decode, as benchmarks/decode.py) with the real 262,144-token vocabulary,
+  plus the engine-thread time spent computing masks.
 
 Usage (repo root):  PYTHONPATH=core:plugins/custom_torch:tests .venv/bin/python benchmarks/structured.py [--json out.json]
+                    python benchmarks/structured.py --e2b --tokenizer DIR --json out.json   (H200, ~2 minutes)
 """
 
 from __future__ import annotations
@@ -99,12 +103,83 @@ def decode_overhead(rows: int, tokens: int) -> dict[str, Any]:
     return result
 
 
+_SCHEMA_DIGITS = (lambda count: {"type": "object", "additionalProperties": False, "required": ["items"],
+                                  "properties": {"items": {"type": "array", "minItems": count,
+                                                           "items": {"type": "integer", "minimum": 0, "maximum": 9}}}})
+
+
+def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool = False) -> dict[str, Any]:
+    """Unconstrained vs constrained decode at E2B shapes on CUDA, every request sampled (temperature 1, seeded)
+    so the only difference is the constraint; the constrained rows give up the launch-ahead of asynchronous
+    decode (their next mask needs the token just sampled), which the TPOT ratio includes. ``quick``: the toy
+    E2B config (with the full vocabulary) on the CPU, to check the path."""
+    import torch
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import decode_model as dm
+    from decode import _custom_backend, _settings
+    from decode_workloads import random_prompts, run_engine
+
+    import gemmaserve.engine.request as request_module
+    from gemmaserve.hf_tokenizer import HFTokenizerAdapter
+    from gemmaserve.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    base = {**dm.TINY, "vocab_size": dm.E2B["vocab_size"], "vocab_size_per_layer_input": dm.E2B["vocab_size"],
+            "max_position_embeddings": 512} if quick else dm.E2B
+    device, dtype = ("cpu", "float32") if quick else ("cuda", "bfloat16")
+    model = dm.custom_from_hf(dm.build_hf_model(base, device, getattr(torch, dtype), seed=0))
+    settings = _settings(device, dtype, rows, base["max_position_embeddings"], rows * base["max_position_embeddings"])
+    tokenizer = HFTokenizerAdapter(AutoTokenizer.from_pretrained(str(tokenizer_dir)))
+    backend = _custom_backend(model, settings, tokenizer=tokenizer)
+    if backend.decoder is not None and backend.decoder.graphs is not None:
+        backend.decoder.capture_all()
+    result: dict[str, Any] = {"rows": rows, "tokens": tokens, "prompt_len": 128, "async_scheduling":
+                              settings.async_scheduling, "build_s": round(time.perf_counter() - start, 1)}
+    prompts = random_prompts(rows, 128, base["vocab_size"], seed=5)
+    spent: list[float] = []
+    original = request_module.allowed_many
+
+    def timed(constraints: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return original(constraints)
+        finally:
+            spent.append(time.perf_counter() - t0)
+
+    request_module.allowed_many = timed
+    try:
+        for label, constrained, temperature in (
+                ("warm-up", True, 1.0), ("greedy", False, 0.0), ("unconstrained", False, 1.0),
+                ("constrained", True, 1.0), ("unconstrained_again", False, 1.0), ("constrained_again", True, 1.0)):
+            params = SamplingParams(max_tokens=tokens, temperature=temperature, seed=1, ignore_eos=True,
+                                    structured_outputs={"json": _SCHEMA_DIGITS(4 * tokens)} if constrained else None)
+            spent.clear()
+            run = run_engine(backend, settings, prompts, tokens, params).summary()
+            if label != "warm-up":
+                result[label] = {key: run[key] for key in ("tpot_median_ms", "ttft_median_ms", "output_tok_per_s",
+                                                           "wall_s", "errors")}
+                if constrained and spent:
+                    result[label]["mask_calls"] = len(spent)
+                    result[label]["mask_ms_median"] = round(statistics.median(spent) * 1e3, 3)
+    finally:
+        request_module.allowed_many = original
+        backend.close()
+    base = statistics.fmean([result["unconstrained"]["tpot_median_ms"], result["unconstrained_again"]["tpot_median_ms"]])
+    masked = statistics.fmean([result["constrained"]["tpot_median_ms"], result["constrained_again"]["tpot_median_ms"]])
+    result["tpot_overhead_pct"] = round(100 * (masked / base - 1), 1)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", type=Path, default=None, help="a Hugging Face tokenizer folder")
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--e2b", action="store_true", help="also the decode comparison at E2B shapes (CUDA)")
+    parser.add_argument("--quick", action="store_true", help="with --e2b: toy shapes on the CPU (checks the path)")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     if args.tokenizer is None:
@@ -114,6 +189,8 @@ def main() -> None:
     results = {"date": time.strftime("%Y-%m-%d %H:%M:%S"),
                "vocabulary": vocabulary_compile_and_mask(args.tokenizer),
                "decode": decode_overhead(args.rows, args.tokens)}
+    if args.e2b:
+        results["decode_e2b"] = decode_overhead_e2b(args.rows, args.tokens, args.tokenizer, quick=args.quick)
     print(json.dumps(results, indent=2))
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")

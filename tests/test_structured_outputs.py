@@ -186,3 +186,72 @@ def test_a_constraint_no_token_can_follow_ends_with_an_error() -> None:
         engine.shutdown(timeout=10)
     assert failed.finish_reason == FinishReason.ERROR and "no token can continue" in (failed.error or "")
     assert failed.token_ids == [] and done.finish_reason == FinishReason.LENGTH and len(done.token_ids) == 5
+
+
+def _reference_compiler():
+    from gemmaserve.structured import GrammarCompiler
+    from gemmaserve.testing.reference_backend import ReferenceBackend
+
+    backend = ReferenceBackend(vocab_size=64)
+    return GrammarCompiler(backend.tokenizer, backend.model_info.vocab_size, backend.model_info.eos_token_ids)
+
+
+@settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(schemas=st.lists(_schemas, min_size=2, max_size=6), seed=st.integers(0, 2**32))
+def test_masks_computed_together_equal_masks_computed_one_by_one(schemas, seed) -> None:
+    """allowed_many (llguidance's thread pool) gives each constraint exactly its own allowed(), step after
+    step of a random walk, and a constraint that cannot continue gets its error in its own place."""
+    import random
+
+    from gemmaserve.sampling_params import allowed_tokens
+    from gemmaserve.structured.grammar import ConstraintError, allowed_many
+
+    compiler = _reference_compiler()
+    rng = random.Random(seed)
+    live = [compiler.compile(StructuredOutputs(json=schema)) for schema in schemas]
+    live.insert(rng.randrange(len(live) + 1), compiler.compile(StructuredOutputs(regex="[A-Z]+")))  # stuck
+    for _ in range(40):
+        if not live:
+            break
+        together = allowed_many(live)
+        assert len(together) == len(live)
+        kept = []
+        for constraint, mask in zip(live, together):
+            try:
+                alone = constraint.allowed()
+            except ConstraintError as exc:
+                assert isinstance(mask, ConstraintError) and str(mask) == str(exc)
+                continue
+            assert mask == alone
+            choices = [t for t, ok in enumerate(allowed_tokens(mask, 64)) if ok]
+            try:
+                if not constraint.accept(rng.choice(choices)):
+                    kept.append(constraint)
+            except ConstraintError:  # the 64-token vocabulary cannot spell every byte a schema forces
+                pass
+        live = kept
+
+
+def test_a_batch_of_constrained_rows_with_stuck_ones_among_them() -> None:
+    """Masks prepared for the whole batch at once: the two stuck requests fail with the clear error, the two
+    satisfiable ones and the unconstrained one complete."""
+    from gemmaserve.engine.engine import Engine
+    from gemmaserve.settings import CoreSettings
+    from gemmaserve.testing.reference_backend import ReferenceBackend
+
+    backend = ReferenceBackend(vocab_size=64)
+    engine = Engine(backend, CoreSettings(device="cpu"))
+    stuck = SamplingParams(max_tokens=8, structured_outputs={"regex": "[A-Z]+"})
+    good = SamplingParams(max_tokens=40, temperature=1.0, seed=3, structured_outputs={"regex": "[a-c]{4}"})
+    try:
+        handles = [engine.submit([5, 6, 7], p) for p in (stuck, good, stuck, good)]
+        handles.append(engine.submit([5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True)))
+        outs = [h.result(timeout=60) for h in handles]
+    finally:
+        engine.shutdown(timeout=10)
+    for out in (outs[0], outs[2]):
+        assert out.finish_reason == FinishReason.ERROR and "no token can continue" in (out.error or "")
+    for out in (outs[1], outs[3]):
+        text = backend.tokenizer.decode(out.token_ids)
+        assert out.finish_reason == FinishReason.STOP and re.fullmatch("[a-c]{4}", text), text
+    assert outs[4].finish_reason == FinishReason.LENGTH

@@ -8,18 +8,22 @@ snapshots that may cross threads freely.
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from gemmaserve.sampling_params import RowSampling, SamplingParams
-from gemmaserve.structured.grammar import ConstraintError, TokenConstraint
+from gemmaserve.structured.grammar import ConstraintError, TokenConstraint, allowed_many
 
 if TYPE_CHECKING:
     from gemmaserve.backend import PrefillState
 
-__all__ = ["RequestState", "FinishReason", "RequestMetrics", "RequestOutput", "RequestEvent", "Request", "MAX_TOP_K"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["RequestState", "FinishReason", "RequestMetrics", "RequestOutput", "RequestEvent", "Request", "MAX_TOP_K", "prepare_masks"]
 
 
 class RequestState(str, enum.Enum):
@@ -153,6 +157,8 @@ class Request:
     """Structured output: the request's position in its grammar (compiled by the scheduler's validation)."""
     constraint_error: ConstraintError | None = None
     """Why the constraint cannot continue; the next appended token ends the request with it."""
+    _next_mask: tuple[int, bytes] | None = field(default=None, repr=False)
+    """(output length it is for, mask): computed ahead by :func:`prepare_masks` for the next row_sampling()."""
     _prompt_set: frozenset[int] | None = field(default=None, repr=False)
     _output_counts: Counter[int] = field(default_factory=Counter, repr=False)
     """Penalties: how often each token was generated (kept up to date by append_token)."""
@@ -214,6 +220,9 @@ class Request:
             return None
         assert not ahead, "a constrained request's next mask needs its previous token (no launch ahead)"
         if self.constraint_error is None:
+            ready = self._next_mask
+            if ready is not None and ready[0] == len(self.output_token_ids):
+                return ready[1]
             try:
                 return self.constraint.allowed()
             except ConstraintError as exc:
@@ -285,3 +294,25 @@ class Request:
         output = self.to_output() if self.is_finished else None
         new_ids = self.output_token_ids[start:]
         return RequestEvent(self.request_id, new_ids, self.is_finished, output, new_logprobs, self.cached_tokens)
+
+
+def prepare_masks(requests: Iterable[Request]) -> None:
+    """Compute the next-token masks of the constrained requests among ``requests`` in one parallel call
+    (:func:`~gemmaserve.structured.grammar.allowed_many`), for their next ``row_sampling()`` to pick up; a
+    constraint that cannot continue records its error as ``_allowed`` would. Mutates only those requests'
+    mask caches. Engine thread only."""
+    todo = [r for r in requests if r.constraint is not None and r.constraint_error is None and not r.is_finished
+            and (r._next_mask is None or r._next_mask[0] != len(r.output_token_ids))]
+    if len(todo) < 2:
+        return
+    try:
+        masks = allowed_many([r.constraint for r in todo if r.constraint is not None])
+    except Exception:  # each row_sampling() then computes its own mask (and meets the error itself)
+        logger.warning("computing %d structured-output masks at once failed; computing them one by one",
+                       len(todo), exc_info=True)
+        return
+    for request, mask in zip(todo, masks):
+        if isinstance(mask, ConstraintError):
+            request.constraint_error = mask
+        else:
+            request._next_mask = (len(request.output_token_ids), mask)

@@ -11,6 +11,8 @@ import logging
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
+from gemmaserve.engine.request import prepare_masks
+
 if TYPE_CHECKING:
     from gemmaserve.backend import BatchKV, InferenceBackend, Logits, RowKV, SampledTokens
     from gemmaserve.engine.request import Request
@@ -56,6 +58,7 @@ class RowBatch:
     def sample(self, logits: Logits) -> SampledTokens:
         """One token per row from ``logits`` [rows, vocab] (each row's own seed and step). Raises
         RuntimeError if the backend returns the wrong row count."""
+        prepare_masks(self.rows)
         sampling = [request.row_sampling() for request in self.rows]
         want_logprobs = any(request.want_logprobs for request in self.rows)
         sampled = self.backend.sample(logits, sampling, want_logprobs=want_logprobs)

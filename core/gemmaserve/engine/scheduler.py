@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 from gemmaserve.engine.isolation import MAX_ROW_RETRIES, retry_row_alone
 from gemmaserve.engine.queues import RequestQueues
-from gemmaserve.engine.request import FinishReason, Request, RequestEvent, RequestState
+from gemmaserve.engine.request import FinishReason, Request, RequestEvent, RequestState, prepare_masks
 from gemmaserve.engine.validation import backend_error, validate_request
 from gemmaserve.errors import EngineOverloadedError, InvalidRequestError, KVCapacityError
 from gemmaserve.structured.grammar import GrammarCompiler
@@ -529,6 +529,7 @@ class ContinuousBatchScheduler:
         index = {id(request): i for i, request in enumerate(launched.requests)} if launched is not None else {}
         sources = [index.get(id(request), -1) for request in rows]
         input_ids = [request.output_token_ids[-1] if source < 0 else 0 for request, source in zip(rows, sources)]
+        prepare_masks(request for request, source in zip(rows, sources) if source < 0)
         sampling = [request.row_sampling(ahead=int(source >= 0)) for request, source in zip(rows, sources)]
         return input_ids, sources, sampling
 
@@ -544,6 +545,7 @@ class ContinuousBatchScheduler:
             self._apply_launched(launched, events)  # their masks need the launched tokens
             launched = None
         rows = list(batch.rows)
+        prepare_masks([*(r for r, _, _ in pending), *rows])  # constrained rows never feed on the launched step
         input_ids, sources, sampling = self._row_inputs(rows, launched)
         states = [state for _, state, _ in pending]
         first_rows = [request.row_sampling() for request, _, _ in pending]
