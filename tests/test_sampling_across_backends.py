@@ -51,6 +51,23 @@ def test_torch_and_mlx_pick_the_definitions_token(rows, data_seed) -> None:
         assert got == expected
 
 
+@settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.lists(st.tuples(_row, st.sampled_from([0.0, 0.05, 0.3]), st.booleans()), min_size=1, max_size=6),
+       data_seed=st.integers(0, 2**31), scale=st.sampled_from([0.25, 3.0]))
+def test_half_precision_logits_sorted_in_their_own_dtype_pick_the_definitions_token(rows, data_seed, scale) -> None:
+    """bfloat16 / float16 logits (a GPU model's) are sorted as they are, not widened first: with many exact ties
+    (a coarse bfloat16 grid at scale 0.25), min_p, masks and a mix of greedy rows, the token is the definition's."""
+    generator = torch.Generator().manual_seed(data_seed)
+    for dtype in (torch.bfloat16, torch.float16):
+        logits = (torch.randn(len(rows), 300, generator=generator) * scale).to(dtype)
+        samplings = []
+        for (t, p, k, seed, step), min_p, masked in rows:
+            mask = _pack(set(range(0, 300, 3)) | {1, 2}, 38) if masked else None
+            samplings.append(RowSampling(t, p, k, seed, step, min_p=min_p, allowed=mask))
+        expected = [sample_row([float(x) for x in logits[i]], samplings[i])[0] for i in range(len(rows))]
+        assert sample_tokens(logits, samplings).token_ids == expected, dtype
+
+
 def _generate(path, backend: str, params: list[SamplingParams], prompts: list[list[int]]) -> list[list[int]]:
     from gemmaserve import LLM
 

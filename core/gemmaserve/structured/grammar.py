@@ -18,6 +18,7 @@ Thread-safe: compile on any thread; a :class:`TokenConstraint` belongs to one re
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -59,7 +60,7 @@ class TokenConstraint:
         if matcher.is_error():
             raise ConstraintError(f"no token can continue the {self._what} constraint from here "
                                   f"({_first_line(matcher.get_error())})")
-        if not mask.strip(b"\0"):
+        if mask == _zeros(len(mask)):
             raise ConstraintError(f"no token can continue the {self._what} constraint from here")
         return mask
 
@@ -75,6 +76,13 @@ class TokenConstraint:
     @property
     def is_complete(self) -> bool:
         return bool(self._matcher.is_stopped())
+
+
+@functools.lru_cache(maxsize=8)
+def _zeros(width: int) -> bytes:
+    """An all-zero mask of ``width`` bytes (compared with memcmp: ~1 µs for Gemma's vocabulary; a strip takes
+    ~100 µs)."""
+    return bytes(width)
 
 
 def allowed_many(constraints: Sequence[TokenConstraint]) -> list[bytes | ConstraintError]:

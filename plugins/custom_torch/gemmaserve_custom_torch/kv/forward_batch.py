@@ -253,10 +253,13 @@ class ForwardBuffers:
             raise ValueError(f"a row holds {width} blocks but the tick buffers are {self.width} wide "
                              "(MAX_MODEL_LEN / block size)")
         tables = self._tables_host
-        tables[:, :seqs, :width] = -1
-        for i, group in enumerate(self.groups):
-            lines = [t + [-1] * (width - len(t)) for t in tick.tables[group]]
-            tables[i, :count, :width] = torch.tensor(lines, dtype=torch.int32)
+        flat, pad = array("i"), array("i", [-1]) * width
+        for group in self.groups:  # every row's table padded to ``width`` with -1, at C speed
+            for table in tick.tables[group]:
+                flat.extend(table)
+                flat.extend(pad[: width - len(table)])
+        tables[:, :count, :width] = torch.frombuffer(flat, dtype=torch.int32).view(len(self.groups), count, width)
+        tables[:, count:seqs, :width] = -1
         self._ints[:, :bucket].copy_(host[:, :bucket], non_blocking=True)
         self._meta[: len(meta)].copy_(self._meta_host[: len(meta)], non_blocking=True)
         self._tables[:, :seqs, :width].copy_(tables[:, :seqs, :width], non_blocking=True)

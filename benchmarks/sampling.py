@@ -1,0 +1,121 @@
+"""What sampling costs on the device: ``sample_on_device`` (core/gemmaserve/torch_sampling.py) over
+``[rows, vocab]`` logits per sampling configuration, the full-vocabulary sort it does in each key dtype, and (with
+``--tokenizer``) structured output's per-step masks for a batch, one by one and in one parallel call.
+
+Usage (repo root):  PYTHONPATH=core:tests python benchmarks/sampling.py [--device cuda] [--tokenizer DIR] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gemmaserve.sampling_params import RowSampling
+from gemmaserve.torch_sampling import sample_on_device
+
+
+def _timed(fn: Any, device: str, repeat: int) -> float:
+    """Median ms of ``fn()`` over ``repeat`` calls (CUDA events on CUDA), after two warm-up calls."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeat):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return round(statistics.median(times), 4)
+
+
+def sampling_costs(device: str, vocab: int, sizes: list[int], repeat: int) -> list[dict[str, Any]]:
+    rng = random.Random(0)
+    mask = bytes(rng.getrandbits(8) & rng.getrandbits(8) & rng.getrandbits(8) for _ in range(vocab // 8))
+    configs = {
+        "greedy": dict(temperature=0.0, top_p=1.0, top_k=0),
+        "temperature": dict(temperature=1.0, top_p=1.0, top_k=0),
+        "top_p": dict(temperature=0.8, top_p=0.95, top_k=0),
+        "top_k": dict(temperature=0.8, top_p=1.0, top_k=50),
+        "constrained": dict(temperature=1.0, top_p=1.0, top_k=0, allowed=mask),
+    }
+    out = []
+    for rows in sizes:
+        logits = (torch.randn(rows, vocab, device=device) * 3).to(torch.bfloat16)
+        row: dict[str, Any] = {"rows": rows, "vocab": vocab}
+        for name, kw in configs.items():
+            samplings = [RowSampling(seed=i, step=3, **kw) for i in range(rows)]
+            row[f"{name}_ms"] = _timed(lambda: sample_on_device(logits, samplings), device, repeat)
+        for dtype in (torch.float64, torch.float32, torch.bfloat16):
+            keys = logits.to(dtype)
+            row[f"sort_{str(dtype).split('.')[-1]}_ms"] = _timed(
+                lambda: torch.sort(keys, dim=-1, descending=True, stable=True), device, repeat)
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
+
+
+def mask_costs(tokenizer_dir: Path, rows: int, steps: int) -> dict[str, Any]:
+    """Per-step mask time of ``rows`` JSON constraints walked at random: one by one vs allowed_many."""
+    from transformers import AutoTokenizer
+
+    from gemmaserve.hf_tokenizer import HFTokenizerAdapter
+    from gemmaserve.sampling_params import allowed_tokens
+    from gemmaserve.structured import GrammarCompiler, StructuredOutputs
+    from gemmaserve.structured.grammar import allowed_many
+
+    hf = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    vocab = max(len(hf), int(getattr(hf, "vocab_size", 0) or 0))
+    compiler = GrammarCompiler(HFTokenizerAdapter(hf), vocab, [hf.eos_token_id])
+    schema = {"type": "object", "additionalProperties": False, "required": ["items"], "properties": {
+        "items": {"type": "array", "minItems": 4 * steps, "items": {"type": "integer", "minimum": 0, "maximum": 9}}}}
+    constraints = [compiler.compile(StructuredOutputs(json=schema)) for _ in range(rows)]
+    rng = random.Random(1)
+    serial, together = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        masks = [c.allowed() for c in constraints]
+        t1 = time.perf_counter()
+        allowed_many(constraints)
+        together.append(time.perf_counter() - t1)
+        serial.append(t1 - t0)
+        for constraint, mask in zip(constraints, masks):
+            constraint.accept(rng.choice([t for t, ok in enumerate(allowed_tokens(mask, vocab)) if ok]))
+    med = (lambda xs: round(statistics.median(xs) * 1e3, 3))
+    return {"rows": rows, "steps": steps, "serial_ms_p50": med(serial), "allowed_many_ms_p50": med(together),
+            "allowed_many_ms_max": round(max(together) * 1e3, 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--vocab", type=int, default=262144)
+    parser.add_argument("--sizes", default="1,64,256")
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--tokenizer", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": args.device,
+                               "sampling": sampling_costs(args.device, args.vocab,
+                                                          [int(x) for x in args.sizes.split(",")], args.repeat)}
+    if args.tokenizer is not None:
+        results["masks"] = mask_costs(args.tokenizer, 64, 32)
+        print(json.dumps(results["masks"]), flush=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
