@@ -2,7 +2,8 @@
 ``[rows, vocab]`` logits per sampling configuration, the full-vocabulary sort it does in each key dtype, and (with
 ``--tokenizer``) structured output's per-step masks for a batch, one by one and in one parallel call.
 
-Usage (repo root):  PYTHONPATH=core:tests python benchmarks/sampling.py [--device cuda] [--tokenizer DIR] [--json out.json]
+Usage (repo root):  PYTHONPATH=core:tests python benchmarks/sampling.py [--device cuda] [--tokenizer DIR]
+                    [--json out.json]
 """
 
 from __future__ import annotations

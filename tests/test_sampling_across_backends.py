@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from gemmaserve.engine.sampling_cpu import sample_row  # noqa: E402
+from gemmaserve.engine.sampling_cpu import sample_row, top_logprobs  # noqa: E402
 from gemmaserve.sampling_params import RowSampling, SamplingParams  # noqa: E402
 from gemmaserve.torch_sampling import sample_tokens  # noqa: E402
 
@@ -66,6 +66,37 @@ def test_half_precision_logits_sorted_in_their_own_dtype_pick_the_definitions_to
             samplings.append(RowSampling(t, p, k, seed, step, min_p=min_p, allowed=mask))
         expected = [sample_row([float(x) for x in logits[i]], samplings[i])[0] for i in range(len(rows))]
         assert sample_tokens(logits, samplings).token_ids == expected, dtype
+
+
+@settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.lists(st.tuples(_row, st.integers(0, 20), st.sampled_from(["none", "mask", "bias", "penalty"])),
+                     min_size=1, max_size=5),
+       data_seed=st.integers(0, 2**31), dtype=st.sampled_from(["float32", "bfloat16"]))
+def test_top_logprobs_are_the_definitions(rows, data_seed, dtype) -> None:
+    """The k most likely alternatives of every row (some asking for none, masked, biased or penalized rows,
+    bfloat16 ties) are the pure-Python definition's: same ids in the same order, same values."""
+    generator = torch.Generator().manual_seed(data_seed)
+    logits = (torch.randn(len(rows), 61, generator=generator) * 2).to(getattr(torch, dtype))
+    samplings = []
+    for (t, p, k, seed, step), wanted, kind in rows:
+        extra: dict = {"top_logprobs": wanted}
+        if kind == "mask":
+            extra["allowed"] = _pack({1, 2, 3, 5, 8, 13, 21, 34, 55}, 8)
+        elif kind == "bias":
+            extra["logit_bias"] = ((3, 5.0), (7, -100.0))
+        elif kind == "penalty":
+            extra.update(repetition_penalty=1.3, frequency_penalty=0.5, output_counts=((4, 2), (9, 1)))
+        samplings.append(RowSampling(t, p, k, seed, step, **extra))
+    sampled = sample_tokens(logits, samplings, want_logprobs=True)
+    assert (sampled.top_logprobs is None) == all(row.top_logprobs == 0 for row in samplings)
+    for i, row in enumerate(samplings):
+        expected = top_logprobs([float(x) for x in logits[i]], row)
+        got = sampled.top_logprobs[i] if sampled.top_logprobs else []
+        assert [t for t, _ in got] == [t for t, _ in expected], (row, got, expected)
+        assert all(abs(a - b) < 1e-9 for (_, a), (_, b) in zip(got, expected))
+        assert len(got) == (min(row.top_logprobs, 9) if row.allowed else row.top_logprobs)
+        token, logprob = sampled.token_ids[i], sampled.logprobs[i]
+        assert all(t != token or abs(v - logprob) < 1e-12 for t, v in got)  # the sampled token's own value
 
 
 def _generate(path, backend: str, params: list[SamplingParams], prompts: list[list[int]]) -> list[list[int]]:

@@ -47,6 +47,9 @@ class CompletionOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     logprobs: list[float] | None = None
+    """With ``SamplingParams(logprobs=k)``: each generated token's log-probability."""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """With ``logprobs`` = k > 0: per token, the k most likely ``(token id, logprob)`` pairs, most likely first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,12 +198,13 @@ class LLM:
         self, prompt_text: str | None, out: RequestOutput, watcher: _StopWatcher | None = None
     ) -> CompletionOutput:
         token_ids, text, reason = list(out.token_ids), None, str(out.finish_reason)
-        logprobs = out.logprobs
+        logprobs, top = out.logprobs, out.top_logprobs
         if watcher is not None and watcher.stop:
             text = watcher.text
             if watcher.stopped and reason != "error":  # cut after the token that completed the stop string
                 token_ids, reason = watcher.token_ids, "stop"
                 logprobs = None if logprobs is None else logprobs[: len(token_ids)]
+                top = None if top is None else top[: len(token_ids)]
         return CompletionOutput(
             request_id=out.request_id,
             prompt=prompt_text,
@@ -212,6 +216,7 @@ class LLM:
             metrics=out.metrics,
             error=out.error,
             logprobs=logprobs,
+            top_logprobs=top,
         )
 
     # -- lifecycle ----------------------------------------------------------------------------

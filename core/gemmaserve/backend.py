@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BackendCapabilities",
+    "concat_sampled",
     "ModelInfo",
     "Tokenizer",
     "PrefillState",
@@ -93,6 +94,10 @@ class BackendCapabilities:
     - ``kv_reservation``: implements ``kv_reserve`` / ``kv_release``; the scheduler admits a request only
       once its reservation succeeds.
     - ``logprobs``: ``sample(..., want_logprobs=True)`` returns the chosen tokens' log-probabilities.
+    - ``top_logprobs``: with ``want_logprobs``, every sampling call also returns, for each row whose
+      ``RowSampling.top_logprobs`` is k > 0, its k most likely tokens and their log-probabilities under the
+      same distribution (most likely first, ties: lower id first; ``SampledTokens.top_logprobs``). Without it
+      the scheduler refuses requests with ``logprobs`` > 0.
     - ``mixed_step``: implements :meth:`InferenceBackend.forward_step`; the scheduler then runs each tick's
       prefill chunks and decode rows through that one call.
     - ``async_decode``: :meth:`InferenceBackend.decode_step_async` returns before the step's tokens reach the
@@ -108,6 +113,7 @@ class BackendCapabilities:
     uses_core_cache_manager: bool = True
     kv_reservation: bool = False
     logprobs: bool = False
+    top_logprobs: bool = False
     mixed_step: bool = False
     async_decode: bool = False
     allowed_token_masks: bool = False
@@ -186,10 +192,26 @@ class PrefillResult:
 
 @dataclass(slots=True)
 class SampledTokens:
-    """One sampled token per row; ``logprobs`` only when requested and supported."""
+    """One sampled token per row; ``logprobs`` only when requested and supported; ``top_logprobs`` (with
+    ``logprobs``, ``capabilities.top_logprobs``): per row, its ``RowSampling.top_logprobs`` most likely
+    ``(token, logprob)`` pairs (an empty list for rows that asked for none)."""
 
     token_ids: list[int]
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+def concat_sampled(parts: Sequence[SampledTokens], want_logprobs: bool) -> SampledTokens:
+    """Several sampling calls' results as one, in order (logprobs kept only when wanted; top lists when a part
+    has them, empty for the rows of parts without)."""
+    token_ids = [t for part in parts for t in part.token_ids]
+    if not want_logprobs:
+        return SampledTokens(token_ids)
+    logprobs = [x for part in parts for x in part.logprobs or []]
+    top = None
+    if any(part.top_logprobs is not None for part in parts):
+        top = [row for part in parts for row in (part.top_logprobs or [[] for _ in part.token_ids])]
+    return SampledTokens(token_ids, logprobs, top)
 
 
 class PendingTokens:
@@ -396,17 +418,13 @@ class InferenceBackend(ABC):
                              f"for the rows; {len(first_rows)} first-token samplings for {len(states)} states")
         ids = self._resolve_previous(input_ids, from_previous)
         out = self.forward_step(states, num_tokens, batched, ids)
-        token_ids: list[int] = []
-        logprobs: list[float] = []
         parts = [(out.decode_logits, list(rows))] if rows else []
         parts += [(state.last_logits, [first_rows[i]]) for i, state in enumerate(states)
                   if out.prefill_errors[i] is None and state.is_complete]
-        for logits, samplings in parts:
-            sampled = self.sample(logits, samplings, want_logprobs=want_logprobs)
-            token_ids += sampled.token_ids
-            logprobs += sampled.logprobs or []
-        self._async_previous = token_ids
-        return LaunchedStep(out.prefill_errors, ReadyTokens(SampledTokens(token_ids, logprobs if want_logprobs else None)))
+        sampled = concat_sampled([self.sample(logits, samplings, want_logprobs=want_logprobs)
+                                  for logits, samplings in parts], want_logprobs)
+        self._async_previous = sampled.token_ids
+        return LaunchedStep(out.prefill_errors, ReadyTokens(sampled))
 
     def _resolve_previous(self, input_ids: Sequence[int], from_previous: Sequence[int]) -> list[int]:
         """Host ids of an asynchronous call's rows (the synchronous defaults' bookkeeping)."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from gemmaserve.errors import InvalidRequestError
 from gemmaserve.structured.spec import StructuredOutputs
 
-__all__ = ["SamplingParams", "RowSampling", "allowed_tokens", "MIN_TEMPERATURE", "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "MAX_LOGIT_BIAS"]
+__all__ = ["MAX_LOGPROBS", "SamplingParams", "RowSampling", "allowed_tokens", "MIN_TEMPERATURE", "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "MAX_LOGIT_BIAS"]
 
 MIN_TEMPERATURE = 1e-5
 """Temperatures in (0, MIN_TEMPERATURE) are treated as greedy (0): logits / T would overflow."""
@@ -17,6 +17,8 @@ MAX_STOP_STRINGS = 16
 """Stop strings per request (each is matched against the text as it streams)."""
 MAX_STOP_TOKEN_IDS = 1024
 """Stop token ids per request: more than any tokenizer's special tokens, few enough to check in O(1)."""
+MAX_LOGPROBS = 20
+"""Most ``logprobs`` alternatives per token (OpenAI's ``top_logprobs`` limit and vLLM's default ``max_logprobs``)."""
 MAX_LOGIT_BIAS = 1024
 """Entries of ``logit_bias`` per request (OpenAI documents 300; vLLM accepts more)."""
 
@@ -37,6 +39,9 @@ class SamplingParams:
     in the prompt or the output so far by it and multiplies their negative ones (1 = off);
     ``frequency_penalty`` subtracts itself times a token's count in the output, ``presence_penalty`` itself once
     for every token the output holds (0 = off).
+    ``logprobs`` (vLLM's meaning): None = none; 0 = each generated token's log-probability; k in [1, 20] = that
+    and the k most likely tokens at each step with theirs, all under the distribution actually sampled from
+    (after ``logit_bias``, the penalties and the masks; before temperature and the filters).
     ``seed`` makes sampling reproducible: the same seed, prompt and parameters give the same tokens,
     whatever else is in the batch. ``stop_token_ids`` end the request (the stop token is kept in the
     output, like EOS); ``ignore_eos`` keeps generating past EOS (benchmarks). ``stop`` strings end the
@@ -59,6 +64,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         spec = self.structured_outputs
@@ -113,6 +119,10 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequestError(f"top_k must be an integer >= 0 (0 or -1 = disabled), got {self.top_k!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequestError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}] (the alternatives "
+                                      f"returned per token), got {self.logprobs!r}")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (0 <= self.seed < 2**63)
         ):
@@ -193,6 +203,8 @@ class RowSampling:
     """Structured output: the tokens that may be picked at this step as a bitmask (bit ``t % 8`` of byte
     ``t // 8`` set = token ``t`` allowed; tokens past the mask's end are not allowed); None = every token.
     Applied after ``logit_bias`` and ``banned``, before temperature and the filters (:func:`allowed_tokens`)."""
+    top_logprobs: int = 0
+    """How many most-likely alternatives (token, logprob) to return with this row's token (logprobs requested)."""
 
     @property
     def is_greedy(self) -> bool:
@@ -228,7 +240,7 @@ class RowSampling:
             banned = tuple(sorted({*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)}))
         return cls(params.temperature, params.top_p, params.top_k if top_k is None else top_k, seed, step,
                    params.min_p, params.logit_bias, banned, params.repetition_penalty, params.presence_penalty,
-                   params.frequency_penalty, prompt_tokens, output_counts, allowed)
+                   params.frequency_penalty, prompt_tokens, output_counts, allowed, params.logprobs or 0)
 
 
 def allowed_tokens(mask: bytes, vocab_size: int) -> list[bool]:

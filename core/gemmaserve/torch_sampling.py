@@ -29,7 +29,7 @@ from gemmaserve.backend import SampledTokens
 from gemmaserve.engine.sampling_cpu import penalty_offset, sampling_seed
 from gemmaserve.sampling_params import RowSampling
 
-__all__ = ["adjust_logits", "mask_logits", "sample_tokens", "sample_on_device", "to_device"]
+__all__ = ["adjust_logits", "mask_logits", "sample_tokens", "sample_on_device", "sampled_from_host", "to_device"]
 
 
 def to_device(values: Sequence[float] | Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -44,16 +44,29 @@ def to_device(values: Sequence[float] | Sequence[int], dtype: torch.dtype, devic
 def sample_tokens(logits: torch.Tensor, rows: Sequence[RowSampling], *, want_logprobs: bool = False) -> SampledTokens:
     """One token per row of ``logits`` [rows, vocab] (any float dtype, any device). Does not mutate logits."""
     tokens, logprobs = sample_on_device(logits, rows, want_logprobs=want_logprobs)
+    return sampled_from_host(tokens.tolist(), None if logprobs is None else logprobs.cpu())
+
+
+def sampled_from_host(token_ids: list[int], logprobs: torch.Tensor | None) -> SampledTokens:
+    """:class:`SampledTokens` from :func:`sample_on_device`'s results on the host (``logprobs`` [rows], or
+    [rows, 1 + 2k] with the top alternatives: see there)."""
     if logprobs is None:
-        return SampledTokens(tokens.tolist())
-    return SampledTokens(tokens.tolist(), [float(x) for x in logprobs.tolist()])
+        return SampledTokens(token_ids)
+    if logprobs.dim() == 1:
+        return SampledTokens(token_ids, [float(x) for x in logprobs.tolist()])
+    k = (logprobs.shape[1] - 1) // 2
+    table = logprobs.tolist()
+    top = [[(int(t), float(v)) for t, v in zip(line[1:1 + k], line[1 + k:]) if t >= 0 and v != -math.inf]
+           for line in table]
+    return SampledTokens(token_ids, [float(line[0]) for line in table], top)
 
 
 def sample_on_device(
     logits: torch.Tensor, rows: Sequence[RowSampling], *, want_logprobs: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """As :func:`sample_tokens`, but returns (token ids int64 [rows], logprobs [rows] or None) on the logits'
-    device, without a host sync.
+    """As :func:`sample_tokens`, but returns (token ids int64 [rows], logprobs or None) on the logits' device,
+    without a host sync. logprobs: [rows], or [rows, 1 + 2k] when rows want ``top_logprobs`` (see
+    :func:`sampled_from_host`, which reads either).
 
     The full-vocabulary sort runs on keys in the logits' own dtype unless a row's values change (``logit_bias``,
     penalties): bfloat16 / float16 / float32 values widen exactly to float64 and dividing by a positive
@@ -84,7 +97,23 @@ def sample_on_device(
             tokens[index] = _sample_filtered(keys[index], [rows[i] for i in sampled], work_dtype)
     if not want_logprobs:
         return tokens, None
-    return tokens, torch.log_softmax(keys.to(work_dtype), dim=-1).gather(1, tokens[:, None])[:, 0]
+    return tokens, _logprobs(keys, rows, tokens, work_dtype)
+
+
+def _logprobs(keys: torch.Tensor, rows: Sequence[RowSampling], tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The chosen tokens' logprobs [rows]; when a row wants alternatives (k = the largest
+    ``RowSampling.top_logprobs``), [rows, 1 + 2k]: the chosen logprob, the k most likely ids (by adjusted logit,
+    ties: lower id; -1 past the row's own count) and their logprobs, in ``dtype`` (ids are exact in it)."""
+    log_probs = torch.log_softmax(keys.to(dtype), dim=-1)
+    chosen = log_probs.gather(1, tokens[:, None])
+    k = max(row.top_logprobs for row in rows)
+    if k <= 0:
+        return chosen[:, 0]
+    k = min(k, keys.shape[1])
+    order = torch.sort(keys, dim=-1, descending=True, stable=True)[1][:, :k]
+    wanted = to_device([row.top_logprobs for row in rows], torch.int64, keys.device)
+    ids = torch.where(torch.arange(k, device=keys.device)[None, :] < wanted[:, None], order, -1)
+    return torch.cat([chosen, ids.to(dtype), log_probs.gather(1, order)], dim=1)
 
 
 def adjust_logits(values: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from gemmaserve.engine.request import sampled_token
 
 if TYPE_CHECKING:
     from gemmaserve.backend import InferenceBackend, RowKV
@@ -45,6 +47,7 @@ class RowRetry:
     token_id: int
     logprob: float | None
     kv: RowKV
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 def prefill_kv(backend: InferenceBackend, token_ids: Sequence[int], chunk_tokens: int) -> RowKV:
@@ -81,8 +84,8 @@ def retry_row_alone(backend: InferenceBackend, request: Request, chunk_tokens: i
         _free_solo_batch(backend, batch, request.request_id)
     if len(sampled.token_ids) != 1:
         raise RuntimeError(f"backend sampled {len(sampled.token_ids)} tokens for one row")
-    logprob = sampled.logprobs[0] if sampled.logprobs else None
-    return RowRetry(sampled.token_ids[0], logprob, prefill_kv(backend, context, chunk_tokens))
+    token, logprob, top = sampled_token(sampled, 0)
+    return RowRetry(token, logprob, prefill_kv(backend, context, chunk_tokens), top)
 
 
 def _free_solo_batch(backend: InferenceBackend, batch: object, request_id: str) -> None:

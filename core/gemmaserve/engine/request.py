@@ -11,19 +11,20 @@ import enum
 import logging
 import time
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from gemmaserve.sampling_params import RowSampling, SamplingParams
 from gemmaserve.structured.grammar import ConstraintError, TokenConstraint, allowed_many
 
 if TYPE_CHECKING:
-    from gemmaserve.backend import PrefillState
+    from gemmaserve.backend import PrefillState, SampledTokens
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RequestState", "FinishReason", "RequestMetrics", "RequestOutput", "RequestEvent", "Request", "MAX_TOP_K", "prepare_masks"]
+__all__ = ["RequestState", "FinishReason", "RequestMetrics", "RequestOutput", "RequestEvent", "Request", "MAX_TOP_K",
+           "prepare_masks", "sampled_token"]
 
 
 class RequestState(str, enum.Enum):
@@ -104,6 +105,8 @@ class RequestOutput:
     error: str | None = None
     error_type: str | None = None
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """With ``SamplingParams.logprobs`` = k > 0: per token, the k most likely ``(token, logprob)`` pairs."""
 
     @property
     def finished(self) -> bool:
@@ -121,6 +124,7 @@ class RequestEvent:
     output: RequestOutput | None = None
     new_logprobs: list[float] | None = None
     cached_tokens: int = 0
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(eq=False)
@@ -140,6 +144,7 @@ class Request:
     state: RequestState = RequestState.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     cached_tokens: int = 0
     seed: int | None = None
     finish_reason: FinishReason | None = None
@@ -165,6 +170,8 @@ class Request:
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = tuple(self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            self.want_logprobs = True
         if self.seed is None:
             self.seed = self.params.seed
         self._ends = frozenset(self.params.stop_token_ids)  # O(1) per generated token, whatever the list's length
@@ -229,7 +236,8 @@ class Request:
                 self.constraint_error = exc
         return b""
 
-    def append_token(self, token_id: int, logprob: float | None, eos_token_ids: tuple[int, ...]) -> bool:
+    def append_token(self, token_id: int, logprob: float | None, eos_token_ids: tuple[int, ...],
+                     top: Sequence[tuple[int, float]] = ()) -> bool:
         """Record a generated token; finish (reason ``stop``/``length``) if it ends the request: a stop or EOS
         token, ``max_tokens``, or a structured-output constraint that is complete (``stop``) or cannot continue
         (``error``; the token is then dropped). Returns True when the request is now finished."""
@@ -251,6 +259,8 @@ class Request:
             self._output_counts[token_id] += 1
         if self.want_logprobs and logprob is not None:
             self.output_logprobs.append(logprob)
+            if self.params.logprobs:
+                self.output_top_logprobs.append(list(top))
         params = self.params
         if complete or token_id in self._ends or (not params.ignore_eos and token_id in eos_token_ids):
             self.finish(FinishReason.STOP)
@@ -283,6 +293,7 @@ class Request:
             error=self.error,
             error_type=self.error_type,
             logprobs=list(self.output_logprobs) if self.want_logprobs else None,
+            top_logprobs=list(self.output_top_logprobs) if self.params.logprobs else None,
         )
 
     def take_event(self) -> RequestEvent:
@@ -293,7 +304,16 @@ class Request:
         new_logprobs = self.output_logprobs[start:] if self.want_logprobs else None
         output = self.to_output() if self.is_finished else None
         new_ids = self.output_token_ids[start:]
-        return RequestEvent(self.request_id, new_ids, self.is_finished, output, new_logprobs, self.cached_tokens)
+        new_top = self.output_top_logprobs[start:] if self.params.logprobs else None
+        return RequestEvent(self.request_id, new_ids, self.is_finished, output, new_logprobs, self.cached_tokens,
+                            new_top)
+
+
+def sampled_token(sampled: SampledTokens, index: int) -> tuple[int, float | None, list[tuple[int, float]]]:
+    """Row ``index`` of a sampling call: (token, its logprob or None, its top alternatives or [])."""
+    logprob = sampled.logprobs[index] if sampled.logprobs else None
+    top = sampled.top_logprobs[index] if sampled.top_logprobs else []
+    return sampled.token_ids[index], logprob, top
 
 
 def prepare_masks(requests: Iterable[Request]) -> None:

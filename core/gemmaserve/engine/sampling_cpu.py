@@ -20,13 +20,14 @@ Everything here is a pure function of its arguments, so it is safe from any thre
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from collections.abc import Sequence
 
 from gemmaserve.sampling_params import RowSampling, allowed_tokens
 
-__all__ = ["sampling_seed", "log_softmax", "adjust_logits", "penalized", "penalty_offset", "sample_row", "sample_rows"]
+__all__ = ["sampling_seed", "log_softmax", "top_logprobs", "adjust_logits", "penalized", "penalty_offset", "sample_row", "sample_rows"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -134,6 +135,18 @@ def sample_row(logits: Sequence[float], row: RowSampling, *, want_logprob: bool 
                 break
     logprob = log_softmax(logits)[token] if want_logprob else None
     return token, logprob
+
+
+def top_logprobs(logits: Sequence[float], row: RowSampling) -> list[tuple[int, float]]:
+    """The ``row.top_logprobs`` most likely ``(token, logprob)`` pairs under the distribution the row samples
+    from (the adjusted logits, as the reported logprob): ordered by adjusted logit, highest first (ties: lower
+    id first); tokens that cannot be picked (-inf) are left out, so a masked row may return fewer."""
+    if row.top_logprobs <= 0:
+        return []
+    values = adjust_logits(logits, row) if row.adjusts_logits else list(logits)
+    log_probs = log_softmax(values)
+    best = heapq.nsmallest(row.top_logprobs, range(len(values)), key=lambda i: (-values[i], i))
+    return [(i, log_probs[i]) for i in best if values[i] != -math.inf]
 
 
 def sample_rows(

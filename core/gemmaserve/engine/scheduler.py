@@ -39,7 +39,14 @@ from typing import TYPE_CHECKING
 
 from gemmaserve.engine.isolation import MAX_ROW_RETRIES, retry_row_alone
 from gemmaserve.engine.queues import RequestQueues
-from gemmaserve.engine.request import FinishReason, Request, RequestEvent, RequestState, prepare_masks
+from gemmaserve.engine.request import (
+    FinishReason,
+    Request,
+    RequestEvent,
+    RequestState,
+    prepare_masks,
+    sampled_token,
+)
 from gemmaserve.engine.validation import backend_error, validate_request
 from gemmaserve.errors import EngineOverloadedError, InvalidRequestError, KVCapacityError
 from gemmaserve.structured.grammar import GrammarCompiler
@@ -436,7 +443,7 @@ class ContinuousBatchScheduler:
         self._finish_chunks(work, errors, events)
 
     def _complete_prefill(self, request: Request, events: list[RequestEvent],
-                          first: tuple[int, float | None] | None = None) -> None:
+                          first: tuple[int, float | None, list[tuple[int, float]]] | None = None) -> None:
         """Store the prompt, sample the first token (or take ``first``, sampled in a launched step), then splice
         the row (or finish right away)."""
         state = request.prefill_state
@@ -446,12 +453,11 @@ class ContinuousBatchScheduler:
         else:
             self._counters["skipped_stores"] += 1
         if first is None:
-            sampled = self.backend.sample(state.last_logits, [request.row_sampling()],
-                                          want_logprobs=request.want_logprobs)
-            first = (sampled.token_ids[0], sampled.logprobs[0] if sampled.logprobs else None)
+            first = sampled_token(self.backend.sample(state.last_logits, [request.row_sampling()],
+                                                      want_logprobs=request.want_logprobs), 0)
         self._counters.update(prompt_tokens=request.num_prompt_tokens, cached_tokens=request.cached_tokens)
         self._counters["generated_tokens"] += 1
-        if request.append_token(first[0], first[1], self._eos):
+        if request.append_token(first[0], first[1], self._eos, first[2]):
             self._q.release(request, events)  # frees the prefill KV
             self._q.retire(request, events)
             return
@@ -489,8 +495,8 @@ class ContinuousBatchScheduler:
         rows = list(batch.rows)
         self._counters["generated_tokens"] += len(rows)
         for index, request in enumerate(rows):
-            logprob = sampled.logprobs[index] if sampled.logprobs is not None else None
-            request.append_token(sampled.token_ids[index], logprob, self._eos)
+            token, logprob, top = sampled_token(sampled, index)
+            request.append_token(token, logprob, self._eos, top)
         for index in reversed(range(len(rows))):
             request = rows[index]
             if request.is_finished and batch.rows[index : index + 1] == [request]:  # else dropped+retired
@@ -627,7 +633,8 @@ class ContinuousBatchScheduler:
         live = [(i, request) for i, request in enumerate(launched.requests) if not request.is_finished]
         self._counters["generated_tokens"] += len(live)
         for i, request in live:
-            request.append_token(sampled.token_ids[i], sampled.logprobs[i] if sampled.logprobs else None, self._eos)
+            token, logprob, top = sampled_token(sampled, i)
+            request.append_token(token, logprob, self._eos, top)
         batch = self._q.rows
         ended = {id(request) for _, request in live if request.is_finished}
         for index in reversed(range(len(batch.rows)) if ended else ()):
@@ -642,8 +649,7 @@ class ContinuousBatchScheduler:
             if request.is_finished:  # cancelled or failed while its first token was in flight
                 continue
             try:
-                self._complete_prefill(request, events, (sampled.token_ids[j],
-                                                         sampled.logprobs[j] if sampled.logprobs else None))
+                self._complete_prefill(request, events, sampled_token(sampled, j))
             except Exception as exc:
                 self._q.fail(request, exc, events, phase="prefill")
 
@@ -663,7 +669,7 @@ class ContinuousBatchScheduler:
                 self._q.fail(request, row_exc, events, phase="decode (retried without the other rows)")
                 continue
             self._counters["generated_tokens"] += 1
-            if request.append_token(retry.token_id, retry.logprob, self._eos):
+            if request.append_token(retry.token_id, retry.logprob, self._eos, retry.top):
                 self._q.free_kv(retry.kv, request)
                 self._q.retire(request, events)
                 continue

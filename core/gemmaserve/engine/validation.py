@@ -55,6 +55,10 @@ def validate_request(
             )
     if request.want_logprobs and not backend.capabilities.logprobs:
         raise InvalidRequestError(f"backend {backend.model_info.name!r} cannot return logprobs; do not request them")
+    if request.params.logprobs and not backend.capabilities.top_logprobs:
+        raise InvalidRequestError(f"backend {backend.model_info.name!r} returns only the sampled token's logprob: "
+                                  f"logprobs={request.params.logprobs} asks for alternatives; send logprobs=0 "
+                                  "(completions) or top_logprobs=0 (chat), or use another backend")
     max_tokens = request.params.max_tokens
     total = num_prompt + max_tokens
     for limit, name in ((max_model_len, "the maximum model length"), (max_active_kv_tokens, "MAX_ACTIVE_KV_TOKENS")):

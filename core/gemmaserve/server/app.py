@@ -461,7 +461,8 @@ class _View:
     def full_body(self) -> dict[str, Any]:
         gen = self.generation
         assert gen.finish_reason is not None
-        logprobs = self._logprobs(gen.token_ids, gen.logprobs, len(self.echo)) if gen.prepared.want_logprobs else None
+        logprobs = (self._logprobs(gen.token_ids, gen.logprobs, len(self.echo), gen.top_logprobs)
+                    if gen.prepared.want_logprobs else None)
         if self.chat and (self.tools is not None or self.reasoning is not None):
             thought, parsed = self._parse(gen.text, final=True)
             calls = [call.to_openai() for call in parsed.calls]
@@ -480,7 +481,7 @@ class _View:
     def chunk(self, step: Step) -> dict[str, Any]:
         logprobs = None
         if step.logprobs is not None:
-            logprobs = self._logprobs(step.token_ids, step.logprobs, self._offset)
+            logprobs = self._logprobs(step.token_ids, step.logprobs, self._offset, step.top_logprobs)
         self._offset += len(step.text)
         if self.chat and (self.tools is not None or self.reasoning is not None):
             first = self._num_calls
@@ -520,10 +521,11 @@ class _View:
         usage = self.generation.usage()
         return self.meta.chat_usage_chunk(usage) if self.chat else self.meta.completion_usage_chunk(usage)
 
-    def _logprobs(self, token_ids: Sequence[int], logprobs: Sequence[float], offset: int) -> dict[str, Any]:
+    def _logprobs(self, token_ids: Sequence[int], logprobs: Sequence[float], offset: int,
+                  top: Sequence[Sequence[tuple[int, float]]] | None) -> dict[str, Any]:
         if self.chat:
-            return chat_logprobs(self.tokenizer, token_ids, logprobs)
-        return completion_logprobs(self.tokenizer, token_ids, logprobs, offset)
+            return chat_logprobs(self.tokenizer, token_ids, logprobs, top)
+        return completion_logprobs(self.tokenizer, token_ids, logprobs, offset, top)
 
 
 class _Choices:

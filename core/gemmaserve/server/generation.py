@@ -63,6 +63,7 @@ class Step:
     token_ids: list[int]
     logprobs: list[float] | None = None
     finish_reason: str | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(slots=True)
@@ -108,6 +109,7 @@ class Generation:
         self.cached_tokens = 0
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] | None = [] if prepared.params.logprobs else None
         self._engine = engine
         self._detok = IncrementalDetokenizer(tokenizer, prepared.stop, prompt_ids=prepared.prompt_ids,
                                              skip_special_tokens=not prepared.hidden_token_ids)
@@ -211,7 +213,7 @@ class Generation:
             reason = output.finish_reason.value
             if reason in ("cancelled", "error"):
                 self._fail(reason, output.error_type, output.error)
-        step = self._take_tokens(event.new_token_ids, event.new_logprobs)
+        step = self._take_tokens(event.new_token_ids, event.new_logprobs, event.new_top_logprobs)
         if self.done:  # a stop string matched: the engine request is no longer needed
             self.close()
         elif reason is not None:
@@ -222,7 +224,8 @@ class Generation:
             self.timing.end = time.monotonic()
         return step
 
-    def _take_tokens(self, token_ids: Sequence[int], logprobs: Sequence[float] | None) -> Step:
+    def _take_tokens(self, token_ids: Sequence[int], logprobs: Sequence[float] | None,
+                     top: Sequence[list[tuple[int, float]]] | None = None) -> Step:
         step = Step("", [], [] if self.prepared.want_logprobs else None)
         if token_ids:
             self.timing.on_tokens()
@@ -238,6 +241,9 @@ class Generation:
         if step.logprobs is not None and logprobs is not None:
             step.logprobs = list(logprobs[:consumed])
             self.logprobs += step.logprobs
+            if self.top_logprobs is not None and top is not None:
+                step.top_logprobs = list(top[:consumed])
+                self.top_logprobs += step.top_logprobs
         if delta.stopped:
             self.finish_reason = step.finish_reason = "stop"
             self.timing.end = time.monotonic()

@@ -49,7 +49,7 @@ def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer, context_li
     if not prompt_ids:
         raise APIError(400, "the prompt tokenizes to zero tokens; send a non-empty prompt", param="prompt")
     max_tokens = body.requested_max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
-    params = _sampling(body, max_tokens)
+    params = dataclasses.replace(_sampling(body, max_tokens), logprobs=body.logprobs)
     return Prepared(prompt_ids, params, body.stop_strings, body.logprobs is not None, "prompt")
 
 
@@ -60,6 +60,9 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limi
     With ``tools`` (and ``tool_choice`` other than ``"none"``) the template gets them, the reply is read with
     the tool-call parser, and ``"required"`` or a named function constrains the reply to a call."""
     body.check_generation_prompt()
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, f"top_logprobs={body.top_logprobs} needs logprobs: true (the alternatives come with the "
+                       "sampled tokens' logprobs)", param="top_logprobs", code="invalid_value")
     mode = body.tool_mode
     options = body.template_options
     parser = None
@@ -71,6 +74,7 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limi
     max_tokens = body.requested_max_tokens or default_max_tokens_for(len(prompt_ids), context_limit,
                                                                       default_max_tokens)
     params = _sampling(body, max_tokens, () if body.ignore_eos else chat_stop_token_ids(tokenizer))
+    params = dataclasses.replace(params, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     if mode not in (None, "auto"):
         if params.structured_outputs is not None:
             raise APIError(400, f'tool_choice "{mode}" constrains the reply to a tool call; it cannot be combined '

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gemmaserve.errors import InvalidRequestError
-from gemmaserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from gemmaserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from gemmaserve.structured.spec import StructuredOutputs, from_response_format
 from gemmaserve.server.errors import APIError
 
@@ -226,7 +226,7 @@ class CompletionRequest(SamplingFields):
 
     prompt: Any = Field(json_schema_extra=_PROMPT_SCHEMA)
     echo: bool | None = False
-    logprobs: int | None = Field(None, ge=0, le=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(None, ge=1, le=1)
     suffix: str | None = Field(None, json_schema_extra=_only({"type": "string", "maxLength": 0}))
 
@@ -443,7 +443,7 @@ class ChatCompletionRequest(ChatTemplateOptions, SamplingFields):
     echo: bool | None = False
     chat_template: str | None = Field(None, json_schema_extra=_NULL)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=0)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Any = Field(None, json_schema_extra=_only({"anyOf": [
         {"enum": ["none", "auto", "required"]},

@@ -82,23 +82,39 @@ def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
 
 
 def completion_logprobs(
-    tokenizer: Tokenizer, token_ids: Sequence[int], logprobs: Sequence[float], text_offset: int
+    tokenizer: Tokenizer, token_ids: Sequence[int], logprobs: Sequence[float], text_offset: int,
+    top: Sequence[Sequence[tuple[int, float]]] | None = None,
 ) -> dict[str, Any]:
-    """Legacy completions ``logprobs``: the sampled tokens' log-probabilities (``top_logprobs`` is
-    null: alternatives are not computed). ``tokens`` show special tokens; ``text_offset`` counts
-    from ``text_offset`` by each token's text as it appears in ``text`` (special tokens add none)."""
+    """Legacy completions ``logprobs``: the sampled tokens' log-probabilities and, with ``top`` (``logprobs`` =
+    k > 0), per token a ``{text: logprob}`` object of the k most likely tokens plus the sampled one (OpenAI:
+    up to k + 1 entries; fewer when tokens share a text, e.g. partial UTF-8 bytes). ``tokens`` show special tokens; ``text_offset`` counts from ``text_offset`` by each
+    token's text as it appears in ``text`` (special tokens add none)."""
     tokens = [_token_text(tokenizer, token) for token in token_ids]
     offsets = []
     for token_id in token_ids:
         offsets.append(text_offset)
         text_offset += len(tokenizer.decode([token_id], skip_special_tokens=True))
-    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+    alternatives = None
+    if top is not None:
+        alternatives = []
+        for text, logprob, pairs in zip(tokens, logprobs, top):
+            entry = {_token_text(tokenizer, token): value for token, value in reversed(pairs)}  # likelier wins
+            entry[text] = logprob  # a text shared by several tokens shows the sampled one's value
+            alternatives.append(entry)
+    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": alternatives, "text_offset": offsets}
 
 
-def chat_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int], logprobs: Sequence[float]) -> dict[str, Any]:
-    """Chat ``logprobs``: one entry per sampled token, with empty ``top_logprobs``."""
+def chat_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int], logprobs: Sequence[float],
+                  top: Sequence[Sequence[tuple[int, float]]] | None = None) -> dict[str, Any]:
+    """Chat ``logprobs``: one entry per sampled token, its ``top_logprobs`` the ``top_logprobs`` most likely
+    tokens (empty when none were asked for)."""
     content = []
-    for token_id, logprob in zip(token_ids, logprobs):
+    for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs)):
         token = _token_text(tokenizer, token_id)
-        content.append({"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []})
+        alternatives = []
+        for other, value in (top[i] if top is not None else ()):
+            text = _token_text(tokenizer, other)
+            alternatives.append({"token": text, "logprob": value, "bytes": list(text.encode())})
+        content.append({"token": token, "logprob": logprob, "bytes": list(token.encode()),
+                        "top_logprobs": alternatives})
     return {"content": content}

@@ -333,6 +333,36 @@ class BackendContractTests:
                 backend.remove_row_from_cache(batch, index)
         self._finish(backend)
 
+    def test_top_logprobs_are_the_most_likely_tokens(self, backend: InferenceBackend) -> None:
+        """``capabilities.top_logprobs``: with ``want_logprobs``, each row gets its ``RowSampling.top_logprobs``
+        most likely (token, logprob) pairs: the definition's on the backend's own logits (same ids in the same
+        order), a greedy row's token first, a row asking for none an empty list, a masked row only tokens its
+        mask allows."""
+        self._batched(backend)
+        if not (backend.capabilities.logprobs and backend.capabilities.top_logprobs):
+            pytest.skip("backend does not declare top_logprobs")
+        from gemmaserve.engine.sampling_cpu import top_logprobs
+
+        prompts = self.make_prompts(backend)[:3]
+        with backend.lock:
+            batch = _prefilled_batch(backend, prompts)
+            logits = backend.decode_step_batched(batch, [p[-1] for p in prompts])
+            mask = bytes([0b10110110])  # tokens 1, 2, 4, 5, 7
+            rows = [RowSampling(0.0, 1.0, 0, 1, 1, top_logprobs=5), RowSampling(0.8, 0.9, 0, 2, 4),
+                    RowSampling(1.0, 1.0, 0, 3, 2, allowed=mask, top_logprobs=8)]
+            out = backend.sample(logits, rows, want_logprobs=True)
+            assert out.top_logprobs is not None and len(out.top_logprobs) == 3
+            host = [[float(x) for x in row] for row in _host_rows(logits)]
+            for i, row in enumerate(rows):
+                expected = top_logprobs(host[i], row)
+                assert [t for t, _ in out.top_logprobs[i]] == [t for t, _ in expected], (i, out.top_logprobs[i])
+                assert all(abs(a - b) < 1e-3 for (_, a), (_, b) in zip(out.top_logprobs[i], expected))
+            assert out.top_logprobs[0][0][0] == out.token_ids[0] and out.top_logprobs[1] == []
+            assert {t for t, _ in out.top_logprobs[2]} <= {1, 2, 4, 5, 7} and len(out.top_logprobs[2]) == 5
+            for index in (2, 1, 0):
+                backend.remove_row_from_cache(batch, index)
+        self._finish(backend)
+
     # -- prefix cache -------------------------------------------------------------------------------
     def test_prefix_cache_second_pass_hits_with_same_tokens(self, backend: InferenceBackend) -> None:
         self._batched(backend)
@@ -406,6 +436,17 @@ def _one_shot_first_tokens(backend: InferenceBackend, prompts: Sequence[Sequence
         tokens.append(greedy_rows(backend, whole.last_logits, [0]))
         backend.free_row_kv(whole.kv)
     return tokens
+
+
+def _host_rows(logits: object) -> list[list[float]]:
+    """A backend's logits [rows, vocab] as Python lists (torch, numpy, mlx and nested lists all convert)."""
+    to_list = getattr(logits, "tolist", None)
+    if to_list is not None:
+        detach = getattr(logits, "detach", None)
+        if detach is not None:
+            return detach().float().cpu().tolist()
+        return to_list()
+    return [list(row) for row in logits]  # type: ignore[union-attr]
 
 
 def _prefilled_batch(backend: InferenceBackend, prompts: Sequence[Sequence[int]]) -> Any:

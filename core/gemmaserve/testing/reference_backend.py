@@ -27,7 +27,7 @@ from gemmaserve.backend import (
     SampledTokens,
     StepOutput,
 )
-from gemmaserve.engine.sampling_cpu import sample_rows
+from gemmaserve.engine.sampling_cpu import sample_rows, top_logprobs
 from gemmaserve.errors import KVCapacityError
 from gemmaserve.testing.reference_model import EOS_ID, CharTokenizer, KVEntry, next_token_logits
 
@@ -97,7 +97,7 @@ class ReferenceBackend(InferenceBackend):
             continuous_batching=not streaming_only,
             uses_core_cache_manager=True,
             kv_reservation=kv_capacity_tokens is not None,
-            logprobs=True,
+            logprobs=True, top_logprobs=True,
             allowed_token_masks=True,
             max_concurrent_streams=max_concurrent_streams,
             mixed_step=mixed_step,
@@ -249,7 +249,8 @@ class ReferenceBackend(InferenceBackend):
 
     def sample(self, logits: Any, rows: Sequence[RowSampling], *, want_logprobs: bool = False) -> SampledTokens:
         tokens, logprobs = sample_rows(logits, rows, want_logprobs=want_logprobs)
-        return SampledTokens(tokens, logprobs)
+        top = [top_logprobs(row_logits, row) for row_logits, row in zip(logits, rows)] if want_logprobs else None
+        return SampledTokens(tokens, logprobs, top)
 
     # -- reservation ------------------------------------------------------------------------------
     def kv_reserve(self, request_id: str, num_tokens: int) -> bool:

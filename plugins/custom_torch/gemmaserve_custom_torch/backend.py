@@ -113,6 +113,7 @@ class CustomTorchBackend(InferenceBackend):
         self.max_chunk_tokens = min(windows) if windows else None  # a tick's chunk then stores all it reads
         self.capabilities = BackendCapabilities(
             continuous_batching=True, uses_core_cache_manager=False, kv_reservation=True, logprobs=True,
+            top_logprobs=True,
             mixed_step=custom.mixed_step, async_decode=self.decoder is not None, allowed_token_masks=True,
         )
         self._device_tokens: torch.Tensor | None = None  # the last decode_step_async's sampled ids

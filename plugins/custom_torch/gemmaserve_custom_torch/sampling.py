@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from gemmaserve.backend import PendingTokens, SampledTokens
-from gemmaserve.torch_sampling import sample_on_device, sample_tokens, to_device
+from gemmaserve.backend import PendingTokens, SampledTokens  # noqa: F401 (SampledTokens: result type)
+from gemmaserve.torch_sampling import sample_on_device, sample_tokens, sampled_from_host, to_device
 
 __all__ = ["DeviceTokens", "sample_tokens", "sample_on_device", "to_device"]
 
@@ -37,6 +37,5 @@ class DeviceTokens(PendingTokens):
             if self._done is not None:
                 self._done.synchronize()
             tokens, logprobs = self._host
-            self._sampled = SampledTokens(
-                tokens.tolist(), None if logprobs is None else [float(x) for x in logprobs.tolist()])
+            self._sampled = sampled_from_host(tokens.tolist(), logprobs)
         return self._sampled

@@ -62,7 +62,7 @@ class HFTorchBackend(InferenceBackend):
     """Continuous-batching backend over a transformers causal LM (see the module docstring)."""
 
     capabilities = BackendCapabilities(
-        continuous_batching=True, uses_core_cache_manager=True, kv_reservation=False, logprobs=True,
+        continuous_batching=True, uses_core_cache_manager=True, kv_reservation=False, logprobs=True, top_logprobs=True,
         allowed_token_masks=True,
     )
 
