@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BackendCapabilities",
     "concat_sampled",
+    "resolve_rows",
     "ModelInfo",
     "Tokenizer",
     "PrefillState",
@@ -104,6 +105,10 @@ class BackendCapabilities:
       host, and feeds tokens the host has not read yet from the device; the scheduler (``ASYNC_SCHEDULING``)
       then launches decode step k+1 before it applies step k's tokens, so its bookkeeping overlaps the device.
       With ``mixed_step`` too, ticks that carry prompt tokens launch the same way (``forward_step_async``).
+    - ``deferred_sampling`` (with ``async_decode``): :meth:`InferenceBackend.decode_step_async` accepts its
+      ``rows`` as a callable and calls it once, after launching the step's forward and before its sampling;
+      the scheduler then launches a batch with rows whose next sampling needs the previous token on the host
+      (structured-output masks, penalties) ahead too, and reads that token while the device runs the forward.
     - ``allowed_token_masks``: every sampling call honours ``RowSampling.allowed`` (structured output's
       per-row mask: tokens outside it get -inf before temperature and the filters, as
       ``gemmaserve.engine.sampling_cpu`` defines). Without it the scheduler refuses constrained requests.
@@ -116,6 +121,7 @@ class BackendCapabilities:
     top_logprobs: bool = False
     mixed_step: bool = False
     async_decode: bool = False
+    deferred_sampling: bool = False
     allowed_token_masks: bool = False
     max_concurrent_streams: int = 1
 
@@ -199,6 +205,15 @@ class SampledTokens:
     token_ids: list[int]
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+def resolve_rows(rows: Sequence[RowSampling] | Callable[[], Sequence[RowSampling]], count: int) -> Sequence[RowSampling]:
+    """``decode_step_async``'s samplings: ``rows`` itself, or what the deferred callable returns (called once,
+    after the forward was launched; ``capabilities.deferred_sampling``). Raises ValueError unless ``count``."""
+    resolved = rows() if callable(rows) else rows
+    if len(resolved) != count:
+        raise ValueError(f"{len(resolved)} samplings for {count} rows")
+    return resolved
 
 
 def concat_sampled(parts: Sequence[SampledTokens], want_logprobs: bool) -> SampledTokens:
@@ -378,14 +393,16 @@ class InferenceBackend(ABC):
         Returns logits of shape [rows, vocab]. Mutates ``batched``."""
 
     def decode_step_async(
-        self, batched: BatchKV, input_ids: Sequence[int], from_previous: Sequence[int], rows: Sequence[RowSampling],
-        *, want_logprobs: bool = False,
+        self, batched: BatchKV, input_ids: Sequence[int], from_previous: Sequence[int],
+        rows: Sequence[RowSampling] | Callable[[], Sequence[RowSampling]], *, want_logprobs: bool = False,
     ) -> PendingTokens:
         """One decode step and its sampling, launched without waiting for the tokens (``capabilities.async_decode``).
 
         Row ``i`` consumes ``input_ids[i]`` when ``from_previous[i] < 0``, else the token that row
         ``from_previous[i]`` of the previous asynchronous call (this or ``forward_step_async``) sampled, which the host may not have read
-        yet (that entry of ``input_ids`` is ignored). ``rows[i]`` samples row ``i``, as :meth:`sample` does.
+        yet (that entry of ``input_ids`` is ignored). ``rows[i]`` samples row ``i``, as :meth:`sample` does;
+        with ``capabilities.deferred_sampling`` ``rows`` may be a callable, called once after the forward is
+        launched (it may wait for the previous call's tokens), that returns them (:func:`resolve_rows`).
         Between two calls the caller may remove rows and splice new ones (new rows pass -1); after any other
         forward (``decode_step_batched``, ``forward_step``, a prefill outside ``forward_step_async``) it passes
         -1 for every row. Mutates
@@ -393,10 +410,12 @@ class InferenceBackend(ABC):
 
         The default is synchronous (:meth:`decode_step_batched` then :meth:`sample`): correct for every backend,
         with nothing overlapped. Backends that declare ``async_decode`` override it."""
-        if not (len(input_ids) == len(from_previous) == len(rows)):
-            raise ValueError(f"{len(input_ids)} input ids, {len(from_previous)} sources and {len(rows)} samplings")
+        if not (len(input_ids) == len(from_previous)):
+            raise ValueError(f"{len(input_ids)} input ids and {len(from_previous)} sources")
         ids = self._resolve_previous(input_ids, from_previous)
-        sampled = self.sample(self.decode_step_batched(batched, ids), rows, want_logprobs=want_logprobs)
+        logits = self.decode_step_batched(batched, ids)
+        rows = resolve_rows(rows, len(ids))
+        sampled = self.sample(logits, rows, want_logprobs=want_logprobs)
         self._async_previous = sampled.token_ids
         return ReadyTokens(sampled)
 

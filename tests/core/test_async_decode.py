@@ -272,3 +272,69 @@ def test_through_the_engine_cancel_and_shutdown_with_steps_in_flight() -> None:
         time.sleep(0.005)
     engine.shutdown(timeout=10)
     assert all(h.result(timeout=10).finish_reason == FinishReason.CANCELLED for h in late)
+
+
+# -- deferred sampling: constrained and penalized rows launched ahead --------------------------------------
+_KINDS = {
+    "plain": {},
+    "regex": {"structured_outputs": {"regex": "[a-d]{2,9}"}},
+    "choice": {"structured_outputs": {"choice": ["abc", "dabba", "cc"]}},
+    "stuck-later": {"structured_outputs": {"regex": "ab[A-Z]"}},  # no upper-case token: fails after "ab"
+    "penalties": {"presence_penalty": 1.5, "frequency_penalty": 0.7, "repetition_penalty": 1.3},
+    "both": {"structured_outputs": {"regex": "[a-c]+d"}, "frequency_penalty": 2.0},
+}
+_deferred_request = st.tuples(
+    st.lists(st.integers(5, 30), min_size=1, max_size=10), st.integers(1, 14), st.integers(0, 5),
+    st.sampled_from([0.0, 0.9, 1.7]), st.integers(0, 3), st.sampled_from(sorted(_KINDS)))
+
+
+def _deferred_run(backend: ReferenceBackend, requests: list, **scheduler: object) -> dict[str, tuple]:
+    sched, _, _ = make(backend, **scheduler)  # type: ignore[arg-type]
+    recorder = Recorder()
+    last = max(r[2] for r in requests)
+    for tick in range(10_000):
+        for index, (prompt, max_tokens, arrival, temperature, seed, kind) in enumerate(requests):
+            if arrival == tick:
+                params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, **_KINDS[kind])
+                sched.add_request(Request(str(index), tuple(prompt), params))
+        if tick > last and not sched.has_work:
+            break
+        recorder.feed(sched.step())
+        check_all(sched)
+    assert_idle(sched)
+    return {rid: (o.token_ids, o.finish_reason, o.error) for rid, o in recorder.outputs.items()}
+
+
+class DeferringBackend(LaggingBackend):
+    """Counts the decode steps launched with a deferred (callable) sampling."""
+
+    def __init__(self, **options: object) -> None:
+        super().__init__(**options)
+        self.deferred = 0
+
+    def decode_step_async(self, batched, input_ids, from_previous, rows, *, want_logprobs=False):  # type: ignore[no-untyped-def]
+        self.deferred += callable(rows)
+        return super().decode_step_async(batched, input_ids, from_previous, rows, want_logprobs=want_logprobs)
+
+
+@settings(max_examples=50, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=st.lists(_deferred_request, min_size=1, max_size=6), batch=st.integers(1, 4),
+       chunk=st.integers(2, 9))
+def test_deferred_sampling_gives_the_synchronous_tokens(requests: list, batch: int, chunk: int) -> None:
+    """Structured-output and penalized rows launched ahead, their sampling deferred until the previous token is
+    read (masks after a token taken ahead, constraints completing or failing mid-way, penalties counting it):
+    every request's tokens, finish reason and error are those of synchronous scheduling."""
+    backend = DeferringBackend()
+    got = _deferred_run(backend, requests, max_batch_size=batch, prefill_chunk_tokens=chunk)
+    want = _deferred_run(ReferenceBackend(), requests, max_batch_size=batch, prefill_chunk_tokens=chunk,
+                         async_scheduling=False)
+    assert got == want
+
+
+def test_a_constrained_batch_is_launched_ahead_with_its_sampling_deferred() -> None:
+    backend = DeferringBackend()
+    requests = [([5, 6], 12, 0, 0.9, 1, "regex"), ([7], 12, 0, 0.0, 2, "penalties"), ([8, 9], 12, 1, 0.0, 0, "plain")]
+    got = _deferred_run(backend, requests)
+    assert got == _deferred_run(ReferenceBackend(), requests, async_scheduling=False)
+    assert backend.deferred >= 5  # the constrained / penalized rows did not force synchronous steps
+    assert all(done >= launch for launch, done in backend.reads)

@@ -163,7 +163,9 @@ class Request:
     constraint_error: ConstraintError | None = None
     """Why the constraint cannot continue; the next appended token ends the request with it."""
     _next_mask: tuple[int, bytes] | None = field(default=None, repr=False)
-    """(output length it is for, mask): computed ahead by :func:`prepare_masks` for the next row_sampling()."""
+    """(step it is for, mask): computed by :func:`prepare_masks` for the next row_sampling()."""
+    _ahead: _Ahead | None = field(default=None, repr=False)
+    """Deferred sampling: the launched step's token, read but not appended (:meth:`take_ahead`)."""
     _prompt_set: frozenset[int] | None = field(default=None, repr=False)
     _output_counts: Counter[int] = field(default_factory=Counter, repr=False)
     """Penalties: how often each token was generated (kept up to date by append_token)."""
@@ -196,45 +198,95 @@ class Request:
 
     def row_sampling(self, ahead: int = 0) -> RowSampling:
         """Sampling view for the next token (``step`` = tokens generated so far, plus ``ahead`` sampled but not
-        appended yet: a launched asynchronous decode step). ``top_k`` is capped
-        at MAX_TOP_K: any k beyond the vocabulary keeps every token, and backends that put k in a
-        fixed-width integer (torch) must not overflow on, say, ``top_k=10**30``."""
+        appended yet: a launched asynchronous decode step). A request that needs its previous token
+        (:attr:`needs_previous_token`) takes ``ahead=1`` only after :meth:`take_ahead` gave it that token
+        (deferred sampling). ``top_k`` is capped at MAX_TOP_K: any k beyond the vocabulary keeps every token,
+        and backends that put k in a fixed-width integer (torch) must not overflow on, say, ``top_k=10**30``."""
         assert self.seed is not None, "seed is assigned at admission"
         params = self.params
+        step = len(self.output_token_ids) + ahead
+        ready = self._ahead if ahead else None
+        if not ahead:
+            self._ahead = None  # a token taken ahead that was never appended (a failed step) is forgotten
+        top_k = min(params.top_k, MAX_TOP_K)
+        if self.is_finished:  # its token is dropped: no mask, no penalties
+            return RowSampling.for_params(params, self.seed, step, self.eos_token_ids, top_k=top_k)
         prompt_tokens: frozenset[int] = frozenset()
         counts: tuple[tuple[int, int], ...] = ()
         if params.has_penalties:
-            assert not ahead, "a penalized request's next logits need its previous token (no launch ahead)"
+            assert not ahead or ready is not None, "a penalized request's next logits need its previous token"
             if params.repetition_penalty != 1.0:
                 if self._prompt_set is None:
                     self._prompt_set = frozenset(self.prompt_token_ids)
                 prompt_tokens = self._prompt_set
-            counts = tuple(self._output_counts.items())
-        return RowSampling.for_params(params, self.seed, len(self.output_token_ids) + ahead, self.eos_token_ids,
-                                      top_k=min(params.top_k, MAX_TOP_K), allowed=self._allowed(ahead),
-                                      prompt_tokens=prompt_tokens, output_counts=counts)
+            output = self._output_counts
+            if ready is not None:
+                output = output.copy()
+                output[ready.token] += 1
+            counts = tuple(output.items())
+        return RowSampling.for_params(params, self.seed, step, self.eos_token_ids, top_k=top_k,
+                                      allowed=self._allowed(ahead), prompt_tokens=prompt_tokens,
+                                      output_counts=counts)
 
     @property
     def needs_previous_token(self) -> bool:
         """True when the next step's sampling depends on the token just sampled (a structured-output constraint
-        or a penalty): the scheduler then never launches this row's next step ahead of applying its token."""
+        or a penalty): that sampling waits until the token is on the host (:meth:`take_ahead`), or the step
+        is not launched ahead of applying it."""
         return self.constraint is not None or self.params.has_penalties
 
+    def take_ahead(self, token_id: int) -> None:
+        """Deferred sampling: ``token_id`` was sampled by the launched step and read, not appended yet. A copy of
+        the constraint advances by it now, so the next ``row_sampling(ahead=1)`` gets the mask that follows it;
+        :meth:`append_token` of that same token adopts the copy. Penalties count it."""
+        constraint, result = None, None
+        if self.constraint is not None and self.constraint_error is None:
+            constraint = self.constraint.copy()
+            try:
+                result = constraint.accept(token_id)
+            except ConstraintError as exc:
+                result = exc
+        self._ahead = _Ahead(len(self.output_token_ids), token_id, constraint, result)
+
+    def _mask_constraint(self, ahead: int) -> TokenConstraint | None:
+        """The constraint whose state gives the mask of the token ``ahead`` steps on, or None when that token
+        needs none (no constraint, one that already failed, or one the token taken ahead completed or broke:
+        the next token is then dropped)."""
+        if self.constraint is None or self.constraint_error is not None:
+            return None
+        if not ahead:
+            return self.constraint
+        ready = self._ahead
+        assert ready is not None, "a constrained request's next mask needs its previous token (take_ahead)"
+        if ready.constraint is None or ready.result is not False or ready.mask_error is not None:
+            return None
+        return ready.constraint
+
     def _allowed(self, ahead: int) -> bytes | None:
-        """The constraint's mask for the next token (None without one). A constraint that cannot continue gives
-        an empty mask and records why: the token sampled under it ends the request (:meth:`append_token`)."""
+        """The constraint's mask for the next token (None without one, or when that token is dropped anyway). A
+        constraint that cannot continue gives an empty mask and records why: the token sampled under it ends
+        the request (:meth:`append_token`)."""
         if self.constraint is None:
             return None
-        assert not ahead, "a constrained request's next mask needs its previous token (no launch ahead)"
-        if self.constraint_error is None:
-            ready = self._next_mask
-            if ready is not None and ready[0] == len(self.output_token_ids):
-                return ready[1]
-            try:
-                return self.constraint.allowed()
-            except ConstraintError as exc:
-                self.constraint_error = exc
-        return b""
+        constraint = self._mask_constraint(ahead)
+        if constraint is None:
+            return None if ahead else b""
+        ready = self._next_mask
+        if ready is not None and ready[0] == len(self.output_token_ids) + ahead:
+            return ready[1]
+        try:
+            return constraint.allowed()
+        except ConstraintError as exc:
+            self._record_mask_error(exc, ahead)
+            return b""
+
+    def _record_mask_error(self, exc: ConstraintError, ahead: int) -> None:
+        """No token can follow: the token sampled under the empty mask ends the request. For a mask one step
+        ahead the error waits until the token before it is appended."""
+        if ahead and self._ahead is not None:
+            self._ahead.mask_error = exc
+        else:
+            self.constraint_error = exc
 
     def append_token(self, token_id: int, logprob: float | None, eos_token_ids: tuple[int, ...],
                      top: Sequence[tuple[int, float]] = ()) -> bool:
@@ -245,8 +297,17 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = now
         complete = False
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and (ahead.token != token_id or ahead.length != len(self.output_token_ids)):
+            ahead = None  # taken ahead for a step that was not the one applied: advance the constraint here
         if self.constraint is not None:
-            if self.constraint_error is None:
+            if ahead is not None and ahead.constraint is not None:
+                self.constraint = ahead.constraint
+                if isinstance(ahead.result, ConstraintError):
+                    self.constraint_error = ahead.result
+                else:
+                    complete = bool(ahead.result)
+            elif self.constraint_error is None:
                 try:
                     complete = self.constraint.accept(token_id)
                 except ConstraintError as exc:
@@ -266,6 +327,8 @@ class Request:
             self.finish(FinishReason.STOP)
         elif len(self.output_token_ids) >= params.max_tokens:
             self.finish(FinishReason.LENGTH)
+        elif ahead is not None and ahead.mask_error is not None:
+            self.constraint_error = ahead.mask_error  # the next token, sampled under an empty mask, ends it
         return self.is_finished
 
     def finish(self, reason: FinishReason, exc: BaseException | None = None, message: str | None = None) -> None:
@@ -317,22 +380,44 @@ def sampled_token(sampled: SampledTokens, index: int) -> tuple[int, float | None
 
 
 def prepare_masks(requests: Iterable[Request]) -> None:
-    """Compute the next-token masks of the constrained requests among ``requests`` in one parallel call
-    (:func:`~gemmaserve.structured.grammar.allowed_many`), for their next ``row_sampling()`` to pick up; a
-    constraint that cannot continue records its error as ``_allowed`` would. Mutates only those requests'
-    mask caches. Engine thread only."""
-    todo = [r for r in requests if r.constraint is not None and r.constraint_error is None and not r.is_finished
-            and (r._next_mask is None or r._next_mask[0] != len(r.output_token_ids))]
+    """Compute the next masks of the constrained requests among ``requests`` in one parallel call
+    (:func:`~gemmaserve.structured.grammar.allowed_many`), for their next ``row_sampling()`` to pick up: the
+    mask after the token :meth:`Request.take_ahead` gave a request (``row_sampling(ahead=1)``), else after its
+    last appended token. A constraint that cannot continue records its error as ``_allowed`` would. Mutates
+    only those requests' mask caches. Engine thread only."""
+    todo: list[tuple[Request, TokenConstraint, int, int]] = []
+    for request in requests:
+        if request.is_finished:
+            continue
+        ahead = int(request._ahead is not None)
+        constraint = request._mask_constraint(ahead)
+        step = len(request.output_token_ids) + ahead
+        if constraint is not None and (request._next_mask is None or request._next_mask[0] != step):
+            todo.append((request, constraint, step, ahead))
     if len(todo) < 2:
         return
     try:
-        masks = allowed_many([r.constraint for r in todo if r.constraint is not None])
+        masks = allowed_many([constraint for _, constraint, _, _ in todo])
     except Exception:  # each row_sampling() then computes its own mask (and meets the error itself)
         logger.warning("computing %d structured-output masks at once failed; computing them one by one",
                        len(todo), exc_info=True)
         return
-    for request, mask in zip(todo, masks):
+    for (request, _, step, ahead), mask in zip(todo, masks):
         if isinstance(mask, ConstraintError):
-            request.constraint_error = mask
+            request._record_mask_error(mask, ahead)
+            request._next_mask = (step, b"")
         else:
-            request._next_mask = (len(request.output_token_ids), mask)
+            request._next_mask = (step, mask)
+
+
+@dataclass(slots=True)
+class _Ahead:
+    """A token taken ahead (:meth:`Request.take_ahead`): the output length it follows, the token, the advanced
+    copy of the constraint (None without one), what advancing returned (True: complete, False: not, or the
+    ConstraintError), and why no token can follow it, once a mask was tried."""
+
+    length: int
+    token: int
+    constraint: TokenConstraint | None
+    result: bool | ConstraintError | None
+    mask_error: ConstraintError | None = None

@@ -52,6 +52,8 @@ from gemmaserve.errors import EngineOverloadedError, InvalidRequestError, KVCapa
 from gemmaserve.structured.grammar import GrammarCompiler
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
     from gemmaserve.backend import InferenceBackend, PendingTokens, PrefillState, SampledTokens
     from gemmaserve.sampling_params import RowSampling
     from gemmaserve.kv.cache_manager import CacheManager
@@ -509,14 +511,15 @@ class ContinuousBatchScheduler:
         Applies first instead when every row's length limit ends with the launched token (nothing to win)."""
         batch = self._q.rows
         launched, self._launched = self._launched, None
+        deferred = launched is not None and self._launched_constrained(launched)
         if launched is not None and (not batch.rows or self._launched_ends_every_row(launched)
-                                     or self._launched_constrained(launched)):
+                                     or (deferred and not self._caps.deferred_sampling)):
             self._apply_launched(launched, events)
-            launched = None
+            launched, deferred = None, False
         if not batch.rows:
             return
         rows = list(batch.rows)
-        input_ids, sources, sampling = self._row_inputs(rows, launched)
+        input_ids, sources, sampling = self._row_inputs(rows, launched, deferred)
         try:
             pending = self.backend.decode_step_async(
                 batch.batch, input_ids, sources, sampling, want_logprobs=any(r.want_logprobs for r in rows))
@@ -529,15 +532,29 @@ class ContinuousBatchScheduler:
             self._apply_launched(launched, events)
 
     @staticmethod
-    def _row_inputs(rows: list[Request], launched: _LaunchedStep | None) -> tuple[list[int], list[int], list[RowSampling]]:
+    def _row_inputs(rows: list[Request], launched: _LaunchedStep | None, deferred: bool = False,
+                    ) -> tuple[list[int], list[int], Sequence[RowSampling] | Callable[[], list[RowSampling]]]:
         """Per decode row: its host input id (0 when it feeds on the device), its row in ``launched`` (-1 = none)
-        and its sampling (step one ahead when its previous token is not applied yet)."""
+        and its sampling (step one ahead when its previous token is not applied yet). ``deferred`` (a launched
+        row needs its token on the host to be sampled next: structured output, penalties): the samplings come
+        as a callable that the backend calls after launching the forward (``capabilities.deferred_sampling``);
+        it reads ``launched``'s tokens, gives them to those rows (:meth:`Request.take_ahead`) and computes
+        their masks while the device runs the forward."""
         index = {id(request): i for i, request in enumerate(launched.requests)} if launched is not None else {}
         sources = [index.get(id(request), -1) for request in rows]
         input_ids = [request.output_token_ids[-1] if source < 0 else 0 for request, source in zip(rows, sources)]
-        prepare_masks(request for request, source in zip(rows, sources) if source < 0)
-        sampling = [request.row_sampling(ahead=int(source >= 0)) for request, source in zip(rows, sources)]
-        return input_ids, sources, sampling
+
+        def samplings() -> list[RowSampling]:
+            if deferred:
+                assert launched is not None
+                tokens = launched.pending.result().token_ids
+                for request, source in zip(rows, sources):
+                    if source >= 0 and request.needs_previous_token and not request.is_finished:
+                        request.take_ahead(tokens[source])
+            prepare_masks(request for request, source in zip(rows, sources) if source < 0 or deferred)
+            return [request.row_sampling(ahead=int(source >= 0)) for request, source in zip(rows, sources)]
+
+        return input_ids, sources, (samplings if deferred else samplings())
 
     def _async_mixed_tick(self, work: list[tuple[Request, PrefillState, int, int]],
                           pending: list[tuple[Request, PrefillState, int]], events: list[RequestEvent]) -> None:

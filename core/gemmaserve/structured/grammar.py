@@ -73,6 +73,10 @@ class TokenConstraint:
                                   f"({_first_line(matcher.get_error()) or 'rejected'})")
         return matcher.is_stopped()
 
+    def copy(self) -> TokenConstraint:
+        """An independent constraint at the same position (advancing one leaves the other as it was)."""
+        return TokenConstraint(self._matcher.deep_copy(), self._what, self.mask_bytes)
+
     @property
     def is_complete(self) -> bool:
         return bool(self._matcher.is_stopped())

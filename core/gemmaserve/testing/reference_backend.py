@@ -102,6 +102,7 @@ class ReferenceBackend(InferenceBackend):
             max_concurrent_streams=max_concurrent_streams,
             mixed_step=mixed_step,
             async_decode=async_decode,
+            deferred_sampling=True,
         )
         self.max_step_chunk = max_step_chunk
         self.step_calls: list[tuple[list[int], int]] = []  # (chunk sizes asked, decode rows) per forward_step

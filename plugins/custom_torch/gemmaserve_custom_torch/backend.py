@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import operator
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from gemmaserve.backend import (
     ReadyTokens,
     SampledTokens,
     StepOutput,
+    resolve_rows,
 )
 from gemmaserve.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 from gemmaserve.sampling_params import RowSampling
@@ -114,7 +115,8 @@ class CustomTorchBackend(InferenceBackend):
         self.capabilities = BackendCapabilities(
             continuous_batching=True, uses_core_cache_manager=False, kv_reservation=True, logprobs=True,
             top_logprobs=True,
-            mixed_step=custom.mixed_step, async_decode=self.decoder is not None, allowed_token_masks=True,
+            mixed_step=custom.mixed_step, async_decode=self.decoder is not None, deferred_sampling=True,
+            allowed_token_masks=True,
         )
         self._device_tokens: torch.Tensor | None = None  # the last decode_step_async's sampled ids
         self.model_info = ModelInfo(
@@ -305,17 +307,20 @@ class CustomTorchBackend(InferenceBackend):
 
     def decode_step_async(
         self, batched: BatchedPagedKVCache, input_ids: Sequence[int], from_previous: Sequence[int],
-        rows: Sequence[RowSampling], *, want_logprobs: bool = False,
+        rows: Sequence[RowSampling] | Callable[[], Sequence[RowSampling]], *, want_logprobs: bool = False,
     ) -> PendingTokens:
         """The fixed-buffer decode step with the sampling on the device and nothing read back: rows with a source
         take the previous step's device token (gathered before the forward), the tokens' copy to the host is
-        queued behind the step. Without the fixed-buffer decoder: the contract's synchronous default."""
+        queued behind the step. Deferred samplings (a callable ``rows``) are resolved after the forward's
+        replay is queued, so the host reads the previous tokens and builds masks while the device computes.
+        Without the fixed-buffer decoder: the contract's synchronous default."""
         if self.decoder is None:
             return super().decode_step_async(batched, input_ids, from_previous, rows, want_logprobs=want_logprobs)
-        if not (len(input_ids) == len(from_previous) == len(rows)):
-            raise ValueError(f"{len(input_ids)} input ids, {len(from_previous)} sources and {len(rows)} samplings")
+        if len(input_ids) != len(from_previous):
+            raise ValueError(f"{len(input_ids)} input ids and {len(from_previous)} sources")
         previous, self._device_tokens = self._device_tokens, None
         logits = self.decoder.decode(batched, input_ids, from_previous, previous)
+        rows = resolve_rows(rows, len(input_ids))  # a deferred sampling runs while the forward does
         tokens = None
         if not want_logprobs and all(row.is_greedy and not row.adjusts_logits for row in rows):
             tokens = self.decoder.greedy_tokens(logits)  # the argmax the decode graph already took
