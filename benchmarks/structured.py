@@ -180,15 +180,17 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--e2b", action="store_true", help="also the decode comparison at E2B shapes (CUDA)")
     parser.add_argument("--quick", action="store_true", help="with --e2b: toy shapes on the CPU (checks the path)")
+    parser.add_argument("--e2b-only", action="store_true", help="with --e2b: skip the CPU sections")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     if args.tokenizer is None:
         from gemmaserve.models.default_model import ensure_default_model
 
         args.tokenizer = ensure_default_model()
-    results = {"date": time.strftime("%Y-%m-%d %H:%M:%S"),
-               "vocabulary": vocabulary_compile_and_mask(args.tokenizer),
-               "decode": decode_overhead(args.rows, args.tokens)}
+    results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if not (args.e2b and args.e2b_only):
+        results.update(vocabulary=vocabulary_compile_and_mask(args.tokenizer),
+                       decode=decode_overhead(args.rows, args.tokens))
     if args.e2b:
         results["decode_e2b"] = decode_overhead_e2b(args.rows, args.tokens, args.tokenizer, quick=args.quick)
     print(json.dumps(results, indent=2))

@@ -233,3 +233,16 @@ def test_metrics_are_prometheus_text_and_counters_move(make_client: Any) -> None
     total, used, free = (metric(after, f"gemmaserve_kv_blocks_{k}") for k in ("total", "used", "free"))
     assert total == 256 and used > 0 and used + free == total
     assert metric(after, "gemmaserve_prefix_cache_blocks", state="used") == used
+    # vLLM's names, for routers and autoscalers: the same numbers, labelled with the served model name
+    vllm = {"model_name": MODEL}
+    assert metric(after, "vllm:prompt_tokens_total", **vllm) == prompt_tokens
+    assert metric(after, "vllm:generation_tokens_total", **vllm) == 10
+    assert metric(after, "vllm:prefix_cache_queries_total", **vllm) == prompt_tokens
+    assert metric(after, "vllm:prefix_cache_hits_total", **vllm) == cached
+    assert metric(after, "vllm:num_requests_running", **vllm) == 0 == metric(after, "vllm:num_requests_waiting", **vllm)
+    assert metric(after, "vllm:kv_cache_usage_perc", **vllm) == pytest.approx(used / total)
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert metric(after, f"vllm:{name}_count", **vllm) == 2
+        assert metric(after, f"vllm:{name}_sum", **vllm) == pytest.approx(metric(after, f"gemmaserve_{name}_sum"))
+    gaps = metric(after, "vllm:inter_token_latency_seconds_count", **vllm)
+    assert 2 <= gaps <= 8 and metric(after, "vllm:inter_token_latency_seconds_bucket", le="+Inf", **vllm) == gaps

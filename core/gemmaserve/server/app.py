@@ -30,6 +30,7 @@ from gemmaserve.server.connections import OVER_LIMIT_KEY
 from gemmaserve.server.debug import KVReportCache
 from gemmaserve.server.errors import CLIENT_CLOSED, APIError, ClientDisconnected, from_engine_error
 from gemmaserve.server.generation import Generation, Prepared, Step, Timing
+from gemmaserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gemmaserve.server.metrics import ServerMetrics
 from gemmaserve.server.openapi import install_openapi
 from gemmaserve.server.prepare import prepare_chat, prepare_completion, render_chat, tokenize_text
@@ -76,7 +77,8 @@ def create_app(
     docs = {} if debug_endpoints else {"docs_url": None, "redoc_url": None}
     app = FastAPI(title="gemmaserve", version=__version__, description="OpenAI-compatible Gemma inference server",
                   **docs)
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(model_name)
+    metrics.bind_engine(engine.stats)
     listed = (model_name, *(name for name in extra_model_names if name != model_name))
     server = _Server(engine, model_name, frozenset({*listed, *model_aliases}), metrics, listed)
     app.state.engine = engine
@@ -130,7 +132,7 @@ def create_app(
 
     @app.get("/metrics", response_model=None)
     def prometheus_metrics() -> Response:  # sync: engine.stats() may wait for the current tick
-        return PlainTextResponse(metrics.render(engine.stats()), media_type="text/plain; version=0.0.4")
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     if debug_endpoints:
         reports = KVReportCache(engine)
@@ -426,7 +428,7 @@ class _Server:
 
     def _observe(self, generation: Generation) -> None:
         timing = generation.timing
-        self.metrics.observe(timing.ttft, timing.tpot(len(generation.token_ids)), timing.e2e)
+        self.metrics.observe(timing.ttft, timing.tpot(len(generation.token_ids)), timing.e2e, timing.gaps)
 
 
 class _View:

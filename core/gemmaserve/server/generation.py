@@ -74,11 +74,15 @@ class Timing:
     first_token: float | None = None
     last_token: float | None = None
     end: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    """Seconds between successive token deliveries (inter-token latency)."""
 
     def on_tokens(self) -> None:
         now = time.monotonic()
         if self.first_token is None:
             self.first_token = now
+        elif self.last_token is not None:
+            self.gaps.append(now - self.last_token)
         self.last_token = now
 
     @property

@@ -1,125 +1,186 @@
-"""Prometheus metrics (text exposition format 0.0.4), without extra dependencies.
+"""Prometheus metrics, built with ``prometheus_client`` (one registry per app).
 
-HTTP-side counters and latency histograms live here; token counters, finish reasons, queue and KV
-gauges are read from :meth:`Engine.stats` at scrape time, so they are the engine's own numbers.
+Two name families, both rendered on ``/metrics``:
+
+- ``gemmaserve_*``: HTTP request counts by endpoint and status, TTFT / TPOT / end-to-end latency histograms, and
+  the engine's own numbers (tokens, finish reasons, queue and KV gauges, the backend's ``kv_stats``);
+- ``vllm:*`` with a ``model_name`` label: the series routers, gateways and autoscalers written for vLLM read
+  (``vllm:num_requests_running`` / ``_waiting``, ``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_queries_total``
+  / ``_hits_total`` (tokens), ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``,
+  ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``, ``vllm:e2e_request_latency_seconds``).
+
+Latencies are observed in the server when a request ends (from its arrival, so queueing is included); the
+engine's numbers are read from :meth:`Engine.stats` at scrape time (a collector), so they are the engine's own.
 Thread-safe: observed on the event loop, rendered in a worker thread.
 """
 
 from __future__ import annotations
 
-import math
-import threading
-from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client import exposition
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from gemmaserve.engine.engine import EngineStats
 
-__all__ = ["ServerMetrics", "Histogram", "TTFT_BUCKETS", "TPOT_BUCKETS", "PREFIX"]
+disable_created_metrics()  # no ``*_created`` series (process-wide): scrapers read the values, not creation times
+
+__all__ = ["ServerMetrics", "TTFT_BUCKETS", "TPOT_BUCKETS", "ITL_BUCKETS", "PREFIX", "CONTENT_TYPE"]
 
 PREFIX = "gemmaserve"
+CONTENT_TYPE = getattr(exposition, "CONTENT_TYPE_PLAIN_0_0_4", CONTENT_TYPE_LATEST)
+"""Text format 0.0.4: what every Prometheus version and vLLM-era scraper reads (the library's newest is 1.0.0)."""
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0
 )
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+ITL_BUCKETS = TPOT_BUCKETS + (5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 300.0)
 
 
-class Histogram:
-    """Cumulative-bucket histogram (not thread-safe by itself; ServerMetrics locks around it)."""
-
-    def __init__(self, buckets: Sequence[float]) -> None:
-        assert list(buckets) == sorted(buckets) and buckets, "buckets must be ascending"
-        self.buckets = tuple(buckets)
-        self.counts = [0] * len(self.buckets)
-        self.total = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        for index, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[index] += 1
-        self.total += value
-        self.count += 1
-
-    def lines(self, name: str) -> list[str]:
-        out = [f'{name}_bucket{{le="{_num(bound)}"}} {n}' for bound, n in zip(self.buckets, self.counts)]
-        out.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
-        return out + [f"{name}_sum {_num(self.total)}", f"{name}_count {self.count}"]
-
-
 class ServerMetrics:
-    """HTTP request counts by endpoint and status, and TTFT / TPOT / end-to-end latency histograms
-    (seconds, measured in the server from request arrival, so queueing is included)."""
+    """The app's registry: HTTP counters and latency histograms observed here, the engine's numbers collected
+    from ``stats()`` at each scrape (``bind_engine``)."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._requests: Counter[tuple[str, str]] = Counter()
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.tpot = Histogram(TPOT_BUCKETS)
-        self.e2e = Histogram(E2E_BUCKETS)
+    def __init__(self, model_name: str = "") -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        self._requests = Counter(f"{PREFIX}_requests", "HTTP generation requests by endpoint and status code.",
+                                 ["endpoint", "status"], registry=self.registry)
+        self._ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Request arrival to first generated token.",
+                               buckets=TTFT_BUCKETS, registry=self.registry)
+        self._tpot = Histogram(f"{PREFIX}_time_per_output_token_seconds",
+                               "Mean time per generated token after the first.", buckets=TPOT_BUCKETS,
+                               registry=self.registry)
+        self._e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "Request arrival to last token.",
+                              buckets=E2E_BUCKETS, registry=self.registry)
+        label = ["model_name"]
+        self._vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.", label,
+                                    buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
+        self._vllm_itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive token deliveries "
+                                   "in seconds.", label, buckets=ITL_BUCKETS, registry=self.registry).labels(model_name)
+        self._vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.",
+                                   label, buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+
+    def bind_engine(self, stats: Callable[[], EngineStats]) -> None:
+        """Collect the engine's numbers from ``stats()`` at every scrape."""
+        self.registry.register(_EngineCollector(stats, self.model_name))
 
     def record_request(self, endpoint: str, status: int) -> None:
-        with self._lock:
-            self._requests[(endpoint, str(status))] += 1
+        self._requests.labels(endpoint, str(status)).inc()
 
-    def observe(self, ttft: float | None, tpot: float | None, e2e: float | None) -> None:
-        with self._lock:
-            for histogram, value in ((self.ttft, ttft), (self.tpot, tpot), (self.e2e, e2e)):
-                if value is not None:
+    def observe(self, ttft: float | None, tpot: float | None, e2e: float | None,
+                gaps: Sequence[float] = ()) -> None:
+        """One finished request: its TTFT, mean TPOT, end-to-end latency (None: not reached) and the gaps
+        between its successive token deliveries."""
+        for histograms, value in (((self._ttft, self._vllm_ttft), ttft), ((self._tpot,), tpot),
+                                  ((self._e2e, self._vllm_e2e), e2e)):
+            if value is not None:
+                for histogram in histograms:
                     histogram.observe(value)
+        for gap in gaps:
+            self._vllm_itl.observe(gap)
 
     def request_count(self, endpoint: str, status: int) -> int:
-        with self._lock:
-            return self._requests[(endpoint, str(status))]
+        return int(self._requests.labels(endpoint, str(status))._value.get())
 
-    def render(self, stats: EngineStats) -> str:
-        """The exposition text: these metrics plus the engine snapshot ``stats``."""
-        out: list[str] = []
-        with self._lock:
-            requests = sorted(self._requests.items())
-            _family(out, "requests_total", "counter", "HTTP generation requests by endpoint and status code.",
-                    [(f'{{endpoint="{e}",status="{s}"}}', n) for (e, s), n in requests])
-            for name, histogram, help_text in (
-                ("time_to_first_token_seconds", self.ttft, "Request arrival to first generated token."),
-                ("time_per_output_token_seconds", self.tpot, "Mean time per generated token after the first."),
-                ("e2e_request_latency_seconds", self.e2e, "Request arrival to last token."),
-            ):
-                out += [f"# HELP {PREFIX}_{name} {help_text}", f"# TYPE {PREFIX}_{name} histogram"]
-                out += histogram.lines(f"{PREFIX}_{name}")
-        _engine_metrics(out, stats)
-        return "\n".join(out) + "\n"
+    def render(self) -> bytes:
+        """The exposition text (``CONTENT_TYPE``)."""
+        return generate_latest(self.registry)
 
 
-def _engine_metrics(out: list[str], stats: EngineStats) -> None:
-    _family(out, "request_finished_total", "counter", "Engine requests finished, by finish reason.",
-            [(f'{{reason="{reason}"}}', n) for reason, n in sorted(stats.finished.items())])
-    for name, value, help_text in (
-        ("prompt_tokens_total", stats.prompt_tokens, "Prompt tokens prefilled (including cached ones)."),
-        ("generation_tokens_total", stats.generated_tokens, "Tokens generated."),
-        ("prefix_cache_hit_tokens_total", stats.cached_tokens, "Prompt tokens served from the prefix cache."),
-        ("engine_steps_total", stats.num_steps, "Scheduler ticks."),
-        ("decode_failures_total", stats.decode_failures, "Batched decode steps that failed."),
-        ("decode_rows_retried_total", stats.decode_rows_retried, "Rows retried alone after a failed decode step."),
-    ):
-        _family(out, name, "counter", help_text, [("", value)])
+class _EngineCollector(Collector):
+    """The engine snapshot as metric families, under both names."""
+
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+        self._stats = stats
+        self._model = model_name
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # families are only known at collection time
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        yield from _gemmaserve_families(stats)
+        yield from _vllm_families(stats, self._model)
+
+
+def _counter(name: str, help_text: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(f"{PREFIX}_{name}", help_text, value=value)
+
+
+def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"{PREFIX}_{name}", help_text, value=value)
+
+
+def _gemmaserve_families(stats: EngineStats) -> Iterator[Metric]:
+    finished = CounterMetricFamily(f"{PREFIX}_request_finished", "Engine requests finished, by finish reason.",
+                                   labels=["reason"])
+    for reason, count in sorted(stats.finished.items()):
+        finished.add_metric([reason], count)
+    yield finished
+    yield _counter("prompt_tokens", "Prompt tokens prefilled (including cached ones).", stats.prompt_tokens)
+    yield _counter("generation_tokens", "Tokens generated.", stats.generated_tokens)
+    yield _counter("prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.", stats.cached_tokens)
+    yield _counter("engine_steps", "Scheduler ticks.", stats.num_steps)
+    yield _counter("decode_failures", "Batched decode steps that failed.", stats.decode_failures)
+    yield _counter("decode_rows_retried", "Rows retried alone after a failed decode step.", stats.decode_rows_retried)
     hit_rate = stats.cached_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0
-    _family(out, "prefix_cache_hit_rate", "gauge", "Cached / all prompt tokens since start.", [("", hit_rate)])
-    _family(out, "num_requests_running", "gauge", "Requests prefilling or decoding.", [("", stats.running)])
-    _family(out, "num_requests_waiting", "gauge", "Requests queued for admission.", [("", stats.waiting)])
+    yield _gauge("prefix_cache_hit_rate", "Cached / all prompt tokens since start.", hit_rate)
+    yield _gauge("num_requests_running", "Requests prefilling or decoding.", stats.running)
+    yield _gauge("num_requests_waiting", "Requests queued for admission.", stats.waiting)
     blocks = _kv_blocks(stats)
     for key in ("total", "used", "free"):
         if key in blocks:
-            _family(out, f"kv_blocks_{key}", "gauge", f"KV blocks ({key}).", [("", blocks[key])])
+            yield _gauge(f"kv_blocks_{key}", f"KV blocks ({key}).", blocks[key])
     if stats.cache is not None:
         cache = stats.cache
-        states = {"used": cache.used_blocks, "free": cache.free_blocks,
-                  "evictable": cache.evictable_blocks, "pinned": cache.pinned_blocks}
-        _family(out, "prefix_cache_blocks", "gauge", "Core prefix-cache pool blocks by state.",
-                [(f'{{state="{state}"}}', n) for state, n in states.items()])
-    _family(out, "backend_kv", "gauge", "The backend's own KV statistics (kv_stats), by name.",
-            [(f'{{stat="{key}"}}', value) for key, value in sorted(stats.kv.items())])
+        pool = GaugeMetricFamily(f"{PREFIX}_prefix_cache_blocks", "Core prefix-cache pool blocks by state.",
+                                 labels=["state"])
+        for state, count in (("used", cache.used_blocks), ("free", cache.free_blocks),
+                             ("evictable", cache.evictable_blocks), ("pinned", cache.pinned_blocks)):
+            pool.add_metric([state], count)
+        yield pool
+    backend = GaugeMetricFamily(f"{PREFIX}_backend_kv", "The backend's own KV statistics (kv_stats), by name.",
+                                labels=["stat"])
+    for key, value in sorted(stats.kv.items()):
+        backend.add_metric([key], value)
+    yield backend
+
+
+def _vllm_families(stats: EngineStats, model: str) -> Iterator[Metric]:
+    """vLLM's names and meanings, for routers and autoscalers built against vLLM."""
+    def gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(f"vllm:{name}", help_text, labels=["model_name"])
+        family.add_metric([model], value)
+        return family
+
+    def counter(name: str, help_text: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(f"vllm:{name}", help_text, labels=["model_name"])
+        family.add_metric([model], value)
+        return family
+
+    yield gauge("num_requests_running", "Number of requests in model execution batches.", stats.running)
+    yield gauge("num_requests_waiting", "Number of requests waiting to be processed.", stats.waiting)
+    blocks = _kv_blocks(stats)
+    usage = blocks["used"] / blocks["total"] if blocks.get("total") else 0.0
+    yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage)
+    yield counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                  stats.prompt_tokens)
+    yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", stats.cached_tokens)
+    yield counter("prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens)
+    yield counter("generation_tokens", "Number of generation tokens processed.", stats.generated_tokens)
 
 
 def _kv_blocks(stats: EngineStats) -> dict[str, int]:
@@ -130,17 +191,3 @@ def _kv_blocks(stats: EngineStats) -> dict[str, int]:
     if stats.cache is not None:
         return {"total": stats.cache.num_blocks, "used": stats.cache.used_blocks, "free": stats.cache.free_blocks}
     return {}
-
-
-def _family(out: list[str], name: str, kind: str, help_text: str, samples: Iterable[tuple[str, float]]) -> None:
-    full = f"{PREFIX}_{name}"
-    out += [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"]
-    out += [f"{full}{labels} {_num(value)}" for labels, value in samples]
-
-
-def _num(value: float) -> str:
-    if isinstance(value, int):
-        return str(value)
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value))
