@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from gemmaserve.errors import InvalidRequestError
 from gemmaserve.structured.spec import StructuredOutputs
 
-__all__ = ["MAX_LOGPROBS", "SamplingParams", "RowSampling", "allowed_tokens", "MIN_TEMPERATURE", "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "MAX_LOGIT_BIAS"]
+__all__ = ["MAX_BAD_WORDS", "MAX_LOGPROBS", "SamplingParams", "RowSampling", "allowed_tokens", "MIN_TEMPERATURE", "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "MAX_LOGIT_BIAS"]
 
 MIN_TEMPERATURE = 1e-5
 """Temperatures in (0, MIN_TEMPERATURE) are treated as greedy (0): logits / T would overflow."""
@@ -17,6 +17,8 @@ MAX_STOP_STRINGS = 16
 """Stop strings per request (each is matched against the text as it streams)."""
 MAX_STOP_TOKEN_IDS = 1024
 """Stop token ids per request: more than any tokenizer's special tokens, few enough to check in O(1)."""
+MAX_BAD_WORDS = 128
+"""``bad_words`` entries per request (vLLM's limit)."""
 MAX_LOGPROBS = 20
 """Most ``logprobs`` alternatives per token (OpenAI's ``top_logprobs`` limit and vLLM's default ``max_logprobs``)."""
 MAX_LOGIT_BIAS = 1024
@@ -39,6 +41,9 @@ class SamplingParams:
     in the prompt or the output so far by it and multiplies their negative ones (1 = off);
     ``frequency_penalty`` subtracts itself times a token's count in the output, ``presence_penalty`` itself once
     for every token the output holds (0 = off).
+    ``bad_words`` (vLLM's meaning): words the output must not contain; each is tokenized as it is and with a
+    leading space, and the last token of such a sequence cannot be sampled when the tokens generated just before
+    it are the rest of the sequence (a one-token word is never sampled).
     ``logprobs`` (vLLM's meaning): None = none; 0 = each generated token's log-probability; k in [1, 20] = that
     and the k most likely tokens at each step with theirs, all under the distribution actually sampled from
     (after ``logit_bias``, the penalties and the masks; before temperature and the filters).
@@ -65,6 +70,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    bad_words: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         spec = self.structured_outputs
@@ -93,6 +99,14 @@ class SamplingParams:
         elif not isinstance(strings, (list, tuple)):
             raise InvalidRequestError(f"stop must be a string or a list of strings, got {type(strings).__name__}")
         object.__setattr__(self, "stop", tuple(strings))
+        words = self.bad_words
+        if words is None:
+            words = ()
+        elif isinstance(words, str):
+            words = (words,)
+        elif not isinstance(words, (list, tuple)):
+            raise InvalidRequestError(f"bad_words must be a list of strings, got {type(words).__name__}")
+        object.__setattr__(self, "bad_words", tuple(words))
         stop = self.stop_token_ids
         if stop is None:
             stop = ()
@@ -119,6 +133,10 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequestError(f"top_k must be an integer >= 0 (0 or -1 = disabled), got {self.top_k!r}")
+        if len(self.bad_words) > MAX_BAD_WORDS or not all(isinstance(w, str) and w.strip() and len(w) <= 1024
+                                                           for w in self.bad_words):
+            raise InvalidRequestError(f"bad_words must be at most {MAX_BAD_WORDS} non-blank strings of at most 1024 "
+                                      f"characters, got {len(self.bad_words)} entries")
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidRequestError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}] (the alternatives "
@@ -231,15 +249,15 @@ class RowSampling:
     @classmethod
     def for_params(cls, params: SamplingParams, seed: int, step: int, eos_token_ids: Sequence[int] = (),
                    top_k: int | None = None, allowed: bytes | None = None, prompt_tokens: frozenset[int] = frozenset(),
-                   output_counts: tuple[tuple[int, int], ...] = ()) -> RowSampling:
+                   output_counts: tuple[tuple[int, int], ...] = (), banned: Sequence[int] = ()) -> RowSampling:
         """The row view of ``params`` for token ``step`` (bans EOS and stop ids while ``step < min_tokens``;
         ``allowed``: the structured-output mask of this step; ``prompt_tokens`` / ``output_counts``: what the
-        penalties look at)."""
-        banned: tuple[int, ...] = ()
+        penalties look at; ``banned``: more tokens that cannot be picked, e.g. bad words' last tokens)."""
+        bans = set(banned)
         if step < params.min_tokens:
-            banned = tuple(sorted({*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)}))
+            bans.update(params.stop_token_ids, () if params.ignore_eos else eos_token_ids)
         return cls(params.temperature, params.top_p, params.top_k if top_k is None else top_k, seed, step,
-                   params.min_p, params.logit_bias, banned, params.repetition_penalty, params.presence_penalty,
+                   params.min_p, params.logit_bias, tuple(sorted(bans)), params.repetition_penalty, params.presence_penalty,
                    params.frequency_penalty, prompt_tokens, output_counts, allowed, params.logprobs or 0)
 
 

@@ -282,6 +282,7 @@ _KINDS = {
     "stuck-later": {"structured_outputs": {"regex": "ab[A-Z]"}},  # no upper-case token: fails after "ab"
     "penalties": {"presence_penalty": 1.5, "frequency_penalty": 0.7, "repetition_penalty": 1.3},
     "both": {"structured_outputs": {"regex": "[a-c]+d"}, "frequency_penalty": 2.0},
+    "bad-words": {"bad_words": ["ab", "ca", "e"]},
 }
 _deferred_request = st.tuples(
     st.lists(st.integers(5, 30), min_size=1, max_size=10), st.integers(1, 14), st.integers(0, 5),

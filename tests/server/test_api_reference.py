@@ -168,6 +168,21 @@ def test_same_seed_same_text_other_seed_other_text(ref: Client) -> None:
     assert others != {first}
 
 
+def test_bad_words_keep_words_out_of_the_reply(ref: Client) -> None:
+    """Token-level, as vLLM defines it: no two successive generated tokens spell a two-character bad word (the
+    reference tokenizer has one token per character; some tokens decode to nothing, so the text may still)."""
+    client, _ = ref
+    base = {"prompt": "bad words", "max_tokens": 30, "temperature": 1.5, "seed": 4, "ignore_eos": True, "logprobs": 0}
+    free = complete(client, **base)["choices"][0]["logprobs"]["tokens"]
+    pairs = [a + b for a, b in zip(free, free[1:]) if len(a) == len(b) == 1 and not (a + b).isspace()]
+    words = sorted(set(pairs))[:4]
+    assert words and any(word in pairs for word in words), free
+    banned = complete(client, **base, bad_words=words)["choices"][0]["logprobs"]["tokens"]
+    assert not {a + b for a, b in zip(banned, banned[1:])} & set(words), (words, banned)
+    response = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "bad_words": ["x"] * 129})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "bad_words"
+
+
 def test_logprobs_for_completions_and_chat(ref: Client) -> None:
     client, _ = ref
     body = complete(client, prompt="logprobs", max_tokens=6, temperature=0, logprobs=1, ignore_eos=True)

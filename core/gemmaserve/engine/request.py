@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+MAX_BAD_WORD_TOKENS = 64
+"""Longest bad-word token sequence kept (longer ones are refused at validation)."""
+
 __all__ = ["RequestState", "FinishReason", "RequestMetrics", "RequestOutput", "RequestEvent", "Request", "MAX_TOP_K",
            "prepare_masks", "sampled_token"]
 
@@ -160,6 +163,8 @@ class Request:
     """Streaming-only backends: the ``generate_stream`` iterator (owned by the scheduler)."""
     constraint: TokenConstraint | None = None
     """Structured output: the request's position in its grammar (compiled by the scheduler's validation)."""
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
+    """``bad_words`` as token sequences (set by the scheduler's validation, with the backend's tokenizer)."""
     constraint_error: ConstraintError | None = None
     """Why the constraint cannot continue; the next appended token ends the request with it."""
     _next_mask: tuple[int, bytes] | None = field(default=None, repr=False)
@@ -224,16 +229,29 @@ class Request:
                 output = output.copy()
                 output[ready.token] += 1
             counts = tuple(output.items())
+        banned = self._bad_word_bans(ready.token if ready is not None else None) if self.bad_word_ids else ()
         return RowSampling.for_params(params, self.seed, step, self.eos_token_ids, top_k=top_k,
                                       allowed=self._allowed(ahead), prompt_tokens=prompt_tokens,
-                                      output_counts=counts)
+                                      output_counts=counts, banned=banned)
+
+    def _bad_word_bans(self, pending: int | None) -> list[int]:
+        """The last token of every bad-word sequence whose other tokens end the output (plus ``pending``, a
+        token taken ahead): the next token must not complete it."""
+        output = self.output_token_ids
+        tail = output[-MAX_BAD_WORD_TOKENS:] + ([pending] if pending is not None else [])
+        bans = []
+        for sequence in self.bad_word_ids:
+            body = len(sequence) - 1
+            if body == 0 or (body <= len(tail) and tuple(tail[len(tail) - body:]) == sequence[:-1]):
+                bans.append(sequence[-1])
+        return bans
 
     @property
     def needs_previous_token(self) -> bool:
         """True when the next step's sampling depends on the token just sampled (a structured-output constraint
         or a penalty): that sampling waits until the token is on the host (:meth:`take_ahead`), or the step
         is not launched ahead of applying it."""
-        return self.constraint is not None or self.params.has_penalties
+        return self.constraint is not None or self.params.has_penalties or any(len(s) > 1 for s in self.bad_word_ids)
 
     def take_ahead(self, token_id: int) -> None:
         """Deferred sampling: ``token_id`` was sampled by the launched step and read, not appended yet. A copy of

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 from gemmaserve.engine.isolation import MAX_ROW_RETRIES, retry_row_alone
 from gemmaserve.engine.queues import RequestQueues
 from gemmaserve.engine.request import (
+    MAX_BAD_WORD_TOKENS,
     FinishReason,
     Request,
     RequestEvent,
@@ -184,6 +185,26 @@ class ContinuousBatchScheduler:
                     "(capabilities.allowed_token_masks), so it cannot serve structured output; send the request "
                     "without structured_outputs / response_format")
             request.constraint = self._grammar_compiler().compile(spec)
+        if request.params.bad_words and not request.bad_word_ids:
+            request.bad_word_ids = self._bad_word_ids(request.params.bad_words)
+
+    def _bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word tokenized as it is (leading blanks dropped) and with one leading space, without
+        special tokens; distinct sequences only. Raises InvalidRequestError for a streaming-only backend or a
+        word of more than MAX_BAD_WORD_TOKENS tokens."""
+        if self._streaming:
+            raise InvalidRequestError(f"backend {self.backend.model_info.name!r} streams whole generations "
+                                      "(no per-step sampling), so it cannot ban bad_words; send none")
+        sequences: dict[tuple[int, ...], None] = {}
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.backend.tokenizer.encode(text, add_special_tokens=False))
+                if len(ids) > MAX_BAD_WORD_TOKENS:
+                    raise InvalidRequestError(f"bad_words entry {word[:40]!r} is {len(ids)} tokens long; at most "
+                                              f"{MAX_BAD_WORD_TOKENS} are accepted")
+                if ids:
+                    sequences[ids] = None
+        return tuple(sequences)
 
     def warm_grammars(self) -> bool:
         """Build structured output's view of the vocabulary now (seconds for a large one) rather than on the

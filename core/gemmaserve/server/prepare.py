@@ -197,6 +197,7 @@ def _sampling(body: SamplingFields, max_tokens: int, extra_stop_ids: tuple[int, 
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             presence_penalty=0.0 if body.presence_penalty is None else body.presence_penalty,
             frequency_penalty=0.0 if body.frequency_penalty is None else body.frequency_penalty,
+            bad_words=tuple(body.bad_words or ()),
         )
     except InvalidRequestError as exc:  # the protocol checks ranges first; this is a backstop
         raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0].split(".", 1)[0]) from None

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gemmaserve.errors import InvalidRequestError
-from gemmaserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from gemmaserve.sampling_params import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from gemmaserve.structured.spec import StructuredOutputs, from_response_format
 from gemmaserve.server.errors import APIError
 
@@ -92,7 +92,7 @@ NEUTRAL_EXTRAS: dict[str, tuple[Any, ...]] = {
     # vLLM's extra sampling fields, accepted at their defaults (which is what gemmaserve does)
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
     "include_stop_str_in_output": (None, False), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
-    "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,), "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,),
     "allowed_token_ids": (None,), "priority": (None, 0), "add_special_tokens": (None,),
     "return_tokens_as_token_ids": (None, False), "detokenize": (None, True),
 }
@@ -150,6 +150,7 @@ class SamplingFields(BaseModel):
     min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     min_tokens: int | None = Field(None, ge=0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=100.0, allow_inf_nan=False)
+    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
     user: str | None = None
     response_format: dict[str, Any] | None = Field(None, json_schema_extra=_only(_RESPONSE_FORMAT_SCHEMA))
     structured_outputs: dict[str, Any] | None = Field(None, json_schema_extra=_only(_STRUCTURED_SCHEMA))

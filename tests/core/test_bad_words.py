@@ -1,0 +1,60 @@
+"""``bad_words`` (vLLM's meaning) through the engine on the reference backend (one character per token): a
+word's token sequences never appear in the generated tokens, whether it is one token or several, with or
+without a leading space, greedy or sampled; other requests in the batch are unaffected; bad input is refused
+by name."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gemmaserve.engine.engine import Engine
+from gemmaserve.errors import InvalidRequestError
+from gemmaserve.sampling_params import SamplingParams
+from gemmaserve.settings import CoreSettings
+from gemmaserve.testing.reference_backend import ReferenceBackend
+
+_word = st.text(alphabet="abcde", min_size=1, max_size=3)
+
+
+@settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(words=st.lists(_word, min_size=1, max_size=4), temperature=st.sampled_from([0.0, 1.0, 3.0]),
+       seed=st.integers(0, 50), spaced=st.booleans())
+def test_a_bad_word_never_appears_in_the_output(words, temperature, seed, spaced) -> None:
+    backend = ReferenceBackend(vocab_size=64)
+    engine = Engine(backend, CoreSettings(device="cpu", max_batch_size=4))
+    words = [(" " + w) if spaced else w for w in words]
+    banned = SamplingParams(max_tokens=40, temperature=temperature, seed=seed, ignore_eos=True, bad_words=words)
+    free = SamplingParams(max_tokens=40, temperature=temperature, seed=seed, ignore_eos=True)
+    try:
+        outs = [engine.submit([5, 6, 7], p).result(timeout=60) for p in (banned, free)]
+        together = [h.result(timeout=60) for h in [engine.submit([5, 6, 7], p) for p in (free, banned)]]
+    finally:
+        engine.shutdown(timeout=10)
+    tokens = outs[0].token_ids
+    for word in words:  # token-level (vLLM's definition): neither tokenization occurs in the output
+        for text in (word.lstrip(), " " + word.lstrip()):
+            seq = backend.tokenizer.encode(text, add_special_tokens=False)
+            assert not any(tokens[i:i + len(seq)] == seq for i in range(len(tokens))), (word, tokens)
+    assert len(tokens) == 40
+    assert together[0].token_ids == outs[1].token_ids  # the unbanned request does not feel its neighbour's bans
+    assert together[1].token_ids == outs[0].token_ids  # ... nor the banned one its neighbour
+
+
+def test_bad_words_are_checked_and_a_streaming_backend_refuses_them() -> None:
+    for bad, words in ([[""], "non-blank"], [["x"] * 129, "at most 128"], [[5], "strings"]):
+        with pytest.raises(InvalidRequestError, match=words):
+            SamplingParams(bad_words=bad)
+    engine = Engine(ReferenceBackend(vocab_size=64), CoreSettings(device="cpu"))
+    try:
+        with pytest.raises(InvalidRequestError, match="64 are accepted"):
+            engine.submit([5], SamplingParams(bad_words=["abcde" * 14]))
+    finally:
+        engine.shutdown(timeout=10)
+    streaming = Engine(ReferenceBackend(vocab_size=64, streaming_only=True), CoreSettings(device="cpu"))
+    try:
+        with pytest.raises(InvalidRequestError, match="cannot ban bad_words"):
+            streaming.submit([5], SamplingParams(bad_words=["ab"]))
+    finally:
+        streaming.shutdown(timeout=10)
