@@ -159,7 +159,8 @@ class LLM:
         watchers: list[_StopWatcher] = []
         try:
             for (_, ids), item in zip(encoded, params_list):
-                watcher = _StopWatcher(self.engine, self.tokenizer, ids, item.stop, callbacks=True)
+                watcher = _StopWatcher(self.engine, self.tokenizer, ids, item.stop, callbacks=True,
+                                       min_tokens=item.min_tokens)
                 watcher.handle = self.engine.submit(ids, item, watcher.request_id, watcher.on_event, wait_for_room=True)
                 watchers.append(watcher)
             return [self._to_completion(text, watcher.result(), watcher) for (text, _), watcher in zip(encoded, watchers)]
@@ -173,7 +174,7 @@ class LLM:
         text, prompt_ids = self.encode_prompt(prompt)
         params = sampling_params or SamplingParams()
         _check_params(params)
-        watcher = _StopWatcher(self.engine, self.tokenizer, prompt_ids, params.stop)
+        watcher = _StopWatcher(self.engine, self.tokenizer, prompt_ids, params.stop, min_tokens=params.min_tokens)
         handle = watcher.handle = self.engine.submit(prompt_ids, params, watcher.request_id)
         finished = False
         try:
@@ -239,13 +240,13 @@ class _StopWatcher:
     the stop string)."""
 
     def __init__(self, engine: Engine, tokenizer: Any, prompt_ids: Sequence[int], stop: Sequence[str], *,
-                 callbacks: bool = False) -> None:
+                 callbacks: bool = False, min_tokens: int = 0) -> None:
         self.engine = engine
         self.stop = tuple(stop)
         self.request_id = uuid.uuid4().hex  # known before submit: the first event may beat submit's return
         self.callbacks = callbacks
         self.handle: Any = None
-        self.detok = IncrementalDetokenizer(tokenizer, self.stop, prompt_ids=prompt_ids)
+        self.detok = IncrementalDetokenizer(tokenizer, self.stop, prompt_ids=prompt_ids, min_tokens=min_tokens)
         self.token_ids: list[int] = []
         self.stopped = False
         self._flushed = ""

@@ -47,9 +47,13 @@ class IncrementalDetokenizer:
         *,
         prompt_ids: Sequence[int] | None = None,
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
+        self.min_tokens = min_tokens
+        """Stop strings are looked for only once this many tokens were fed (vLLM's ``min_tokens``): one that
+        ends earlier does not stop the request; one that ends at or after that token does."""
         self.skip_special_tokens = skip_special_tokens
         self.emitted = ""
         self.stopped = False
@@ -129,7 +133,8 @@ class IncrementalDetokenizer:
         full = self._decoded + self._partial
         start = len(self.emitted)  # a stop string can only begin in text not emitted yet
         best: tuple[int, str] | None = None
-        for stop in self.stop:
+        matching = len(self._ids) - self._num_context >= self.min_tokens
+        for stop in self.stop if matching else ():
             index = full.find(stop, start)
             if index != -1 and (best is None or index < best[0]):
                 best = (index, stop)

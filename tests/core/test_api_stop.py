@@ -101,3 +101,25 @@ def test_text_that_can_never_fit_is_refused_before_tokenizing(llm):
     finally:
         del llm.tokenizer.encode
     _idle(llm)
+
+
+def test_a_stop_string_before_min_tokens_does_not_stop(llm):
+    """vLLM's rule, offline and streamed: a stop string ending before the min_tokens-th token is kept in the
+    text; the first one ending at or after it stops the reply."""
+    plain = llm.generate(["the cat sat"], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    ids, text = plain.token_ids, plain.text
+    lengths = [len(llm.tokenizer.decode(ids[:k])) for k in range(len(ids) + 1)]
+    end_token = (lambda end: next(k for k, n in enumerate(lengths) if n >= end))  # the token completing it
+    stop = text[2:4]
+    ends = [i + len(stop) for i in range(len(text)) if text.startswith(stop, i)]
+    min_tokens = end_token(ends[0]) + 1  # the first match ends too early
+    later = [end for end in ends if end_token(end) >= min_tokens]
+    params = SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop], min_tokens=min_tokens)
+    out = llm.generate(["the cat sat"], params)[0]
+    streamed = "".join(chunk.text for chunk in llm.stream("the cat sat", params))
+    if later:
+        assert out.finish_reason == "stop" and out.text == text[:later[0] - len(stop)]
+    else:
+        assert out.finish_reason == "length" and out.text == text
+    assert streamed == out.text and stop in out.text
+    _idle(llm)

@@ -70,3 +70,21 @@ def test_add_until_stop_consumes_up_to_the_token_completing_the_match():
     plain = IncrementalDetokenizer(TOKENIZER)
     consumed, delta = plain.add_until_stop(TOKENIZER.encode("abcEND"))
     assert (consumed, delta.text, delta.stopped) == (6, "abcEND", False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="abc", max_size=30), stop=st.text(alphabet="abc", min_size=1, max_size=3),
+       min_tokens=st.integers(0, 32))
+def test_stop_strings_wait_for_min_tokens(text: str, stop: str, min_tokens: int) -> None:
+    """vLLM's rule: a stop string ending before the ``min_tokens``-th token does not stop; the first one ending
+    at or after it does (one byte = one token here), and the text is cut right before it."""
+    ids = TOKENIZER.encode(text)
+    detok = IncrementalDetokenizer(TOKENIZER, [stop], min_tokens=min_tokens)
+    consumed, delta = detok.add_until_stop(ids)
+    out = delta.text + ("" if delta.stopped else detok.flush())
+    ends = [i + len(stop) for i in range(len(text)) if text.startswith(stop, i) and i + len(stop) >= min_tokens]
+    if not ends:
+        assert not delta.stopped and out == text and consumed == len(ids)
+    else:
+        assert delta.stopped and consumed == ends[0]
+        assert out == text[:ends[0] - len(stop)]

@@ -116,6 +116,7 @@ class Generation:
         self.top_logprobs: list[list[tuple[int, float]]] | None = [] if prepared.params.logprobs else None
         self._engine = engine
         self._detok = IncrementalDetokenizer(tokenizer, prepared.stop, prompt_ids=prepared.prompt_ids,
+                                             min_tokens=prepared.params.min_tokens,
                                              skip_special_tokens=not prepared.hidden_token_ids)
         self._hidden = frozenset(prepared.hidden_token_ids)
         self._queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
