@@ -207,7 +207,8 @@ class SampledTokens:
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
-def resolve_rows(rows: Sequence[RowSampling] | Callable[[], Sequence[RowSampling]], count: int) -> Sequence[RowSampling]:
+def resolve_rows(rows: Sequence[RowSampling] | Callable[[], Sequence[RowSampling]],
+                 count: int) -> Sequence[RowSampling]:
     """``decode_step_async``'s samplings: ``rows`` itself, or what the deferred callable returns (called once,
     after the forward was launched; ``capabilities.deferred_sampling``). Raises ValueError unless ``count``."""
     resolved = rows() if callable(rows) else rows

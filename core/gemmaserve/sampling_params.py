@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from gemmaserve.errors import InvalidRequestError
 from gemmaserve.structured.spec import StructuredOutputs
 
-__all__ = ["MAX_BAD_WORDS", "MAX_LOGPROBS", "SamplingParams", "RowSampling", "allowed_tokens", "MIN_TEMPERATURE", "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "MAX_LOGIT_BIAS"]
+__all__ = ["MAX_BAD_WORDS", "MAX_LOGPROBS", "SamplingParams", "RowSampling", "allowed_tokens", "MIN_TEMPERATURE",
+           "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "MAX_LOGIT_BIAS"]
 
 MIN_TEMPERATURE = 1e-5
 """Temperatures in (0, MIN_TEMPERATURE) are treated as greedy (0): logits / T would overflow."""
@@ -33,7 +34,8 @@ class SamplingParams:
     those filters.
     ``min_p`` drops tokens less likely than ``min_p`` times the most likely one (after temperature, top-k and
     top-p; transformers' order). ``min_tokens``: EOS and ``stop_token_ids`` cannot be sampled before that many
-    tokens, and a ``stop`` string counts only when it ends at or after that token. ``logit_bias`` maps token ids to a value in [-100, 100] added to their logits before anything else
+    tokens, and a ``stop`` string counts only when it ends at or after that token. ``logit_bias`` maps token ids
+    to a value in [-100, 100] added to their logits before anything else
     (OpenAI's definition; -100 in practice bans a token). ``structured_outputs`` (a
     :class:`~gemmaserve.structured.StructuredOutputs`, or vLLM's dict of it) constrains the text to a JSON schema,
     regex, choice or grammar; the request stops when the constraint is complete. Penalties (vLLM's and OpenAI's
@@ -257,8 +259,9 @@ class RowSampling:
         if step < params.min_tokens:
             bans.update(params.stop_token_ids, () if params.ignore_eos else eos_token_ids)
         return cls(params.temperature, params.top_p, params.top_k if top_k is None else top_k, seed, step,
-                   params.min_p, params.logit_bias, tuple(sorted(bans)), params.repetition_penalty, params.presence_penalty,
-                   params.frequency_penalty, prompt_tokens, output_counts, allowed, params.logprobs or 0)
+                   params.min_p, params.logit_bias, tuple(sorted(bans)), params.repetition_penalty,
+                   params.presence_penalty, params.frequency_penalty, prompt_tokens, output_counts, allowed,
+                   params.logprobs or 0)
 
 
 def allowed_tokens(mask: bytes, vocab_size: int) -> list[bool]:

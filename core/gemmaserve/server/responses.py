@@ -87,8 +87,9 @@ def completion_logprobs(
 ) -> dict[str, Any]:
     """Legacy completions ``logprobs``: the sampled tokens' log-probabilities and, with ``top`` (``logprobs`` =
     k > 0), per token a ``{text: logprob}`` object of the k most likely tokens plus the sampled one (OpenAI:
-    up to k + 1 entries; fewer when tokens share a text, e.g. partial UTF-8 bytes). ``tokens`` show special tokens; ``text_offset`` counts from ``text_offset`` by each
-    token's text as it appears in ``text`` (special tokens add none)."""
+    up to k + 1 entries; fewer when tokens share a text, e.g. partial UTF-8 bytes). ``tokens`` show special
+    tokens; ``text_offset`` counts from ``text_offset`` by each token's text as it appears in ``text`` (special
+    tokens add none)."""
     tokens = [_token_text(tokenizer, token) for token in token_ids]
     offsets = []
     for token_id in token_ids:
