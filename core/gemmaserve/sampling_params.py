@@ -93,30 +93,10 @@ class SamplingParams:
         else:
             raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {type(bias).__name__}")
         object.__setattr__(self, "logit_bias", bias)
-        strings = self.stop
-        if strings is None:
-            strings = ()
-        elif isinstance(strings, str):
-            strings = (strings,)
-        elif not isinstance(strings, (list, tuple)):
-            raise InvalidRequestError(f"stop must be a string or a list of strings, got {type(strings).__name__}")
-        object.__setattr__(self, "stop", tuple(strings))
-        words = self.bad_words
-        if words is None:
-            words = ()
-        elif isinstance(words, str):
-            words = (words,)
-        elif not isinstance(words, (list, tuple)):
-            raise InvalidRequestError(f"bad_words must be a list of strings, got {type(words).__name__}")
-        object.__setattr__(self, "bad_words", tuple(words))
-        stop = self.stop_token_ids
-        if stop is None:
-            stop = ()
-        elif isinstance(stop, int) and not isinstance(stop, bool):
-            stop = (stop,)
-        elif not isinstance(stop, (list, tuple)):
-            raise InvalidRequestError(f"stop_token_ids must be a list of token IDs, got {type(stop).__name__}")
-        object.__setattr__(self, "stop_token_ids", tuple(stop))
+        for name, single, accepted in (("stop", str, "a string or a list of strings"),
+                                       ("bad_words", str, "a list of strings"),
+                                       ("stop_token_ids", int, "a list of token IDs")):
+            object.__setattr__(self, name, _as_tuple(getattr(self, name), name, single, accepted))
         if self.top_k == -1 and not isinstance(self.top_k, bool):  # vLLM's spelling of "disabled"
             object.__setattr__(self, "top_k", 0)
         self.validate()
@@ -194,6 +174,18 @@ class SamplingParams:
 def _is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
+
+
+def _as_tuple(value: object, name: str, single: type, accepted: str) -> tuple:
+    """A list field as a tuple: None is empty, one ``single`` value (not a bool) is a one-item tuple, a list or
+    tuple is kept; anything else is an InvalidRequestError naming ``name`` and what is ``accepted``."""
+    if value is None:
+        return ()
+    if isinstance(value, single) and not isinstance(value, bool):
+        return (value,)
+    if not isinstance(value, (list, tuple)):
+        raise InvalidRequestError(f"{name} must be {accepted}, got {type(value).__name__}")
+    return tuple(value)
 
 @dataclass(frozen=True, slots=True)
 class RowSampling:

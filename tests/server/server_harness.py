@@ -30,6 +30,7 @@ __all__ = [
     "CHAT_TEMPLATE",
     "REFERENCE_MODEL",
     "build_chat_checkpoint",
+    "custom_cpu_openai_client",
     "LiveServer",
     "RLIMIT_NOFILE_KEY",
     "ServerPool",
@@ -87,6 +88,27 @@ def reference_settings(**overrides: Any) -> CoreSettings:
         "max_batch_size": 8, "prefill_chunk_tokens": 64, "max_waiting_requests": 64, "max_model_len": 512,
     }
     return load_settings(**{**base, **overrides})
+
+
+@contextlib.contextmanager
+def custom_cpu_openai_client(checkpoint: Path, model_name: str, **overrides: Any) -> Iterator[Any]:
+    """The official ``openai`` client over an in-process app serving ``checkpoint`` on custom-cpu, settings
+    :func:`reference_settings` with ``overrides`` (the engine is shut down on exit)."""
+    import openai
+    from fastapi.testclient import TestClient
+    from gemmaserve_custom_torch.backend import CustomTorchBackend
+    from gemmaserve_custom_torch.settings import load_custom_settings
+
+    from gemmaserve.server.app import create_app
+
+    settings = reference_settings(model=str(checkpoint), **overrides)
+    engine = Engine(CustomTorchBackend.from_checkpoint(checkpoint, "cpu", settings, load_custom_settings()),
+                    settings)
+    try:
+        http = TestClient(create_app(engine, model_name), raise_server_exceptions=False)
+        yield openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+    finally:
+        engine.shutdown(timeout=10)
 
 
 def reference_engine(backend: ReferenceBackend | None = None, **overrides: Any) -> Engine:

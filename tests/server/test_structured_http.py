@@ -10,9 +10,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from fastapi.testclient import TestClient
-
-from gemmaserve.server.app import create_app
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -29,17 +26,10 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
 def client(chat_checkpoint) -> Iterator[Any]:
     """The official client over an in-process app serving the tiny Gemma 4 checkpoint on custom-cpu."""
     pytest.importorskip("gemmaserve_custom_torch")
-    from gemmaserve.engine.engine import Engine
-    from gemmaserve_custom_torch.backend import CustomTorchBackend
-    from gemmaserve_custom_torch.settings import load_custom_settings
-    from server_harness import reference_settings
+    from server_harness import custom_cpu_openai_client
 
-    settings = reference_settings(model=str(chat_checkpoint))
-    engine = Engine(CustomTorchBackend.from_checkpoint(chat_checkpoint, "cpu", settings, load_custom_settings()),
-                    settings)
-    http = TestClient(create_app(engine, MODEL), raise_server_exceptions=False)
-    yield openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
-    engine.shutdown(timeout=10)
+    with custom_cpu_openai_client(chat_checkpoint, MODEL) as client:
+        yield client
 
 
 def _schema_format(schema: dict[str, Any]) -> dict[str, Any]:

@@ -51,25 +51,14 @@ def tool_checkpoint(tmp_path_factory: pytest.TempPathFactory):
     return path
 
 
-def _client(path, **settings: Any) -> tuple[Any, Any]:
-    from gemmaserve.engine.engine import Engine
-    from gemmaserve_custom_torch.backend import CustomTorchBackend
-    from gemmaserve_custom_torch.settings import load_custom_settings
-    from server_harness import reference_settings
-
-    core = reference_settings(model=str(path), **settings)
-    engine = Engine(CustomTorchBackend.from_checkpoint(path, "cpu", core, load_custom_settings()), core)
-    http = TestClient(create_app(engine, MODEL), raise_server_exceptions=False)
-    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0), engine
-
-
 @pytest.fixture(scope="module", params=["gemma4", "json"])
 def client(request, tool_checkpoint) -> Iterator[tuple[Any, str]]:
     """One app per parser: ``auto`` picks gemma4 for this tokenizer; json is forced."""
+    from server_harness import custom_cpu_openai_client
+
     setting = "auto" if request.param == "gemma4" else "json"
-    client, engine = _client(tool_checkpoint, tool_call_parser=setting)
-    yield client, request.param
-    engine.shutdown(timeout=10)
+    with custom_cpu_openai_client(tool_checkpoint, MODEL, tool_call_parser=setting) as client:
+        yield client, request.param
 
 
 def _check_calls(calls: Any, allowed: set[str]) -> None:
@@ -153,9 +142,10 @@ def test_the_template_sees_tools_and_earlier_calls(tool_checkpoint) -> None:
 def test_reasoning_channel_goes_to_reasoning_content(tool_checkpoint) -> None:
     """REASONING_PARSER=gemma4: a reply forced (by a grammar) to open with Gemma 4's reasoning channel returns
     the channel as ``reasoning_content`` and the rest as ``content``, streamed and not."""
-    client, engine = _client(tool_checkpoint, reasoning_parser="gemma4")
+    from server_harness import custom_cpu_openai_client
+
     grammar = 'start: <|channel> "thought\\n" /[a-z]{2,6}/ <channel|> /[a-z]{2,6}/'
-    try:
+    with custom_cpu_openai_client(tool_checkpoint, MODEL, reasoning_parser="gemma4") as client:
         for seed in range(3):
             kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "think"}], max_tokens=40,
                           temperature=1.0, seed=seed, extra_body={"structured_outputs": {"grammar": grammar}})
@@ -165,8 +155,6 @@ def test_reasoning_channel_goes_to_reasoning_content(tool_checkpoint) -> None:
             chunks = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
             assert "".join(getattr(d, "reasoning_content", None) or "" for d in chunks) == thought
             assert "".join(d.content or "" for d in chunks) == answer
-    finally:
-        engine.shutdown(timeout=10)
 
 
 @pytest.mark.parametrize("backend", ["hf", "mlx"])

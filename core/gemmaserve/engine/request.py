@@ -251,7 +251,8 @@ class Request:
         """True when the next step's sampling depends on the token just sampled (a structured-output constraint
         or a penalty): that sampling waits until the token is on the host (:meth:`take_ahead`), or the step
         is not launched ahead of applying it."""
-        return self.constraint is not None or self.params.has_penalties or any(len(s) > 1 for s in self.bad_word_ids)
+        return (self.constraint is not None or self.params.has_penalties
+                or bool(self.bad_word_ids) and any(len(s) > 1 for s in self.bad_word_ids))
 
     def take_ahead(self, token_id: int) -> None:
         """Deferred sampling: ``token_id`` was sampled by the launched step and read, not appended yet. A copy of
@@ -405,7 +406,7 @@ def prepare_masks(requests: Iterable[Request]) -> None:
     only those requests' mask caches. Engine thread only."""
     todo: list[tuple[Request, TokenConstraint, int, int]] = []
     for request in requests:
-        if request.is_finished:
+        if request.constraint is None or request.is_finished:  # the common case, per row per tick: cheap first
             continue
         ahead = int(request._ahead is not None)
         constraint = request._mask_constraint(ahead)

@@ -92,9 +92,6 @@ class ServerMetrics:
         for gap in gaps:
             self._vllm_itl.observe(gap)
 
-    def request_count(self, endpoint: str, status: int) -> int:
-        return int(self._requests.labels(endpoint, str(status))._value.get())
-
     def render(self) -> bytes:
         """The exposition text (``CONTENT_TYPE``)."""
         return generate_latest(self.registry)
