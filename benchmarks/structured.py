@@ -182,6 +182,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="with --e2b: toy shapes on the CPU (checks the path)")
     parser.add_argument("--e2b-only", action="store_true", help="with --e2b: skip the CPU sections")
     args = parser.parse_args()
+    if (args.quick or args.e2b_only) and not args.e2b:
+        parser.error("--quick and --e2b-only apply to the --e2b section; add --e2b")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     if args.tokenizer is None:
         from gemmaserve.models.default_model import ensure_default_model
