@@ -65,10 +65,18 @@ def test_padded_buffers_hold_the_unpadded_batch_and_inert_padding(tiny_gemma4_di
         tick = pack_tick(pools, [s.kv for s in states], [s.prompt_ids[b : b + n] for s, (b, n, _) in zip(states, plan)],
                          wanted)
         plain = build_forward_batch(pools, tick, torch.device("cpu"), [16, 32])
-        bucket = buffers.load(tick)
-        view = buffers.view(bucket)
+        buffers.load(tick)  # staged twice, the second time over the first's state and through the other stager
+        buffers.load_padding(48)
         t, s = tick.num_tokens, len(plan)
+        sources = [(7 * j) % 5 - 1 for j in range(min(s, t))]  # the first tokens (decode rows'); -1: keep the id
+        previous = torch.arange(1000, 1005)
+        bucket = buffers.load(tick, sources)
+        buffers.feed_previous(previous)
+        view = buffers.view(bucket)
         assert bucket >= t and view.ids.shape[0] == bucket
+        fed = [1000 + src if src >= 0 else int(plain.ids[j]) for j, src in enumerate(sources)]
+        assert view.ids[: len(sources)].tolist() == fed
+        view.ids[: len(sources)] = plain.ids[: len(sources)]  # undo the feed
         for name in ("ids", "positions"):
             assert torch.equal(getattr(view, name)[:t], getattr(plain, name))
         assert torch.equal(view.query_start[: s + 1], plain.query_start) and bool((view.query_start[s:] == t).all())

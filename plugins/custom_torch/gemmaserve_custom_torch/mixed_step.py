@@ -139,8 +139,7 @@ class MixedStep:
         wanted = [i for i in taken if chunks[i][2] and sizes[i] == len(chunks[i][1])]
         seq_of = {i: num_decode + j for j, i in enumerate(taken)}
         tick = pack_tick(self.pools, rows, tokens, [*range(num_decode), *(seq_of[i] for i in wanted)])
-        feed = (to_device(list(sources), torch.int64, self.device), previous) if fed else None
-        logits = self._forward(tick, feed)
+        logits = self._forward(tick, (sources, previous) if fed else None)
         for row in decode_rows:
             row.commit_append(1)
         for i in taken:
@@ -165,20 +164,21 @@ class MixedStep:
                     self.graphs.capture(bucket)
         return dict(self.graphs.capture_seconds)
 
-    def _forward(self, tick: PackedTick, feed: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    def _forward(self, tick: PackedTick, feed: tuple[Sequence[int], Tensor] | None = None) -> Tensor:
         """Logits [R, vocab] of ``tick.logit_seqs`` (a graph replay's rows beyond R are padding). ``feed``:
-        (sources, previous tokens) of the decode rows, the first tokens of the batch."""
+        (sources, previous tokens) of the decode rows, the first sequences of the batch."""
         buffers = self.buffers
         if buffers is not None and buffers.bucket_for(tick.num_tokens, len(tick.query_lens)) is not None:
-            bucket = buffers.load(tick)
+            bucket = buffers.load(tick, feed[0] if feed is not None else None)
             if feed is not None:
-                feed_previous(buffers.ids[: len(feed[0])], *feed)
+                buffers.feed_previous(feed[1])
             run = self.graphs.run if self.graphs is not None else self._bucket_forward
             return run(bucket)[0][: len(tick.logit_seqs)]
         self.eager_steps += 1
         batch = build_forward_batch(self.pools, tick, self.device, self.block_ms)
         if feed is not None:
-            feed_previous(batch.ids[: len(feed[0])], *feed)
+            sources = to_device(list(feed[0]), torch.int64, self.device)
+            feed_previous(batch.ids[: len(sources)], sources, feed[1])
         return self.forward_batch(batch)
 
     def _bucket_forward(self, bucket: int) -> tuple[Tensor]:

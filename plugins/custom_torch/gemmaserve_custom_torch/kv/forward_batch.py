@@ -28,6 +28,7 @@ fast prefill) only the last tokens of ``logit_seqs`` are computed: those layers 
 
 from __future__ import annotations
 
+import ctypes
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from torch import Tensor
 
 from ..kernels.ragged_reference import query_tiles, ragged_paged_attention_reference
 from ..models.config import GemmaTextConfig
+from .decode_state import feed_previous
 from .paged_cache import PagedKVCache
 from .pools import KVPools
 
@@ -176,9 +178,17 @@ def token_buckets(max_tokens: int, smallest: int = 16) -> tuple[int, ...]:
 
 class ForwardBuffers:
     """Fixed device buffers for ticks of at most ``max_tokens`` tokens and ``max_seqs`` sequences whose rows
-    hold at most ``width`` blocks. :meth:`load` stages a tick (pinned host staging, one H2D copy per buffer
-    kind) and returns its bucket; :meth:`view` gives the padded `ForwardBatch` of a bucket. Device buffers
-    keep their addresses for the object's lifetime (graphs capture them). Single-threaded (backend lock)."""
+    hold at most ``width`` blocks. :meth:`load` stages a tick and returns its bucket; :meth:`view` gives the
+    padded `ForwardBatch` of a bucket. Device buffers keep their addresses for the object's lifetime (graphs
+    capture them). Single-threaded (backend lock).
+
+    Staging: the tick is written into one of two pinned host buffers (alternating, so a tick is staged while
+    the previous one's copies may still be queued) as two contiguous runs — int64 ``[ids, positions, write
+    slots per group, sources]`` laid out ``[rows, bucket]`` and int32 ``[meta, block tables]`` — and each run
+    goes to the device in ONE copy (pinned and contiguous: it never waits for queued device work). The block
+    tables arrive packed ``[groups, seqs, tick width]`` and one device copy spreads them into the fixed
+    ``[groups, max_seqs, width]`` tables; entries past a row's tick width keep stale ids, which no kernel reads
+    (each reads only the blocks below its sequence length)."""
 
     def __init__(self, pools: KVPools, *, max_tokens: int, max_seqs: int, width: int, block_ms: Sequence[int],
                  device: torch.device) -> None:
@@ -188,29 +198,22 @@ class ForwardBuffers:
         self.buckets = token_buckets(max_tokens)
         self.block_ms = tuple(sorted(set(block_ms)))
         self.device = device
-        pin = device.type == "cuda"
-        rows64 = 2 + len(self.groups)
-        self._ints = torch.zeros((rows64, max_tokens), dtype=torch.int64, device=device)
-        self._ints_host = torch.zeros((rows64, max_tokens), dtype=torch.int64, pin_memory=pin)
+        self._rows64 = 3 + len(self.groups)  # ids, positions, sources, one write-slot row per group
         self._max_tiles = {bm: -(-max_tokens // bm) + max_seqs for bm in self.block_ms}
-        meta_len = 2 * max_seqs + 1 + max_seqs + sum(2 * n + 1 for n in self._max_tiles.values())
-        self._meta = torch.zeros(meta_len, dtype=torch.int32, device=device)
-        self._meta_host = torch.zeros(meta_len, dtype=torch.int32, pin_memory=pin)
+        self._meta_room = 3 * max_seqs + 1 + sum(2 * n + 1 for n in self._max_tiles.values())
+        len64 = self._rows64 * max_tokens
+        len32 = self._meta_room + len(self.groups) * max_seqs * width
+        self._i64 = torch.zeros(len64, dtype=torch.int64, device=device)
+        self._i32 = torch.zeros(len32, dtype=torch.int32, device=device)
         self._tables = torch.full((len(self.groups), max_seqs, width), -1, dtype=torch.int32, device=device)
-        self._tables_host = torch.full((len(self.groups), max_seqs, width), -1, dtype=torch.int32, pin_memory=pin)
-        self._copied: torch.cuda.Event | None = None
-        self._fill_padding(0, max_tokens)
-
-    def _fill_padding(self, start: int, end: int) -> None:
-        bs = self.pools.block_size
-        self._ints_host[:2, start:end] = 0
-        for i, group in enumerate(self.groups):
-            self._ints_host[2 + i, start:end] = self.pools.scratch_block(group) * bs
-
-    @property
-    def ids(self) -> Tensor:
-        """int64 [max_tokens]: the staged token ids (decode rows first), which every bucket's batch views."""
-        return self._ints[0]
+        pin = device.type == "cuda"
+        self._staging = [(torch.zeros(len64, dtype=torch.int64, pin_memory=pin),
+                          torch.zeros(len32, dtype=torch.int32, pin_memory=pin)) for _ in range(2)]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+        self._scratch_slots = [pools.scratch_block(group) * pools.block_size for group in self.groups]
+        self._bucket = self.buckets[0]
+        self.load_padding(self._bucket)
 
     def bucket_for(self, num_tokens: int, num_seqs: int) -> int | None:
         """The smallest bucket holding the tick, or None when it exceeds the buffers."""
@@ -222,74 +225,111 @@ class ForwardBuffers:
         """Sequences (and logits rows) a bucket's forward has room for."""
         return min(bucket, self.max_seqs)
 
-    def load(self, tick: PackedTick) -> int:
-        """Stage ``tick`` into the buffers; returns its bucket. Raises ValueError if it does not fit (see
-        :meth:`bucket_for`) or a row is wider than the tables."""
+    def load(self, tick: PackedTick, sources: Sequence[int] | None = None) -> int:
+        """Stage ``tick`` into the buffers; returns its bucket. ``sources``: per decode row (the first
+        sequences) the index of the previous step's token it consumes, or -1 (see :meth:`feed_previous`).
+        Raises ValueError if it does not fit (see :meth:`bucket_for`) or a row is wider than the tables."""
         num_tokens, count = tick.num_tokens, len(tick.query_lens)
         bucket = self.bucket_for(num_tokens, count)
         if bucket is None:
             raise ValueError(f"a tick of {num_tokens} tokens / {count} sequences exceeds the buffers "
                              f"({self.max_tokens} / {self.max_seqs})")
-        seqs = self.seqs_of(bucket)
-        if self._copied is not None:
-            self._copied.synchronize()  # the last tick's copies have left the staging buffers
-        host = self._ints_host
-        host[0, :num_tokens] = _int64(tick.ids)
-        host[1, :num_tokens] = _int64(tick.positions)
-        for i, group in enumerate(self.groups):
-            host[2 + i, :num_tokens] = _int64(tick.write_slots[group])
-        self._fill_padding(num_tokens, bucket)
-        meta = [*tick.query_start, *([num_tokens] * (seqs - count)), *tick.seq_lens, *([0] * (seqs - count))]
-        pad_seq = count if count < seqs else 0  # an empty sequence when there is one
-        meta += [*tick.logit_seqs, *([pad_seq] * (seqs - len(tick.logit_seqs)))]
-        for bm in self.block_ms:
-            tile_seq, tile_q0 = query_tiles(tick.query_lens, bm)
-            room = self._tiles_of(bucket, bm)
-            meta += [*tile_seq, *([0] * (room - len(tile_seq))), *tile_q0, *([0] * (room - len(tile_q0))),
-                     len(tile_seq)]
-        self._meta_host[: len(meta)] = torch.frombuffer(array("i", meta), dtype=torch.int32)
         width = max(len(t) for g in self.groups for t in tick.tables[g])
         if width > self.width:
             raise ValueError(f"a row holds {width} blocks but the tick buffers are {self.width} wide "
                              "(MAX_MODEL_LEN / block size)")
-        tables = self._tables_host
-        flat, pad = array("i"), array("i", [-1]) * width
-        for group in self.groups:  # every row's table padded to ``width`` with -1, at C speed
+        seqs, pad = self.seqs_of(bucket), bucket - num_tokens
+        ints = array("q", tick.ids)
+        ints.extend(array("q", [0]) * pad)
+        ints.extend(tick.positions)
+        ints.extend(array("q", [0]) * pad)
+        ints.extend(sources if sources is not None else ())
+        ints.extend(array("q", [-1]) * (bucket - (len(sources) if sources is not None else 0)))
+        for group, scratch in zip(self.groups, self._scratch_slots):
+            ints.extend(tick.write_slots[group])
+            ints.extend(array("q", [scratch]) * pad)
+        meta = self._meta(tick, bucket)
+        tables_at = len(meta)
+        unheld = array("i", [-1]) * width
+        for group in self.groups:  # every row's table padded to the tick's width with -1, at C speed
             for table in tick.tables[group]:
-                flat.extend(table)
-                flat.extend(pad[: width - len(table)])
-        tables[:, :count, :width] = torch.frombuffer(flat, dtype=torch.int32).view(len(self.groups), count, width)
-        tables[:, count:seqs, :width] = -1
-        self._ints[:, :bucket].copy_(host[:, :bucket], non_blocking=True)
-        self._meta[: len(meta)].copy_(self._meta_host[: len(meta)], non_blocking=True)
-        self._tables[:, :seqs, :width].copy_(tables[:, :seqs, :width], non_blocking=True)
-        if self.device.type == "cuda":
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+                meta.extend(table)
+                meta.extend(unheld[: width - len(table)])
+            meta.extend(unheld * (seqs - count))
+        self._stage(ints, meta)
+        packed = self._i32[tables_at : tables_at + len(self.groups) * seqs * width]
+        self._tables[:, :seqs, :width].copy_(packed.view(len(self.groups), seqs, width))
+        self._bucket = bucket
         return bucket
+
+    def _meta(self, tick: PackedTick, bucket: int) -> array:
+        """The int32 metadata of ``tick`` padded to ``bucket`` (the layout :meth:`view` reads)."""
+        num_tokens, count, seqs = tick.num_tokens, len(tick.query_lens), self.seqs_of(bucket)
+        meta = array("i", tick.query_start)
+        meta.extend(array("i", [num_tokens]) * (seqs - count))
+        meta.extend(tick.seq_lens)
+        meta.extend(array("i", [0]) * (seqs - count))
+        pad_seq = count if count < seqs else 0  # an empty sequence when there is one
+        meta.extend(tick.logit_seqs)
+        meta.extend(array("i", [pad_seq]) * (seqs - len(tick.logit_seqs)))
+        for bm in self.block_ms:
+            tile_seq, tile_q0 = query_tiles(tick.query_lens, bm)
+            room = self._tiles_of(bucket, bm)
+            meta.extend(tile_seq)
+            meta.extend(array("i", [0]) * (room - len(tile_seq)))
+            meta.extend(tile_q0)
+            meta.extend(array("i", [0]) * (room - len(tile_q0)))
+            meta.append(len(tile_seq))
+        return meta
+
+    def _stage(self, ints: array, meta: array) -> None:
+        """Copy the two runs into the next pinned staging pair, then each to the device in one copy."""
+        turn = self._turn
+        self._turn ^= 1
+        done = self._copied[turn]
+        if done is not None:
+            done.synchronize()  # this staging pair's last copies have left it (two ticks ago)
+        host64, host32 = self._staging[turn]
+        if len(ints) > host64.numel() or len(meta) > host32.numel():
+            raise ValueError("tick description larger than the staging buffers")
+        ctypes.memmove(host64.data_ptr(), ints.buffer_info()[0], len(ints) * ints.itemsize)
+        ctypes.memmove(host32.data_ptr(), meta.buffer_info()[0], len(meta) * meta.itemsize)
+        self._i64[: len(ints)].copy_(host64[: len(ints)], non_blocking=True)
+        self._i32[: len(meta)].copy_(host32[: len(meta)], non_blocking=True)
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._copied[turn] = event
+
+    def feed_previous(self, previous: Tensor) -> None:
+        """Decode rows whose staged source is ``s >= 0`` consume ``previous[s]`` (the previous step's device
+        tokens) instead of their staged id: device ops only, queued before the forward."""
+        ints = self._ints(self._bucket)
+        feed_previous(ints[0], ints[2], previous)
 
     def load_padding(self, bucket: int) -> None:
         """Stage an all-padding tick of ``bucket`` tokens (no sequence: writes go to the scratch blocks, no
         tile runs, logits rows are zero-context decode rows): a valid state to capture a graph from."""
-        if self._copied is not None:
-            self._copied.synchronize()
-        self._fill_padding(0, bucket)
+        ints = array("q", [0]) * (2 * bucket) + array("q", [-1]) * bucket
+        for scratch in self._scratch_slots:
+            ints.extend(array("q", [scratch]) * bucket)
         seqs = self.seqs_of(bucket)
-        meta = [0] * (seqs + 1) + [0] * seqs + [0] * seqs
-        for bm in self.block_ms:
-            meta += [0] * (2 * self._tiles_of(bucket, bm)) + [0]
-        self._meta_host[: len(meta)] = torch.tensor(meta, dtype=torch.int32)
-        self._ints[:, :bucket].copy_(self._ints_host[:, :bucket])
-        self._meta[: len(meta)].copy_(self._meta_host[: len(meta)])
+        meta = array("i", [0]) * (3 * seqs + 1 + sum(2 * self._tiles_of(bucket, bm) + 1 for bm in self.block_ms))
+        self._stage(ints, meta)
         self._tables[:, :seqs].fill_(-1)
+        self._bucket = bucket
 
     def _tiles_of(self, bucket: int, block_m: int) -> int:
         return -(-bucket // block_m) + self.seqs_of(bucket)
 
+    def _ints(self, bucket: int) -> Tensor:
+        """int64 [3 + groups, bucket]: ids, positions, sources, write slots per group (a view)."""
+        return self._i64[: self._rows64 * bucket].view(self._rows64, bucket)
+
     def view(self, bucket: int) -> ForwardBatch:
         """The padded batch of ``bucket`` (views of the buffers; shapes depend on the bucket only)."""
         seqs = self.seqs_of(bucket)
-        meta = self._meta
+        meta = self._i32
         at = 0
 
         def take(n: int) -> Tensor:
@@ -303,9 +343,9 @@ class ForwardBuffers:
         for bm in self.block_ms:
             room = self._tiles_of(bucket, bm)
             tiles[bm] = (take(room), take(room), take(1))
+        ints = self._ints(bucket)
         return ForwardBatch(
-            ids=self._ints[0, :bucket], positions=self._ints[1, :bucket],
-            write_slots={g: self._ints[2 + i, :bucket] for i, g in enumerate(self.groups)},
+            ids=ints[0], positions=ints[1], write_slots={g: ints[3 + i] for i, g in enumerate(self.groups)},
             query_start=query_start, seq_lens=seq_lens,
             block_tables={g: self._tables[i, :seqs] for i, g in enumerate(self.groups)},
             logit_seqs=logit_seqs, tiles=tiles,
