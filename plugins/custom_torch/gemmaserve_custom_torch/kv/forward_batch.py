@@ -132,11 +132,6 @@ class ForwardBatch:
         return self.last_index[self.logit_seqs]
 
 
-def _int64(values: list[int]) -> Tensor:
-    """A CPU int64 tensor of ``values`` through the buffer protocol (several times faster than torch.tensor)."""
-    return torch.frombuffer(array("q", values), dtype=torch.int64) if values else torch.zeros(0, dtype=torch.int64)
-
-
 def build_forward_batch(pools: KVPools, tick: PackedTick, device: torch.device, block_ms: Sequence[int]) -> ForwardBatch:
     """The unpadded batch of ``tick`` in fresh tensors (eager forwards: CPU, MoE, oversized ticks)."""
     groups = list(pools.groups)
@@ -238,13 +233,26 @@ class ForwardBuffers:
         if width > self.width:
             raise ValueError(f"a row holds {width} blocks but the tick buffers are {self.width} wide "
                              "(MAX_MODEL_LEN / block size)")
-        seqs, pad = self.seqs_of(bucket), bucket - num_tokens
+        self._stage_tick(tick, bucket, sources, width)
+        return bucket
+
+    def load_padding(self, bucket: int) -> None:
+        """Stage an all-padding tick of ``bucket`` tokens (no sequence: writes go to the scratch blocks, no
+        tile runs, logits rows are zero-context decode rows): a valid state to capture a graph from."""
+        nothing: dict[str, list] = {group: [] for group in self.groups}
+        self._stage_tick(PackedTick([], [], nothing, [0], [], nothing, [], []), bucket, None, 0)
+        self._tables[:, : self.seqs_of(bucket)].fill_(-1)
+
+    def _stage_tick(self, tick: PackedTick, bucket: int, sources: Sequence[int] | None, width: int) -> None:
+        """Lay ``tick`` out padded to ``bucket`` (tables ``width`` wide), stage it and spread its tables."""
+        seqs, pad, count = self.seqs_of(bucket), bucket - tick.num_tokens, len(tick.query_lens)
+        fed = array("q", sources if sources is not None else ())
         ints = array("q", tick.ids)
         ints.extend(array("q", [0]) * pad)
         ints.extend(tick.positions)
         ints.extend(array("q", [0]) * pad)
-        ints.extend(sources if sources is not None else ())
-        ints.extend(array("q", [-1]) * (bucket - (len(sources) if sources is not None else 0)))
+        ints.extend(fed)
+        ints.extend(array("q", [-1]) * (bucket - len(fed)))
         for group, scratch in zip(self.groups, self._scratch_slots):
             ints.extend(tick.write_slots[group])
             ints.extend(array("q", [scratch]) * pad)
@@ -260,7 +268,6 @@ class ForwardBuffers:
         packed = self._i32[tables_at : tables_at + len(self.groups) * seqs * width]
         self._tables[:, :seqs, :width].copy_(packed.view(len(self.groups), seqs, width))
         self._bucket = bucket
-        return bucket
 
     def _meta(self, tick: PackedTick, bucket: int) -> array:
         """The int32 metadata of ``tick`` padded to ``bucket`` (the layout :meth:`view` reads)."""
@@ -289,9 +296,7 @@ class ForwardBuffers:
         done = self._copied[turn]
         if done is not None:
             done.synchronize()  # this staging pair's last copies have left it (two ticks ago)
-        host64, host32 = self._staging[turn]
-        if len(ints) > host64.numel() or len(meta) > host32.numel():
-            raise ValueError("tick description larger than the staging buffers")
+        host64, host32 = self._staging[turn]  # sized for the largest bucket's layout
         ctypes.memmove(host64.data_ptr(), ints.buffer_info()[0], len(ints) * ints.itemsize)
         ctypes.memmove(host32.data_ptr(), meta.buffer_info()[0], len(meta) * meta.itemsize)
         self._i64[: len(ints)].copy_(host64[: len(ints)], non_blocking=True)
@@ -306,18 +311,6 @@ class ForwardBuffers:
         tokens) instead of their staged id: device ops only, queued before the forward."""
         ints = self._ints(self._bucket)
         feed_previous(ints[0], ints[2], previous)
-
-    def load_padding(self, bucket: int) -> None:
-        """Stage an all-padding tick of ``bucket`` tokens (no sequence: writes go to the scratch blocks, no
-        tile runs, logits rows are zero-context decode rows): a valid state to capture a graph from."""
-        ints = array("q", [0]) * (2 * bucket) + array("q", [-1]) * bucket
-        for scratch in self._scratch_slots:
-            ints.extend(array("q", [scratch]) * bucket)
-        seqs = self.seqs_of(bucket)
-        meta = array("i", [0]) * (3 * seqs + 1 + sum(2 * self._tiles_of(bucket, bm) + 1 for bm in self.block_ms))
-        self._stage(ints, meta)
-        self._tables[:, :seqs].fill_(-1)
-        self._bucket = bucket
 
     def _tiles_of(self, bucket: int, block_m: int) -> int:
         return -(-bucket // block_m) + self.seqs_of(bucket)
