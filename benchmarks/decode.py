@@ -55,6 +55,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--eager-sizes", default="1,32", help="also run these N with CUDA graphs off (64 tokens)")
     p.add_argument("--sync-sizes", default="", help="also run workload A at these N with ASYNC_SCHEDULING=0")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the scheduler's per-tick token budget")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=512, help="the scheduler's per-request chunk cap")
     p.add_argument("--long-sizes", default="", help="workload A-long concurrencies (2,048-token prompts; '' = skip)")
     p.add_argument("--long-prompt-len", type=int, default=2048)
     p.add_argument("--long-output-len", type=int, default=128)
@@ -73,9 +74,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _settings(device: str, dtype: str, max_rows: int, max_len: int, tokens: int, budget: int = 8192) -> CoreSettings:
+def _settings(device: str, dtype: str, max_rows: int, max_len: int, tokens: int, budget: int = 8192,
+              chunk: int = 512) -> CoreSettings:
     return CoreSettings(device=device, dtype=dtype, max_batch_size=max_rows, max_model_len=max_len,
-                        max_active_kv_tokens=tokens, kv_block_size=16, prefill_chunk_tokens=512,
+                        max_active_kv_tokens=tokens, kv_block_size=16, prefill_chunk_tokens=chunk,
                         max_waiting_requests=4096, max_num_batched_tokens=max(budget, max_rows))
 
 
@@ -179,7 +181,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     save()
     max_rows = max(sizes + [args.prefix_requests])
     max_len = base["max_position_embeddings"]
-    settings = _settings(device, dtype_name, max_rows, max_len, max_rows * max_len, args.max_num_batched_tokens)
+    settings = _settings(device, dtype_name, max_rows, max_len, max_rows * max_len, args.max_num_batched_tokens,
+                         args.prefill_chunk_tokens)
     from serving_workloads import gemm_tflops, prefill_flops_per_token, run_arrivals
 
     fast = load_custom_settings().fast_prefill  # every prompt token runs in the tick forward
@@ -188,7 +191,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.prefill_ceiling = (flops, tflops * 1e12) if tflops else None
     results["meta"].update(prefill_gflop_per_token=round(flops / 1e9, 3), fast_prefill=fast,
                            prefill_gflop_per_token_full=round(prefill_flops_per_token(model, fast=False) / 1e9, 3),
-                           gemm_tflops=round(tflops, 1), max_num_batched_tokens=settings.max_num_batched_tokens)
+                           gemm_tflops=round(tflops, 1), max_num_batched_tokens=settings.max_num_batched_tokens,
+                           prefill_chunk_tokens=settings.prefill_chunk_tokens)
 
     def section(name: str, fn: Any) -> Any:
         """Run one section; a failure is recorded (with its traceback) and the next section still runs."""
@@ -242,6 +246,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         section("workload_c", serving)
     if device == "cuda" and getattr(backend, "mixed", None) is not None and backend.mixed.graphs is not None:
         section("mixed_tick_profile", lambda: dp.profile_mixed_tick(backend))
+        section("decode_with_chunk_profile", lambda: dp.profile_decode_with_chunk(backend))
     if device == "cuda" and not args.skip_prefill_profile:
         section("prefill_profile", lambda: dp.profile_prefill_paths(backend, args.prompt_len))
     if args.profile_size and decoder is not None and device == "cuda":

@@ -253,3 +253,75 @@ def profile_mixed_tick(backend: Any, chunks: int = 16, chunk_len: int = 512, see
     finally:
         mixed.buffers, mixed.graphs = buffers, graphs
     return out
+
+
+def profile_decode_with_chunk(backend: Any, rows: int = 32, context: int = 1024,
+                              chunk_lens: tuple[int, ...] = (0, 128, 256, 512), seed: int = 5151) -> dict[str, Any]:
+    """Workload C's mixed tick in isolation: ``rows`` decoding rows at ``context`` tokens plus one cold prompt
+    chunk of each length in ``chunk_lens`` (0 = a decode-only tick), through ``forward_step`` as the engine runs
+    it (graph replay after a capturing first tick). Reports the median device time (CUDA events) and host time
+    of 7 ticks per length, and a torch.profiler kernel split of the largest chunk's tick run eagerly. The rows
+    grow by one token per tick; every chunk's KV is freed after its tick."""
+    mixed = backend.mixed
+    vocab = backend.model_info.vocab_size
+    out: dict[str, Any] = {"rows": rows, "context": context}
+    with backend.lock:
+        batched = None
+        for prompt in random_prompts(rows, context, vocab, seed=seed):
+            state = backend.prefill_lookup(prompt)
+            while not state.is_complete:
+                backend.forward_step([state], [state.num_remaining], None, [])
+            batched = backend.splice_into_batched(batched, state.kv, backend.kv_length(state.kv))
+    calls = [0]
+
+    def tick(chunk_len: int) -> tuple[float, float]:
+        prompts = random_prompts(1, chunk_len, vocab, seed=seed + 1 + calls[0]) if chunk_len else []
+        calls[0] += 1
+        with backend.lock:
+            states = [backend.prefill_lookup(p) for p in prompts]
+            torch.cuda.synchronize()
+            first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            first.record()
+            backend.forward_step(states, [chunk_len] * len(states), batched, [7] * rows)
+            last.record()
+            host = time.perf_counter() - t0
+            torch.cuda.synchronize()
+            for state in states:
+                backend.free_row_kv(state.kv)
+        return first.elapsed_time(last), host * 1e3
+
+    ticks: dict[str, Any] = {}
+    for chunk_len in chunk_lens:
+        tick(chunk_len)  # capture / warm the bucket
+        runs = sorted(tick(chunk_len) for _ in range(7))
+        ticks[str(chunk_len)] = {"gpu_ms": round(sorted(r[0] for r in runs)[3], 3),
+                                 "host_ms": round(sorted(r[1] for r in runs)[3], 3)}
+    def decode_only() -> float:
+        with backend.lock:
+            torch.cuda.synchronize()
+            first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            first.record()
+            backend.decode_step_batched(batched, [7] * rows)
+            last.record()
+            torch.cuda.synchronize()
+        return first.elapsed_time(last)
+
+    decode_only()
+    ticks["decode_step_batched"] = {"gpu_ms": round(sorted(decode_only() for _ in range(7))[3], 3)}
+    out["ticks"] = ticks
+    buffers, graphs = mixed.buffers, mixed.graphs
+    mixed.buffers = mixed.graphs = None
+    try:
+        for chunk_len in (chunk_lens[0], chunk_lens[-1]):
+            tick(chunk_len)
+            acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=acts) as prof:
+                tick(chunk_len)
+            out[f"eager_kernels_chunk{chunk_len}"] = _kernel_summary(prof)
+    finally:
+        mixed.buffers, mixed.graphs = buffers, graphs
+        with backend.lock:
+            for _ in range(rows):
+                backend.remove_row_from_cache(batched, 0)
+    return out

@@ -12,7 +12,8 @@ previous launch's tokens, event delivery, the decode rows and the prompt tokens 
 - ``serving``: workload C (Poisson arrivals, ``--rate``) with the longest ticks broken down, to explain the
   inter-token latency tail, and the objects the garbage collector tracks afterwards;
 - ``prefix_hit``: workload B's prefix-hit requests, every tick (under cProfile);
-- ``serving_cprofile``: workload C under cProfile on the engine thread.
+- ``serving_cprofile``: workload C under cProfile on the engine thread;
+- ``serving_sweep``: workload C over rates x per-request chunk caps (``--sweep-rates``, ``--sweep-chunks``).
 
 Usage (repo root):  python benchmarks/tick_profile.py --json out.json      (H200: about 3 minutes)
                     python benchmarks/tick_profile.py --quick --json q.json (CPU, seconds)
@@ -329,6 +330,28 @@ def _serving(backend: Any, settings: Any, args: argparse.Namespace, vocab: int) 
             "longest_1pct": [{k: round(v, 3) for k, v in t.items() if k != "start"} for t in longest[:40]]}
 
 
+def _serving_sweep(backend: Any, settings: Any, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    """Workload C at every ``--sweep-rates`` x ``--sweep-chunks`` (``PREFILL_CHUNK_TOKENS``) pair, with the
+    decode-only and mixed tick intervals: how the chunk cap trades the ITL tail against TTFT."""
+    rows = []
+    for rate in (float(x) for x in args.sweep_rates.split(",") if x):
+        for chunk in (int(x) for x in args.sweep_chunks.split(",") if x):
+            variant = settings.model_copy(update={"prefill_chunk_tokens": chunk})
+            one = _serving(backend, variant, argparse.Namespace(**{**vars(args), "rate": rate}), vocab)
+            summary = {"rate": rate, "prefill_chunk_tokens": chunk, **one["result"],
+                       "mixed_share": round(one["mixed_ticks"].get("ticks", 0)
+                                            / max(1, one["mixed_ticks"].get("ticks", 0)
+                                                  + one["decode_only_ticks"].get("ticks", 0)), 3),
+                       "mixed_prompt_tokens_p50": one["mixed_prompt_tokens_p50"]}
+            for kind in ("decode_only_ticks", "mixed_ticks"):
+                for key in ("interval_ms", "wait_ms", "launch_ms"):
+                    if key in one[kind]:
+                        summary[f"{kind}.{key}"] = one[kind][key]
+            rows.append(summary)
+            print(f"  sweep {summary}", flush=True)
+    return {"rows": rows}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", type=Path, default=Path("tick_profile.json"))
@@ -345,6 +368,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefix-len", type=int, default=1536)
     p.add_argument("--prefix-own", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--sweep-rates", default="20,40", help="serving_sweep: workload C rates")
+    p.add_argument("--sweep-chunks", default="512,256,128", help="serving_sweep: PREFILL_CHUNK_TOKENS values")
     p.add_argument("--sections", default="decode,decode_cprofile,decode_trace,serving")
     args = p.parse_args(argv)
     if args.quick:
@@ -373,6 +398,7 @@ def main(argv: list[str] | None = None) -> None:
         "serving": lambda: _serving(backend, settings, args, vocab),
         "prefix_hit": lambda: _prefix_hit(backend, settings, args, vocab),
         "serving_cprofile": lambda: _serving_cprofile(backend, settings, args, vocab),
+        "serving_sweep": lambda: _serving_sweep(backend, settings, args, vocab),
     }
     for name in args.sections.split(","):
         t0 = time.perf_counter()
