@@ -63,6 +63,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--serving-requests", type=int, default=1000)
     p.add_argument("--serving-input", default="128,2048", help="workload C prompt lengths: uniform in [lo, hi]")
     p.add_argument("--serving-output", default="32,512", help="workload C output lengths: uniform in [lo, hi]")
+    p.add_argument("--mixed-profiles", default="tick,chunk", help="tick: a 16 x 512-token tick profiled; chunk: "
+                   "decode rows with one chunk of 0-512 tokens (workload C's mixed tick); '' = neither")
     p.add_argument("--skip-prefill-profile", action="store_true", help="skip the prefill-path profile section")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -245,8 +247,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         section("workload_c", serving)
     if device == "cuda" and getattr(backend, "mixed", None) is not None and backend.mixed.graphs is not None:
-        section("mixed_tick_profile", lambda: dp.profile_mixed_tick(backend))
-        section("decode_with_chunk_profile", lambda: dp.profile_decode_with_chunk(backend))
+        if "tick" in args.mixed_profiles.split(","):
+            section("mixed_tick_profile", lambda: dp.profile_mixed_tick(backend))
+        if "chunk" in args.mixed_profiles.split(","):
+            section("decode_with_chunk_profile", lambda: dp.profile_decode_with_chunk(backend))
     if device == "cuda" and not args.skip_prefill_profile:
         section("prefill_profile", lambda: dp.profile_prefill_paths(backend, args.prompt_len))
     if args.profile_size and decoder is not None and device == "cuda":

@@ -270,7 +270,10 @@ def profile_decode_with_chunk(backend: Any, rows: int = 32, context: int = 1024,
         for prompt in random_prompts(rows, context, vocab, seed=seed):
             state = backend.prefill_lookup(prompt)
             while not state.is_complete:
+                before = state.num_computed
                 backend.forward_step([state], [state.num_remaining], None, [])
+                if state.num_computed == before:
+                    raise RuntimeError(f"no KV room for {rows} rows of {context} tokens: run with a larger --sizes")
             batched = backend.splice_into_batched(batched, state.kv, backend.kv_length(state.kv))
     calls = [0]
 

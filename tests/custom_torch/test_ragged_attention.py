@@ -74,6 +74,35 @@ def test_kernel_matches_reference_fp32(case: tuple[int, int, int, int, int], see
     torch.testing.assert_close(out, ref, atol=2e-5 if not ON_CUDA else 1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("case", CASES[:4])
+@pytest.mark.parametrize("splits", [2, 3, 7])
+def test_kernel_with_split_keys_matches_reference_fp32(case: tuple[int, int, int, int, int], splits: int) -> None:
+    """Key ranges walked by several programs and merged by the combine kernel (short ranges included: splits
+    that a tile does not need are skipped by both kernels)."""
+    kernel = _kernel()
+    heads, kv_heads, dim, block_size, window = case
+    device = "cuda" if ON_CUDA else "cpu"
+    for seed in (3, 4):
+        args = random_batch(seed, heads=heads, kv_heads=kv_heads, dim=dim, block_size=block_size, window=window,
+                            dtype=torch.float32, device=device, max_ctx=70)
+        ref = ragged_paged_attention_reference(*args, scale=dim**-0.5, window=window)
+        out = kernel(*args, scale=dim**-0.5, window=window, num_splits=splits)
+        torch.testing.assert_close(out, ref, atol=2e-5 if not ON_CUDA else 1e-4, rtol=1e-4)
+
+
+def test_split_rule_spreads_few_long_tiles_and_leaves_big_ticks_alone() -> None:
+    pytest.importorskip("triton")
+    from gemmaserve_custom_torch.kernels.ragged_attention import ragged_num_splits
+
+    # E2B's full layers (D = 512, 8 q heads on 1 kv head: 32 rows a tile), 4,096-key tables
+    few, per = ragged_num_splits(num_tiles=200, num_kv_heads=1, rows=32, dim_pad=512, max_keys=4096, tile_n=16)
+    assert few > 1 and per * 16 >= 256
+    big, _ = ragged_num_splits(num_tiles=2200, num_kv_heads=1, rows=32, dim_pad=512, max_keys=4096, tile_n=16)
+    assert big == 1, "a big prefill tick fills the GPU without splits"
+    short, _ = ragged_num_splits(num_tiles=20, num_kv_heads=1, rows=32, dim_pad=512, max_keys=200, tile_n=16)
+    assert short == 1, "ranges shorter than a split's minimum are not split"
+
+
 @pytest.mark.skipif(not ON_CUDA, reason="bf16 at model head dims on the GPU")
 @pytest.mark.parametrize("dim,window", [(256, 512), (512, 0), (256, 0)])
 def test_kernel_bf16_model_head_dims_on_gpu(dim: int, window: int) -> None:
@@ -83,8 +112,9 @@ def test_kernel_bf16_model_head_dims_on_gpu(dim: int, window: int) -> None:
                             dtype=torch.bfloat16, device="cuda", max_ctx=1500, sequences=6)
         ref = ragged_paged_attention_reference(*(a.float() if a.is_floating_point() else a for a in args),
                                                scale=1.0, window=window)
-        out = kernel(*args, scale=1.0, window=window)
-        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+        for splits in (None, 1, 4):
+            out = kernel(*args, scale=1.0, window=window, num_splits=splits)
+            torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
 
 
 def test_padded_tile_map_programs_exit() -> None:
@@ -100,10 +130,11 @@ def test_padded_tile_map_programs_exit() -> None:
              torch.tensor(firsts + [0] * pad, dtype=torch.int32, device=device),
              torch.tensor([len(seqs)], dtype=torch.int32, device=device))
     padded_q = torch.cat([q, torch.randn(3, *q.shape[1:], device=device)])  # 3 padding tokens, in no tile
-    out = kernel(padded_q, k_pool, v_pool, tables, starts, ctxs, scale=0.25, tiles=tiles)
     ref = ragged_paged_attention_reference(q, k_pool, v_pool, tables, starts, ctxs, scale=0.25)
-    torch.testing.assert_close(out[: q.shape[0]], ref, atol=2e-5, rtol=1e-4)
-    assert not out[q.shape[0]:].any(), "padding tokens come out as zeros"
+    for splits in (1, 3):
+        out = kernel(padded_q, k_pool, v_pool, tables, starts, ctxs, scale=0.25, tiles=tiles, num_splits=splits)
+        torch.testing.assert_close(out[: q.shape[0]], ref, atol=2e-5, rtol=1e-4)
+        assert not out[q.shape[0]:].any(), "padding tokens come out as zeros"
 
 
 @pytest.mark.parametrize("window", [0, 3])
@@ -137,7 +168,7 @@ def test_kernel_tests_pass_under_the_interpreter() -> None:
 
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "kernel and not interpreter and not gpu"], env=env, capture_output=True, text=True,
+                           "(kernel or split) and not interpreter and not gpu"], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "failed" not in proc.stdout, proc.stdout[-2000:]
