@@ -14,7 +14,7 @@ $(VENV)/bin/python:
 
 $(STAMP): $(VENV)/bin/python pyproject.toml requirements-dev.txt $(PLUGIN_FILES)
 	$(PY) -m pip install -q -r requirements-dev.txt
-	$(PY) -m pip install -q --no-build-isolation -e . $(foreach p,$(PLUGINS),$(if $(wildcard $(p)/pyproject.toml),-e $(p)))
+	$(PY) -m pip install -q --no-build-isolation -e '.[router,kv-events]' $(foreach p,$(PLUGINS),$(if $(wildcard $(p)/pyproject.toml),-e $(p)))
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -56,6 +56,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sync-sizes", default="", help="also run workload A at these N with ASYNC_SCHEDULING=0")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the scheduler's per-tick token budget")
     p.add_argument("--prefill-chunk-tokens", type=int, default=512, help="the scheduler's per-request chunk cap")
+    p.add_argument("--mixed-prefill-chunk-tokens", type=int, default=None,
+                   help="the chunk cap in ticks with decoding rows (default: the setting's default)")
     p.add_argument("--long-sizes", default="", help="workload A-long concurrencies (2,048-token prompts; '' = skip)")
     p.add_argument("--long-prompt-len", type=int, default=2048)
     p.add_argument("--long-output-len", type=int, default=128)
@@ -77,8 +79,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _settings(device: str, dtype: str, max_rows: int, max_len: int, tokens: int, budget: int = 8192,
-              chunk: int = 512) -> CoreSettings:
-    return CoreSettings(device=device, dtype=dtype, max_batch_size=max_rows, max_model_len=max_len,
+              chunk: int = 512, mixed_chunk: int | None = None) -> CoreSettings:
+    mixed = {} if mixed_chunk is None else {"mixed_prefill_chunk_tokens": mixed_chunk}
+    return CoreSettings(device=device, dtype=dtype, max_batch_size=max_rows, max_model_len=max_len, **mixed,
                         max_active_kv_tokens=tokens, kv_block_size=16, prefill_chunk_tokens=chunk,
                         max_waiting_requests=4096, max_num_batched_tokens=max(budget, max_rows))
 
@@ -184,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     max_rows = max(sizes + [args.prefix_requests])
     max_len = base["max_position_embeddings"]
     settings = _settings(device, dtype_name, max_rows, max_len, max_rows * max_len, args.max_num_batched_tokens,
-                         args.prefill_chunk_tokens)
+                         args.prefill_chunk_tokens, args.mixed_prefill_chunk_tokens)
     from serving_workloads import gemm_tflops, prefill_flops_per_token, run_arrivals
 
     fast = load_custom_settings().fast_prefill  # every prompt token runs in the tick forward
@@ -194,7 +197,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results["meta"].update(prefill_gflop_per_token=round(flops / 1e9, 3), fast_prefill=fast,
                            prefill_gflop_per_token_full=round(prefill_flops_per_token(model, fast=False) / 1e9, 3),
                            gemm_tflops=round(tflops, 1), max_num_batched_tokens=settings.max_num_batched_tokens,
-                           prefill_chunk_tokens=settings.prefill_chunk_tokens)
+                           prefill_chunk_tokens=settings.prefill_chunk_tokens,
+                           mixed_prefill_chunk_tokens=settings.mixed_prefill_chunk_tokens)
 
     def section(name: str, fn: Any) -> Any:
         """Run one section; a failure is recorded (with its traceback) and the next section still runs."""

@@ -13,7 +13,8 @@ previous launch's tokens, event delivery, the decode rows and the prompt tokens 
   inter-token latency tail, and the objects the garbage collector tracks afterwards;
 - ``prefix_hit``: workload B's prefix-hit requests, every tick (under cProfile);
 - ``serving_cprofile``: workload C under cProfile on the engine thread;
-- ``serving_sweep``: workload C over rates x per-request chunk caps (``--sweep-rates``, ``--sweep-chunks``).
+- ``serving_sweep``: workload C over rates x chunk caps beside decoding rows (``--sweep-rates``,
+  ``--sweep-chunks``).
 
 Usage (repo root):  python benchmarks/tick_profile.py --json out.json      (H200: about 3 minutes)
                     python benchmarks/tick_profile.py --quick --json q.json (CPU, seconds)
@@ -331,14 +332,15 @@ def _serving(backend: Any, settings: Any, args: argparse.Namespace, vocab: int) 
 
 
 def _serving_sweep(backend: Any, settings: Any, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
-    """Workload C at every ``--sweep-rates`` x ``--sweep-chunks`` (``PREFILL_CHUNK_TOKENS``) pair, with the
+    """Workload C at every ``--sweep-rates`` x ``--sweep-chunks`` (``MIXED_PREFILL_CHUNK_TOKENS``) pair, with the
     decode-only and mixed tick intervals: how the chunk cap trades the ITL tail against TTFT."""
     rows = []
     for rate in (float(x) for x in args.sweep_rates.split(",") if x):
         for chunk in (int(x) for x in args.sweep_chunks.split(",") if x):
-            variant = settings.model_copy(update={"prefill_chunk_tokens": chunk})
+            variant = settings.model_copy(update={"mixed_prefill_chunk_tokens": chunk})
             one = _serving(backend, variant, argparse.Namespace(**{**vars(args), "rate": rate}), vocab)
-            summary = {"rate": rate, "prefill_chunk_tokens": chunk, **one["result"],
+            summary = {"rate": rate, "prefill_chunk_tokens": settings.prefill_chunk_tokens,
+                       "mixed_prefill_chunk_tokens": chunk, **one["result"],
                        "mixed_share": round(one["mixed_ticks"].get("ticks", 0)
                                             / max(1, one["mixed_ticks"].get("ticks", 0)
                                                   + one["decode_only_ticks"].get("ticks", 0)), 3),
@@ -369,7 +371,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefix-own", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--sweep-rates", default="20,40", help="serving_sweep: workload C rates")
-    p.add_argument("--sweep-chunks", default="512,256,128", help="serving_sweep: PREFILL_CHUNK_TOKENS values")
+    p.add_argument("--sweep-chunks", default="0,256,128", help="serving_sweep: MIXED_PREFILL_CHUNK_TOKENS values "
+                   "(0 = PREFILL_CHUNK_TOKENS, 512, in every tick)")
     p.add_argument("--sections", default="decode,decode_cprofile,decode_trace,serving")
     args = p.parse_args(argv)
     if args.quick:

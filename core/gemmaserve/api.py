@@ -222,7 +222,7 @@ class LLM:
 
     # -- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the engine thread and release the backend. Idempotent."""
+        """Stop the engine thread and release the backend (and the KV-event publisher it owns). Idempotent."""
         self.engine.shutdown()
         self.engine.backend.close()  # idempotent; the engine closes a backend it owns as well
 

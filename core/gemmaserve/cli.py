@@ -220,9 +220,18 @@ def cmd_pull_default(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Run the OpenAI-compatible HTTP server until interrupted."""
+    """Run the OpenAI-compatible HTTP server until interrupted: one process, or with ``--data-parallel-size N``
+    N of them behind vllm-router (gemmaserve.server.data_parallel)."""
     from gemmaserve.server.serve import serve
 
+    data_parallel = args.data_parallel_size > 1
+    if args.router_policy is not None and not data_parallel:
+        raise ConfigurationError(f"--router-policy {args.router_policy} chooses how the router spreads requests over "
+                                 "replicas: it needs --data-parallel-size 2 or more")
+    if data_parallel:
+        from gemmaserve.server.data_parallel import require_router
+
+        require_router()  # before the settings are read: the missing package is the first thing to fix
     settings = load_settings(
         model=args.model, backend=args.backend, device=args.device, dtype=args.dtype,
         max_batch_size=args.max_batch_size, max_active_kv_tokens=args.max_active_kv_tokens,
@@ -234,11 +243,41 @@ def cmd_serve(args: argparse.Namespace) -> int:
         limit_concurrency=args.limit_concurrency, shutdown_timeout=args.shutdown_timeout,
         default_max_tokens=args.default_max_tokens, served_model_name=_served_names(args.served_model_name),
         chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
+        reasoning_parser=args.reasoning_parser, kv_events_config=args.kv_events_config,
     )
     _setup_logging(settings)
+    if data_parallel:
+        from gemmaserve.server.data_parallel import serve_data_parallel
+
+        return serve_data_parallel(settings, args.data_parallel_size, args.router_policy or "cache_aware",
+                                   _replica_flags(args), api_key=args.api_key)
     serve(settings)
     return 0
+
+
+_LAUNCHER_ONLY = frozenset({"host", "port", "api_key", "allowed_origins", "data_parallel_size", "router_policy"})
+"""``serve`` flags the launcher answers for itself instead of passing them to every replica: the public address
+and CORS are the router's, the API key reaches the replicas through their env (not their command line)."""
+
+
+def _replica_flags(args: argparse.Namespace) -> list[str]:
+    """The ``serve`` flags given on this command line, as each data-parallel replica gets them (flags left unset
+    are left to the env / .env, which the replicas inherit)."""
+    flags: list[str] = []
+    for action in args.serve_parser._actions:
+        if not action.option_strings or action.dest in _LAUNCHER_ONLY or action.dest == "help":
+            continue
+        value = getattr(args, action.dest, None)
+        if value is None:
+            continue
+        flag = next(option for option in action.option_strings if option.startswith("--"))
+        if isinstance(action, argparse._StoreTrueAction):
+            flags += [flag] if value else []
+        elif isinstance(value, list):
+            flags += [flag, *map(str, value)]
+        else:
+            flags.append(f"{flag}={value}")  # one token: a value starting with '-' stays a value
+    return flags
 
 
 def _served_names(names: Sequence[str] | None) -> str | None:
@@ -274,6 +313,9 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
               "auto (gemma4 when the tokenizer has Gemma 4's <|tool_call> token)", choices=["auto", "gemma4", "json"])
     _env_flag(g, "--reasoning-parser", "gemma4: Gemma 4's reasoning channel goes to message.reasoning_content "
               "(vLLM's flag); unset = off", choices=["", "gemma4"])
+    _env_flag(g, "--kv-events-config", "KV-cache events for KV-aware routers (vLLM's flag): a JSON object of vLLM's "
+              "KVEventsConfig keys, e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}'; see "
+              "docs/kv-events.md", metavar="JSON")
     _env_flag(g, "--default-max-tokens", "max_tokens of a chat request that sends none, within the rest of the "
               "context; 0 = the rest of the context", type=int)
     _env_flag(g, "--timeout-keep-alive", "seconds a connection may stay silent before or between requests",
@@ -286,7 +328,28 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     _env_flag(g, "--shutdown-timeout", "on SIGTERM/SIGINT, seconds running requests get to finish while new ones "
               "are refused; then the rest are cancelled", type=float)
     _add_engine_flags(p)
-    p.set_defaults(func=cmd_serve)
+    from gemmaserve.server.data_parallel import ROUTER_POLICIES
+
+    dp = p.add_argument_group("data parallel: replicas behind vllm-router (pip install 'gemmaserve[router]'; "
+                              "docs/scaling.md)")
+    dp.add_argument("--data-parallel-size", "-dp", type=_data_parallel_size, default=1, metavar="N",
+                    help="engine replicas (vLLM's flag): N > 1 starts N `gemmaserve serve` processes on loopback "
+                    "ports, one GPU each (CUDA_VISIBLE_DEVICES) or sharing the CPU, behind vllm-router on --host / "
+                    "--port; a replica that dies is restarted (default: 1, one process, no router)")
+    dp.add_argument("--router-policy", choices=ROUTER_POLICIES, default=None,
+                    help="how the router picks a replica: cache_aware (the one whose prompt-prefix tree matches "
+                    "best, load permitting) or round_robin (default: cache_aware; only with --data-parallel-size)")
+    p.set_defaults(func=cmd_serve, serve_parser=p)
+
+
+def _data_parallel_size(value: str) -> int:
+    try:
+        size = int(value)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 (1 = one process), got {value!r}")
+    return size
 
 
 def _add_bench_command(sub: argparse._SubParsersAction) -> None:

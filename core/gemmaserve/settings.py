@@ -6,12 +6,14 @@ defines its own settings class for its own variables (``CUSTOM_BACKEND_*``, ``CO
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+import dataclasses
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import AliasChoices, Field, ValidationError, field_serializer, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from gemmaserve.errors import ConfigurationError
+from gemmaserve.kv.events import KVEventsConfig, parse_kv_events_config
 
 __all__ = ["CoreSettings", "build_settings", "env_alias", "load_settings", "format_validation_error", "DEVICE_CHOICES", "DTYPE_CHOICES"]
 
@@ -65,6 +67,12 @@ class CoreSettings(BaseSettings):
     prefill_chunk_tokens: int = Field(
         512, ge=1, validation_alias=env_alias("PREFILL_CHUNK_TOKENS"),
         description="Max prompt tokens prefilled per request per scheduler tick (chunked prefill).",
+    )
+    mixed_prefill_chunk_tokens: int = Field(
+        0, ge=0, validation_alias=env_alias("MIXED_PREFILL_CHUNK_TOKENS"),
+        description="Max prompt tokens prefilled per request in a tick that also decodes (0 = PREFILL_CHUNK_TOKENS): "
+        "smaller chunks beside decoding rows shorten those rows' inter-token gaps, while ticks without a decoding "
+        "row (a burst of new prompts) keep PREFILL_CHUNK_TOKENS.",
     )
     max_num_batched_tokens: int = Field(
         8192, ge=1, validation_alias=env_alias("MAX_NUM_BATCHED_TOKENS"),
@@ -149,6 +157,19 @@ class CoreSettings(BaseSettings):
         description="HTTP server: gemma4 moves Gemma 4's reasoning channel (<|channel>thought...<channel|>) of a chat "
         "reply into message.reasoning_content (vLLM's --reasoning-parser); empty = off (the channel is content).",
     )
+    kv_events_config: Annotated[KVEventsConfig | None, NoDecode] = Field(
+        None, validation_alias=env_alias("KV_EVENTS_CONFIG"),
+        description="KV-cache events for KV-aware routers (vLLM's --kv-events-config): a JSON object of vLLM's "
+        "KVEventsConfig keys, e.g. {\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}; the prefix "
+        "cache's BlockStored / BlockRemoved / AllBlocksCleared go out in vLLM's ZMQ + msgpack format "
+        "(docs/kv-events.md). Unset: no events.",
+    )
+    data_parallel_rank: int = Field(
+        0, ge=0, validation_alias=env_alias("DATA_PARALLEL_RANK"),
+        description="This replica's index among data-parallel replicas (vLLM's --data-parallel-rank; `serve "
+        "--data-parallel-size N` sets it per replica): stamped on its KV events, whose endpoints it offsets as vLLM "
+        "does (port + rank).",
+    )
     served_model_name: str = Field(
         "", validation_alias=env_alias("SERVED_MODEL_NAME"),
         description="HTTP server: comma-separated model names to serve under (vLLM's --served-model-name): "
@@ -162,6 +183,18 @@ class CoreSettings(BaseSettings):
         if not value:
             raise ValueError("BACKEND must not be empty; use 'auto' or a name from `gemmaserve backends`")
         return value
+
+    @field_validator("kv_events_config", mode="plain")
+    @classmethod
+    def _parse_kv_events_config(cls, value: Any) -> KVEventsConfig | None:
+        try:
+            return parse_kv_events_config(value)
+        except ConfigurationError as exc:
+            raise ValueError(str(exc)) from None
+
+    @field_serializer("kv_events_config")
+    def _dump_kv_events_config(self, value: KVEventsConfig | None) -> dict[str, Any] | None:
+        return None if value is None else dataclasses.asdict(value)
 
     @field_validator("device", "dtype", "log_level", mode="before")
     @classmethod

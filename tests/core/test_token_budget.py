@@ -31,21 +31,43 @@ _request = st.tuples(
     mixed=st.booleans(),
     step_cap=st.sampled_from([None, 1, 3]),
     cache_blocks=st.sampled_from([0, 8, 64]),
+    mixed_chunk=st.sampled_from([0, 1, 2, 5, 256]),
 )
 def test_tokens_do_not_depend_on_the_budget_or_the_tick_shape(
     requests: list[tuple[list[int], int, int, float, int]], chunk: int, batch: int, extra_budget: int, mixed: bool,
-    step_cap: int | None, cache_blocks: int,
+    step_cap: int | None, cache_blocks: int, mixed_chunk: int,
 ) -> None:
     backend = ReferenceBackend(mixed_step=mixed, max_step_chunk=step_cap)
     budget = batch + extra_budget
     sched, _, _ = make(backend, cache_blocks=cache_blocks, prefill_chunk_tokens=chunk, max_batch_size=batch,
-                       max_num_batched_tokens=budget)
+                       max_num_batched_tokens=budget, mixed_prefill_chunk_tokens=mixed_chunk)
     recorder, params = run_arrivals(sched, requests)
     for rid, (prompt, sampling) in params.items():
         assert recorder.outputs[rid].token_ids == backend.reference_generate(prompt, sampling), rid
+    beside_rows = min(chunk, mixed_chunk or chunk)
     for sizes, rows in backend.step_calls:
         assert sum(sizes) + rows <= budget and all(0 < size <= chunk for size in sizes)
+        assert not rows or all(size <= beside_rows for size in sizes), "MIXED_PREFILL_CHUNK_TOKENS beside rows"
     assert_idle(sched)
+
+
+def test_chunks_beside_decoding_rows_take_the_mixed_cap() -> None:
+    """A burst with nothing decoding gets PREFILL_CHUNK_TOKENS per request; once a row decodes, each chunk of the
+    tick is at most MIXED_PREFILL_CHUNK_TOKENS (0 turns the smaller cap off)."""
+    for mixed_cap, expected in ((3, [8, 3, 3]), (0, [8, 8, 8])):
+        backend = ReferenceBackend(mixed_step=True)
+        sched, _, _ = make(backend, cache_blocks=0, prefill_chunk_tokens=8, max_batch_size=4,
+                           max_num_batched_tokens=64, mixed_prefill_chunk_tokens=mixed_cap)
+        sched.add_request(req("first", [5, 6], max_tokens=30, ignore_eos=True))
+        sched.add_request(req("long", [7] * 40, max_tokens=2, ignore_eos=True))
+        recorder = Recorder()
+        for _ in range(3):
+            recorder.feed(sched.step())
+        assert [max(sizes) for sizes, _ in backend.step_calls[:3]] == expected, mixed_cap
+        run(sched, recorder)
+        assert recorder.outputs["long"].token_ids == backend.reference_generate(
+            [7] * 40, SamplingParams(max_tokens=2, ignore_eos=True))
+        assert_idle(sched)
 
 
 @pytest.mark.parametrize("mixed", [False, True])

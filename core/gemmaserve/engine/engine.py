@@ -26,6 +26,7 @@ from gemmaserve.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from gemmaserve.backend import InferenceBackend
     from gemmaserve.kv.cache_manager import CacheManager, CacheStats
+    from gemmaserve.kv.events import ZmqEventPublisher
     from gemmaserve.settings import CoreSettings
 
 __all__ = ["Engine", "EngineStats"]
@@ -76,7 +77,9 @@ class Engine:
     """Continuous-batching engine over one backend. ``start`` is implicit on the first submit;
     ``shutdown`` cancels what is pending. With ``owns_backend`` the backend is closed at shutdown
     (``close`` is idempotent, so callers closing it again is harmless). ``backend_name`` is the
-    registry name it was selected under (default: the class name)."""
+    registry name it was selected under (default: the class name). ``kv_events``: the publisher of the prefix
+    cache's changes (``gemmaserve.kv.events``), which the engine owns: closed at shutdown after the backend, so
+    the cache's last changes go out first."""
 
     def __init__(
         self,
@@ -86,6 +89,7 @@ class Engine:
         *,
         owns_backend: bool = False,
         backend_name: str | None = None,
+        kv_events: ZmqEventPublisher | None = None,
     ) -> None:
         freeze_startup_objects()  # the backend is built: its objects live as long as the process serves
         self.backend = backend
@@ -94,6 +98,7 @@ class Engine:
         self.cache_manager = cache_manager
         self.scheduler = ContinuousBatchScheduler(backend, settings, cache_manager)
         self._owns_backend = owns_backend
+        self.kv_events = kv_events
         self._cond = threading.Condition()  # guards everything below
         self._inbox: list[Request] = []
         self._cancels: list[tuple[str, FinishReason]] = []
@@ -310,6 +315,11 @@ class Engine:
                 self.backend.close()
             except Exception:
                 logger.exception("closing the backend failed")
+        if self.kv_events is not None:
+            try:
+                self.kv_events.close()  # idempotent
+            except Exception:
+                logger.exception("closing the KV-event publisher failed")
 
     # -- observability ------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -1,7 +1,7 @@
-"""``build_engine``: settings -> selected backend -> loaded model -> prefix cache -> Engine.
+"""``build_engine``: settings -> selected backend -> loaded model -> prefix cache -> KV events -> Engine.
 
-Imports nothing heavy itself: the backend factory (a dotted path in its BackendSpec) and the
-default-model helper are imported only when called.
+Imports nothing heavy itself: the backend factory (a dotted path in its BackendSpec), the default-model
+helper and the KV-event publisher's zmq are imported only when called.
 """
 
 from __future__ import annotations
@@ -10,13 +10,15 @@ import logging
 from typing import TYPE_CHECKING
 
 from gemmaserve.engine.engine import Engine
-from gemmaserve.errors import BackendUnavailableError
+from gemmaserve.errors import BackendUnavailableError, ConfigurationError
 from gemmaserve.kv.cache_manager import CacheManager
+from gemmaserve.kv.events import KVEventSource, ZmqEventPublisher
 from gemmaserve.registry import resolve_dotted
 from gemmaserve.selection import select_backend
 from gemmaserve.settings import CoreSettings, load_settings
 
 if TYPE_CHECKING:
+    from gemmaserve.backend import InferenceBackend
     from gemmaserve.registry import BackendRegistry
 
 __all__ = ["build_engine"]
@@ -29,8 +31,13 @@ def build_engine(settings: CoreSettings | None = None, registry: BackendRegistry
     or the embedded default model), attach a core prefix cache of ``PREFIX_CACHE_BLOCKS`` blocks when
     the backend uses one, and return a not-yet-started Engine that owns (and will close) the backend.
 
+    With ``KV_EVENTS_CONFIG`` enabling events, the prefix cache's changes are published in vLLM's format
+    (``gemmaserve.kv.events``) by ``engine.kv_events``, which the engine closes at shutdown.
+
     Raises ConfigurationError / BackendUnavailableError from selection, BackendUnavailableError if
-    the backend's factory cannot be imported, and whatever the factory raises (ModelLoadError...).
+    the backend's factory cannot be imported, whatever the factory raises (ModelLoadError...), and
+    ConfigurationError (the backend closed again) if KV events are enabled for a backend without a prefix cache
+    or their sockets cannot be opened.
     """
     settings = settings or load_settings()
     selection = select_backend(settings, registry)
@@ -51,6 +58,11 @@ def build_engine(settings: CoreSettings | None = None, registry: BackendRegistry
     if backend.capabilities.uses_core_cache_manager and settings.prefix_cache_blocks > 0:
         cache = CacheManager(settings.prefix_cache_blocks, settings.kv_block_size)
         backend.set_cache_adapter(cache)
+    try:
+        publisher = _kv_events(settings, spec.name, backend, cache)
+    except BaseException:
+        backend.close()
+        raise
     logger.info(
         "engine: backend %s on %s (%s), model %s, prefix cache %s, max_batch_size=%d, max_active_kv_tokens=%d",
         spec.name,
@@ -61,4 +73,51 @@ def build_engine(settings: CoreSettings | None = None, registry: BackendRegistry
         settings.max_batch_size,
         settings.max_active_kv_tokens,
     )
-    return Engine(backend, settings, cache, owns_backend=True, backend_name=spec.name)
+    try:
+        return Engine(backend, settings, cache, owns_backend=True, backend_name=spec.name, kv_events=publisher)
+    except BaseException:
+        if publisher is not None:
+            publisher.close()
+        raise
+
+
+def _event_source(backend: InferenceBackend, cache: CacheManager | None) -> KVEventSource | None:
+    """The prefix cache whose blocks KV events report: the core cache, else the backend's own if it has one
+    that reports its blocks (the backend itself, or its ``prefix_cache``: custom_torch's)."""
+    if cache is not None:
+        return cache
+    if backend.capabilities.uses_core_cache_manager:
+        return None
+    for candidate in (backend, getattr(backend, "prefix_cache", None)):
+        if isinstance(candidate, KVEventSource):
+            return candidate
+    return None
+
+
+def _kv_events(
+    settings: CoreSettings, backend_name: str, backend: InferenceBackend, cache: CacheManager | None
+) -> ZmqEventPublisher | None:
+    """The publisher of the prefix cache's changes ``KV_EVENTS_CONFIG`` asks for, attached (None: events off or
+    the null publisher). Refuses events for a backend without a prefix cache rather than publish nothing."""
+    config = settings.kv_events_config
+    if config is None or not config.enable_kv_cache_events:
+        if config is not None and config.resolved_publisher == "zmq":
+            logger.info("KV events: off (KV_EVENTS_CONFIG has enable_kv_cache_events false)")
+        return None
+    source = _event_source(backend, cache)
+    if source is None:
+        why = (
+            "PREFIX_CACHE_BLOCKS=0 turns its prefix cache off"
+            if backend.capabilities.uses_core_cache_manager
+            else "it keeps no prefix cache that reports its blocks"
+        )
+        raise ConfigurationError(
+            f"KV_EVENTS_CONFIG enables KV-cache events, but backend {backend_name!r} has no prefix cache to report "
+            f"({why}); use a backend with one (hf, custom-*, mlx) or drop enable_kv_cache_events"
+        )
+    if config.resolved_publisher == "null":
+        logger.info("KV events: enabled with the null publisher, so nothing is published")
+        return None
+    publisher = ZmqEventPublisher(config, data_parallel_rank=settings.data_parallel_rank)
+    publisher.attach(source)
+    return publisher

@@ -357,12 +357,14 @@ class ContinuousBatchScheduler:
 
     def _plan_chunks(self, events: list[RequestEvent]) -> list[tuple[Request, PrefillState, int, int]]:
         """This tick's prefill work under the token budget: ``MAX_NUM_BATCHED_TOKENS`` minus one token per
-        decoding row, handed to prefilling requests in arrival order (each at most ``PREFILL_CHUNK_TOKENS``),
-        so a long prompt is split across ticks and a burst never stalls the decoding rows for more than one
-        budget. Looks a request's prompt up in the prefix cache when it first gets budget. Returns
+        decoding row, handed to prefilling requests in arrival order (each at most ``PREFILL_CHUNK_TOKENS``, or
+        ``MIXED_PREFILL_CHUNK_TOKENS`` while rows are decoding), so a long prompt is split across ticks and a
+        burst never stalls the decoding rows for more than one budget. Looks a request's prompt up in the prefix cache when it first gets budget. Returns
         ``(request, state, chunk tokens, num_computed before)``."""
         budget = self.settings.max_num_batched_tokens - len(self._q.rows)
         cap = self.settings.prefill_chunk_tokens
+        if self._q.rows and self.settings.mixed_prefill_chunk_tokens:
+            cap = min(cap, self.settings.mixed_prefill_chunk_tokens)
         work: list[tuple[Request, PrefillState, int, int]] = []
         for request in list(self._q.prefilling):
             if budget <= 0:

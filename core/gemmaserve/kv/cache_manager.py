@@ -25,6 +25,9 @@ length is not block-aligned also gets its partial last block (the *tail*) in an
 Eviction (only when ``begin_store`` runs out of free blocks, or on ``clear``): LRU exact-index tails
 first, since a tail block saves fewer than ``block_size`` tokens of recompute and only for an exact
 repeat; then LRU radix leaves, repeatedly. Every public method takes an internal lock.
+
+KV-cache events (``set_event_observer``) report the radix index's full blocks only: tails are never
+announced, as vLLM announces only full blocks.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from dataclasses import dataclass, field
 from gemmaserve.errors import ConfigurationError
 from gemmaserve.kv.block_manager import BlockManager
 from gemmaserve.kv.exact_index import ExactMatchIndex
-from gemmaserve.kv.radix import RadixPrefixIndex
+from gemmaserve.kv.radix import RadixObserver, RadixPrefixIndex
 
 __all__ = ["PrefixMatch", "BlockWrite", "StorePlan", "CacheStats", "CacheManager"]
 
@@ -257,7 +260,19 @@ class CacheManager:
     def clear(self) -> None:
         """Drop every evictable entry; pinned blocks (and exact entries over them) stay."""
         with self._lock:
-            self._evict(self.num_blocks)
+            self._evict(self.num_blocks, clearing=True)
+
+    # -- KV-cache events ------------------------------------------------------------------------
+    def set_event_observer(self, observer: RadixObserver | None) -> None:
+        """Report every change to the cached full blocks to ``observer`` (see :class:`RadixObserver`), called
+        with this manager's lock held; blocks cached already are reported at once. None stops reporting."""
+        with self._lock:
+            self._radix.set_observer(observer)
+
+    def block_paths(self) -> list[tuple[tuple[int, ...], ...]]:
+        """Every cached full block as its block keys from the first block down to it (tails excluded)."""
+        with self._lock:
+            return self._radix.block_paths()
 
     # -- internals (lock held) ------------------------------------------------------------------
     def _hold(self, block_ids: Iterable[int]) -> None:
@@ -287,8 +302,9 @@ class CacheManager:
         self._blocks.decref((block_id,))
         self._counters["evictions"] += 1
 
-    def _evict(self, num_blocks: int) -> None:
-        """Free up to ``num_blocks`` blocks: LRU unpinned exact tails first, then LRU radix leaves."""
+    def _evict(self, num_blocks: int, *, clearing: bool = False) -> None:
+        """Free up to ``num_blocks`` blocks: LRU unpinned exact tails first, then LRU radix leaves.
+        ``clearing``: every unpinned entry goes (the radix's ``clear``, which reports an emptied index as such)."""
         target_free = self._blocks.num_free + num_blocks
 
         def can_evict(block_id: int) -> bool:
@@ -296,7 +312,11 @@ class CacheManager:
 
         for entry in self._exact.evict_tails(num_blocks, can_evict):
             self._cache_remove(entry.tail_value)
-        for block_id in self._radix.evict(target_free - self._blocks.num_free, can_evict):
+        if clearing:
+            evicted = self._radix.clear(can_evict)
+        else:
+            evicted = self._radix.evict(target_free - self._blocks.num_free, can_evict)
+        for block_id in evicted:
             for entry in self._exact.remove_value(block_id):
                 if entry.tail_value is not None:
                     self._cache_remove(entry.tail_value)

@@ -11,6 +11,10 @@ The index never frees anything: ``evict`` returns the values it dropped and the 
 LRU: a logical clock ticks once per ``match``/``insert``, which stamps every node on the walked path.
 Eviction repeatedly removes the least recently used LEAF whose value ``can_evict`` accepts; a parent
 becomes a candidate once its last child is gone. Not thread-safe: callers serialize access.
+
+Observers (:meth:`RadixPrefixIndex.set_observer`): an optional :class:`RadixObserver` is told of every
+change to the set of cached blocks (KV-cache events, ``gemmaserve.kv.events``), naming each block by a
+``node_id`` that is unique for the index's lifetime, so content hashes can be derived off the caller's thread.
 """
 
 from __future__ import annotations
@@ -19,9 +23,9 @@ import heapq
 import itertools
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
-__all__ = ["BlockValue", "RadixPrefixIndex", "RadixMatch", "InsertResult"]
+__all__ = ["BlockValue", "RadixPrefixIndex", "RadixMatch", "InsertResult", "RadixObserver", "StoredBlock"]
 
 BlockValue = Hashable
 """What the index stores per block (an int block id in the core; anything hashable for backends)."""
@@ -60,6 +64,32 @@ class InsertResult:
         return tuple(given for given, held in pairs if given != held)
 
 
+class StoredBlock(NamedTuple):
+    """A block that became cached: its ``node_id`` and its ``block_size`` token ids."""
+
+    node_id: int
+    token_ids: tuple[int, ...]
+
+
+class RadixObserver(Protocol):
+    """Told of every change to an index's set of cached blocks, synchronously and in order, while the index's
+    owner serializes access: calls must be cheap, must not raise and must not touch the index.
+
+    A ``node_id`` names one cached block from its insertion to its removal and is never reused by the index.
+    Replaying the calls into a set of node ids always yields the index's current blocks.
+    """
+
+    def blocks_stored(self, parent: int | None, blocks: Sequence[StoredBlock]) -> None:
+        """New blocks forming a chain: ``blocks[0]`` extends block ``parent`` (None: it is a sequence's first
+        block), every next block the one before it. Never empty."""
+
+    def blocks_removed(self, node_ids: Sequence[int]) -> None:
+        """Blocks dropped, each a leaf at its removal (a block's children come before it). Never empty."""
+
+    def all_cleared(self) -> None:
+        """Every block was dropped: the index is empty."""
+
+
 @dataclass(eq=False, slots=True)
 class _Node:
     key: tuple[int, ...]
@@ -82,6 +112,32 @@ class RadixPrefixIndex:
         self._clock = 0
         self._by_value: dict[BlockValue, _Node] = {}
         self._leaves: set[_Node] = set()
+        self._observer: RadixObserver | None = None
+
+    def set_observer(self, observer: RadixObserver | None) -> None:
+        """Report every later change to ``observer`` (None: stop reporting). Blocks already cached are reported
+        to a new observer at once, as ``blocks_stored`` calls, parents first."""
+        self._observer = observer
+        if observer is None:
+            return
+        stack = [self._root]
+        while stack:
+            node = stack.pop()
+            for child in node.children.values():
+                parent = None if node is self._root else node.serial
+                observer.blocks_stored(parent, (StoredBlock(child.serial, child.key),))
+                stack.append(child)
+
+    def block_paths(self) -> list[tuple[tuple[int, ...], ...]]:
+        """Every cached block as the block keys (token tuples) from the first block down to it, parents first."""
+        paths: list[tuple[tuple[int, ...], ...]] = []
+        stack: list[tuple[_Node, tuple[tuple[int, ...], ...]]] = [(self._root, ())]
+        while stack:
+            node, path = stack.pop()
+            for key, child in node.children.items():
+                paths.append((*path, key))
+                stack.append((child, paths[-1]))
+        return paths
 
     @property
     def num_cached_blocks(self) -> int:
@@ -138,6 +194,7 @@ class RadixPrefixIndex:
         fresh = given[num_existing:]
         if len(set(fresh)) != len(fresh) or any(value in self._by_value for value in fresh):
             raise ValueError("insert: a new block value is repeated or already held by another cached block")
+        stored_under = node
         for key, value in zip(keys[num_existing:], fresh):
             child = _Node(key=key, value=value, parent=node, serial=next(self._serials))
             node.children[key] = child
@@ -149,6 +206,9 @@ class RadixPrefixIndex:
         self._clock += 1
         for path_node in path:
             path_node.last_access = self._clock
+        if self._observer is not None and fresh:
+            parent = None if stored_under is self._root else stored_under.serial
+            self._observer.blocks_stored(parent, [StoredBlock(n.serial, n.key) for n in path[num_existing:]])
         return InsertResult(num_existing, tuple(n.value for n in path), given)
 
     def evict(self, max_blocks: int, can_evict: Callable[[BlockValue], bool]) -> list[BlockValue]:
@@ -157,19 +217,34 @@ class RadixPrefixIndex:
 
         ``max_blocks <= 0`` is a no-op. ``can_evict`` must not modify the index.
         """
+        return self._evict(max_blocks, can_evict, clearing=False)
+
+    def clear(self, can_evict: Callable[[BlockValue], bool]) -> list[BlockValue]:
+        """Remove every block that can go (``evict`` with no limit): leaves ``can_evict`` accepts, repeatedly.
+        When that empties the index an observer gets one ``all_cleared`` instead of ``blocks_removed``."""
+        return self._evict(len(self._by_value), can_evict, clearing=True)
+
+    def _evict(self, max_blocks: int, can_evict: Callable[[BlockValue], bool], *, clearing: bool) -> list[BlockValue]:
         if max_blocks <= 0:
             return []
         heap = [(leaf.last_access, leaf.serial, leaf) for leaf in self._leaves]
         heapq.heapify(heap)
         evicted: list[BlockValue] = []
+        removed: list[int] = []
         while heap and len(evicted) < max_blocks:
             _, _, leaf = heapq.heappop(heap)
             if not can_evict(leaf.value):
                 continue
             parent = self._remove_leaf(leaf)
             evicted.append(leaf.value)
+            removed.append(leaf.serial)
             if parent is not self._root and not parent.children:
                 heapq.heappush(heap, (parent.last_access, parent.serial, parent))
+        if self._observer is not None and removed:
+            if clearing and not self._by_value:
+                self._observer.all_cleared()
+            else:
+                self._observer.blocks_removed(removed)
         return evicted
 
     def _remove_leaf(self, leaf: _Node) -> _Node:

@@ -95,6 +95,9 @@ NEUTRAL_EXTRAS: dict[str, tuple[Any, ...]] = {
     "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,),
     "allowed_token_ids": (None,), "priority": (None, 0), "add_special_tokens": (None,),
     "return_tokens_as_token_ids": (None, False), "detokenize": (None, True),
+    # SGLang's fields, which vllm-router adds to every body it forwards (at these values: the defaults)
+    "no_stop_trim": (None, False), "return_hidden_states": (None, False), "separate_reasoning": (None, True),
+    "stream_reasoning": (None, True), "include_reasoning": (None, True),
 }
 """Request fields gemmaserve does not implement but accepts at the value that means "off" / the default (any
 other value is a 400 naming the field). Every other unknown field is a 400 too: nothing is silently ignored."""

@@ -145,8 +145,8 @@ def _warm_grammars(engine: Any) -> None:
 
 
 def serve(settings: CoreSettings) -> None:
-    """Blocking: serve HTTP on settings.host:settings.port; shuts the engine down on exit.
-    Raises what ``build_engine`` raises (ConfigurationError, BackendUnavailableError, ModelLoadError)."""
+    """Blocking: serve HTTP on settings.host:settings.port; shuts the engine (and its KV-event publisher) down
+    on exit. Raises what ``build_engine`` raises (ConfigurationError, BackendUnavailableError, ModelLoadError)."""
     import uvicorn
 
     from gemmaserve.engine.factory import build_engine
@@ -186,4 +186,4 @@ def serve(settings: CoreSettings) -> None:
         )
         _draining_server(config, engine, app.state.drain, settings.shutdown_timeout).run()
     finally:
-        engine.shutdown()
+        engine.shutdown()  # closes the KV-event publisher after the backend: the cache's last changes go out first

@@ -15,6 +15,10 @@ Run them with the defaults, or build a configured subclass for your own implemen
 The cache machine writes a fake "KV" (the token ids themselves) into every planned block through a
 :class:`KVStore` and checks that every block a lookup returns holds exactly the looked-up tokens.
 A backend can pass a ``KVStore`` that round-trips through its real block tensors.
+
+When the index (``set_observer``) or cache (``set_event_observer``) reports its changes, the machines also
+replay them through an :class:`EventLog` and check, after every step, that the replayed set of vLLM block
+hashes equals the one computed from the cached blocks themselves (the KV-cache events' contract).
 """
 
 from __future__ import annotations
@@ -29,11 +33,14 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from gemmaserve.kv.block_manager import BlockManager, BlockRefError, OutOfBlocksError
 from gemmaserve.kv.cache_manager import CacheManager, PrefixMatch, StorePlan
-from gemmaserve.kv.radix import RadixPrefixIndex
+from gemmaserve.kv.events import VllmBlockHasher
+from gemmaserve.kv.radix import RadixPrefixIndex, StoredBlock
 
 __all__ = [
     "KVStore",
     "DictKVStore",
+    "EventLog",
+    "expected_block_hashes",
     "BlockManagerMachine",
     "RadixIndexMachine",
     "CacheManagerMachine",
@@ -68,6 +75,57 @@ class DictKVStore:
 
     def read(self, block_id: int) -> tuple[int, ...]:
         return self._data.get(block_id, ())
+
+
+class EventLog:
+    """A :class:`~gemmaserve.kv.radix.RadixObserver` that replays the reported changes into a tree, asserting
+    they are well formed (a stored block is new and extends a known block, a removed block is a known leaf),
+    and hashes every block as the KV-event publisher does. ``digests()`` is the set a subscriber holds."""
+
+    def __init__(self, hasher: VllmBlockHasher | None = None) -> None:
+        self.hasher = hasher or VllmBlockHasher(seed="kv-machines")
+        self.nodes: dict[int, tuple[int | None, bytes]] = {}  # node id -> (parent node id, digest)
+        self.children: Counter[int | None] = Counter()
+        self.calls: Counter[str] = Counter()
+
+    def blocks_stored(self, parent: int | None, blocks: Sequence[StoredBlock]) -> None:
+        assert blocks, "blocks_stored with no block"
+        assert parent is None or parent in self.nodes, f"block stored under unknown block {parent}"
+        previous = parent
+        for block in blocks:
+            assert block.node_id not in self.nodes, f"block {block.node_id} stored twice"
+            parent_digest = None if previous is None else self.nodes[previous][1]
+            self.nodes[block.node_id] = (previous, self.hasher.hash_block(parent_digest, block.token_ids))
+            self.children[previous] += 1
+            previous = block.node_id
+        self.calls["stored"] += 1
+
+    def blocks_removed(self, node_ids: Sequence[int]) -> None:
+        assert node_ids, "blocks_removed with no block"
+        for node_id in node_ids:
+            assert node_id in self.nodes, f"unknown block {node_id} removed"
+            assert self.children[node_id] == 0, f"block {node_id} removed before its children"
+            parent, _ = self.nodes.pop(node_id)
+            self.children[parent] -= 1
+            del self.children[node_id]
+        self.calls["removed"] += 1
+
+    def all_cleared(self) -> None:
+        self.nodes.clear()
+        self.children.clear()
+        self.calls["cleared"] += 1
+
+    def digests(self) -> set[bytes]:
+        return {digest for _, digest in self.nodes.values()}
+
+
+def expected_block_hashes(paths: Sequence[Path], hasher: VllmBlockHasher) -> set[bytes]:
+    """vLLM block hashes of cached blocks given as block-key paths (``block_paths()``), from scratch."""
+    digests: dict[Path, bytes] = {}
+    for path in sorted(paths, key=len):
+        parent = digests[path[:-1]] if len(path) > 1 else None
+        digests[path] = hasher.hash_block(parent, path[-1])
+    return set(digests.values())
 
 
 def _raises(exc_type: type[BaseException], fn: Callable[[], Any]) -> None:
@@ -177,6 +235,10 @@ class RadixIndexMachine(RuleBasedStateMachine):
         self.pinned: set[Hashable] = set()
         self.next_value = 0
         self.seen: list[tuple[int, ...]] = []
+        self.events: EventLog | None = None
+        if hasattr(self.index, "set_observer"):
+            self.events = EventLog()
+            self.index.set_observer(self.events)
 
     def _fresh(self) -> Hashable:
         self.next_value += 1
@@ -263,8 +325,41 @@ class RadixIndexMachine(RuleBasedStateMachine):
         note(f"evict({max_blocks}) -> {evicted}")
         assert evicted == expected, f"LRU order: expected {expected}, got {evicted}"
 
+    @rule()
+    def clear(self) -> None:
+        """Every unpinned leaf goes, repeatedly; an emptied index is reported as one ``all_cleared``."""
+        cleared_before = self.events.calls["cleared"] if self.events else 0
+        evicted = self.index.clear(lambda value: value not in self.pinned)
+        note(f"clear() -> {evicted}")
+        removed = []
+        while True:
+            leaves = [p for p, v in self.paths.items() if v not in self.pinned
+                      and not any(q[:-1] == p for q in self.paths if len(q) == len(p) + 1)]
+            if not leaves:
+                break
+            for leaf in leaves:
+                removed.append(self.paths.pop(leaf))
+                del self.stamps[leaf]
+        assert len(set(evicted)) == len(evicted) and set(evicted) == set(removed), (evicted, removed)
+        if self.events is not None:
+            emptied = bool(evicted) and not self.paths
+            assert self.events.calls["cleared"] - cleared_before == int(emptied)
+
+    @precondition(lambda self: self.events is not None)
+    @rule()
+    def reattach_observer(self) -> None:
+        """A new observer is told of the blocks cached already."""
+        self.events = EventLog()
+        self.index.set_observer(self.events)
+
     @invariant()
     def agrees_with_model(self) -> None:
+        if self.events is not None:
+            paths = self.index.block_paths()
+            assert sorted(paths) == sorted(self.paths), "block_paths() disagrees with the model"
+            assert self.events.digests() == expected_block_hashes(paths, self.events.hasher), (
+                "replayed KV events disagree with the cached blocks"
+            )
         assert self.index.num_cached_blocks == len(self.paths)
         for keys, value in self.paths.items():
             tokens = tuple(t for key in keys for t in key)
@@ -299,6 +394,10 @@ class CacheManagerMachine(RuleBasedStateMachine):
         self.stored: dict[tuple[int, ...], int] = {}
         self.evictions = 0
         self.seen: list[tuple[int, ...]] = []
+        self.events: EventLog | None = None
+        if hasattr(self.cm, "set_event_observer"):
+            self.events = EventLog()
+            self.cm.set_event_observer(self.events)
 
     def _sync_evictions(self) -> None:
         evictions = self.cm.stats().evictions
@@ -429,6 +528,9 @@ class CacheManagerMachine(RuleBasedStateMachine):
     @invariant()
     def agrees_with_model(self) -> None:
         self.cm.check_integrity()
+        if self.events is not None:
+            expected = expected_block_hashes(self.cm.block_paths(), self.events.hasher)
+            assert self.events.digests() == expected, "replayed KV events disagree with the cached blocks"
         stats = self.cm.stats()
         assert stats.used_blocks + stats.free_blocks == self.nb
         assert stats.pinned_blocks == stats.used_blocks - stats.evictable_blocks

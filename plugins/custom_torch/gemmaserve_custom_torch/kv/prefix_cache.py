@@ -17,6 +17,9 @@ A hit of ``c`` computed tokens is valid only if the sliding blocks the next quer
 Refcounts: the cache holds one reference per id in its values and tails; a row holds its own. Everything
 the cache holds alone (refcount 1) is reclaimable (tails and LRU leaves, then LRU sliding trims) and nothing
 else is, which is what lets admission count cached blocks as free.
+
+KV-cache events (``set_event_observer``) follow the radix index: a block is stored while its radix node lives
+(its full-group KV), whatever happens to its sliding copy; exact-index tails are never announced.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 
 from gemmaserve.errors import KVCapacityError
 from gemmaserve.kv.exact_index import ExactMatchIndex
-from gemmaserve.kv.radix import RadixPrefixIndex
+from gemmaserve.kv.radix import RadixObserver, RadixPrefixIndex
 
 from ..models.config import FULL, SLIDING
 from .paged_cache import PagedKVCache
@@ -200,12 +203,16 @@ class PrefixCache:
             evicted = self.radix.evict(short(), self._cache_only)
             if not evicted:
                 break
-            for value in evicted:
-                self._values.discard(value)  # type: ignore[arg-type]
-                for entry in self.exact.remove_value(value):
-                    self._release(entry.tail_value)  # type: ignore[arg-type]
-                self._release(value)  # type: ignore[arg-type]
-                self.stats["evicted_blocks"] += 1
+            self._drop_evicted(evicted)
+
+    def _drop_evicted(self, evicted: Sequence[object]) -> None:
+        """Release radix values the index just dropped, with the exact entries over them."""
+        for value in evicted:
+            self._values.discard(value)  # type: ignore[arg-type]
+            for entry in self.exact.remove_value(value):
+                self._release(entry.tail_value)  # type: ignore[arg-type]
+            self._release(value)  # type: ignore[arg-type]
+            self.stats["evicted_blocks"] += 1
 
     def _cache_only(self, value: object) -> bool:
         assert isinstance(value, CachedBlock)
@@ -222,7 +229,22 @@ class PrefixCache:
     def clear(self) -> None:
         """Drop every cache entry no live row uses (entries rows still use stay cached)."""
         for group in sorted(self.pools.groups, key=lambda g: g != SLIDING):
-            self.reclaim(group, self.pools.managers[group].num_blocks)
+            if group == SLIDING:
+                self.reclaim(group, self.pools.managers[group].num_blocks)
+                continue
+            for entry in self.exact.evict_tails(self.pools.managers[group].num_blocks, self._cache_only):
+                self._release(entry.tail_value)  # type: ignore[arg-type]
+            self._drop_evicted(self.radix.clear(self._cache_only))  # an emptied index is reported as cleared
+
+    # -- KV-cache events ---------------------------------------------------------------------------
+    def set_event_observer(self, observer: RadixObserver | None) -> None:
+        """Report every change to the cached full blocks to ``observer`` (see ``RadixObserver``), called on the
+        thread that drives this cache; blocks cached already are reported at once. None stops reporting."""
+        self.radix.set_observer(observer)
+
+    def block_paths(self) -> list[tuple[tuple[int, ...], ...]]:
+        """Every cached block as its block keys from the first block down to it (exact tails excluded)."""
+        return self.radix.block_paths()
 
     # -- accounting --------------------------------------------------------------------------------
     def references(self) -> dict[str, Counter[int]]:
