@@ -7,9 +7,13 @@ Imported only by the torch backends (``import gemmaserve`` never imports it, nor
 - ``temperature == 0``: argmax (lowest index wins a tie).
 - otherwise: logits / temperature, keep the ``top_k`` largest (0 = all), then the smallest most-likely prefix
   whose probability reaches ``top_p`` (ties: lower index first), then those at least ``min_p`` times as likely
-  as the most likely, renormalise, and pick with the uniform draw ``random.Random(sampling_seed(seed, step)).random()``. So a row's token is a pure function of its logits
-  and (seed, step), whatever else is in the batch and whichever backend runs it, and matches the pure-Python
-  definition up to float rounding (float64 here; float32 on MPS).
+  as the most likely, and pick the kept token with the largest ``scaled + g`` (ties: lowest id), ``g`` the
+  definition's per-token Gumbel noise of (``sampling_seed(seed, step)``, token id) (:func:`gumbel_noise`: the
+  same 53-bit integers as ``sampling_cpu.noise_bits``, computed with wrapping int64 ops, then float64). So a
+  row's token is a pure function of its logits and (seed, step), whatever else is in the batch and whichever
+  backend runs it, and matches the pure-Python definition up to float rounding (float64 here; on MPS the noise
+  is computed on the CPU in float64 and the score summed in float32). When no row uses top_k / top_p / min_p
+  there is no sort: one argmax over the vocabulary in id order.
 - logprob: the chosen token's ``log_softmax`` under the adjusted (unscaled, unfiltered) distribution.
 
 Vectorised over rows. :func:`sample_on_device` leaves the tokens (and logprobs) on the device without a host
@@ -20,7 +24,6 @@ sync (its small host-to-device copies go through pinned memory on CUDA), for asy
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Sequence
 
 import torch
@@ -29,7 +32,8 @@ from gemmaserve.backend import SampledTokens
 from gemmaserve.engine.sampling_cpu import penalty_offset, sampling_seed
 from gemmaserve.sampling_params import RowSampling
 
-__all__ = ["adjust_logits", "mask_logits", "sample_tokens", "sample_on_device", "sampled_from_host", "to_device"]
+__all__ = ["adjust_logits", "gumbel_noise", "noise_bits", "mask_logits", "sample_tokens", "sample_on_device",
+           "sampled_from_host", "to_device"]
 
 
 def to_device(values: Sequence[float] | Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -68,11 +72,11 @@ def sample_on_device(
     without a host sync. logprobs: [rows], or [rows, 1 + 2k] when rows want ``top_logprobs`` (see
     :func:`sampled_from_host`, which reads either).
 
-    The full-vocabulary sort runs on keys in the logits' own dtype unless a row's values change (``logit_bias``,
-    penalties): bfloat16 / float16 / float32 values widen exactly to float64 and dividing by a positive
-    temperature keeps distinct values distinct, so the order is the float64 definition's (a 16-bit sort of
-    64 x 262,144 keys takes ~0.8 ms on an H200, a float64 one ~2 ms). Masks (``banned``, ``allowed``) are -inf
-    in any dtype."""
+    The full-vocabulary sort (only when a row uses top_k / top_p / min_p) runs on keys in the logits' own dtype
+    unless a row's values change (``logit_bias``, penalties): bfloat16 / float16 / float32 values widen exactly
+    to float64 and dividing by a positive temperature keeps distinct values distinct, so the order is the float64
+    definition's (a 16-bit sort of 64 x 262,144 keys takes ~0.8 ms on an H200, a float64 one ~2 ms). Masks
+    (``banned``, ``allowed``) are -inf in any dtype."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [{len(rows)}, vocab] for {len(rows)} rows, got {tuple(logits.shape)}")
     adjusted = any(row.adjusts_logits for row in rows)
@@ -177,18 +181,24 @@ def allowed_on_device(masks: Sequence[bytes], vocab: int, device: torch.device) 
 
 def _sample_filtered(keys: torch.Tensor, rows: Sequence[RowSampling], dtype: torch.dtype) -> torch.Tensor:
     """Temperature / top-k / top-p / min-p sampling of every row of ``keys`` [n, vocab] (sorted in their own
-    dtype, the arithmetic in ``dtype``); returns token ids [n]. Filters no row uses are skipped."""
+    dtype when a filter is on, the arithmetic in ``dtype``); returns token ids [n]. Filters no row uses are
+    skipped; with none, so is the sort."""
     n, vocab = keys.shape
     device = keys.device
     top_k = [row.top_k if 0 < row.top_k < vocab else vocab for row in rows]
     params = torch.tensor([[row.temperature for row in rows], top_k, [row.top_p for row in rows],
-                           [math.log(row.min_p) if row.min_p > 0.0 else -math.inf for row in rows],
-                           [random.Random(sampling_seed(r.seed, r.step)).random() for r in rows]], dtype=dtype)
+                           [math.log(row.min_p) if row.min_p > 0.0 else -math.inf for row in rows]], dtype=dtype)
     if device.type == "cuda":
         params = params.pin_memory().to(device, non_blocking=True)
     else:
         params = params.to(device)
-    temps, k, top_p, log_min_p, draws = params
+    temps, k, top_p, log_min_p = params
+    noise_device = torch.device("cpu") if device.type == "mps" else device  # MPS has no float64
+    seeds = to_device([[_signed64(sampling_seed(row.seed, row.step))] for row in rows], torch.int64, noise_device)
+    score = gumbel_noise(seeds, vocab).to(dtype).to(device)  # becomes scaled + noise
+    score += keys.to(dtype) / temps[:, None]  # -inf (banned) stays -inf
+    if not any(kk < vocab for kk in top_k) and all(row.top_p >= 1.0 and row.min_p <= 0.0 for row in rows):
+        return score.argmax(dim=-1)  # every finite token is kept (an all -inf row gives token 0): no sort
     ordered, order = torch.sort(keys, dim=-1, descending=True, stable=True)
     scaled = ordered.to(dtype) / temps[:, None]
     keep = scaled > float("-inf")  # banned (-inf) tokens can never be drawn
@@ -201,10 +211,34 @@ def _sample_filtered(keys: torch.Tensor, rows: Sequence[RowSampling], dtype: tor
         keep &= (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
     if any(row.min_p > 0.0 for row in rows):  # a ratio to the most likely token: scaled >= max + log(min_p)
         keep &= scaled >= scaled[:, :1] + log_min_p[:, None]
-    keep &= probs > 0
+    keep &= probs > 0  # never the winner anyway: underflow is > 700 below the top, noise spans ~41
     keep[:, 0] = True  # the most likely token always survives (a tiny top_p or rounding must not empty a row)
-    probs = probs.masked_fill(~keep, 0.0)
-    cumulative = torch.cumsum(probs / probs.sum(dim=-1, keepdim=True), dim=-1)
-    picked = torch.searchsorted(cumulative, draws[:, None], right=True)[:, 0]
-    picked = torch.minimum(picked, keep.sum(dim=-1) - 1)  # rounding: never past the last kept token
-    return order.gather(1, picked[:, None])[:, 0]
+    kept = torch.zeros_like(keep).scatter_(1, order, keep)  # back to id order
+    return score.masked_fill_(~kept, float("-inf")).argmax(dim=-1)  # ties: the lowest id
+
+
+def _signed64(value: int) -> int:
+    """An unsigned 64-bit value as the int64 with the same bits."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def noise_bits(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int64 [n, vocab]: ``sampling_cpu.noise_bits(keys[r], i)`` for every row key (int64 [n, 1], the unsigned
+    key's bits) and token id ``i``: SplitMix64's finalizer with int64 arithmetic, which wraps like uint64; a
+    logical right shift by ``k`` is the arithmetic one masked to its low ``64 - k`` bits. In place on two
+    [n, vocab] buffers (fresh temporaries per op cost ~4x on CPU)."""
+    z = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device).mul_(_signed64(0x9E3779B97F4A7C15)) + keys
+    shifted = torch.empty_like(z)
+    for shift, multiplier in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB), (31, None)):
+        torch.bitwise_right_shift(z, shift, out=shifted)
+        z ^= shifted.bitwise_and_((1 << (64 - shift)) - 1)
+        if multiplier is not None:
+            z *= _signed64(multiplier)
+    return z.bitwise_right_shift_(11).bitwise_and_((1 << 53) - 1)
+
+
+def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """float64 [n, vocab]: the definition's Gumbel noise ``-log(-log((bits + 0.5) * 2**-53))`` (see
+    :func:`noise_bits`) on ``keys``' device."""
+    u = noise_bits(keys, vocab).to(torch.float64).add_(0.5).mul_(2.0**-53)
+    return u.log_().neg_().log_().neg_()

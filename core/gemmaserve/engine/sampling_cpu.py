@@ -8,10 +8,28 @@ backends should match:
   output's), then ``banned`` tokens (EOS and stop ids before ``min_tokens``) and tokens outside the ``allowed``
   mask (structured output) become ``-inf``.
 - ``temperature == 0``: argmax of the adjusted logits (lowest index wins a tie); no randomness.
-- otherwise: scale by ``1 / temperature``, keep the ``top_k`` largest (0 = all), then the smallest set of
-  most likely tokens whose probability reaches ``top_p`` (ties broken by lower index), then (``min_p``)
-  only those at least ``min_p`` times as likely as the most likely one (transformers' order: a ratio test,
-  ``scaled >= max + log(min_p)``), renormalize and draw with ``random.Random(sampling_seed(seed, step))``.
+- otherwise: scale by ``1 / temperature`` (``scaled_i = adjusted_i / temperature``), keep the ``top_k`` largest
+  (0 = all), then the smallest set of most likely tokens whose probability reaches ``top_p`` (ties broken by lower
+  index), then (``min_p``) only those at least ``min_p`` times as likely as the most likely one (transformers'
+  order: a ratio test, ``scaled >= max + log(min_p)``); tokens at ``-inf`` are never kept (unless every token is,
+  then the first in that order, token 0, is). The most likely token is always kept.
+- the draw is the Gumbel-max trick (:func:`gumbel_noise`): with ``key = sampling_seed(seed, step)`` every token id
+  ``i`` gets its own noise, all arithmetic on 64-bit unsigned integers modulo ``2**64``::
+
+      z   = key + (i + 1) * 0x9E3779B97F4A7C15        # SplitMix64's (i + 1)-th state from key
+      z   = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+      z   = (z ^ (z >> 27)) * 0x94D049BB133111EB
+      h_i = z ^ (z >> 31)                             # SplitMix64's finalizer: its (i + 1)-th output
+      u_i = ((h_i >> 11) + 0.5) * 2**-53              # in (0, 1), exact in float64
+      g_i = -log(-log(u_i))                           # a standard Gumbel variable (float64)
+
+  and the token is the kept token with the largest ``scaled_i + g_i`` (float64); an exact tie (equal float64
+  sums) goes to the lowest token id. By the Gumbel-max theorem this draws exactly from the renormalised softmax
+  of the kept ``scaled`` values, but with no sort (when no filter is on) and no cumulative sum: each token's
+  noise depends on (seed, step, id) only, so logits that differ by float rounding (a row batched with others
+  against the same row alone) change the pick only when the two best perturbed scores are within that rounding
+  of each other (about 1e-6 per token for 1e-6 relative noise; an inverse-CDF draw over the sorted order parts
+  whenever two near-tied tokens swap places or a CDF boundary moves past the draw).
 - the reported logprob is the chosen token's log-probability under the adjusted, unscaled, unfiltered
   distribution ``log_softmax(adjusted logits)`` (the raw model's when nothing is adjusted).
 
@@ -22,12 +40,12 @@ from __future__ import annotations
 
 import heapq
 import math
-import random
 from collections.abc import Sequence
 
 from gemmaserve.sampling_params import RowSampling, allowed_tokens
 
-__all__ = ["sampling_seed", "log_softmax", "top_logprobs", "adjust_logits", "penalized", "penalty_offset", "sample_row", "sample_rows"]
+__all__ = ["sampling_seed", "gumbel_noise", "noise_bits", "log_softmax", "top_logprobs", "adjust_logits", "penalized",
+           "penalty_offset", "sample_row", "sample_rows"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -37,6 +55,25 @@ def sampling_seed(seed: int, step: int) -> int:
     value = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
     value ^= value >> 31
     return (value * 0xD6E8FEB86659FD93) & _MASK64
+
+
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15
+
+
+def noise_bits(key: int, token: int) -> int:
+    """``h_i >> 11`` for token id ``token`` under ``key`` (53 bits): SplitMix64's ``token + 1``-th output from
+    state ``key``, its top 53 bits."""
+    z = (key + (token + 1) * _GOLDEN_GAMMA) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 11
+
+
+def gumbel_noise(key: int, token: int) -> float:
+    """``g_i = -log(-log(u_i))``, ``u_i = (noise_bits + 0.5) * 2**-53``: token ``token``'s Gumbel noise under
+    ``key = sampling_seed(seed, step)`` (in about [-3.62, 37.43])."""
+    u = (noise_bits(key, token) + 0.5) * 2.0**-53
+    return -math.log(-math.log(u))
 
 
 def log_softmax(logits: Sequence[float]) -> list[float]:
@@ -89,7 +126,8 @@ def penalty_offset(count: int, row: RowSampling) -> float:
 
 
 def _filtered_probs(logits: Sequence[float], row: RowSampling) -> list[tuple[int, float]]:
-    """(token, probability) pairs left after temperature, top-k and top-p, most likely first."""
+    """(token, probability) pairs left after temperature, top-k, top-p and min-p, most likely first (the kept
+    set; the probabilities are those of the renormalised distribution the draw samples from)."""
     scaled = [x / row.temperature for x in logits]
     order = sorted(range(len(scaled)), key=lambda i: (-scaled[i], i))
     if row.top_k > 0:
@@ -124,17 +162,20 @@ def sample_row(logits: Sequence[float], row: RowSampling, *, want_logprob: bool 
     if row.is_greedy:
         token = _argmax(logits)
     else:
-        candidates = _filtered_probs(logits, row)
-        draw = random.Random(sampling_seed(row.seed, row.step)).random()
-        token = candidates[-1][0]
-        cumulative = 0.0
-        for candidate, p in candidates:
-            cumulative += p
-            if draw < cumulative:
-                token = candidate
-                break
+        token = _gumbel_pick(logits, row)
     logprob = log_softmax(logits)[token] if want_logprob else None
     return token, logprob
+
+
+def _gumbel_pick(logits: Sequence[float], row: RowSampling) -> int:
+    """The kept token with the largest ``logit / temperature + gumbel_noise`` (ties: lowest id)."""
+    key = sampling_seed(row.seed, row.step)
+    best, best_score = -1, -math.inf
+    for token in sorted(token for token, _ in _filtered_probs(logits, row)):
+        score = logits[token] / row.temperature + gumbel_noise(key, token)
+        if best < 0 or score > best_score:
+            best, best_score = token, score
+    return best
 
 
 def top_logprobs(logits: Sequence[float], row: RowSampling) -> list[tuple[int, float]]:

@@ -3,16 +3,19 @@
 the logits get ``logit_bias`` added and ``banned`` tokens (and those outside ``allowed``) set to -inf first; greedy is then the argmax (lowest
 index on a tie); a sampled row scales by ``1 / temperature``, keeps the ``top_k`` largest, then the smallest
 most-likely prefix whose probability reaches ``top_p``, then those at least ``min_p`` times as likely as the
-most likely one, renormalises, and picks the
-token where the cumulative probability first exceeds ``random.Random(sampling_seed(seed, step)).random()``.
-So a seed gives the same tokens as on the torch backends (up to float32 rounding here) and a row's token never
-depends on the other rows of the batch.
+most likely one, and picks the kept token with the largest ``scaled + g`` (ties: lowest id), ``g`` the
+definition's per-token Gumbel noise of (``sampling_seed(seed, step)``, token id) (:func:`gumbel_noise`: the
+same SplitMix64 integers as ``sampling_cpu.noise_bits``, with numpy uint64 arithmetic, which wraps, and the
+logs in float64 on the host). The score ``scaled + g`` is then summed in float32 on the mlx device (the
+definition's is float64), so a pick can part from the definition's only when the two best scores are within
+float32 rounding (~1e-6) of each other. So a seed gives the same tokens as on the torch backends (up to that
+rounding) and a row's token never depends on the other rows of the batch. With no top_k / top_p / min_p on any
+row there is no sort.
 """
 
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Sequence
 from typing import cast
 
@@ -81,10 +84,16 @@ def allowed_mask(rows: Sequence[RowSampling], masked: Sequence[int], vocab: int)
 
 
 def _sample_filtered(logits: mx.array, rows: Sequence[RowSampling]) -> mx.array:
-    """Temperature / top-k / top-p sampling of every row of ``logits`` [n, vocab] (the definition above)."""
+    """Temperature / top-k / top-p / min-p sampling of every row of ``logits`` [n, vocab] (the definition
+    above)."""
     vocab = logits.shape[-1]
     temps = mx.array([row.temperature for row in rows], dtype=mx.float32)[:, None]
     scaled = logits.astype(mx.float32) / temps
+    noise = mx.array(gumbel_noise([sampling_seed(row.seed, row.step) for row in rows], vocab).astype(np.float32))
+    score = scaled + noise  # -inf (banned) stays -inf
+    if all(row.top_k <= 0 or row.top_k >= vocab for row in rows) and all(
+            row.top_p >= 1.0 and row.min_p <= 0.0 for row in rows):
+        return mx.argmax(score, axis=-1).astype(mx.int32)  # every finite token is kept: no sort
     order = mx.argsort(-scaled, axis=-1)
     ordered = mx.take_along_axis(scaled, order, axis=-1)
     ranks = mx.arange(vocab)[None, :]
@@ -100,12 +109,31 @@ def _sample_filtered(logits: mx.array, rows: Sequence[RowSampling]) -> mx.array:
         keep = keep & (ordered >= ordered[:, :1] + log_min_p)
     keep = keep & (probs > 0)  # banned (-inf) tokens can never be drawn
     keep = keep | (ranks == 0)  # the most likely token always survives
-    probs = mx.where(keep, probs, 0.0)
-    cumulative = mx.cumsum(probs / probs.sum(axis=-1, keepdims=True), axis=-1)
-    draws = mx.array([random.Random(sampling_seed(r.seed, r.step)).random() for r in rows], dtype=mx.float32)
-    picked = (cumulative <= draws[:, None]).astype(mx.int32).sum(axis=-1)  # first rank whose cumulative > draw
-    picked = mx.minimum(picked, keep.astype(mx.int32).sum(axis=-1) - 1)  # rounding: never past the last kept
-    return mx.take_along_axis(order, picked[:, None], axis=-1)[:, 0].astype(mx.int32)
+    kept_score = mx.where(keep, mx.take_along_axis(score, order, axis=-1), -mx.inf)
+    # the largest kept score; among equal ones the lowest id (mx.argmax over sorted ranks would prefer the rank)
+    best = mx.max(kept_score, axis=-1, keepdims=True)
+    return mx.min(mx.where(kept_score == best, order, vocab), axis=-1).astype(mx.int32)
+
+
+_U64 = np.uint64
+
+
+def noise_bits(keys: Sequence[int], vocab: int) -> np.ndarray:
+    """uint64 [len(keys), vocab]: ``sampling_cpu.noise_bits(key, i)`` for every key and token id ``i``."""
+    with np.errstate(over="ignore"):
+        z = np.arange(1, vocab + 1, dtype=_U64) * _U64(0x9E3779B97F4A7C15) + np.array(keys, dtype=_U64)[:, None]
+        z ^= z >> _U64(30)
+        z *= _U64(0xBF58476D1CE4E5B9)
+        z ^= z >> _U64(27)
+        z *= _U64(0x94D049BB133111EB)
+        z ^= z >> _U64(31)
+    return z >> _U64(11)
+
+
+def gumbel_noise(keys: Sequence[int], vocab: int) -> np.ndarray:
+    """float64 [len(keys), vocab]: the definition's Gumbel noise ``-log(-log((bits + 0.5) * 2**-53))``."""
+    u = (noise_bits(keys, vocab).astype(np.float64) + 0.5) * 2.0**-53
+    return -np.log(-np.log(u))
 
 
 def sample_rows(logits: mx.array, rows: Sequence[RowSampling], *, want_logprobs: bool = False) -> SampledTokens:
