@@ -93,3 +93,15 @@ def test_llm_api_runs_each_backend_end_to_end(gemma4_dir: Path, backend: str) ->
     prompt_len = len(first.prompt_token_ids)
     expected_hit = prompt_len // 4 * 4 if backend == "mlx" else prompt_len + 6
     assert second.cached_tokens == expected_hit
+
+
+def test_llm_top_logprobs_on_the_batched_backend(gemma4_dir: Path) -> None:
+    """``logprobs=k`` end to end on mlx: every generated token comes with its k most likely alternatives, most
+    likely first; greedy picks the first of them and its logprob is the chosen one's."""
+    params = SamplingParams(max_tokens=5, ignore_eos=True, logprobs=3)
+    with LLM(model=str(gemma4_dir), backend="mlx", device="cpu", dtype="float32", kv_block_size=4) as llm:
+        (out,) = llm.generate(["the quick brown fox"], params)
+    assert out.top_logprobs is not None and out.logprobs is not None and len(out.top_logprobs) == 5
+    for token, logprob, top in zip(out.token_ids, out.logprobs, out.top_logprobs):
+        assert len(top) == 3 and [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+        assert top[0][0] == token and top[0][1] == pytest.approx(logprob, abs=1e-6)

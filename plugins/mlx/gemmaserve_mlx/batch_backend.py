@@ -56,7 +56,7 @@ class MlxBatchBackend(InferenceBackend):
     def __init__(self, loaded: LoadedModel, mlx_settings: MlxSettings) -> None:
         super().__init__()
         self.capabilities = BackendCapabilities(continuous_batching=True, uses_core_cache_manager=True, logprobs=True,
-                                                allowed_token_masks=True)
+                                                top_logprobs=True, allowed_token_masks=True)
         self.model_info = loaded.info
         self.tokenizer = loaded.tokenizer
         self._device = loaded.device

@@ -137,18 +137,34 @@ def gumbel_noise(keys: Sequence[int], vocab: int) -> np.ndarray:
 
 
 def sample_rows(logits: mx.array, rows: Sequence[RowSampling], *, want_logprobs: bool = False) -> SampledTokens:
-    """Sample and bring the tokens (and the chosen tokens' log-probabilities under the unfiltered
-    model distribution, when asked) to the host."""
+    """Sample and bring the tokens (and, when asked, the chosen tokens' log-probabilities under the adjusted,
+    unfiltered distribution, with each row's ``top_logprobs`` alternatives) to the host."""
     tokens = sample_tokens(logits, rows)
     if any(row.adjusts_logits for row in rows):
         logits = adjust_logits(logits, rows)  # logprobs of the distribution actually sampled from
     if not want_logprobs:
         return SampledTokens(cast("list[int]", tokens.tolist()))
     logits32 = logits.astype(mx.float32)
-    chosen = mx.take_along_axis(logits32, tokens[:, None], axis=-1)[:, 0]
-    logprobs = chosen - mx.logsumexp(logits32, axis=-1)
-    mx.eval(tokens, logprobs)
-    return SampledTokens(cast("list[int]", tokens.tolist()), cast("list[float]", logprobs.tolist()))
+    log_probs = logits32 - mx.logsumexp(logits32, axis=-1, keepdims=True)
+    logprobs = mx.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
+    mx.eval(tokens, logprobs, log_probs)
+    top = _top_logprobs(logits32, log_probs, rows) if any(row.top_logprobs > 0 for row in rows) else None
+    return SampledTokens(cast("list[int]", tokens.tolist()), cast("list[float]", logprobs.tolist()), top)
+
+
+def _top_logprobs(logits: mx.array, log_probs: mx.array, rows: Sequence[RowSampling]) -> list[list[tuple[int, float]]]:
+    """Per row its ``top_logprobs`` most likely ``(token, logprob)`` pairs under the adjusted distribution, as
+    ``sampling_cpu.top_logprobs`` defines them: ranked by adjusted logit, ties lower id first, -inf left out.
+    On the host, for the rows that ask."""
+    out: list[list[tuple[int, float]]] = []
+    for index, row in enumerate(rows):
+        if row.top_logprobs <= 0:
+            out.append([])
+            continue
+        ranked, values = np.asarray(logits[index]), np.asarray(log_probs[index])
+        best = np.argsort(-ranked, kind="stable")[: row.top_logprobs]  # stable: equal logits keep id order
+        out.append([(int(t), float(values[t])) for t in best if ranked[t] != -math.inf])
+    return out
 
 
 class StreamSampler:
