@@ -157,6 +157,11 @@ class CoreSettings(BaseSettings):
         description="HTTP server: gemma4 moves Gemma 4's reasoning channel (<|channel>thought...<channel|>) of a chat "
         "reply into message.reasoning_content (vLLM's --reasoning-parser); empty = off (the channel is content).",
     )
+    render_processes: int = Field(
+        -1, ge=-1, validation_alias=env_alias("RENDER_PROCESSES"),
+        description="HTTP server: worker processes that render chat templates and tokenize long prompts (4096 "
+        "characters or more) off the event loop's GIL; -1 = min(4, CPU count), 0 = none (the preparation threads do it).",
+    )
     kv_events_config: Annotated[KVEventsConfig | None, NoDecode] = Field(
         None, validation_alias=env_alias("KV_EVENTS_CONFIG"),
         description="KV-cache events for KV-aware routers (vLLM's --kv-events-config): a JSON object of vLLM's "

@@ -26,6 +26,8 @@ from starlette.requests import ClientDisconnect
 
 from gemmaserve import __version__
 from gemmaserve.errors import GemmaserveError
+from gemmaserve.hf_tokenizer import HFTokenizerAdapter
+from gemmaserve.render_pool import RenderPool
 from gemmaserve.server.connections import OVER_LIMIT_KEY
 from gemmaserve.server.debug import KVReportCache
 from gemmaserve.server.errors import CLIENT_CLOSED, APIError, ClientDisconnected, from_engine_error
@@ -59,7 +61,8 @@ tokenizers release the GIL), so prompts cannot freeze the event loop that stream
 (200 concurrent 30 KB chat bodies stalled an open stream for 2.5 s when only bodies over 32 KiB went there)."""
 PREPARE_THREADS = 2
 """Threads that prepare large bodies; more would take the GIL from the event loop more often (the rendering is
-Python) without preparing faster."""
+Python) without preparing faster. With a render pool there are as many as it has processes, if more: they hand
+the rendering to the workers and wait."""
 
 
 def create_app(
@@ -73,14 +76,31 @@ def create_app(
     listed), or absent; anything else is a 404. Responses name ``model_name``. ``api_key``: every endpoint but ``/health`` and ``/metrics`` needs
     ``Authorization: Bearer <api_key>`` (401 otherwise, OpenAI's error body). ``allowed_hosts``: the Host
     header names accepted (None = any; 400 ``invalid_host`` otherwise). ``allowed_origins``: CORS origins
-    (none = no CORS headers). ``debug_endpoints``: serve ``/debug/kv``, ``/docs`` and ``/redoc``."""
+    (none = no CORS headers). ``debug_endpoints``: serve ``/debug/kv``, ``/docs`` and ``/redoc``.
+
+    The app owns its chat-template render pool (``RENDER_PROCESSES`` worker processes, for a Hugging Face
+    tokenizer): its lifespan spawns the workers at start-up and stops them at shutdown (served without the
+    lifespan, the pool starts on first use and its workers end with the process). Only chats and prompts of
+    ``RENDER_POOL_MIN_CHARS`` (4096) characters or more go there: their bodies exceed ``OFFLOAD_BODY_BYTES``, so
+    they are prepared on a preparation thread, which waits for the worker; the event loop never does."""
     docs = {} if debug_endpoints else {"docs_url": None, "redoc_url": None}
-    app = FastAPI(title="gemmaserve", version=__version__, description="OpenAI-compatible Gemma inference server",
-                  **docs)
     metrics = ServerMetrics(model_name)
     metrics.bind_engine(engine.stats)
     listed = (model_name, *(name for name in extra_model_names if name != model_name))
     server = _Server(engine, model_name, frozenset({*listed, *model_aliases}), metrics, listed)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if server.render_pool is not None:
+            server.render_pool.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(server.close)
+
+    app = FastAPI(title="gemmaserve", version=__version__, description="OpenAI-compatible Gemma inference server",
+                  lifespan=lifespan, **docs)
+    app.state.render_pool = server.render_pool
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.drain = drain = Drain()
@@ -234,7 +254,16 @@ class _Server:
         self.metrics = metrics
         self.tokenizer = engine.backend.tokenizer
         self.info = engine.backend.model_info
-        self._prepare_pool = concurrent.futures.ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="gemmaserve-prepare")
+        processes = getattr(engine.settings, "render_processes", -1)
+        self.render_pool = RenderPool.for_tokenizer(self.tokenizer, processes) \
+            if isinstance(self.tokenizer, HFTokenizerAdapter) else None
+        threads = max(PREPARE_THREADS, self.render_pool.processes if self.render_pool is not None else 0)
+        self._prepare_pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="gemmaserve-prepare")
+
+    def close(self) -> None:
+        """Stop the render pool's workers (the app's lifespan, at shutdown; its start-up starts them again)."""
+        if self.render_pool is not None:
+            self.render_pool.close()
 
     @property
     def context_limit(self) -> int:
@@ -279,13 +308,14 @@ class _Server:
         self.check_model(body.model)
         if body.prompt is not None:
             add_special = body.add_special_tokens is not False
-            ids = tokenize_text(body.prompt, self.tokenizer, self.context_limit, add_special_tokens=add_special)
+            ids = tokenize_text(body.prompt, self.tokenizer, self.context_limit, add_special_tokens=add_special,
+                                pool=self.render_pool)
             param = "prompt"
         else:
             assert body.messages is not None
             body.check_generation_prompt()
             ids = render_chat([m.as_template_dict() for m in body.messages], self.tokenizer, self.context_limit,
-                              body.template_options)
+                              body.template_options, self.render_pool)
             param = "messages"
         if len(ids) > self.context_limit:
             raise APIError(400, f"the {param} is {len(ids)} tokens; this model's context holds {self.context_limit}",
@@ -335,10 +365,10 @@ class _Server:
             self.check_model(chat.model)
             return chat, prepare_chat(chat, self.tokenizer, self.context_limit,
                                       self.engine.settings.default_max_tokens, self.engine.settings.tool_call_parser,
-                                      self.engine.settings.reasoning_parser)
+                                      self.engine.settings.reasoning_parser, self.render_pool)
         completion = parse_body(CompletionRequest, raw)
         self.check_model(completion.model)
-        return completion, prepare_completion(completion, self.tokenizer, self.context_limit)
+        return completion, prepare_completion(completion, self.tokenizer, self.context_limit, self.render_pool)
 
     def _submit(self, prepared: Prepared, timing: Timing) -> Generation:
         try:

@@ -5,6 +5,11 @@ Defaults follow OpenAI: ``temperature`` 1, ``top_p`` 1, ``max_tokens`` 16 for co
 prompt + ``max_tokens``, so a default of "the rest of the context" let a few chats hold the whole KV budget and
 keep every other request queued). Tokenizer errors (no chat template, ...) and SamplingParams
 errors become :class:`APIError` 400 naming the field.
+
+Everything here runs on the caller's thread (the event loop for small bodies, a preparation thread for large
+ones). Given a :class:`~gemmaserve.render_pool.RenderPool`, chats and prompts of at least
+:data:`~gemmaserve.render_pool.RENDER_POOL_MIN_CHARS` characters are rendered and tokenized in its worker
+processes instead (this thread waits, without the GIL), with the same token ids and the same errors.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from gemmaserve.engine.validation import check_text_can_fit
 from gemmaserve.errors import InvalidRequestError, PromptTooLongError
+from gemmaserve.render_pool import RENDER_POOL_MIN_CHARS, RenderWorkerDied
 from gemmaserve.tools.constraints import tool_call_constraint
 from gemmaserve.tools.parsers import GEMMA4_CALL_OPEN
 from gemmaserve.sampling_params import SamplingParams
@@ -24,6 +30,7 @@ from gemmaserve.server.generation import Prepared
 
 if TYPE_CHECKING:
     from gemmaserve.backend import Tokenizer
+    from gemmaserve.render_pool import RenderPool
     from gemmaserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 __all__ = ["prepare_completion", "prepare_chat", "default_max_tokens_for", "tokenize_text", "render_chat",
@@ -39,13 +46,12 @@ def _refuse_text_that_cannot_fit(chars: int, tokenizer: Tokenizer, context_limit
         raise APIError(400, str(exc), param=param, code="context_length_exceeded") from None
 
 
-def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer, context_limit: int) -> Prepared:
+def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer, context_limit: int,
+                       pool: RenderPool | None = None) -> Prepared:
     """Tokenize the prompt (a string; a token-id list is taken as is) and build the params. A text prompt
-    that cannot fit ``context_limit`` is refused before it is tokenized."""
+    that cannot fit ``context_limit`` is refused before it is tokenized; a long one is tokenized in ``pool``."""
     prompt = body.prompt
-    if isinstance(prompt, str):
-        _refuse_text_that_cannot_fit(len(prompt), tokenizer, context_limit, "prompt")
-    prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    prompt_ids = tokenize_text(prompt, tokenizer, context_limit, pool=pool) if isinstance(prompt, str) else list(prompt)
     if not prompt_ids:
         raise APIError(400, "the prompt tokenizes to zero tokens; send a non-empty prompt", param="prompt")
     max_tokens = body.requested_max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
@@ -54,11 +60,13 @@ def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer, context_li
 
 
 def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limit: int,
-                 default_max_tokens: int = 0, tool_call_parser: str = "auto", reasoning_parser: str = "") -> Prepared:
+                 default_max_tokens: int = 0, tool_call_parser: str = "auto", reasoning_parser: str = "",
+                 pool: RenderPool | None = None) -> Prepared:
     """Render the messages with the model's chat template; without ``max_tokens`` the request may generate
     ``default_max_tokens`` tokens, or fewer if the rest of ``context_limit`` is smaller (0: the rest of it).
     With ``tools`` (and ``tool_choice`` other than ``"none"``) the template gets them, the reply is read with
-    the tool-call parser, and ``"required"`` or a named function constrains the reply to a call."""
+    the tool-call parser, and ``"required"`` or a named function constrains the reply to a call. A long chat
+    is rendered in ``pool`` (see :func:`render_chat`)."""
     body.check_generation_prompt()
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, f"top_logprobs={body.top_logprobs} needs logprobs: true (the alternatives come with the "
@@ -70,7 +78,7 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limi
         options = {**options, "template_kwargs": {**options.get("template_kwargs", {}), "tools": body.tool_functions}}
         parser = resolve_tool_parser(tokenizer, tool_call_parser)
     prompt_ids = render_chat([message.as_template_dict() for message in body.messages], tokenizer, context_limit,
-                             options)
+                             options, pool)
     max_tokens = body.requested_max_tokens or default_max_tokens_for(len(prompt_ids), context_limit,
                                                                       default_max_tokens)
     params = _sampling(body, max_tokens, () if body.ignore_eos else chat_stop_token_ids(tokenizer))
@@ -110,18 +118,28 @@ def chat_stop_token_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
     return tuple(int(token) for token in getattr(tokenizer, "chat_stop_token_ids", ()) or ())
 
 
-def tokenize_text(text: str, tokenizer: Tokenizer, context_limit: int, *, add_special_tokens: bool = True) -> list[int]:
-    """``text``'s token ids; text that cannot fit ``context_limit`` is refused before it is tokenized."""
+def tokenize_text(text: str, tokenizer: Tokenizer, context_limit: int, *, add_special_tokens: bool = True,
+                  pool: RenderPool | None = None) -> list[int]:
+    """``text``'s token ids; text that cannot fit ``context_limit`` is refused before it is tokenized. Text of
+    at least ``RENDER_POOL_MIN_CHARS`` characters is tokenized in ``pool`` when one is given."""
     _refuse_text_that_cannot_fit(len(text), tokenizer, context_limit, "prompt")
+    if pool is not None and len(text) >= RENDER_POOL_MIN_CHARS and pool.serves(tokenizer):
+        try:
+            return pool.encode(text, add_special_tokens=add_special_tokens)
+        except RenderWorkerDied as exc:
+            raise APIError(500, f"internal server error: {exc}; retry the request") from None
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def render_chat(messages: list[dict[str, Any]], tokenizer: Tokenizer, context_limit: int,
-                options: dict[str, Any] | None = None) -> list[int]:
+                options: dict[str, Any] | None = None, pool: RenderPool | None = None) -> list[int]:
     """The chat template applied to ``messages`` (with the generation prompt); 400 without a template, for
     messages that cannot fit ``context_limit`` (checked before rendering) or that render to nothing. ``options``:
     ``apply_chat_template`` keywords (``add_generation_prompt``, ``continue_final_message``, ``template_kwargs``),
-    given only when they differ from the default; a tokenizer that does not take one is a 400 naming it."""
+    given only when they differ from the default; a tokenizer that does not take one is a 400 naming it.
+    Messages of at least ``RENDER_POOL_MIN_CHARS`` characters are rendered in ``pool`` (a copy of
+    ``tokenizer`` in a worker process) when one is given and still :meth:`~RenderPool.serves` it; a worker that
+    dies twice is a 500."""
     options = options or {}
     _check_template_options(tokenizer, options)
     if not tokenizer.has_chat_template:
@@ -133,11 +151,16 @@ def render_chat(messages: list[dict[str, Any]], tokenizer: Tokenizer, context_li
             param="messages",
             code="no_chat_template",
         )
-    _refuse_text_that_cannot_fit(sum(len(m["content"] or "") for m in messages), tokenizer, context_limit, "messages")
+    chars = sum(len(m["content"] or "") for m in messages)
+    _refuse_text_that_cannot_fit(chars, tokenizer, context_limit, "messages")
+    pooled = pool is not None and chars >= RENDER_POOL_MIN_CHARS and pool.serves(tokenizer)
+    render = pool.apply_chat_template if pool is not None and pooled else tokenizer.apply_chat_template
     try:
-        prompt_ids = tokenizer.apply_chat_template(messages, **options)
+        prompt_ids = render(messages, **options)
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param="messages") from None
+    except RenderWorkerDied as exc:
+        raise APIError(500, f"internal server error: {exc}; retry the request") from None
     if not prompt_ids:
         raise APIError(400, "the chat template rendered these messages to zero tokens", param="messages")
     return prompt_ids
