@@ -21,7 +21,6 @@ import asyncio
 import json
 import os
 import random
-import re
 import signal
 import socket
 import subprocess
@@ -36,9 +35,8 @@ import httpx
 from gemmaserve.bench.dataset import BenchRequest
 from gemmaserve.bench.report import RequestRecord, format_report, summarize
 from gemmaserve.bench.serving import _one_request
+from gemmaserve.server.data_parallel import REPLICA_LOG_LINE
 
-REPLICA_LINE = re.compile(
-    r"replica (\d+) (?:\(pid (\d+)\) starting|restarted \(pid (\d+)\)) on http://127\.0\.0\.1:(\d+)")
 
 
 def free_port() -> int:
@@ -67,7 +65,7 @@ class Launcher:
         """index -> (pid, port) of each replica's latest process."""
         self._log.flush()
         found: dict[int, tuple[int, int]] = {}
-        for match in REPLICA_LINE.finditer(self.log_path.read_text(errors="replace")):
+        for match in REPLICA_LOG_LINE.finditer(self.log_path.read_text(errors="replace")):
             found[int(match.group(1))] = (int(match.group(2) or match.group(3)), int(match.group(4)))
         return found
 

@@ -4,6 +4,7 @@ kernels accept the prefill shapes (head dims 256 and 512, explicit mask), and to
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -297,9 +298,9 @@ def profile_decode_with_chunk(backend: Any, rows: int = 32, context: int = 1024,
     ticks: dict[str, Any] = {}
     for chunk_len in chunk_lens:
         tick(chunk_len)  # capture / warm the bucket
-        runs = sorted(tick(chunk_len) for _ in range(7))
-        ticks[str(chunk_len)] = {"gpu_ms": round(sorted(r[0] for r in runs)[3], 3),
-                                 "host_ms": round(sorted(r[1] for r in runs)[3], 3)}
+        runs = [tick(chunk_len) for _ in range(7)]
+        ticks[str(chunk_len)] = {"gpu_ms": round(statistics.median(r[0] for r in runs), 3),
+                                 "host_ms": round(statistics.median(r[1] for r in runs), 3)}
     def decode_only() -> float:
         with backend.lock:
             torch.cuda.synchronize()
@@ -311,7 +312,7 @@ def profile_decode_with_chunk(backend: Any, rows: int = 32, context: int = 1024,
         return first.elapsed_time(last)
 
     decode_only()
-    ticks["decode_step_batched"] = {"gpu_ms": round(sorted(decode_only() for _ in range(7))[3], 3)}
+    ticks["decode_step_batched"] = {"gpu_ms": round(statistics.median(decode_only() for _ in range(7)), 3)}
     out["ticks"] = ticks
     buffers, graphs = mixed.buffers, mixed.graphs
     mixed.buffers = mixed.graphs = None

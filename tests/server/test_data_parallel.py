@@ -9,7 +9,6 @@ import asyncio
 import importlib.util
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from server_harness import free_port, parse_prometheus, plugin_installed, wait_u
 from gemmaserve.cli import main
 from gemmaserve.errors import ConfigurationError
 from gemmaserve.server import data_parallel
-from gemmaserve.server.data_parallel import CORS_NOWHERE, plan_launch, visible_gpus
+from gemmaserve.server.data_parallel import CORS_NOWHERE, REPLICA_LOG_LINE, plan_launch, visible_gpus
 from gemmaserve.settings import load_settings
 
 ROUTER_MISSING = any(importlib.util.find_spec(name) is None for name in data_parallel.ROUTER_MODULES)
@@ -136,8 +135,7 @@ class DataParallelServer:
     def replicas(self) -> dict[int, tuple[int, int]]:
         """replica index -> (pid, port) of its latest process, from the launcher's log."""
         found: dict[int, tuple[int, int]] = {}
-        pattern = r"replica (\d+) (?:\(pid (\d+)\) starting|restarted \(pid (\d+)\)) on http://127\.0\.0\.1:(\d+)"
-        for match in re.finditer(pattern, self.log()):
+        for match in REPLICA_LOG_LINE.finditer(self.log()):
             found[int(match.group(1))] = (int(match.group(2) or match.group(3)), int(match.group(4)))
         return found
 

@@ -42,6 +42,7 @@ from gemmaserve.errors import ConfigurationError, GemmaserveError
 from gemmaserve.settings import CoreSettings
 
 __all__ = [
+    "REPLICA_LOG_LINE",
     "ROUTER_DISTRIBUTION",
     "ROUTER_POLICIES",
     "DataParallelError",
@@ -52,6 +53,11 @@ __all__ = [
     "serve_data_parallel",
     "visible_gpus",
 ]
+
+REPLICA_LOG_LINE = re.compile(
+    r"replica (\d+) (?:\(pid (\d+)\) starting|restarted \(pid (\d+)\)) on http://127\.0\.0\.1:(\d+)")
+"""The launcher's log line for a replica process (re)started: index, pid (starting or restarted), port. Tests
+and benchmarks/data_parallel.py read the replicas from the log with it."""
 
 logger = logging.getLogger(__name__)
 
