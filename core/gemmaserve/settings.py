@@ -70,9 +70,10 @@ class CoreSettings(BaseSettings):
     )
     mixed_prefill_chunk_tokens: int = Field(
         0, ge=0, validation_alias=env_alias("MIXED_PREFILL_CHUNK_TOKENS"),
-        description="Max prompt tokens prefilled per request in a tick that also decodes (0 = PREFILL_CHUNK_TOKENS): "
-        "smaller chunks beside decoding rows shorten those rows' inter-token gaps, while ticks without a decoding "
-        "row (a burst of new prompts) keep PREFILL_CHUNK_TOKENS.",
+        description="Prompt tokens a tick that also decodes spends at most: max(this, what the admitted prompts "
+        "need to finish within 8 ticks of arriving) (0 = off: the whole MAX_NUM_BATCHED_TOKENS budget). "
+        "Fewer prompt tokens beside decoding rows shorten those rows' inter-token gaps while steady arrivals are "
+        "spread over a few ticks; a burst, or a prompt that waited for admission, still gets the full budget.",
     )
     max_num_batched_tokens: int = Field(
         8192, ge=1, validation_alias=env_alias("MAX_NUM_BATCHED_TOKENS"),

@@ -153,7 +153,8 @@ def mask_logits(values: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tens
     banned_at = [(i, token) for i, row in enumerate(rows) for token in row.banned if token < vocab]
     if banned_at:
         index = to_device([[i for i, _ in banned_at], [t for _, t in banned_at]], torch.int64, device)
-        values[index[0], index[1]] = float("-inf")
+        # a device-side value: a Python float would be uploaded from pageable memory, a synchronizing copy
+        values.index_put_((index[0], index[1]), torch.full((), float("-inf"), dtype=values.dtype, device=device))
     masked = [i for i, row in enumerate(rows) if row.allowed is not None]
     if masked:
         allowed = allowed_on_device([rows[i].allowed or b"" for i in masked], vocab, device)

@@ -4,6 +4,7 @@ ReferenceBackend in both modes: seed primitives (``prefill_chunks`` + ``decode_s
 from __future__ import annotations
 
 import pytest
+from gemmaserve.engine.scheduler import PREFILL_SPREAD_TICKS
 from gemmaserve.errors import ConfigurationError
 from gemmaserve.sampling_params import SamplingParams
 from gemmaserve.settings import CoreSettings, build_settings
@@ -41,33 +42,93 @@ def test_tokens_do_not_depend_on_the_budget_or_the_tick_shape(
     budget = batch + extra_budget
     sched, _, _ = make(backend, cache_blocks=cache_blocks, prefill_chunk_tokens=chunk, max_batch_size=batch,
                        max_num_batched_tokens=budget, mixed_prefill_chunk_tokens=mixed_chunk)
+    plan = sched._plan_chunks
+
+    def checked_plan(events):  # type: ignore[no-untyped-def]
+        queues, tick = sched._q, sched.stats().num_steps
+        need = 0
+        for r in queues.prefilling:
+            remaining = len(r.prompt_token_ids) if r.prefill_state is None else r.prefill_state.num_remaining
+            left = r.queued_at_tick + PREFILL_SPREAD_TICKS - tick
+            need += remaining if left <= 1 else -(-remaining // left)
+        allowed = max(mixed_chunk, need) if mixed_chunk and queues.rows else budget
+        work = plan(events)
+        assert sum(num for _, _, num, _ in work) <= allowed, "MIXED_PREFILL_CHUNK_TOKENS beside rows"
+        return work
+
+    sched._plan_chunks = checked_plan  # type: ignore[method-assign]
     recorder, params = run_arrivals(sched, requests)
     for rid, (prompt, sampling) in params.items():
         assert recorder.outputs[rid].token_ids == backend.reference_generate(prompt, sampling), rid
-    beside_rows = min(chunk, mixed_chunk or chunk)
     for sizes, rows in backend.step_calls:
         assert sum(sizes) + rows <= budget and all(0 < size <= chunk for size in sizes)
-        assert not rows or all(size <= beside_rows for size in sizes), "MIXED_PREFILL_CHUNK_TOKENS beside rows"
     assert_idle(sched)
 
 
-def test_chunks_beside_decoding_rows_take_the_mixed_cap() -> None:
-    """A burst with nothing decoding gets PREFILL_CHUNK_TOKENS per request; once a row decodes, each chunk of the
-    tick is at most MIXED_PREFILL_CHUNK_TOKENS (0 turns the smaller cap off)."""
-    for mixed_cap, expected in ((3, [8, 3, 3]), (0, [8, 8, 8])):
+def test_ticks_beside_decoding_rows_take_the_mixed_cap() -> None:
+    """Beside decoding rows a tick spends at most max(MIXED_PREFILL_CHUNK_TOKENS, what the queued prompts'
+    deadlines need) on prompts (0 turns the cap off); with nothing decoding yet each prompt gets up to
+    PREFILL_CHUNK_TOKENS."""
+    for mixed_cap, expected in ((3, [[2, 2, 8], [3], [3]]), (0, [[2, 2, 8], [8], [4]])):
         backend = ReferenceBackend(mixed_step=True)
         sched, _, _ = make(backend, cache_blocks=0, prefill_chunk_tokens=8, max_batch_size=4,
                            max_num_batched_tokens=64, mixed_prefill_chunk_tokens=mixed_cap)
         sched.add_request(req("first", [5, 6], max_tokens=30, ignore_eos=True))
-        sched.add_request(req("long", [7] * 40, max_tokens=2, ignore_eos=True))
+        sched.add_request(req("second", [6, 5], max_tokens=30, ignore_eos=True))
+        sched.add_request(req("long", [7] * 20, max_tokens=2, ignore_eos=True))
         recorder = Recorder()
         for _ in range(3):
             recorder.feed(sched.step())
-        assert [max(sizes) for sizes, _ in backend.step_calls[:3]] == expected, mixed_cap
+        # tick 2: 12 tokens left over 6 ticks to the deadline need 2 a tick, less than the cap
+        assert [sorted(sizes) for sizes, _ in backend.step_calls[:3]] == expected, mixed_cap
+        assert [rows for _, rows in backend.step_calls[1:3]] == [2, 2]
         run(sched, recorder)
         assert recorder.outputs["long"].token_ids == backend.reference_generate(
-            [7] * 40, SamplingParams(max_tokens=2, ignore_eos=True))
+            [7] * 20, SamplingParams(max_tokens=2, ignore_eos=True))
         assert_idle(sched)
+
+
+def test_queued_prompts_get_what_their_deadlines_need_beyond_the_cap() -> None:
+    """Two 40-token prompts queued beside a decoding row need ceil(40 / 7) = 6 tokens a tick each to finish
+    within PREFILL_SPREAD_TICKS of being queued: the tick spends 12, more than the cap of 3, and both have
+    their first token by their deadline; a prompt past its deadline gets the full budget."""
+    assert PREFILL_SPREAD_TICKS == 8
+    backend = ReferenceBackend(mixed_step=True)
+    sched, _, _ = make(backend, cache_blocks=0, prefill_chunk_tokens=8, max_batch_size=4,
+                       max_num_batched_tokens=64, mixed_prefill_chunk_tokens=3)
+    sched.add_request(req("first", [5, 6], max_tokens=60, ignore_eos=True))
+    recorder = Recorder()
+    recorder.feed(sched.step())
+    sched.add_request(req("a", [7] * 40, max_tokens=2, ignore_eos=True))
+    sched.add_request(req("b", [8] * 40, max_tokens=2, ignore_eos=True))
+    first_token_tick: dict[str, int] = {}
+    for tick in range(2, 12):
+        recorder.feed(sched.step())
+        for name in ("a", "b"):
+            if recorder.tokens.get(name) and name not in first_token_tick:
+                first_token_tick[name] = tick
+    assert sorted(backend.step_calls[1][0]) == [4, 8]
+    assert max(first_token_tick.values()) <= 1 + PREFILL_SPREAD_TICKS, first_token_tick
+    run(sched, recorder)
+    for name, token in (("a", 7), ("b", 8)):
+        assert recorder.outputs[name].token_ids == backend.reference_generate(
+            [token] * 40, SamplingParams(max_tokens=2, ignore_eos=True))
+    assert_idle(sched)
+
+    # late: one prompt queued long ago (its deadline passed) takes the whole budget beside the rows
+    backend = ReferenceBackend(mixed_step=True)
+    sched, _, _ = make(backend, cache_blocks=0, prefill_chunk_tokens=64, max_batch_size=4,
+                       max_num_batched_tokens=64, mixed_prefill_chunk_tokens=3)
+    sched.add_request(req("first", [5, 6], max_tokens=60, ignore_eos=True))
+    recorder = Recorder()
+    recorder.feed(sched.step())
+    late = req("late", [7] * 50, max_tokens=2, ignore_eos=True)
+    sched.add_request(late)
+    late.queued_at_tick -= PREFILL_SPREAD_TICKS
+    recorder.feed(sched.step())
+    assert backend.step_calls[-1] == ([50], 1)
+    run(sched, recorder)
+    assert_idle(sched)
 
 
 @pytest.mark.parametrize("mixed", [False, True])

@@ -159,6 +159,8 @@ class Request:
     decode_retries: int = 0
     """Failed batched decode steps this request was retried alone after (see engine/isolation.py)."""
     prefill_state: PrefillState | None = None
+    queued_at_tick: int = 0
+    """The scheduler tick at which the request was queued (the prompt's prefill deadline counts from it)."""
     stream: Any = None
     """Streaming-only backends: the ``generate_stream`` iterator (owned by the scheduler)."""
     constraint: TokenConstraint | None = None

@@ -73,6 +73,11 @@ class AbortIncompleteError(RuntimeError):
 
 logger = logging.getLogger(__name__)
 
+#: With MIXED_PREFILL_CHUNK_TOKENS set, a prompt is spread over at most this many ticks after it was queued
+#: (its deadline): a tick beside decoding rows prefills what the queued prompts' deadlines need, and a prompt
+#: past its deadline gets the full budget, so a queue drains however fast prompts arrive.
+PREFILL_SPREAD_TICKS = 8
+
 
 @dataclass(frozen=True, slots=True)
 class _LaunchedStep:
@@ -233,6 +238,7 @@ class ContinuousBatchScheduler:
                 f"(MAX_WAITING_REQUESTS={self.settings.max_waiting_requests}); retry later"
             )
         request.eos_token_ids = self._eos
+        request.queued_at_tick = self._counters["steps"]
         self._q.enqueue(request)
 
     def abort_request(
@@ -357,14 +363,18 @@ class ContinuousBatchScheduler:
 
     def _plan_chunks(self, events: list[RequestEvent]) -> list[tuple[Request, PrefillState, int, int]]:
         """This tick's prefill work under the token budget: ``MAX_NUM_BATCHED_TOKENS`` minus one token per
-        decoding row, handed to prefilling requests in arrival order (each at most ``PREFILL_CHUNK_TOKENS``, or
-        ``MIXED_PREFILL_CHUNK_TOKENS`` while rows are decoding), so a long prompt is split across ticks and a
-        burst never stalls the decoding rows for more than one budget. Looks a request's prompt up in the prefix cache when it first gets budget. Returns
-        ``(request, state, chunk tokens, num_computed before)``."""
+        decoding row, handed to prefilling requests in arrival order (each at most ``PREFILL_CHUNK_TOKENS``), so
+        a long prompt is split across ticks and a burst never stalls the decoding rows for more than one budget.
+        With ``MIXED_PREFILL_CHUNK_TOKENS`` set, a tick that carries decoding rows spends on prompts only
+        ``max(MIXED_PREFILL_CHUNK_TOKENS, what the queued prompts' deadlines need)`` (:meth:`_deadline_tokens`):
+        steady arrivals are spread thinly over the ticks (short ticks for the streams), while a burst, whose
+        prompts cannot all meet their deadlines, gets the full budget. Looks a request's prompt up in the prefix
+        cache when it first gets budget. Returns ``(request, state, chunk tokens, num_computed before)``."""
         budget = self.settings.max_num_batched_tokens - len(self._q.rows)
+        mixed = self.settings.mixed_prefill_chunk_tokens
+        if mixed and self._q.rows and budget > mixed:
+            budget = max(mixed, self._deadline_tokens(budget))
         cap = self.settings.prefill_chunk_tokens
-        if self._q.rows and self.settings.mixed_prefill_chunk_tokens:
-            cap = min(cap, self.settings.mixed_prefill_chunk_tokens)
         work: list[tuple[Request, PrefillState, int, int]] = []
         for request in list(self._q.prefilling):
             if budget <= 0:
@@ -384,6 +394,23 @@ class ContinuousBatchScheduler:
                 work.append((request, state, num, state.num_computed))
                 budget -= num
         return work
+
+    def _deadline_tokens(self, enough: int) -> int:
+        """Prompt tokens this tick must prefill for every admitted prompt to finish within
+        ``PREFILL_SPREAD_TICKS`` ticks of being queued: its remaining tokens over its ticks left, all of them
+        once it is late (a prompt that waited for admission is late at once). A prompt not looked up in the
+        prefix cache yet counts in full. Requests still waiting for admission cannot be prefilled this tick and
+        do not count. Summed only up to ``enough``."""
+        total = 0
+        tick = self._counters["steps"]
+        for request in self._q.prefilling:
+            state = request.prefill_state
+            remaining = len(request.prompt_token_ids) if state is None else state.num_remaining
+            ticks_left = request.queued_at_tick + PREFILL_SPREAD_TICKS - tick
+            total += remaining if ticks_left <= 1 else -(-remaining // ticks_left)
+            if total >= enough:
+                return enough
+        return total
 
     def _prefill(self, events: list[RequestEvent]) -> None:
         """The planned chunks through one ``prefill_chunks`` call (backends may batch them)."""
