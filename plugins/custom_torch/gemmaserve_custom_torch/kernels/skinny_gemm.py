@@ -1,0 +1,217 @@
+"""Triton matmuls for few rows (decode at batch 1-64), built to stream the weights near the HBM limit.
+
+At small M a decode step's projections are weight reads: every weight byte is read once per step and the
+arithmetic is idle. These kernels tile the output columns and, when that gives too few programs to keep every
+SM streaming, also split the reduction dimension (``split_k``): each program reads one ``[BLOCK_N, K / split]``
+slab of the weight once, and a second kernel sums the fp32 partials in a fixed order (deterministic, no atomics)
+and applies the epilogue.
+
+- :func:`skinny_linear`: ``x @ w.T`` (``F.linear`` without bias);
+- :func:`skinny_geglu`: ``gelu_tanh(x @ gate.T) * (x @ up.T)`` over a fused ``[gate; up]`` weight, the GeGLU
+  MLP's first half, rounding where the eager chain rounds (the projections, gelu's output, the product);
+- :func:`lm_head_argmax`: the greedy token of ``softcap(x @ w.T)`` without writing the logits: each program
+  keeps its tile's largest (rounded, soft-capped) logit and its first index; ties go to the lowest token id,
+  as ``torch.argmax`` does.
+
+Weights are ``[N, K]`` row-major as the model holds them (no repacking). Inputs must have a contiguous last
+dim. Accumulation is fp32, so results equal cuBLAS's up to summation order (last-bit differences in bf16).
+Nothing syncs the host; every launch grid depends on shapes only (CUDA-graph capturable). Runs on CPU under
+``TRITON_INTERPRET=1`` (fp32 / fp16, tiny shapes) for the tests. Not yet wired into the model: the decision
+waits for the H200 comparison against cuBLAS (``benchmarks/kernels/bench_skinny_gemm.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["choose_split_k", "lm_head_argmax", "skinny_geglu", "skinny_linear"]
+
+#: Programs to aim for when choosing ``split_k``: two waves of the H200's 132 SMs.
+TARGET_PROGRAMS = 264
+
+
+def _block_m(m: int) -> int:
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+def choose_split_k(m: int, n: int, k: int, block_n: int = 64, block_k: int = 128) -> int:
+    """How many slices to cut K into so that ``column tiles x row tiles x slices`` reaches TARGET_PROGRAMS,
+    keeping at least two K blocks per slice. 1 when the column tiles alone fill the GPU. Shapes only."""
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, _block_m(m))
+    if tiles >= TARGET_PROGRAMS:
+        return 1
+    most = max(1, k // (2 * block_k))
+    return max(1, min(most, triton.cdiv(TARGET_PROGRAMS, tiles)))
+
+
+@triton.jit
+def _gelu_tanh(a):
+    inner = 0.7978845608028654 * (a + 0.044715 * a * a * a)  # sqrt(2 / pi)
+    return 0.5 * a * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))
+
+
+@triton.jit
+def _dot_slab(x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] = x[offs_m, k_start:k_stop] @ w[offs_n, k_start:k_stop].T (masked)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(k_start, k_stop, BLOCK_K):
+        ks = k0 + offs_k
+        k_mask = ks < k_stop
+        xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :],
+                     mask=(offs_m[:, None] < m) & k_mask[None, :], other=0.0)
+        ws = tl.load(w_ptr + offs_n[:, None] * stride_wn + ks[None, :],
+                     mask=(offs_n[:, None] < n) & k_mask[None, :], other=0.0)
+        acc += tl.dot(xs, tl.trans(ws), out_dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, m, n_out, k, k_per_split, stride_xm, stride_wn, up_offset,
+                   GEGLU: tl.constexpr, SPLIT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (column tile, row tile, K slice). SPLIT: write fp32 partials [slices, m, n_out(x2 for GEGLU)];
+    else write the rounded result (with the GeGLU epilogue when GEGLU)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = pid_k * k_per_split
+    k_stop = tl.minimum(k_start + k_per_split, k)
+    acc = _dot_slab(x_ptr, w_ptr, offs_m, offs_n, m, n_out, k_start, k_stop, stride_xm, stride_wn,
+                    BLOCK_M, BLOCK_N, BLOCK_K)
+    mask = (offs_m[:, None] < m) & (offs_n[None, :] < n_out)
+    if GEGLU:
+        acc_up = _dot_slab(x_ptr, w_ptr + up_offset * stride_wn, offs_m, offs_n, m, n_out, k_start, k_stop,
+                           stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
+    if SPLIT:
+        width = n_out * 2 if GEGLU else n_out
+        base = part_ptr + pid_k.to(tl.int64) * m * width + offs_m[:, None] * width + offs_n[None, :]
+        tl.store(base, acc, mask=mask)
+        if GEGLU:
+            tl.store(base + n_out, acc_up, mask=mask)
+    else:
+        dtype = out_ptr.dtype.element_ty
+        if GEGLU:
+            gate = acc.to(dtype).to(tl.float32)
+            up = acc_up.to(dtype).to(tl.float32)
+            acc = _gelu_tanh(gate).to(dtype).to(tl.float32) * up
+        tl.store(out_ptr + offs_m[:, None] * n_out + offs_n[None, :], acc.to(dtype), mask=mask)
+
+
+@triton.jit
+def _reduce_kernel(part_ptr, out_ptr, m, n_out, slices, GEGLU: tl.constexpr, BLOCK: tl.constexpr):
+    """out[row, cols] = epilogue(sum over slices, in slice order)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_out
+    width = n_out * 2 if GEGLU else n_out
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, slices):
+        base = part_ptr + (s * m + row) * width + cols
+        acc += tl.load(base, mask=mask, other=0.0)
+        if GEGLU:
+            acc_up += tl.load(base + n_out, mask=mask, other=0.0)
+    dtype = out_ptr.dtype.element_ty
+    if GEGLU:
+        gate = acc.to(dtype).to(tl.float32)
+        up = acc_up.to(dtype).to(tl.float32)
+        acc = _gelu_tanh(gate).to(dtype).to(tl.float32) * up
+    tl.store(out_ptr + row * n_out + cols, acc.to(dtype), mask=mask)
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, geglu: bool, split_k: int | None, block_n: int,
+            block_k: int, num_warps: int) -> torch.Tensor:
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"need x [M, K] and w [N, K]; got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError("x and w need a contiguous last dimension")
+    m, k = x.shape
+    out = torch.empty(m, n_out, device=x.device, dtype=x.dtype)
+    if m == 0 or n_out == 0:
+        return out
+    block_m = _block_m(m)
+    slices = split_k if split_k is not None else choose_split_k(m, n_out * (2 if geglu else 1), k, block_n, block_k)
+    k_per_split = triton.cdiv(triton.cdiv(k, slices), block_k) * block_k
+    slices = triton.cdiv(k, k_per_split)
+    grid = (triton.cdiv(n_out, block_n), triton.cdiv(m, block_m), slices)
+    split = slices > 1
+    partials = (torch.empty(slices, m, n_out * (2 if geglu else 1), device=x.device, dtype=torch.float32)
+                if split else out)
+    _skinny_kernel[grid](x, w, out, partials, m, n_out, k, k_per_split, x.stride(0), w.stride(0), n_out,
+                         GEGLU=geglu, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                         num_warps=num_warps)
+    if split:
+        reduce_block = 256
+        _reduce_kernel[(m, triton.cdiv(n_out, reduce_block))](partials, out, m, n_out, slices, GEGLU=geglu,
+                                                               BLOCK=reduce_block, num_warps=4)
+    return out
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, *, split_k: int | None = None, block_n: int = 64,
+                  block_k: int = 128, num_warps: int = 4) -> torch.Tensor:
+    """``x @ w.T`` for x [M, K], w [N, K] -> new [M, N] in x's dtype. ``split_k=None`` picks the slices from
+    the shapes (:func:`choose_split_k`)."""
+    return _launch(x, w, w.shape[0], False, split_k, block_n, block_k, num_warps)
+
+
+def skinny_geglu(x: torch.Tensor, gate_up: torch.Tensor, *, split_k: int | None = None, block_n: int = 64,
+                 block_k: int = 128, num_warps: int = 4) -> torch.Tensor:
+    """``gelu_tanh(x @ gate.T) * (x @ up.T)`` for x [M, K] and gate_up [2 * W, K] (gate rows first, as
+    ``fusion.fuse_projections`` lays them out) -> new [M, W] in x's dtype."""
+    if gate_up.shape[0] % 2:
+        raise ValueError(f"gate_up needs an even number of rows (gate then up); got {gate_up.shape[0]}")
+    return _launch(x, gate_up, gate_up.shape[0] // 2, True, split_k, block_n, block_k, num_warps)
+
+
+@triton.jit
+def _argmax_kernel(x_ptr, w_ptr, best_ptr, index_ptr, m, n, k, stride_xm, stride_wn, softcap,
+                   HAS_CAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (column tile, row tile): each row's largest rounded, soft-capped logit in the tile and its
+    first index, written to best/index [m, tiles]."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = _dot_slab(x_ptr, w_ptr, offs_m, offs_n, m, n, 0, k, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
+    dtype = x_ptr.dtype.element_ty
+    logits = acc.to(dtype).to(tl.float32)  # eager's logits are in the model dtype
+    if HAS_CAP:  # eager: tanh(logits / cap) * cap, each op rounded to the model dtype
+        scaled = (logits / softcap).to(dtype).to(tl.float32)
+        tanh = (1.0 - 2.0 / (tl.exp(2.0 * scaled) + 1.0)).to(dtype).to(tl.float32)
+        logits = (tanh * softcap).to(dtype).to(tl.float32)
+    logits = tl.where(offs_n[None, :] < n, logits, float("-inf"))
+    best = tl.max(logits, axis=1)
+    is_best = logits == best[:, None]
+    first = tl.min(tl.where(is_best, offs_n[None, :], n), axis=1)
+    tiles = tl.num_programs(0)
+    row_mask = offs_m < m
+    tl.store(best_ptr + offs_m * tiles + pid_n, best, mask=row_mask)
+    tl.store(index_ptr + offs_m * tiles + pid_n, first, mask=row_mask)
+
+
+def lm_head_argmax(x: torch.Tensor, w: torch.Tensor, softcap: float | None = None, *, block_n: int = 128,
+                   block_k: int = 128, num_warps: int = 4) -> torch.Tensor:
+    """Greedy tokens (int64 [M]) of ``softcap(x @ w.T)`` for hidden x [M, K] and the LM head w [V, K], the
+    logits never written out. Ties pick the lowest token id. ``softcap``: the model's final logit softcap."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError(f"need x [M, K] and w [V, K] with contiguous last dims; got {tuple(x.shape)}, "
+                         f"{tuple(w.shape)}")
+    m, k = x.shape
+    n = w.shape[0]
+    if m == 0:
+        return torch.empty(0, device=x.device, dtype=torch.int64)
+    block_m = _block_m(m)
+    tiles = triton.cdiv(n, block_n)
+    best = torch.empty(m, tiles, device=x.device, dtype=torch.float32)
+    index = torch.empty(m, tiles, device=x.device, dtype=torch.int32)
+    _argmax_kernel[(tiles, triton.cdiv(m, block_m))](
+        x, w, best, index, m, n, k, x.stride(0), w.stride(0), 1.0 if softcap is None else float(softcap),
+        HAS_CAP=softcap is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+    tile = best.argmax(dim=1, keepdim=True)  # the first tile holding the maximum: tiles ascend in token id
+    return index.gather(1, tile).squeeze(1).to(torch.int64)

@@ -1,0 +1,92 @@
+"""The few-row matmul kernels (kernels/skinny_gemm.py) against torch on CPU under ``TRITON_INTERPRET=1`` (fp32 and
+fp16, tiny shapes, in a subprocess: the flag must be set before triton is imported): ``skinny_linear`` against
+``F.linear``, ``skinny_geglu`` against the eager GeGLU chain, with and without split K (including slices that do
+not divide K and column counts that are not a multiple of the tile), and ``lm_head_argmax`` against
+``argmax(softcap(F.linear))`` including exact ties, which must go to the lowest token id."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+_SCRIPT = r"""
+import json, torch
+import torch.nn.functional as F
+from gemmaserve_custom_torch.kernels.skinny_gemm import choose_split_k, lm_head_argmax, skinny_geglu, skinny_linear
+from gemmaserve_custom_torch.models.layers import gelu_tanh
+torch.manual_seed(0)
+torch.set_num_threads(1)
+errors, checks = {}, 0
+def note(name, got, want):
+    global checks
+    checks += 1
+    assert got.shape == want.shape and got.dtype == want.dtype and got.is_contiguous(), (name, got.shape, want.shape)
+    errors[name] = max(errors.get(name, 0.0), float((got.float() - want.float()).abs().max()))
+small = dict(block_n=16, block_k=32)
+for dtype in (torch.float32, torch.float16):
+    for m, n, k in ((1, 40, 96), (3, 16, 64), (17, 33, 100), (40, 20, 32)):
+        x = torch.randn(m, k).to(dtype)
+        w = (torch.randn(n, k) * 0.2).to(dtype)
+        want = F.linear(x.float(), w.float()).to(dtype)
+        for split in (1, 2, 3, None):
+            note(f"linear/{dtype}", skinny_linear(x, w, split_k=split, **small), want)
+        gate_up = (torch.randn(2 * n, k) * 0.2).to(dtype)
+        gate, up = F.linear(x.float(), gate_up.float()).to(dtype).chunk(2, dim=-1)
+        want = (gelu_tanh(gate.float()).to(dtype).float() * up.float()).to(dtype)
+        for split in (1, 3):
+            note(f"geglu/{dtype}", skinny_geglu(x, gate_up, split_k=split, **small), want)
+        strided = torch.randn(m, k + 8).to(dtype)[:, 4:4 + k]  # rows strided, last dim contiguous
+        note(f"linear/{dtype}", skinny_linear(strided, w, **small), F.linear(strided.float(), w.float()).to(dtype))
+ties = {"checked": 0}
+for dtype in (torch.float32, torch.float16):
+    for m, vocab, k, cap in ((1, 200, 48, None), (5, 77, 40, 30.0), (18, 130, 64, 4.0)):
+        x = torch.randn(m, k).to(dtype)
+        w = (torch.randn(vocab, k) * 0.3).to(dtype)
+        w[vocab - 3] = w[vocab // 2]  # a duplicate row: exact ties wherever that row wins
+        w[vocab - 1] = w[vocab // 2]
+        x[0] = w[vocab // 2].float().to(dtype) * 4  # row 0's winner is the duplicated token
+        logits = F.linear(x.float(), w.float()).to(dtype)
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        want = logits.argmax(dim=-1)
+        got = lm_head_argmax(x, w, cap, block_n=32, block_k=32)
+        assert got.dtype == torch.int64 and got.shape == (m,)
+        # fp32 summation order may move a near-tie; then both logits must be (near-)equal
+        for row in range(m):
+            if int(got[row]) != int(want[row]):
+                gap = float((logits[row, want[row]] - logits[row, got[row]]).abs())
+                assert gap < (1e-5 if dtype == torch.float32 else 2e-2), (dtype, row, int(got[row]), int(want[row]), gap)
+        assert int(got[0]) == vocab // 2, (dtype, int(got[0]))
+        ties["checked"] += 1
+assert choose_split_k(1, 262144, 1536) == 1 and choose_split_k(1, 1536, 12288) > 1 and choose_split_k(64, 64, 64) == 1
+print(json.dumps({"errors": errors, "checks": checks, "ties": ties["checked"]}))
+"""
+
+
+def test_skinny_kernels_match_torch_under_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["checks"] == 2 * 4 * (4 + 2 + 1) and result["ties"] == 6, result
+    for name, error in result["errors"].items():
+        # fp32: summation order only; fp16: one rounding step of outputs of magnitude up to ~10
+        assert error < (2e-5 if "float32" in name else 1.6e-2), (name, error)
+
+
+def test_the_kernel_benchmark_smoke_run_agrees_with_torch(tmp_path):
+    """benchmarks/kernels/bench_skinny_gemm.py --tiny (the CPU mode of the H200 benchmark) runs end to end."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "smoke.json"
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "kernels", "bench_skinny_gemm.py"), "--tiny",
+                           "--json", str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 9 and all(row["error"] < 1e-4 for row in rows), rows
