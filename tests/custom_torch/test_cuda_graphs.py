@@ -74,7 +74,7 @@ def joining_requests(seed: int, count: int = 16, vocab: int = 500) -> list[tuple
              rng.randrange(1, 40)) for _ in range(count)]
 
 
-@pytest.mark.parametrize("name", ["gemma4", "e2b_like", "gemma4_k_eq_v"])
+@pytest.mark.parametrize("name", ["gemma4", "e2b_like", "gemma4_k_eq_v", "gemma4_moe"])
 def test_graph_replay_is_byte_identical_to_eager_across_buckets(tiny_checkpoint, e2b_like_dir, name):
     path = e2b_like_dir if name == "e2b_like" else tiny_checkpoint(name)
     requests = joining_requests(seed=3)

@@ -41,7 +41,7 @@ from gemmaserve.settings import CoreSettings
 
 from .kernels import HAS_TRITON
 from .kv import BatchedPagedKVCache, KVAdmission, KVPools, PagedKVCache, PrefixCache, kv_groups, plan_pool_sizes
-from .models.fusion import fuse_elementwise, fuse_norms, fuse_projections
+from .models.fusion import fuse_elementwise, fuse_moe, fuse_norms, fuse_projections, moe_is_fused
 from .mixed_step import MixedStep
 from .models.gemma import GemmaForCausalLM
 from .runner import PagedRunner
@@ -100,10 +100,12 @@ class CustomTorchBackend(InferenceBackend):
             if HAS_TRITON and self.device.type == "cuda":
                 fuse_norms(model)
                 fuse_elementwise(model)
+                fuse_moe(model)
         width = -(-max_len // self.block_size)
         self.runner = PagedRunner(model, self.pools, self.attention, self.prefill_attention)
         self.decoder = make_decoder(model, self.pools, custom, self.attention, settings.max_batch_size, width=width)
-        graphs = custom.cuda_graph and on_cuda and self.attention == "triton" and not config.moe_num_experts
+        # MoE models capture only with the fused experts (the eager expert loop syncs the host)
+        graphs = custom.cuda_graph and on_cuda and self.attention == "triton" and moe_is_fused(model)
         self.mixed = MixedStep(model, self.pools, "triton" if self.attention == "triton" else "reference",
                                fast_prefill=custom.fast_prefill, graphs=graphs,
                                max_tokens=settings.max_num_batched_tokens, max_seqs=settings.max_batch_size,

@@ -27,6 +27,7 @@ from .kv.batched import BatchedPagedKVCache, DecodeState, PagedDecodeContext
 from .kv.decode_state import BatchedDecodeState, count_fed, graph_buckets, pick_bucket
 from .kv.paged_cache import prepare_decode_rows
 from .kv.pools import KVPools
+from .models.fusion import moe_is_fused
 from .models.gemma import GemmaForCausalLM
 from .settings import CustomTorchSettings
 
@@ -140,7 +141,7 @@ def make_decoder(
     *, width: int,
 ) -> StaticDecoder | None:
     """The backend's fixed-buffer decoder for triton attention (CUDA graphs on CUDA unless the model has MoE
-    layers, whose host-side expert routing cannot be captured); None for the gather path. ``width``: blocks
+    layers on the eager expert loop, whose host sync cannot be captured); None for the gather path. ``width``: blocks
     of the longest row. Captures every bucket now with ``CUSTOM_BACKEND_GRAPH_CAPTURE=startup``."""
     on_cuda = next(iter(pools.k.values())).device.type == "cuda"
     if attention != "triton":
@@ -151,8 +152,9 @@ def make_decoder(
     from .kernels.paged_attention import paged_decode_attention
 
     use_graphs = custom.cuda_graph and on_cuda
-    if use_graphs and model.config.moe_num_experts > 0:
-        logger.warning("custom_torch: MoE models decode without CUDA graphs (expert routing syncs the host)")
+    if use_graphs and not moe_is_fused(model):
+        logger.warning("custom_torch: MoE models decode without CUDA graphs unless their experts are fused "
+                       "(CUSTOM_BACKEND_FUSE): the eager expert loop syncs the host")
         use_graphs = False
     decoder = StaticDecoder(
         model, pools, buckets=graph_buckets(max_batch_size), width=width, kernel=paged_decode_attention,

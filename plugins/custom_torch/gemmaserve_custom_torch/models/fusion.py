@@ -1,5 +1,5 @@
 """Load-time fusion on CUDA: fewer, longer matmuls, one kernel per RMSNorm (`fuse_norms`) and per
-elementwise chain of a layer (`fuse_elementwise`).
+elementwise chain of a layer (`fuse_elementwise`), fused MoE experts (`fuse_moe`).
 
 `fuse_projections(model)` concatenates, per layer, the q/k/v weights of KV-storing layers (q/k on K=V layers)
 into one ``[q_width + k_width (+ v_width), hidden]`` weight and the MLP's gate/up weights into one
@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from .gemma import GemmaForCausalLM
 
-__all__ = ["fuse_elementwise", "fuse_norms", "fuse_projections", "is_fused"]
+__all__ = ["fuse_elementwise", "fuse_moe", "fuse_norms", "fuse_projections", "is_fused", "moe_is_fused"]
 
 
 def _fuse(linears: list[nn.Linear]) -> Tensor:
@@ -68,20 +68,38 @@ def fuse_norms(model: torch.nn.Module) -> int:
 
 
 def fuse_elementwise(model: GemmaForCausalLM) -> int:
-    """Run the elementwise chains of every dense layer through ``kernels.fused_ops`` (q/k norm + RoPE,
-    post-norm + residual (+ next pre-norm, + layer_scalar), GeGLU and PLE gates); MoE layers keep the eager
-    path. Returns how many layers were switched. Mutates ``model``; idempotent. Needs triton (the caller
-    checks); the kernels run on the model's device (CUDA, or CPU under ``TRITON_INTERPRET=1`` in tests)."""
+    """Run the elementwise chains of every layer through ``kernels.fused_ops`` (q/k norm + RoPE, post-norm +
+    residual (+ next pre-norm, + layer_scalar), GeGLU and PLE gates); on MoE layers the MoE block's router and
+    norms stay eager ops (its experts are ``fuse_moe``'s). Returns how many layers were switched. Mutates
+    ``model``; idempotent. Needs triton (the caller checks); the kernels run on the model's device (CUDA, or
+    CPU under ``TRITON_INTERPRET=1`` in tests)."""
     from ..kernels import fused_ops
     from .layers import FusedElementwise
 
     ops = FusedElementwise(fused_ops.norm_rope, fused_ops.residual_norm, fused_ops.gelu_mul)
-    switched = 0
     for layer in model.layers:
-        if layer.has_moe:
-            continue
         layer.fused_ops = ops
         layer.self_attn.fused_ops = ops
         layer.mlp.gelu_mul = ops.gelu_mul
-        switched += 1
-    return switched
+    return len(model.layers)
+
+
+def fuse_moe(model: torch.nn.Module) -> int:
+    """Run every MoE expert block of ``model`` through ``kernels.moe.fused_experts`` (grouped GEMMs, no host
+    sync, so MoE layers can be captured in CUDA graphs) on CUDA inputs; returns how many blocks were switched.
+    Mutates ``model``; idempotent. Needs triton (the caller checks)."""
+    from ..kernels.moe import fused_experts
+    from .layers import MoEExperts
+
+    blocks = [m for m in model.modules() if isinstance(m, MoEExperts)]
+    for block in blocks:
+        block.fused = fused_experts
+    return len(blocks)
+
+
+def moe_is_fused(model: torch.nn.Module) -> bool:
+    """True when ``model`` has no MoE expert block on the host-syncing eager loop (none at all, or all
+    switched by ``fuse_moe``): its forward can then be captured in a CUDA graph."""
+    from .layers import MoEExperts
+
+    return all(m.fused is not None for m in model.modules() if isinstance(m, MoEExperts))

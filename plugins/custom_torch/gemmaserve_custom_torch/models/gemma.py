@@ -158,7 +158,7 @@ class GemmaDecoderLayer(nn.Module):
             self.register_buffer("layer_scalar", torch.ones(1, device=device, dtype=dtype))
         else:
             self.layer_scalar = None
-        self.fused_ops: FusedElementwise | None = None  # set by `fusion.fuse_elementwise` (not on MoE layers)
+        self.fused_ops: FusedElementwise | None = None  # set by `fusion.fuse_elementwise`
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext, ple: Tensor | None = None) -> Tensor:
         if self.fused_ops is not None:
@@ -170,10 +170,7 @@ class GemmaDecoderLayer(nn.Module):
         residual = x
         h = self.mlp(self.pre_feedforward_layernorm(x))
         if self.has_moe:
-            flat = residual.reshape(-1, residual.shape[-1])  # router and experts read the pre-MLP residual
-            weights, ids = self.router(flat)
-            moe = self.experts(self.pre_feedforward_layernorm_2(flat), weights, ids).reshape(residual.shape)
-            h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(moe)
+            h = self._with_moe(residual, h)
         x = residual + self.post_feedforward_layernorm(h)
 
         if self.has_ple:
@@ -184,15 +181,25 @@ class GemmaDecoderLayer(nn.Module):
             x = x * self.layer_scalar
         return x
 
+    def _with_moe(self, residual: Tensor, h: Tensor) -> Tensor:
+        """The MoE block's sum with the dense MLP output ``h``: post_ff_1(h) + post_ff_2(experts(residual))."""
+        flat = residual.reshape(-1, residual.shape[-1])  # router and experts read the pre-MLP residual
+        weights, ids = self.router(flat)
+        moe = self.experts(self.pre_feedforward_layernorm_2(flat), weights, ids).reshape(residual.shape)
+        return self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(moe)
+
     def _forward_fused(self, ops: FusedElementwise, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext,
                        ple: Tensor | None) -> Tensor:
         """:meth:`forward` with each post-norm + residual add (+ the next pre-norm, + layer_scalar) and the
-        PLE gate as one kernel. Dense layers only."""
+        PLE gate as one kernel. On MoE layers the router, the experts (``experts.fused`` when set) and the MoE
+        block's own norms run as in :meth:`forward`."""
         post_attn, pre_ff = self.post_attention_layernorm, self.pre_feedforward_layernorm
         h = self.self_attn(self.input_layernorm(x), cos, sin, attn)
         x, normed = ops.residual_norm(x, h, post_attn.weight, post_attn.eps, post_attn.style,
                                       next_weight=pre_ff.weight, next_eps=pre_ff.eps)
         h = self.mlp(normed)
+        if self.has_moe:
+            h = self._with_moe(x, h)
         post_ff = self.post_feedforward_layernorm
         x, _ = ops.residual_norm(x, h, post_ff.weight, post_ff.eps, post_ff.style,
                                  scale=None if self.has_ple else self.layer_scalar)

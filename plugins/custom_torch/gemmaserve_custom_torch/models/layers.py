@@ -7,6 +7,7 @@ tests (tests/custom_torch/test_model_parity.py).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +18,8 @@ from torch import Tensor, nn
 from .config import NormStyle, RopeParams
 
 Device = torch.device | str | None
+# Triton kernels run on CPU tensors in the interpreter (tests only; set before the process starts)
+_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def gelu_tanh(x: Tensor) -> Tensor:
@@ -186,7 +189,9 @@ class MoEExperts(nn.Module):
     """Expert weights as 3-D tensors: gate_up_proj [E, 2·I, H] (gate rows first), down_proj [E, H, I].
 
     forward(x [T, H], weights [T, k] fp32, ids [T, k]) -> [T, H] in x's dtype. Accumulates expert by expert
-    (ascending id) with a model-dtype `index_add_`, the order transformers' "eager" experts use.
+    (ascending id) with a model-dtype `index_add_`, the order transformers' "eager" experts use. That loop
+    syncs the host (`.tolist()` over the hit experts); `fused` (``kernels.moe.fused_experts``, set by
+    ``fusion.fuse_moe``) replaces it on CUDA inputs, and on CPU under ``TRITON_INTERPRET=1`` (tests).
     """
 
     def __init__(
@@ -196,8 +201,13 @@ class MoEExperts(nn.Module):
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * width, hidden, device=device, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, width, device=device, dtype=dtype))
+        # fused(x, weights, ids, gate_up_proj, down_proj) -> [T, H]: the same contract with no host sync;
+        # None = the eager loop below (bitwise transformers' eager experts).
+        self.fused: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
 
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        if self.fused is not None and (x.is_cuda or (_TRITON_INTERPRET and x.device.type == "cpu")):
+            return self.fused(x, weights, ids, self.gate_up_proj, self.down_proj)
         out = torch.zeros_like(x)
         # hits[e, j, t]: token t picked expert e in its j-th top-k slot
         hits = F.one_hot(ids, num_classes=self.num_experts).permute(2, 1, 0)

@@ -1,0 +1,217 @@
+"""Fused MoE experts (Triton): the Gemma 4 expert block as three kernels, with no host sync anywhere.
+
+:func:`fused_experts` computes what ``MoEExperts.forward`` computes (``x`` [T, H], routing weights [T, k] fp32
+and expert ids [T, k] from ``MoERouter``):
+
+1. :func:`group_by_expert` (torch ops only, no host sync): the T·k (token, slot) pairs are sorted by expert
+   and each expert's group is padded to ``block_m`` rows. The padded layout has a shape-only upper bound
+   (:func:`max_blocks`), so every launch grid below depends on shapes alone and the whole call can be
+   captured in a CUDA graph; blocks past the last group exit at once.
+2. ``_gate_up_geglu_kernel``: one grouped GEMM over ``gate_up_proj`` [E, 2I, H] per block of pairs of one
+   expert, with ``gelu_tanh(gate) * up`` in its epilogue -> an [rows, I] intermediate in the model dtype.
+3. ``_down_weighted_kernel``: one grouped GEMM over ``down_proj`` [E, H, I] that multiplies each pair's row
+   by its routing weight and stores it at the pair's own row of a [T·k, H] buffer (no atomics).
+4. ``_sum_slots_kernel``: each token's k rows summed in ascending expert id, the order of the eager
+   ``index_add_`` loop, rounding to the model dtype after each add as that loop does (deterministic).
+
+Matmuls accumulate in fp32; each value the eager loop holds in the model dtype (the gate/up and down outputs,
+the GeGLU product, the weighted rows, the running sum) is rounded to it here too, so results differ from the
+eager experts only by matmul summation order. Block sizes are constexpr and at least 16 (the smallest
+``tl.dot`` shape); small batches (decode) use ``block_m`` 16, so a decode step's pairs, mostly one per
+expert, waste little of each block. Runs under ``TRITON_INTERPRET=1`` on CPU in fp32/fp16 (the tests).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["ExpertGroups", "fused_experts", "group_by_expert", "max_blocks", "pick_block_m"]
+
+
+class ExpertGroups(NamedTuple):
+    """The (token, slot) pairs of one routing, grouped by expert and padded per expert to ``block_m`` rows.
+
+    ``pair_of_row`` [num_blocks · block_m] int32: the flat pair index ``token · k + slot`` each padded row holds,
+    -1 on padding rows. ``expert_of_block`` [num_blocks] int32: the expert of every row of a block; blocks past
+    the last group hold ``num_experts`` (the kernels skip them). ``num_blocks`` = :func:`max_blocks`.
+    """
+
+    pair_of_row: torch.Tensor
+    expert_of_block: torch.Tensor
+    block_m: int
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on the padded blocks of ``num_pairs`` pairs over ``num_experts`` experts, from shapes alone:
+    each hit expert (at most min(E, pairs)) pads its group by fewer than ``block_m`` rows."""
+    return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
+
+
+def pick_block_m(num_pairs: int, num_experts: int) -> int:
+    """Rows per block from the mean pairs per expert (16 for decode-sized batches, up to 64); untuned."""
+    mean = num_pairs / max(num_experts, 1)
+    return 16 if mean <= 16 else (32 if mean <= 32 else 64)
+
+
+def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertGroups:
+    """Group the pairs of ``ids`` [T, k] (expert ids in [0, E)) by expert; see :class:`ExpertGroups`.
+
+    Sort, searchsorted, cumsum and scatter only: no host sync (``torch.bincount`` would read the max id on
+    the host on CUDA). Within an expert, pairs keep ascending pair order (stable sort). ``ids`` is not mutated.
+    """
+    flat = ids.reshape(-1).to(torch.int64)
+    num_pairs, device = flat.numel(), flat.device
+    sorted_experts, pair_order = torch.sort(flat, stable=True)
+    # bounds[e]: the first sorted position of expert e; bounds[E] = num_pairs
+    bounds = torch.searchsorted(sorted_experts, torch.arange(num_experts + 1, device=device, dtype=torch.int64))
+    counts = bounds[1:] - bounds[:-1]
+    padded_counts = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded_counts, dim=0)
+    padded_start = padded_end - padded_counts
+    rank = torch.arange(num_pairs, device=device, dtype=torch.int64) - bounds[sorted_experts]
+    row_of_sorted = padded_start[sorted_experts] + rank
+    num_blocks = max_blocks(num_pairs, num_experts, block_m)
+    pair_of_row = torch.full((num_blocks * block_m,), -1, dtype=torch.int32, device=device)
+    pair_of_row.scatter_(0, row_of_sorted, pair_order.to(torch.int32))
+    block_start = torch.arange(num_blocks, device=device, dtype=torch.int64) * block_m
+    # the first expert whose padded group ends after the block's first row; E past the last group
+    expert_of_block = torch.searchsorted(padded_end, block_start, right=True).to(torch.int32)
+    return ExpertGroups(pair_of_row, expert_of_block, block_m)
+
+
+@triton.jit
+def _gate_up_geglu_kernel(x_ptr, w_ptr, pair_of_row_ptr, expert_of_block_ptr, out_ptr, stride_x, hidden, width,
+                          num_experts, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    block = tl.program_id(0)
+    expert = tl.load(expert_of_block_ptr + block)
+    if expert >= num_experts:
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(pair_of_row_ptr + rows)
+    valid = pairs >= 0
+    tokens = tl.where(valid, pairs // TOP_K, 0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < width
+    gate_rows = w_ptr + expert.to(tl.int64) * 2 * width * hidden + cols.to(tl.int64) * hidden
+    up_rows = gate_rows + width * hidden
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < hidden
+        x = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w_mask = col_ok[:, None] & k_ok[None, :]
+        gate_w = tl.load(gate_rows[:, None] + ks[None, :], mask=w_mask, other=0.0)
+        up_w = tl.load(up_rows[:, None] + ks[None, :], mask=w_mask, other=0.0)
+        acc_gate = tl.dot(x, tl.trans(gate_w), acc_gate, input_precision=PRECISION)
+        acc_up = tl.dot(x, tl.trans(up_w), acc_up, input_precision=PRECISION)
+    dtype = out_ptr.dtype.element_ty
+    gate = acc_gate.to(dtype).to(tl.float32)  # eager: F.linear's output in the model dtype, then chunk
+    up = acc_up.to(dtype).to(tl.float32)
+    inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2 / pi)
+    tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)  # saturates to +-1 without overflow trouble
+    gelu = (0.5 * gate * (1.0 + tanh)).to(dtype).to(tl.float32)  # eager rounds gelu's output
+    product = gelu * up
+    out = out_ptr + rows.to(tl.int64)[:, None] * width + cols[None, :]
+    tl.store(out, product.to(dtype), mask=col_ok[None, :])  # padding rows store zeros (their x rows were 0)
+
+
+@triton.jit
+def _down_weighted_kernel(h_ptr, w_ptr, pair_of_row_ptr, expert_of_block_ptr, routing_ptr, out_ptr, hidden, width,
+                          num_experts, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          PRECISION: tl.constexpr):
+    block = tl.program_id(0)
+    expert = tl.load(expert_of_block_ptr + block)
+    if expert >= num_experts:
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(pair_of_row_ptr + rows)
+    valid = pairs >= 0
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    w_rows = w_ptr + expert.to(tl.int64) * hidden * width + cols.to(tl.int64) * width
+    h_rows = h_ptr + rows.to(tl.int64) * width
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, width, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < width
+        h = tl.load(h_rows[:, None] + ks[None, :], mask=k_ok[None, :], other=0.0)
+        w = tl.load(w_rows[:, None] + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(h, tl.trans(w), acc, input_precision=PRECISION)
+    dtype = out_ptr.dtype.element_ty
+    routing = tl.load(routing_ptr + pairs, mask=valid, other=0.0)
+    # eager: the down output in the model dtype times the fp32 weight, rounded to the model dtype
+    y = acc.to(dtype).to(tl.float32) * routing[:, None]
+    out = out_ptr + pairs.to(tl.int64)[:, None] * hidden + cols[None, :]
+    tl.store(out, y.to(dtype), mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _sum_slots_kernel(pair_out_ptr, slot_order_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < hidden
+    dtype = out_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        slot = tl.load(slot_order_ptr + token * TOP_K + j).to(tl.int64)
+        row = tl.load(pair_out_ptr + (token * TOP_K + slot) * hidden + cols, mask=ok, other=0.0).to(tl.float32)
+        acc = (acc + row).to(dtype).to(tl.float32)  # eager: index_add_ into a model-dtype output
+    tl.store(out_ptr + token * hidden + cols, acc.to(dtype), mask=ok)
+
+
+def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
+                  down_proj: torch.Tensor, *, block_m: int | None = None, block_n: int = 64,
+                  block_k: int = 64) -> torch.Tensor:
+    """``MoEExperts.forward`` fused: x [T, H] (last dim contiguous), weights [T, k] (fp32 routing weights),
+    ids [T, k] (int, in [0, E)), gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I], both contiguous
+    in x's dtype. Returns a new [T, H] in x's dtype; mutates nothing. No host sync, grids from shapes only
+    (CUDA-graph capturable). ``block_m`` (rows per block; default :func:`pick_block_m`), ``block_n``,
+    ``block_k``: powers of two >= 16."""
+    tokens, hidden = x.shape
+    num_experts, double_width, hidden_w = gate_up_proj.shape
+    width = double_width // 2
+    top_k = ids.shape[-1] if ids.dim() == 2 else 0
+    if hidden_w != hidden or double_width != 2 * width or tuple(down_proj.shape) != (num_experts, hidden, width):
+        raise ValueError(f"expert weights gate_up {tuple(gate_up_proj.shape)} / down {tuple(down_proj.shape)} "
+                         f"do not fit hidden {hidden}")
+    if tuple(ids.shape) != (tokens, top_k) or tuple(weights.shape) != (tokens, top_k):
+        raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [{tokens}, k]")
+    if not (gate_up_proj.is_contiguous() and down_proj.is_contiguous()):
+        raise ValueError("expert weights must be contiguous")
+    out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
+    if tokens == 0 or top_k == 0:
+        return out.zero_()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    num_pairs = tokens * top_k
+    block_m = block_m or pick_block_m(num_pairs, num_experts)
+    for name, size in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+        if size < 16 or size & (size - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {size}")
+    groups = group_by_expert(ids, num_experts, block_m)
+    num_blocks = groups.expert_of_block.shape[0]
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models: no TF32 rounding of the inputs
+    intermediate = torch.empty((num_blocks * block_m, width), dtype=x.dtype, device=x.device)
+    _gate_up_geglu_kernel[(num_blocks, triton.cdiv(width, block_n))](
+        x, gate_up_proj, groups.pair_of_row, groups.expert_of_block, intermediate, x.stride(0), hidden, width,
+        num_experts, TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
+        num_warps=4,
+    )
+    pair_out = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
+    routing = weights.reshape(-1).to(torch.float32).contiguous()
+    _down_weighted_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
+        intermediate, down_proj, groups.pair_of_row, groups.expert_of_block, routing, pair_out, hidden, width,
+        num_experts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=4,
+    )
+    slot_order = torch.argsort(ids, dim=-1, stable=True).to(torch.int32).contiguous()  # ascending expert id
+    sum_block = min(1024, triton.next_power_of_2(hidden))
+    _sum_slots_kernel[(tokens, triton.cdiv(hidden, sum_block))](
+        pair_out, slot_order, out, hidden, TOP_K=top_k, BLOCK=sum_block, num_warps=4 if sum_block >= 512 else 1,
+    )
+    return out
