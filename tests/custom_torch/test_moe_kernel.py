@@ -165,6 +165,29 @@ with torch.inference_mode():
         torch.Tensor.tolist = patched["tolist"]
 torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 torch.testing.assert_close(via_module, want, atol=1e-5, rtol=1e-5)  # default (64) blocks through the module
+
+# every aten op the call dispatches: none reads a device value on the host (item / bool / int all dispatch
+# _local_scalar_dense; nonzero, masked_select, unique and bincount size their output from data)
+from torch.utils._python_dispatch import TorchDispatchMode
+
+class OpLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+syncing = {"_local_scalar_dense", "nonzero", "nonzero_static", "masked_select", "_unique", "_unique2", "unique_dim",
+           "unique_consecutive", "bincount", "item", "is_nonzero", "equal"}
+with torch.no_grad():  # (under inference_mode some composite ops are logged before they decompose)
+    with OpLog() as fused_ops:
+        fused_experts(x, weights, ids, experts.gate_up_proj, experts.down_proj, block_m=16, block_n=16, block_k=16)
+    with OpLog() as eager_ops:
+        experts(x, weights, ids)
+assert not fused_ops.ops & syncing, fused_ops.ops & syncing
+assert "_local_scalar_dense" in eager_ops.ops and "nonzero" in eager_ops.ops, eager_ops.ops  # the log sees syncs
 print(json.dumps({"ok": True}))
 """
 
@@ -243,8 +266,9 @@ def test_fused_experts_match_the_eager_loop_over_random_shapes():
 
 
 def test_fused_experts_never_sync_the_host():
-    """tolist / item / nonzero / bool() / boolean masks / bincount (syncs on CUDA) / unique / where(cond) all
-    raise while the fused experts run; the eager loop, patched the same way, does raise."""
+    """tolist / item / nonzero / bool() / boolean masks / bincount (syncs on CUDA) / unique / where all raise
+    while the fused experts run (the eager loop, patched the same way, does raise), and no aten op the call
+    dispatches reads device data on the host (the eager loop's do: _local_scalar_dense, nonzero)."""
     assert _interpret(_NO_SYNC_SCRIPT) == {"ok": True}
 
 
@@ -263,14 +287,19 @@ def test_fused_module_names_no_host_syncing_op():
 
 
 @pytest.mark.parametrize("fusion", ["moe", "all"])
-def test_a_moe_model_on_the_fused_experts_keeps_its_tokens(tiny_moe_dir, fusion):
-    """Greedy tokens (prefill + 4 decode steps) of a tiny MoE model are those of the eager experts, with only
-    the experts fused and with every fusion (projections, elementwise chains) on as well."""
+def test_a_moe_model_on_the_fused_experts_keeps_its_tokens(tiny_moe_dir, hf_reference, fusion):
+    """Greedy tokens (prefill + 4 decode steps) of a tiny MoE model with the fused experts are those of the
+    eager experts and of transformers' fp32 eager ``generate``, with only the experts fused and with every
+    fusion (projections, elementwise chains) on as well."""
     result = _interpret(_MODEL_SCRIPT, str(tiny_moe_dir), fusion)
     assert result["switched"] == result["layers"] == 3
     assert result["fused_calls"] == 3 * 6  # every MoE layer, every forward (1 prefill + 5 decode)
     assert result["max_logit_diff"] < 1e-4, result
     assert result["tokens"][0] == result["tokens"][1], result
+    prompt = torch.tensor([[(7 * i + 3) % 500 + 4 for i in range(11)]])
+    with torch.inference_mode():
+        out = hf_reference(tiny_moe_dir, torch.float32).generate(prompt, max_new_tokens=5, do_sample=False)
+    assert out[0, prompt.shape[1]:].tolist() == result["tokens"][1]
 
 
 def test_the_eager_loop_stays_the_cpu_default_outside_the_interpreter():

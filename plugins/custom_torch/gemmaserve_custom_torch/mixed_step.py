@@ -12,8 +12,8 @@ Order of work in :meth:`MixedStep.run`:
    one-row path, which gathers its old window before freeing it).
 3. One batch (:func:`~.kv.forward_batch.pack_tick`), one forward (:class:`~.kv.forward_batch.RaggedPagedContext`):
    on CUDA the batch is staged into fixed buffers padded to a token bucket and the forward replays that
-   bucket's CUDA graph (captured on first use); elsewhere (CPU, MoE models, ticks larger than the buffers) it
-   runs eagerly on fresh tensors. With fast prefill, the KV-shared layers at the end of the stack run only
+   bucket's CUDA graph (captured on first use); elsewhere (CPU, MoE models on the eager expert loop, ticks
+   larger than the buffers) it runs eagerly on fresh tensors. With fast prefill, the KV-shared layers at the end of the stack run only
    for the last token of the sequences whose logits are needed (decode rows and chunks that complete their
    prompt): they store nothing, so every other token's work there is dead. Stored K/V and the kept logits
    are those of the full computation.

@@ -67,7 +67,8 @@ class CustomTorchSettings(BaseSettings):
         "eager (bitwise transformers), sdpa (fused kernels); auto = sdpa on CUDA."
     )
     fuse: Literal["auto", "on", "off"] = Field(
-        "auto", description="Fuse q/k/v and gate/up matmuls, RMSNorm and elementwise kernels at load; auto = on CUDA."
+        "auto", description="Fuse q/k/v and gate/up matmuls, RMSNorm, elementwise and MoE expert kernels at load; "
+        "auto = on CUDA."
     )
     attention: AttentionMode = Field(
         "auto", description="Decode attention: auto (triton on CUDA, else gather), triton (paged kernel) or gather."

@@ -166,13 +166,14 @@ def _sum_slots_kernel(pair_out_ptr, slot_order_ptr, out_ptr, hidden, TOP_K: tl.c
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
-                  down_proj: torch.Tensor, *, block_m: int | None = None, block_n: int = 64,
+                  down_proj: torch.Tensor, *, block_m: int | None = None, block_n: int | None = None,
                   block_k: int = 64) -> torch.Tensor:
     """``MoEExperts.forward`` fused: x [T, H] (last dim contiguous), weights [T, k] (fp32 routing weights),
     ids [T, k] (int, in [0, E)), gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I], both contiguous
     in x's dtype. Returns a new [T, H] in x's dtype; mutates nothing. No host sync, grids from shapes only
-    (CUDA-graph capturable). ``block_m`` (rows per block; default :func:`pick_block_m`), ``block_n``,
-    ``block_k``: powers of two >= 16."""
+    (CUDA-graph capturable). ``block_m`` (rows per block; default :func:`pick_block_m`), ``block_n`` (output
+    columns per program; default 32 with ``block_m`` 16, so a decode step's few blocks still spread over many
+    programs, else 64), ``block_k``: powers of two >= 16. Defaults untuned (no GPU measurement yet)."""
     tokens, hidden = x.shape
     num_experts, double_width, hidden_w = gate_up_proj.shape
     width = double_width // 2
@@ -191,6 +192,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gat
         x = x.contiguous()
     num_pairs = tokens * top_k
     block_m = block_m or pick_block_m(num_pairs, num_experts)
+    block_n = block_n or (32 if block_m == 16 else 64)
     for name, size in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if size < 16 or size & (size - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {size}")
