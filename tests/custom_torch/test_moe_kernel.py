@@ -302,6 +302,52 @@ def test_a_moe_model_on_the_fused_experts_keeps_its_tokens(tiny_moe_dir, hf_refe
     assert out[0, prompt.shape[1]:].tolist() == result["tokens"][1]
 
 
+def _hopper_kernels(dtype: str, blocks: tuple[int, int, int]) -> list[tuple[object, dict, dict]]:
+    """(kernel, signature, constexprs) of the three launches of ``fused_experts`` for one dtype / block shape."""
+    from gemmaserve_custom_torch.kernels import moe
+
+    block_m, block_n, block_k = blocks
+    tiles = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
+             "PRECISION": "ieee" if dtype == "fp32" else "tf32"}
+    gemm = {"pair_of_row_ptr": "*i32", "expert_of_block_ptr": "*i32"}
+    sizes = {"hidden": "i32", "width": "i32", "num_experts": "i32"}
+    constexpr = dict.fromkeys(tiles, "constexpr")
+    return [
+        (moe._gate_up_geglu_kernel,
+         {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", **gemm, "out_ptr": f"*{dtype}", "stride_x": "i32", **sizes,
+          "TOP_K": "constexpr", **constexpr}, {"TOP_K": 8, **tiles}),
+        (moe._down_weighted_kernel,
+         {"h_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", **gemm, "routing_ptr": "*fp32", "out_ptr": f"*{dtype}",
+          **sizes, **constexpr}, tiles),
+        (moe._sum_slots_kernel,
+         {"pair_out_ptr": f"*{dtype}", "slot_order_ptr": "*i32", "out_ptr": f"*{dtype}", "hidden": "i32",
+          "TOP_K": "constexpr", "BLOCK": "constexpr"}, {"TOP_K": 8, "BLOCK": 1024}),
+    ]
+
+
+def test_the_kernels_compile_for_hopper_without_a_gpu():
+    """The real compiler path (Triton -> PTX -> cubin for sm_90, with Triton's bundled ptxas), which the
+    interpreter never takes: bf16 at the decode (16) and prefill (32, 64) row blocks, fp32 with IEEE dots."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("this process runs under the Triton interpreter")
+    nvidia = pytest.importorskip("triton.backends.nvidia")
+    if not (Path(nvidia.__file__).parent / "bin" / "ptxas").exists():
+        pytest.skip("triton has no bundled ptxas here")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", 90, 32)
+    builds = [("bf16", (16, 32, 64)), ("bf16", (32, 64, 64)), ("bf16", (64, 64, 64)), ("fp32", (16, 32, 64))]
+    for dtype, blocks in builds:
+        for kernel, signature, constexprs in _hopper_kernels(dtype, blocks):
+            compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                                      target=target, options={"num_warps": 4})
+            assert compiled.asm["cubin"], (kernel, dtype, blocks)
+            if dtype == "bf16" and "BLOCK_M" in constexprs:
+                assert "mma" in compiled.asm["ptx"], (kernel, blocks)  # tensor-core dots
+
+
 def test_the_eager_loop_stays_the_cpu_default_outside_the_interpreter():
     """A fused callable set on MoEExperts is ignored for CPU inputs unless TRITON_INTERPRET=1 (then tests only)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
