@@ -327,7 +327,9 @@ def _hopper_kernels(dtype: str, blocks: tuple[int, int, int]) -> list[tuple[obje
 
 def test_the_kernels_compile_for_hopper_without_a_gpu():
     """The real compiler path (Triton -> PTX -> cubin for sm_90, with Triton's bundled ptxas), which the
-    interpreter never takes: bf16 at the decode (16) and prefill (32, 64) row blocks, fp32 with IEEE dots."""
+    interpreter never takes: bf16 at the decode (16) and prefill (32, 64) row blocks, fp32 with IEEE dots.
+    Pointers and sizes carry the 16-divisibility the launcher sees at 26B-A4B shapes (H 2816, I 704); with it
+    the bf16 GEMMs' K loops are software-pipelined (cp.async) into tensor-core dots."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("this process runs under the Triton interpreter")
     nvidia = pytest.importorskip("triton.backends.nvidia")
@@ -341,11 +343,14 @@ def test_the_kernels_compile_for_hopper_without_a_gpu():
     builds = [("bf16", (16, 32, 64)), ("bf16", (32, 64, 64)), ("bf16", (64, 64, 64)), ("fp32", (16, 32, 64))]
     for dtype, blocks in builds:
         for kernel, signature, constexprs in _hopper_kernels(dtype, blocks):
-            compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                                      target=target, options={"num_warps": 4})
+            aligned = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(signature.items())
+                       if kind != "constexpr" and name != "num_experts"}
+            compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
+                                                attrs=aligned), target=target, options={"num_warps": 4})
             assert compiled.asm["cubin"], (kernel, dtype, blocks)
+            ptx = compiled.asm["ptx"]
             if dtype == "bf16" and "BLOCK_M" in constexprs:
-                assert "mma" in compiled.asm["ptx"], (kernel, blocks)  # tensor-core dots
+                assert "mma" in ptx and "cp.async" in ptx, (kernel, blocks)  # pipelined tensor-core dots
 
 
 def test_the_eager_loop_stays_the_cpu_default_outside_the_interpreter():
