@@ -85,7 +85,7 @@ def graph_ms(fn: Callable[[], object], iters: int) -> float:
     return time_ms(graph.replay, "cuda", iters, warmup=3)
 
 
-def bench(shape: dict, tokens: int, device: str, dtype: torch.dtype, iters: int) -> dict:
+def bench(shape: dict, tokens: int, device: str, dtype: torch.dtype, iters: int, grouping: str = "auto") -> dict:
     module, x, weights, ids = make_inputs(shape["experts"], shape["top_k"], shape["hidden"], shape["width"], tokens,
                                           device, dtype)
 
@@ -93,13 +93,14 @@ def bench(shape: dict, tokens: int, device: str, dtype: torch.dtype, iters: int)
         return module(x, weights, ids)
 
     def fused() -> torch.Tensor:
-        return fused_experts(x, weights, ids, module.gate_up_proj, module.down_proj)
+        return fused_experts(x, weights, ids, module.gate_up_proj, module.down_proj, grouping=grouping)
 
     with torch.inference_mode():
         diff = float((fused().float() - eager().float()).abs().max())
         warmup = 3 if device == "cuda" else 0
         row = {"tokens": tokens, "experts": shape["experts"], "top_k": shape["top_k"], "hidden": shape["hidden"],
                "width": shape["width"], "dtype": str(dtype).removeprefix("torch."), "device": device,
+               "grouping": grouping,
                "max_abs_diff": diff, "eager_ms": time_ms(eager, device, iters, warmup),
                "fused_ms": time_ms(fused, device, iters, warmup)}
         hit = int(torch.unique(ids).numel())  # a host read, outside the timed calls
@@ -121,6 +122,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                         help="default bfloat16 on CUDA, float32 on CPU (the interpreter is wrong for bf16)")
     parser.add_argument("--iters", type=int, default=None, help="timed calls per measurement (default 50; cpu 1)")
+    parser.add_argument("--grouping", default="auto", choices=["auto", "kernel", "torch"],
+                        help="how the pairs are grouped by expert (kernels/moe.py group_by_expert)")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON list (last line)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -128,7 +131,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     shape = TINY if args.tiny else FULL
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
     iters = args.iters or (50 if args.device == "cuda" else 1)
-    rows = [bench(shape, tokens, args.device, dtype, iters) for tokens in (args.tokens or shape["tokens"])]
+    token_counts = args.tokens or shape["tokens"]
+    rows = [bench(shape, tokens, args.device, dtype, iters, args.grouping) for tokens in token_counts]
     for row in rows:
         graph = f"  graph {row['graph_ms']:8.3f} ms ({row['weights_tb_per_s']:.2f} TB/s of hit experts)" \
             if "graph_ms" in row else ""

@@ -70,32 +70,47 @@ errors = {}
 for name, ((E, k, H, I, T), extra) in cases.items():
     experts, x, weights, ids = make_case(len(errors), E, k, H, I, T, **extra)
     errors[name] = compare(experts, x, weights, ids, **small)
-# block_m 32 (more padding per group) and the default (64) block sizes of the GPU launch
+# block_m 32 (more padding per group) and the default block sizes of the GPU launch
 experts, x, weights, ids = make_case(100, 5, 2, 48, 40, 23)
 errors["block_m=32"] = compare(experts, x, weights, ids, block_m=32, block_n=16, block_k=16)
 errors["default blocks"] = compare(experts, x, weights, ids)
+# the torch-ops grouping (taken above SMALL_GROUPING_PAIRS pairs) through the whole call
+errors["torch grouping"] = compare(experts, x, weights, ids, block_m=16, block_n=16, block_k=16, grouping="torch")
+experts, x, weights, ids = make_case(101, 16, 2, 16, 16, 5, pool=6)
+errors["torch grouping, unhit experts"] = compare(experts, x, weights, ids, block_m=16, block_n=16, block_k=16,
+                                                  grouping="torch")
 # fp16: every model-dtype rounding point of the eager loop is mirrored; differences come from summation order
 experts, x, weights, ids = make_case(200, 6, 2, 32, 24, 9, dtype=torch.float16)
 errors["fp16"] = compare(experts, x, weights, ids, **small)
 # T = 0: an empty batch gives an empty output
 experts, x, weights, ids = make_case(300, 4, 2, 16, 16, 0)
 assert fused_experts(x, weights, ids, experts.gate_up_proj, experts.down_proj).shape == (0, 16)
-# the grouping itself: every pair exactly once, groups by expert, padded rows -1, trailing blocks = E
-ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 2], [1, 3]])
-groups = group_by_expert(ids, num_experts=5, block_m=16)
-assert groups.expert_of_block.numel() == max_blocks(10, 5, 16) == 5  # (10 + 5 * 15) // 16
-rows = groups.pair_of_row.view(-1, 16)
-flat = ids.reshape(-1)
-seen = []
-for block, expert in enumerate(groups.expert_of_block.tolist()):
-    pairs = [p for p in rows[block].tolist() if p >= 0]
-    if expert == 5:
-        assert not pairs
-        continue
-    assert pairs and all(int(flat[p]) == expert for p in pairs) and pairs == sorted(pairs)
-    seen += pairs
-assert sorted(seen) == list(range(10)), seen
-assert groups.expert_of_block.tolist() == [0, 1, 2, 3, 5], groups.expert_of_block.tolist()  # expert 4: no pair
+# the grouping itself, both methods: every pair exactly once, groups by expert in pair order, padding counted
+def check_groups(ids, num_experts, block_m):
+    layouts = []
+    for method in ("kernel", "torch"):
+        groups = group_by_expert(ids, num_experts, block_m, method)
+        num_blocks = max_blocks(ids.numel(), num_experts, block_m)
+        assert groups.expert_of_block.shape == groups.rows_of_block.shape == (num_blocks,)
+        rows = groups.pair_of_row.view(num_blocks, block_m)
+        flat, seen, layout = ids.reshape(-1), [], []
+        for block, (expert, count) in enumerate(zip(groups.expert_of_block.tolist(),
+                                                    groups.rows_of_block.tolist())):
+            pairs = rows[block, :count].tolist()
+            assert 0 <= count <= block_m and (expert == num_experts) == (count == 0), (method, expert, count)
+            assert all(int(flat[p]) == expert for p in pairs) and pairs == sorted(pairs), (method, pairs)
+            seen += pairs
+            layout.append((expert, pairs))
+        assert sorted(seen) == list(range(ids.numel())), (method, seen)
+        layouts.append(layout)
+    assert layouts[0] == layouts[1], layouts
+    return layouts[0]
+
+layout = check_groups(torch.tensor([[3, 0], [3, 1], [0, 3], [3, 2], [1, 3]]), num_experts=5, block_m=16)
+assert [e for e, _ in layout] == [0, 1, 2, 3, 5], layout  # expert 4: no pair; (10 + 5 * 15) // 16 = 5 blocks
+gen = torch.Generator().manual_seed(5)
+check_groups(torch.randint(0, 3, (40, 1), generator=gen), num_experts=7, block_m=16)  # groups over 2 blocks
+check_groups(torch.stack([torch.randperm(130, generator=gen)[:4] for _ in range(300)]), 130, 16)  # chunks > 1
 print(json.dumps(errors))
 """
 
@@ -106,11 +121,12 @@ checked = []
 
 @settings(max_examples=10, deadline=None, database=None, derandomize=True)
 @given(num_experts=st.integers(1, 9), top_k=st.integers(1, 4), hidden=st.integers(1, 40), width=st.integers(1, 40),
-       tokens=st.integers(1, 20), seed=st.integers(0, 2**16), block_m=st.sampled_from([16, 32]))
-def check(num_experts, top_k, hidden, width, tokens, seed, block_m):
+       tokens=st.integers(1, 20), seed=st.integers(0, 2**16), block_m=st.sampled_from([16, 32]),
+       grouping=st.sampled_from(["kernel", "torch"]))
+def check(num_experts, top_k, hidden, width, tokens, seed, block_m, grouping):
     top_k = min(top_k, num_experts)
     experts, x, weights, ids = make_case(seed, num_experts, top_k, hidden, width, tokens)
-    compare(experts, x, weights, ids, block_m=block_m, block_n=16, block_k=16)
+    compare(experts, x, weights, ids, block_m=block_m, block_n=16, block_k=16, grouping=grouping)
     checked.append((num_experts, top_k, hidden, width, tokens))
 
 check()
@@ -146,6 +162,8 @@ with torch.inference_mode():
     try:
         got = fused_experts(x, weights, ids, experts.gate_up_proj, experts.down_proj, block_m=16, block_n=16,
                            block_k=16)
+        got_torch_grouping = fused_experts(x, weights, ids, experts.gate_up_proj, experts.down_proj, block_m=16,
+                                           block_n=16, block_k=16, grouping="torch")
         experts.fused = fused_experts  # and through the module: TRITON_INTERPRET=1 routes CPU inputs to it
         via_module = experts(x, weights, ids)
     finally:
@@ -164,6 +182,7 @@ with torch.inference_mode():
     finally:
         torch.Tensor.tolist = patched["tolist"]
 torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+assert torch.equal(got_torch_grouping, got)
 torch.testing.assert_close(via_module, want, atol=1e-5, rtol=1e-5)  # default (64) blocks through the module
 
 # every aten op the call dispatches: none reads a device value on the host (item / bool / int all dispatch
@@ -183,7 +202,8 @@ syncing = {"_local_scalar_dense", "nonzero", "nonzero_static", "masked_select", 
            "unique_consecutive", "bincount", "item", "is_nonzero", "equal"}
 with torch.no_grad():  # (under inference_mode some composite ops are logged before they decompose)
     with OpLog() as fused_ops:
-        fused_experts(x, weights, ids, experts.gate_up_proj, experts.down_proj, block_m=16, block_n=16, block_k=16)
+        for grouping in ("kernel", "torch"):
+            fused_experts(x, weights, ids, experts.gate_up_proj, experts.down_proj, grouping=grouping)
     with OpLog() as eager_ops:
         experts(x, weights, ids)
 assert not fused_ops.ops & syncing, fused_ops.ops & syncing
@@ -256,7 +276,7 @@ def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_fused_experts_match_the_eager_loop_on_edge_cases():
     errors = _interpret(_CASES_SCRIPT)  # fp32 cases assert_close(1e-5) inside the script
-    assert len(errors) == 10, errors
+    assert len(errors) == 12, errors
     error, scale = errors["fp16"]
     assert error <= 2e-3 * max(scale, 1.0), errors  # fp16: about one rounding step of outputs of size ~scale
 
@@ -303,16 +323,21 @@ def test_a_moe_model_on_the_fused_experts_keeps_its_tokens(tiny_moe_dir, hf_refe
 
 
 def _hopper_kernels(dtype: str, blocks: tuple[int, int, int]) -> list[tuple[object, dict, dict]]:
-    """(kernel, signature, constexprs) of the three launches of ``fused_experts`` for one dtype / block shape."""
+    """(kernel, signature, constexprs) of the four launches of ``fused_experts`` (26B-A4B's E 128, k 8) for one
+    dtype / block shape."""
     from gemmaserve_custom_torch.kernels import moe
 
     block_m, block_n, block_k = blocks
     tiles = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
              "PRECISION": "ieee" if dtype == "fp32" else "tf32"}
-    gemm = {"pair_of_row_ptr": "*i32", "expert_of_block_ptr": "*i32"}
+    gemm = {"pair_of_row_ptr": "*i32", "expert_of_block_ptr": "*i32", "rows_of_block_ptr": "*i32"}
     sizes = {"hidden": "i32", "width": "i32", "num_experts": "i32"}
     constexpr = dict.fromkeys(tiles, "constexpr")
     return [
+        (moe._group_pairs_kernel,
+         {"ids_ptr": "*i64", **gemm, "num_pairs": "i32", "num_blocks": "i32", "num_experts": "i32",
+          "BLOCK_M": "constexpr", "EXPERTS": "constexpr", "CHUNK": "constexpr"},
+         {"BLOCK_M": block_m, "EXPERTS": 128, "CHUNK": 32}),
         (moe._gate_up_geglu_kernel,
          {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", **gemm, "out_ptr": f"*{dtype}", "stride_x": "i32", **sizes,
           "TOP_K": "constexpr", **constexpr}, {"TOP_K": 8, **tiles}),
@@ -320,8 +345,8 @@ def _hopper_kernels(dtype: str, blocks: tuple[int, int, int]) -> list[tuple[obje
          {"h_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", **gemm, "routing_ptr": "*fp32", "out_ptr": f"*{dtype}",
           **sizes, **constexpr}, tiles),
         (moe._sum_slots_kernel,
-         {"pair_out_ptr": f"*{dtype}", "slot_order_ptr": "*i32", "out_ptr": f"*{dtype}", "hidden": "i32",
-          "TOP_K": "constexpr", "BLOCK": "constexpr"}, {"TOP_K": 8, "BLOCK": 1024}),
+         {"pair_out_ptr": f"*{dtype}", "ids_ptr": "*i64", "out_ptr": f"*{dtype}", "hidden": "i32",
+          "TOP_K": "constexpr", "SLOTS": "constexpr", "BLOCK": "constexpr"}, {"TOP_K": 8, "SLOTS": 8, "BLOCK": 1024}),
     ]
 
 
@@ -349,7 +374,7 @@ def test_the_kernels_compile_for_hopper_without_a_gpu():
                                                 attrs=aligned), target=target, options={"num_warps": 4})
             assert compiled.asm["cubin"], (kernel, dtype, blocks)
             ptx = compiled.asm["ptx"]
-            if dtype == "bf16" and "BLOCK_M" in constexprs:
+            if dtype == "bf16" and "BLOCK_K" in constexprs:
                 assert "mma" in ptx and "cp.async" in ptx, (kernel, blocks)  # pipelined tensor-core dots
 
 

@@ -1,12 +1,13 @@
-"""Fused MoE experts (Triton): the Gemma 4 expert block as three kernels, with no host sync anywhere.
+"""Fused MoE experts (Triton): the Gemma 4 expert block as four launches, with no host sync anywhere.
 
 :func:`fused_experts` computes what ``MoEExperts.forward`` computes (``x`` [T, H], routing weights [T, k] fp32
 and expert ids [T, k] from ``MoERouter``):
 
-1. :func:`group_by_expert` (torch ops only, no host sync): the T·k (token, slot) pairs are sorted by expert
-   and each expert's group is padded to ``block_m`` rows. The padded layout has a shape-only upper bound
-   (:func:`max_blocks`), so every launch grid below depends on shapes alone and the whole call can be
-   captured in a CUDA graph; blocks past the last group exit at once.
+1. :func:`group_by_expert`: the T·k (token, slot) pairs are grouped by expert (a counting sort in one
+   single-program kernel for small batches, torch sort ops for large ones) and each expert's group is padded
+   to ``block_m`` rows. The padded layout has a shape-only upper bound (:func:`max_blocks`), so every launch
+   grid depends on shapes alone and the whole call can be captured in a CUDA graph; blocks past the last
+   group exit at once.
 2. ``_gate_up_geglu_kernel``: one grouped GEMM over ``gate_up_proj`` [E, 2I, H] per block of pairs of one
    expert, with ``gelu_tanh(gate) * up`` in its epilogue -> an [rows, I] intermediate in the model dtype.
 3. ``_down_weighted_kernel``: one grouped GEMM over ``down_proj`` [E, H, I] that multiplies each pair's row
@@ -35,14 +36,23 @@ __all__ = ["ExpertGroups", "fused_experts", "group_by_expert", "max_blocks", "pi
 class ExpertGroups(NamedTuple):
     """The (token, slot) pairs of one routing, grouped by expert and padded per expert to ``block_m`` rows.
 
-    ``pair_of_row`` [num_blocks · block_m] int32: the flat pair index ``token · k + slot`` each padded row holds,
-    -1 on padding rows. ``expert_of_block`` [num_blocks] int32: the expert of every row of a block; blocks past
-    the last group hold ``num_experts`` (the kernels skip them). ``num_blocks`` = :func:`max_blocks`.
+    Block b holds rows ``b·block_m ..`` of one expert, ``expert_of_block[b]`` [num_blocks] int32 (``num_experts``
+    on blocks past the last group, which the kernels skip); its first ``rows_of_block[b]`` [num_blocks] int32
+    rows are pairs, the rest padding. ``pair_of_row`` [num_blocks · block_m] int32: the flat pair index
+    ``token · k + slot`` of each pair row (padding rows hold unspecified values). Within an expert, pairs keep
+    ascending pair order. ``num_blocks`` = :func:`max_blocks`.
     """
 
     pair_of_row: torch.Tensor
     expert_of_block: torch.Tensor
+    rows_of_block: torch.Tensor
     block_m: int
+
+
+SMALL_GROUPING_PAIRS = 1024
+"""Up to this many pairs the grouping is one single-program Triton launch (decode and small ticks, where the
+dozen-odd torch ops of the sort path would cost more launches than the GEMMs); above it, the torch sort path
+(its cost then amortised over larger GEMMs). Untuned."""
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -57,14 +67,68 @@ def pick_block_m(num_pairs: int, num_experts: int) -> int:
     return 16 if mean <= 16 else (32 if mean <= 32 else 64)
 
 
-def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertGroups:
-    """Group the pairs of ``ids`` [T, k] (expert ids in [0, E)) by expert; see :class:`ExpertGroups`.
+@triton.jit
+def _group_pairs_kernel(ids_ptr, pair_of_row_ptr, expert_of_block_ptr, rows_of_block_ptr, num_pairs, num_blocks,
+                        num_experts, BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr, CHUNK: tl.constexpr):
+    """One program: a counting sort of the pairs by expert ([CHUNK, EXPERTS] one-hot tiles), then the blocks."""
+    experts = tl.arange(0, EXPERTS)
+    counts = tl.zeros((EXPERTS,), dtype=tl.int32)
+    for c0 in range(0, num_pairs, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    padded_start = padded_end - padded
+    placed = tl.zeros((EXPERTS,), dtype=tl.int32)  # pairs of each expert placed by earlier chunks
+    for c0 in range(0, num_pairs, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        ok = offs < num_pairs
+        ids = tl.load(ids_ptr + offs, mask=ok, other=-1).to(tl.int32)
+        hit = (ids[:, None] == experts[None, :]).to(tl.int32)
+        earlier_in_chunk = tl.cumsum(hit, axis=0) - hit
+        row = tl.sum(hit * (padded_start[None, :] + placed[None, :] + earlier_in_chunk), axis=1)
+        tl.store(pair_of_row_ptr + row, offs, mask=ok)
+        placed += tl.sum(hit, axis=0)
+    group_end = padded_start + counts  # one past each expert's last pair row
+    for b0 in range(0, num_blocks, CHUNK):
+        blocks = b0 + tl.arange(0, CHUNK)
+        first_row = blocks * BLOCK_M
+        # the expert whose padded group holds the block's first row: the count of groups ending at or before it
+        ended = (padded_end[None, :] <= first_row[:, None]) & (experts[None, :] < num_experts)
+        expert = tl.sum(ended.to(tl.int32), axis=1)
+        mine = experts[None, :] == expert[:, None]
+        end = tl.sum(tl.where(mine, group_end[None, :], 0), axis=1)
+        rows = tl.minimum(tl.maximum(end - first_row, 0), BLOCK_M)
+        rows = tl.where(expert < num_experts, rows, 0)
+        ok = blocks < num_blocks
+        tl.store(expert_of_block_ptr + blocks, expert, mask=ok)
+        tl.store(rows_of_block_ptr + blocks, rows, mask=ok)
 
-    Sort, searchsorted, cumsum and scatter only: no host sync (``torch.bincount`` would read the max id on
-    the host on CUDA). Within an expert, pairs keep ascending pair order (stable sort). ``ids`` is not mutated.
-    """
-    flat = ids.reshape(-1).to(torch.int64)
+
+def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, method: str = "auto") -> ExpertGroups:
+    """Group the pairs of ``ids`` [T, k] (expert ids in [0, E)) by expert; see :class:`ExpertGroups`. No host
+    sync either way. ``method``: "kernel" (one single-program Triton launch), "torch" (sort, searchsorted,
+    cumsum, scatter; ``torch.bincount`` would read the max id on the host on CUDA), or "auto" (the kernel up to
+    :data:`SMALL_GROUPING_PAIRS` pairs). Both give the same layout. ``ids`` is not mutated."""
+    flat = ids.reshape(-1)
     num_pairs, device = flat.numel(), flat.device
+    num_blocks = max_blocks(num_pairs, num_experts, block_m)
+    pair_of_row = torch.empty((num_blocks * block_m,), dtype=torch.int32, device=device)
+    if method == "auto":
+        method = "kernel" if num_pairs <= SMALL_GROUPING_PAIRS else "torch"
+    if method == "kernel":
+        expert_of_block = torch.empty((num_blocks,), dtype=torch.int32, device=device)
+        rows_of_block = torch.empty((num_blocks,), dtype=torch.int32, device=device)
+        experts_block = max(16, triton.next_power_of_2(num_experts))
+        _group_pairs_kernel[(1,)](
+            flat.contiguous(), pair_of_row, expert_of_block, rows_of_block, num_pairs, num_blocks, num_experts,
+            BLOCK_M=block_m, EXPERTS=experts_block, CHUNK=max(16, 4096 // experts_block), num_warps=4,
+        )
+        return ExpertGroups(pair_of_row, expert_of_block, rows_of_block, block_m)
+    if method != "torch":
+        raise ValueError(f"method must be 'auto', 'kernel' or 'torch', got {method!r}")
+    flat = flat.to(torch.int64)
     sorted_experts, pair_order = torch.sort(flat, stable=True)
     # bounds[e]: the first sorted position of expert e; bounds[E] = num_pairs
     bounds = torch.searchsorted(sorted_experts, torch.arange(num_experts + 1, device=device, dtype=torch.int64))
@@ -73,28 +137,28 @@ def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> Expert
     padded_end = torch.cumsum(padded_counts, dim=0)
     padded_start = padded_end - padded_counts
     rank = torch.arange(num_pairs, device=device, dtype=torch.int64) - bounds[sorted_experts]
-    row_of_sorted = padded_start[sorted_experts] + rank
-    num_blocks = max_blocks(num_pairs, num_experts, block_m)
-    pair_of_row = torch.full((num_blocks * block_m,), -1, dtype=torch.int32, device=device)
-    pair_of_row.scatter_(0, row_of_sorted, pair_order.to(torch.int32))
-    block_start = torch.arange(num_blocks, device=device, dtype=torch.int64) * block_m
+    pair_of_row.scatter_(0, padded_start[sorted_experts] + rank, pair_order.to(torch.int32))
+    first_row = torch.arange(num_blocks, device=device, dtype=torch.int64) * block_m
     # the first expert whose padded group ends after the block's first row; E past the last group
-    expert_of_block = torch.searchsorted(padded_end, block_start, right=True).to(torch.int32)
-    return ExpertGroups(pair_of_row, expert_of_block, block_m)
+    expert_of_block = torch.searchsorted(padded_end, first_row, right=True)
+    group_end = torch.cat([padded_start + counts, padded_start.new_zeros(1)])  # an E-th "group" of no rows
+    rows_of_block = (group_end[expert_of_block] - first_row).clamp(0, block_m)
+    return ExpertGroups(pair_of_row, expert_of_block.to(torch.int32), rows_of_block.to(torch.int32), block_m)
 
 
 @triton.jit
-def _gate_up_geglu_kernel(x_ptr, w_ptr, pair_of_row_ptr, expert_of_block_ptr, out_ptr, stride_x, hidden, width,
-                          num_experts, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _gate_up_geglu_kernel(x_ptr, w_ptr, pair_of_row_ptr, expert_of_block_ptr, rows_of_block_ptr, out_ptr, stride_x,
+                          hidden, width, num_experts, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     block = tl.program_id(0)
     expert = tl.load(expert_of_block_ptr + block)
     if expert >= num_experts:
         return
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(pair_of_row_ptr + rows)
-    valid = pairs >= 0
-    tokens = tl.where(valid, pairs // TOP_K, 0).to(tl.int64)
+    local = tl.arange(0, BLOCK_M)
+    rows = block * BLOCK_M + local
+    valid = local < tl.load(rows_of_block_ptr + block)
+    pairs = tl.load(pair_of_row_ptr + rows, mask=valid, other=0)
+    tokens = (pairs // TOP_K).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < width
     gate_rows = w_ptr + expert.to(tl.int64) * 2 * width * hidden + cols.to(tl.int64) * hidden
@@ -122,16 +186,17 @@ def _gate_up_geglu_kernel(x_ptr, w_ptr, pair_of_row_ptr, expert_of_block_ptr, ou
 
 
 @triton.jit
-def _down_weighted_kernel(h_ptr, w_ptr, pair_of_row_ptr, expert_of_block_ptr, routing_ptr, out_ptr, hidden, width,
-                          num_experts, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PRECISION: tl.constexpr):
+def _down_weighted_kernel(h_ptr, w_ptr, pair_of_row_ptr, expert_of_block_ptr, rows_of_block_ptr, routing_ptr,
+                          out_ptr, hidden, width, num_experts, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     block = tl.program_id(0)
     expert = tl.load(expert_of_block_ptr + block)
     if expert >= num_experts:
         return
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(pair_of_row_ptr + rows)
-    valid = pairs >= 0
+    local = tl.arange(0, BLOCK_M)
+    rows = block * BLOCK_M + local
+    valid = local < tl.load(rows_of_block_ptr + block)
+    pairs = tl.load(pair_of_row_ptr + rows, mask=valid, other=0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     w_rows = w_ptr + expert.to(tl.int64) * hidden * width + cols.to(tl.int64) * width
@@ -152,14 +217,21 @@ def _down_weighted_kernel(h_ptr, w_ptr, pair_of_row_ptr, expert_of_block_ptr, ro
 
 
 @triton.jit
-def _sum_slots_kernel(pair_out_ptr, slot_order_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_slots_kernel(pair_out_ptr, ids_ptr, out_ptr, hidden, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
+                      BLOCK: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < hidden
     dtype = out_ptr.dtype.element_ty
+    # each slot's rank in (expert id, slot) order: the eager loop adds experts in ascending id
+    slots = tl.arange(0, SLOTS)
+    real = slots < TOP_K
+    ids = tl.load(ids_ptr + token * TOP_K + slots, mask=real, other=0)
+    before = (ids[None, :] < ids[:, None]) | ((ids[None, :] == ids[:, None]) & (slots[None, :] < slots[:, None]))
+    rank = tl.sum((before & real[None, :]).to(tl.int32), axis=1)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        slot = tl.load(slot_order_ptr + token * TOP_K + j).to(tl.int64)
+    for r in tl.static_range(TOP_K):
+        slot = tl.sum(tl.where((rank == r) & real, slots, 0), axis=0).to(tl.int64)
         row = tl.load(pair_out_ptr + (token * TOP_K + slot) * hidden + cols, mask=ok, other=0.0).to(tl.float32)
         acc = (acc + row).to(dtype).to(tl.float32)  # eager: index_add_ into a model-dtype output
     tl.store(out_ptr + token * hidden + cols, acc.to(dtype), mask=ok)
@@ -167,13 +239,14 @@ def _sum_slots_kernel(pair_out_ptr, slot_order_ptr, out_ptr, hidden, TOP_K: tl.c
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
                   down_proj: torch.Tensor, *, block_m: int | None = None, block_n: int | None = None,
-                  block_k: int = 64) -> torch.Tensor:
+                  block_k: int = 64, grouping: str = "auto") -> torch.Tensor:
     """``MoEExperts.forward`` fused: x [T, H] (last dim contiguous), weights [T, k] (fp32 routing weights),
     ids [T, k] (int, in [0, E)), gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I], both contiguous
     in x's dtype. Returns a new [T, H] in x's dtype; mutates nothing. No host sync, grids from shapes only
     (CUDA-graph capturable). ``block_m`` (rows per block; default :func:`pick_block_m`), ``block_n`` (output
     columns per program; default 32 with ``block_m`` 16, so a decode step's few blocks still spread over many
-    programs, else 64), ``block_k``: powers of two >= 16. Defaults untuned (no GPU measurement yet)."""
+    programs, else 64), ``block_k``: powers of two >= 16. Defaults untuned (no GPU measurement yet).
+    ``grouping``: :func:`group_by_expert`'s method."""
     tokens, hidden = x.shape
     num_experts, double_width, hidden_w = gate_up_proj.shape
     width = double_width // 2
@@ -196,24 +269,25 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gat
     for name, size in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if size < 16 or size & (size - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {size}")
-    groups = group_by_expert(ids, num_experts, block_m)
+    ids = ids.contiguous()
+    groups = group_by_expert(ids, num_experts, block_m, grouping)
     num_blocks = groups.expert_of_block.shape[0]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models: no TF32 rounding of the inputs
     intermediate = torch.empty((num_blocks * block_m, width), dtype=x.dtype, device=x.device)
     _gate_up_geglu_kernel[(num_blocks, triton.cdiv(width, block_n))](
-        x, gate_up_proj, groups.pair_of_row, groups.expert_of_block, intermediate, x.stride(0), hidden, width,
-        num_experts, TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
+        x, gate_up_proj, groups.pair_of_row, groups.expert_of_block, groups.rows_of_block, intermediate, x.stride(0),
+        hidden, width, num_experts, TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
         num_warps=4,
     )
     pair_out = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     routing = weights.reshape(-1).to(torch.float32).contiguous()
     _down_weighted_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
-        intermediate, down_proj, groups.pair_of_row, groups.expert_of_block, routing, pair_out, hidden, width,
-        num_experts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=4,
+        intermediate, down_proj, groups.pair_of_row, groups.expert_of_block, groups.rows_of_block, routing, pair_out,
+        hidden, width, num_experts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=4,
     )
-    slot_order = torch.argsort(ids, dim=-1, stable=True).to(torch.int32).contiguous()  # ascending expert id
     sum_block = min(1024, triton.next_power_of_2(hidden))
     _sum_slots_kernel[(tokens, triton.cdiv(hidden, sum_block))](
-        pair_out, slot_order, out, hidden, TOP_K=top_k, BLOCK=sum_block, num_warps=4 if sum_block >= 512 else 1,
+        pair_out, ids, out, hidden, TOP_K=top_k, SLOTS=max(2, triton.next_power_of_2(top_k)), BLOCK=sum_block,
+        num_warps=4 if sum_block >= 512 else 1,
     )
     return out
