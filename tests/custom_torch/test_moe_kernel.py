@@ -451,14 +451,16 @@ def test_gpu_bf16_fused_experts_within_bf16_noise(tokens):
 
 @pytest.mark.gpu
 @_GPU
-def test_gpu_fused_experts_run_without_sync_and_replay_in_a_cuda_graph():
-    """No host sync (sync debug mode "error"), and a CUDA graph captured on one routing replays others exactly."""
+@pytest.mark.parametrize("grouping", ["kernel", "torch"])
+def test_gpu_fused_experts_run_without_sync_and_replay_in_a_cuda_graph(grouping):
+    """No host sync (sync debug mode "error"), and a CUDA graph captured on one routing replays others exactly,
+    with either grouping of the pairs."""
     from gemmaserve_custom_torch.kernels.moe import fused_experts
 
     experts, x, weights, ids = _gpu_case(16, 4, 256, 128, 24, seed=1)
 
     def run() -> torch.Tensor:
-        return fused_experts(x, weights, ids, experts.gate_up_proj, experts.down_proj)
+        return fused_experts(x, weights, ids, experts.gate_up_proj, experts.down_proj, grouping=grouping)
 
     with torch.inference_mode():
         run()  # compile the kernels outside the checks
