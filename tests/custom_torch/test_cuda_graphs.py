@@ -154,7 +154,7 @@ def test_compile_under_graphs_gives_the_eager_tokens(e2b_like_dir):
     print(f"\nexplain: {report}; compile+capture s: {compiled.decoder.graphs.capture_seconds}")
 
 
-@pytest.mark.parametrize("name", ["gemma4", "e2b_like"])
+@pytest.mark.parametrize("name", ["gemma4", "e2b_like", "gemma4_moe"])
 def test_tick_graph_replay_is_byte_identical_to_its_eager_forward(tiny_checkpoint, e2b_like_dir, name):
     """Cold and warm chunks: the captured tick graphs (lazy: first use runs eagerly, later uses replay) give
     the logits of the same padded forwards of the fixed buffers run eagerly, bit for bit; a scheduler run
