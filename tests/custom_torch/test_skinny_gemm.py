@@ -90,3 +90,55 @@ def test_the_kernel_benchmark_smoke_run_agrees_with_torch(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 9 and all(row["error"] < 1e-4 for row in rows), rows
+
+
+def test_the_kernels_compile_for_hopper_without_a_gpu():
+    """The real compiler path (Triton -> PTX -> cubin for sm_90 with Triton's bundled ptxas), which the
+    interpreter never takes: bf16 at the decode row blocks 16 and 64 with and without split K and the GeGLU
+    epilogue, the reduction, and the LM-head argmax with its softcap; fp32 with IEEE dots. Pointers and sizes
+    carry the 16-divisibility E2B's shapes give the launcher, so the bf16 K loops become tensor-core dots."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("this process runs under the Triton interpreter")
+    from pathlib import Path
+
+    nvidia = pytest.importorskip("triton.backends.nvidia")
+    if not (Path(nvidia.__file__).parent / "bin" / "ptxas").exists():
+        pytest.skip("triton has no bundled ptxas here")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from gemmaserve_custom_torch.kernels import skinny_gemm as sk
+
+    target = GPUTarget("cuda", 90, 32)
+    builds = []
+    for dtype, precision, row_blocks in (("bf16", "tf32", (16, 64)), ("fp32", "ieee", (16,))):
+        for block_m in row_blocks:
+            for geglu in (False, True):
+                for split in (False, True):
+                    builds.append((sk._skinny_kernel, {
+                        "x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "part_ptr": "*fp32",
+                        "m": "i32", "n_out": "i32", "k": "i32", "k_per_split": "i32", "stride_xm": "i32",
+                        "stride_wn": "i32", "up_offset": "i32", "GEGLU": "constexpr", "SPLIT": "constexpr",
+                        "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+                        "PRECISION": "constexpr"},
+                        {"GEGLU": geglu, "SPLIT": split, "BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 128,
+                         "PRECISION": precision}, dtype))
+            builds.append((sk._argmax_kernel, {
+                "x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "best_ptr": "*fp32", "index_ptr": "*i32", "m": "i32",
+                "n": "i32", "k": "i32", "stride_xm": "i32", "stride_wn": "i32", "softcap": "fp32",
+                "HAS_CAP": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+                "PRECISION": "constexpr"},
+                {"HAS_CAP": True, "BLOCK_M": block_m, "BLOCK_N": 128, "BLOCK_K": 128, "PRECISION": precision}, dtype))
+        for geglu in (False, True) if dtype == "bf16" else ():
+            builds.append((sk._reduce_kernel, {"part_ptr": "*fp32", "out_ptr": f"*{dtype}", "m": "i32",
+                                               "n_out": "i32", "slices": "i32", "GEGLU": "constexpr",
+                                               "BLOCK": "constexpr"}, {"GEGLU": geglu, "BLOCK": 256}, dtype))
+    for kernel, signature, constexprs, dtype in builds:
+        aligned = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(signature.items())
+                   if kind not in ("constexpr", "fp32") and name not in ("m", "slices")}
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned),
+                                  target=target, options={"num_warps": 4})
+        assert compiled.asm["cubin"], (kernel, constexprs)
+        if dtype == "bf16" and "BLOCK_K" in constexprs:
+            assert "mma" in compiled.asm["ptx"], (kernel, constexprs)  # tensor-core dots

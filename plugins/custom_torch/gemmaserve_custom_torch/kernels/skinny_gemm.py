@@ -36,6 +36,11 @@ def _block_m(m: int) -> int:
     return 16 if m <= 16 else 32 if m <= 32 else 64
 
 
+def _precision(x: torch.Tensor) -> str:
+    """fp32 inputs multiply in full fp32 ("ieee"; Triton's default for fp32 on the GPU is tf32)."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
 def choose_split_k(m: int, n: int, k: int, block_n: int = 64, block_k: int = 128) -> int:
     """How many slices to cut K into so that ``column tiles x row tiles x slices`` reaches TARGET_PROGRAMS,
     keeping at least two K blocks per slice. 1 when the column tiles alone fill the GPU. Shapes only."""
@@ -54,7 +59,7 @@ def _gelu_tanh(a):
 
 @triton.jit
 def _dot_slab(x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """fp32 [BLOCK_M, BLOCK_N] = x[offs_m, k_start:k_stop] @ w[offs_n, k_start:k_stop].T (masked)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
@@ -65,14 +70,14 @@ def _dot_slab(x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, st
                      mask=(offs_m[:, None] < m) & k_mask[None, :], other=0.0)
         ws = tl.load(w_ptr + offs_n[:, None] * stride_wn + ks[None, :],
                      mask=(offs_n[:, None] < n) & k_mask[None, :], other=0.0)
-        acc += tl.dot(xs, tl.trans(ws), out_dtype=tl.float32)
+        acc += tl.dot(xs, tl.trans(ws), input_precision=PRECISION, out_dtype=tl.float32)
     return acc
 
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, m, n_out, k, k_per_split, stride_xm, stride_wn, up_offset,
-                   GEGLU: tl.constexpr, SPLIT: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   GEGLU: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """Program (column tile, row tile, K slice). SPLIT: write fp32 partials [slices, m, n_out(x2 for GEGLU)];
     else write the rounded result (with the GeGLU epilogue when GEGLU)."""
     pid_n = tl.program_id(0)
@@ -83,11 +88,11 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, m, n_out, k, k_per_split, st
     k_start = pid_k * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, k)
     acc = _dot_slab(x_ptr, w_ptr, offs_m, offs_n, m, n_out, k_start, k_stop, stride_xm, stride_wn,
-                    BLOCK_M, BLOCK_N, BLOCK_K)
+                    BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     mask = (offs_m[:, None] < m) & (offs_n[None, :] < n_out)
     if GEGLU:
         acc_up = _dot_slab(x_ptr, w_ptr + up_offset * stride_wn, offs_m, offs_n, m, n_out, k_start, k_stop,
-                           stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
+                           stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     if SPLIT:
         width = n_out * 2 if GEGLU else n_out
         base = part_ptr + pid_k.to(tl.int64) * m * width + offs_m[:, None] * width + offs_n[None, :]
@@ -145,7 +150,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, geglu: bool, split_k: 
                 if split else out)
     _skinny_kernel[grid](x, w, out, partials, m, n_out, k, k_per_split, x.stride(0), w.stride(0), n_out,
                          GEGLU=geglu, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                         num_warps=num_warps)
+                         PRECISION=_precision(x), num_warps=num_warps)
     if split:
         reduce_block = 256
         _reduce_kernel[(m, triton.cdiv(n_out, reduce_block))](partials, out, m, n_out, slices, GEGLU=geglu,
@@ -171,14 +176,16 @@ def skinny_geglu(x: torch.Tensor, gate_up: torch.Tensor, *, split_k: int | None 
 
 @triton.jit
 def _argmax_kernel(x_ptr, w_ptr, best_ptr, index_ptr, m, n, k, stride_xm, stride_wn, softcap,
-                   HAS_CAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   HAS_CAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PRECISION: tl.constexpr):
     """Program (column tile, row tile): each row's largest rounded, soft-capped logit in the tile and its
     first index, written to best/index [m, tiles]."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _dot_slab(x_ptr, w_ptr, offs_m, offs_n, m, n, 0, k, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = _dot_slab(x_ptr, w_ptr, offs_m, offs_n, m, n, 0, k, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K,
+                    PRECISION)
     dtype = x_ptr.dtype.element_ty
     logits = acc.to(dtype).to(tl.float32)  # eager's logits are in the model dtype
     if HAS_CAP:  # eager: tanh(logits / cap) * cap, each op rounded to the model dtype
@@ -212,6 +219,7 @@ def lm_head_argmax(x: torch.Tensor, w: torch.Tensor, softcap: float | None = Non
     index = torch.empty(m, tiles, device=x.device, dtype=torch.int32)
     _argmax_kernel[(tiles, triton.cdiv(m, block_m))](
         x, w, best, index, m, n, k, x.stride(0), w.stride(0), 1.0 if softcap is None else float(softcap),
-        HAS_CAP=softcap is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+        HAS_CAP=softcap is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(x),
+        num_warps=num_warps)
     tile = best.argmax(dim=1, keepdim=True)  # the first tile holding the maximum: tiles ascend in token id
     return index.gather(1, tile).squeeze(1).to(torch.int64)
