@@ -23,7 +23,7 @@ Order of work in :meth:`MixedStep.run`:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -75,12 +75,18 @@ class MixedStep:
     ``max_seqs`` sequences (rows at most ``width`` blocks); ``fixed_buffers`` (default: with ``graphs``) runs
     the same padded forwards of the fixed buffers without graphs (the replay-parity reference, CPU tests). Not thread-safe (backend lock). Counters:
     ``steps``, ``tokens``, ``shrunk`` (halvings of a chunk whose pool was short), ``deferred`` (chunks left
-    out: not even one token fitted), ``eager_steps`` (ticks run without a graph)."""
+    out: not even one token fitted), ``eager_steps`` (ticks run without a graph).
+
+    ``before_forward``: called with every tick's `PackedTick` right before its forward (tensor parallel: rank 0
+    sends it to the worker ranks, which run :meth:`forward_tick` on it); ticks fed from previous device tokens
+    are refused then (the workers could not see those tokens)."""
 
     def __init__(self, model: GemmaForCausalLM, pools: KVPools, attention: RaggedAttention, *,
                  fast_prefill: bool = True, graphs: bool = False, fixed_buffers: bool | None = None,
-                 max_tokens: int = 8192, max_seqs: int = 256, width: int = 1) -> None:
+                 max_tokens: int = 8192, max_seqs: int = 256, width: int = 1,
+                 before_forward: Callable[[PackedTick], None] | None = None) -> None:
         self.model = model
+        self.before_forward = before_forward
         self.pools = pools
         self.attention: RaggedAttention = attention
         self.narrow_layer = shared_tail_start(model) if fast_prefill else None
@@ -167,6 +173,16 @@ class MixedStep:
     def _forward(self, tick: PackedTick, feed: tuple[Sequence[int], Tensor] | None = None) -> Tensor:
         """Logits [R, vocab] of ``tick.logit_seqs`` (a graph replay's rows beyond R are padding). ``feed``:
         (sources, previous tokens) of the decode rows, the first sequences of the batch."""
+        if self.before_forward is not None:
+            if feed is not None:
+                raise RuntimeError("a tick fed from the previous step's device tokens cannot be mirrored to other "
+                                   "ranks (tensor parallel runs synchronous ticks)")
+            self.before_forward(tick)
+        return self.forward_tick(tick, feed)
+
+    def forward_tick(self, tick: PackedTick, feed: tuple[Sequence[int], Tensor] | None = None) -> Tensor:
+        """The forward of a packed tick over the pools as they are (no block bookkeeping): logits [R, vocab].
+        Rank 0 reaches it through :meth:`run`; tensor-parallel workers call it with rank 0's tick."""
         buffers = self.buffers
         if buffers is not None and buffers.bucket_for(tick.num_tokens, len(tick.query_lens)) is not None:
             bucket = buffers.load(tick, feed[0] if feed is not None else None)

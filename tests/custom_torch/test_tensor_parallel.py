@@ -1,0 +1,197 @@
+"""Tensor parallel in custom_torch on the CPU (gloo, world size 2): greedy tokens equal tensor_parallel_size=1 and
+transformers on tiny Gemma 4 / Gemma 3 checkpoints of shapes used nowhere else (a KV head replicated, KV heads
+split, K=V with one global KV head, MoE experts split on their width, an untied head with a vocabulary that does
+not divide by 2), through the scheduler and the offline LLM; clean shutdown, a dead worker, refused sizes.
+
+A row-parallel all-reduce sums fp32 partials in another order than one matmul, so logits move in the last bits:
+tokens are compared exactly, logits with a tolerance."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fixtures_backend import assert_matches_hf_generate, assert_no_leaks, run_scheduler
+from fixtures_backend import one_torch_thread  # noqa: F401  (autouse)
+from gemmaserve.errors import ConfigurationError
+from gemmaserve.settings import CoreSettings
+from gemmaserve_custom_torch.backend import CustomTorchBackend, check_tensor_parallel_settings
+from gemmaserve_custom_torch.distributed.workers import TensorParallelWorkerError
+from gemmaserve_custom_torch.settings import load_custom_settings
+from tiny_checkpoints import build_tiny_gemma3, build_tiny_gemma4, build_tiny_gemma4_k_eq_v, build_tiny_gemma4_moe
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+# Shapes chosen to differ from the tiny configs in the docs and the other tests.
+_CHECKPOINTS: dict[str, Callable[[Path], Path]] = {
+    # 6 query heads over 1 KV head (replicated on both ranks), PLE, 2 KV-shared layers with a double-wide MLP
+    "dense_ple_shared": lambda path: build_tiny_gemma4(
+        path, seed=11, hidden_size=48, num_attention_heads=6, num_key_value_heads=1, intermediate_size=96,
+        num_hidden_layers=5, layer_types=[SLIDING, SLIDING, FULL, SLIDING, FULL], num_kv_shared_layers=2,
+        hidden_size_per_layer_input=8, sliding_window=6),
+    # K=V full layers with one global KV head (replicated), 2 sliding KV heads (split), no KV sharing
+    "k_eq_v": lambda path: build_tiny_gemma4_k_eq_v(
+        path, seed=12, hidden_size=40, num_attention_heads=4, num_key_value_heads=2, intermediate_size=80,
+        num_hidden_layers=4, layer_types=[SLIDING, FULL, SLIDING, FULL], num_kv_shared_layers=0,
+        hidden_size_per_layer_input=0, use_double_wide_mlp=False),
+    # dense MLP + 6 experts top 2 of width 24 (12 per rank), K=V with 2 global KV heads (split)
+    "moe": lambda path: build_tiny_gemma4_moe(
+        path, seed=13, hidden_size=40, num_attention_heads=4, num_key_value_heads=2, num_global_key_value_heads=2,
+        num_experts=6, moe_intermediate_size=24, intermediate_size=48, num_hidden_layers=4,
+        layer_types=[SLIDING, FULL, SLIDING, FULL]),
+    # Gemma 3, untied LM head, vocabulary 515 (ranks hold 258 rows, one padded), 1 KV head
+    "gemma3_untied": lambda path: build_tiny_gemma3(
+        path, seed=14, hidden_size=56, num_attention_heads=4, num_key_value_heads=1, intermediate_size=112,
+        vocab_size=515, tie_word_embeddings=False, num_hidden_layers=4, layer_types=[SLIDING, FULL, SLIDING, FULL]),
+}
+
+# (prompt, arrival tick, max tokens): staggered arrivals, chunked prompts (chunk 16 > window), and an exact
+# repeat of the first prompt after it finished: 22 tokens in blocks of 4, so storing it copies its partial tail
+# block and the repeat reads that copy and writes its last position into it (copy-on-write): both copies must
+# happen on the worker too
+_PROMPT = [2, 17, 93, 311, 45, 8, 260, 77, 140, 5, 66, 402, 19, 230, 88, 301, 12, 150, 9, 480, 33, 61]
+_REQUESTS = [(_PROMPT, 0, 12), ([2, 400, 7, 99, 123], 1, 9), (_PROMPT[:9] + [70, 71, 72], 3, 7), (_PROMPT, 40, 6)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    root = tmp_path_factory.mktemp("tp_ckpts")
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = _CHECKPOINTS[name](root / name)
+        return built[name]
+
+    return get
+
+
+def _backend(path: Path, tensor_parallel_size: int, **custom: Any) -> CustomTorchBackend:
+    core = CoreSettings(model=str(path), device="cpu", dtype="float32", kv_block_size=4, max_batch_size=8,
+                        prefill_chunk_tokens=16, tensor_parallel_size=tensor_parallel_size)
+    return CustomTorchBackend.from_checkpoint(path, "cpu", core, load_custom_settings(kv_blocks=96, **custom))
+
+
+def _no_children_left() -> None:
+    deadline = time.monotonic() + 10
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not multiprocessing.active_children(), multiprocessing.active_children()
+
+
+def _prefill_logits(backend: CustomTorchBackend, prompt: list[int]) -> torch.Tensor:
+    state = backend.prefill_lookup(prompt)
+    backend.prefill_chunk(state, len(prompt))
+    logits = state.last_logits.clone()
+    backend.free_row_kv(state.kv)
+    return logits
+
+
+@pytest.mark.parametrize("name", list(_CHECKPOINTS))
+def test_tensor_parallel_greedy_equals_single_rank_and_transformers(checkpoint, hf_reference, name: str) -> None:
+    path = checkpoint(name)
+    results = {}
+    logits = {}
+    for size in (1, 2):
+        backend = _backend(path, size)
+        copies: list[str] = []
+        if size > 1:
+            mirror = backend.pools.copy_listener
+            assert mirror is not None
+
+            def counted(group: str, sources: Any, targets: Any) -> None:
+                copies.append(group)
+                mirror(group, sources, targets)
+
+            backend.pools.copy_listener = counted
+        try:
+            logits[size] = _prefill_logits(backend, _PROMPT[:7])
+            backend.prefix_cache.clear()
+            done = run_scheduler(backend, _REQUESTS)
+            results[size] = {rid: request.output_token_ids for rid, request in done.items()}
+            assert backend.prefix_cache.stats["hits"] >= 1  # the repeat was served from the cache
+            assert size == 1 or len(copies) >= 2  # the tail copy and the copy-on-write reached the worker
+            assert_no_leaks(backend)
+        finally:
+            backend.close()
+    assert results[2] == results[1]
+    torch.testing.assert_close(logits[2], logits[1], atol=1e-5, rtol=0)
+    hf = hf_reference(path, torch.float32)
+    for rid, (prompt, _, _) in zip(results[2], _REQUESTS):
+        assert_matches_hf_generate(hf, prompt, results[2][rid])
+    _no_children_left()
+
+
+def test_offline_llm_with_tensor_parallel_size_2(checkpoint) -> None:
+    from gemmaserve import LLM, SamplingParams
+
+    path = checkpoint("dense_ple_shared")
+    prompts = [_PROMPT, [2, 400, 7, 99, 123], _PROMPT[:11], [2, 5, 6, 7]]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (8, 5, 11, 3)]
+    outputs = {}
+    for size in (1, 2):
+        with LLM(str(path), backend="custom-cpu", device="cpu", dtype="float32", tensor_parallel_size=size,
+                 kv_block_size=4, prefill_chunk_tokens=8) as llm:
+            workers = llm.engine.backend.workers
+            assert (workers is not None and workers.tp.world_size == 2) if size == 2 else workers is None
+            outputs[size] = [out.token_ids for out in llm.generate(prompts, params)]
+            seeded = llm.generate([_PROMPT], SamplingParams(max_tokens=6, temperature=0.8, seed=5))
+            outputs[size].append(seeded[0].token_ids)
+    assert outputs[2] == outputs[1]
+    assert [len(tokens) for tokens in outputs[2][:4]] == [8, 5, 11, 3]
+    _no_children_left()
+
+
+def test_close_stops_the_workers_and_a_dead_worker_fails_loudly(checkpoint) -> None:
+    path = checkpoint("k_eq_v")
+    backend = _backend(path, 2)
+    workers = backend.workers
+    assert workers is not None
+    processes = list(workers.processes)
+    assert all(process.is_alive() for process in processes)
+    backend.close()
+    assert all(process.exitcode == 0 for process in processes)
+    _no_children_left()
+
+    backend = _backend(path, 2)
+    try:
+        assert backend.workers is not None
+        victim = backend.workers.processes[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(10)
+        started = time.monotonic()
+        with pytest.raises(TensorParallelWorkerError, match=r"worker rank 1 exited with code -9"):
+            _prefill_logits(backend, [2, 3, 4, 5])
+        with pytest.raises(TensorParallelWorkerError, match="restart the engine"):  # and stays failed
+            _prefill_logits(backend, [2, 3, 4, 5])
+        assert time.monotonic() - started < 10
+    finally:
+        backend.close()
+    _no_children_left()
+
+
+def test_invalid_sizes_and_unsupported_backends_are_refused(checkpoint) -> None:
+    from gemmaserve import LLM
+
+    path = checkpoint("k_eq_v")  # 4 query heads
+    with pytest.raises(ConfigurationError, match=r"TENSOR_PARALLEL_SIZE=3 cannot shard.*num_attention_heads=4 is "
+                                                 r"not divisible by 3"):
+        LLM(str(path), backend="custom-cpu", device="cpu", tensor_parallel_size=3)
+    with pytest.raises(ConfigurationError, match=r"backend 'hf' does not support tensor parallel"):
+        LLM(str(path), backend="hf", device="cpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        CoreSettings(tensor_parallel_size=0)
+    with pytest.raises(ConfigurationError, match="CUSTOM_BACKEND_CUDA_GRAPH=0"):
+        check_tensor_parallel_settings(load_custom_settings(), "cuda")
+    with pytest.raises(ConfigurationError, match="CUSTOM_BACKEND_COMPILE"):
+        check_tensor_parallel_settings(load_custom_settings(compile=True), "cpu")
+    check_tensor_parallel_settings(load_custom_settings(cuda_graph=False), "cuda")
+    _no_children_left()
