@@ -176,7 +176,7 @@ class CustomTorchBackend(InferenceBackend):
             name, self.device, self.model_info.dtype,
             "" if workers is None else f", tensor parallel over {workers.tp.world_size} ranks (sizes per rank)",
             self.block_size, num_blocks, self.pools.nbytes / 2**20,
-            self.attention, "gather path" if self.decoder is None else (
+            self.attention, "one-forward ticks" if workers is not None else "gather path" if self.decoder is None else (
                 "CUDA graphs" if self.decoder.graphs is not None else "fixed buffers, eager"),
             "one forward" if custom.mixed_step else "prefill and decode apart",
             "CUDA graphs per token bucket" if graphs else "eager", self.mixed.narrow_layer is not None, fuse,
