@@ -163,10 +163,12 @@ def test_close_stops_the_workers_and_a_dead_worker_fails_loudly(checkpoint) -> N
 
     backend = _backend(path, 2)
     try:
-        assert backend.workers is not None
+        assert backend.workers is not None and backend.failure() is None
         victim = backend.workers.processes[0]
         os.kill(victim.pid, signal.SIGKILL)
         victim.join(10)
+        failure = backend.failure()  # what /health reports, before any request
+        assert failure is not None and "worker rank 1 exited with code -9" in failure
         started = time.monotonic()
         with pytest.raises(TensorParallelWorkerError, match=r"worker rank 1 exited with code -9"):
             _prefill_logits(backend, [2, 3, 4, 5])

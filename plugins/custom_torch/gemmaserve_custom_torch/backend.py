@@ -476,6 +476,10 @@ class CustomTorchBackend(InferenceBackend):
         self.prefix_cache.check_integrity()
         self.admission.check_integrity()
 
+    def failure(self) -> str | None:
+        """A lost tensor-parallel worker (every later forward raises it), else None."""
+        return None if self.workers is None or self.workers.closed else self.workers.failure_reason()
+
     def close(self) -> None:
         if getattr(self, "_closed", False):
             return

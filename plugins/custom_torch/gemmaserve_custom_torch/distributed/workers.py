@@ -146,6 +146,16 @@ class TensorParallelWorkers:
         if self.failure is not None:
             raise TensorParallelWorkerError(self.failure)
 
+    def failure_reason(self) -> str | None:
+        """The recorded failure, or the first worker found dead now (not recorded: reads no pipe, so any thread
+        may call it while the engine thread sends); None while every worker lives."""
+        if self.failure is not None:
+            return self.failure
+        for rank, process in enumerate(self.processes, start=1):
+            if process.exitcode is not None:
+                return f"tensor-parallel worker rank {rank} exited with code {process.exitcode}"
+        return None
+
     def close(self) -> None:
         """Tell every worker to exit, wait for them (terminate, then kill, stragglers), leave the group and
         remove the rendezvous file. Idempotent."""
