@@ -193,7 +193,7 @@ def test_invalid_sizes_and_unsupported_backends_are_refused(checkpoint) -> None:
         CoreSettings(tensor_parallel_size=0)
     with pytest.raises(ConfigurationError, match="CUSTOM_BACKEND_CUDA_GRAPH=0"):
         check_tensor_parallel_settings(load_custom_settings(), "cuda")
-    with pytest.raises(ConfigurationError, match="CUSTOM_BACKEND_COMPILE"):
-        check_tensor_parallel_settings(load_custom_settings(compile=True), "cpu")
+    with pytest.raises(ConfigurationError, match="CUSTOM_BACKEND_COMPILE.*CUSTOM_BACKEND_PREFILL_ATTENTION=sdpa"):
+        check_tensor_parallel_settings(load_custom_settings(compile=True, prefill_attention="sdpa"), "cpu")
     check_tensor_parallel_settings(load_custom_settings(cuda_graph=False), "cuda")
     _no_children_left()

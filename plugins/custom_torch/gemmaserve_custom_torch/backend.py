@@ -97,6 +97,9 @@ def check_tensor_parallel_settings(custom: CustomTorchSettings, device: str) -> 
         refused.append("CUSTOM_BACKEND_COMPILE=1 (it compiles the fixed-buffer decoder, unused: unset it)")
     if custom.explain:
         refused.append("CUSTOM_BACKEND_EXPLAIN=1 (it explains the fixed-buffer decoder, unused: unset it)")
+    if custom.prefill_attention != "auto":
+        refused.append(f"CUSTOM_BACKEND_PREFILL_ATTENTION={custom.prefill_attention} (it picks the one-row prefill "
+                       "fallback's attention, which tensor parallel does not have: unset it)")
     if refused:
         raise ConfigurationError("TENSOR_PARALLEL_SIZE > 1 runs every tick as an eager forward and does not support "
                                  + "; ".join(refused))
@@ -104,7 +107,8 @@ def check_tensor_parallel_settings(custom: CustomTorchSettings, device: str) -> 
 
 class CustomTorchBackend(InferenceBackend):
     """Paged-KV backend; see the module docstring. Build with :meth:`from_checkpoint`. With ``workers`` (tensor
-    parallel) ``model`` is rank 0's shard and the backend owns the workers: :meth:`close` stops them."""
+    parallel) ``model`` is rank 0's shard and the constructed backend owns the workers: :meth:`close` stops them
+    (if the constructor raises, the caller still owns them: :meth:`from_checkpoint` closes them)."""
 
     def __init__(
         self,

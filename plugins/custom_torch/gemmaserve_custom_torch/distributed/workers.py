@@ -33,7 +33,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.multiprocessing as torch_mp
@@ -41,6 +41,9 @@ import torch.multiprocessing as torch_mp
 from gemmaserve.errors import BackendStepError, ConfigurationError
 
 from .collectives import TensorParallel, close_tensor_parallel, init_tensor_parallel
+
+if TYPE_CHECKING:
+    from ..kv.forward_batch import PackedTick
 
 __all__ = ["TensorParallelWorkerError", "TensorParallelWorkers", "rank_device"]
 
@@ -76,6 +79,7 @@ class TensorParallelWorkers:
         self.rendezvous_file = rendezvous_file
         self.failure: str | None = None  # set once a worker is found dead or failed; every later send raises it
         self.closed = False
+        self.joined = False  # this process joined the group (close leaves it)
 
     @classmethod
     def start(cls, model_path: str, device: str | torch.device, dtype: torch.dtype,
@@ -110,6 +114,7 @@ class TensorParallelWorkers:
         try:
             workers._expect("started", START_TIMEOUT_S)
             workers.tp = init_tensor_parallel(0, world_size, rendezvous_file, rank_device(device, 0))
+            workers.joined = True
         except BaseException:
             workers.close()
             raise
@@ -128,7 +133,7 @@ class TensorParallelWorkers:
         self._send(("pools", dict(num_blocks), block_size, attention, fast_prefill, fuse))
         self._expect("ready", LOAD_TIMEOUT_S)
 
-    def send_forward(self, tick: Any) -> None:
+    def send_forward(self, tick: PackedTick) -> None:
         """Start the forward of ``tick`` on every worker (rank 0 runs its own right after; nothing waits)."""
         self._send(("forward", tick))
 
@@ -178,7 +183,8 @@ class TensorParallelWorkers:
                 process.join(2.0)
         for pipe in self.pipes:
             pipe.close()
-        close_tensor_parallel()
+        if self.joined:
+            close_tensor_parallel()
         try:
             os.unlink(self.rendezvous_file)
         except OSError:
