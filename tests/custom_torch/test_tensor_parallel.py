@@ -145,8 +145,13 @@ def test_offline_llm_with_tensor_parallel_size_2(checkpoint) -> None:
             outputs[size] = [out.token_ids for out in llm.generate(prompts, params)]
             seeded = llm.generate([_PROMPT], SamplingParams(max_tokens=6, temperature=0.8, seed=5))
             outputs[size].append(seeded[0].token_ids)
+            handles = []  # staggered in wall-clock time: each joins the running batch mid-flight
+            for prompt in prompts:
+                handles.append(llm.engine.submit(prompt, SamplingParams(max_tokens=10, ignore_eos=True)))
+                time.sleep(0.05)
+            outputs[size] += [handle.result().token_ids for handle in handles]
     assert outputs[2] == outputs[1]
-    assert [len(tokens) for tokens in outputs[2][:4]] == [8, 5, 11, 3]
+    assert [len(tokens) for tokens in outputs[2]] == [8, 5, 11, 3, 6, 10, 10, 10, 10]
     _no_children_left()
 
 
