@@ -202,3 +202,58 @@ def test_invalid_sizes_and_unsupported_backends_are_refused(checkpoint) -> None:
         check_tensor_parallel_settings(load_custom_settings(compile=True, prefill_attention="sdpa"), "cpu")
     check_tensor_parallel_settings(load_custom_settings(cuda_graph=False), "cuda")
     _no_children_left()
+
+
+def test_fused_projections_on_both_ranks_keep_the_tokens(checkpoint) -> None:
+    """CUSTOM_BACKEND_FUSE=on: rank 0 and the worker each fuse their q/k/v and gate/up slices at load."""
+    path = checkpoint("dense_ple_shared")
+    requests = _REQUESTS[:2]
+    results = []
+    for size, fuse in ((1, "off"), (2, "on")):
+        backend = _backend(path, size, fuse=fuse)
+        try:
+            results.append({rid: r.output_token_ids for rid, r in run_scheduler(backend, requests).items()})
+        finally:
+            backend.close()
+    assert results[1] == results[0]
+    _no_children_left()
+
+
+def _kv_heads(config: Any, name: str) -> int:
+    return config.num_kv_heads[int(name.split(".")[1])]
+
+
+def test_shards_are_read_as_slices_of_the_checkpoint(checkpoint) -> None:
+    """read_shard(shard_for(...)) equals slicing the full tensor: MoE gate/up halves, row- and column-parallel
+    weights, replicated KV heads, and a zero-padded vocabulary shard."""
+    from safetensors import safe_open
+
+    from gemmaserve_custom_torch.distributed.shards import read_shard, shard_for
+    from gemmaserve_custom_torch.models.config import GemmaTextConfig
+
+    for name in ("moe", "gemma3_untied"):
+        path = checkpoint(name)
+        config = GemmaTextConfig.from_pretrained(path)
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118
+                local = key.removeprefix("model.")
+                full = f.get_tensor(key)
+                parts = [read_shard(f, key, shard_for(local, config, rank, 2)) for rank in (0, 1)]
+                if local.endswith("experts.gate_up_proj"):
+                    width = config.moe_intermediate_size // 2
+                    gate = torch.cat([p[:, :width] for p in parts], dim=1)
+                    up = torch.cat([p[:, width:] for p in parts], dim=1)
+                    assert torch.equal(torch.cat([gate, up], dim=1), full)
+                elif local.endswith(("k_proj.weight", "v_proj.weight")) and _kv_heads(config, local) == 1:
+                    assert torch.equal(parts[0], full) and torch.equal(parts[1], full)  # one KV head: replicated
+                elif local in ("embed_tokens.weight", "lm_head.weight"):  # 515 rows: 258 + 257 and one zero row
+                    rows = -(-full.shape[0] // 2)
+                    assert parts[0].shape == parts[1].shape == (rows, full.shape[1])
+                    assert torch.equal(torch.cat(parts)[: full.shape[0]], full)
+                    assert full.shape[0] % 2 == 0 or not parts[1][-1].any()
+                else:
+                    dim = next((d for d in range(full.dim()) if parts[0].shape[d] != full.shape[d]), None)
+                    if dim is None:
+                        assert torch.equal(parts[0], full) and torch.equal(parts[1], full)  # replicated
+                    else:
+                        assert torch.equal(torch.cat(parts, dim=dim), full), key
