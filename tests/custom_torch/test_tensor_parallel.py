@@ -185,6 +185,26 @@ def test_close_stops_the_workers_and_a_dead_worker_fails_loudly(checkpoint) -> N
     _no_children_left()
 
 
+def test_a_failed_rank0_forward_stops_the_backend_instead_of_desynchronising(checkpoint, monkeypatch) -> None:
+    """Rank 0 raising inside a tick the worker already runs would leave the worker in a collective rank 0 never
+    joins: the next collective would pair with the wrong one. The backend refuses every later forward instead."""
+    backend = _backend(checkpoint("k_eq_v"), 2)
+    try:
+        def broken(*args: Any, **kwargs: Any) -> None:
+            raise RuntimeError("injected rank 0 failure")
+
+        monkeypatch.setattr(backend.mixed, "forward_tick", broken)
+        with pytest.raises(RuntimeError, match="injected"):
+            _prefill_logits(backend, [2, 3, 4, 5])
+        assert "ranks are out of step" in (backend.failure() or "")
+        monkeypatch.undo()
+        with pytest.raises(TensorParallelWorkerError, match="out of step"):
+            _prefill_logits(backend, [2, 3, 4, 5])
+    finally:
+        backend.close()
+    _no_children_left()
+
+
 def test_invalid_sizes_and_unsupported_backends_are_refused(checkpoint) -> None:
     from gemmaserve import LLM
 

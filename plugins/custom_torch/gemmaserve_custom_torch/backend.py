@@ -156,7 +156,7 @@ class CustomTorchBackend(InferenceBackend):
         tick_attention = "triton" if self.attention == "triton" else "reference"
         self.mixed = MixedStep(model, self.pools, tick_attention, fast_prefill=custom.fast_prefill, graphs=graphs,
                                max_tokens=settings.max_num_batched_tokens, max_seqs=settings.max_batch_size,
-                               width=width, before_forward=None if workers is None else workers.send_forward)
+                               width=width, mirror=workers)
         if workers is not None:
             workers.build_pools(num_blocks, self.block_size, tick_attention, custom.fast_prefill, fuse)
         if custom.graph_capture == "startup":

@@ -54,7 +54,8 @@ START_TIMEOUT_S = 120.0
 LOAD_TIMEOUT_S = 3600.0
 """Seconds a worker gets to load its shard or build its pools (a large checkpoint from a slow disk)."""
 CLOSE_TIMEOUT_S = 10.0
-"""Seconds a worker gets to exit after ``close`` before it is terminated (then killed)."""
+"""Seconds a worker gets to exit after ``close`` before it is terminated (then killed); 1 s after a failure (a
+worker may then be stuck in a collective rank 0 will never join)."""
 
 
 class TensorParallelWorkerError(BackendStepError):
@@ -137,6 +138,20 @@ class TensorParallelWorkers:
         """Start the forward of ``tick`` on every worker (rank 0 runs its own right after; nothing waits)."""
         self._send(("forward", tick))
 
+    def forward_failed(self, error: BaseException) -> None:
+        """Rank 0's forward of the tick last sent raised: a dead worker explains it (recorded as such); otherwise
+        the workers may be waiting in a collective rank 0 never reached, so the ranks are out of step and every
+        later forward is refused (a later collective would pair with the wrong one)."""
+        if self.failure is not None:
+            return
+        for rank, (process, pipe) in enumerate(zip(self.processes, self.pipes), start=1):
+            if process.exitcode is not None or pipe.poll():  # after "ready" a worker only ever sends its error
+                process.join(1.0)
+                self._fail(rank, "failed" if process.exitcode is None else f"exited with code {process.exitcode}")
+                return
+        self.failure = (f"rank 0's forward of a tick raised after the workers started it ({type(error).__name__}: "
+                        f"{error}); the ranks are out of step: restart the engine")
+
     def send_copy(self, group: str, sources: Sequence[int], targets: Sequence[int]) -> None:
         """Copy blocks ``sources[i]`` -> ``targets[i]`` of ``group`` on every worker, as rank 0 just did."""
         self._send(("copy", group, list(sources), list(targets)))
@@ -172,7 +187,7 @@ class TensorParallelWorkers:
                 pipe.send(("close",))
             except (OSError, ValueError):
                 pass  # already gone
-        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        deadline = time.monotonic() + (CLOSE_TIMEOUT_S if self.failure is None else 1.0)
         for process in self.processes:
             process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():
