@@ -185,6 +185,54 @@ def test_close_stops_the_workers_and_a_dead_worker_fails_loudly(checkpoint) -> N
     _no_children_left()
 
 
+_ENGINE_SCRIPT = """
+import sys, time
+from gemmaserve.settings import CoreSettings
+from gemmaserve_custom_torch.backend import CustomTorchBackend
+from gemmaserve_custom_torch.settings import load_custom_settings
+
+if __name__ == "__main__":
+    path = sys.argv[1]
+    core = CoreSettings(model=path, device="cpu", dtype="float32", tensor_parallel_size=2)
+    backend = CustomTorchBackend.from_checkpoint(path, "cpu", core, load_custom_settings(kv_blocks=32))
+    print(backend.workers.processes[0].pid, flush=True)
+    time.sleep(120)
+"""
+
+
+def _running(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in status)
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_a_killed_engine_process_leaves_no_worker_behind(checkpoint, tmp_path) -> None:
+    """SIGKILL of the engine process (no close): the worker sees its pipe close and exits by itself."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "engine.py"
+    script.write_text(_ENGINE_SCRIPT)
+    engine = subprocess.Popen([sys.executable, str(script), str(checkpoint("k_eq_v"))], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        line = engine.stdout.readline() if engine.stdout else ""
+        assert line.strip().isdigit(), f"engine script printed {line!r}"
+        worker = int(line)
+        assert _running(worker)
+    finally:
+        engine.kill()
+        engine.wait(10)
+    deadline = time.monotonic() + 15
+    while _running(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(worker), f"worker {worker} outlived its engine process"
+
+
 def test_a_failed_rank0_forward_stops_the_backend_instead_of_desynchronising(checkpoint, monkeypatch) -> None:
     """Rank 0 raising inside a tick the worker already runs would leave the worker in a collective rank 0 never
     joins: the next collective would pair with the wrong one. The backend refuses every later forward instead."""
