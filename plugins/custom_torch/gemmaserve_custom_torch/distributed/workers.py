@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.connection as mp_connection
+from multiprocessing.reduction import ForkingPickler
 import os
 import tempfile
 import time
@@ -210,9 +211,10 @@ class TensorParallelWorkers:
         if self.closed:
             raise TensorParallelWorkerError("the tensor-parallel workers were closed with the backend")
         self.check()
+        payload = bytes(ForkingPickler.dumps(message))  # pickled once for every worker (what Connection.send does)
         for rank, pipe in enumerate(self.pipes, start=1):
             try:
-                pipe.send(message)
+                pipe.send_bytes(payload)
             except (OSError, ValueError) as exc:
                 self._fail(rank, f"stopped reading its messages ({type(exc).__name__}: {exc})")
                 raise TensorParallelWorkerError(self.failure) from None
@@ -274,6 +276,9 @@ def run_worker(rank: int, world_size: int, rendezvous_file: str, model_path: str
     code = 0
     try:
         torch.set_num_threads(num_threads)
+        if torch.device(device).type == "cuda":  # a broken GPU fails here, reported, before rank 0 waits to join
+            torch.cuda.set_device(device)
+            torch.empty(1, device=device)
         pipe.send(("started",))
         tp = init_tensor_parallel(rank, world_size, rendezvous_file, torch.device(device))
         dtype = getattr(torch, dtype_name)
