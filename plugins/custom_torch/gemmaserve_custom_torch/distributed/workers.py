@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.connection as mp_connection
+from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
 import os
 import tempfile
@@ -73,7 +74,7 @@ class TensorParallelWorkers:
     """Rank 0's handle on ranks 1..N-1 (see the module docstring). Build with :meth:`start`; the backend owns
     it and calls :meth:`close`. Not thread-safe (the backend lock)."""
 
-    def __init__(self, tp: TensorParallel, processes: list[Any], pipes: list[mp_connection.Connection],
+    def __init__(self, tp: TensorParallel, processes: list[BaseProcess], pipes: list[mp_connection.Connection],
                  rendezvous_file: str) -> None:
         self.tp = tp
         self.processes = processes
@@ -99,7 +100,8 @@ class TensorParallelWorkers:
         handle, rendezvous_file = tempfile.mkstemp(prefix="gemmaserve-tp-", suffix=".rendezvous")
         os.close(handle)
         context = torch_mp.get_context("spawn")
-        processes, pipes = [], []
+        processes: list[BaseProcess] = []
+        pipes: list[mp_connection.Connection] = []
         dtype_name = str(dtype).removeprefix("torch.")
         for rank in range(1, world_size):
             ours, theirs = context.Pipe(duplex=True)
