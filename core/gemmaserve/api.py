@@ -295,7 +295,6 @@ class _StopWatcher:
 
 
 VLLM_OPTIONS_NOT_IMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "tensor_parallel_size": ((1,), "one process drives one device"),
     "pipeline_parallel_size": ((1,), "one process drives one device"),
     "data_parallel_size": ((1,), "run one LLM per device"),
     "distributed_executor_backend": ((None,), "one process drives one device"),

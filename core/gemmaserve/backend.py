@@ -520,5 +520,10 @@ class InferenceBackend(ABC):
     def close(self) -> None:
         """Release device memory and threads. Idempotent."""
 
+    def failure(self) -> str | None:
+        """Why this backend can no longer run forwards (e.g. a lost worker process), or None while it can. Called
+        from any thread (the HTTP server's /health answers 503 with it); must not block or take ``self.lock``."""
+        return None
+
     def check_integrity(self) -> None:
         """Raise RuntimeError if internal KV bookkeeping is inconsistent (leaks, double frees)."""

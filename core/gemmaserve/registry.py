@@ -38,6 +38,8 @@ class BackendSpec:
     - ``priority``: lower wins when ``BACKEND=auto``.
     - ``requires_model``: False for backends that load no checkpoint (toy/test backends); then no
       default model is prepared for them.
+    - ``tensor_parallel``: the factory honours ``TENSOR_PARALLEL_SIZE`` > 1; for any other backend
+      ``build_engine`` refuses it.
     """
 
     name: str
@@ -49,6 +51,7 @@ class BackendSpec:
     description: str = ""
     plugin: str = ""
     requires_model: bool = True
+    tensor_parallel: bool = False
 
     def __post_init__(self) -> None:
         for key in (self.name, *self.aliases):

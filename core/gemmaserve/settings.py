@@ -170,6 +170,12 @@ class CoreSettings(BaseSettings):
         "cache's BlockStored / BlockRemoved / AllBlocksCleared go out in vLLM's ZMQ + msgpack format "
         "(docs/kv-events.md). Unset: no events.",
     )
+    tensor_parallel_size: int = Field(
+        1, ge=1, validation_alias=env_alias("TENSOR_PARALLEL_SIZE"),
+        description="Split the model over this many devices (vLLM's --tensor-parallel-size): one engine process "
+        "drives N ranks, N-1 of them worker processes, over torch.distributed (gloo on CPU, NCCL on GPUs "
+        "cuda:0..N-1). Only backends that declare it (custom-cpu, custom-cuda) accept N > 1 (docs/scaling.md).",
+    )
     data_parallel_rank: int = Field(
         0, ge=0, validation_alias=env_alias("DATA_PARALLEL_RANK"),
         description="This replica's index among data-parallel replicas (vLLM's --data-parallel-rank; `serve "

@@ -206,6 +206,15 @@ def test_a_stopped_engine_answers_503_with_retry_after(make_client: Any) -> None
     assert response.headers["retry-after"] == "1"
 
 
+def test_health_answers_503_with_the_backends_failure(make_client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    client, engine = make_client()
+    assert client.get("/health").status_code == 200
+    # what custom_torch reports after losing a tensor-parallel worker
+    monkeypatch.setattr(engine.backend, "failure", lambda: "worker rank 1 exited with code -9")
+    error = assert_error(client.get("/health"), 503, None)
+    assert "worker rank 1 exited with code -9" in error["message"]
+
+
 class CountingTokenizer(CharTokenizer):
     """Counts the characters it is asked to tokenize."""
 

@@ -62,6 +62,12 @@ def test_missing_router_names_the_package(monkeypatch: pytest.MonkeyPatch, capsy
 
 
 @needs_router
+def test_data_parallel_with_tensor_parallel_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "-dp", "2", "--device", "cpu", "--tensor-parallel-size", "2"]) == 2
+    assert "cannot be tensor parallel yet" in capsys.readouterr().err
+
+
+@needs_router
 def test_client_facing_settings_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "-dp", "2", "--device", "cpu", "--allowed-hosts", "example.com"]) == 2
     assert "--allowed-hosts" in capsys.readouterr().err

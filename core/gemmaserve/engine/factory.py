@@ -34,7 +34,8 @@ def build_engine(settings: CoreSettings | None = None, registry: BackendRegistry
     With ``KV_EVENTS_CONFIG`` enabling events, the prefix cache's changes are published in vLLM's format
     (``gemmaserve.kv.events``) by ``engine.kv_events``, which the engine closes at shutdown.
 
-    Raises ConfigurationError / BackendUnavailableError from selection, BackendUnavailableError if
+    Raises ConfigurationError / BackendUnavailableError from selection, ConfigurationError for
+    ``TENSOR_PARALLEL_SIZE`` > 1 on a backend without tensor parallel, BackendUnavailableError if
     the backend's factory cannot be imported, whatever the factory raises (ModelLoadError...), and
     ConfigurationError (the backend closed again) if KV events are enabled for a backend without a prefix cache
     or their sockets cannot be opened.
@@ -42,6 +43,12 @@ def build_engine(settings: CoreSettings | None = None, registry: BackendRegistry
     settings = settings or load_settings()
     selection = select_backend(settings, registry)
     spec = selection.spec
+    if settings.tensor_parallel_size > 1 and not spec.tensor_parallel:
+        raise ConfigurationError(
+            f"TENSOR_PARALLEL_SIZE={settings.tensor_parallel_size}: backend {spec.name!r} does not support tensor "
+            "parallel; set TENSOR_PARALLEL_SIZE=1, or use custom-cpu / custom-cuda (BACKEND), which split the model "
+            "over torch.distributed ranks"
+        )
     model_path = settings.model
     if model_path is None and spec.requires_model:
         from gemmaserve.models.default_model import ensure_default_model

@@ -148,6 +148,9 @@ def create_app(
             raise APIError(503, "the server is shutting down", code="server_shutting_down")
         if not engine.is_alive():
             raise APIError(503, "the engine loop is not running", code="engine_unavailable")
+        failure = engine.backend.failure()
+        if failure is not None:
+            raise APIError(503, f"the backend cannot serve: {failure}", code="engine_unavailable")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics", response_model=None)

@@ -10,6 +10,11 @@ attention (auto on CUDA), or `PagedRunner.decode` on the gather path. q/k/v + ga
 the elementwise chains are fused at load on CUDA (``CUSTOM_BACKEND_FUSE``). It caches prefixes itself
 (`PrefixCache`, progressively after every prefill chunk), so ``set_cache_adapter`` is a no-op, and admits by
 window-aware block reservations (`KVAdmission`). All methods run under ``self.lock`` (the caller's job).
+
+Tensor parallel (``TENSOR_PARALLEL_SIZE`` N > 1, ``distributed/``): this process is rank 0 and holds its weight
+shard; `TensorParallelWorkers` runs ranks 1..N-1. Every forward is then a `MixedStep` tick (decode-only ticks
+too: no fixed-buffer decoder, no CUDA graphs, no asynchronous decode), whose `PackedTick` goes to the workers
+right before rank 0 runs it, and every block copy outside a forward is repeated on them; sampling stays here.
 """
 
 from __future__ import annotations
@@ -35,14 +40,23 @@ from gemmaserve.backend import (
     StepOutput,
     resolve_rows,
 )
-from gemmaserve.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
+from gemmaserve.errors import (
+    ConfigurationError,
+    InvalidRequestError,
+    KVCapacityError,
+    ModelLoadError,
+    PromptTooLongError,
+)
 from gemmaserve.sampling_params import RowSampling
 from gemmaserve.settings import CoreSettings
 
+from .distributed.shards import check_shardable
+from .distributed.workers import TensorParallelWorkers, rank_device
 from .kernels import HAS_TRITON
 from .kv import BatchedPagedKVCache, KVAdmission, KVPools, PagedKVCache, PrefixCache, kv_groups, plan_pool_sizes
 from .models.fusion import fuse_elementwise, fuse_moe, fuse_norms, fuse_projections, moe_is_fused
 from .mixed_step import MixedStep
+from .models.config import GemmaTextConfig
 from .models.gemma import GemmaForCausalLM
 from .runner import PagedRunner
 from .sampling import DeviceTokens, sample_on_device, sample_tokens
@@ -61,8 +75,41 @@ def create_backend(model_path: str, device: str, settings: CoreSettings) -> Cust
     return CustomTorchBackend.from_checkpoint(model_path, device, settings, load_custom_settings())
 
 
+def fuse_model(model: GemmaForCausalLM) -> None:
+    """Load-time fusion (``CUSTOM_BACKEND_FUSE``): q/k/v and gate/up matmuls, plus the norm, elementwise and
+    fused-MoE kernels on CUDA with triton. Tensor-parallel workers fuse their shard the same way."""
+    fuse_projections(model)
+    if HAS_TRITON and next(model.parameters()).device.type == "cuda":
+        fuse_norms(model)
+        fuse_elementwise(model)
+        fuse_moe(model)
+
+
+def check_tensor_parallel_settings(custom: CustomTorchSettings, device: str) -> None:
+    """Refuse the ``CUSTOM_BACKEND_*`` options tensor parallel does not run (ConfigurationError naming each): its
+    ticks are eager `MixedStep` forwards, so the fixed-buffer decoder's options and CUDA graphs do not apply."""
+    refused = []
+    if custom.cuda_graph and torch.device(device).type == "cuda":
+        refused.append("CUSTOM_BACKEND_CUDA_GRAPH=1 (CUDA graphs are not wired for the worker ranks yet: set "
+                       "CUSTOM_BACKEND_CUDA_GRAPH=0)")
+    if custom.graph_capture == "startup":
+        refused.append("CUSTOM_BACKEND_GRAPH_CAPTURE=startup (no graphs are captured: leave it lazy)")
+    if custom.compile:
+        refused.append("CUSTOM_BACKEND_COMPILE=1 (it compiles the fixed-buffer decoder, unused: unset it)")
+    if custom.explain:
+        refused.append("CUSTOM_BACKEND_EXPLAIN=1 (it explains the fixed-buffer decoder, unused: unset it)")
+    if custom.prefill_attention != "auto":
+        refused.append(f"CUSTOM_BACKEND_PREFILL_ATTENTION={custom.prefill_attention} (it picks the one-row prefill "
+                       "fallback's attention, which tensor parallel does not have: unset it)")
+    if refused:
+        raise ConfigurationError("TENSOR_PARALLEL_SIZE > 1 runs every tick as an eager forward and does not support "
+                                 + "; ".join(refused))
+
+
 class CustomTorchBackend(InferenceBackend):
-    """Paged-KV backend; see the module docstring. Build with :meth:`from_checkpoint`."""
+    """Paged-KV backend; see the module docstring. Build with :meth:`from_checkpoint`. With ``workers`` (tensor
+    parallel) ``model`` is rank 0's shard and the constructed backend owns the workers: :meth:`close` stops them
+    (if the constructor raises, the caller still owns them: :meth:`from_checkpoint` closes them)."""
 
     def __init__(
         self,
@@ -72,8 +119,10 @@ class CustomTorchBackend(InferenceBackend):
         custom: CustomTorchSettings,
         *,
         name: str = "gemma",
+        workers: TensorParallelWorkers | None = None,
     ) -> None:
         super().__init__()
+        self.workers = workers
         self.model = model
         self.tokenizer = tokenizer
         self.custom = custom
@@ -92,24 +141,26 @@ class CustomTorchBackend(InferenceBackend):
             sliding_headroom_tokens=min([settings.prefill_chunk_tokens, *windows]),
         )
         self.pools = KVPools(config, num_blocks, self.block_size, self.dtype, self.device)
+        if workers is not None:
+            self.pools.copy_listener = workers.send_copy
         self.prefix_cache = PrefixCache(self.pools)
         self.admission = KVAdmission(self.pools.geometry, num_blocks)
         self.prefill_attention, fuse = resolve_fast_paths(custom, self.device.type)
         if fuse:
-            fuse_projections(model)
-            if HAS_TRITON and self.device.type == "cuda":
-                fuse_norms(model)
-                fuse_elementwise(model)
-                fuse_moe(model)
+            fuse_model(model)
         width = -(-max_len // self.block_size)
         self.runner = PagedRunner(model, self.pools, self.attention, self.prefill_attention)
-        self.decoder = make_decoder(model, self.pools, custom, self.attention, settings.max_batch_size, width=width)
+        self.decoder = None if workers is not None else make_decoder(
+            model, self.pools, custom, self.attention, settings.max_batch_size, width=width)
         # MoE models capture only with the fused experts (the eager expert loop syncs the host)
-        graphs = custom.cuda_graph and on_cuda and self.attention == "triton" and moe_is_fused(model)
-        self.mixed = MixedStep(model, self.pools, "triton" if self.attention == "triton" else "reference",
-                               fast_prefill=custom.fast_prefill, graphs=graphs,
+        graphs = (custom.cuda_graph and on_cuda and self.attention == "triton" and moe_is_fused(model)
+                  and workers is None)
+        tick_attention = "triton" if self.attention == "triton" else "reference"
+        self.mixed = MixedStep(model, self.pools, tick_attention, fast_prefill=custom.fast_prefill, graphs=graphs,
                                max_tokens=settings.max_num_batched_tokens, max_seqs=settings.max_batch_size,
-                               width=width)
+                               width=width, mirror=workers)
+        if workers is not None:
+            workers.build_pools(num_blocks, self.block_size, tick_attention, custom.fast_prefill, fuse)
         if custom.graph_capture == "startup":
             seconds = self.mixed.capture_all()
             logger.info("custom_torch: captured %d tick graphs in %.1f s", len(seconds), sum(seconds.values()))
@@ -126,10 +177,12 @@ class CustomTorchBackend(InferenceBackend):
             architecture=config.model_type, dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
         )
         logger.info(
-            "custom_torch: %s on %s (%s), block size %d, pools %s (%.1f MiB), decode %s attention (%s), ticks %s "
+            "custom_torch: %s on %s (%s)%s, block size %d, pools %s (%.1f MiB), decode %s attention (%s), ticks %s "
             "(%s), fast prefill %s, fused %s",
-            name, self.device, self.model_info.dtype, self.block_size, num_blocks, self.pools.nbytes / 2**20,
-            self.attention, "gather path" if self.decoder is None else (
+            name, self.device, self.model_info.dtype,
+            "" if workers is None else f", tensor parallel over {workers.tp.world_size} ranks (sizes per rank)",
+            self.block_size, num_blocks, self.pools.nbytes / 2**20,
+            self.attention, "one-forward ticks" if workers is not None else "gather path" if self.decoder is None else (
                 "CUDA graphs" if self.decoder.graphs is not None else "fixed buffers, eager"),
             "one forward" if custom.mixed_step else "prefill and decode apart",
             "CUDA graphs per token bucket" if graphs else "eager", self.mixed.narrow_layer is not None, fuse,
@@ -139,13 +192,44 @@ class CustomTorchBackend(InferenceBackend):
     def from_checkpoint(
         cls, model_path: str | Path, device: str, settings: CoreSettings, custom: CustomTorchSettings
     ) -> CustomTorchBackend:
-        """Load weights and tokenizer from a checkpoint folder. Raises ModelLoadError on a bad folder."""
+        """Load weights and tokenizer from a checkpoint folder. Raises ModelLoadError on a bad folder. With
+        ``TENSOR_PARALLEL_SIZE`` N > 1, starts ranks 1..N-1 (:meth:`_from_checkpoint_parallel`)."""
         dtype = _DTYPES.get(settings.dtype) or (torch.float32 if device == "cpu" else torch.bfloat16)
+        if settings.tensor_parallel_size > 1:
+            return cls._from_checkpoint_parallel(model_path, device, dtype, settings, custom)
         try:
             model = GemmaForCausalLM.from_hf(model_path, device=device, dtype=dtype)
         except (OSError, ValueError, KeyError) as exc:
             raise ModelLoadError(f"cannot load {model_path} with the custom_torch backend: {exc}") from exc
         return cls(model, HFTokenizer.from_pretrained(model_path), settings, custom, name=Path(model_path).name)
+
+    @classmethod
+    def _from_checkpoint_parallel(cls, model_path: str | Path, device: str, dtype: torch.dtype,
+                                  settings: CoreSettings, custom: CustomTorchSettings) -> CustomTorchBackend:
+        """Rank 0 of ``settings.tensor_parallel_size``: check the settings and the model's shardability, spawn the
+        workers (they load their shards while this process loads its own), build the backend. Raises
+        ConfigurationError for what cannot be sharded or run, ModelLoadError for a bad folder,
+        TensorParallelWorkerError if a worker fails; no worker outlives a failure."""
+        size = settings.tensor_parallel_size
+        check_tensor_parallel_settings(custom, device)
+        try:
+            config = GemmaTextConfig.from_pretrained(model_path)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelLoadError(f"cannot load {model_path} with the custom_torch backend: {exc}") from exc
+        check_shardable(config, size)
+        workers = TensorParallelWorkers.start(str(model_path), device, dtype, size)
+        try:
+            try:
+                model = GemmaForCausalLM.from_hf(model_path, device=rank_device(device, 0), dtype=dtype,
+                                                 tp=workers.tp)
+            except (OSError, ValueError, KeyError) as exc:
+                raise ModelLoadError(f"cannot load {model_path} with the custom_torch backend: {exc}") from exc
+            workers.wait_loaded()
+            return cls(model, HFTokenizer.from_pretrained(model_path), settings, custom, name=Path(model_path).name,
+                       workers=workers)
+        except BaseException:
+            workers.close()
+            raise
 
     # -- prefill -------------------------------------------------------------------------------
     def prefill_lookup(self, prompt_ids: Sequence[int]) -> PrefillState:
@@ -268,7 +352,12 @@ class CustomTorchBackend(InferenceBackend):
 
     def _prefill_alone(self, state: PrefillState, num: int) -> None:
         """``num`` tokens of one row on the eager one-row path (`PagedRunner.prefill`: gathers the keys its
-        first queries read, frees the out-of-window blocks, then allocates): the fallback for a tight pool."""
+        first queries read, frees the out-of-window blocks, then allocates): the fallback for a tight pool. Not
+        under tensor parallel (its forward is not a tick the workers could replay): KVCapacityError instead."""
+        if self.workers is not None:
+            raise KVCapacityError(
+                "the sliding-window KV pool cannot hold this prompt chunk next to the running requests, and tensor "
+                "parallel has no one-row fallback: raise CUSTOM_BACKEND_SLIDING_BLOCKS or lower MAX_BATCH_SIZE")
         start = state.num_computed
         done = start + num == len(state.prompt_ids)
         logits = self.runner.prefill(state.kv, state.prompt_ids[start : start + num], want_logits=done)
@@ -305,6 +394,10 @@ class CustomTorchBackend(InferenceBackend):
         self._device_tokens = None  # graph outputs the next async step could feed on are overwritten now
         if self.decoder is not None:
             return self.decoder.decode(batched, input_ids)
+        if self.workers is not None:  # a decode-only tick the workers replay
+            logits = self.mixed.run(batched.rows, input_ids, [])[0]
+            assert logits is not None
+            return logits
         return self.runner.decode(batched, input_ids)
 
     def decode_step_async(
@@ -389,10 +482,16 @@ class CustomTorchBackend(InferenceBackend):
         self.prefix_cache.check_integrity()
         self.admission.check_integrity()
 
+    def failure(self) -> str | None:
+        """A lost tensor-parallel worker (every later forward raises it), else None."""
+        return None if self.workers is None or self.workers.closed else self.workers.failure_reason()
+
     def close(self) -> None:
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        if self.workers is not None:
+            self.workers.close()
         self.prefix_cache.clear()
         for table in (self.pools.k, self.pools.v):
             table.clear()

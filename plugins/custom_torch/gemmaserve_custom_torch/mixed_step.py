@@ -24,6 +24,7 @@ Order of work in :meth:`MixedStep.run`:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -46,7 +47,17 @@ from .kv.pools import KVPools
 from .models.gemma import GemmaForCausalLM
 from .sampling import to_device
 
-__all__ = ["MixedStep", "shared_tail_start"]
+__all__ = ["MixedStep", "TickMirror", "shared_tail_start"]
+
+
+class TickMirror(Protocol):
+    """Other ranks that run every tick's forward with this process (tensor parallel: `TensorParallelWorkers`)."""
+
+    def send_forward(self, tick: PackedTick) -> None:
+        """Start ``tick``'s forward on the other ranks (called right before this rank runs it)."""
+
+    def forward_failed(self, error: BaseException) -> None:
+        """This rank's forward of the tick just sent raised: the ranks' collectives may be out of step."""
 
 
 def shared_tail_start(model: GemmaForCausalLM) -> int | None:
@@ -75,12 +86,18 @@ class MixedStep:
     ``max_seqs`` sequences (rows at most ``width`` blocks); ``fixed_buffers`` (default: with ``graphs``) runs
     the same padded forwards of the fixed buffers without graphs (the replay-parity reference, CPU tests). Not thread-safe (backend lock). Counters:
     ``steps``, ``tokens``, ``shrunk`` (halvings of a chunk whose pool was short), ``deferred`` (chunks left
-    out: not even one token fitted), ``eager_steps`` (ticks run without a graph)."""
+    out: not even one token fitted), ``eager_steps`` (ticks run without a graph).
+
+    ``mirror``: told of every tick's `PackedTick` right before its forward (tensor parallel: rank 0 sends it to
+    the worker ranks, which run :meth:`forward_tick` on it) and of that forward's exception; ticks fed from
+    previous device tokens are refused then (the workers could not see those tokens)."""
 
     def __init__(self, model: GemmaForCausalLM, pools: KVPools, attention: RaggedAttention, *,
                  fast_prefill: bool = True, graphs: bool = False, fixed_buffers: bool | None = None,
-                 max_tokens: int = 8192, max_seqs: int = 256, width: int = 1) -> None:
+                 max_tokens: int = 8192, max_seqs: int = 256, width: int = 1,
+                 mirror: TickMirror | None = None) -> None:
         self.model = model
+        self.mirror = mirror
         self.pools = pools
         self.attention: RaggedAttention = attention
         self.narrow_layer = shared_tail_start(model) if fast_prefill else None
@@ -167,6 +184,21 @@ class MixedStep:
     def _forward(self, tick: PackedTick, feed: tuple[Sequence[int], Tensor] | None = None) -> Tensor:
         """Logits [R, vocab] of ``tick.logit_seqs`` (a graph replay's rows beyond R are padding). ``feed``:
         (sources, previous tokens) of the decode rows, the first sequences of the batch."""
+        if self.mirror is None:
+            return self.forward_tick(tick, feed)
+        if feed is not None:
+            raise RuntimeError("a tick fed from the previous step's device tokens cannot be mirrored to other "
+                               "ranks (tensor parallel runs synchronous ticks)")
+        self.mirror.send_forward(tick)
+        try:
+            return self.forward_tick(tick)
+        except BaseException as exc:
+            self.mirror.forward_failed(exc)
+            raise
+
+    def forward_tick(self, tick: PackedTick, feed: tuple[Sequence[int], Tensor] | None = None) -> Tensor:
+        """The forward of a packed tick over the pools as they are (no block bookkeeping): logits [R, vocab].
+        Rank 0 reaches it through :meth:`run`; tensor-parallel workers call it with rank 0's tick."""
         buffers = self.buffers
         if buffers is not None and buffers.bucket_for(tick.num_tokens, len(tick.query_lens)) is not None:
             bucket = buffers.load(tick, feed[0] if feed is not None else None)

@@ -15,9 +15,11 @@ _PROBE = "gemmaserve_custom_torch.probe:unavailable_reason"
 _WHAT = "hand-written Gemma 3/4 forward, paged KV with prefix sharing and sliding-window storage"
 
 SPECS: tuple[BackendSpec, ...] = (
-    BackendSpec("custom-cuda", _FACTORY, ("cuda",), _PROBE, 10, description=f"{_WHAT}; Triton paged decode"),
+    BackendSpec("custom-cuda", _FACTORY, ("cuda",), _PROBE, 10, description=f"{_WHAT}; Triton paged decode",
+                tensor_parallel=True),
     BackendSpec("custom-mps", _FACTORY, ("mps",), _PROBE, 30, description=f"{_WHAT}; gather decode on Apple GPUs"),
-    BackendSpec("custom-cpu", _FACTORY, ("cpu",), _PROBE, 60, description=f"{_WHAT}; gather decode on the CPU"),
+    BackendSpec("custom-cpu", _FACTORY, ("cpu",), _PROBE, 60, description=f"{_WHAT}; gather decode on the CPU",
+                tensor_parallel=True),
 )
 
 

@@ -148,6 +148,8 @@ class PagedKVCache:
         self.pools.decref(group, old)
         fresh = self.pools.allocate(group, len(old))
         self.pools.write_blocks(group, fresh, data)
+        if self.pools.copy_listener is not None:
+            self.pools.copy_listener(group, old, fresh)
         for j, block in zip(logical, fresh):
             table[j] = block
 

@@ -157,6 +157,9 @@ class KVPools:
         sources = config.kv_source_layer
         self.group_of_layer = {i: config.layer_types[sources[i]] for i in range(config.num_hidden_layers)}
         self.reclaimer: Reclaimer | None = None
+        # Told of every block copy made outside a forward, after it is queued (tensor parallel: rank 0 has the
+        # worker ranks repeat it on their pools). None = nobody listens.
+        self.copy_listener: Callable[[str, Sequence[int], Sequence[int]], None] | None = None
         self.live_rows: set[object] = set()  # every PagedKVCache not yet freed (for leak checks)
 
     def first_visible(self, start: int) -> list[int]:
@@ -229,6 +232,8 @@ class KVPools:
                     out_of.append(pool[source])
         if into:
             torch._foreach_copy_(into, out_of)
+        if self.copy_listener is not None:
+            self.copy_listener(group, sources, targets)
 
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
         """``block_ids`` as an int64 device tensor, copied without a host sync (a plain ``torch.tensor(...,

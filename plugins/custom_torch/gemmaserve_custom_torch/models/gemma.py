@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import Tensor, nn
 
+from ..distributed.collectives import SINGLE, TensorParallel
+from ..distributed.shards import read_shard, shard_config, shard_for, vocab_range
 from .attention_context import AttentionContext
 from .config import GemmaTextConfig
 from .layers import (
@@ -32,14 +34,21 @@ from .layers import (
 
 class ScaledEmbedding(nn.Module):
     """Token lookup × scale, where the scale is rounded from the exact Python float to the weight dtype
-    (bf16(√H) in a bf16 model, as transformers does). ids [...] -> [..., dim] in the weight dtype."""
+    (bf16(√H) in a bf16 model, as transformers does). ids [...] -> [..., dim] in the weight dtype.
+
+    Vocabulary-parallel under tensor parallel: ``weight`` holds this rank's rows (`shards.vocab_range`, padded);
+    ids outside them look up zeros and one all-reduce completes the rows (exact: one rank adds a value, the
+    others zeros)."""
 
     def __init__(
-        self, num_embeddings: int, dim: int, scale: float, device: Device = None, dtype: torch.dtype | None = None
+        self, num_embeddings: int, dim: int, scale: float, device: Device = None, dtype: torch.dtype | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.scale = scale
-        self.weight = nn.Parameter(torch.empty(num_embeddings, dim, device=device, dtype=dtype))
+        self.tp = tp
+        self.first_row, _, rows = vocab_range(num_embeddings, tp.rank, tp.world_size)
+        self.weight = nn.Parameter(torch.empty(rows, dim, device=device, dtype=dtype))
         self._scale_cache: dict[tuple[torch.dtype, torch.device], Tensor] = {}
 
     def _scale_tensor(self) -> Tensor:
@@ -51,21 +60,29 @@ class ScaledEmbedding(nn.Module):
         return cached
 
     def forward(self, ids: Tensor) -> Tensor:
-        return F.embedding(ids, self.weight) * self._scale_tensor()
+        if not self.tp.enabled:
+            return F.embedding(ids, self.weight) * self._scale_tensor()
+        local = ids - self.first_row
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill_(outside[..., None], 0)
+        return self.tp.all_reduce(rows * self._scale_tensor())
 
 
 class GemmaAttention(nn.Module):
     """Q/K/V projections, QK(V)-norms and RoPE of one layer; attention itself runs in the context.
 
     KV-shared layers own only q_proj, q_norm and o_proj. K=V layers have no v_proj: V is the raw k_proj
-    output, v-normed. x [B, S, H] -> [B, S, H].
+    output, v-normed. x [B, S, H] -> [B, S, H]. Under tensor parallel ``config`` is the rank's shard
+    (`shards.shard_config`: its heads) and the o_proj output is all-reduced.
     """
 
     def __init__(
-        self, config: GemmaTextConfig, layer_idx: int, device: Device = None, dtype: torch.dtype | None = None
+        self, config: GemmaTextConfig, layer_idx: int, device: Device = None, dtype: torch.dtype | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.tp = tp
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_kv_heads[layer_idx]
         self.head_dim = config.head_dims[layer_idx]
@@ -105,7 +122,7 @@ class GemmaAttention(nn.Module):
             k = self._norm_rope(self.k_norm, k_raw, cos, sin)
             v = self.v_norm(v_raw) if self.v_norm is not None else v_raw
         out = attn.attend(self.layer_idx, q, k, v)
-        return self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim))
+        return self.tp.all_reduce(self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim)))
 
     def _norm_rope(self, norm: RMSNorm, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         if self.fused_ops is not None:
@@ -124,18 +141,21 @@ class GemmaAttention(nn.Module):
 
 class GemmaDecoderLayer(nn.Module):
     """Sandwich-norm block: attention, GeGLU MLP (+ parallel MoE on Gemma 4 26B-style models), then the
-    Gemma 4 PLE injection and `layer_scalar`. x [B, S, H] -> new [B, S, H]; input not mutated."""
+    Gemma 4 PLE injection and `layer_scalar`. x [B, S, H] -> new [B, S, H]; input not mutated. Under tensor
+    parallel the MLP's and the experts' outputs (row-parallel partial sums) are all-reduced here."""
 
     def __init__(
-        self, config: GemmaTextConfig, layer_idx: int, device: Device = None, dtype: torch.dtype | None = None
+        self, config: GemmaTextConfig, layer_idx: int, device: Device = None, dtype: torch.dtype | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
+        self.tp = tp
         hidden, eps, style = config.hidden_size, config.rms_norm_eps, config.norm_style
 
         def norm(dim: int = hidden) -> RMSNorm:
             return RMSNorm(dim, eps, style, device=device, dtype=dtype)
 
-        self.self_attn = GemmaAttention(config, layer_idx, device, dtype)
+        self.self_attn = GemmaAttention(config, layer_idx, device, dtype, tp)
         self.mlp = GeGLUMLP(hidden, config.mlp_widths[layer_idx], device, dtype)
         self.input_layernorm = norm()
         self.post_attention_layernorm = norm()
@@ -168,7 +188,7 @@ class GemmaDecoderLayer(nn.Module):
         x = residual + self.post_attention_layernorm(h)
 
         residual = x
-        h = self.mlp(self.pre_feedforward_layernorm(x))
+        h = self.tp.all_reduce(self.mlp(self.pre_feedforward_layernorm(x)))
         if self.has_moe:
             h = self._with_moe(residual, h)
         x = residual + self.post_feedforward_layernorm(h)
@@ -182,10 +202,12 @@ class GemmaDecoderLayer(nn.Module):
         return x
 
     def _with_moe(self, residual: Tensor, h: Tensor) -> Tensor:
-        """The MoE block's sum with the dense MLP output ``h``: post_ff_1(h) + post_ff_2(experts(residual))."""
+        """The MoE block's sum with the dense MLP output ``h``: post_ff_1(h) + post_ff_2(experts(residual)), the
+        experts' output all-reduced over the tensor-parallel ranks (each holds a slice of every expert's width)."""
         flat = residual.reshape(-1, residual.shape[-1])  # router and experts read the pre-MLP residual
         weights, ids = self.router(flat)
-        moe = self.experts(self.pre_feedforward_layernorm_2(flat), weights, ids).reshape(residual.shape)
+        moe = self.tp.all_reduce(self.experts(self.pre_feedforward_layernorm_2(flat), weights, ids))
+        moe = moe.reshape(residual.shape)
         return self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(moe)
 
     def _forward_fused(self, ops: FusedElementwise, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext,
@@ -197,7 +219,7 @@ class GemmaDecoderLayer(nn.Module):
         h = self.self_attn(self.input_layernorm(x), cos, sin, attn)
         x, normed = ops.residual_norm(x, h, post_attn.weight, post_attn.eps, post_attn.style,
                                       next_weight=pre_ff.weight, next_eps=pre_ff.eps)
-        h = self.mlp(normed)
+        h = self.tp.all_reduce(self.mlp(normed))
         if self.has_moe:
             h = self._with_moe(x, h)
         post_ff = self.post_feedforward_layernorm
@@ -219,21 +241,31 @@ class GemmaForCausalLM(nn.Module):
     dtype (final softcap applied when configured). Attention state lives in `attn`; the module itself is
     stateless across calls. Build with `GemmaForCausalLM.from_hf(path)` or from a `GemmaTextConfig` (then the
     weights are uninitialised; load a state dict).
+
+    With ``tp`` of world size N > 1 the module is rank ``tp.rank``'s shard (`distributed.shards`): ``config`` is
+    the unsharded config (kept as ``full_config``), ``self.config`` the shard's geometry; every rank must run
+    the same forwards in the same order (the collectives pair them up) and all get the full logits.
     """
 
-    def __init__(self, config: GemmaTextConfig, device: Device = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, config: GemmaTextConfig, device: Device = None, dtype: torch.dtype | None = None,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
+        self.tp = tp
+        self.full_config = config
+        config = shard_config(config, tp.world_size) if tp.enabled else config
         self.config = config
         hidden = config.hidden_size
-        self.embed_tokens = ScaledEmbedding(config.vocab_size, hidden, config.embed_scale, device, dtype)
+        self.embed_tokens = ScaledEmbedding(config.vocab_size, hidden, config.embed_scale, device, dtype, tp)
         self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, i, device, dtype) for i in range(config.num_hidden_layers)
+            GemmaDecoderLayer(config, i, device, dtype, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(hidden, config.rms_norm_eps, config.norm_style, device=device, dtype=dtype)
         if config.ple_dim:
             total = config.num_hidden_layers * config.ple_dim
             self.embed_tokens_per_layer = ScaledEmbedding(
-                config.ple_vocab_size, total, config.ple_dim**0.5, device, dtype
+                config.ple_vocab_size, total, config.ple_dim**0.5, device, dtype, tp
             )
             self.per_layer_model_projection = nn.Linear(hidden, total, bias=False, device=device, dtype=dtype)
             self.per_layer_projection_norm = RMSNorm(
@@ -241,7 +273,8 @@ class GemmaForCausalLM(nn.Module):
             )
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False, device=device, dtype=dtype)
+            rows = vocab_range(config.vocab_size, tp.rank, tp.world_size)[2]  # vocabulary-parallel, like the table
+            self.lm_head = nn.Linear(hidden, rows, bias=False, device=device, dtype=dtype)
         self.rotary = {
             t: RotaryEmbedding(config.rope[t], config.head_dim_for_type(t)) for t in sorted(set(config.layer_types))
         }
@@ -285,11 +318,16 @@ class GemmaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """hidden [..., H] -> logits [..., V] in the model dtype; softcap `tanh(x/c)*c` in that dtype."""
+        """hidden [..., H] -> logits [..., V] in the model dtype; softcap `tanh(x/c)*c` in that dtype. Under
+        tensor parallel each rank computes its vocabulary rows and every rank gets all of them (gathered before
+        the softcap; each logit is one rank's full dot product, so the gather itself changes no bit)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         # Fold to 2-D: on a sliced (non-contiguous) 3-D input torch's matmul may skip folding when weights
         # don't require grad, which changes low bits vs transformers (whose weights do require grad).
-        logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), weight).view(*hidden.shape[:-1], -1)
+        logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), weight)
+        if self.tp.enabled:
+            logits = self.tp.all_gather_last(logits)[:, : self.config.vocab_size]
+        logits = logits.view(*hidden.shape[:-1], -1)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -307,12 +345,15 @@ class GemmaForCausalLM(nn.Module):
 
     @classmethod
     def from_hf(
-        cls, path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+        cls, path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> GemmaForCausalLM:
         """Load a Hugging Face checkpoint folder (single `model.safetensors` or sharded with
         `model.safetensors.index.json`). `dtype=None` keeps the dtype stored for the embedding table.
         K/V weights of KV-shared layers and non-text (vision/audio) weights are skipped; any other unknown or
-        missing text weight raises. Returns the model in eval mode with requires_grad off."""
+        missing text weight raises. Returns the model in eval mode with requires_grad off. With ``tp`` of world
+        size > 1, only rank ``tp.rank``'s slices are read (`shards.shard_for`; the caller must have joined the
+        group: the model's forwards are collective)."""
         folder = Path(path)
         config = GemmaTextConfig.from_pretrained(folder)
         files = _weight_files(folder)
@@ -324,7 +365,7 @@ class GemmaForCausalLM(nn.Module):
                 dtype = f.get_slice(embed_key).get_dtype()
                 dtype = _SAFETENSORS_DTYPES.get(dtype, torch.float32)
 
-        model = cls(config, device="meta", dtype=dtype)
+        model = cls(config, device="meta", dtype=dtype, tp=tp)
         expected = set(model.state_dict())
         wanted: dict[str, str] = {}  # checkpoint key -> model key
         unexpected: list[str] = []
@@ -350,7 +391,8 @@ class GemmaForCausalLM(nn.Module):
             try:
                 with safe_open(file, framework="pt", device=str(device)) as f:
                     for key in keys:
-                        state[wanted[key]] = f.get_tensor(key).to(dtype)
+                        shard = shard_for(wanted[key], config, tp.rank, tp.world_size) if tp.enabled else None
+                        state[wanted[key]] = read_shard(f, key, shard).to(dtype)
             except Exception as exc:
                 raise ValueError(f"{file}: reading its tensors failed: {type(exc).__name__}: {exc}; the file is "
                                  "probably corrupt: fetch or convert it again") from None
