@@ -112,6 +112,12 @@ class BackendCapabilities:
     - ``allowed_token_masks``: every sampling call honours ``RowSampling.allowed`` (structured output's
       per-row mask: tokens outside it get -inf before temperature and the filters, as
       ``gemmaserve.engine.sampling_cpu`` defines). Without it the scheduler refuses constrained requests.
+    - ``progressive_cache_block_size`` (with ``uses_core_cache_manager`` False; 0 = none): the block size of the
+      backend's own prefix cache when that cache finds a prompt's full blocks as soon as a chunk has computed
+      them (not only once the prompt completed); the scheduler then holds back a request that shares blocks
+      with a prompt being prefilled until they are computed, so it hits them instead of computing them again
+      (``gemmaserve.engine.shared_prefix``). Core ``CacheManager`` backends get the completion-time form of this
+      without declaring anything.
     """
 
     continuous_batching: bool = True
@@ -123,6 +129,7 @@ class BackendCapabilities:
     async_decode: bool = False
     deferred_sampling: bool = False
     allowed_token_masks: bool = False
+    progressive_cache_block_size: int = 0
     max_concurrent_streams: int = 1
 
 

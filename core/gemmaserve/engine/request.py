@@ -161,6 +161,9 @@ class Request:
     prefill_state: PrefillState | None = None
     queued_at_tick: int = 0
     """The scheduler tick at which the request was queued (the prompt's prefill deadline counts from it)."""
+    shared_prefix_lens: dict[str, int] = field(default_factory=dict)
+    """Common prefix lengths with other requests' prompts, by request id, while this one waits for a shared
+    prefix to be computed (``engine/shared_prefix.py``; owned by the scheduler)."""
     stream: Any = None
     """Streaming-only backends: the ``generate_stream`` iterator (owned by the scheduler)."""
     constraint: TokenConstraint | None = None

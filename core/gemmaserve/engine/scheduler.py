@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 from gemmaserve.engine.isolation import MAX_ROW_RETRIES, retry_row_alone
 from gemmaserve.engine.queues import RequestQueues
+from gemmaserve.engine.shared_prefix import should_wait
 from gemmaserve.engine.request import (
     MAX_BAD_WORD_TOKENS,
     FinishReason,
@@ -133,6 +134,13 @@ class ContinuousBatchScheduler:
         self._streaming = not self._caps.continuous_batching
         self._max_running = self._caps.max_concurrent_streams if self._streaming else settings.max_batch_size
         self._q = RequestQueues(backend)
+        # when and at which block size a prompt's blocks become findable by other prompts' lookups
+        # (engine/shared_prefix.py): once its prefill completed (core cache), progressively, or never (None)
+        self._prefix_findable: tuple[str, int] | None = None
+        if cache_manager is not None and self._caps.uses_core_cache_manager:
+            self._prefix_findable = ("completed", cache_manager.block_size)
+        elif self._caps.progressive_cache_block_size > 0 and not self._caps.uses_core_cache_manager:
+            self._prefix_findable = ("progressive", self._caps.progressive_cache_block_size)
         self._seed_rng = random.Random()
         self._counters: Counter[str] = Counter()
         self._async = self._caps.async_decode and settings.async_scheduling and not self._streaming
@@ -369,31 +377,53 @@ class ContinuousBatchScheduler:
         ``max(MIXED_PREFILL_CHUNK_TOKENS, what the queued prompts' deadlines need)`` (:meth:`_deadline_tokens`):
         steady arrivals are spread thinly over the ticks (short ticks for the streams), while a burst, whose
         prompts cannot all meet their deadlines, gets the full budget. Looks a request's prompt up in the prefix
-        cache when it first gets budget. Returns ``(request, state, chunk tokens, num_computed before)``."""
+        cache when it first gets budget; a request not looked up yet gets no budget while an earlier prefill is
+        computing blocks their prompts share (``engine/shared_prefix.py``: it hits them afterwards instead of
+        computing them again). Returns ``(request, state, chunk tokens, num_computed before)``."""
         budget = self.settings.max_num_batched_tokens - len(self._q.rows)
         mixed = self.settings.mixed_prefill_chunk_tokens
         if mixed and self._q.rows and budget > mixed:
             budget = max(mixed, self._deadline_tokens(budget))
         cap = self.settings.prefill_chunk_tokens
         work: list[tuple[Request, PrefillState, int, int]] = []
+        # (id, prompt, computed, findable by a lookup now) of earlier prefills under way (engine/shared_prefix.py)
+        leaders: list[tuple[str, tuple[int, ...], int, int]] = []
+        findable_when, cache_block = self._prefix_findable or ("", 0)
+        progressive = findable_when == "progressive"
         for request in list(self._q.prefilling):
             if budget <= 0:
                 break
+            state = request.prefill_state
             if request.request_id in self._awaiting_first:
+                if state is not None:
+                    leaders.append(self._as_leader(request, state, progressive))
+                continue
+            if state is None and self._prefix_findable is not None and should_wait(
+                request.prompt_token_ids, leaders, cache_block, progressive=progressive, chunk=cap,
+                memo=request.shared_prefix_lens,
+            ):
+                self._counters["prefix_waits"] += 1
                 continue
             try:
-                state = request.prefill_state
                 if state is None:
                     state = request.prefill_state = self.backend.prefill_lookup(request.prompt_token_ids)
                     request.cached_tokens = state.num_cached
             except Exception as exc:
                 self._q.fail(request, exc, events, phase="prefill")
                 continue
+            leaders.append(self._as_leader(request, state, progressive))
             num = min(cap, state.num_remaining, budget)
             if num > 0 or state.is_complete:
                 work.append((request, state, num, state.num_computed))
                 budget -= num
         return work
+
+    @staticmethod
+    def _as_leader(request: Request, state: PrefillState, progressive: bool) -> tuple[str, tuple[int, ...], int, int]:
+        """``request`` as a leader for ``should_wait``: (id, prompt, computed, findable now). A progressive cache
+        finds what the prompt computed; a completion-time cache only what the prompt itself found in it."""
+        findable = state.num_computed if progressive else state.num_cached
+        return request.request_id, request.prompt_token_ids, state.num_computed, findable
 
     def _deadline_tokens(self, enough: int) -> int:
         """Prompt tokens this tick must prefill for every admitted prompt to finish within

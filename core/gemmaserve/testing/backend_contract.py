@@ -395,6 +395,32 @@ class BackendContractTests:
         assert solo_greedy(backend, sibling, self.num_decode_tokens) == truth[1]
         self._finish(backend, cache)
 
+    def test_progressive_prefix_cache_finds_blocks_after_each_chunk(self, backend: InferenceBackend) -> None:
+        """``progressive_cache_block_size`` = B: the full blocks a prefill chunk computed are found by another
+        prompt's lookup before the first prompt completes (the scheduler relies on it to let prompts sharing a
+        prefix wait for them)."""
+        block = backend.capabilities.progressive_cache_block_size
+        if not block or backend.capabilities.uses_core_cache_manager:
+            pytest.skip("backend does not declare progressive_cache_block_size")
+        self._batched(backend)
+        prompt = list(max(self.make_prompts(backend), key=len))
+        done = 2 * block
+        if len(prompt) < done + 2:
+            pytest.skip(f"the longest prompt has fewer than {done + 2} tokens")
+        vocab = backend.model_info.vocab_size
+        sibling = prompt[:done] + [(prompt[done] + 1) % vocab] + prompt[done + 1:]  # shares exactly 2 blocks
+        with backend.lock:
+            leader = backend.prefill_lookup(prompt)
+            while leader.num_computed < done:
+                backend.prefill_chunk(leader, done - leader.num_computed)
+            assert not leader.is_complete
+            follower = backend.prefill_lookup(sibling)
+            hit = follower.num_cached
+            backend.free_row_kv(follower.kv)
+            backend.free_row_kv(leader.kv)
+        assert hit == done, f"a lookup after chunks computed {done} shared tokens found {hit}"
+        self._finish(backend)
+
     # -- other paths ----------------------------------------------------------------------------------
     def test_generate_stream_matches_batched_greedy(self, backend: InferenceBackend) -> None:
         prompt = self.make_prompts(backend)[1]

@@ -169,7 +169,7 @@ class CustomTorchBackend(InferenceBackend):
             continuous_batching=True, uses_core_cache_manager=False, kv_reservation=True, logprobs=True,
             top_logprobs=True,
             mixed_step=custom.mixed_step, async_decode=self.decoder is not None, deferred_sampling=True,
-            allowed_token_masks=True,
+            allowed_token_masks=True, progressive_cache_block_size=self.block_size,
         )
         self._device_tokens: torch.Tensor | None = None  # the last decode_step_async's sampled ids
         self.model_info = ModelInfo(
