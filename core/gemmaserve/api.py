@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Union
 
 from gemmaserve.detokenize import IncrementalDetokenizer
@@ -50,6 +50,15 @@ class CompletionOutput:
     """With ``SamplingParams(logprobs=k)``: each generated token's log-probability."""
     top_logprobs: list[list[tuple[int, float]]] | None = None
     """With ``logprobs`` = k > 0: per token, the k most likely ``(token id, logprob)`` pairs, most likely first."""
+    index: int = 0
+    """This sample's index among the prompt's ``n`` samples."""
+    samples: tuple[CompletionOutput, ...] = ()
+    """With ``SamplingParams(n > 1)``: every sample of the prompt (this object is sample 0); see :attr:`outputs`."""
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """The prompt's samples in index order, as vLLM's ``RequestOutput.outputs``: ``[self]`` when n = 1."""
+        return list(self.samples) if self.samples else [self]
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +154,9 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[CompletionOutput]:
-        """Generate for every prompt (batched together); outputs are in prompt order."""
+        """Generate for every prompt (batched together); outputs are in prompt order. A prompt whose params have
+        ``n`` > 1 runs n samples (``SamplingParams.for_sample``; they share its prefill through the prefix cache);
+        its output is sample 0 and holds all of them in ``outputs``."""
         encoded = self._normalize(prompts)
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(encoded)
@@ -153,17 +164,23 @@ class LLM:
             raise InvalidRequestError(f"{len(params_list)} SamplingParams given for {len(encoded)} prompts")
         for item in params_list:
             _check_params(item)
+        runs = [(text, ids, item.for_sample(i)) for (text, ids), item in zip(encoded, params_list)
+                for i in range(item.n)]
         if not any(item.stop for item in params_list):
-            outputs = self.engine.generate([ids for _, ids in encoded], params_list)
-            return [self._to_completion(text, out) for (text, _), out in zip(encoded, outputs)]
+            outputs = self.engine.generate([ids for _, ids, _ in runs], [sample for _, _, sample in runs])
+            results = [self._to_completion(text, out) for (text, _, _), out in zip(runs, outputs)]
+            return _by_prompt(results, [item.n for item in params_list])
         watchers: list[_StopWatcher] = []
         try:
-            for (_, ids), item in zip(encoded, params_list):
-                watcher = _StopWatcher(self.engine, self.tokenizer, ids, item.stop, callbacks=True,
-                                       min_tokens=item.min_tokens)
-                watcher.handle = self.engine.submit(ids, item, watcher.request_id, watcher.on_event, wait_for_room=True)
+            for _, ids, sample in runs:
+                watcher = _StopWatcher(self.engine, self.tokenizer, ids, sample.stop, callbacks=True,
+                                       min_tokens=sample.min_tokens)
+                watcher.handle = self.engine.submit(ids, sample, watcher.request_id, watcher.on_event,
+                                                    wait_for_room=True)
                 watchers.append(watcher)
-            return [self._to_completion(text, watcher.result(), watcher) for (text, _), watcher in zip(encoded, watchers)]
+            results = [self._to_completion(text, watcher.result(), watcher)
+                       for (text, _, _), watcher in zip(runs, watchers)]
+            return _by_prompt(results, [item.n for item in params_list])
         except BaseException:
             for watcher in watchers:
                 watcher.handle.cancel()
@@ -174,6 +191,9 @@ class LLM:
         text, prompt_ids = self.encode_prompt(prompt)
         params = sampling_params or SamplingParams()
         _check_params(params)
+        if params.n != 1:
+            raise InvalidRequestError(f"stream() yields one sample; got n={params.n}: use generate() for n > 1, "
+                                      "or stream each params.for_sample(i)")
         watcher = _StopWatcher(self.engine, self.tokenizer, prompt_ids, params.stop, min_tokens=params.min_tokens)
         handle = watcher.handle = self.engine.submit(prompt_ids, params, watcher.request_id)
         finished = False
@@ -359,6 +379,21 @@ def _check_unicode(text: str) -> None:
             f"prompt is not valid Unicode text: {exc.object[exc.start:exc.end]!r} at position {exc.start} is a "
             "lone surrogate; send text that encodes as UTF-8"
         ) from None
+
+
+def _by_prompt(results: list[CompletionOutput], counts: list[int]) -> list[CompletionOutput]:
+    """Group the flat sample outputs back by prompt: one output per prompt, its samples in ``samples`` when the
+    prompt asked for more than one."""
+    grouped, start = [], 0
+    for count in counts:
+        chunk = results[start : start + count]
+        start += count
+        if count == 1:
+            grouped.append(chunk[0])
+        else:
+            samples = tuple(replace(out, index=i) for i, out in enumerate(chunk))
+            grouped.append(replace(samples[0], samples=samples))
+    return grouped
 
 
 def _check_params(params: object) -> None:

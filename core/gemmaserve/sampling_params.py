@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gemmaserve.errors import InvalidRequestError
 from gemmaserve.structured.spec import StructuredOutputs
 
 __all__ = ["MAX_BAD_WORDS", "MAX_LOGPROBS", "SamplingParams", "RowSampling", "allowed_tokens", "MIN_TEMPERATURE",
-           "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "MAX_LOGIT_BIAS"]
+           "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "MAX_LOGIT_BIAS", "MAX_N"]
 
 MIN_TEMPERATURE = 1e-5
 """Temperatures in (0, MIN_TEMPERATURE) are treated as greedy (0): logits / T would overflow."""
@@ -24,6 +24,8 @@ MAX_LOGPROBS = 20
 """Most ``logprobs`` alternatives per token (OpenAI's ``top_logprobs`` limit and vLLM's default ``max_logprobs``)."""
 MAX_LOGIT_BIAS = 1024
 """Entries of ``logit_bias`` per request (OpenAI documents 300; vLLM accepts more)."""
+MAX_N = 64
+"""Samples (``n``) per request: each is its own engine request."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +51,9 @@ class SamplingParams:
     ``logprobs`` (vLLM's meaning): None = none; 0 = each generated token's log-probability; k in [1, 20] = that
     and the k most likely tokens at each step with theirs, all under the distribution actually sampled from
     (after ``logit_bias``, the penalties and the masks; before temperature and the filters).
+    ``n`` samples of the prompt (at most ``MAX_N``): :class:`gemmaserve.LLM` and the HTTP server run each as its
+    own engine request (:meth:`for_sample`: sample ``i`` draws with ``seed + i`` when a seed is given), which share
+    the prompt's prefill through the prefix cache; an engine request itself is one sample (``n`` = 1).
     ``seed`` makes sampling reproducible: the same seed, prompt and parameters give the same tokens,
     whatever else is in the batch. ``stop_token_ids`` end the request (the stop token is kept in the
     output, like EOS); ``ignore_eos`` keeps generating past EOS (benchmarks). ``stop`` strings end the
@@ -73,6 +78,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     bad_words: tuple[str, ...] = field(default_factory=tuple)
+    n: int = 1
 
     def __post_init__(self) -> None:
         spec = self.structured_outputs
@@ -107,6 +113,8 @@ class SamplingParams:
         """Raise :class:`InvalidRequestError` naming the first bad field and the accepted range."""
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError(f"n must be an integer in [1, {MAX_N}] (samples of the prompt), got {self.n!r}")
         if not _is_real(self.temperature) or not (0.0 <= self.temperature <= 100.0):
             raise InvalidRequestError(
                 f"temperature must be a finite number in [0, 100] (0 = greedy), got {self.temperature!r}"
@@ -160,6 +168,14 @@ class SamplingParams:
                 raise InvalidRequestError(f"logit_bias keys must be non-negative token ids, got {token_id!r}")
             if not _is_real(value) or not (-100.0 <= value <= 100.0):
                 raise InvalidRequestError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for {token_id}")
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The engine request of sample ``index`` in [0, n): ``n`` = 1 and, with a seed, ``seed + index`` (mod
+        2**63), so every sample is reproducible on its own and the samples differ."""
+        if not 0 <= index < self.n:
+            raise ValueError(f"sample index {index} outside [0, n={self.n})")
+        seed = None if self.seed is None else (self.seed + index) % 2**63
+        return replace(self, n=1, seed=seed)
 
     @property
     def is_greedy(self) -> bool:

@@ -48,6 +48,11 @@ def validate_request(
                     f"prompt token {token_id!r} at position {position} is not a valid token id; "
                     f"token ids are integers in [0, {vocab_size})"
                 )
+    if request.params.n != 1:
+        raise InvalidRequestError(
+            f"an engine request is one sample, got n={request.params.n}: submit params.for_sample(i) for each sample "
+            "(gemmaserve.LLM and the HTTP server do this for n > 1)"
+        )
     for token_id, _ in request.params.logit_bias:
         if token_id >= vocab_size:
             raise InvalidRequestError(

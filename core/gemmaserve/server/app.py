@@ -390,11 +390,9 @@ class _Server:
         n = body.n or 1
         generations: list[Generation] = []
         try:
+            every = dataclasses.replace(prepared.params, n=n)
             for i in range(n):
-                params = prepared.params
-                if params.seed is not None:
-                    params = dataclasses.replace(params, seed=(params.seed + i) % 2**63)
-                generations.append(self._submit(dataclasses.replace(prepared, params=params),
+                generations.append(self._submit(dataclasses.replace(prepared, params=every.for_sample(i)),
                                                 timing if i == 0 else Timing(start=timing.start)))
         except BaseException:
             for generation in generations:

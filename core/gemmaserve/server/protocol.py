@@ -14,7 +14,14 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gemmaserve.errors import InvalidRequestError
-from gemmaserve.sampling_params import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from gemmaserve.sampling_params import (
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 from gemmaserve.structured.spec import StructuredOutputs, from_response_format
 from gemmaserve.server.errors import APIError
 
@@ -39,7 +46,6 @@ MAX_BODY_BYTES = 16 * 2**20
 """Largest request body accepted (HTTP 413 beyond): far more than any context holds as JSON, small
 enough that one request cannot make the server buffer and parse an unbounded amount."""
 _MAX_TOKEN_ID = 2**31 - 1
-MAX_N = 64
 """Choices one request may ask for (``n``): each is its own engine request."""
 MAX_TEMPERATURE = 100.0
 """The range SamplingParams accepts offline ([0, 100]); OpenAI documents [0, 2], vLLM accepts more, so a
