@@ -325,3 +325,22 @@ def test_shards_are_read_as_slices_of_the_checkpoint(checkpoint) -> None:
                         assert torch.equal(parts[0], full) and torch.equal(parts[1], full)  # replicated
                     else:
                         assert torch.equal(torch.cat(parts, dim=dim), full), key
+
+
+def test_a_terminal_interrupt_reaching_a_worker_does_not_kill_it(checkpoint) -> None:
+    """Ctrl-C in a terminal sends SIGINT to the whole foreground process group, workers included, while the
+    server drains its running requests: a worker must live on until rank 0 closes it (it did die with
+    KeyboardInterrupt, failing every request still being drained)."""
+    backend = _backend(checkpoint("k_eq_v"), 2)
+    try:
+        assert backend.workers is not None
+        expected = _prefill_logits(backend, [2, 3, 4, 5])
+        victim = backend.workers.processes[0]
+        os.kill(victim.pid, signal.SIGINT)
+        victim.join(2.0)
+        assert victim.exitcode is None and backend.failure() is None
+        torch.testing.assert_close(_prefill_logits(backend, [2, 3, 4, 5]), expected, atol=1e-5, rtol=0)
+    finally:
+        backend.close()
+    assert victim.exitcode == 0
+    _no_children_left()

@@ -31,6 +31,7 @@ import multiprocessing.connection as mp_connection
 from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
 import os
+import signal
 import tempfile
 import time
 import traceback
@@ -270,7 +271,9 @@ def run_worker(rank: int, world_size: int, rendezvous_file: str, model_path: str
                num_threads: int, pipe: mp_connection.Connection) -> None:
     """A worker process's main (rank ``rank``): join the group, load the shard, then serve rank 0's messages
     until ``close`` or until rank 0's end of the pipe closes. Any exception is sent to rank 0, then the worker
-    exits with code 1."""
+    exits with code 1. SIGINT is ignored: a terminal's Ctrl-C reaches the whole process group, and rank 0 (which
+    drains its running requests first) decides when the worker exits."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from ..kv.pools import KVPools
     from ..mixed_step import MixedStep
     from ..models.gemma import GemmaForCausalLM
