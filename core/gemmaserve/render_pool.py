@@ -59,8 +59,10 @@ class _Worker:
 
     def __init__(self, payload: bytes) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        # its own session: a terminal's Ctrl-C (SIGINT to the foreground process group) must not kill a worker
+        # while the server drains; the pool ends it by closing its stdin, and its stdin closes if the server dies
         self.process = subprocess.Popen([sys.executable, "-m", "gemmaserve.render_pool"], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, env=env)
+                                        stdout=subprocess.PIPE, env=env, start_new_session=True)
         assert self.process.stdin is not None and self.process.stdout is not None
         self._stdin: IO[bytes] = self.process.stdin
         self._stdout: IO[bytes] = self.process.stdout
