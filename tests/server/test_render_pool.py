@@ -256,3 +256,27 @@ def test_a_terminal_interrupt_neither_kills_nor_fails_starting_or_idle_workers(t
     assert "server got SIGINT" in done.stderr
     for symptom in ("KeyboardInterrupt", "RenderWorkerDied", "could not start", "died"):
         assert symptom not in done.stderr, done.stderr
+
+
+def test_a_pool_reopened_while_its_workers_start_keeps_its_size() -> None:
+    """close() then start() (an app's lifespan run twice, quickly) while a worker is still starting: that worker
+    belongs to the closed pool and must be stopped, not join the reopened one (the pool grew past ``processes``)."""
+    import threading
+    import time
+
+    pool = RenderPool(_adapter(), 1)
+    try:
+        pool.start()
+        time.sleep(0.1)  # the first worker is importing
+        pool.close()
+        pool.start()
+        messages = [{"role": "user", "content": LONG}]
+        assert pool.apply_chat_template(messages) == pool._tokenizer.apply_chat_template(messages)
+        deadline = time.monotonic() + 60
+        while any(t.name.startswith("gemmaserve-render-start") for t in threading.enumerate()):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert len(pool.worker_pids()) == 1 and pool._idle.qsize() == 1
+    finally:
+        pool.close()
+    assert pool.worker_pids() == []
