@@ -272,6 +272,15 @@ def test_invalid_sizes_and_unsupported_backends_are_refused(checkpoint) -> None:
     _no_children_left()
 
 
+def test_a_device_index_other_than_0_is_refused_not_ignored(checkpoint) -> None:
+    """Ranks run on cuda:0..N-1 whatever DEVICE names: DEVICE=cuda:1 silently put rank 0 on cuda:0."""
+    from gemmaserve_custom_torch.distributed.workers import TensorParallelWorkers
+
+    with pytest.raises(ConfigurationError, match=r"DEVICE=cuda:1.*CUDA_VISIBLE_DEVICES"):
+        TensorParallelWorkers.start(str(checkpoint("k_eq_v")), "cuda:1", torch.float32, 2)
+    _no_children_left()
+
+
 def test_fused_projections_on_both_ranks_keep_the_tokens(checkpoint) -> None:
     """CUSTOM_BACKEND_FUSE=on: rank 0 and the worker each fuse their q/k/v and gate/up slices at load."""
     path = checkpoint("dense_ple_shared")

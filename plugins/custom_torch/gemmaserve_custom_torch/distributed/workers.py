@@ -95,6 +95,10 @@ class TensorParallelWorkers:
         if engine_device.type not in ("cpu", "cuda"):
             raise ConfigurationError(f"TENSOR_PARALLEL_SIZE > 1 runs on CPU (gloo) or CUDA (NCCL), not on "
                                      f"{engine_device.type}; set TENSOR_PARALLEL_SIZE=1")
+        if engine_device.type == "cuda" and engine_device.index not in (None, 0):
+            raise ConfigurationError(f"DEVICE={engine_device} with TENSOR_PARALLEL_SIZE={world_size}: the ranks run on "
+                                     f"cuda:0..cuda:{world_size - 1}; set DEVICE=cuda and choose the GPUs with "
+                                     "CUDA_VISIBLE_DEVICES")
         if engine_device.type == "cuda" and torch.cuda.device_count() < world_size:
             raise ConfigurationError(f"TENSOR_PARALLEL_SIZE={world_size} needs {world_size} visible GPUs, "
                                      f"{torch.cuda.device_count()} are visible (CUDA_VISIBLE_DEVICES)")
