@@ -233,6 +233,47 @@ def test_a_killed_engine_process_leaves_no_worker_behind(checkpoint, tmp_path) -
     assert not _running(worker), f"worker {worker} outlived its engine process"
 
 
+_ENGINE_DIES_AT_RENDEZVOUS = """
+import multiprocessing, sys, time
+import torch
+from gemmaserve_custom_torch.distributed import workers
+
+def stuck(*args, **kwargs):  # rank 0 stops before the rendezvous (killed during start-up)
+    print(multiprocessing.active_children()[0].pid, flush=True)
+    time.sleep(120)
+
+if __name__ == "__main__":
+    workers.init_tensor_parallel = stuck
+    workers.TensorParallelWorkers.start(sys.argv[1], "cpu", torch.float32, 2)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_an_engine_killed_during_start_up_leaves_no_worker_behind(checkpoint, tmp_path) -> None:
+    """SIGKILL of the engine process while its worker waits at the rendezvous (or loads its shard): the worker
+    reads no pipe then, so it watches its parent and exits (it waited out the 300 s rendezvous timeout)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "engine.py"
+    script.write_text(_ENGINE_DIES_AT_RENDEZVOUS)
+    engine = subprocess.Popen([sys.executable, str(script), str(checkpoint("k_eq_v"))], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        line = engine.stdout.readline() if engine.stdout else ""
+        assert line.strip().isdigit(), f"engine script printed {line!r}"
+        worker = int(line)
+        time.sleep(0.5)  # the worker enters the rendezvous
+        assert _running(worker)
+    finally:
+        engine.kill()
+        engine.wait(10)
+    deadline = time.monotonic() + 15
+    while _running(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(worker), f"worker {worker} outlived its engine process"
+
+
 def test_a_failed_rank0_forward_stops_the_backend_instead_of_desynchronising(checkpoint, monkeypatch) -> None:
     """Rank 0 raising inside a tick the worker already runs would leave the worker in a collective rank 0 never
     joins: the next collective would pair with the wrong one. The backend refuses every later forward instead."""

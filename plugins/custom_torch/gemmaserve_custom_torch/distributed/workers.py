@@ -17,7 +17,8 @@ Rank 0 -> worker messages, one duplex pipe per worker, handled in order:
 - ``("close",)``: leave the group and exit.
 
 Worker -> rank 0: ``("started",)``, ``("loaded",)``, ``("ready",)``, and ``("error", text)`` right before a
-worker exits on any exception. A worker whose pipe closes (rank 0 died) exits. Rank 0 checks that every worker
+worker exits on any exception. A worker exits when rank 0's process ends, whatever it is doing (it
+watches its parent: at the rendezvous or while loading it reads no pipe). Rank 0 checks that every worker
 lives before each message and raises `TensorParallelWorkerError` (naming the rank, its exit code and its error)
 when one does not; from then on the backend refuses every forward. A worker dying inside a collective makes
 rank 0's collective fail (its connection closes) rather than hang; `collectives.COLLECTIVE_TIMEOUT` bounds
@@ -27,12 +28,14 @@ anything else.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import multiprocessing.connection as mp_connection
 from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
 import os
 import signal
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -278,6 +281,10 @@ def run_worker(rank: int, world_size: int, rendezvous_file: str, model_path: str
     exits with code 1. SIGINT is ignored: a terminal's Ctrl-C reaches the whole process group, and rank 0 (which
     drains its running requests first) decides when the worker exits."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_exit_with, args=(parent.sentinel,), name="gemmaserve-tp-parent-watch",
+                         daemon=True).start()
     from ..kv.pools import KVPools
     from ..mixed_step import MixedStep
     from ..models.gemma import GemmaForCausalLM
@@ -327,3 +334,10 @@ def run_worker(rank: int, world_size: int, rendezvous_file: str, model_path: str
         close_tensor_parallel()
     if code:
         raise SystemExit(code)
+
+
+def _exit_with(parent_sentinel: int) -> None:
+    """A worker's watchdog thread: exit the process at once when rank 0's process ends (no cleanup is owed to a
+    group whose rank 0 is gone; the OS releases the device memory)."""
+    mp_connection.wait([parent_sentinel])
+    os._exit(1)
