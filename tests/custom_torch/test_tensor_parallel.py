@@ -274,6 +274,35 @@ def test_an_engine_killed_during_start_up_leaves_no_worker_behind(checkpoint, tm
     assert not _running(worker), f"worker {worker} outlived its engine process"
 
 
+def test_a_worker_that_cannot_be_spawned_leaves_no_other_worker_or_file(checkpoint, monkeypatch) -> None:
+    """Spawning rank 2 fails (say EAGAIN: no more processes): rank 1, already started, is closed and the
+    rendezvous file removed (the file was left behind; rank 1 ended only when it found its pipe collected)."""
+    import tempfile
+
+    from gemmaserve_custom_torch.distributed import workers as workers_module
+
+    real = workers_module.torch_mp.get_context("spawn")
+    made: list[str] = []
+
+    class OneProcessOnly:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def Process(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 (multiprocessing's name)
+            made.append(kwargs["name"])
+            if len(made) == 2:
+                raise OSError(11, "Resource temporarily unavailable")
+            return real.Process(*args, **kwargs)
+
+    monkeypatch.setattr(workers_module.torch_mp, "get_context", lambda method: OneProcessOnly())
+    files = set(Path(tempfile.gettempdir()).glob("gemmaserve-tp-*.rendezvous"))
+    with pytest.raises(OSError, match="Resource temporarily unavailable"):
+        workers_module.TensorParallelWorkers.start(str(checkpoint("k_eq_v")), "cpu", torch.float32, 3)
+    assert made == ["gemmaserve-tp-rank1", "gemmaserve-tp-rank2"]
+    _no_children_left()
+    assert set(Path(tempfile.gettempdir()).glob("gemmaserve-tp-*.rendezvous")) <= files
+
+
 def test_a_failed_rank0_forward_stops_the_backend_instead_of_desynchronising(checkpoint, monkeypatch) -> None:
     """Rank 0 raising inside a tick the worker already runs would leave the worker in a collective rank 0 never
     joins: the next collective would pair with the wrong one. The backend refuses every later forward instead."""

@@ -111,23 +111,25 @@ class TensorParallelWorkers:
         processes: list[BaseProcess] = []
         pipes: list[mp_connection.Connection] = []
         dtype_name = str(dtype).removeprefix("torch.")
-        for rank in range(1, world_size):
-            ours, theirs = context.Pipe(duplex=True)
-            process = context.Process(
-                target=run_worker, name=f"gemmaserve-tp-rank{rank}", daemon=True,
-                args=(rank, world_size, rendezvous_file, str(model_path), str(rank_device(device, rank)), dtype_name,
-                      torch.get_num_threads(), theirs),
-            )
-            process.start()
-            theirs.close()
-            processes.append(process)
-            pipes.append(ours)
         workers = cls(TensorParallel(0, world_size), processes, pipes, rendezvous_file)
         try:
+            for rank in range(1, world_size):
+                ours, theirs = context.Pipe(duplex=True)
+                pipes.append(ours)
+                try:
+                    process = context.Process(
+                        target=run_worker, name=f"gemmaserve-tp-rank{rank}", daemon=True,
+                        args=(rank, world_size, rendezvous_file, str(model_path), str(rank_device(device, rank)),
+                              dtype_name, torch.get_num_threads(), theirs),
+                    )
+                    process.start()
+                finally:
+                    theirs.close()
+                processes.append(process)
             workers._expect("started", START_TIMEOUT_S)
             workers.tp = init_tensor_parallel(0, world_size, rendezvous_file, rank_device(device, 0))
             workers.joined = True
-        except BaseException:
+        except BaseException:  # a failed spawn too: no started worker, pipe or rendezvous file is left
             workers.close()
             raise
         logger.info("custom_torch: tensor parallel over %d ranks (%s), worker pids %s", world_size,
