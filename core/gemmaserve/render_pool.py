@@ -55,12 +55,16 @@ def default_render_processes() -> int:
 
 
 class _Worker:
-    """One child process and its pipes; used by one thread at a time."""
+    """One child process and its pipes; used by one thread at a time. ``generation``: the pool opening it
+    was started for (a worker of an earlier opening is stopped when it comes back, never queued)."""
 
-    def __init__(self, payload: bytes) -> None:
+    def __init__(self, payload: bytes, generation: int) -> None:
+        self.generation = generation
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        # its own session: a terminal's Ctrl-C (SIGINT to the foreground process group) must not kill a worker
+        # while the server drains; the pool ends it by closing its stdin, and its stdin closes if the server dies
         self.process = subprocess.Popen([sys.executable, "-m", "gemmaserve.render_pool"], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, env=env)
+                                        stdout=subprocess.PIPE, env=env, start_new_session=True)
         assert self.process.stdin is not None and self.process.stdout is not None
         self._stdin: IO[bytes] = self.process.stdin
         self._stdout: IO[bytes] = self.process.stdout
@@ -121,6 +125,7 @@ class RenderPool:
         self._workers: set[_Worker] = set()
         self._started = False
         self._closed = False
+        self._generation = 0  # bumped by start() reopening a closed pool
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, processes: int) -> RenderPool | None:
@@ -140,6 +145,7 @@ class RenderPool:
         with self._lock:
             if self._closed:
                 self._closed, self._started = False, False
+                self._generation += 1  # workers still starting or busy from before close() are not ours
                 self._idle = queue.Queue()  # drop the wake-up marker close() left
         self._ensure_started()
 
@@ -184,25 +190,33 @@ class RenderPool:
             if self._started or self._closed:
                 return
             self._started = True
+            generation = self._generation
         for index in range(self.processes):  # in parallel: each worker takes about a second to import and load
-            threading.Thread(target=self._spawn_idle, name=f"gemmaserve-render-start-{index}", daemon=True).start()
+            threading.Thread(target=self._spawn_idle, args=(generation,), name=f"gemmaserve-render-start-{index}",
+                             daemon=True).start()
 
-    def _spawn(self) -> _Worker:
-        worker = _Worker(self._payload)
+    def _current(self, generation: int) -> bool:
+        """The pool is open and ``generation`` is its current opening (call under the lock)."""
+        return not self._closed and generation == self._generation
+
+    def _spawn(self, generation: int) -> _Worker:
+        worker = _Worker(self._payload, generation)
         with self._lock:
-            closed = self._closed
-            if not closed:
+            current = self._current(generation)
+            if current:
                 self._workers.add(worker)
-        if closed:
+        if not current:
             worker.stop()
             raise RuntimeError("the render pool is closed")
         return worker
 
-    def _spawn_idle(self) -> None:
+    def _spawn_idle(self, generation: int) -> None:
         try:
-            self._release(self._spawn())  # a worker that finished starting after close() is stopped there
+            self._release(self._spawn(generation))  # one that finished starting after close() is stopped there
         except Exception:
-            if not self._closed:
+            with self._lock:
+                current = self._current(generation)
+            if current:
                 logger.exception("could not start a chat template worker process")
                 self._idle.put(None)  # a waiting caller wakes and tries a fresh worker
 
@@ -211,15 +225,16 @@ class RenderPool:
             self._workers.discard(worker)
 
     def _release(self, worker: _Worker) -> None:
-        """Back to the idle queue, or stopped when the pool is closed. Checked and queued under the lock, so
-        close() (which sets the flag under it, then drains the queue) never misses a worker."""
+        """Back to the idle queue, or stopped when the pool is closed (or was reopened since the worker was
+        started). Checked and queued under the lock, so close() (which sets the flag under it, then drains the
+        queue) never misses a worker."""
         with self._lock:
-            closed = self._closed
-            if closed:
+            stale = not self._current(worker.generation)
+            if stale:
                 self._workers.discard(worker)
             else:
                 self._idle.put(worker)
-        if closed:
+        if stale:
             worker.stop()
 
     def _call(self, request: tuple[str, tuple[Any, ...], dict[str, Any]]) -> Any:
@@ -227,18 +242,18 @@ class RenderPool:
         worker = self._idle.get()
         if worker is None:
             with self._lock:
-                closed = self._closed
+                closed, generation = self._closed, self._generation
             if closed:
                 self._idle.put(None)  # the next waiter sees it too
                 raise RuntimeError("the render pool is closed")
-            worker = self._spawn()  # a worker failed to start: try a fresh one
+            worker = self._spawn(generation)  # a worker failed to start: try a fresh one
         for attempt in (1, 2):
             try:
                 result = worker.call(request)
             except RenderWorkerDied:
                 self._forget(worker)
                 logger.warning("a chat template worker process died (attempt %d of 2); replacing it", attempt)
-                worker = self._spawn()
+                worker = self._spawn(worker.generation)
                 if attempt == 2:
                     self._release(worker)
                     raise RenderWorkerDied("the chat template worker process died twice while preparing this "

@@ -233,6 +233,76 @@ def test_a_killed_engine_process_leaves_no_worker_behind(checkpoint, tmp_path) -
     assert not _running(worker), f"worker {worker} outlived its engine process"
 
 
+_ENGINE_DIES_AT_RENDEZVOUS = """
+import multiprocessing, sys, time
+import torch
+from gemmaserve_custom_torch.distributed import workers
+
+def stuck(*args, **kwargs):  # rank 0 stops before the rendezvous (killed during start-up)
+    print(multiprocessing.active_children()[0].pid, flush=True)
+    time.sleep(120)
+
+if __name__ == "__main__":
+    workers.init_tensor_parallel = stuck
+    workers.TensorParallelWorkers.start(sys.argv[1], "cpu", torch.float32, 2)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_an_engine_killed_during_start_up_leaves_no_worker_behind(checkpoint, tmp_path) -> None:
+    """SIGKILL of the engine process while its worker waits at the rendezvous (or loads its shard): the worker
+    reads no pipe then, so it watches its parent and exits (it waited out the 300 s rendezvous timeout)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "engine.py"
+    script.write_text(_ENGINE_DIES_AT_RENDEZVOUS)
+    engine = subprocess.Popen([sys.executable, str(script), str(checkpoint("k_eq_v"))], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        line = engine.stdout.readline() if engine.stdout else ""
+        assert line.strip().isdigit(), f"engine script printed {line!r}"
+        worker = int(line)
+        time.sleep(0.5)  # the worker enters the rendezvous
+        assert _running(worker)
+    finally:
+        engine.kill()
+        engine.wait(10)
+    deadline = time.monotonic() + 15
+    while _running(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(worker), f"worker {worker} outlived its engine process"
+
+
+def test_a_worker_that_cannot_be_spawned_leaves_no_other_worker_or_file(checkpoint, monkeypatch) -> None:
+    """Spawning rank 2 fails (say EAGAIN: no more processes): rank 1, already started, is closed and the
+    rendezvous file removed (the file was left behind; rank 1 ended only when it found its pipe collected)."""
+    import tempfile
+
+    from gemmaserve_custom_torch.distributed import workers as workers_module
+
+    real = workers_module.torch_mp.get_context("spawn")
+    made: list[str] = []
+
+    class OneProcessOnly:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def Process(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 (multiprocessing's name)
+            made.append(kwargs["name"])
+            if len(made) == 2:
+                raise OSError(11, "Resource temporarily unavailable")
+            return real.Process(*args, **kwargs)
+
+    monkeypatch.setattr(workers_module.torch_mp, "get_context", lambda method: OneProcessOnly())
+    files = set(Path(tempfile.gettempdir()).glob("gemmaserve-tp-*.rendezvous"))
+    with pytest.raises(OSError, match="Resource temporarily unavailable"):
+        workers_module.TensorParallelWorkers.start(str(checkpoint("k_eq_v")), "cpu", torch.float32, 3)
+    assert made == ["gemmaserve-tp-rank1", "gemmaserve-tp-rank2"]
+    _no_children_left()
+    assert set(Path(tempfile.gettempdir()).glob("gemmaserve-tp-*.rendezvous")) <= files
+
+
 def test_a_failed_rank0_forward_stops_the_backend_instead_of_desynchronising(checkpoint, monkeypatch) -> None:
     """Rank 0 raising inside a tick the worker already runs would leave the worker in a collective rank 0 never
     joins: the next collective would pair with the wrong one. The backend refuses every later forward instead."""
@@ -269,6 +339,15 @@ def test_invalid_sizes_and_unsupported_backends_are_refused(checkpoint) -> None:
     with pytest.raises(ConfigurationError, match="CUSTOM_BACKEND_COMPILE.*CUSTOM_BACKEND_PREFILL_ATTENTION=sdpa"):
         check_tensor_parallel_settings(load_custom_settings(compile=True, prefill_attention="sdpa"), "cpu")
     check_tensor_parallel_settings(load_custom_settings(cuda_graph=False), "cuda")
+    _no_children_left()
+
+
+def test_a_device_index_other_than_0_is_refused_not_ignored(checkpoint) -> None:
+    """Ranks run on cuda:0..N-1 whatever DEVICE names: DEVICE=cuda:1 silently put rank 0 on cuda:0."""
+    from gemmaserve_custom_torch.distributed.workers import TensorParallelWorkers
+
+    with pytest.raises(ConfigurationError, match=r"DEVICE=cuda:1.*CUDA_VISIBLE_DEVICES"):
+        TensorParallelWorkers.start(str(checkpoint("k_eq_v")), "cuda:1", torch.float32, 2)
     _no_children_left()
 
 
@@ -325,3 +404,22 @@ def test_shards_are_read_as_slices_of_the_checkpoint(checkpoint) -> None:
                         assert torch.equal(parts[0], full) and torch.equal(parts[1], full)  # replicated
                     else:
                         assert torch.equal(torch.cat(parts, dim=dim), full), key
+
+
+def test_a_terminal_interrupt_reaching_a_worker_does_not_kill_it(checkpoint) -> None:
+    """Ctrl-C in a terminal sends SIGINT to the whole foreground process group, workers included, while the
+    server drains its running requests: a worker must live on until rank 0 closes it (it did die with
+    KeyboardInterrupt, failing every request still being drained)."""
+    backend = _backend(checkpoint("k_eq_v"), 2)
+    try:
+        assert backend.workers is not None
+        expected = _prefill_logits(backend, [2, 3, 4, 5])
+        victim = backend.workers.processes[0]
+        os.kill(victim.pid, signal.SIGINT)
+        victim.join(2.0)
+        assert victim.exitcode is None and backend.failure() is None
+        torch.testing.assert_close(_prefill_logits(backend, [2, 3, 4, 5]), expected, atol=1e-5, rtol=0)
+    finally:
+        backend.close()
+    assert victim.exitcode == 0
+    _no_children_left()

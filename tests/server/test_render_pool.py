@@ -212,3 +212,71 @@ def test_no_pool_without_render_processes_or_for_a_tokenizer_of_the_backend() ->
     finally:
         engine.shutdown(timeout=10)
     assert RenderPool.for_tokenizer(object(), 0) is None
+
+
+_INTERRUPTED_SERVER = """
+import os, pickle, signal, sys, time
+from gemmaserve.render_pool import RenderPool
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, lambda *_: print("server got SIGINT", file=sys.stderr))  # uvicorn's: it drains
+    pool = RenderPool(pickle.load(open(sys.argv[1], "rb")), 2)
+    pool.start()
+    time.sleep(0.2)  # the workers are still importing
+    os.killpg(0, signal.SIGINT)  # what a terminal's Ctrl-C sends: the whole foreground process group
+    messages = [{"role": "user", "content": "x" * 5000}]
+    first = pool.apply_chat_template(messages)
+    time.sleep(1.0)
+    pids = sorted(pool.worker_pids())
+    os.killpg(0, signal.SIGINT)  # again, once they idle
+    time.sleep(0.5)
+    assert pool.apply_chat_template(messages) == first
+    print(pids == sorted(pool.worker_pids()), flush=True)
+    pool.close()
+"""
+
+
+def test_a_terminal_interrupt_neither_kills_nor_fails_starting_or_idle_workers(tmp_path: Any) -> None:
+    """Ctrl-C reaches every process of the terminal's foreground group; the server drains before its lifespan
+    closes the pool, so the workers must not die of it (they did: a worker still starting was logged as a
+    RenderWorkerDied start failure with both processes' KeyboardInterrupt tracebacks, an idle one was replaced
+    at the next call)."""
+    import pickle
+    import subprocess
+
+    tokenizer = tmp_path / "tokenizer.pickle"
+    tokenizer.write_bytes(pickle.dumps(_adapter()))
+    script = tmp_path / "server.py"
+    script.write_text(_INTERRUPTED_SERVER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run([sys.executable, str(script), str(tokenizer)], capture_output=True, text=True, env=env,
+                          timeout=120, start_new_session=True)  # its own process group, signalled by itself
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True", done.stderr
+    assert "server got SIGINT" in done.stderr
+    for symptom in ("KeyboardInterrupt", "RenderWorkerDied", "could not start", "died"):
+        assert symptom not in done.stderr, done.stderr
+
+
+def test_a_pool_reopened_while_its_workers_start_keeps_its_size() -> None:
+    """close() then start() (an app's lifespan run twice, quickly) while a worker is still starting: that worker
+    belongs to the closed pool and must be stopped, not join the reopened one (the pool grew past ``processes``)."""
+    import threading
+    import time
+
+    pool = RenderPool(_adapter(), 1)
+    try:
+        pool.start()
+        time.sleep(0.1)  # the first worker is importing
+        pool.close()
+        pool.start()
+        messages = [{"role": "user", "content": LONG}]
+        assert pool.apply_chat_template(messages) == pool._tokenizer.apply_chat_template(messages)
+        deadline = time.monotonic() + 60
+        while any(t.name.startswith("gemmaserve-render-start") for t in threading.enumerate()):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert len(pool.worker_pids()) == 1 and pool._idle.qsize() == 1
+    finally:
+        pool.close()
+    assert pool.worker_pids() == []

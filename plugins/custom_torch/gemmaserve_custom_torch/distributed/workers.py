@@ -17,7 +17,8 @@ Rank 0 -> worker messages, one duplex pipe per worker, handled in order:
 - ``("close",)``: leave the group and exit.
 
 Worker -> rank 0: ``("started",)``, ``("loaded",)``, ``("ready",)``, and ``("error", text)`` right before a
-worker exits on any exception. A worker whose pipe closes (rank 0 died) exits. Rank 0 checks that every worker
+worker exits on any exception. A worker exits when rank 0's process ends, whatever it is doing (it
+watches its parent: at the rendezvous or while loading it reads no pipe). Rank 0 checks that every worker
 lives before each message and raises `TensorParallelWorkerError` (naming the rank, its exit code and its error)
 when one does not; from then on the backend refuses every forward. A worker dying inside a collective makes
 rank 0's collective fail (its connection closes) rather than hang; `collectives.COLLECTIVE_TIMEOUT` bounds
@@ -27,11 +28,14 @@ anything else.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import multiprocessing.connection as mp_connection
 from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
 import os
+import signal
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -94,6 +98,10 @@ class TensorParallelWorkers:
         if engine_device.type not in ("cpu", "cuda"):
             raise ConfigurationError(f"TENSOR_PARALLEL_SIZE > 1 runs on CPU (gloo) or CUDA (NCCL), not on "
                                      f"{engine_device.type}; set TENSOR_PARALLEL_SIZE=1")
+        if engine_device.type == "cuda" and engine_device.index not in (None, 0):
+            raise ConfigurationError(f"DEVICE={engine_device} with TENSOR_PARALLEL_SIZE={world_size}: the ranks run on "
+                                     f"cuda:0..cuda:{world_size - 1}; set DEVICE=cuda and choose the GPUs with "
+                                     "CUDA_VISIBLE_DEVICES")
         if engine_device.type == "cuda" and torch.cuda.device_count() < world_size:
             raise ConfigurationError(f"TENSOR_PARALLEL_SIZE={world_size} needs {world_size} visible GPUs, "
                                      f"{torch.cuda.device_count()} are visible (CUDA_VISIBLE_DEVICES)")
@@ -103,23 +111,25 @@ class TensorParallelWorkers:
         processes: list[BaseProcess] = []
         pipes: list[mp_connection.Connection] = []
         dtype_name = str(dtype).removeprefix("torch.")
-        for rank in range(1, world_size):
-            ours, theirs = context.Pipe(duplex=True)
-            process = context.Process(
-                target=run_worker, name=f"gemmaserve-tp-rank{rank}", daemon=True,
-                args=(rank, world_size, rendezvous_file, str(model_path), str(rank_device(device, rank)), dtype_name,
-                      torch.get_num_threads(), theirs),
-            )
-            process.start()
-            theirs.close()
-            processes.append(process)
-            pipes.append(ours)
         workers = cls(TensorParallel(0, world_size), processes, pipes, rendezvous_file)
         try:
+            for rank in range(1, world_size):
+                ours, theirs = context.Pipe(duplex=True)
+                pipes.append(ours)
+                try:
+                    process = context.Process(
+                        target=run_worker, name=f"gemmaserve-tp-rank{rank}", daemon=True,
+                        args=(rank, world_size, rendezvous_file, str(model_path), str(rank_device(device, rank)),
+                              dtype_name, torch.get_num_threads(), theirs),
+                    )
+                    process.start()
+                finally:
+                    theirs.close()
+                processes.append(process)
             workers._expect("started", START_TIMEOUT_S)
             workers.tp = init_tensor_parallel(0, world_size, rendezvous_file, rank_device(device, 0))
             workers.joined = True
-        except BaseException:
+        except BaseException:  # a failed spawn too: no started worker, pipe or rendezvous file is left
             workers.close()
             raise
         logger.info("custom_torch: tensor parallel over %d ranks (%s), worker pids %s", world_size,
@@ -270,7 +280,13 @@ def run_worker(rank: int, world_size: int, rendezvous_file: str, model_path: str
                num_threads: int, pipe: mp_connection.Connection) -> None:
     """A worker process's main (rank ``rank``): join the group, load the shard, then serve rank 0's messages
     until ``close`` or until rank 0's end of the pipe closes. Any exception is sent to rank 0, then the worker
-    exits with code 1."""
+    exits with code 1. SIGINT is ignored: a terminal's Ctrl-C reaches the whole process group, and rank 0 (which
+    drains its running requests first) decides when the worker exits."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_exit_with, args=(parent.sentinel,), name="gemmaserve-tp-parent-watch",
+                         daemon=True).start()
     from ..kv.pools import KVPools
     from ..mixed_step import MixedStep
     from ..models.gemma import GemmaForCausalLM
@@ -320,3 +336,10 @@ def run_worker(rank: int, world_size: int, rendezvous_file: str, model_path: str
         close_tensor_parallel()
     if code:
         raise SystemExit(code)
+
+
+def _exit_with(parent_sentinel: int) -> None:
+    """A worker's watchdog thread: exit the process at once when rank 0's process ends (no cleanup is owed to a
+    group whose rank 0 is gone; the OS releases the device memory)."""
+    mp_connection.wait([parent_sentinel])
+    os._exit(1)
