@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-__all__ = ["DeviceReport", "detect_devices", "device_unavailable_reason", "is_apple_silicon"]
+__all__ = ["DeviceReport", "cpu_has_native_bfloat16", "detect_devices", "device_unavailable_reason", "is_apple_silicon"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +46,18 @@ def detect_devices() -> DeviceReport:
             unavailable["mps"] = "not Apple silicon" if not is_apple_silicon() else "torch reports MPS unavailable"
     available.append("cpu")
     return DeviceReport(best=available[0], available=tuple(available), unavailable=unavailable)
+
+
+@lru_cache(maxsize=1)
+def cpu_has_native_bfloat16() -> bool:
+    """True when torch reports bfloat16 matmul instructions on this CPU (AVX512_BF16 or AMX tiles): where
+    ``DTYPE=auto`` loads bfloat16 weights on the CPU. False without torch or on a torch without the probes."""
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
 
 
 def device_unavailable_reason(device: str) -> str | None:

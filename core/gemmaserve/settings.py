@@ -46,7 +46,10 @@ class CoreSettings(BaseSettings):
         description="Path to a Hugging Face checkpoint directory. Unset: the embedded default model.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", validation_alias=env_alias("DTYPE"), description="Model dtype; auto = bfloat16 on GPUs, float32 on CPU."
+        "auto",
+        validation_alias=env_alias("DTYPE"),
+        description="Model dtype; auto = bfloat16 on GPUs and on CPUs with bfloat16 matmul instructions "
+        "(AVX512_BF16 or AMX), float32 on other CPUs.",
     )
     max_active_kv_tokens: int = Field(
         65536,

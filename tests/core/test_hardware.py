@@ -25,3 +25,9 @@ def test_unavailable_devices_say_why(cpu_only):
 
 def test_unknown_devices_name_what_is_accepted(cpu_only):
     assert device_unavailable_reason("tpu") == "unknown device 'tpu' (accepted: cpu, cuda, mps)"
+
+
+def test_native_bfloat16_follows_torchs_cpu_probes() -> None:
+    torch = pytest.importorskip("torch")
+    expected = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert hardware.cpu_has_native_bfloat16() is expected

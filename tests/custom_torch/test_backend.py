@@ -224,3 +224,14 @@ def test_bf16_greedy_through_paged_backend_equals_transformers_bf16(tiny_checkpo
     for prompt in ([2, 40, 41, 42], [(5 * i + 9) % 500 + 4 for i in range(29)]):
         assert_matches_hf_generate(hf, prompt, solo_greedy(backend, prompt, 12))
     assert_no_leaks(backend)
+
+
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_auto_dtype_is_bfloat16_except_on_cpus_without_bfloat16_instructions(
+    monkeypatch: pytest.MonkeyPatch, native_bf16: bool
+) -> None:
+    from gemmaserve_custom_torch.backend import auto_dtype
+
+    monkeypatch.setattr("gemmaserve_custom_torch.backend.cpu_has_native_bfloat16", lambda: native_bf16)
+    assert auto_dtype("cpu") == (torch.bfloat16 if native_bf16 else torch.float32)
+    assert auto_dtype("cuda") == torch.bfloat16 and auto_dtype("mps") == torch.bfloat16

@@ -31,10 +31,15 @@ def test_settings_max_model_len_caps_the_model_limit(llama_dir: Path) -> None:
     assert loaded.max_model_len == 40
 
 
-def test_auto_dtype_is_float32_off_cuda() -> None:
-    assert resolve_dtype("auto", "cpu") == torch.float32
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_auto_dtype_off_cuda_is_bfloat16_only_on_cpus_with_bfloat16_instructions(
+    monkeypatch: pytest.MonkeyPatch, native_bf16: bool
+) -> None:
+    monkeypatch.setattr("gemmaserve_hf_torch.loader.cpu_has_native_bfloat16", lambda: native_bf16)
+    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if native_bf16 else torch.float32)
     assert resolve_dtype("auto", "mps") == torch.float32
     assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
+    assert resolve_dtype("float32", "cpu") == torch.float32
 
 
 def test_bfloat16_model_runs_with_bfloat16_kv(llama_dir: Path) -> None:

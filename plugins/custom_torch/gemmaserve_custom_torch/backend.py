@@ -47,6 +47,7 @@ from gemmaserve.errors import (
     ModelLoadError,
     PromptTooLongError,
 )
+from gemmaserve.hardware import cpu_has_native_bfloat16
 from gemmaserve.sampling_params import RowSampling
 from gemmaserve.settings import CoreSettings
 
@@ -68,6 +69,14 @@ __all__ = ["CustomTorchBackend", "create_backend"]
 
 logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def auto_dtype(device: str) -> torch.dtype:
+    """``DTYPE=auto``: bfloat16 on GPUs and on CPUs with bfloat16 matmul instructions (AVX512_BF16 or AMX),
+    float32 on other CPUs."""
+    if device == "cpu" and not cpu_has_native_bfloat16():
+        return torch.float32
+    return torch.bfloat16
 
 
 def create_backend(model_path: str, device: str, settings: CoreSettings) -> CustomTorchBackend:
@@ -194,7 +203,7 @@ class CustomTorchBackend(InferenceBackend):
     ) -> CustomTorchBackend:
         """Load weights and tokenizer from a checkpoint folder. Raises ModelLoadError on a bad folder. With
         ``TENSOR_PARALLEL_SIZE`` N > 1, starts ranks 1..N-1 (:meth:`_from_checkpoint_parallel`)."""
-        dtype = _DTYPES.get(settings.dtype) or (torch.float32 if device == "cpu" else torch.bfloat16)
+        dtype = _DTYPES.get(settings.dtype) or auto_dtype(device)
         if settings.tensor_parallel_size > 1:
             return cls._from_checkpoint_parallel(model_path, device, dtype, settings, custom)
         try:

@@ -1,7 +1,8 @@
 """Loading a local Hugging Face causal LM onto a device, and calling its forward.
 
-- :func:`resolve_dtype`: ``DTYPE=auto`` is bfloat16 on CUDA (float16 on GPUs without bf16) and float32
-  on CPU and MPS. float16 is never chosen automatically: Gemma activations overflow it.
+- :func:`resolve_dtype`: ``DTYPE=auto`` is bfloat16 on CUDA (float16 on GPUs without bf16), bfloat16 on CPUs
+  with bfloat16 matmul instructions (AVX512_BF16 or AMX, :func:`~gemmaserve.hardware.cpu_has_native_bfloat16`),
+  float32 on other CPUs and on MPS. float16 is never chosen automatically: Gemma activations overflow it.
 - :func:`load_model`: validates the directory (config.json, weights, architecture, dtype) and loads
   model + tokenizer, raising :class:`~gemmaserve.errors.ModelLoadError` with what is wrong.
 - :class:`ModelForward`: the forward used by the backend, optionally through ``torch.compile``
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gemmaserve.errors import ConfigurationError, ModelLoadError
-from gemmaserve.hardware import device_unavailable_reason
+from gemmaserve.hardware import cpu_has_native_bfloat16, device_unavailable_reason
 from gemmaserve_hf_torch.probe import model_dir_problem
 from gemmaserve_hf_torch.tokenizer import HFTokenizer, load_tokenizer
 
@@ -44,6 +45,8 @@ def resolve_dtype(setting: str, device: str) -> torch.dtype:
         return _DTYPES[setting]
     if device == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device == "cpu" and cpu_has_native_bfloat16():
+        return torch.bfloat16
     return torch.float32
 
 

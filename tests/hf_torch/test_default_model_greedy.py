@@ -1,0 +1,58 @@
+"""``make run``'s CPU configuration on the default model (issue 16 item 7): ``BACKEND=auto`` / ``DTYPE=auto`` on the
+CPU pick the backend and dtype that ``benchmarks/cpu_default.py`` measured fastest (hf; bfloat16 where the CPU has
+bfloat16 matmul instructions, else float32), and the greedy text through the engine is transformers' own
+``generate`` in that dtype, token for token. Skips when the default model is not converted yet."""
+
+from __future__ import annotations
+
+import pytest
+
+from gemmaserve.hardware import cpu_has_native_bfloat16
+from gemmaserve.models import default_model as dm
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+needs_default_model = pytest.mark.skipif(not dm.is_default_model_ready(),
+                                         reason="the default model is not converted (run `make run` once)")
+
+PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+           "Question: What is 7 times 8?\nAnswer:")
+TOKENS = 64
+
+
+def _transformers_greedy(dtype: torch.dtype) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = str(dm.default_model_dir())
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).eval()
+    out: list[list[int]] = []
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            generated = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=TOKENS,
+                                       min_new_tokens=TOKENS, eos_token_id=None, pad_token_id=0)
+            out.append(generated[0, ids.shape[1]:].tolist())
+    return out
+
+
+@needs_default_model
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+def test_make_run_greedy_text_is_transformers_own_in_the_auto_dtype(dtype: str) -> None:
+    from gemmaserve import LLM
+    from gemmaserve.sampling_params import SamplingParams
+
+    llm = LLM(str(dm.default_model_dir()), backend="auto", device="cpu", dtype=dtype, max_batch_size=1)
+    try:
+        assert type(llm.engine.backend).__name__ == "HFTorchBackend"  # the faster CPU backend (docs/benchmarks.md)
+        resolved = llm.engine.backend.model_info.dtype
+        expected = "bfloat16" if dtype == "bfloat16" or cpu_has_native_bfloat16() else "float32"
+        assert resolved == expected
+        params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+        ours = [llm.generate([prompt], params)[0].token_ids for prompt in PROMPTS]
+    finally:
+        llm.close()
+    theirs = _transformers_greedy(getattr(torch, resolved))
+    for prompt, mine, reference in zip(PROMPTS, ours, theirs):
+        assert list(mine) == reference, f"{resolved} greedy tokens differ from transformers' for {prompt!r}"
