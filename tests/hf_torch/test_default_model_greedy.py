@@ -16,9 +16,8 @@ pytest.importorskip("transformers")
 needs_default_model = pytest.mark.skipif(not dm.is_default_model_ready(),
                                          reason="the default model is not converted (run `make run` once)")
 
-PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-           "Question: What is 7 times 8?\nAnswer:")
-TOKENS = 64
+PROMPTS = ("The capital of France is", "def fibonacci(n):")
+TOKENS = 32  # the 270M model's step costs ~0.1 s on a 2-core CI box, twice (ours and transformers')
 
 
 def _transformers_greedy(dtype: torch.dtype) -> list[list[int]]:
