@@ -50,8 +50,8 @@ class Shard:
     pad_to: int | None = None
 
 
-def check_shardable(config: GemmaTextConfig, world_size: int) -> None:
-    """Raise ConfigurationError naming every dimension of ``config`` that ``world_size`` ranks cannot split."""
+def _shard_problems(config: GemmaTextConfig, world_size: int) -> list[str]:
+    """Every dimension of ``config`` that ``world_size`` ranks cannot split (empty: shardable)."""
     problems: list[str] = []
     heads = config.num_attention_heads
     if heads % world_size:
@@ -65,10 +65,18 @@ def check_shardable(config: GemmaTextConfig, world_size: int) -> None:
             problems.append(f"MLP width {width} is not divisible by {world_size}")
     if config.moe_num_experts and config.moe_intermediate_size % world_size:
         problems.append(f"moe_intermediate_size={config.moe_intermediate_size} is not divisible by {world_size}")
+    return problems
+
+
+def check_shardable(config: GemmaTextConfig, world_size: int) -> None:
+    """Raise ConfigurationError naming every dimension of ``config`` that ``world_size`` ranks cannot split, and
+    the sizes up to 8 that can."""
+    problems = _shard_problems(config, world_size)
     if problems:
+        fitting = [size for size in range(1, 9) if not _shard_problems(config, size)]
         raise ConfigurationError(
             f"TENSOR_PARALLEL_SIZE={world_size} cannot shard this model: {'; '.join(problems)}; choose a size that "
-            "divides the attention heads and the MLP widths (e.g. 1 or 2)"
+            f"divides the attention heads and the MLP widths (this model: {', '.join(map(str, fitting))})"
         )
 
 
