@@ -198,7 +198,9 @@ class CustomTorchBackend(InferenceBackend):
         if settings.tensor_parallel_size > 1:
             return cls._from_checkpoint_parallel(model_path, device, dtype, settings, custom)
         try:
-            model = GemmaForCausalLM.from_hf(model_path, device=device, dtype=dtype)
+            model = GemmaForCausalLM.from_hf(model_path, device=device, dtype=dtype, quantization=settings.quantization)
+        except ConfigurationError:
+            raise
         except (OSError, ValueError, KeyError) as exc:
             raise ModelLoadError(f"cannot load {model_path} with the custom_torch backend: {exc}") from exc
         return cls(model, HFTokenizer.from_pretrained(model_path), settings, custom, name=Path(model_path).name)
@@ -217,11 +219,13 @@ class CustomTorchBackend(InferenceBackend):
         except (OSError, ValueError, KeyError) as exc:
             raise ModelLoadError(f"cannot load {model_path} with the custom_torch backend: {exc}") from exc
         check_shardable(config, size)
-        workers = TensorParallelWorkers.start(str(model_path), device, dtype, size)
+        workers = TensorParallelWorkers.start(str(model_path), device, dtype, size, settings.quantization)
         try:
             try:
                 model = GemmaForCausalLM.from_hf(model_path, device=rank_device(device, 0), dtype=dtype,
-                                                 tp=workers.tp)
+                                                 tp=workers.tp, quantization=settings.quantization)
+            except ConfigurationError:
+                raise
             except (OSError, ValueError, KeyError) as exc:
                 raise ModelLoadError(f"cannot load {model_path} with the custom_torch backend: {exc}") from exc
             workers.wait_loaded()
