@@ -16,8 +16,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from gemmaserve.errors import ConfigurationError
-
 from .gemma import GemmaForCausalLM
 from .quantization import Fp8Linear
 
@@ -99,17 +97,12 @@ def fuse_elementwise(model: GemmaForCausalLM) -> int:
 def fuse_moe(model: torch.nn.Module) -> int:
     """Run every MoE expert block of ``model`` through ``kernels.moe.fused_experts`` (grouped GEMMs, no host
     sync, so MoE layers can be captured in CUDA graphs) on CUDA inputs; returns how many blocks were switched.
-    Mutates ``model``; idempotent. Needs triton (the caller checks). Raises ConfigurationError for FP8 experts
-    (``quantize_fp8``), which the kernel does not read."""
+    Mutates ``model``; idempotent. Needs triton (the caller checks). FP8 experts (``quantize_fp8``) run through
+    the kernel's FP8 variant."""
     from ..kernels.moe import fused_experts
     from .layers import MoEExperts
 
     blocks = [m for m in model.modules() if isinstance(m, MoEExperts)]
-    if any(block.gate_up_proj_scale is not None for block in blocks):
-        raise ConfigurationError(
-            "QUANTIZATION=fp8 with MoE experts on CUDA: the fused MoE kernel (kernels/moe.py) reads model-dtype expert "
-            "weights only. Set CUSTOM_BACKEND_FUSE=off to run the FP8 experts in the eager expert loop (no CUDA "
-            "graphs for MoE models then), or serve the MoE model in bf16")
     for block in blocks:
         block.fused = fused_experts
     return len(blocks)

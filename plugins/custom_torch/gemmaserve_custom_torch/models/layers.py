@@ -197,7 +197,8 @@ class MoEExperts(nn.Module):
 
     After ``quantization.quantize_fp8`` both weights are float8_e4m3fn with fp32 per-output-channel scales
     ``gate_up_proj_scale`` [E, 2I] and ``down_proj_scale`` [E, H] (None otherwise); the eager loop then runs each
-    expert through the FP8 matmul (``quantization.linear``); the fused kernel reads model-dtype weights only.
+    expert through the FP8 matmul (``quantization.linear``) and the fused kernel reads the FP8 weights with
+    their scales (the same arithmetic up to summation order).
     """
 
     def __init__(
@@ -211,13 +212,14 @@ class MoEExperts(nn.Module):
         self.register_buffer("down_proj_scale", None)
         self.gate_up_proj_scale: Tensor | None
         self.down_proj_scale: Tensor | None
-        # fused(x, weights, ids, gate_up_proj, down_proj) -> [T, H]: the same contract with no host sync;
-        # None = the eager loop below (bitwise transformers' eager experts).
-        self.fused: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
+        # fused(x, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale) -> [T, H]: the same contract
+        # with no host sync; None = the eager loop below (bitwise transformers' eager experts).
+        self.fused: Callable[..., Tensor] | None = None
 
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         if self.fused is not None and (x.is_cuda or (_TRITON_INTERPRET and x.device.type == "cpu")):
-            return self.fused(x, weights, ids, self.gate_up_proj, self.down_proj)
+            return self.fused(x, weights, ids, self.gate_up_proj, self.down_proj, self.gate_up_proj_scale,
+                              self.down_proj_scale)
         out = torch.zeros_like(x)
         # hits[e, j, t]: token t picked expert e in its j-th top-k slot
         hits = F.one_hot(ids, num_classes=self.num_experts).permute(2, 1, 0)

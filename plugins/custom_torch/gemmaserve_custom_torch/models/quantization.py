@@ -139,9 +139,6 @@ def quantize_fp8(model: nn.Module) -> int:
         count += 1
     for block in model.modules():
         if isinstance(block, MoEExperts) and block.gate_up_proj_scale is None:
-            if block.fused is not None:
-                raise ConfigurationError("quantize_fp8 after fusion.fuse_moe: the fused MoE kernel reads "
-                                         "model-dtype experts only; quantize first")
             for attr in ("gate_up_proj", "down_proj"):
                 q, scale = quantize_weight(getattr(block, attr).detach())
                 setattr(block, attr, nn.Parameter(q, requires_grad=False))
