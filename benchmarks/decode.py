@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.quantization == "fp8":
         from gemmaserve_custom_torch.models.quantization import check_fp8_device, quantize_fp8
 
-        check_fp8_device(device)
+        check_fp8_device(device, dtype)
         quantize_fp8(model)  # new FP8 tensors: hf_model keeps its own
     results["meta"]["quantization"] = args.quantization
     roof = dm.roofline(model)

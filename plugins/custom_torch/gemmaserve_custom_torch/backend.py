@@ -58,6 +58,7 @@ from .models.fusion import fuse_elementwise, fuse_moe, fuse_norms, fuse_projecti
 from .mixed_step import MixedStep
 from .models.config import GemmaTextConfig
 from .models.gemma import GemmaForCausalLM
+from .models.quantization import uses_fp8
 from .runner import PagedRunner
 from .sampling import DeviceTokens, sample_on_device, sample_tokens
 from .settings import CustomTorchSettings, load_custom_settings, resolve_attention, resolve_fast_paths
@@ -179,7 +180,7 @@ class CustomTorchBackend(InferenceBackend):
         logger.info(
             "custom_torch: %s on %s (%s)%s, block size %d, pools %s (%.1f MiB), decode %s attention (%s), ticks %s "
             "(%s), fast prefill %s, fused %s",
-            name, self.device, self.model_info.dtype,
+            name, self.device, self.model_info.dtype + (", FP8 weights" if uses_fp8(model) else ""),
             "" if workers is None else f", tensor parallel over {workers.tp.world_size} ranks (sizes per rank)",
             self.block_size, num_blocks, self.pools.nbytes / 2**20,
             self.attention, "one-forward ticks" if workers is not None else "gather path" if self.decoder is None else (

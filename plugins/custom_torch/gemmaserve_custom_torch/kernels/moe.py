@@ -227,8 +227,8 @@ def _gate_up_geglu_kernel(x_ptr, w_ptr, w_scale_ptr, pair_of_row_ptr, expert_of_
 
 @triton.jit
 def _down_weighted_kernel(h_ptr, w_ptr, w_scale_ptr, pair_of_row_ptr, expert_of_block_ptr, rows_of_block_ptr,
-                          routing_ptr, out_ptr, hidden, width, num_experts, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
+                          routing_ptr, out_ptr, hidden, width, num_experts, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
     block = tl.program_id(0)
     expert = tl.load(expert_of_block_ptr + block)
     if expert >= num_experts:

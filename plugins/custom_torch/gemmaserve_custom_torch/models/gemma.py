@@ -37,6 +37,7 @@ from .layers import (
 from .quantization import (
     FP8_DTYPE,
     check_fp8_device,
+    check_fp8_shapes,
     is_fp8,
     linear,
     prepare_fp8,
@@ -379,8 +380,7 @@ class GemmaForCausalLM(nn.Module):
             raise ConfigurationError(f"quantization={quantization!r} is not supported by the custom_torch model; "
                                      "fp8 is")
         scheme = read_checkpoint_scheme(folder)
-        if scheme is not None or quantization == "fp8":
-            check_fp8_device(device)
+        fp8 = scheme is not None or quantization == "fp8"
         files = _weight_files(folder)
         key_to_file = _key_index(folder, files)
         prefix = _text_prefix(config, key_to_file)
@@ -389,6 +389,8 @@ class GemmaForCausalLM(nn.Module):
             with safe_open(key_to_file[embed_key], framework="pt") as f:
                 dtype = f.get_slice(embed_key).get_dtype()
                 dtype = _SAFETENSORS_DTYPES.get(dtype, torch.float32)
+        if fp8:
+            check_fp8_device(device, dtype)
 
         model = cls(config, device="meta", dtype=dtype, tp=tp)
         if scheme is not None:
@@ -434,6 +436,8 @@ class GemmaForCausalLM(nn.Module):
         model.requires_grad_(False)
         if scheme is None and quantization == "fp8":
             quantize_fp8(model)
+        if fp8 and torch.device(device).type == "cuda":
+            check_fp8_shapes(model)
         return model.eval()
 
 

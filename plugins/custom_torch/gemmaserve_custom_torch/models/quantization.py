@@ -35,8 +35,9 @@ from torch import Tensor, nn
 from gemmaserve.errors import ConfigurationError
 
 __all__ = [
-    "FP8_DTYPE", "FP8_MAX", "Fp8Linear", "Fp8Scheme", "check_fp8_device", "dequantize", "is_fp8", "linear",
-    "prepare_fp8", "quantize_fp8", "quantize_per_token", "quantize_weight", "read_checkpoint_scheme",
+    "FP8_DTYPE", "FP8_MAX", "Fp8Linear", "Fp8Scheme", "check_fp8_device", "check_fp8_shapes", "dequantize", "is_fp8",
+    "linear", "parse_scheme", "prepare_fp8", "quantize_fp8", "quantize_per_token", "quantize_weight",
+    "read_checkpoint_scheme", "uses_fp8",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -77,6 +78,8 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
     if scale is None:
         return F.linear(x, weight)
     lead = x.shape[:-1]
+    if x.numel() == 0:  # a shape test, no sync; cuBLAS FP8 kernels are not asked for empty products
+        return x.new_empty(*lead, weight.shape[0])
     xq, x_scale = quantize_per_token(x.reshape(-1, x.shape[-1]))
     out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)
     return out.view(*lead, weight.shape[0])
@@ -147,9 +150,15 @@ def quantize_fp8(model: nn.Module) -> int:
     return count
 
 
-def check_fp8_device(device: torch.device | str) -> None:
-    """Raise ConfigurationError unless ``device`` runs FP8 matmuls: the CPU (slow: tests), or a CUDA GPU of compute
-    capability 8.9 or newer (Ada, Hopper, Blackwell)."""
+def uses_fp8(model: nn.Module) -> bool:
+    """True when ``model`` holds FP8 weights (an :class:`Fp8Linear` or quantized experts)."""
+    return any(isinstance(p, Tensor) and p.dtype == FP8_DTYPE for p in model.parameters())
+
+
+def check_fp8_device(device: torch.device | str, dtype: torch.dtype) -> None:
+    """Raise ConfigurationError unless ``device`` runs FP8 matmuls with ``dtype`` outputs: the CPU (slow: tests), or
+    a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); there ``torch._scaled_mm`` with
+    row-wise scales writes fp32 on compute capability 9.0 only, so other GPUs need DTYPE bfloat16 or float16."""
     device = torch.device(device)
     if device.type == "cpu":
         return
@@ -157,11 +166,25 @@ def check_fp8_device(device: torch.device | str) -> None:
         raise ConfigurationError(f"QUANTIZATION=fp8 runs on CUDA GPUs of compute capability >= 8.9 or on the CPU, "
                                  f"not on {device.type}; unset QUANTIZATION")
     major, minor = torch.cuda.get_device_capability(device)
+    name = f"{torch.cuda.get_device_name(device)} ({device})"
     if (major, minor) < (8, 9):
         raise ConfigurationError(
             f"QUANTIZATION=fp8 (or an FP8 checkpoint) needs FP8 matmuls: compute capability >= 8.9 (Ada, Hopper, "
-            f"Blackwell); {torch.cuda.get_device_name(device)} ({device}) has {major}.{minor}. Unset QUANTIZATION "
-            "and load a bf16 checkpoint")
+            f"Blackwell); {name} has {major}.{minor}. Unset QUANTIZATION and load a bf16 checkpoint")
+    if dtype == torch.float32 and (major, minor) != (9, 0):
+        raise ConfigurationError(f"QUANTIZATION=fp8 with DTYPE=float32 on {name} (compute capability {major}.{minor}): "
+                                 "its row-wise FP8 matmuls write bfloat16 or float16 only; set DTYPE=bfloat16")
+
+
+def check_fp8_shapes(model: nn.Module) -> None:
+    """Raise ConfigurationError naming the FP8 projections whose in or out features are not multiples of 16, which
+    ``torch._scaled_mm`` needs on CUDA (every Gemma checkpoint's are; tiny test shapes need not be, on the CPU)."""
+    odd = [f"{name} [{m.out_features}, {m.in_features}]" for name, m in model.named_modules()
+           if isinstance(m, Fp8Linear) and (m.in_features % 16 or m.out_features % 16)]
+    if odd:
+        raise ConfigurationError(f"FP8 matmuls on CUDA need dimensions that are multiples of 16; {', '.join(odd[:4])}"
+                                 f"{' ...' if len(odd) > 4 else ''} are not (under tensor parallel: per rank). Unset "
+                                 "QUANTIZATION or change TENSOR_PARALLEL_SIZE")
 
 
 # ---- pre-quantized checkpoints (compressed-tensors) -------------------------------------------------------------
@@ -170,11 +193,11 @@ def check_fp8_device(device: torch.device | str) -> None:
 @dataclass(frozen=True, slots=True)
 class Fp8Scheme:
     """What a compressed-tensors FP8 checkpoint quantizes: modules matched by ``targets`` and by no ``ignore``
-    entry (class names such as "Linear", exact or dotted-suffix module names, or ``re:`` regexes)."""
+    entry (class names such as "Linear", exact or dotted-suffix module names, or ``re:`` regexes). Channel and
+    tensor scales need no flag: the loader tells them apart by the ``weight_scale`` shape."""
 
     targets: tuple[str, ...]
     ignore: tuple[str, ...]
-    strategy: str  # "channel" or "tensor"
 
     def quantizes(self, module_name: str, class_name: str = "Linear") -> bool:
         """True when the checkpoint's module ``module_name`` (its full checkpoint name) holds FP8 weights."""
@@ -213,7 +236,6 @@ def parse_scheme(raw: dict[str, Any], where: str = "the checkpoint") -> Fp8Schem
     if not groups:
         raise refuse("without config_groups")
     targets: list[str] = []
-    strategies: set[str] = set()
     for name, group in groups.items():
         for fmt in (raw.get("format"), group.get("format")):
             if fmt not in ("float-quantized", None):
@@ -238,11 +260,9 @@ def parse_scheme(raw: dict[str, Any], where: str = "the checkpoint") -> Fp8Schem
         if group.get("output_activations"):
             raise refuse(f"output activations (group {name})")
         targets += list(group.get("targets") or [])
-        strategies.add(strategy)
     if raw.get("kv_cache_scheme"):
         raise refuse("kv_cache_scheme (FP8 KV caches)")
-    return Fp8Scheme(tuple(targets), tuple(raw.get("ignore") or ()), "tensor" if strategies == {"tensor"} else
-                     "channel")
+    return Fp8Scheme(tuple(targets), tuple(raw.get("ignore") or ()))
 
 
 def prepare_fp8(model: nn.Module, scheme: Fp8Scheme, checkpoint_prefix: str) -> list[str]:
