@@ -499,3 +499,13 @@ def test_cuda_shape_rule_names_the_projections(checkpoint) -> None:
     model = GemmaForCausalLM.from_hf(checkpoint("moe"), dtype=torch.float32, quantization="fp8")
     with pytest.raises(ConfigurationError, match=r"multiples of 16; layers\.0\.self_attn\.q_proj \[64, 40\]"):
         check_fp8_shapes(model)
+
+
+def test_quantizing_after_fusion_is_refused(checkpoint) -> None:
+    from gemmaserve_custom_torch.models.fusion import fuse_projections
+    from gemmaserve_custom_torch.models.quantization import quantize_fp8
+
+    model = GemmaForCausalLM.from_hf(checkpoint("gemma3"), dtype=torch.float32)
+    fuse_projections(model)
+    with pytest.raises(ValueError, match="quantize first, then fuse"):
+        quantize_fp8(model)

@@ -133,9 +133,14 @@ def quantize_fp8(model: nn.Module) -> int:
     """Online FP8 (``QUANTIZATION=fp8``) of a loaded model, in place: each decoder projection becomes an
     :class:`Fp8Linear` (per-output-channel scales), each ``MoEExperts`` block gets FP8 ``gate_up_proj`` /
     ``down_proj`` with fp32 ``gate_up_proj_scale`` [E, 2I] / ``down_proj_scale`` [E, H]. Must run before
-    ``fusion.fuse_projections``. Returns the number of weights quantized (0 if already quantized)."""
+    ``fusion.fuse_projections`` (ValueError after it). Returns the number of weights quantized (0 if already
+    quantized)."""
     from .layers import MoEExperts
 
+    if any(getattr(m, "fused_qkv", None) is not None or getattr(m, "fused_gate_up", None) is not None
+           for m in model.modules()):
+        raise ValueError("quantize_fp8 after fusion.fuse_projections would leave the fused weights in the model "
+                         "dtype; quantize first, then fuse")
     count = 0
     for name, module in _projections(model):
         _replace(model, name, Fp8Linear.from_linear(module))
