@@ -509,3 +509,18 @@ def test_quantizing_after_fusion_is_refused(checkpoint) -> None:
     fuse_projections(model)
     with pytest.raises(ValueError, match="quantize first, then fuse"):
         quantize_fp8(model)
+
+
+def test_scheme_targets_and_ignore_match_class_names_suffixes_and_regexes() -> None:
+    raw = _scheme(ignore=["lm_head", "re:.*router.*", "re:.*layers\\.1\\.mlp.*"])
+    raw["config_groups"]["group_0"]["targets"] = ["re:.*(q|k|v|o)_proj$", "re:.*mlp\\..*_proj$", "per_layer_projection"]
+    scheme = parse_scheme(raw)
+    name = "model.language_model.layers.{}.{}"
+    assert scheme.quantizes(name.format(0, "self_attn.q_proj"))
+    assert scheme.quantizes(name.format(0, "mlp.down_proj"))
+    assert scheme.quantizes(name.format(3, "per_layer_projection"))  # a dotted-suffix module name
+    assert not scheme.quantizes(name.format(1, "mlp.gate_proj"))  # ignored by regex
+    assert not scheme.quantizes(name.format(0, "router.proj"))
+    assert not scheme.quantizes(name.format(0, "per_layer_input_gate"))  # not targeted
+    assert parse_scheme(_scheme()).quantizes("model.layers.0.router.proj") is False  # "Linear" minus the ignore list
+    assert parse_scheme(_scheme()).quantizes("model.layers.0.mlp.up_proj")

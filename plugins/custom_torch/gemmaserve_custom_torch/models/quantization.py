@@ -148,7 +148,11 @@ def quantize_fp8(model: nn.Module) -> int:
     for block in model.modules():
         if isinstance(block, MoEExperts) and block.gate_up_proj_scale is None:
             for attr in ("gate_up_proj", "down_proj"):
-                q, scale = quantize_weight(getattr(block, attr).detach())
+                weight = getattr(block, attr).detach()
+                q = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+                scale = torch.empty(weight.shape[:-1], dtype=torch.float32, device=weight.device)
+                for expert in range(weight.shape[0]):  # one expert's fp32 temporaries at a time
+                    q[expert], scale[expert] = quantize_weight(weight[expert])
                 setattr(block, attr, nn.Parameter(q, requires_grad=False))
                 setattr(block, attr + "_scale", scale)
                 count += 1
@@ -157,7 +161,7 @@ def quantize_fp8(model: nn.Module) -> int:
 
 def uses_fp8(model: nn.Module) -> bool:
     """True when ``model`` holds FP8 weights (an :class:`Fp8Linear` or quantized experts)."""
-    return any(isinstance(p, Tensor) and p.dtype == FP8_DTYPE for p in model.parameters())
+    return any(p.dtype == FP8_DTYPE for p in model.parameters())
 
 
 def check_fp8_device(device: torch.device | str, dtype: torch.dtype) -> None:
