@@ -13,6 +13,7 @@ model over the same tensors, then drives requests through the real Engine/schedu
 
 Usage (repo root):  python benchmarks/decode.py --json out.json       (H200: about 3 minutes)
                     python benchmarks/decode.py --quick --json q.json (tiny shapes, CPU, seconds; CI smoke)
+                    python benchmarks/decode.py --quantization fp8 ...  (FP8 weights, compute capability >= 8.9)
 CUSTOM_BACKEND_* env vars apply to the main custom backend (e.g. CUSTOM_BACKEND_CUDA_GRAPH=0).
 """
 
@@ -69,6 +70,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    "decode rows with one chunk of 0-512 tokens (workload C's mixed tick); '' = neither")
     p.add_argument("--skip-prefill-profile", action="store_true", help="skip the prefill-path profile section")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantization", choices=["fp8"], default=None, help="fp8: the custom model's projections and "
+                   "experts quantized to FP8 at load (QUANTIZATION=fp8); the hf comparison stays in the model dtype")
     args = p.parse_args(argv)
     if args.quick:
         args.sizes, args.hf_sizes, args.prompt_len, args.output_len, args.hf_output_len = "1,2", "1,2", 24, 6, 4
@@ -179,6 +182,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         base = {**base, "max_position_embeddings": longest}
     hf_model = dm.build_hf_model(base, device, dtype, args.seed)
     model = dm.custom_from_hf(hf_model)
+    if args.quantization == "fp8":
+        from gemmaserve_custom_torch.models.quantization import check_fp8_device, quantize_fp8
+
+        check_fp8_device(device, dtype)
+        quantize_fp8(model)  # new FP8 tensors: hf_model keeps its own
+    results["meta"]["quantization"] = args.quantization
     roof = dm.roofline(model)
     bandwidth = dm.copy_bandwidth(device, (1 << 30) if device == "cuda" else (1 << 24))
     results["meta"].update(build_s=round(time.perf_counter() - t0, 1), copy_bandwidth_tbps=round(bandwidth / 1e12, 3),

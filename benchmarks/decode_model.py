@@ -110,8 +110,8 @@ class Roofline:
 def roofline(model: Any) -> Roofline:
     config = model.config
     item = next(model.parameters()).element_size()
-    weights = sum(p.numel() for name, p in model.named_parameters()
-                  if p.dim() == 2 and not name.startswith("embed_tokens_per_layer")) * item
+    weights = sum(p.numel() * p.element_size() for name, p in model.named_parameters()  # FP8 weights: 1 byte
+                  if p.dim() == 2 and not name.startswith("embed_tokens_per_layer"))
     row = (config.hidden_size + config.num_hidden_layers * config.ple_dim) * item + config.vocab_size * item
     kv = {SLIDING: 0, FULL: 0}
     for i in range(config.num_hidden_layers):

@@ -318,7 +318,6 @@ VLLM_OPTIONS_NOT_IMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "pipeline_parallel_size": ((1,), "one process drives one device"),
     "data_parallel_size": ((1,), "run one LLM per device"),
     "distributed_executor_backend": ((None,), "one process drives one device"),
-    "quantization": ((None,), "weights load in `dtype`"),
     "kv_cache_dtype": (("auto",), "the KV cache is kept in the model dtype"),
     "tokenizer": ((None,), "the tokenizer is the checkpoint's own (point `model` at a folder holding both)"),
     "tokenizer_mode": (("auto",), "the checkpoint's fast tokenizer is used"),

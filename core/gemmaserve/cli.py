@@ -52,6 +52,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     _env_flag(group, "--max-num-batched-tokens", "token budget of one scheduler tick, decode rows first", type=int)
     _env_flag(group, "--tensor-parallel-size", "split the model over N devices with the custom backends: this "
               "process and N minus 1 workers over torch.distributed (docs/scaling.md)", type=int, metavar="N")
+    _env_flag(group, "--quantization", "fp8: FP8 weights quantized at load (custom backends; compressed-tensors FP8 "
+              "checkpoints load as FP8 without it)")
     _env_flag(group, "--log-level", "debug, info, warning or error")
 
 
@@ -78,6 +80,7 @@ def settings_from_args(args: argparse.Namespace) -> CoreSettings:
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         tensor_parallel_size=args.tensor_parallel_size,
+        quantization=args.quantization,
         log_level=args.log_level,
     )
 
@@ -239,8 +242,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model=args.model, backend=args.backend, device=args.device, dtype=args.dtype,
         max_batch_size=args.max_batch_size, max_active_kv_tokens=args.max_active_kv_tokens,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-        tensor_parallel_size=args.tensor_parallel_size, log_level=args.log_level, host=args.host, port=args.port,
-        api_key=args.api_key,
+        tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization, log_level=args.log_level,
+        host=args.host, port=args.port, api_key=args.api_key,
         allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
         enable_debug_endpoints=args.enable_debug_endpoints, timeout_keep_alive=args.timeout_keep_alive,
         client_header_timeout=args.client_header_timeout, client_body_timeout=args.client_body_timeout,

@@ -40,6 +40,8 @@ class BackendSpec:
       default model is prepared for them.
     - ``tensor_parallel``: the factory honours ``TENSOR_PARALLEL_SIZE`` > 1; for any other backend
       ``build_engine`` refuses it.
+    - ``quantization``: the ``QUANTIZATION`` values the factory honours (e.g. ``("fp8",)``); ``build_engine``
+      refuses any other.
     """
 
     name: str
@@ -52,6 +54,7 @@ class BackendSpec:
     plugin: str = ""
     requires_model: bool = True
     tensor_parallel: bool = False
+    quantization: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for key in (self.name, *self.aliases):

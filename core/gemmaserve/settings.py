@@ -51,6 +51,13 @@ class CoreSettings(BaseSettings):
         description="Model dtype; auto = bfloat16 on GPUs and on CPUs with bfloat16 matmul instructions "
         "(AVX512_BF16 or AMX), float32 on other CPUs.",
     )
+    quantization: Literal["fp8"] | None = Field(
+        None, validation_alias=env_alias("QUANTIZATION"),
+        description="Weight quantization (vLLM's --quantization): fp8 = float8_e4m3fn weights with per-output-channel "
+        "scales and dynamic per-token FP8 activations, quantized at load from a bf16/fp32 checkpoint (custom-cpu, "
+        "custom-cuda on compute capability >= 8.9; docs/architecture.md#fp8-weights). Unset: weights load in DTYPE, "
+        "except a compressed-tensors FP8 checkpoint, whose FP8 weights load as they are.",
+    )
     max_active_kv_tokens: int = Field(
         65536,
         ge=1,
@@ -215,6 +222,15 @@ class CoreSettings(BaseSettings):
     @classmethod
     def _lower(cls, value: Any) -> Any:
         return value.strip().lower() if isinstance(value, str) else value
+
+    @field_validator("quantization", mode="before")
+    @classmethod
+    def _no_quantization(cls, value: Any) -> Any:
+        """"" and "none" (any case) mean unset, as vLLM's --quantization default."""
+        if isinstance(value, str):
+            value = value.strip().lower()
+            return None if value in ("", "none") else value
+        return value
 
     @model_validator(mode="after")
     def _budget_holds_the_batch(self) -> CoreSettings:

@@ -322,14 +322,15 @@ def test_a_moe_model_on_the_fused_experts_keeps_its_tokens(tiny_moe_dir, hf_refe
     assert out[0, prompt.shape[1]:].tolist() == result["tokens"][1]
 
 
-def _hopper_kernels(dtype: str, blocks: tuple[int, int, int]) -> list[tuple[object, dict, dict]]:
+def _hopper_kernels(dtype: str, blocks: tuple[int, int, int], fp8: bool = False) -> list[tuple[object, dict, dict]]:
     """(kernel, signature, constexprs) of the four launches of ``fused_experts`` (26B-A4B's E 128, k 8) for one
-    dtype / block shape."""
+    dtype / block shape; ``fp8``: float8_e4m3fn expert weights with fp32 scales."""
     from gemmaserve_custom_torch.kernels import moe
 
     block_m, block_n, block_k = blocks
     tiles = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
-             "PRECISION": "ieee" if dtype == "fp32" else "tf32"}
+             "PRECISION": "ieee" if dtype == "fp32" else "tf32", "FP8": fp8}
+    weight = {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32"} if fp8 else {"w_ptr": f"*{dtype}", "w_scale_ptr": f"*{dtype}"}
     gemm = {"pair_of_row_ptr": "*i32", "expert_of_block_ptr": "*i32", "rows_of_block_ptr": "*i32"}
     sizes = {"hidden": "i32", "width": "i32", "num_experts": "i32"}
     constexpr = dict.fromkeys(tiles, "constexpr")
@@ -339,10 +340,10 @@ def _hopper_kernels(dtype: str, blocks: tuple[int, int, int]) -> list[tuple[obje
           "BLOCK_M": "constexpr", "EXPERTS": "constexpr", "CHUNK": "constexpr"},
          {"BLOCK_M": block_m, "EXPERTS": 128, "CHUNK": 32}),
         (moe._gate_up_geglu_kernel,
-         {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", **gemm, "out_ptr": f"*{dtype}", "stride_x": "i32", **sizes,
+         {"x_ptr": f"*{dtype}", **weight, **gemm, "out_ptr": f"*{dtype}", "stride_x": "i32", **sizes,
           "TOP_K": "constexpr", **constexpr}, {"TOP_K": 8, **tiles}),
         (moe._down_weighted_kernel,
-         {"h_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", **gemm, "routing_ptr": "*fp32", "out_ptr": f"*{dtype}",
+         {"h_ptr": f"*{dtype}", **weight, **gemm, "routing_ptr": "*fp32", "out_ptr": f"*{dtype}",
           **sizes, **constexpr}, tiles),
         (moe._sum_slots_kernel,
          {"pair_out_ptr": f"*{dtype}", "ids_ptr": "*i64", "out_ptr": f"*{dtype}", "hidden": "i32",
@@ -352,7 +353,8 @@ def _hopper_kernels(dtype: str, blocks: tuple[int, int, int]) -> list[tuple[obje
 
 def test_the_kernels_compile_for_hopper_without_a_gpu():
     """The real compiler path (Triton -> PTX -> cubin for sm_90, with Triton's bundled ptxas), which the
-    interpreter never takes: bf16 at the decode (16) and prefill (32, 64) row blocks, fp32 with IEEE dots.
+    interpreter never takes: bf16 at the decode (16) and prefill (32, 64) row blocks, fp32 with IEEE dots, and
+    the FP8-weight variants (float8_e4m3fn weights, per-row FP8 inputs).
     Pointers and sizes carry the 16-divisibility the launcher sees at 26B-A4B shapes (H 2816, I 704); with it
     the bf16 GEMMs' K loops are software-pipelined (cp.async) into tensor-core dots."""
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -365,9 +367,11 @@ def test_the_kernels_compile_for_hopper_without_a_gpu():
     from triton.compiler import ASTSource
 
     target = GPUTarget("cuda", 90, 32)
-    builds = [("bf16", (16, 32, 64)), ("bf16", (32, 64, 64)), ("bf16", (64, 64, 64)), ("fp32", (16, 32, 64))]
-    for dtype, blocks in builds:
-        for kernel, signature, constexprs in _hopper_kernels(dtype, blocks):
+    builds = [("bf16", (16, 32, 64), False), ("bf16", (32, 64, 64), False), ("bf16", (64, 64, 64), False),
+              ("fp32", (16, 32, 64), False), ("bf16", (16, 32, 64), True), ("bf16", (64, 64, 64), True),
+              ("fp32", (16, 32, 64), True)]
+    for dtype, blocks, fp8 in builds:
+        for kernel, signature, constexprs in _hopper_kernels(dtype, blocks, fp8):
             aligned = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(signature.items())
                        if kind != "constexpr" and name != "num_experts"}
             compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs,

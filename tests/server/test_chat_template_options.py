@@ -230,7 +230,7 @@ def test_llm_refuses_an_unknown_option_naming_close_matches() -> None:
 
 
 @pytest.mark.parametrize(("option", "value"), [
-    ("pipeline_parallel_size", 4), ("quantization", "awq"),
+    ("pipeline_parallel_size", 4),
     ("gpu_memory_utilization", 0.9), ("enable_prefix_caching", False), ("trust_remote_code", True),
 ])
 def test_llm_refuses_vllm_options_it_does_not_implement(option: str, value: Any) -> None:
@@ -244,5 +244,5 @@ def test_llm_accepts_vllm_options_at_the_value_that_changes_nothing() -> None:
     from gemmaserve import LLM
 
     with LLM(settings=reference_settings(), engine=reference_engine(), pipeline_parallel_size=1,
-             enable_prefix_caching=True, quantization=None) as llm:
+             enable_prefix_caching=True) as llm:
         assert llm.generate("abc")[0].finish_reason in ("stop", "length")

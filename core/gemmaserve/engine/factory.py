@@ -35,7 +35,8 @@ def build_engine(settings: CoreSettings | None = None, registry: BackendRegistry
     (``gemmaserve.kv.events``) by ``engine.kv_events``, which the engine closes at shutdown.
 
     Raises ConfigurationError / BackendUnavailableError from selection, ConfigurationError for
-    ``TENSOR_PARALLEL_SIZE`` > 1 on a backend without tensor parallel, BackendUnavailableError if
+    ``TENSOR_PARALLEL_SIZE`` > 1 on a backend without tensor parallel or a ``QUANTIZATION`` the backend does
+    not declare, BackendUnavailableError if
     the backend's factory cannot be imported, whatever the factory raises (ModelLoadError...), and
     ConfigurationError (the backend closed again) if KV events are enabled for a backend without a prefix cache
     or their sockets cannot be opened.
@@ -48,6 +49,13 @@ def build_engine(settings: CoreSettings | None = None, registry: BackendRegistry
             f"TENSOR_PARALLEL_SIZE={settings.tensor_parallel_size}: backend {spec.name!r} does not support tensor "
             "parallel; set TENSOR_PARALLEL_SIZE=1, or use custom-cpu / custom-cuda (BACKEND), which split the model "
             "over torch.distributed ranks"
+        )
+    if settings.quantization is not None and settings.quantization not in spec.quantization:
+        raise ConfigurationError(
+            f"QUANTIZATION={settings.quantization}: backend {spec.name!r} does not support it"
+            + (f" (it supports {', '.join(spec.quantization)})" if spec.quantization else "")
+            + "; unset QUANTIZATION, or use custom-cuda (compute capability >= 8.9) / custom-cpu (BACKEND), which "
+            "run FP8 weights"
         )
     model_path = settings.model
     if model_path is None and spec.requires_model:

@@ -59,6 +59,7 @@ from .models.fusion import fuse_elementwise, fuse_moe, fuse_norms, fuse_projecti
 from .mixed_step import MixedStep
 from .models.config import GemmaTextConfig
 from .models.gemma import GemmaForCausalLM
+from .models.quantization import uses_fp8
 from .runner import PagedRunner
 from .sampling import DeviceTokens, sample_on_device, sample_tokens
 from .settings import CustomTorchSettings, load_custom_settings, resolve_attention, resolve_fast_paths
@@ -188,7 +189,7 @@ class CustomTorchBackend(InferenceBackend):
         logger.info(
             "custom_torch: %s on %s (%s)%s, block size %d, pools %s (%.1f MiB), decode %s attention (%s), ticks %s "
             "(%s), fast prefill %s, fused %s",
-            name, self.device, self.model_info.dtype,
+            name, self.device, self.model_info.dtype + (", FP8 weights" if uses_fp8(model) else ""),
             "" if workers is None else f", tensor parallel over {workers.tp.world_size} ranks (sizes per rank)",
             self.block_size, num_blocks, self.pools.nbytes / 2**20,
             self.attention, "one-forward ticks" if workers is not None else "gather path" if self.decoder is None else (
@@ -207,7 +208,9 @@ class CustomTorchBackend(InferenceBackend):
         if settings.tensor_parallel_size > 1:
             return cls._from_checkpoint_parallel(model_path, device, dtype, settings, custom)
         try:
-            model = GemmaForCausalLM.from_hf(model_path, device=device, dtype=dtype)
+            model = GemmaForCausalLM.from_hf(model_path, device=device, dtype=dtype, quantization=settings.quantization)
+        except ConfigurationError:
+            raise
         except (OSError, ValueError, KeyError) as exc:
             raise ModelLoadError(f"cannot load {model_path} with the custom_torch backend: {exc}") from exc
         return cls(model, HFTokenizer.from_pretrained(model_path), settings, custom, name=Path(model_path).name)
@@ -226,11 +229,13 @@ class CustomTorchBackend(InferenceBackend):
         except (OSError, ValueError, KeyError) as exc:
             raise ModelLoadError(f"cannot load {model_path} with the custom_torch backend: {exc}") from exc
         check_shardable(config, size)
-        workers = TensorParallelWorkers.start(str(model_path), device, dtype, size)
+        workers = TensorParallelWorkers.start(str(model_path), device, dtype, size, settings.quantization)
         try:
             try:
                 model = GemmaForCausalLM.from_hf(model_path, device=rank_device(device, 0), dtype=dtype,
-                                                 tp=workers.tp)
+                                                 tp=workers.tp, quantization=settings.quantization)
+            except ConfigurationError:
+                raise
             except (OSError, ValueError, KeyError) as exc:
                 raise ModelLoadError(f"cannot load {model_path} with the custom_torch backend: {exc}") from exc
             workers.wait_loaded()

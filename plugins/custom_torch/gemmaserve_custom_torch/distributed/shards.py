@@ -17,6 +17,8 @@ safetensors file (``get_slice``), so no rank ever holds a full copy of a sharded
   ``[r·ceil(V/N), (r+1)·ceil(V/N))``, zero-padded to ``ceil(V/N)`` rows on every rank so the logits gather is
   one equal-sized collective.
 - Everything else (norms, PLE projections and gates, router, ``layer_scalar``) is replicated.
+- FP8 ``weight_scale`` (one per output row, ``models.quantization``): the rows of their weight's slice for
+  column-parallel weights, all of them for row-parallel and replicated ones.
 """
 
 from __future__ import annotations
@@ -118,6 +120,9 @@ def shard_for(name: str, config: GemmaTextConfig, rank: int, world_size: int) ->
         vocab = config.ple_vocab_size if name.startswith("embed_tokens_per_layer") else config.vocab_size
         start, end, padded = vocab_range(vocab, rank, world_size)
         return Shard(0, ((start, end),), padded)
+    if name.endswith(".weight_scale"):  # FP8 per-output-channel scales [out] follow their weight's rows
+        weight = shard_for(name.removesuffix("_scale"), config, rank, world_size)
+        return weight if weight is not None and weight.dim == 0 else None
     match = _LAYER_KEY.fullmatch(name)
     if match is None:
         return None

@@ -90,8 +90,9 @@ class TensorParallelWorkers:
 
     @classmethod
     def start(cls, model_path: str, device: str | torch.device, dtype: torch.dtype,
-              world_size: int) -> TensorParallelWorkers:
-        """Spawn ranks 1..``world_size``-1 (each loads ``model_path``'s shard in ``dtype`` on its device) and
+              world_size: int, quantization: str | None = None) -> TensorParallelWorkers:
+        """Spawn ranks 1..``world_size``-1 (each loads ``model_path``'s shard in ``dtype`` on its device, FP8 with
+        ``quantization="fp8"`` or an FP8 checkpoint, as ``GemmaForCausalLM.from_hf``) and
         join the process group as rank 0. Returns once the group is formed; the workers' loading goes on (see
         :meth:`wait_loaded`). Raises TensorParallelWorkerError if a worker dies or fails to start."""
         engine_device = torch.device(device)
@@ -120,7 +121,7 @@ class TensorParallelWorkers:
                     process = context.Process(
                         target=run_worker, name=f"gemmaserve-tp-rank{rank}", daemon=True,
                         args=(rank, world_size, rendezvous_file, str(model_path), str(rank_device(device, rank)),
-                              dtype_name, torch.get_num_threads(), theirs),
+                              dtype_name, torch.get_num_threads(), quantization, theirs),
                     )
                     process.start()
                 finally:
@@ -277,7 +278,7 @@ class TensorParallelWorkers:
 
 
 def run_worker(rank: int, world_size: int, rendezvous_file: str, model_path: str, device: str, dtype_name: str,
-               num_threads: int, pipe: mp_connection.Connection) -> None:
+               num_threads: int, quantization: str | None, pipe: mp_connection.Connection) -> None:
     """A worker process's main (rank ``rank``): join the group, load the shard, then serve rank 0's messages
     until ``close`` or until rank 0's end of the pipe closes. Any exception is sent to rank 0, then the worker
     exits with code 1. SIGINT is ignored: a terminal's Ctrl-C reaches the whole process group, and rank 0 (which
@@ -300,7 +301,7 @@ def run_worker(rank: int, world_size: int, rendezvous_file: str, model_path: str
         pipe.send(("started",))
         tp = init_tensor_parallel(rank, world_size, rendezvous_file, torch.device(device))
         dtype = getattr(torch, dtype_name)
-        model = GemmaForCausalLM.from_hf(model_path, device=device, dtype=dtype, tp=tp)
+        model = GemmaForCausalLM.from_hf(model_path, device=device, dtype=dtype, tp=tp, quantization=quantization)
         pipe.send(("loaded",))
         op, num_blocks, block_size, attention, fast_prefill, fuse = pipe.recv()
         if op != "pools":

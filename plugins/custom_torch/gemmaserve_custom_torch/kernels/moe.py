@@ -15,6 +15,9 @@ and expert ids [T, k] from ``MoERouter``):
 4. ``_sum_slots_kernel``: each token's k rows summed in ascending expert id, the order of the eager
    ``index_add_`` loop, rounding to the model dtype after each add as that loop does (deterministic).
 
+FP8 experts (``gate_up_scale`` / ``down_scale`` given): weights are read as float8_e4m3fn and their values used in
+the model dtype, each GEMM's input rows quantized per row in the kernel (see :func:`fused_experts`).
+
 Matmuls accumulate in fp32; each value the eager loop holds in the model dtype (the gate/up and down outputs,
 the GeGLU product, the weighted rows, the running sum) is rounded to it here too, so results differ from the
 eager experts only by matmul summation order. Block sizes are constexpr and at least 16 (the smallest
@@ -147,9 +150,35 @@ def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, method: s
 
 
 @triton.jit
-def _gate_up_geglu_kernel(x_ptr, w_ptr, pair_of_row_ptr, expert_of_block_ptr, rows_of_block_ptr, out_ptr, stride_x,
-                          hidden, width, num_experts, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def _row_fp8_scale(row_ptrs, valid, length, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Per-row dynamic FP8 scale of [BLOCK_M] rows of ``length`` values (``row_ptrs`` [BLOCK_M, 1]): amax / 448,
+    at least 1e-12, as ``quantization.quantize_per_token`` (fp32)."""
+    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, length, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        v = tl.load(row_ptrs + ks[None, :], mask=valid[:, None] & (ks < length)[None, :], other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), axis=1))
+    return tl.maximum(amax / 448.0, 1e-12)
+
+
+@triton.jit
+def _fp8_values(v, scale, dtype: tl.constexpr):
+    """Rows ``v`` quantized to float8_e4m3fn with their ``scale`` [BLOCK_M] (clamped to +-448, round to nearest
+    even, as torch's cast), returned as the FP8 values in ``dtype`` (exact: every e4m3 value is a bf16/fp16/fp32
+    value). The rounding is done in fp32 arithmetic: each value's e4m3 step is 2^(max(exponent, -6) - 3), and
+    adding then subtracting 1.5·2^23 steps rounds to a multiple of it (fp32 adds round to nearest even). Triton's
+    interpreter casts to fp8 inexactly at binade edges and ties, so no fp8 cast is used here."""
+    q = tl.clamp(v.to(tl.float32) / scale[:, None], -448.0, 448.0)
+    exponent = ((q.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    step = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    magic = step * 12582912.0  # 1.5 * 2^23 steps
+    return ((q + magic) - magic).to(dtype)
+
+
+@triton.jit
+def _gate_up_geglu_kernel(x_ptr, w_ptr, w_scale_ptr, pair_of_row_ptr, expert_of_block_ptr, rows_of_block_ptr, out_ptr,
+                          stride_x, hidden, width, num_experts, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
     block = tl.program_id(0)
     expert = tl.load(expert_of_block_ptr + block)
     if expert >= num_experts:
@@ -163,18 +192,29 @@ def _gate_up_geglu_kernel(x_ptr, w_ptr, pair_of_row_ptr, expert_of_block_ptr, ro
     col_ok = cols < width
     gate_rows = w_ptr + expert.to(tl.int64) * 2 * width * hidden + cols.to(tl.int64) * hidden
     up_rows = gate_rows + width * hidden
+    dtype = out_ptr.dtype.element_ty
+    x_rows = x_ptr + tokens[:, None] * stride_x
+    if FP8:
+        x_scale = _row_fp8_scale(x_rows, valid, hidden, BLOCK_M, BLOCK_K)
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < hidden
-        x = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_rows + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
         w_mask = col_ok[:, None] & k_ok[None, :]
         gate_w = tl.load(gate_rows[:, None] + ks[None, :], mask=w_mask, other=0.0)
         up_w = tl.load(up_rows[:, None] + ks[None, :], mask=w_mask, other=0.0)
+        if FP8:  # the FP8 values, exact in the model dtype; scales applied to the fp32 sums below
+            x = _fp8_values(x, x_scale, dtype)
+            gate_w = gate_w.to(tl.float32).to(dtype)
+            up_w = up_w.to(tl.float32).to(dtype)
         acc_gate = tl.dot(x, tl.trans(gate_w), acc_gate, input_precision=PRECISION)
         acc_up = tl.dot(x, tl.trans(up_w), acc_up, input_precision=PRECISION)
-    dtype = out_ptr.dtype.element_ty
+    if FP8:  # as torch._scaled_mm: fp32 sum x row scale x column scale, then one rounding
+        scales = w_scale_ptr + expert.to(tl.int64) * 2 * width + cols
+        acc_gate = acc_gate * x_scale[:, None] * tl.load(scales, mask=col_ok, other=0.0)[None, :]
+        acc_up = acc_up * x_scale[:, None] * tl.load(scales + width, mask=col_ok, other=0.0)[None, :]
     gate = acc_gate.to(dtype).to(tl.float32)  # eager: F.linear's output in the model dtype, then chunk
     up = acc_up.to(dtype).to(tl.float32)
     inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2 / pi)
@@ -186,9 +226,9 @@ def _gate_up_geglu_kernel(x_ptr, w_ptr, pair_of_row_ptr, expert_of_block_ptr, ro
 
 
 @triton.jit
-def _down_weighted_kernel(h_ptr, w_ptr, pair_of_row_ptr, expert_of_block_ptr, rows_of_block_ptr, routing_ptr,
-                          out_ptr, hidden, width, num_experts, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def _down_weighted_kernel(h_ptr, w_ptr, w_scale_ptr, pair_of_row_ptr, expert_of_block_ptr, rows_of_block_ptr,
+                          routing_ptr, out_ptr, hidden, width, num_experts, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
     block = tl.program_id(0)
     expert = tl.load(expert_of_block_ptr + block)
     if expert >= num_experts:
@@ -200,15 +240,23 @@ def _down_weighted_kernel(h_ptr, w_ptr, pair_of_row_ptr, expert_of_block_ptr, ro
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     w_rows = w_ptr + expert.to(tl.int64) * hidden * width + cols.to(tl.int64) * width
-    h_rows = h_ptr + rows.to(tl.int64) * width
+    h_rows = (h_ptr + rows.to(tl.int64) * width)[:, None]
+    dtype = out_ptr.dtype.element_ty
+    if FP8:
+        h_scale = _row_fp8_scale(h_rows, valid, width, BLOCK_M, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, width, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < width
-        h = tl.load(h_rows[:, None] + ks[None, :], mask=k_ok[None, :], other=0.0)
+        h = tl.load(h_rows + ks[None, :], mask=k_ok[None, :], other=0.0)
         w = tl.load(w_rows[:, None] + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if FP8:
+            h = _fp8_values(h, h_scale, dtype)
+            w = w.to(tl.float32).to(dtype)
         acc = tl.dot(h, tl.trans(w), acc, input_precision=PRECISION)
-    dtype = out_ptr.dtype.element_ty
+    if FP8:
+        scale = tl.load(w_scale_ptr + expert.to(tl.int64) * hidden + cols, mask=col_ok, other=0.0)
+        acc = acc * h_scale[:, None] * scale[None, :]
     routing = tl.load(routing_ptr + pairs, mask=valid, other=0.0)
     # eager: the down output in the model dtype times the fp32 weight, rounded to the model dtype
     y = acc.to(dtype).to(tl.float32) * routing[:, None]
@@ -238,7 +286,8 @@ def _sum_slots_kernel(pair_out_ptr, ids_ptr, out_ptr, hidden, TOP_K: tl.constexp
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
-                  down_proj: torch.Tensor, *, block_m: int | None = None, block_n: int | None = None,
+                  down_proj: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
+                  down_scale: torch.Tensor | None = None, *, block_m: int | None = None, block_n: int | None = None,
                   block_k: int = 64, grouping: str = "auto") -> torch.Tensor:
     """``MoEExperts.forward`` fused: x [T, H] (last dim contiguous), weights [T, k] (fp32 routing weights),
     ids [T, k] (int, in [0, E)), gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I], both contiguous
@@ -246,7 +295,13 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gat
     (CUDA-graph capturable). ``block_m`` (rows per block; default :func:`pick_block_m`), ``block_n`` (output
     columns per program; default 32 with ``block_m`` 16, so a decode step's few blocks still spread over many
     programs, else 64), ``block_k``: powers of two >= 16. Defaults untuned (no GPU measurement yet).
-    ``grouping``: :func:`group_by_expert`'s method."""
+    ``grouping``: :func:`group_by_expert`'s method.
+
+    FP8 experts (``quantization.quantize_fp8``): both weights float8_e4m3fn with fp32 per-output-channel scales
+    ``gate_up_scale`` [E, 2I] and ``down_scale`` [E, H]. Each pair's input row (x, then the GeGLU product) is
+    quantized per row to FP8 as ``quantization.linear`` does per token, the FP8 values are multiplied in the model
+    dtype (exact) with fp32 sums, and the row and column scales applied before the one rounding: the eager FP8
+    loop's arithmetic up to summation order (dequantize-on-load; native FP8 dots are a later speed-up)."""
     tokens, hidden = x.shape
     num_experts, double_width, hidden_w = gate_up_proj.shape
     width = double_width // 2
@@ -258,6 +313,19 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gat
         raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [{tokens}, k]")
     if not (gate_up_proj.is_contiguous() and down_proj.is_contiguous()):
         raise ValueError("expert weights must be contiguous")
+    fp8 = gate_up_scale is not None
+    if fp8 != (down_scale is not None) or fp8 != (gate_up_proj.dtype == torch.float8_e4m3fn) \
+            or fp8 != (down_proj.dtype == torch.float8_e4m3fn):
+        raise ValueError(f"expert weights {gate_up_proj.dtype} / {down_proj.dtype}: FP8 weights need both scales, "
+                         "model-dtype weights none")
+    if fp8:
+        assert gate_up_scale is not None and down_scale is not None
+        if tuple(gate_up_scale.shape) != (num_experts, double_width) or tuple(down_scale.shape) != (num_experts,
+                                                                                                   hidden):
+            raise ValueError(f"FP8 scales {tuple(gate_up_scale.shape)} / {tuple(down_scale.shape)} must be "
+                             f"[{num_experts}, {double_width}] / [{num_experts}, {hidden}]")
+        gate_up_scale = gate_up_scale.float().contiguous()
+        down_scale = down_scale.float().contiguous()
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
     if tokens == 0 or top_k == 0:
         return out.zero_()
@@ -275,15 +343,16 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gat
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models: no TF32 rounding of the inputs
     intermediate = torch.empty((num_blocks * block_m, width), dtype=x.dtype, device=x.device)
     _gate_up_geglu_kernel[(num_blocks, triton.cdiv(width, block_n))](
-        x, gate_up_proj, groups.pair_of_row, groups.expert_of_block, groups.rows_of_block, intermediate, x.stride(0),
-        hidden, width, num_experts, TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
-        num_warps=4,
+        x, gate_up_proj, gate_up_proj if gate_up_scale is None else gate_up_scale, groups.pair_of_row,
+        groups.expert_of_block, groups.rows_of_block, intermediate, x.stride(0), hidden, width, num_experts,
+        TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, FP8=fp8, num_warps=4,
     )
     pair_out = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     routing = weights.reshape(-1).to(torch.float32).contiguous()
     _down_weighted_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
-        intermediate, down_proj, groups.pair_of_row, groups.expert_of_block, groups.rows_of_block, routing, pair_out,
-        hidden, width, num_experts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=4,
+        intermediate, down_proj, down_proj if down_scale is None else down_scale, groups.pair_of_row,
+        groups.expert_of_block, groups.rows_of_block, routing, pair_out, hidden, width, num_experts, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, FP8=fp8, num_warps=4,
     )
     sum_block = min(1024, triton.next_power_of_2(hidden))
     _sum_slots_kernel[(tokens, triton.cdiv(hidden, sum_block))](

@@ -7,7 +7,8 @@ into one ``[q_width + k_width (+ v_width), hidden]`` weight and the MLP's gate/u
 so no memory is duplicated and ``state_dict`` keeps its names and values. Each output element is still a
 dot product of the same row and input, but cuBLAS may pick another kernel for the wider matmul, so results
 can differ in the last bit: greedy tokens are what the GPU tests compare. Mutates ``model`` (every backend
-sharing it then runs fused); idempotent.
+sharing it then runs fused); idempotent. FP8 projections (``quantization.Fp8Linear``) fuse too: their per-row
+scales are concatenated the same way (run ``quantize_fp8`` first).
 """
 
 from __future__ import annotations
@@ -16,19 +17,28 @@ import torch
 from torch import Tensor, nn
 
 from .gemma import GemmaForCausalLM
+from .quantization import Fp8Linear
 
 __all__ = ["fuse_elementwise", "fuse_moe", "fuse_norms", "fuse_projections", "is_fused", "moe_is_fused"]
 
 
-def _fuse(linears: list[nn.Linear]) -> Tensor:
-    """One weight holding ``linears``' weight rows in order; each linear's weight becomes a view of it."""
+def _fuse(linears: list[nn.Module]) -> tuple[Tensor, Tensor | None]:
+    """One weight holding ``linears``' weight rows in order (and, for FP8 layers, one fp32 scale vector holding
+    their ``weight_scale`` entries); each layer's weight (and scale) becomes a view of it. All of ``linears`` are
+    nn.Linear or all are ``Fp8Linear``."""
     fused = torch.cat([lin.weight.detach() for lin in linears], dim=0)
+    fp8 = [isinstance(lin, Fp8Linear) for lin in linears]
+    if any(fp8) and not all(fp8):
+        raise ValueError("cannot fuse FP8 and model-dtype projections into one matmul")
+    scale = torch.cat([lin.weight_scale for lin in linears]) if all(fp8) else None
     start = 0
     for lin in linears:
         rows = lin.weight.shape[0]
         lin.weight = nn.Parameter(fused[start : start + rows], requires_grad=False)
+        if scale is not None:
+            lin.weight_scale = scale[start : start + rows]
         start += rows
-    return fused
+    return fused, scale
 
 
 @torch.no_grad()
@@ -41,11 +51,11 @@ def fuse_projections(model: GemmaForCausalLM) -> int:
         if attn.fused_qkv is None and attn.k_proj is not None:
             parts = [attn.q_proj, attn.k_proj] + ([attn.v_proj] if attn.v_proj is not None else [])
             attn.fused_widths = tuple(lin.weight.shape[0] for lin in parts)
-            attn.fused_qkv = _fuse(parts)
+            attn.fused_qkv, attn.fused_qkv_scale = _fuse(parts)
             made += 1
         mlp = layer.mlp
         if mlp.fused_gate_up is None:
-            mlp.fused_gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
+            mlp.fused_gate_up, mlp.fused_gate_up_scale = _fuse([mlp.gate_proj, mlp.up_proj])
             made += 1
     return made
 
@@ -87,7 +97,8 @@ def fuse_elementwise(model: GemmaForCausalLM) -> int:
 def fuse_moe(model: torch.nn.Module) -> int:
     """Run every MoE expert block of ``model`` through ``kernels.moe.fused_experts`` (grouped GEMMs, no host
     sync, so MoE layers can be captured in CUDA graphs) on CUDA inputs; returns how many blocks were switched.
-    Mutates ``model``; idempotent. Needs triton (the caller checks)."""
+    Mutates ``model``; idempotent. Needs triton (the caller checks). FP8 experts (``quantize_fp8``) run through
+    the kernel's FP8 variant."""
     from ..kernels.moe import fused_experts
     from .layers import MoEExperts
 

@@ -8,15 +8,19 @@ checkpoint names with the text prefix stripped (`layers.3.self_attn.q_proj.weigh
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from torch import Tensor, nn
 
+from gemmaserve.errors import ConfigurationError
+
 from ..distributed.collectives import SINGLE, TensorParallel
-from ..distributed.shards import read_shard, shard_config, shard_for, vocab_range
+from ..distributed.shards import Shard, read_shard, shard_config, shard_for, vocab_range
 from .attention_context import AttentionContext
 from .config import GemmaTextConfig
 from .layers import (
@@ -29,6 +33,16 @@ from .layers import (
     RotaryEmbedding,
     apply_rotary,
     gelu_tanh,
+)
+from .quantization import (
+    FP8_DTYPE,
+    check_fp8_device,
+    check_fp8_shapes,
+    is_fp8,
+    linear,
+    prepare_fp8,
+    quantize_fp8,
+    read_checkpoint_scheme,
 )
 
 
@@ -107,6 +121,7 @@ class GemmaAttention(nn.Module):
                 self.v_norm = RMSNorm(self.head_dim, eps, style, with_weight=False)
         # Set by `fusion.fuse_projections`: [q; k; v] weight rows (q/k/v_proj.weight become views of it).
         self.fused_qkv: Tensor | None = None
+        self.fused_qkv_scale: Tensor | None = None  # its FP8 scales (FP8 weights only)
         self.fused_widths: tuple[int, ...] = ()
         self.fused_ops: FusedElementwise | None = None  # set by `fusion.fuse_elementwise`
 
@@ -132,7 +147,7 @@ class GemmaAttention(nn.Module):
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """(q, k, v) projections of x; k/v None where the layer has none. One matmul after `fuse_projections`."""
         if self.fused_qkv is not None:
-            parts = F.linear(x, self.fused_qkv).split(self.fused_widths, dim=-1)
+            parts = linear(x, self.fused_qkv, self.fused_qkv_scale).split(self.fused_widths, dim=-1)
             return parts[0], parts[1], parts[2] if len(parts) > 2 else None
         if self.k_proj is None:
             return self.q_proj(x), None, None
@@ -346,16 +361,26 @@ class GemmaForCausalLM(nn.Module):
     @classmethod
     def from_hf(
         cls, path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-        tp: TensorParallel = SINGLE,
+        tp: TensorParallel = SINGLE, quantization: str | None = None,
     ) -> GemmaForCausalLM:
         """Load a Hugging Face checkpoint folder (single `model.safetensors` or sharded with
         `model.safetensors.index.json`). `dtype=None` keeps the dtype stored for the embedding table.
         K/V weights of KV-shared layers and non-text (vision/audio) weights are skipped; any other unknown or
         missing text weight raises. Returns the model in eval mode with requires_grad off. With ``tp`` of world
         size > 1, only rank ``tp.rank``'s slices are read (`shards.shard_for`; the caller must have joined the
-        group: the model's forwards are collective)."""
+        group: the model's forwards are collective).
+
+        FP8 (`quantization.py`): a checkpoint whose config.json has a compressed-tensors ``quantization_config``
+        loads its FP8 projections as they are (``quantization`` None or "fp8"); ``quantization="fp8"`` on a
+        model-dtype checkpoint quantizes the loaded weights (`quantize_fp8`). Either way ``dtype`` is the
+        activation / output dtype. ConfigurationError for an unsupported scheme or device."""
         folder = Path(path)
         config = GemmaTextConfig.from_pretrained(folder)
+        if quantization not in (None, "fp8"):
+            raise ConfigurationError(f"quantization={quantization!r} is not supported by the custom_torch model; "
+                                     "fp8 is")
+        scheme = read_checkpoint_scheme(folder)
+        fp8 = scheme is not None or quantization == "fp8"
         files = _weight_files(folder)
         key_to_file = _key_index(folder, files)
         prefix = _text_prefix(config, key_to_file)
@@ -364,9 +389,14 @@ class GemmaForCausalLM(nn.Module):
             with safe_open(key_to_file[embed_key], framework="pt") as f:
                 dtype = f.get_slice(embed_key).get_dtype()
                 dtype = _SAFETENSORS_DTYPES.get(dtype, torch.float32)
+        if fp8:
+            check_fp8_device(device, dtype)
 
         model = cls(config, device="meta", dtype=dtype, tp=tp)
-        expected = set(model.state_dict())
+        if scheme is not None:
+            prepare_fp8(model, scheme, prefix)
+        meta_state = model.state_dict()
+        expected = set(meta_state)
         wanted: dict[str, str] = {}  # checkpoint key -> model key
         unexpected: list[str] = []
         for key in key_to_file:
@@ -391,13 +421,23 @@ class GemmaForCausalLM(nn.Module):
             try:
                 with safe_open(file, framework="pt", device=str(device)) as f:
                     for key in keys:
-                        shard = shard_for(wanted[key], config, tp.rank, tp.world_size) if tp.enabled else None
-                        state[wanted[key]] = read_shard(f, key, shard).to(dtype)
+                        local = wanted[key]
+                        shard = shard_for(local, config, tp.rank, tp.world_size) if tp.enabled else None
+                        if local.endswith(".weight_scale"):
+                            state[local] = _read_scale(f, key, shard, meta_state[local].shape[0])
+                        else:
+                            state[local] = _read_weight(f, key, shard, meta_state[local].dtype)
+            except ConfigurationError:
+                raise
             except Exception as exc:
                 raise ValueError(f"{file}: reading its tensors failed: {type(exc).__name__}: {exc}; the file is "
                                  "probably corrupt: fetch or convert it again") from None
         model.load_state_dict(state, strict=True, assign=True)
         model.requires_grad_(False)
+        if scheme is None and quantization == "fp8":
+            quantize_fp8(model)
+        if fp8 and torch.device(device).type == "cuda":
+            check_fp8_shapes(model)
         return model.eval()
 
 
@@ -407,6 +447,30 @@ _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "BF16": torch.bfloat16,
     "F64": torch.float64,
 }
+
+
+def _read_weight(handle: Any, key: str, shard: Shard | None, dtype: torch.dtype) -> Tensor:
+    """``key``'s (slice of the) tensor in ``dtype``; an FP8 tensor only where the model holds FP8 (never cast)."""
+    tensor = read_shard(handle, key, shard)
+    if is_fp8(tensor) != (dtype == FP8_DTYPE):
+        raise ConfigurationError(
+            f"checkpoint tensor {key} is {tensor.dtype} where the model expects {dtype}: its FP8 tensors do not match "
+            "its quantization_config (only compressed-tensors FP8 Linear weights with weight_scale load; FP8 MoE "
+            "experts or an FP8 LM head/embedding are not supported)")
+    return tensor if dtype == FP8_DTYPE else tensor.to(dtype)
+
+
+def _read_scale(handle: Any, key: str, shard: Shard | None, rows: int) -> Tensor:
+    """A compressed-tensors ``weight_scale`` as fp32 [rows] (this rank's output rows): a per-channel [out, 1]
+    scale sliced like its weight's rows (row-parallel weights keep every row's scale), a tensor-wise [1] / []
+    scale broadcast to every row."""
+    full = handle.get_slice(key).get_shape()
+    if math.prod(full) == 1:
+        return handle.get_tensor(key).float().reshape(1).expand(rows).contiguous()
+    scale = read_shard(handle, key, shard).float().reshape(-1)
+    if scale.shape[0] != rows:
+        raise ConfigurationError(f"{key} has shape {full}, expected [{rows}, 1] (per-channel) or [1] (per-tensor)")
+    return scale
 
 
 def _weight_files(folder: Path) -> list[Path]:

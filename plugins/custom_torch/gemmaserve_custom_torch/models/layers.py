@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import NormStyle, RopeParams
+from .quantization import linear
 
 Device = torch.device | str | None
 # Triton kernels run on CPU tensors in the interpreter (tests only; set before the process starts)
@@ -143,11 +144,12 @@ class GeGLUMLP(nn.Module):
         self.up_proj = _linear(hidden, width, device, dtype)
         self.down_proj = _linear(width, hidden, device, dtype)
         self.fused_gate_up: Tensor | None = None  # [gate; up] rows, set by `fusion.fuse_projections`
+        self.fused_gate_up_scale: Tensor | None = None  # their FP8 scales (FP8 weights only)
         self.gelu_mul: Callable[[Tensor, Tensor], Tensor] | None = None  # set by `fusion.fuse_elementwise`
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fused_gate_up is not None:
-            gate, up = F.linear(x, self.fused_gate_up).chunk(2, dim=-1)
+            gate, up = linear(x, self.fused_gate_up, self.fused_gate_up_scale).chunk(2, dim=-1)
             if self.gelu_mul is not None:
                 return self.down_proj(self.gelu_mul(gate, up))
             return self.down_proj(gelu_tanh(gate) * up)
@@ -192,6 +194,11 @@ class MoEExperts(nn.Module):
     (ascending id) with a model-dtype `index_add_`, the order transformers' "eager" experts use. That loop
     syncs the host (`.tolist()` over the hit experts); `fused` (``kernels.moe.fused_experts``, set by
     ``fusion.fuse_moe``) replaces it on CUDA inputs, and on CPU under ``TRITON_INTERPRET=1`` (tests).
+
+    After ``quantization.quantize_fp8`` both weights are float8_e4m3fn with fp32 per-output-channel scales
+    ``gate_up_proj_scale`` [E, 2I] and ``down_proj_scale`` [E, H] (None otherwise); the eager loop then runs each
+    expert through the FP8 matmul (``quantization.linear``) and the fused kernel reads the FP8 weights with
+    their scales (the same arithmetic up to summation order).
     """
 
     def __init__(
@@ -201,20 +208,30 @@ class MoEExperts(nn.Module):
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * width, hidden, device=device, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, width, device=device, dtype=dtype))
-        # fused(x, weights, ids, gate_up_proj, down_proj) -> [T, H]: the same contract with no host sync;
-        # None = the eager loop below (bitwise transformers' eager experts).
-        self.fused: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
+        self.register_buffer("gate_up_proj_scale", None)
+        self.register_buffer("down_proj_scale", None)
+        self.gate_up_proj_scale: Tensor | None
+        self.down_proj_scale: Tensor | None
+        # fused(x, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale) -> [T, H]: the same contract
+        # with no host sync; None = the eager loop below (bitwise transformers' eager experts).
+        self.fused: Callable[..., Tensor] | None = None
 
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         if self.fused is not None and (x.is_cuda or (_TRITON_INTERPRET and x.device.type == "cpu")):
-            return self.fused(x, weights, ids, self.gate_up_proj, self.down_proj)
+            return self.fused(x, weights, ids, self.gate_up_proj, self.down_proj, self.gate_up_proj_scale,
+                              self.down_proj_scale)
         out = torch.zeros_like(x)
         # hits[e, j, t]: token t picked expert e in its j-th top-k slot
         hits = F.one_hot(ids, num_classes=self.num_experts).permute(2, 1, 0)
         for expert in torch.nonzero(hits.sum(dim=(1, 2)) > 0).flatten().tolist():
             slot, token = torch.where(hits[expert])
-            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(gelu_tanh(gate) * up, self.down_proj[expert])
+            gate, up = linear(x[token], self.gate_up_proj[expert], _row(self.gate_up_proj_scale, expert)).chunk(2, -1)
+            y = linear(gelu_tanh(gate) * up, self.down_proj[expert], _row(self.down_proj_scale, expert))
             y = y * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
         return out
+
+
+def _row(scales: Tensor | None, expert: int) -> Tensor | None:
+    """One expert's FP8 scales (None for model-dtype experts)."""
+    return None if scales is None else scales[expert]
