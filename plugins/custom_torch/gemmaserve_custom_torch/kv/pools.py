@@ -223,6 +223,8 @@ class KVPools:
         queued on the device (no index tensors, no host sync). Both sides must be held by the caller."""
         if len(sources) != len(targets):
             raise ValueError(f"{len(sources)} source blocks for {len(targets)} targets")
+        if not sources:
+            return  # nothing to copy here, nor to send to tensor-parallel workers
         into: list[torch.Tensor] = []
         out_of: list[torch.Tensor] = []
         for layer in self.groups[group].layers:
@@ -230,8 +232,7 @@ class KVPools:
                 for source, target in zip(sources, targets):
                     into.append(pool[target])
                     out_of.append(pool[source])
-        if into:
-            torch._foreach_copy_(into, out_of)
+        torch._foreach_copy_(into, out_of)
         if self.copy_listener is not None:
             self.copy_listener(group, sources, targets)
 
