@@ -137,3 +137,14 @@ def test_waiting_never_changes_tokens_or_stalls(prefix_len, owns, chunk, budget,
         assert recorder.outputs[rid].token_ids == backend.reference_generate(
             prompt, SamplingParams(max_tokens=2, ignore_eos=True))
     assert_idle(sched)
+
+
+def test_the_waits_are_counted_for_metrics() -> None:
+    """SchedulerStats.prefix_waits (exported as gemmaserve_shared_prefix_waits_total) counts the held ticks."""
+    backend = ReferenceBackend()
+    sched, _, _ = make(backend, cache_blocks=64, block_size=4, prefill_chunk_tokens=8, max_num_batched_tokens=64)
+    assert sched.stats().prefix_waits == 0
+    _burst(sched, [6] * 40, 3, 3)
+    run(sched)
+    assert sched.stats().prefix_waits > 0
+    assert_idle(sched)

@@ -71,6 +71,8 @@ class EngineStats:
     cache: CacheStats | None = None
     kv: dict[str, int] = field(default_factory=dict)
     decode_rows_retried: int = 0
+    prefix_waits: int = 0
+    """Ticks in which a request waited for an earlier prompt's shared prefix blocks (``engine/shared_prefix.py``)."""
 
 
 class Engine:
@@ -342,6 +344,7 @@ class Engine:
             cache=cache,
             kv=kv,
             decode_rows_retried=sched.decode_rows_retried,
+            prefix_waits=sched.prefix_waits,
         )
 
     def check_integrity(self) -> None:

@@ -106,6 +106,9 @@ class SchedulerStats:
     decode_rows_retried: int
     skipped_stores: int
     finished: dict[str, int]
+    prefix_waits: int = 0
+    """Ticks in which a request got no budget while an earlier prompt computed blocks they share
+    (``engine/shared_prefix.py``)."""
 
 
 class ContinuousBatchScheduler:
@@ -183,6 +186,7 @@ class ContinuousBatchScheduler:
             decode_rows_retried=c["decode_rows_retried"],
             skipped_stores=c["skipped_stores"],
             finished=dict(q.finished),
+            prefix_waits=c["prefix_waits"],
         )
 
     # -- requests in and out ----------------------------------------------------------------------

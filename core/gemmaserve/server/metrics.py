@@ -133,6 +133,8 @@ def _gemmaserve_families(stats: EngineStats) -> Iterator[Metric]:
     yield _counter("engine_steps", "Scheduler ticks.", stats.num_steps)
     yield _counter("decode_failures", "Batched decode steps that failed.", stats.decode_failures)
     yield _counter("decode_rows_retried", "Rows retried alone after a failed decode step.", stats.decode_rows_retried)
+    yield _counter("shared_prefix_waits", "Ticks a request waited for an earlier prompt's shared prefix blocks.",
+                   stats.prefix_waits)
     hit_rate = stats.cached_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0
     yield _gauge("prefix_cache_hit_rate", "Cached / all prompt tokens since start.", hit_rate)
     yield _gauge("num_requests_running", "Requests prefilling or decoding.", stats.running)
