@@ -142,6 +142,14 @@ def residual_norm(residual: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit
+def gelu_tanh(a):
+    """``gelu_pytorch_tanh`` of fp32 ``a`` (the one Triton copy; fused_ops, skinny_gemm and moe use it)."""
+    inner = 0.7978845608028654 * (a + 0.044715 * a * a * a)  # sqrt(2 / pi); compiled Triton reads no globals
+    tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)  # saturates to +-1 without overflow trouble
+    return 0.5 * a * (1.0 + tanh)
+
+
+@triton.jit
 def _gelu_mul_kernel(a_ptr, b_ptr, out_ptr, stride_a, stride_b, n_cols, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -149,9 +157,7 @@ def _gelu_mul_kernel(a_ptr, b_ptr, out_ptr, stride_a, stride_b, n_cols, BLOCK: t
     dtype = out_ptr.dtype.element_ty
     a = tl.load(a_ptr + row * stride_a + offs, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + row * stride_b + offs, mask=mask, other=0.0).to(tl.float32)
-    inner = 0.7978845608028654 * (a + 0.044715 * a * a * a)  # sqrt(2 / pi); compiled Triton reads no globals
-    tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)  # saturates to +-1 without overflow trouble
-    gelu = (0.5 * a * (1.0 + tanh)).to(dtype).to(tl.float32)  # eager rounds gelu's output
+    gelu = gelu_tanh(a).to(dtype).to(tl.float32)  # eager rounds gelu's output
     tl.store(out_ptr + row * n_cols + offs, (gelu * b).to(dtype), mask=mask)
 
 

@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .fused_ops import gelu_tanh
+
 __all__ = ["ExpertGroups", "fused_experts", "group_by_expert", "max_blocks", "pick_block_m"]
 
 
@@ -176,6 +178,15 @@ def _fp8_values(v, scale, dtype: tl.constexpr):
 
 
 @triton.jit
+def _block_pairs(block, pair_of_row_ptr, rows_of_block_ptr, BLOCK_M: tl.constexpr):
+    """A block's rows, which of them hold pairs, and those pairs' flat indices (0 on padding rows)."""
+    local = tl.arange(0, BLOCK_M)
+    rows = block * BLOCK_M + local
+    valid = local < tl.load(rows_of_block_ptr + block)
+    return rows, valid, tl.load(pair_of_row_ptr + rows, mask=valid, other=0)
+
+
+@triton.jit
 def _gate_up_geglu_kernel(x_ptr, w_ptr, w_scale_ptr, pair_of_row_ptr, expert_of_block_ptr, rows_of_block_ptr, out_ptr,
                           stride_x, hidden, width, num_experts, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
@@ -183,10 +194,7 @@ def _gate_up_geglu_kernel(x_ptr, w_ptr, w_scale_ptr, pair_of_row_ptr, expert_of_
     expert = tl.load(expert_of_block_ptr + block)
     if expert >= num_experts:
         return
-    local = tl.arange(0, BLOCK_M)
-    rows = block * BLOCK_M + local
-    valid = local < tl.load(rows_of_block_ptr + block)
-    pairs = tl.load(pair_of_row_ptr + rows, mask=valid, other=0)
+    rows, valid, pairs = _block_pairs(block, pair_of_row_ptr, rows_of_block_ptr, BLOCK_M)
     tokens = (pairs // TOP_K).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < width
@@ -217,9 +225,7 @@ def _gate_up_geglu_kernel(x_ptr, w_ptr, w_scale_ptr, pair_of_row_ptr, expert_of_
         acc_up = acc_up * x_scale[:, None] * tl.load(scales + width, mask=col_ok, other=0.0)[None, :]
     gate = acc_gate.to(dtype).to(tl.float32)  # eager: F.linear's output in the model dtype, then chunk
     up = acc_up.to(dtype).to(tl.float32)
-    inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2 / pi)
-    tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)  # saturates to +-1 without overflow trouble
-    gelu = (0.5 * gate * (1.0 + tanh)).to(dtype).to(tl.float32)  # eager rounds gelu's output
+    gelu = gelu_tanh(gate).to(dtype).to(tl.float32)  # eager rounds gelu's output
     product = gelu * up
     out = out_ptr + rows.to(tl.int64)[:, None] * width + cols[None, :]
     tl.store(out, product.to(dtype), mask=col_ok[None, :])  # padding rows store zeros (their x rows were 0)
@@ -233,10 +239,7 @@ def _down_weighted_kernel(h_ptr, w_ptr, w_scale_ptr, pair_of_row_ptr, expert_of_
     expert = tl.load(expert_of_block_ptr + block)
     if expert >= num_experts:
         return
-    local = tl.arange(0, BLOCK_M)
-    rows = block * BLOCK_M + local
-    valid = local < tl.load(rows_of_block_ptr + block)
-    pairs = tl.load(pair_of_row_ptr + rows, mask=valid, other=0)
+    rows, valid, pairs = _block_pairs(block, pair_of_row_ptr, rows_of_block_ptr, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     w_rows = w_ptr + expert.to(tl.int64) * hidden * width + cols.to(tl.int64) * width

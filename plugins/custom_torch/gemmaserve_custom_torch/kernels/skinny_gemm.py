@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .fused_ops import gelu_tanh
+
 __all__ = ["choose_split_k", "lm_head_argmax", "skinny_geglu", "skinny_linear"]
 
 #: Programs to aim for when choosing ``split_k``: two waves of the H200's 132 SMs.
@@ -49,12 +51,6 @@ def choose_split_k(m: int, n: int, k: int, block_n: int = 64, block_k: int = 128
         return 1
     most = max(1, k // (2 * block_k))
     return max(1, min(most, triton.cdiv(TARGET_PROGRAMS, tiles)))
-
-
-@triton.jit
-def _gelu_tanh(a):
-    inner = 0.7978845608028654 * (a + 0.044715 * a * a * a)  # sqrt(2 / pi)
-    return 0.5 * a * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))
 
 
 @triton.jit
@@ -104,7 +100,7 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, m, n_out, k, k_per_split, st
         if GEGLU:
             gate = acc.to(dtype).to(tl.float32)
             up = acc_up.to(dtype).to(tl.float32)
-            acc = _gelu_tanh(gate).to(dtype).to(tl.float32) * up
+            acc = gelu_tanh(gate).to(dtype).to(tl.float32) * up
         tl.store(out_ptr + offs_m[:, None] * n_out + offs_n[None, :], acc.to(dtype), mask=mask)
 
 
@@ -126,7 +122,7 @@ def _reduce_kernel(part_ptr, out_ptr, m, n_out, slices, GEGLU: tl.constexpr, BLO
     if GEGLU:
         gate = acc.to(dtype).to(tl.float32)
         up = acc_up.to(dtype).to(tl.float32)
-        acc = _gelu_tanh(gate).to(dtype).to(tl.float32) * up
+        acc = gelu_tanh(gate).to(dtype).to(tl.float32) * up
     tl.store(out_ptr + row * n_out + cols, acc.to(dtype), mask=mask)
 
 
