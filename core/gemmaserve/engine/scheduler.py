@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING
 
 from gemmaserve.engine.isolation import MAX_ROW_RETRIES, retry_row_alone
 from gemmaserve.engine.queues import RequestQueues
-from gemmaserve.engine.shared_prefix import should_wait
 from gemmaserve.engine.request import (
     MAX_BAD_WORD_TOKENS,
     FinishReason,
@@ -49,6 +48,7 @@ from gemmaserve.engine.request import (
     prepare_masks,
     sampled_token,
 )
+from gemmaserve.engine.shared_prefix import should_wait
 from gemmaserve.engine.validation import backend_error, validate_request
 from gemmaserve.errors import EngineOverloadedError, InvalidRequestError, KVCapacityError
 from gemmaserve.structured.grammar import GrammarCompiler
@@ -137,13 +137,13 @@ class ContinuousBatchScheduler:
         self._streaming = not self._caps.continuous_batching
         self._max_running = self._caps.max_concurrent_streams if self._streaming else settings.max_batch_size
         self._q = RequestQueues(backend)
-        # when and at which block size a prompt's blocks become findable by other prompts' lookups
-        # (engine/shared_prefix.py): once its prefill completed (core cache), progressively, or never (None)
-        self._prefix_findable: tuple[str, int] | None = None
+        # the block size of the prefix cache whose lookups find other prompts' blocks (0: none), and whether they
+        # are found as soon as computed (a backend's progressive cache) or once stored (core cache); shared_prefix.py
+        self._shared_block, self._progressive = 0, False
         if cache_manager is not None and self._caps.uses_core_cache_manager:
-            self._prefix_findable = ("completed", cache_manager.block_size)
+            self._shared_block = cache_manager.block_size
         elif self._caps.progressive_cache_block_size > 0 and not self._caps.uses_core_cache_manager:
-            self._prefix_findable = ("progressive", self._caps.progressive_cache_block_size)
+            self._shared_block, self._progressive = self._caps.progressive_cache_block_size, True
         self._seed_rng = random.Random()
         self._counters: Counter[str] = Counter()
         self._async = self._caps.async_decode and settings.async_scheduling and not self._streaming
@@ -392,18 +392,16 @@ class ContinuousBatchScheduler:
         work: list[tuple[Request, PrefillState, int, int]] = []
         # (id, prompt, computed, findable by a lookup now) of earlier prefills under way (engine/shared_prefix.py)
         leaders: list[tuple[str, tuple[int, ...], int, int]] = []
-        findable_when, cache_block = self._prefix_findable or ("", 0)
-        progressive = findable_when == "progressive"
         for request in list(self._q.prefilling):
             if budget <= 0:
                 break
             state = request.prefill_state
             if request.request_id in self._awaiting_first:
                 if state is not None:
-                    leaders.append(self._as_leader(request, state, progressive))
+                    leaders.append(self._as_leader(request, state))
                 continue
-            if state is None and self._prefix_findable is not None and should_wait(
-                request.prompt_token_ids, leaders, cache_block, progressive=progressive, chunk=cap,
+            if state is None and self._shared_block and should_wait(
+                request.prompt_token_ids, leaders, self._shared_block, progressive=self._progressive, chunk=cap,
                 memo=request.shared_prefix_lens,
             ):
                 self._counters["prefix_waits"] += 1
@@ -415,18 +413,17 @@ class ContinuousBatchScheduler:
             except Exception as exc:
                 self._q.fail(request, exc, events, phase="prefill")
                 continue
-            leaders.append(self._as_leader(request, state, progressive))
+            leaders.append(self._as_leader(request, state))
             num = min(cap, state.num_remaining, budget)
             if num > 0 or state.is_complete:
                 work.append((request, state, num, state.num_computed))
                 budget -= num
         return work
 
-    @staticmethod
-    def _as_leader(request: Request, state: PrefillState, progressive: bool) -> tuple[str, tuple[int, ...], int, int]:
+    def _as_leader(self, request: Request, state: PrefillState) -> tuple[str, tuple[int, ...], int, int]:
         """``request`` as a leader for ``should_wait``: (id, prompt, computed, findable now). A progressive cache
         finds what the prompt computed; a completion-time cache only what the prompt itself found in it."""
-        findable = state.num_computed if progressive else state.num_cached
+        findable = state.num_computed if self._progressive else state.num_cached
         return request.request_id, request.prompt_token_ids, state.num_computed, findable
 
     def _deadline_tokens(self, enough: int) -> int:
