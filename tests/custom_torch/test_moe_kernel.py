@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hopper_compile import compile_for_hopper, require_hopper_compiler
+
 pytest.importorskip("triton")
 
 _PRELUDE = r"""
@@ -357,27 +359,13 @@ def test_the_kernels_compile_for_hopper_without_a_gpu():
     the FP8-weight variants (float8_e4m3fn weights, per-row FP8 inputs).
     Pointers and sizes carry the 16-divisibility the launcher sees at 26B-A4B shapes (H 2816, I 704); with it
     the bf16 GEMMs' K loops are software-pipelined (cp.async) into tensor-core dots."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("this process runs under the Triton interpreter")
-    nvidia = pytest.importorskip("triton.backends.nvidia")
-    if not (Path(nvidia.__file__).parent / "bin" / "ptxas").exists():
-        pytest.skip("triton has no bundled ptxas here")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    target = GPUTarget("cuda", 90, 32)
+    require_hopper_compiler()
     builds = [("bf16", (16, 32, 64), False), ("bf16", (32, 64, 64), False), ("bf16", (64, 64, 64), False),
               ("fp32", (16, 32, 64), False), ("bf16", (16, 32, 64), True), ("bf16", (64, 64, 64), True),
               ("fp32", (16, 32, 64), True)]
     for dtype, blocks, fp8 in builds:
         for kernel, signature, constexprs in _hopper_kernels(dtype, blocks, fp8):
-            aligned = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(signature.items())
-                       if kind != "constexpr" and name != "num_experts"}
-            compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
-                                                attrs=aligned), target=target, options={"num_warps": 4})
-            assert compiled.asm["cubin"], (kernel, dtype, blocks)
-            ptx = compiled.asm["ptx"]
+            ptx = compile_for_hopper(kernel, signature, constexprs, unaligned=("num_experts",))["ptx"]
             if dtype == "bf16" and "BLOCK_K" in constexprs:
                 assert "mma" in ptx and "cp.async" in ptx, (kernel, blocks)  # pipelined tensor-core dots
 

@@ -15,6 +15,8 @@ import pytest
 
 pytest.importorskip("triton")
 
+from hopper_compile import compile_for_hopper, require_hopper_compiler  # noqa: E402
+
 _SCRIPT = r"""
 import json, torch
 import torch.nn.functional as F
@@ -97,20 +99,9 @@ def test_the_kernels_compile_for_hopper_without_a_gpu():
     interpreter never takes: bf16 at the decode row blocks 16 and 64 with and without split K and the GeGLU
     epilogue, the reduction, and the LM-head argmax with its softcap; fp32 with IEEE dots. Pointers and sizes
     carry the 16-divisibility E2B's shapes give the launcher, so the bf16 K loops become tensor-core dots."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("this process runs under the Triton interpreter")
-    from pathlib import Path
-
-    nvidia = pytest.importorskip("triton.backends.nvidia")
-    if not (Path(nvidia.__file__).parent / "bin" / "ptxas").exists():
-        pytest.skip("triton has no bundled ptxas here")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    require_hopper_compiler()
     from gemmaserve_custom_torch.kernels import skinny_gemm as sk
 
-    target = GPUTarget("cuda", 90, 32)
     builds = []
     for dtype, precision, row_blocks in (("bf16", "tf32", (16, 64)), ("fp32", "ieee", (16,))):
         for block_m in row_blocks:
@@ -135,10 +126,6 @@ def test_the_kernels_compile_for_hopper_without_a_gpu():
                                                "n_out": "i32", "slices": "i32", "GEGLU": "constexpr",
                                                "BLOCK": "constexpr"}, {"GEGLU": geglu, "BLOCK": 256}, dtype))
     for kernel, signature, constexprs, dtype in builds:
-        aligned = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(signature.items())
-                   if kind not in ("constexpr", "fp32") and name not in ("m", "slices")}
-        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned),
-                                  target=target, options={"num_warps": 4})
-        assert compiled.asm["cubin"], (kernel, constexprs)
+        asm = compile_for_hopper(kernel, signature, constexprs, unaligned=("m", "slices"))
         if dtype == "bf16" and "BLOCK_K" in constexprs:
-            assert "mma" in compiled.asm["ptx"], (kernel, constexprs)  # tensor-core dots
+            assert "mma" in asm["ptx"], (kernel, constexprs)  # tensor-core dots
