@@ -22,25 +22,12 @@ import torch
 from gemmaserve.sampling_params import RowSampling
 from gemmaserve.torch_sampling import sample_on_device
 
+from timing import median_ms
+
 
 def _timed(fn: Any, device: str, repeat: int) -> float:
     """Median ms of ``fn()`` over ``repeat`` calls (CUDA events on CUDA), after two warm-up calls."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeat):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return round(statistics.median(times), 4)
+    return round(median_ms(fn, device, repeat), 4)
 
 
 def sampling_costs(device: str, vocab: int, sizes: list[int], repeat: int) -> list[dict[str, Any]]:

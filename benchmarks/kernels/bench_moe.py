@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,6 +28,9 @@ try:
     import gemmaserve_custom_torch  # noqa: F401
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins" / "custom_torch"))
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared timing helpers
+from timing import graph_replay_ms, median_ms  # noqa: E402
 
 from gemmaserve_custom_torch.kernels.moe import fused_experts
 from gemmaserve_custom_torch.models.layers import MoEExperts
@@ -51,40 +53,6 @@ def make_inputs(experts: int, top_k: int, hidden: int, width: int, tokens: int, 
     return module, x, weights / weights.sum(-1, keepdim=True), ids
 
 
-def time_ms(fn: Callable[[], object], device: str, iters: int, warmup: int) -> float:
-    """Median milliseconds per call of ``fn`` (CUDA events on CUDA, perf_counter elsewhere)."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(iters):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            began = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - began) * 1e3)
-    samples.sort()
-    return samples[len(samples) // 2]
-
-
-def graph_ms(fn: Callable[[], object], iters: int) -> float:
-    """Median milliseconds per replay of ``fn`` captured in a CUDA graph (after a warm-up on a side stream)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return time_ms(graph.replay, "cuda", iters, warmup=3)
-
-
 def bench(shape: dict, tokens: int, device: str, dtype: torch.dtype, iters: int, grouping: str = "auto") -> dict:
     module, x, weights, ids = make_inputs(shape["experts"], shape["top_k"], shape["hidden"], shape["width"], tokens,
                                           device, dtype)
@@ -101,14 +69,14 @@ def bench(shape: dict, tokens: int, device: str, dtype: torch.dtype, iters: int,
         row = {"tokens": tokens, "experts": shape["experts"], "top_k": shape["top_k"], "hidden": shape["hidden"],
                "width": shape["width"], "dtype": str(dtype).removeprefix("torch."), "device": device,
                "grouping": grouping,
-               "max_abs_diff": diff, "eager_ms": time_ms(eager, device, iters, warmup),
-               "fused_ms": time_ms(fused, device, iters, warmup)}
+               "max_abs_diff": diff, "eager_ms": median_ms(eager, device, iters, warmup),
+               "fused_ms": median_ms(fused, device, iters, warmup)}
         hit = int(torch.unique(ids).numel())  # a host read, outside the timed calls
         expert_bytes = 3 * shape["width"] * shape["hidden"] * module.down_proj.element_size()
         row["experts_hit"] = hit
         row["weight_bytes"] = hit * expert_bytes
         if device == "cuda":
-            row["graph_ms"] = graph_ms(fused, iters)
+            row["graph_ms"] = graph_replay_ms(fused, iters)
             row["weights_tb_per_s"] = row["weight_bytes"] / (row["graph_ms"] * 1e-3) / 1e12
     return row
 

@@ -32,6 +32,9 @@ try:
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins" / "custom_torch"))
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared timing helpers
+from timing import graph_replay_ms  # noqa: E402
+
 from gemmaserve_custom_torch.kernels.skinny_gemm import (  # noqa: E402
     choose_split_k,
     lm_head_argmax,
@@ -72,26 +75,8 @@ def _ours_and_theirs(kind: str, cap: float | None) -> tuple[Callable[..., torch.
 
 def _graph_time_us(fn: Callable[[torch.Tensor, torch.Tensor], Any], x: torch.Tensor, weights: list[torch.Tensor],
                    repeats: int = 20) -> float:
-    """Microseconds per call: one CUDA graph calls ``fn`` once per weight copy; replayed ``repeats`` times."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for w in weights:  # warm-up / compile outside the capture
-            fn(x, w)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w in weights:
-            fn(x, w)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) * 1e3 / (repeats * len(weights))
+    """Microseconds per call: one CUDA graph calls ``fn`` once per weight copy; its replay timed ``repeats`` times."""
+    return graph_replay_ms(lambda: [fn(x, w) for w in weights], repeats) * 1e3 / len(weights)
 
 
 def copy_bandwidth_tbps() -> float:

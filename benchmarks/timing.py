@@ -1,0 +1,44 @@
+"""Timing helpers the benchmark scripts share: the median time of a call, and of a CUDA-graph replay."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def median_ms(fn: Callable[[], object], device: str, iters: int, warmup: int = 2) -> float:
+    """Median milliseconds per call of ``fn`` after ``warmup`` calls: CUDA events on CUDA (each call timed to its
+    own completion), ``perf_counter`` elsewhere."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iters):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            began = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - began) * 1e3)
+    return statistics.median(samples)
+
+
+def graph_replay_ms(fn: Callable[[], object], iters: int) -> float:
+    """Median milliseconds per replay of one CUDA graph holding ``fn`` (warmed up on a side stream first, so
+    compiles and allocations stay out of the capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return median_ms(graph.replay, "cuda", iters, warmup=3)
