@@ -147,9 +147,7 @@ class PagedKVCache:
         data = self.pools.read_blocks(group, old)
         self.pools.decref(group, old)
         fresh = self.pools.allocate(group, len(old))
-        self.pools.write_blocks(group, fresh, data)
-        if self.pools.copy_listener is not None:
-            self.pools.copy_listener(group, old, fresh)
+        self.pools.write_blocks(group, fresh, data, read_from=old)
         for j, block in zip(logical, fresh):
             table[j] = block
 

@@ -211,12 +211,17 @@ class KVPools:
         index = self._index(block_ids)
         return [(self.k[layer][index], self.v[layer][index]) for layer in self.groups[group].layers]  # copies
 
-    def write_blocks(self, group: str, block_ids: Sequence[int], data: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Inverse of ``read_blocks``: store ``data`` into ``block_ids`` (one indexed write per layer)."""
+    def write_blocks(self, group: str, block_ids: Sequence[int], data: list[tuple[torch.Tensor, torch.Tensor]], *,
+                     read_from: Sequence[int]) -> None:
+        """Inverse of ``read_blocks``: store ``data``, which ``read_blocks(group, read_from)`` returned, into
+        ``block_ids`` (one indexed write per layer), and tell ``copy_listener`` (tensor-parallel workers repeat the
+        copy) like :meth:`copy_blocks` does."""
         index = self._index(block_ids)
         for layer, (k, v) in zip(self.groups[group].layers, data):
             self.k[layer].index_copy_(0, index, k)
             self.v[layer].index_copy_(0, index, v)
+        if self.copy_listener is not None:
+            self.copy_listener(group, read_from, block_ids)
 
     def copy_blocks(self, group: str, sources: Sequence[int], targets: Sequence[int]) -> None:
         """K/V of block ``sources[i]`` into block ``targets[i]`` in every layer of ``group``: one multi-tensor copy
