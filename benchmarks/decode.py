@@ -1,7 +1,10 @@
-"""End-to-end decode benchmark of the custom_torch backend at Gemma 4 E2B shapes (random weights, no download).
+"""End-to-end decode benchmark of the custom_torch backend at Gemma 4 shapes (random weights, no download).
 
-One process: builds transformers' Gemma4ForCausalLM with seeded random bf16 weights on the GPU, the custom
-model over the same tensors, then drives requests through the real Engine/scheduler:
+One process: builds transformers' Gemma4ForCausalLM with seeded random bf16 weights directly on the GPU, the
+custom model over the same tensors (one copy of the weights: the transformers model is dropped when no hf
+comparison runs, else re-pointed at the custom model's fused tensors), then drives requests through the real
+Engine/scheduler. ``--config e2b|e4b|26b-a4b|31b`` picks the shapes (gemma4-spec.md §4, the vLLM peer's presets;
+default E2B); ``--quick`` runs a toy variant of that config with the same features on the CPU.
 
 - A (decode): N concurrent distinct random prompts (512 tokens), 256 output tokens, EOS ignored, for each N:
   median TTFT, median TPOT, output tokens/s, the decode-step time (CUDA events around decode_step_batched,
@@ -11,8 +14,15 @@ model over the same tensors, then drives requests through the real Engine/schedu
 - the hf_torch backend on the same model for workload A at small N (output capped, see --hf-output-len);
 - a torch.profiler split of one eager decode step, and optionally compile on/off (--compile-size).
 
+- the KV capacity report ("capacity"): per config, KV bytes per token and the most concurrent 4,096-token
+  requests whose KV fits beside the weights (the backend's own pool accounting), and this run's pools.
+
+The KV pools are sized for max(N) rows of max_model_len tokens (MAX_ACTIVE_KV_TOKENS), capped at what fits in
+the memory left after the weights minus --kv-headroom-gb (on the big configs the cap is what binds).
+
 Usage (repo root):  python benchmarks/decode.py --json out.json       (H200: about 3 minutes)
                     python benchmarks/decode.py --quick --json q.json (tiny shapes, CPU, seconds; CI smoke)
+                    python benchmarks/decode.py --config 31b --sizes 1,8,32 --hf-sizes '' ...  (big shapes)
                     python benchmarks/decode.py --quantization fp8 ...  (FP8 weights, compute capability >= 8.9)
 CUSTOM_BACKEND_* env vars apply to the main custom backend (e.g. CUSTOM_BACKEND_CUDA_GRAPH=0).
 """
@@ -20,6 +30,7 @@ CUSTOM_BACKEND_* env vars apply to the main custom backend (e.g. CUSTOM_BACKEND_
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import sys
@@ -38,11 +49,22 @@ from decode_workloads import StepTimer, random_prompts, run_engine  # noqa: E402
 from gemmaserve.settings import CoreSettings  # noqa: E402
 from gemmaserve_custom_torch.settings import load_custom_settings  # noqa: E402
 
+KV_BLOCK_SIZE = 16
+H200_MEMORY_BYTES = 143771 * 2**20
+
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", type=Path, default=Path("decode_results.json"), help="where to write all results")
     p.add_argument("--quick", action="store_true", help="tiny shapes and counts (CPU smoke run)")
+    p.add_argument("--config", choices=list(dm.CONFIGS), default="e2b",
+                   help="Gemma 4 shapes (with --quick: a toy variant with the same features)")
+    p.add_argument("--max-active-kv-tokens", type=int, default=0, help="the KV token budget (0 = max(N) x "
+                   "max_model_len, capped at what fits beside the weights and --kv-headroom-gb)")
+    p.add_argument("--kv-headroom-gb", type=float, default=10.0, help="GiB kept free of weights and KV pools "
+                   "(activations, CUDA graphs, allocator slack); also used by the capacity report")
+    p.add_argument("--capacity-memory-gb", type=float, default=None, help="device memory (GB, 1e9) assumed by "
+                   "the capacity report (default: this CUDA device's total, else one H200's 143771 MiB)")
     p.add_argument("--sizes", default="1,8,32,128,256", help="workload A concurrencies")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
@@ -85,16 +107,85 @@ def _settings(device: str, dtype: str, max_rows: int, max_len: int, tokens: int,
               chunk: int = 512, mixed_chunk: int | None = None) -> CoreSettings:
     mixed = {} if mixed_chunk is None else {"mixed_prefill_chunk_tokens": mixed_chunk}
     return CoreSettings(device=device, dtype=dtype, max_batch_size=max_rows, max_model_len=max_len, **mixed,
-                        max_active_kv_tokens=tokens, kv_block_size=16, prefill_chunk_tokens=chunk,
+                        max_active_kv_tokens=tokens, kv_block_size=KV_BLOCK_SIZE, prefill_chunk_tokens=chunk,
                         max_waiting_requests=4096, max_num_batched_tokens=max(budget, max_rows))
 
 
-def _custom_backend(model: Any, settings: CoreSettings, tokenizer: Any = None, **custom: Any) -> Any:
+def _custom_backend(model: Any, settings: CoreSettings, tokenizer: Any = None, name: str = "e2b-random",
+                    **custom: Any) -> Any:
     from gemmaserve_custom_torch.backend import CustomTorchBackend
     from gemmaserve_custom_torch.settings import load_custom_settings
 
     return CustomTorchBackend(model, tokenizer or dm.IdsOnlyTokenizer(), settings, load_custom_settings(**custom),
-                              name="e2b-random")
+                              name=name)
+
+
+def _gb(nbytes: int) -> float:
+    return round(nbytes / 1e9, 3)
+
+
+def _kv_tokens(args: argparse.Namespace, config: Any, device: str, itemsize: int, block_size: int, max_rows: int,
+               max_len: int) -> tuple[int, int | None]:
+    """(MAX_ACTIVE_KV_TOKENS, KV bytes left after the weights and the headroom; None off CUDA). Default:
+    ``max_rows`` rows of ``max_len`` tokens, capped at the tokens whose pools (the backend's ``_budget_bytes``:
+    uniform blocks for the tokens plus one per row) fit in that memory."""
+    wanted = args.max_active_kv_tokens or max_rows * max_len
+    if device != "cuda":
+        return wanted, None  # the backend caps CPU pools at a quarter of the RAM itself
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # cached blocks (the bandwidth probe's buffers) count as free
+    free, _ = torch.cuda.mem_get_info()
+    left = max(0, free - int(args.kv_headroom_gb * 2**30))
+    if args.max_active_kv_tokens:
+        return wanted, left
+    fit = dm.kv_tokens_fitting(config, itemsize, block_size, left, max_rows)
+    if fit < max_len:
+        raise SystemExit(f"KV: {left / 1e9:.1f} GB left after the weights and --kv-headroom-gb holds {fit} tokens, "
+                         f"fewer than one {max_len}-token row; lower --kv-headroom-gb or the sizes")
+    if fit < wanted:
+        print(f"KV: {max_rows} rows x {max_len} tokens do not fit; MAX_ACTIVE_KV_TOKENS={fit} "
+              f"({left / 1e9:.1f} GB after weights and headroom)", flush=True)
+    return min(wanted, fit), left
+
+
+def _capacity(args: argparse.Namespace, backend: Any, model: Any, device: str, itemsize: int, block_size: int,
+              kv_left: int | None, request_tokens: int = 4096) -> dict[str, Any]:
+    """The capacity report: every config at full size (bf16, this device's memory or --capacity-memory-gb,
+    minus --kv-headroom-gb) and this run's pools as the backend built them."""
+    if args.capacity_memory_gb is not None:
+        total, source = int(args.capacity_memory_gb * 1e9), "--capacity-memory-gb"
+    elif device == "cuda":
+        total, source = torch.cuda.get_device_properties(0).total_memory, "this CUDA device's total memory"
+    else:  # what torch reports for one H200 on the lent machines (nvidia-smi: 143771 MiB)
+        total, source = H200_MEMORY_BYTES, "assumed: one H200 (143771 MiB)"
+    headroom = int(args.kv_headroom_gb * 2**30)
+    admission = backend.admission
+    need = admission.footprint(request_tokens)
+    this_run: dict[str, Any] = {
+        "kv_pools_bytes": backend.pools.nbytes, "blocks": dict(admission.capacity),
+        "blocks_per_request": need, "block_size": backend.block_size,
+        # what KVAdmission admits at once (the scheduler's MAX_ACTIVE_KV_TOKENS may bind first)
+        "max_concurrent_requests_in_pools": min(admission.capacity[g] // n for g, n in need.items()),
+        # the same for one workload A request (prompt + output tokens)
+        "workload_a_request_tokens": args.prompt_len + args.output_len,
+        "max_concurrent_workload_a_requests_in_pools": min(
+            admission.capacity[g] // n for g, n in admission.footprint(args.prompt_len + args.output_len).items()),
+    }
+    if kv_left is not None:  # measured: free memory with this run's weights resident, minus the headroom
+        this_run["measured"] = dm.kv_capacity(model.config, itemsize, block_size, kv_left,
+                                              request_tokens=request_tokens, chunk_tokens=args.prefill_chunk_tokens)
+    return {
+        "request_tokens": request_tokens, "device_memory_bytes": total, "device_memory_source": source,
+        "headroom_bytes": headroom, "block_size": block_size,
+        "note": "KV bytes per token count K and V of every KV-storing layer (KV-shared layers store nothing; K=V "
+                "layers still store two tensors: K = rope(k_norm(k)) and V = v_norm(k) differ); a request's "
+                "sliding blocks are bounded by the window (KVAdmission's footprint). max_concurrent_requests: "
+                "pools split to fit (CUSTOM_BACKEND_SLIDING_BLOCKS = sliding_blocks_for_max); "
+                "default_plan_requests: the backend's default plan_pool_sizes split of the same memory.",
+        "configs": dm.capacity_table(total, headroom, block_size=block_size, request_tokens=request_tokens,
+                                     chunk_tokens=args.prefill_chunk_tokens),
+        "this_run": this_run,
+    }
 
 
 def _workload_a(backend: Any, settings: CoreSettings, sizes: list[int], args: argparse.Namespace, roof: Any,
@@ -125,6 +216,8 @@ def _workload_a(backend: Any, settings: CoreSettings, sizes: list[int], args: ar
         context = args.prompt_len + output_len // 2
         floor_ms = roof.step_bytes(n, context) / bandwidth * 1e3
         row["roofline_ms"] = _r(floor_ms)
+        if roof.num_experts:  # distinct experts per MoE layer the roofline reads (approximate for N > 1)
+            row["roofline_experts_read"] = round(roof.experts_read(n), 2)
         row["roofline_context"] = context
         measured = row["graph_replay_ms"] or row["step_ms"]
         row["pct_of_roofline"] = round(100 * floor_ms / measured, 1) if measured else None
@@ -163,13 +256,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _args(argv)
     device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     dtype, dtype_name = (torch.bfloat16, "bfloat16") if device == "cuda" else (torch.float32, "float32")
-    base = dm.TINY if args.quick else dm.E2B
+    label, full_size, toy = dm.CONFIGS[args.config]
+    base = toy if args.quick else full_size
     sizes = [int(x) for x in args.sizes.split(",")]
     hf_sizes = [int(x) for x in args.hf_sizes.split(",") if x]
     results: dict[str, Any] = {"meta": {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__, "quick": args.quick,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "argv": sys.argv[1:],
-        "config": "tiny" if args.quick else "E2B"}}
+        "config": ("tiny" if args.config == "e2b" else f"{label}-tiny") if args.quick else label,
+        "preset": args.config}}
 
     def save() -> None:
         args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
@@ -180,22 +275,51 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   if args.serving_rates else 0)
     if longest > base["max_position_embeddings"]:  # room for A-long's / C's prompts and outputs
         base = {**base, "max_position_embeddings": longest}
-    hf_model = dm.build_hf_model(base, device, dtype, args.seed)
-    model = dm.custom_from_hf(hf_model)
+    memory: dict[str, Any] = {}
+    hf_model = dm.build_hf_model(base, device, dtype, args.seed)  # on the device, in dtype, seeded
+    model = dm.custom_from_hf(hf_model)  # the same tensors
+    memory["build_only_s"] = round(time.perf_counter() - t0, 2)
+    memory["held_bytes_after_build"] = dm.held_bytes(hf_model, model)  # hf + custom: one copy
+    if device == "cuda":
+        torch.cuda.synchronize()
+        memory["cuda_peak_gb_after_build"] = _gb(torch.cuda.max_memory_allocated())
+    # One copy of the weights from here on: without an hf comparison the transformers model goes (the custom
+    # model's tensors are the only references, so FP8 quantization and the backend's q/k/v + gate/up fusion free
+    # each original as they replace it); with one, it lets go of the shared tensors until the backend has fused
+    # them, then reads the fused ones (dm.release_shared / dm.retie). With FP8 it keeps its own model-dtype copy.
+    hf_slots = None
+    if not hf_sizes:
+        hf_model = None
+        gc.collect()
+    elif args.quantization is None:
+        hf_slots = dm.release_shared(hf_model, model)
     if args.quantization == "fp8":
         from gemmaserve_custom_torch.models.quantization import check_fp8_device, quantize_fp8
 
         check_fp8_device(device, dtype)
-        quantize_fp8(model)  # new FP8 tensors: hf_model keeps its own
+        quantize_fp8(model)  # new FP8 tensors
+    if device == "cuda":
+        torch.cuda.empty_cache()
     results["meta"]["quantization"] = args.quantization
+    weight_bytes = memory["weight_bytes"] = dm.held_bytes(model)  # every custom-model tensor (FP8: quantized)
     roof = dm.roofline(model)
     bandwidth = dm.copy_bandwidth(device, (1 << 30) if device == "cuda" else (1 << 24))
     results["meta"].update(build_s=round(time.perf_counter() - t0, 1), copy_bandwidth_tbps=round(bandwidth / 1e12, 3),
-                           weight_gb_per_step=round(roof.weight_bytes / 1e9, 3))
+                           weight_gb_per_step=round(roof.step_weight_bytes(1) / 1e9, 3),
+                           weight_gb_resident=_gb(weight_bytes))
+    if roof.num_experts:
+        results["meta"].update(moe_experts=roof.num_experts, moe_top_k=roof.top_k,
+                               moe_gb_per_expert=round(roof.expert_bytes / 1e9, 4))
+    results["memory"] = memory
     save()
     max_rows = max(sizes + [args.prefix_requests])
     max_len = base["max_position_embeddings"]
-    settings = _settings(device, dtype_name, max_rows, max_len, max_rows * max_len, args.max_num_batched_tokens,
+    block_size = load_custom_settings().block_size or KV_BLOCK_SIZE  # what the backend will use
+    kv_item = torch.tensor([], dtype=dtype).element_size()  # KV stays in the model dtype (also with FP8 weights)
+    tokens, kv_left = _kv_tokens(args, model.config, device, kv_item, block_size, max_rows, max_len)
+    memory.update(kv_tokens_wanted=max_rows * max_len, max_active_kv_tokens=tokens,
+                  kv_gb_left_after_weights=_gb(kv_left) if kv_left is not None else None)
+    settings = _settings(device, dtype_name, max_rows, max_len, tokens, args.max_num_batched_tokens,
                          args.prefill_chunk_tokens, args.mixed_prefill_chunk_tokens)
     from serving_workloads import gemm_tflops, prefill_flops_per_token, run_arrivals
 
@@ -223,12 +347,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         finally:
             save()
 
-    backend = _custom_backend(model, settings)
+    backend = _custom_backend(model, settings, name=f"{args.config}-random")
+    if hf_slots is not None:  # the backend fused q/k/v and gate/up: hf reads the same (fused) tensors
+        dm.retie(hf_slots, model)
+    memory["held_bytes_after_backend"] = dm.held_bytes(hf_model, model)  # weights (fused), no duplicate
+    memory["kv_pools_gb"] = _gb(backend.pools.nbytes)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        memory["cuda_peak_gb_after_backend"] = _gb(torch.cuda.max_memory_allocated())
+        memory["cuda_allocated_gb_after_backend"] = _gb(torch.cuda.memory_allocated())
+    section("capacity", lambda: _capacity(args, backend, model, device, kv_item, block_size, kv_left))
     decoder = getattr(backend, "decoder", None)
     if decoder is not None and decoder.graphs is not None:
         if section("graph_capture_s", lambda: {str(k): round(v, 3) for k, v in decoder.capture_all().items()}) is None:
-            backend = _custom_backend(model, settings, cuda_graph=False)  # keep measuring, eagerly
-            decoder = backend.decoder
+            backend.close()  # its pools go before the eager backend allocates its own
+            backend = _custom_backend(model, settings, cuda_graph=False, name=f"{args.config}-random")
+            decoder = backend.decoder  # keep measuring, eagerly
     mixed = getattr(backend, "mixed", None)
     if mixed is not None and mixed.graphs is not None:
         section("tick_graph_capture_s", lambda: {str(k): round(v, 3) for k, v in mixed.capture_all().items()})
@@ -336,6 +470,18 @@ def _print_tables(results: dict[str, Any]) -> None:
               f"TTFT x{row['ttft_speedup']}")
     if "compile" in results:
         print(f"compile on/off: {json.dumps(results['compile'])}")
+    if "capacity" in results:
+        cap = results["capacity"]
+        print(f"\nKV capacity, {cap['request_tokens']}-token requests, {cap['device_memory_bytes'] / 1e9:.1f} GB "
+              f"device ({cap['device_memory_source']}) - weights - {cap['headroom_bytes'] / 2**30:.0f} GiB headroom:")
+        for name, row in cap["configs"].items():
+            print(f"  {name}: weights {row['weight_bytes'] / 1e9:.1f} GB, KV {row['kv_bytes_per_token_total']} B/token "
+                  f"({row['kv_bytes_per_request'] / 1e6:.1f} MB/request), max {row['max_concurrent_requests']} "
+                  f"concurrent (default pool split: {row['default_plan_requests']})")
+        run = cap["this_run"]
+        print(f"  this run's pools: {run['kv_pools_bytes'] / 1e9:.2f} GB, {run['max_concurrent_requests_in_pools']} "
+              f"x {cap['request_tokens']}-token requests, {run['max_concurrent_workload_a_requests_in_pools']} x "
+              f"{run['workload_a_request_tokens']}-token workload A requests")
 
 
 if __name__ == "__main__":

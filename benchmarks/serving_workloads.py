@@ -1,7 +1,8 @@
 """Prompt-heavy workloads of benchmarks/decode.py: the prefill compute roofline, A-long (N x 2,048-token prompts)
 and C (serving with Poisson arrivals), every request through the real `gemmaserve.engine.Engine`.
 
-- ``prefill_flops_per_token(model, fast)``: 2 x the matmul parameters a prompt token passes through (the LM head
+- ``prefill_flops_per_token(model, fast)``: 2 x the matmul parameters a prompt token passes through (MoE: its
+  top-k experts only; the LM head
   only for tokens whose logits are needed: none here), plus attention's QK^T and PV at mid-chunk context;
   with fast prefill the KV-shared tail is skipped.
 - ``gemm_tflops(device)``: a bf16 8192^3 GEMM's TFLOP/s measured in the same run (the compute ceiling).
@@ -38,6 +39,9 @@ def prefill_flops_per_token(model: Any, *, fast: bool, context: int = 256) -> fl
         if i >= stop:
             break
         flops += 2 * sum(p.numel() for p in layer.parameters() if p.dim() == 2)
+        if config.moe_num_experts:  # 3-D expert weights [E, ...]: a token runs through its top-k experts only
+            experts = layer.experts.gate_up_proj.numel() + layer.experts.down_proj.numel()
+            flops += 2 * experts * config.moe_top_k / config.moe_num_experts
         window = config.window_for_layer(i)
         keys = min(context, window) if window else context
         flops += 4 * keys * config.num_attention_heads * config.head_dims[i]
