@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode_model as dm  # noqa: E402
 import decode_profile as dp  # noqa: E402
 from decode_workloads import StepTimer, random_prompts, run_engine  # noqa: E402
+from timing import copy_bandwidth  # noqa: E402
 
 from gemmaserve.settings import CoreSettings  # noqa: E402
 from gemmaserve_custom_torch.settings import load_custom_settings  # noqa: E402
@@ -303,7 +304,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results["meta"]["quantization"] = args.quantization
     weight_bytes = memory["weight_bytes"] = dm.held_bytes(model)  # every custom-model tensor (FP8: quantized)
     roof = dm.roofline(model)
-    bandwidth = dm.copy_bandwidth(device, (1 << 30) if device == "cuda" else (1 << 24))
+    bandwidth = copy_bandwidth(device, (1 << 30) if device == "cuda" else (1 << 24))
     results["meta"].update(build_s=round(time.perf_counter() - t0, 1), copy_bandwidth_tbps=round(bandwidth / 1e12, 3),
                            weight_gb_per_step=round(roof.step_weight_bytes(1) / 1e9, 3),
                            weight_gb_resident=_gb(weight_bytes))

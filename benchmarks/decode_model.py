@@ -1,12 +1,11 @@
 """Model side of benchmarks/decode.py: the Gemma 4 configs (E2B, E4B, 26B-A4B, 31B, each with a tiny CPU
 variant), seeded random weights built in memory (transformers model first, directly on the device, then the
-custom model sharing its tensors), the HBM roofline of one decode step, the device-to-device copy bandwidth
-that roofline divides by, and the KV capacity report (the backend's own pool accounting).
+custom model sharing its tensors), the HBM roofline of one decode step (divided by ``timing.copy_bandwidth``),
+and the KV capacity report (the backend's own pool accounting).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -327,24 +326,3 @@ def capacity_table(memory_bytes: int, headroom_bytes: int, *, block_size: int = 
                                                               request_tokens=request_tokens,
                                                               chunk_tokens=chunk_tokens)}
     return table
-
-
-def copy_bandwidth(device: str, nbytes: int = 1 << 30, reps: int = 20) -> float:
-    """Device-to-device copy bandwidth in bytes/s (bytes read + written), median of ``reps`` copies."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(reps + 3):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - t0)
-    times = sorted(times[3:])
-    return 2 * src.numel() * src.element_size() / times[len(times) // 2]

@@ -42,3 +42,24 @@ def graph_replay_ms(fn: Callable[[], object], iters: int) -> float:
     with torch.cuda.graph(graph):
         fn()
     return median_ms(graph.replay, "cuda", iters, warmup=3)
+
+
+def copy_bandwidth(device: str, nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + written), median of ``reps`` copies."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps + 3):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+    times = sorted(times[3:])
+    return 2 * src.numel() * src.element_size() / times[len(times) // 2]

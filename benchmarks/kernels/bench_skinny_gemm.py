@@ -33,7 +33,7 @@ except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins" / "custom_torch"))
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared timing helpers
-from timing import graph_replay_ms  # noqa: E402
+from timing import copy_bandwidth, graph_replay_ms  # noqa: E402
 
 from gemmaserve_custom_torch.kernels.skinny_gemm import (  # noqa: E402
     choose_split_k,
@@ -79,17 +79,10 @@ def _graph_time_us(fn: Callable[[torch.Tensor, torch.Tensor], Any], x: torch.Ten
     return graph_replay_ms(lambda: [fn(x, w) for w in weights], repeats) * 1e3 / len(weights)
 
 
-def copy_bandwidth_tbps() -> float:
-    """Device-to-device copy bandwidth (read + write bytes / time) of a 1 GiB buffer, TB/s."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    us = _graph_time_us(lambda a, b: b.copy_(a), src, [dst], repeats=10)
-    return 2 * src.numel() / (us * 1e-6) / 1e12
-
-
 def bench(models: list[str], rows: list[int], sweep: bool, cap: float) -> dict[str, Any]:
     dtype = torch.bfloat16
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "copy_tbps": copy_bandwidth_tbps(), "rows": []}
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "copy_tbps": copy_bandwidth("cuda") / 1e12,
+                              "rows": []}
     for model in models:
         for name, kind, n, k in SHAPES[model]:
             bytes_per_copy = n * k * 2

@@ -56,12 +56,56 @@ def test_fp8_graph_replay_gives_the_eager_fp8_tokens(tiny_checkpoint, e2b_like_d
     assert graphs == eager
 
 
-def test_fp8_fused_moe_experts_give_the_eager_fp8_loop_tokens(tiny_checkpoint) -> None:
+@pytest.mark.parametrize("tokens", [1, 7, 64, 300])
+def test_fp8_fused_experts_match_the_eager_fp8_loop(tokens: int) -> None:
+    """Op level, same FP8 weights and inputs: the fused kernel's FP8 variant against the eager FP8 loop, both
+    refereed by the fp32 product of the FP8 weights' values. Both requantize their activations to FP8 per row, so
+    a one-ulp bf16 difference before a requantization can move a value by a whole FP8 step (1/16): the bound is
+    the eager loop's own error against the referee, not bf16 noise."""
+    from gemmaserve_custom_torch.kernels.moe import fused_experts
+    from gemmaserve_custom_torch.models.layers import MoEExperts
+    from gemmaserve_custom_torch.models.quantization import quantize_fp8
+
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    experts = MoEExperts(512, 32, 192, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(0.05 * torch.randn(experts.gate_up_proj.shape, device="cuda", generator=gen))
+        experts.down_proj.copy_(0.05 * torch.randn(experts.down_proj.shape, device="cuda", generator=gen))
+    holder = torch.nn.ModuleDict({"experts": experts})
+    assert quantize_fp8(holder) == 2
+    x = torch.randn(tokens, 512, device="cuda", generator=gen).to(torch.bfloat16)
+    weights, ids = torch.topk(torch.softmax(torch.randn(tokens, 32, device="cuda", generator=gen), -1), 4, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    reference = MoEExperts(512, 32, 192, device="cuda", dtype=torch.float32)
+    with torch.inference_mode():
+        reference.gate_up_proj.copy_(experts.gate_up_proj.float() * experts.gate_up_proj_scale[:, :, None])
+        reference.down_proj.copy_(experts.down_proj.float() * experts.down_proj_scale[:, :, None])
+        eager = experts(x, weights, ids).float()
+        fused = fused_experts(x, weights, ids, experts.gate_up_proj, experts.down_proj,
+                              gate_up_scale=experts.gate_up_proj_scale, down_scale=experts.down_proj_scale).float()
+        truth = reference(x.float(), weights, ids)
+    eager_err = float((eager - truth).norm() / truth.norm())
+    fused_err = float((fused - truth).norm() / truth.norm())
+    between = float((fused - eager).norm() / eager.norm())
+    print(f"\nT={tokens}: relative L2 eager {eager_err:.4f}, fused {fused_err:.4f} vs fp32; fused vs eager {between:.4f}")
+    assert torch.isfinite(fused).all()
+    assert fused_err <= 1.5 * eager_err + 1e-3, (fused_err, eager_err)
+    assert between <= 2 * eager_err + 1e-3, (between, eager_err)
+
+
+def test_fp8_fused_moe_model_logits_stay_near_the_eager_fp8_loop(tiny_checkpoint, monkeypatch) -> None:
+    """Model level, everything else fused alike (only ``fuse_moe`` switched off for the eager run): prefill logits
+    near each other. Tokens are not compared: FP8 requantization amplifies summation-order differences in a tiny
+    random model (on the H200 the first greedy token already differed for 5 of 6 requests)."""
+    from gemmaserve_custom_torch import backend as backend_module
+
     path = tiny_checkpoint("gemma4_moe")
-    fused_logits, fused = _run(path, "fp8", cuda_graph=False)
-    eager_logits, eager = _run(path, "fp8", cuda_graph=False, fuse="off")
-    assert fused == eager
-    assert (fused_logits - eager_logits).abs().max() < 0.1 * eager_logits.abs().max()
+    fused_logits, _ = _run(path, "fp8", cuda_graph=False)
+    monkeypatch.setattr(backend_module, "fuse_moe", lambda model: 0)
+    eager_logits, _ = _run(path, "fp8", cuda_graph=False)
+    relative = float((fused_logits - eager_logits).norm() / eager_logits.norm())
+    print(f"\nfp8 fused vs eager experts: prefill logits relative L2 {relative:.4f}")
+    assert relative < 0.1
 
 
 @pytest.mark.parametrize("name", ["gemma4", "gemma4_moe"])
