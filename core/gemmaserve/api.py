@@ -170,14 +170,14 @@ class LLM:
             outputs = self.engine.generate([ids for _, ids, _ in runs], [sample for _, _, sample in runs])
             results = [self._to_completion(text, out) for (text, _, _), out in zip(runs, outputs)]
             return _by_prompt(results, [item.n for item in params_list])
-        watchers: list[_StopWatcher] = []
+        watchers = [_StopWatcher(self.engine, self.tokenizer, ids, sample.stop, callbacks=True,
+                                 min_tokens=sample.min_tokens) for _, ids, sample in runs]
+        handles = self.engine.submit_many([ids for _, ids, _ in runs], [sample for _, _, sample in runs],
+                                          [watcher.request_id for watcher in watchers],
+                                          [watcher.on_event for watcher in watchers], wait_for_room=True)
+        for watcher, handle in zip(watchers, handles):
+            watcher.handle = handle
         try:
-            for _, ids, sample in runs:
-                watcher = _StopWatcher(self.engine, self.tokenizer, ids, sample.stop, callbacks=True,
-                                       min_tokens=sample.min_tokens)
-                watcher.handle = self.engine.submit(ids, sample, watcher.request_id, watcher.on_event,
-                                                    wait_for_room=True)
-                watchers.append(watcher)
             results = [self._to_completion(text, watcher.result(), watcher)
                        for (text, _, _), watcher in zip(runs, watchers)]
             return _by_prompt(results, [item.n for item in params_list])

@@ -434,3 +434,67 @@ def test_the_first_engine_freezes_the_startup_objects_once(monkeypatch: pytest.M
         second.shutdown()
     finally:
         gc.unfreeze()  # the rest of the test session collects everything again
+
+
+class _LoggingBackend(ReferenceBackend):
+    """Logs prefill lookups and decode steps in order; the first lookup is slow, which widens the window in which
+    an engine tick that started early would run without the requests queued after the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[str] = []
+
+    def prefill_lookup(self, prompt_ids):  # type: ignore[no-untyped-def]
+        if not self.log:
+            time.sleep(0.05)
+        self.log.append("lookup")
+        return super().prefill_lookup(prompt_ids)
+
+    def decode_step_batched(self, batched, input_ids):  # type: ignore[no-untyped-def]
+        self.log.append("decode")
+        return super().decode_step_batched(batched, input_ids)
+
+
+def test_submit_many_puts_every_request_into_the_same_first_tick() -> None:
+    backend = _LoggingBackend()
+    engine = make_engine(backend)
+    try:
+        prompts = [[3 + i, 5, 7, 9] for i in range(6)]
+        handles = engine.submit_many(prompts, [SamplingParams(max_tokens=3, ignore_eos=True)] * 6,
+                                     [f"r{i}" for i in range(6)])
+        outputs = [handle.result(timeout=30) for handle in handles]
+        assert [h.request_id for h in handles] == [f"r{i}" for i in range(6)]
+        assert all(len(out.token_ids) == 3 for out in outputs)
+        assert backend.log.index("decode") == 6, backend.log  # all six looked up before the first decode step
+        for prompt, out in zip(prompts, outputs):
+            assert out.token_ids == backend.reference_generate(prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+        assert_idle(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_submit_many_validates_everything_before_queueing_anything(engine: Engine) -> None:
+    good = [1, 2, 3]
+    with pytest.raises(InvalidRequestError):
+        engine.submit_many([good, []], [None, None])  # the empty prompt is refused: nothing queued
+    with pytest.raises(InvalidRequestError, match="more than once"):
+        engine.submit_many([good, good], [None, None], ["same", "same"])
+    with pytest.raises(InvalidRequestError, match="2 prompts, 1 params"):
+        engine.submit_many([good, good], [None])
+    assert engine.stats().waiting == 0 and engine.stats().running == 0
+    handles = engine.submit_many([good, good], [SamplingParams(max_tokens=2)] * 2)
+    assert all(len(h.result(timeout=30).token_ids) <= 2 for h in handles)
+    assert_idle(engine)
+
+
+def test_submit_many_without_room_for_all_queues_none() -> None:
+    engine = make_engine(max_waiting_requests=3)
+    try:
+        with pytest.raises(EngineOverloadedError, match="this call brings 4"):
+            engine.submit_many([[1, 2]] * 4, [LONG] * 4)
+        assert engine.stats().waiting == 0
+        outputs = engine.generate([[1, 2, 3]] * 5, SamplingParams(max_tokens=2))  # waits for room in pieces
+        assert len(outputs) == 5 and all(out.token_ids for out in outputs)
+        assert_idle(engine)
+    finally:
+        engine.shutdown()

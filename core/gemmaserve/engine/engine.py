@@ -162,7 +162,33 @@ class Engine:
         PromptTooLongError) and EngineOverloadedError (queue full, or shut down) raise right here;
         with ``wait_for_room`` a full queue blocks until there is room instead."""
         request = Request(request_id or uuid.uuid4().hex, tuple(prompt_ids), params or SamplingParams(), logprobs)
-        return self._submit(request, on_event, wait_for_room=wait_for_room)
+        return self._submit([request], [on_event], wait_for_room=wait_for_room)[0]
+
+    def submit_many(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams | None],
+        request_ids: Sequence[str | None] | None = None,
+        on_events: Sequence[EventCallback | None] | None = None,
+        *,
+        logprobs: bool = False,
+        wait_for_room: bool = False,
+    ) -> list[RequestHandle]:
+        """Queue several requests at once (lists of equal length; ids and callbacks optional, as in
+        :meth:`submit`) and return their handles in order. Every request is validated before any is queued (the
+        first error raises and nothing is queued); they then enter the engine together, so its next tick plans
+        them all (a loop of :meth:`submit` races the engine thread, which may start a tick after the first).
+        Without ``wait_for_room`` a queue without room for all of them raises EngineOverloadedError and queues
+        none; with it, they are queued in order as room opens."""
+        count = len(prompts)
+        ids = list(request_ids) if request_ids is not None else [None] * count
+        callbacks = list(on_events) if on_events is not None else [None] * count
+        if not (len(params) == len(ids) == len(callbacks) == count):
+            raise InvalidRequestError(f"submit_many got {count} prompts, {len(params)} params, {len(ids)} request "
+                                      f"ids and {len(callbacks)} callbacks: give one of each per prompt")
+        requests = [Request(rid or uuid.uuid4().hex, tuple(prompt), sample or SamplingParams(), logprobs)
+                    for prompt, sample, rid in zip(prompts, params, ids)]
+        return self._submit(requests, callbacks, wait_for_room=wait_for_room)
 
     def stream(
         self,
@@ -194,11 +220,8 @@ class Engine:
             per_prompt = list(params)
             if len(per_prompt) != len(prompts):
                 raise InvalidRequestError(f"got {len(prompts)} prompts but {len(per_prompt)} sampling params")
-        handles: list[RequestHandle] = []
+        handles = self.submit_many(prompts, per_prompt, logprobs=logprobs, wait_for_room=True)
         try:
-            for prompt, prompt_params in zip(prompts, per_prompt):
-                request = Request(uuid.uuid4().hex, tuple(prompt), prompt_params, logprobs)
-                handles.append(self._submit(request, None, wait_for_room=True))
             return [handle.result() for handle in handles]
         except BaseException:
             for handle in handles:
@@ -218,33 +241,56 @@ class Engine:
             self._cond.notify_all()
             return True
 
-    def _submit(self, request: Request, on_event: EventCallback | None, *, wait_for_room: bool) -> RequestHandle:
-        self.scheduler.validate_request(request)
-        handle = RequestHandle(self, request.request_id, on_event)
+    def _submit(self, requests: Sequence[Request], on_events: Sequence[EventCallback | None], *,
+                wait_for_room: bool) -> list[RequestHandle]:
+        """Validate every request, then queue them in order under the lock (see :meth:`submit_many`)."""
+        for request in requests:
+            self.scheduler.validate_request(request)
+        ids = [request.request_id for request in requests]
+        if len(set(ids)) != len(ids):
+            repeated = sorted({rid for rid in ids if ids.count(rid) > 1})
+            raise InvalidRequestError(f"request ids {repeated} are given more than once; pick unique ids")
+        handles = [RequestHandle(self, request.request_id, on_event) for request, on_event in zip(requests, on_events)]
         with self._cond:
-            while True:
-                if self._stopping:
-                    raise EngineOverloadedError("the engine is shut down and takes no new requests")
-                if request.request_id in self._handles:
-                    raise InvalidRequestError(f"request id {request.request_id!r} is already in use; pick a unique id")
+            if self._stopping:
+                raise EngineOverloadedError("the engine is shut down and takes no new requests")
+            in_use = [rid for rid in ids if rid in self._handles]
+            if in_use:
+                raise InvalidRequestError(f"request id {in_use[0]!r} is already in use; pick a unique id")
+            if not wait_for_room:
                 waiting = len(self._inbox) + self.scheduler.num_waiting
-                if waiting < self.settings.max_waiting_requests:
-                    break
-                if not wait_for_room:
+                if waiting + len(requests) > self.settings.max_waiting_requests:
                     raise EngineOverloadedError(
                         f"{waiting} requests are already waiting (MAX_WAITING_REQUESTS="
                         f"{self.settings.max_waiting_requests}); retry later"
+                        + (f" (this call brings {len(requests)})" if len(requests) > 1 else "")
                     )
-                self._room_waiters += 1
-                try:
-                    self._cond.wait()
-                finally:
-                    self._room_waiters -= 1
             self._start_locked()
-            self._handles[request.request_id] = handle
-            self._inbox.append(request)
-            self._cond.notify_all()
-        return handle
+            queued = 0
+            try:
+                for request, handle in zip(requests, handles):
+                    while len(self._inbox) + self.scheduler.num_waiting >= self.settings.max_waiting_requests:
+                        self._cond.notify_all()  # what is queued so far may start while this call waits for room
+                        self._room_waiters += 1
+                        try:
+                            self._cond.wait()
+                        finally:
+                            self._room_waiters -= 1
+                        if self._stopping:
+                            raise EngineOverloadedError("the engine is shut down and takes no new requests")
+                    if request.request_id in self._handles:  # taken by another caller while this one waited
+                        raise InvalidRequestError(f"request id {request.request_id!r} is already in use; pick a "
+                                                  "unique id")
+                    self._handles[request.request_id] = handle
+                    self._inbox.append(request)
+                    queued += 1
+            except BaseException:
+                # the caller gets no handles: what this call queued already is cancelled, not left running
+                self._cancels.extend((request.request_id, FinishReason.CANCELLED) for request in requests[:queued])
+                raise
+            finally:
+                self._cond.notify_all()
+        return handles
 
     # -- the engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
