@@ -1,4 +1,5 @@
-"""Timing helpers the benchmark scripts share: the median time of a call, and of a CUDA-graph replay."""
+"""Timing helpers the benchmark scripts share: the median time of a call, a CUDA graph of a call and its replay time,
+and the device copy bandwidth."""
 
 from __future__ import annotations
 
@@ -30,9 +31,9 @@ def median_ms(fn: Callable[[], object], device: str, iters: int, warmup: int = 2
     return statistics.median(samples)
 
 
-def graph_replay_ms(fn: Callable[[], object], iters: int) -> float:
-    """Median milliseconds per replay of one CUDA graph holding ``fn`` (warmed up on a side stream first, so
-    compiles and allocations stay out of the capture)."""
+def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """One CUDA graph holding ``fn``, warmed up on a side stream first (compiles and allocations stay out of the
+    capture)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -41,7 +42,12 @@ def graph_replay_ms(fn: Callable[[], object], iters: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return median_ms(graph.replay, "cuda", iters, warmup=3)
+    return graph
+
+
+def graph_replay_ms(fn: Callable[[], object], iters: int) -> float:
+    """Median milliseconds per replay of :func:`capture_graph`'s graph of ``fn``."""
+    return median_ms(capture_graph(fn).replay, "cuda", iters, warmup=3)
 
 
 def copy_bandwidth(device: str, nbytes: int = 1 << 30, reps: int = 20) -> float:

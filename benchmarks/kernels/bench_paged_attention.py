@@ -27,6 +27,9 @@ except ImportError:
 
 import triton
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared timing helpers
+from timing import capture_graph  # noqa: E402
+
 from gemmaserve_custom_torch.kernels.paged_attention import (
     DecodeKernelConfig,
     default_decode_config,
@@ -87,14 +90,7 @@ def time_call(batch, ctx, head_dim, window, *, num_splits=None, config=None, eag
                 num_splits=num_splits, config=config,
             )
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run_chain()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run_chain()
+    graph = capture_graph(run_chain)
     graph_us = triton.testing.do_bench(graph.replay, warmup=10, rep=50) * 1e3 / chain
     eager_us = None
     if eager:

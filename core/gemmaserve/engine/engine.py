@@ -13,6 +13,7 @@ import gc
 import logging
 import threading
 import uuid
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -247,13 +248,12 @@ class Engine:
         for request in requests:
             self.scheduler.validate_request(request)
         ids = [request.request_id for request in requests]
-        if len(set(ids)) != len(ids):
-            repeated = sorted({rid for rid in ids if ids.count(rid) > 1})
+        repeated = sorted(rid for rid, count in Counter(ids).items() if count > 1)
+        if repeated:
             raise InvalidRequestError(f"request ids {repeated} are given more than once; pick unique ids")
         handles = [RequestHandle(self, request.request_id, on_event) for request, on_event in zip(requests, on_events)]
         with self._cond:
-            if self._stopping:
-                raise EngineOverloadedError("the engine is shut down and takes no new requests")
+            self._start_locked()  # raises once the engine is shut down
             in_use = [rid for rid in ids if rid in self._handles]
             if in_use:
                 raise InvalidRequestError(f"request id {in_use[0]!r} is already in use; pick a unique id")
@@ -265,7 +265,6 @@ class Engine:
                         f"{self.settings.max_waiting_requests}); retry later"
                         + (f" (this call brings {len(requests)})" if len(requests) > 1 else "")
                     )
-            self._start_locked()
             queued = 0
             try:
                 for request, handle in zip(requests, handles):
