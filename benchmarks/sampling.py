@@ -1,19 +1,25 @@
 """What sampling costs on the device: ``sample_on_device`` (core/gemmaserve/torch_sampling.py) over
-``[rows, vocab]`` logits per sampling configuration, the full-vocabulary sort it does in each key dtype, and (with
-``--tokenizer``) structured output's per-step masks for a batch, one by one and in one parallel call.
+``[rows, vocab]`` logits per sampling configuration on its torch path (``<config>_ms``), the fused Triton pass
+(core/gemmaserve/triton_sampling.py) beside it for the configurations it takes (``<config>_fused_ms``, on CUDA
+with triton; ``<config>_fused_same``: whether its tokens are the torch path's; ``temperature_kernel_ms``: its
+two kernels alone, inputs already on the device; with ``--blocks``, also at those block sizes), the
+full-vocabulary sort it does in each key dtype, and (with ``--tokenizer``) structured output's per-step masks
+for a batch, one by one and in one parallel call.
 
-Usage (repo root):  PYTHONPATH=core:tests python benchmarks/sampling.py [--device cuda] [--tokenizer DIR]
-                    [--json out.json]
+Usage (repo root):  PYTHONPATH=core:tests python benchmarks/sampling.py [--device cuda] [--blocks 256,1024]
+                    [--tokenizer DIR] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import random
 import re
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +36,10 @@ def _timed(fn: Any, device: str, repeat: int) -> float:
     return round(median_ms(fn, device, repeat), 4)
 
 
-def sampling_costs(device: str, vocab: int, sizes: list[int], repeat: int) -> list[dict[str, Any]]:
+def sampling_costs(device: str, vocab: int, sizes: list[int], repeat: int,
+                   blocks: Sequence[int] = (), fused: bool | None = None) -> list[dict[str, Any]]:
+    """One dict per row count (printed as it comes); ``fused``: time the fused pass too (default: on CUDA with
+    triton)."""
     rng = random.Random(0)
     mask = bytes(rng.getrandbits(8) & rng.getrandbits(8) & rng.getrandbits(8) for _ in range(vocab // 8))
     configs = {
@@ -39,14 +48,29 @@ def sampling_costs(device: str, vocab: int, sizes: list[int], repeat: int) -> li
         "top_p": dict(temperature=0.8, top_p=0.95, top_k=0),
         "top_k": dict(temperature=0.8, top_p=1.0, top_k=50),
         "constrained": dict(temperature=1.0, top_p=1.0, top_k=0, allowed=mask),
+        "greedy_constrained": dict(temperature=0.0, top_p=1.0, top_k=0, allowed=mask),
     }
+    if fused is None:
+        fused = device == "cuda" and importlib.util.find_spec("triton") is not None
     out = []
     for rows in sizes:
         logits = (torch.randn(rows, vocab, device=device) * 3).to(torch.bfloat16)
         row: dict[str, Any] = {"rows": rows, "vocab": vocab}
         for name, kw in configs.items():
             samplings = [RowSampling(seed=i, step=3, **kw) for i in range(rows)]
-            row[f"{name}_ms"] = _timed(lambda: sample_on_device(logits, samplings), device, repeat)
+            row[f"{name}_ms"] = _timed(lambda: sample_on_device(logits, samplings, fused=False), device, repeat)
+            if fused and name in ("temperature", "constrained", "greedy_constrained"):
+                row[f"{name}_fused_ms"] = _timed(lambda: sample_on_device(logits, samplings), device, repeat)
+                row[f"{name}_fused_same"] = bool(torch.equal(sample_on_device(logits, samplings)[0],
+                                                             sample_on_device(logits, samplings, fused=False)[0]))
+        if fused:  # the two kernels alone, inputs already on the device (the rest is the host's row handling)
+            from gemmaserve.triton_sampling import gumbel_argmax
+            temps = torch.ones(rows, dtype=torch.float64, device=device)
+            seeds = torch.arange(rows, dtype=torch.int64, device=device)
+            row["temperature_kernel_ms"] = _timed(lambda: gumbel_argmax(logits, temps, seeds), device, repeat)
+            for block in blocks:
+                row[f"temperature_kernel_ms_block{block}"] = _timed(
+                    lambda: gumbel_argmax(logits, temps, seeds, block=block), device, repeat)
         for dtype in (torch.float64, torch.float32, torch.bfloat16):
             keys = logits.to(dtype)
             row[f"sort_{str(dtype).split('.')[-1]}_ms"] = _timed(
@@ -101,12 +125,15 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=262144)
     parser.add_argument("--sizes", default="1,64,256")
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--blocks", default="", help="also time the fused kernels at these block sizes (ids per "
+                        "program; default: triton_sampling.choose_block)")
     parser.add_argument("--tokenizer", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": args.device,
                                "sampling": sampling_costs(args.device, args.vocab,
-                                                          [int(x) for x in args.sizes.split(",")], args.repeat)}
+                                                          [int(x) for x in args.sizes.split(",")], args.repeat,
+                                                          [int(x) for x in args.blocks.split(",") if x])}
     if args.tokenizer is not None:
         results["masks"] = mask_costs(args.tokenizer, 64, 32)
         print(json.dumps(results["masks"]), flush=True)

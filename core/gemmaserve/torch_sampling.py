@@ -13,7 +13,10 @@ Imported only by the torch backends (``import gemmaserve`` never imports it, nor
   row's token is a pure function of its logits and (seed, step), whatever else is in the batch and whichever
   backend runs it, and matches the pure-Python definition up to float rounding (float64 here; on MPS the noise
   is computed on the CPU in float64 and the score summed in float32). When no row uses top_k / top_p / min_p
-  there is no sort: one argmax over the vocabulary in id order.
+  there is no sort: one argmax over the vocabulary in id order; on CUDA, when triton imports, that case (no
+  row with top_k / top_p / min_p, no logprobs) is one fused Triton pass instead
+  (:func:`gemmaserve.triton_sampling.gumbel_argmax`: the same float64 arithmetic, the ``allowed`` masks read
+  packed, greedy rows of the batch in the same launch).
 - logprob: the chosen token's ``log_softmax`` under the adjusted (unscaled, unfiltered) distribution.
 
 Vectorised over rows. :func:`sample_on_device` leaves the tokens (and logprobs) on the device without a host
@@ -23,13 +26,15 @@ sync (its small host-to-device copies go through pinned memory on CUDA), for asy
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
+from types import ModuleType
 
 import torch
 
 from gemmaserve.backend import SampledTokens
-from gemmaserve.engine.sampling_cpu import penalty_offset, sampling_seed
+from gemmaserve.engine.sampling_cpu import SPLITMIX_GAMMA, SPLITMIX_MIX, penalty_offset, sampling_seed
 from gemmaserve.sampling_params import RowSampling
 
 __all__ = ["adjust_logits", "gumbel_noise", "noise_bits", "mask_logits", "sample_tokens", "sample_on_device",
@@ -66,7 +71,7 @@ def sampled_from_host(token_ids: list[int], logprobs: torch.Tensor | None) -> Sa
 
 
 def sample_on_device(
-    logits: torch.Tensor, rows: Sequence[RowSampling], *, want_logprobs: bool = False
+    logits: torch.Tensor, rows: Sequence[RowSampling], *, want_logprobs: bool = False, fused: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """As :func:`sample_tokens`, but returns (token ids int64 [rows], logprobs or None) on the logits' device,
     without a host sync. logprobs: [rows], or [rows, 1 + 2k] when rows want ``top_logprobs`` (see
@@ -76,7 +81,10 @@ def sample_on_device(
     unless a row's values change (``logit_bias``, penalties): bfloat16 / float16 / float32 values widen exactly
     to float64 and dividing by a positive temperature keeps distinct values distinct, so the order is the float64
     definition's (a 16-bit sort of 64 x 262,144 keys takes ~0.8 ms on an H200, a float64 one ~2 ms). Masks
-    (``banned``, ``allowed``) are -inf in any dtype."""
+    (``banned``, ``allowed``) are -inf in any dtype.
+
+    ``fused`` (default): on CUDA, calls without logprobs where no row uses top_k / top_p / min_p go through
+    :func:`_fused_tokens` (one Triton pass, same tokens) when triton imports; False keeps the torch ops."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [{len(rows)}, vocab] for {len(rows)} rows, got {tuple(logits.shape)}")
     adjusted = any(row.adjusts_logits for row in rows)
@@ -84,6 +92,10 @@ def sample_on_device(
         # argmax in the logits' own dtype: widening is exact and monotone, so the pick (ties: lowest index) is
         # the same as in float64, without the [rows, vocab] float64 copy
         return logits.argmax(dim=-1), None
+    if fused and not want_logprobs and logits.device.type == "cuda" and _fusable(rows, logits.shape[1]):
+        kernels = _triton_sampling()
+        if kernels is not None:
+            return _fused_tokens(logits, rows, kernels), None
     work_dtype = torch.float32 if logits.device.type == "mps" else torch.float64
     if any(row.logit_bias or row.has_penalties for row in rows):
         keys = mask_logits(_revalue(logits.to(work_dtype, copy=True), rows), rows)
@@ -102,6 +114,48 @@ def sample_on_device(
     if not want_logprobs:
         return tokens, None
     return tokens, _logprobs(keys, rows, tokens, work_dtype)
+
+
+def _fusable(rows: Sequence[RowSampling], vocab: int) -> bool:
+    """True when every row is greedy or a plain temperature draw (no top_k below the vocabulary, top_p, min_p)."""
+    return all(row.is_greedy or (row.temperature > 0.0 and not 0 < row.top_k < vocab and row.top_p >= 1.0
+                                 and row.min_p <= 0.0) for row in rows)
+
+
+@functools.cache
+def _triton_sampling() -> ModuleType | None:
+    """:mod:`gemmaserve.triton_sampling`, or None where triton does not import."""
+    try:
+        from gemmaserve import triton_sampling
+    except ImportError:
+        return None
+    return triton_sampling
+
+
+def _fused_tokens(logits: torch.Tensor, rows: Sequence[RowSampling], kernels: ModuleType) -> torch.Tensor:
+    """The tokens of rows that are greedy or plain temperature draws (:func:`_fusable`) in one
+    ``kernels.gumbel_argmax`` launch (``kernels``: :mod:`gemmaserve.triton_sampling`): ``logit_bias`` /
+    penalties (a float64 copy) and ``banned`` (a copy) are applied as on the torch path, the ``allowed`` masks
+    go to the kernel packed. One host-to-device copy for the row parameters, one more for masks. Any device
+    triton runs on (CUDA; CPU under ``TRITON_INTERPRET=1`` for the tests)."""
+    (n, vocab), device = logits.shape, logits.device
+    if any(row.logit_bias or row.has_penalties for row in rows):
+        keys = _ban(_revalue(logits.to(torch.float64, copy=True), rows), rows)
+    elif any(row.banned for row in rows):
+        keys = _ban(logits.clone(), rows)
+    else:
+        keys = logits
+    masked = [i for i, row in enumerate(rows) if row.allowed is not None]
+    mask_rows = [-1] * n
+    for at, i in enumerate(masked):
+        mask_rows[i] = at
+    temperature_bits = torch.tensor([row.temperature for row in rows], dtype=torch.float64).view(torch.int64)
+    host = torch.stack([torch.tensor([_signed64(sampling_seed(row.seed, row.step)) for row in rows]),
+                        torch.tensor(mask_rows), temperature_bits])  # int64 [3, n]: one copy
+    params = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+    allowed = _packed_allowed([rows[i].allowed or b"" for i in masked], vocab, device) if masked else None
+    return kernels.gumbel_argmax(keys, params[2].view(torch.float64), params[0], allowed,
+                                 params[1] if masked else None)
 
 
 def _logprobs(keys: torch.Tensor, rows: Sequence[RowSampling], tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -150,11 +204,7 @@ def mask_logits(values: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tens
     """In place: each row's ``banned`` tokens and those outside its ``allowed`` mask set to -inf (any dtype)."""
     vocab = values.shape[1]
     device = values.device
-    banned_at = [(i, token) for i, row in enumerate(rows) for token in row.banned if token < vocab]
-    if banned_at:
-        index = to_device([[i for i, _ in banned_at], [t for _, t in banned_at]], torch.int64, device)
-        # a device-side value: a Python float would be uploaded from pageable memory, a synchronizing copy
-        values.index_put_((index[0], index[1]), torch.full((), float("-inf"), dtype=values.dtype, device=device))
+    _ban(values, rows)
     masked = [i for i, row in enumerate(rows) if row.allowed is not None]
     if masked:
         allowed = allowed_on_device([rows[i].allowed or b"" for i in masked], vocab, device)
@@ -166,16 +216,34 @@ def mask_logits(values: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tens
     return values
 
 
-def allowed_on_device(masks: Sequence[bytes], vocab: int, device: torch.device) -> torch.Tensor:
-    """bool [len(masks), vocab]: the ``RowSampling.allowed`` bitmasks unpacked on ``device`` (one small copy;
-    tokens past a mask's end are not allowed)."""
+def _ban(values: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
+    """In place: each row's ``banned`` tokens set to -inf (ids beyond the vocabulary are ignored)."""
+    vocab = values.shape[1]
+    device = values.device
+    banned_at = [(i, token) for i, row in enumerate(rows) for token in row.banned if token < vocab]
+    if banned_at:
+        index = to_device([[i for i, _ in banned_at], [t for _, t in banned_at]], torch.int64, device)
+        # a device-side value: a Python float would be uploaded from pageable memory, a synchronizing copy
+        values.index_put_((index[0], index[1]), torch.full((), float("-inf"), dtype=values.dtype, device=device))
+    return values
+
+
+def _packed_allowed(masks: Sequence[bytes], vocab: int, device: torch.device) -> torch.Tensor:
+    """uint8 [len(masks), ceil(vocab / 8)]: the ``RowSampling.allowed`` bitmasks on ``device``, each cut or
+    zero-padded to the vocabulary (one small copy; tokens past a mask's end are not allowed)."""
     width = -(-vocab // 8)
     packed_bytes = b"".join(bytes(mask[:width]).ljust(width, b"\0") for mask in masks)
     packed = torch.frombuffer(bytearray(packed_bytes), dtype=torch.uint8).reshape(len(masks), width)
     if device.type == "cuda":
-        packed = packed.pin_memory().to(device, non_blocking=True)
-    else:
-        packed = packed.to(device)
+        return packed.pin_memory().to(device, non_blocking=True)
+    return packed.to(device)
+
+
+def allowed_on_device(masks: Sequence[bytes], vocab: int, device: torch.device) -> torch.Tensor:
+    """bool [len(masks), vocab]: the ``RowSampling.allowed`` bitmasks unpacked on ``device`` (one small copy;
+    tokens past a mask's end are not allowed)."""
+    width = -(-vocab // 8)
+    packed = _packed_allowed(masks, vocab, device)
     bits = torch.arange(8, dtype=torch.uint8, device=device)
     return ((packed[:, :, None] >> bits) & 1).bool().reshape(len(masks), width * 8)[:, :vocab]
 
@@ -228,12 +296,12 @@ def noise_bits(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     key's bits) and token id ``i``: SplitMix64's finalizer with int64 arithmetic, which wraps like uint64; a
     logical right shift by ``k`` is the arithmetic one masked to its low ``64 - k`` bits. In place on two
     [n, vocab] buffers (fresh temporaries per op cost ~4x on CPU)."""
-    z = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device).mul_(_signed64(0x9E3779B97F4A7C15)) + keys
+    z = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device).mul_(_signed64(SPLITMIX_GAMMA)) + keys
     shifted = torch.empty_like(z)
-    for shift, multiplier in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB), (31, None)):
+    for shift, multiplier in SPLITMIX_MIX:
         torch.bitwise_right_shift(z, shift, out=shifted)
         z ^= shifted.bitwise_and_((1 << (64 - shift)) - 1)
-        if multiplier is not None:
+        if multiplier != 1:
             z *= _signed64(multiplier)
     return z.bitwise_right_shift_(11).bitwise_and_((1 << 53) - 1)
 

@@ -44,8 +44,8 @@ from collections.abc import Sequence
 
 from gemmaserve.sampling_params import RowSampling, allowed_tokens
 
-__all__ = ["sampling_seed", "gumbel_noise", "noise_bits", "log_softmax", "top_logprobs", "adjust_logits", "penalized",
-           "penalty_offset", "sample_row", "sample_rows"]
+__all__ = ["SPLITMIX_GAMMA", "SPLITMIX_MIX", "sampling_seed", "gumbel_noise", "noise_bits", "log_softmax",
+           "top_logprobs", "adjust_logits", "penalized", "penalty_offset", "sample_row", "sample_rows"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -57,16 +57,20 @@ def sampling_seed(seed: int, step: int) -> int:
     return (value * 0xD6E8FEB86659FD93) & _MASK64
 
 
-_GOLDEN_GAMMA = 0x9E3779B97F4A7C15
+SPLITMIX_GAMMA = 0x9E3779B97F4A7C15
+"""SplitMix64's state increment (the golden gamma); the torch and Triton noise import it from here."""
+SPLITMIX_MIX = ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB), (31, 1))
+"""SplitMix64's finalizer: ``z = (z ^ (z >> shift)) * multiplier`` per pair, modulo ``2**64`` (the last
+multiplier is 1: a plain xor-shift)."""
 
 
 def noise_bits(key: int, token: int) -> int:
     """``h_i >> 11`` for token id ``token`` under ``key`` (53 bits): SplitMix64's ``token + 1``-th output from
     state ``key``, its top 53 bits."""
-    z = (key + (token + 1) * _GOLDEN_GAMMA) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) >> 11
+    z = (key + (token + 1) * SPLITMIX_GAMMA) & _MASK64
+    for shift, multiplier in SPLITMIX_MIX:
+        z = ((z ^ (z >> shift)) * multiplier) & _MASK64
+    return z >> 11
 
 
 def gumbel_noise(key: int, token: int) -> float:
