@@ -182,7 +182,9 @@ def _capacity(args: argparse.Namespace, backend: Any, model: Any, device: str, i
                 "layers still store two tensors: K = rope(k_norm(k)) and V = v_norm(k) differ); a request's "
                 "sliding blocks are bounded by the window (KVAdmission's footprint). max_concurrent_requests: "
                 "pools split to fit (CUSTOM_BACKEND_SLIDING_BLOCKS = sliding_blocks_for_max); "
-                "default_plan_requests: the backend's default plan_pool_sizes split of the same memory.",
+                "default_plan_requests: the backend's default split of the same memory (plan_pools_for_settings "
+                "with MAX_BATCH_SIZE = max_concurrent_requests and MAX_ACTIVE_KV_TOKENS = that many requests' "
+                "tokens: the pools run out together at default_plan_reference_tokens).",
         "configs": dm.capacity_table(total, headroom, block_size=block_size, request_tokens=request_tokens,
                                      chunk_tokens=args.prefill_chunk_tokens),
         "this_run": this_run,

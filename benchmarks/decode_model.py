@@ -272,10 +272,16 @@ def kv_capacity(config: Any, itemsize: int, block_size: int, memory_bytes: int, 
 
     ``max_concurrent_requests``: pools split to fit (per group, that many request footprints; the backend gets
     this split with CUSTOM_BACKEND_SLIDING_BLOCKS = ``sliding_blocks_for_max``). ``default_plan_requests``:
-    what ``KVAdmission`` admits when the same memory is split by the backend's default ``plan_pool_sizes``
-    (uniform blocks, sliding capped at the rows' window need, the rest to the full group) for that many rows."""
+    what ``KVAdmission`` admits when the same memory is split by the backend's default planner
+    (``kv.pools.plan_pools_for_settings``, what the backend calls) for a server configured for these requests:
+    MAX_BATCH_SIZE = ``max_concurrent_requests``, MAX_ACTIVE_KV_TOKENS = that many times ``request_tokens``
+    and MAX_MODEL_LEN = ``request_tokens`` (so the reference request length of the default split,
+    ``default_plan_reference_tokens``, is ``request_tokens``), PREFILL_CHUNK_TOKENS = ``chunk_tokens``;
+    ``default_plan_blocks``: that split."""
+    from types import SimpleNamespace
+
     from gemmaserve.errors import ConfigurationError
-    from gemmaserve_custom_torch.kv.pools import kv_groups, plan_pool_sizes
+    from gemmaserve_custom_torch.kv.pools import kv_groups, plan_pools_for_settings, reference_tokens
 
     groups = kv_request_blocks(config, block_size, itemsize, request_tokens)
     per_request = sum(g["bytes_per_block"] * g["blocks_per_request"] for g in groups.values())
@@ -287,15 +293,21 @@ def kv_capacity(config: Any, itemsize: int, block_size: int, memory_bytes: int, 
         "kv_memory_bytes": memory_bytes, "max_concurrent_requests": best,
         "sliding_blocks_for_max": (best * groups[SLIDING]["blocks_per_request"]) if SLIDING in groups else None,
     }
-    default = None
+    default, blocks, reference = None, None, None
     if best:
-        windows = [g.window for g in kv_groups(config) if g.window is not None]
+        settings = SimpleNamespace(max_batch_size=best, max_active_kv_tokens=best * request_tokens,
+                                   prefill_chunk_tokens=chunk_tokens)
+        max_len = request_tokens  # MAX_MODEL_LEN (the configs' max_position_embeddings only bound decode tables)
         try:
-            blocks = plan_pool_sizes(kv_groups(config), block_size, itemsize, memory_bytes, sliding_blocks=None,
-                                     max_rows=best, sliding_headroom_tokens=min([chunk_tokens, *windows]))
+            blocks = plan_pools_for_settings(config, settings, block_size, itemsize, memory_bytes,
+                                             sliding_blocks=None, max_len=max_len)
+            reference = reference_tokens(kv_groups(config), block_size, itemsize, memory_bytes, max_rows=best,
+                                         max_active_tokens=best * request_tokens, max_len=max_len)
             default = min(blocks[name] // g["blocks_per_request"] for name, g in groups.items())
         except ConfigurationError:  # a budget below one block per group: nothing fits
             default = 0
+    out["default_plan_blocks"] = blocks
+    out["default_plan_reference_tokens"] = reference
     out["default_plan_requests"] = default
     return out
 

@@ -187,8 +187,10 @@ def test_factory_reads_env_and_budget_errors_are_clear(tiny_gemma4_dir, monkeypa
     assert backend.block_size == 8 and backend.capabilities.kv_reservation
     assert not backend.capabilities.uses_core_cache_manager and backend.capabilities.logprobs
     assert backend.model_info.eos_token_ids == (1,) and backend.model_info.device == "cpu"
-    # 2 rows x (ceil(8/8) + 1 + one chunk of headroom, ceil(min(512, 8)/8)): a chunk keeps its old window
-    assert backend.pools.managers["sliding_attention"].num_blocks == 6
+    # 10 uniform blocks cannot hold MAX_ACTIVE_KV_TOKENS (65536), so the default split balances the pools at the
+    # longest request 2 rows fit: their windows, 2 x (ceil(8/8) + 1), no chunk headroom; the full pool the rest
+    assert backend.pools.managers["sliding_attention"].num_blocks == 4
+    assert backend.pool_reference_tokens > 8
     backend.set_cache_adapter(None)  # no-op: it caches internally
     assert backend.kv_stats()["blocks_total"] > 0
     monkeypatch.setenv("CUSTOM_BACKEND_SLIDING_BLOCKS", "1000")

@@ -57,7 +57,10 @@ def test_decode_benchmark_quick_per_config(tmp_path, config):
     for name, row in capacity["configs"].items():
         sliding, full = KV_PER_TOKEN[name]
         assert row["kv_bytes_per_token"] == {"sliding_attention": sliding, "full_attention": full}
-        assert row["max_concurrent_requests"] >= row["default_plan_requests"] > 0
+        # the default split, planned for MAX_BATCH_SIZE = that many 4,096-token requests, runs them all (the
+        # pools run out together at the reference length; the previous even split ran 21 of 66 at 31B)
+        assert row["max_concurrent_requests"] == row["default_plan_requests"] > 0
+        assert row["default_plan_reference_tokens"] == 4096
     this_run = capacity["this_run"]
     assert this_run["max_concurrent_workload_a_requests_in_pools"] >= 2
 
@@ -95,7 +98,9 @@ def test_kv_capacity_uses_the_backend_footprint():
     cap = dm.kv_capacity(config, 2, 16, 100 * per_request + 5)
     assert cap["kv_bytes_per_request"] == per_request and cap["max_concurrent_requests"] == 100
     assert cap["sliding_blocks_for_max"] == 100 * 65
-    assert 0 < cap["default_plan_requests"] <= 100
+    assert cap["default_plan_requests"] == 100 and cap["default_plan_reference_tokens"] == 4096
+    assert cap["default_plan_blocks"]["sliding_attention"] * 16 * sliding + cap["default_plan_blocks"][
+        "full_attention"] * 16 * full <= 100 * per_request + 5
     assert dm.kv_tokens_fitting(config, 2, 16, 1000 * 16 * (sliding + full), max_rows=10) == (1000 - 10) * 16
 
 

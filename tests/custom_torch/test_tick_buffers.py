@@ -175,8 +175,9 @@ def test_default_pools_leave_room_for_a_burst_of_chunks(tiny_gemma4_dir):
     from fixtures_backend import run_scheduler
 
     groups = kv_groups(make_backend(tiny_gemma4_dir).model.config)
-    plain = plan_pool_sizes(groups, 4, 4, 10**9, sliding_blocks=None, max_rows=16)
-    roomy = plan_pool_sizes(groups, 4, 4, 10**9, sliding_blocks=None, max_rows=16, sliding_headroom_tokens=8)
+    limits = {"max_rows": 16, "max_active_tokens": 16 * 256, "max_len": 256}
+    plain = plan_pool_sizes(groups, 4, 4, 10**9, sliding_blocks=None, **limits)
+    roomy = plan_pool_sizes(groups, 4, 4, 10**9, sliding_blocks=None, sliding_headroom_tokens=8, **limits)
     assert plain["sliding_attention"] == 16 * 3 and roomy["sliding_attention"] == 16 * (3 + 2)
 
     rows = 24

@@ -54,7 +54,8 @@ from gemmaserve.settings import CoreSettings
 from .distributed.shards import check_shardable
 from .distributed.workers import TensorParallelWorkers, rank_device
 from .kernels import HAS_TRITON
-from .kv import BatchedPagedKVCache, KVAdmission, KVPools, PagedKVCache, PrefixCache, kv_groups, plan_pool_sizes
+from .kv import (BatchedPagedKVCache, KVAdmission, KVPools, PagedKVCache, PrefixCache, kv_groups,
+                 plan_pools_for_settings, reference_tokens)
 from .models.fusion import fuse_elementwise, fuse_moe, fuse_norms, fuse_projections, moe_is_fused
 from .mixed_step import MixedStep
 from .models.config import GemmaTextConfig
@@ -144,12 +145,13 @@ class CustomTorchBackend(InferenceBackend):
         self.attention = resolve_attention(custom.attention, self.device.type, HAS_TRITON)
         on_cuda = self.device.type == "cuda"
         windows = [g.window for g in kv_groups(config) if g.window is not None]
-        num_blocks = plan_pool_sizes(
-            kv_groups(config), self.block_size, param.element_size(), _budget_bytes(config, settings, custom, param),
-            sliding_blocks=custom.sliding_blocks, max_rows=settings.max_batch_size,
-            # a tick's chunk keeps its first queries' sliding blocks until its forward ends
-            sliding_headroom_tokens=min([settings.prefill_chunk_tokens, *windows]),
-        )
+        budget = _budget_bytes(config, settings, custom, param)
+        num_blocks = plan_pools_for_settings(config, settings, self.block_size, param.element_size(), budget,
+                                             sliding_blocks=custom.sliding_blocks, max_len=max_len)
+        # the reference request length of the default split (it sets the split when memory is tight; kv/pools.py)
+        self.pool_reference_tokens = None if custom.sliding_blocks is not None else reference_tokens(
+            kv_groups(config), self.block_size, param.element_size(), budget, max_rows=settings.max_batch_size,
+            max_active_tokens=settings.max_active_kv_tokens, max_len=max_len)
         self.pools = KVPools(config, num_blocks, self.block_size, self.dtype, self.device)
         if workers is not None:
             self.pools.copy_listener = workers.send_copy
@@ -187,11 +189,13 @@ class CustomTorchBackend(InferenceBackend):
             architecture=config.model_type, dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
         )
         logger.info(
-            "custom_torch: %s on %s (%s)%s, block size %d, pools %s (%.1f MiB), decode %s attention (%s), ticks %s "
-            "(%s), fast prefill %s, fused %s",
+            "custom_torch: %s on %s (%s)%s, block size %d, pools %s (%.1f MiB; %s), decode %s attention (%s), "
+            "ticks %s (%s), fast prefill %s, fused %s",
             name, self.device, self.model_info.dtype + (", FP8 weights" if uses_fp8(model) else ""),
             "" if workers is None else f", tensor parallel over {workers.tp.world_size} ranks (sizes per rank)",
             self.block_size, num_blocks, self.pools.nbytes / 2**20,
+            "CUSTOM_BACKEND_SLIDING_BLOCKS" if self.pool_reference_tokens is None
+            else f"default split; when memory is tight, balanced at {self.pool_reference_tokens}-token requests",
             self.attention, "one-forward ticks" if workers is not None else "gather path" if self.decoder is None else (
                 "CUDA graphs" if self.decoder.graphs is not None else "fixed buffers, eager"),
             "one forward" if custom.mixed_step else "prefill and decode apart",

@@ -8,7 +8,9 @@ Pool budget (pick at most one; unset = sized from ``MAX_ACTIVE_KV_TOKENS``, see 
   fewer blocks and the full group the memory saved.
 
 ``CUSTOM_BACKEND_SLIDING_BLOCKS`` fixes the sliding group's block count (the full group gets the rest of the
-budget); unset = window-aware auto sizing. Instances are immutable; build them with :func:`load_custom_settings`.
+budget); unset = window-aware auto sizing (``kv.pools.plan_pool_sizes``: room for MAX_BATCH_SIZE windows when
+the budget allows, else both pools run out together at a reference request length). Instances are immutable;
+build them with :func:`load_custom_settings`.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class CustomTorchSettings(BaseSettings):
         None, ge=1, description="K/V budget in uniform blocks (a block in every storing layer); not with KV_MEMORY_GB."
     )
     sliding_blocks: int | None = Field(
-        None, ge=1, description="Blocks of the sliding-window group; the full group gets the rest. Unset: window-aware."
+        None, ge=1, description="Blocks of the sliding-window group; the full group gets the rest. Unset: window-aware "
+        "(kv.pools.plan_pool_sizes)."
     )
     block_size: int | None = Field(
         None, ge=1, le=1024, description="Tokens per KV block. Unset: the core KV_BLOCK_SIZE."

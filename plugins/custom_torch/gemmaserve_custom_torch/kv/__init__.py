@@ -4,7 +4,8 @@ admission. See ``pools.py`` for the memory layout and the sliding-window rule.""
 from .admission import KVAdmission
 from .batched import BatchedPagedKVCache, DecodeState, PagedDecodeContext
 from .paged_cache import PagedKVCache
-from .pools import GroupGeometry, KVGroupSpec, KVPools, kv_groups, plan_pool_sizes
+from .pools import (GroupGeometry, KVGroupSpec, KVPools, kv_groups, plan_pool_sizes, plan_pools_for_settings,
+                    reference_tokens)
 from .prefix_cache import CachedBlock, PrefixCache
 
 __all__ = [
@@ -20,4 +21,6 @@ __all__ = [
     "PrefixCache",
     "kv_groups",
     "plan_pool_sizes",
+    "plan_pools_for_settings",
+    "reference_tokens",
 ]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,7 +33,8 @@ from gemmaserve.torch_sampling import to_device
 
 from ..models.config import FULL, SLIDING, GemmaTextConfig
 
-__all__ = ["GroupGeometry", "KVGroupSpec", "KVPools", "kv_groups", "plan_pool_sizes"]
+__all__ = ["GroupGeometry", "KVGroupSpec", "KVPools", "kv_groups", "plan_pool_sizes", "plan_pools_for_settings",
+           "reference_tokens"]
 
 Reclaimer = Callable[[str, int], None]
 """``reclaim(group, num_blocks)``: try to free that many blocks of ``group`` (the prefix cache evicts)."""
@@ -88,6 +90,46 @@ def kv_groups(config: GemmaTextConfig) -> tuple[KVGroupSpec, ...]:
     return tuple(groups)
 
 
+def _pool_maxima(sliding: KVGroupSpec, block_size: int, *, max_rows: int, max_active_tokens: int, max_len: int,
+                 sliding_headroom_tokens: int) -> tuple[int, int]:
+    """(sliding, full): the most blocks of each group that the scheduler's limits let requests use. Full: every
+    admitted request reserves ``ceil(n / bs)`` blocks, at most ``MAX_BATCH_SIZE`` of them hold reservations and
+    their tokens sum to at most ``MAX_ACTIVE_KV_TOKENS`` (nor is one longer than ``max_len``). Sliding: each of
+    ``max_rows`` rows holds at most its window's blocks plus the headroom of a prefill chunk, and never more
+    than its full blocks plus that headroom."""
+    headroom = _cdiv(sliding_headroom_tokens, block_size)
+    full_max = min(_cdiv(max_active_tokens, block_size) + max_rows, max_rows * _cdiv(max_len, block_size))
+    window = GroupGeometry(block_size, sliding.window).max_blocks(max_len)
+    return min(max_rows * (window + headroom), full_max + max_rows * headroom), full_max
+
+
+def reference_tokens(
+    groups: Sequence[KVGroupSpec], block_size: int, itemsize: int, budget_bytes: int, *, max_rows: int,
+    max_active_tokens: int, max_len: int,
+) -> int:
+    """The request length at which the default split makes the sliding and full pools run out together:
+    ``min(max_len, ceil(max_active_tokens / max_rows))`` (the average request length at which the scheduler's
+    row and token limits bind together), shortened in whole blocks until ``max_rows`` requests of that length
+    fit in the budget at once (never below one block). Groups without both types: the same rule (it then
+    only informs)."""
+    per_block = {g.name: g.bytes_per_block(block_size, itemsize) for g in groups}
+    window = next((g.window for g in groups if g.name == SLIDING), None)
+    geometry = GroupGeometry(block_size, window)
+    cap = max(1, min(max_len, _cdiv(max_active_tokens, max_rows)))
+
+    def fits(blocks: int) -> bool:  # max_rows requests of ``blocks`` full blocks (and their window) fit
+        tokens = min(cap, blocks * block_size)
+        need = per_block.get(FULL, 0) * _cdiv(tokens, block_size)
+        need += per_block.get(SLIDING, 0) * geometry.max_blocks(tokens)
+        return max_rows * need <= budget_bytes
+
+    low, high = 1, _cdiv(cap, block_size)  # the largest fitting block count in [low, high], or low
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return min(cap, low * block_size)
+
+
 def plan_pool_sizes(
     groups: Sequence[KVGroupSpec],
     block_size: int,
@@ -96,12 +138,24 @@ def plan_pool_sizes(
     *,
     sliding_blocks: int | None,
     max_rows: int,
+    max_active_tokens: int,
+    max_len: int,
     sliding_headroom_tokens: int = 0,
 ) -> dict[str, int]:
-    """Blocks per group for a memory budget. The sliding group gets ``sliding_blocks`` if given, else
-    ``min(uniform, max_rows * (max sliding blocks per row + ceil(sliding_headroom_tokens / block_size)))``
-    (window-aware: more cannot be used by ``max_rows`` rows; the headroom is what a tick's prefill chunk
-    holds on top of the window while it runs, see ``mixed_step.py``); the full group gets the rest.
+    """Blocks per group for a memory budget; the full group gets what the sliding group leaves. The sliding
+    group gets ``sliding_blocks`` if given (CUSTOM_BACKEND_SLIDING_BLOCKS), else (window-aware default):
+
+    - when the budget holds both groups' maxima (``_pool_maxima``: ``max_rows`` rows' windows plus one prefill
+      chunk of headroom each, ``sliding_headroom_tokens``, see ``mixed_step.py``; and the full blocks of
+      ``ceil(max_active_tokens / bs) + max_rows``), the sliding maximum;
+    - otherwise (memory is tight) the split at which both pools run out together for requests of
+      ``reference_tokens`` L: the sliding group gets the budget's share that one L-token request puts in
+      sliding layers, ``budget * a * s // (a * s + b * f)`` bytes (``a``, ``b``: the request's sliding / full
+      blocks, ``GroupGeometry.max_blocks``; ``s``, ``f``: bytes of one block), which admits
+      ``budget // (a * s + b * f)`` such requests, the most any split admits; raised to what the full group
+      cannot use (memory beyond its maximum) and capped at the sliding maximum. No chunk headroom then: at
+      that concurrency a prefill chunk past its window runs shorter (``MixedStep`` halves it).
+
     Raises ConfigurationError if the budget cannot hold one block each."""
     per_block = {g.name: g.bytes_per_block(block_size, itemsize) for g in groups}
     total = sum(per_block.values())
@@ -115,17 +169,44 @@ def plan_pool_sizes(
     full = next((g for g in groups if g.name == FULL), None)
     if sliding is None or full is None:
         return {g.name: budget_bytes // per_block[g.name] for g in groups}
+    s, f = per_block[SLIDING], per_block[FULL]
     if sliding_blocks is None:
-        cap = GroupGeometry(block_size, sliding.window).max_blocks(10**12) + _cdiv(sliding_headroom_tokens, block_size)
-        sliding_blocks = min(uniform, max_rows * cap)
-    left = budget_bytes - sliding_blocks * per_block[SLIDING]
-    full_blocks = left // per_block[FULL]
+        sliding_max, full_max = _pool_maxima(sliding, block_size, max_rows=max_rows,
+                                             max_active_tokens=max_active_tokens, max_len=max_len,
+                                             sliding_headroom_tokens=sliding_headroom_tokens)
+        if sliding_max * s + full_max * f <= budget_bytes:
+            sliding_blocks = sliding_max
+        else:
+            reference = reference_tokens(groups, block_size, itemsize, budget_bytes, max_rows=max_rows,
+                                         max_active_tokens=max_active_tokens, max_len=max_len)
+            a = GroupGeometry(block_size, sliding.window).max_blocks(reference)
+            b = _cdiv(reference, block_size)
+            balanced = budget_bytes * a // (a * s + b * f)
+            unused_by_full = (budget_bytes - full_max * f) // s
+            sliding_blocks = max(1, min(sliding_max, max(balanced, unused_by_full)))
+    left = budget_bytes - sliding_blocks * s
+    full_blocks = left // f
     if full_blocks < 1:
         raise ConfigurationError(
             f"CUSTOM_BACKEND_SLIDING_BLOCKS={sliding_blocks} uses the whole KV budget ({budget_bytes} bytes) and "
             f"leaves no full-attention block; lower it (uniform pools would have {uniform} blocks each)"
         )
     return {SLIDING: sliding_blocks, FULL: full_blocks}
+
+
+def plan_pools_for_settings(config: GemmaTextConfig, settings: Any, block_size: int, itemsize: int, budget_bytes: int,
+                            *, sliding_blocks: int | None, max_len: int) -> dict[str, int]:
+    """``plan_pool_sizes`` with the arguments the backend derives from the core ``settings`` (``max_batch_size``,
+    ``max_active_kv_tokens``, ``prefill_chunk_tokens``) and ``max_len`` (the longest request it admits): the
+    one place the backend and the capacity report (``benchmarks/decode_model.py``) plan pools from settings."""
+    groups = kv_groups(config)
+    windows = [g.window for g in groups if g.window is not None]
+    return plan_pool_sizes(
+        groups, block_size, itemsize, budget_bytes, sliding_blocks=sliding_blocks, max_rows=settings.max_batch_size,
+        max_active_tokens=settings.max_active_kv_tokens, max_len=max_len,
+        # a tick's chunk keeps its first queries' sliding blocks until its forward ends
+        sliding_headroom_tokens=min([settings.prefill_chunk_tokens, *windows]),
+    )
 
 
 class KVPools:
