@@ -82,7 +82,7 @@ def _group_pairs_kernel(ids_ptr, pair_of_row_ptr, expert_of_block_ptr, rows_of_b
                         num_experts, BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr, CHUNK: tl.constexpr):
     """One program: a counting sort of the pairs by expert ([CHUNK, EXPERTS] one-hot tiles), then the blocks."""
     experts = tl.arange(0, EXPERTS)
-    real = (experts < num_experts)[None, :]  # ids outside [0, num_experts) match no column: left ungrouped
+    real = (experts < num_experts)[None, :]  # padding columns count nothing: ids outside [0, E) stay ungrouped
     counts = tl.zeros((EXPERTS,), dtype=tl.int32)
     for c0 in range(0, num_pairs, CHUNK):
         offs = c0 + tl.arange(0, CHUNK)
@@ -143,7 +143,7 @@ def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, method: s
     flat = flat.to(torch.int64)
     flat = flat.masked_fill((flat < 0) | (flat >= num_experts), num_experts)  # skipped pairs: one E-th "expert"
     sorted_experts, pair_order = torch.sort(flat, stable=True)
-    # bounds[e]: the first sorted position of expert e; bounds[E] = num_pairs
+    # bounds[e]: the first sorted position of expert e; bounds[E]: of the first skipped pair (or num_pairs)
     bounds = torch.searchsorted(sorted_experts, torch.arange(num_experts + 1, device=device, dtype=torch.int64))
     counts = bounds[1:] - bounds[:-1]
     padded_counts = (counts + block_m - 1) // block_m * block_m
