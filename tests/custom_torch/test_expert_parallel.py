@@ -23,7 +23,6 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -44,7 +43,8 @@ _CHECKPOINTS: dict[str, Callable[[Path], Path]] = {
     # head (replicated), 2 sliding KV heads (split); 4 experts per rank
     "moe_8x3": lambda path: build_tiny_gemma4_moe(
         path, seed=21, hidden_size=48, num_attention_heads=4, num_key_value_heads=2, num_experts=8, top_k_experts=3,
-        moe_intermediate_size=21, intermediate_size=40, num_hidden_layers=4, layer_types=[SLIDING, FULL, SLIDING, FULL]),
+        moe_intermediate_size=21, intermediate_size=40, num_hidden_layers=4,
+        layer_types=[SLIDING, FULL, SLIDING, FULL]),
     # 4 experts top 1 (2 per rank), PLE, 2 KV-shared layers, K=V with 2 global KV heads (split)
     "moe_4x1_ple": lambda path: build_tiny_gemma4_moe(
         path, seed=22, hidden_size=32, num_attention_heads=2, num_key_value_heads=2, num_global_key_value_heads=2,
