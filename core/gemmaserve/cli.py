@@ -52,6 +52,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     _env_flag(group, "--max-num-batched-tokens", "token budget of one scheduler tick, decode rows first", type=int)
     _env_flag(group, "--tensor-parallel-size", "split the model over N devices with the custom backends: this "
               "process and N minus 1 workers over torch.distributed (docs/scaling.md)", type=int, metavar="N")
+    _env_flag(group, "--enable-expert-parallel", "with --tensor-parallel-size N: each rank holds E/N whole MoE "
+              "experts instead of a slice of every expert (custom backends, MoE models)", action="store_true",
+              default=None)
     _env_flag(group, "--quantization", "fp8: FP8 weights quantized at load (custom backends; compressed-tensors FP8 "
               "checkpoints load as FP8 without it)")
     _env_flag(group, "--log-level", "debug, info, warning or error")
@@ -80,6 +83,7 @@ def settings_from_args(args: argparse.Namespace) -> CoreSettings:
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
         quantization=args.quantization,
         log_level=args.log_level,
     )
@@ -242,8 +246,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model=args.model, backend=args.backend, device=args.device, dtype=args.dtype,
         max_batch_size=args.max_batch_size, max_active_kv_tokens=args.max_active_kv_tokens,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-        tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization, log_level=args.log_level,
-        host=args.host, port=args.port, api_key=args.api_key,
+        tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
+        quantization=args.quantization, log_level=args.log_level, host=args.host, port=args.port, api_key=args.api_key,
         allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
         enable_debug_endpoints=args.enable_debug_endpoints, timeout_keep_alive=args.timeout_keep_alive,
         client_header_timeout=args.client_header_timeout, client_body_timeout=args.client_body_timeout,
@@ -257,6 +261,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigurationError(f"--data-parallel-size {args.data_parallel_size} with --tensor-parallel-size "
                                  f"{settings.tensor_parallel_size}: each replica gets one GPU, so replicas cannot be "
                                  "tensor parallel yet; use one of the two")
+    if data_parallel and settings.enable_expert_parallel:
+        raise ConfigurationError(f"--data-parallel-size {args.data_parallel_size} with --enable-expert-parallel: "
+                                 "experts are split over the tensor-parallel ranks of one engine, and data-parallel "
+                                 "replicas do not share experts (vLLM's DP x EP is not implemented); drop one")
     if data_parallel:
         from gemmaserve.server.data_parallel import serve_data_parallel
 

@@ -40,6 +40,8 @@ class BackendSpec:
       default model is prepared for them.
     - ``tensor_parallel``: the factory honours ``TENSOR_PARALLEL_SIZE`` > 1; for any other backend
       ``build_engine`` refuses it.
+    - ``expert_parallel``: the factory honours ``ENABLE_EXPERT_PARALLEL`` (MoE experts split whole over the
+      tensor-parallel ranks); for any other backend ``build_engine`` refuses it.
     - ``quantization``: the ``QUANTIZATION`` values the factory honours (e.g. ``("fp8",)``); ``build_engine``
       refuses any other.
     """
@@ -54,6 +56,7 @@ class BackendSpec:
     plugin: str = ""
     requires_model: bool = True
     tensor_parallel: bool = False
+    expert_parallel: bool = False
     quantization: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

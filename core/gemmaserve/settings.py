@@ -186,6 +186,13 @@ class CoreSettings(BaseSettings):
         "drives N ranks, N-1 of them worker processes, over torch.distributed (gloo on CPU, NCCL on GPUs "
         "cuda:0..N-1). Only backends that declare it (custom-cpu, custom-cuda) accept N > 1 (docs/scaling.md).",
     )
+    enable_expert_parallel: bool = Field(
+        False, validation_alias=env_alias("ENABLE_EXPERT_PARALLEL"),
+        description="Under tensor parallel, split MoE experts whole over the ranks (vLLM's --enable-expert-parallel): "
+        "each rank holds E/N experts and computes only the tokens routed to them, instead of a slice of every "
+        "expert's width; one all-reduce per MoE block either way. MoE models only; custom-cpu / custom-cuda "
+        "(docs/scaling.md).",
+    )
     data_parallel_rank: int = Field(
         0, ge=0, validation_alias=env_alias("DATA_PARALLEL_RANK"),
         description="This replica's index among data-parallel replicas (vLLM's --data-parallel-rank; `serve "

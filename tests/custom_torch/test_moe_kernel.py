@@ -349,7 +349,7 @@ def _hopper_kernels(dtype: str, blocks: tuple[int, int, int], fp8: bool = False)
           **sizes, **constexpr}, tiles),
         (moe._sum_slots_kernel,
          {"pair_out_ptr": f"*{dtype}", "ids_ptr": "*i64", "out_ptr": f"*{dtype}", "hidden": "i32",
-          "TOP_K": "constexpr", "SLOTS": "constexpr", "BLOCK": "constexpr"}, {"TOP_K": 8, "SLOTS": 8, "BLOCK": 1024}),
+          "num_experts": "i32", "TOP_K": "constexpr", "SLOTS": "constexpr", "BLOCK": "constexpr"}, {"TOP_K": 8, "SLOTS": 8, "BLOCK": 1024}),
     ]
 
 

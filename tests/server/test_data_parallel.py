@@ -68,6 +68,12 @@ def test_data_parallel_with_tensor_parallel_is_refused(capsys: pytest.CaptureFix
 
 
 @needs_router
+def test_data_parallel_with_expert_parallel_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "-dp", "2", "--device", "cpu", "--enable-expert-parallel"]) == 2
+    assert "replicas do not share experts" in capsys.readouterr().err
+
+
+@needs_router
 def test_client_facing_settings_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "-dp", "2", "--device", "cpu", "--allowed-hosts", "example.com"]) == 2
     assert "--allowed-hosts" in capsys.readouterr().err

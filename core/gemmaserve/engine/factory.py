@@ -35,8 +35,8 @@ def build_engine(settings: CoreSettings | None = None, registry: BackendRegistry
     (``gemmaserve.kv.events``) by ``engine.kv_events``, which the engine closes at shutdown.
 
     Raises ConfigurationError / BackendUnavailableError from selection, ConfigurationError for
-    ``TENSOR_PARALLEL_SIZE`` > 1 on a backend without tensor parallel or a ``QUANTIZATION`` the backend does
-    not declare, BackendUnavailableError if
+    ``TENSOR_PARALLEL_SIZE`` > 1 on a backend without tensor parallel, ``ENABLE_EXPERT_PARALLEL`` on one without
+    expert parallel, or a ``QUANTIZATION`` the backend does not declare, BackendUnavailableError if
     the backend's factory cannot be imported, whatever the factory raises (ModelLoadError...), and
     ConfigurationError (the backend closed again) if KV events are enabled for a backend without a prefix cache
     or their sockets cannot be opened.
@@ -49,6 +49,11 @@ def build_engine(settings: CoreSettings | None = None, registry: BackendRegistry
             f"TENSOR_PARALLEL_SIZE={settings.tensor_parallel_size}: backend {spec.name!r} does not support tensor "
             "parallel; set TENSOR_PARALLEL_SIZE=1, or use custom-cpu / custom-cuda (BACKEND), which split the model "
             "over torch.distributed ranks"
+        )
+    if settings.enable_expert_parallel and not spec.expert_parallel:
+        raise ConfigurationError(
+            f"ENABLE_EXPERT_PARALLEL: backend {spec.name!r} does not support expert parallel; unset it, or use "
+            "custom-cpu / custom-cuda (BACKEND), which split MoE experts over torch.distributed ranks"
         )
     if settings.quantization is not None and settings.quantization not in spec.quantization:
         raise ConfigurationError(

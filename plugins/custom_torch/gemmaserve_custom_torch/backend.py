@@ -96,6 +96,14 @@ def fuse_model(model: GemmaForCausalLM) -> None:
         fuse_moe(model)
 
 
+def _read_config(model_path: str | Path) -> GemmaTextConfig:
+    """The checkpoint's text config (ModelLoadError on a bad folder), read before any weight or worker."""
+    try:
+        return GemmaTextConfig.from_pretrained(model_path)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot load {model_path} with the custom_torch backend: {exc}") from exc
+
+
 def check_tensor_parallel_settings(custom: CustomTorchSettings, device: str) -> None:
     """Refuse the ``CUSTOM_BACKEND_*`` options tensor parallel does not run (ConfigurationError naming each): its
     ticks are eager `MixedStep` forwards, so the fixed-buffer decoder's options and CUDA graphs do not apply."""
@@ -207,10 +215,14 @@ class CustomTorchBackend(InferenceBackend):
         cls, model_path: str | Path, device: str, settings: CoreSettings, custom: CustomTorchSettings
     ) -> CustomTorchBackend:
         """Load weights and tokenizer from a checkpoint folder. Raises ModelLoadError on a bad folder. With
-        ``TENSOR_PARALLEL_SIZE`` N > 1, starts ranks 1..N-1 (:meth:`_from_checkpoint_parallel`)."""
+        ``TENSOR_PARALLEL_SIZE`` N > 1, starts ranks 1..N-1 (:meth:`_from_checkpoint_parallel`).
+        ``ENABLE_EXPERT_PARALLEL`` on a model without MoE experts is a ConfigurationError (at N = 1 too, where the
+        one rank holds every expert)."""
         dtype = _DTYPES.get(settings.dtype) or auto_dtype(device)
         if settings.tensor_parallel_size > 1:
             return cls._from_checkpoint_parallel(model_path, device, dtype, settings, custom)
+        if settings.enable_expert_parallel:
+            check_shardable(_read_config(model_path), 1, expert_parallel=True)
         try:
             model = GemmaForCausalLM.from_hf(model_path, device=device, dtype=dtype, quantization=settings.quantization)
         except ConfigurationError:
@@ -226,14 +238,11 @@ class CustomTorchBackend(InferenceBackend):
         workers (they load their shards while this process loads its own), build the backend. Raises
         ConfigurationError for what cannot be sharded or run, ModelLoadError for a bad folder,
         TensorParallelWorkerError if a worker fails; no worker outlives a failure."""
-        size = settings.tensor_parallel_size
+        size, expert_parallel = settings.tensor_parallel_size, settings.enable_expert_parallel
         check_tensor_parallel_settings(custom, device)
-        try:
-            config = GemmaTextConfig.from_pretrained(model_path)
-        except (OSError, ValueError, KeyError) as exc:
-            raise ModelLoadError(f"cannot load {model_path} with the custom_torch backend: {exc}") from exc
-        check_shardable(config, size)
-        workers = TensorParallelWorkers.start(str(model_path), device, dtype, size, settings.quantization)
+        check_shardable(_read_config(model_path), size, expert_parallel)
+        workers = TensorParallelWorkers.start(str(model_path), device, dtype, size, settings.quantization,
+                                              expert_parallel)
         try:
             try:
                 model = GemmaForCausalLM.from_hf(model_path, device=rank_device(device, 0), dtype=dtype,

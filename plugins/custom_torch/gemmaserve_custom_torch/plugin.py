@@ -16,10 +16,10 @@ _WHAT = "hand-written Gemma 3/4 forward, paged KV with prefix sharing and slidin
 
 SPECS: tuple[BackendSpec, ...] = (
     BackendSpec("custom-cuda", _FACTORY, ("cuda",), _PROBE, 10, description=f"{_WHAT}; Triton paged decode",
-                tensor_parallel=True, quantization=("fp8",)),
+                tensor_parallel=True, expert_parallel=True, quantization=("fp8",)),
     BackendSpec("custom-mps", _FACTORY, ("mps",), _PROBE, 30, description=f"{_WHAT}; gather decode on Apple GPUs"),
     BackendSpec("custom-cpu", _FACTORY, ("cpu",), _PROBE, 60, description=f"{_WHAT}; gather decode on the CPU",
-                tensor_parallel=True, quantization=("fp8",)),
+                tensor_parallel=True, expert_parallel=True, quantization=("fp8",)),
 )
 
 

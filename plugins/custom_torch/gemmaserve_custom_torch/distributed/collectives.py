@@ -28,11 +28,13 @@ for a peer that hangs without dying (a dead peer's closed connection fails the c
 @dataclass(frozen=True)
 class TensorParallel:
     """Rank ``rank`` of ``world_size``; ``group`` is the torch.distributed process group (None = the default
-    group, or nothing at world size 1). Immutable; shared by every module of one model shard."""
+    group, or nothing at world size 1). ``expert_parallel``: MoE experts are split whole over the ranks instead of
+    on their width (`shards`). Immutable; shared by every module of one model shard."""
 
     rank: int = 0
     world_size: int = 1
     group: Any = None
+    expert_parallel: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -63,7 +65,8 @@ SINGLE = TensorParallel()
 """World size 1: every collective is a no-op."""
 
 
-def init_tensor_parallel(rank: int, world_size: int, rendezvous_file: str, device: torch.device) -> TensorParallel:
+def init_tensor_parallel(rank: int, world_size: int, rendezvous_file: str, device: torch.device,
+                         expert_parallel: bool = False) -> TensorParallel:
     """Join the default process group (gloo for a CPU ``device``, NCCL for CUDA; the rendezvous through a shared
     file, so no port can clash) and return this rank's `TensorParallel`. Blocks until every rank has joined
     (at most `COLLECTIVE_TIMEOUT`). One group per process: the caller destroys it with :func:`close_tensor_parallel`."""
@@ -75,7 +78,7 @@ def init_tensor_parallel(rank: int, world_size: int, rendezvous_file: str, devic
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"file://{rendezvous_file}", rank=rank, world_size=world_size,
                             timeout=COLLECTIVE_TIMEOUT)
-    return TensorParallel(rank, world_size, None)
+    return TensorParallel(rank, world_size, None, expert_parallel)
 
 
 def close_tensor_parallel() -> None:

@@ -90,9 +90,10 @@ class TensorParallelWorkers:
 
     @classmethod
     def start(cls, model_path: str, device: str | torch.device, dtype: torch.dtype,
-              world_size: int, quantization: str | None = None) -> TensorParallelWorkers:
+              world_size: int, quantization: str | None = None, expert_parallel: bool = False) -> TensorParallelWorkers:
         """Spawn ranks 1..``world_size``-1 (each loads ``model_path``'s shard in ``dtype`` on its device, FP8 with
-        ``quantization="fp8"`` or an FP8 checkpoint, as ``GemmaForCausalLM.from_hf``) and
+        ``quantization="fp8"`` or an FP8 checkpoint, as ``GemmaForCausalLM.from_hf``; whole MoE experts per rank
+        with ``expert_parallel``) and
         join the process group as rank 0. Returns once the group is formed; the workers' loading goes on (see
         :meth:`wait_loaded`). Raises TensorParallelWorkerError if a worker dies or fails to start."""
         engine_device = torch.device(device)
@@ -121,20 +122,23 @@ class TensorParallelWorkers:
                     process = context.Process(
                         target=run_worker, name=f"gemmaserve-tp-rank{rank}", daemon=True,
                         args=(rank, world_size, rendezvous_file, str(model_path), str(rank_device(device, rank)),
-                              dtype_name, torch.get_num_threads(), quantization, theirs),
+                              dtype_name, torch.get_num_threads(), quantization, expert_parallel, theirs),
                     )
                     process.start()
                 finally:
                     theirs.close()
                 processes.append(process)
             workers._expect("started", START_TIMEOUT_S)
-            workers.tp = init_tensor_parallel(0, world_size, rendezvous_file, rank_device(device, 0))
+            workers.tp = init_tensor_parallel(0, world_size, rendezvous_file, rank_device(device, 0),
+                                              expert_parallel)
             workers.joined = True
         except BaseException:  # a failed spawn too: no started worker, pipe or rendezvous file is left
             workers.close()
             raise
-        logger.info("custom_torch: tensor parallel over %d ranks (%s), worker pids %s", world_size,
-                    "nccl" if engine_device.type == "cuda" else "gloo", [p.pid for p in processes])
+        logger.info("custom_torch: tensor parallel over %d ranks (%s)%s, worker pids %s", world_size,
+                    "nccl" if engine_device.type == "cuda" else "gloo",
+                    ", MoE experts split whole (expert parallel)" if expert_parallel else "",
+                    [p.pid for p in processes])
         return workers
 
     # -- rank 0 -> workers ---------------------------------------------------------------------------
@@ -278,7 +282,8 @@ class TensorParallelWorkers:
 
 
 def run_worker(rank: int, world_size: int, rendezvous_file: str, model_path: str, device: str, dtype_name: str,
-               num_threads: int, quantization: str | None, pipe: mp_connection.Connection) -> None:
+               num_threads: int, quantization: str | None, expert_parallel: bool,
+               pipe: mp_connection.Connection) -> None:
     """A worker process's main (rank ``rank``): join the group, load the shard, then serve rank 0's messages
     until ``close`` or until rank 0's end of the pipe closes. Any exception is sent to rank 0, then the worker
     exits with code 1. SIGINT is ignored: a terminal's Ctrl-C reaches the whole process group, and rank 0 (which
@@ -299,7 +304,7 @@ def run_worker(rank: int, world_size: int, rendezvous_file: str, model_path: str
             torch.cuda.set_device(device)
             torch.empty(1, device=device)
         pipe.send(("started",))
-        tp = init_tensor_parallel(rank, world_size, rendezvous_file, torch.device(device))
+        tp = init_tensor_parallel(rank, world_size, rendezvous_file, torch.device(device), expert_parallel)
         dtype = getattr(torch, dtype_name)
         model = GemmaForCausalLM.from_hf(model_path, device=device, dtype=dtype, tp=tp, quantization=quantization)
         pipe.send(("loaded",))

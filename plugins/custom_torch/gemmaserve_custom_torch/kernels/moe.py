@@ -15,6 +15,10 @@ and expert ids [T, k] from ``MoERouter``):
 4. ``_sum_slots_kernel``: each token's k rows summed in ascending expert id, the order of the eager
    ``index_add_`` loop, rounding to the model dtype after each add as that loop does (deterministic).
 
+Expert parallel: a rank holding experts [first, first + E) passes ``ids - first``; pairs whose id then lies outside
+[0, E) belong to other ranks' experts: no group holds them (step 1), so no GEMM computes them, and step 4 adds
+zero for them (their rows of the pair buffer are never written). The ranks' outputs then sum to the full result.
+
 FP8 experts (``gate_up_scale`` / ``down_scale`` given): weights are read as float8_e4m3fn and their values used in
 the model dtype, each GEMM's input rows quantized per row in the kernel (see :func:`fused_experts`).
 
@@ -45,7 +49,8 @@ class ExpertGroups(NamedTuple):
     on blocks past the last group, which the kernels skip); its first ``rows_of_block[b]`` [num_blocks] int32
     rows are pairs, the rest padding. ``pair_of_row`` [num_blocks · block_m] int32: the flat pair index
     ``token · k + slot`` of each pair row (padding rows hold unspecified values). Within an expert, pairs keep
-    ascending pair order. ``num_blocks`` = :func:`max_blocks`.
+    ascending pair order. ``num_blocks`` = :func:`max_blocks`. Pairs whose id lies outside [0, E) (experts held
+    by another expert-parallel rank) are in no group.
     """
 
     pair_of_row: torch.Tensor
@@ -77,11 +82,12 @@ def _group_pairs_kernel(ids_ptr, pair_of_row_ptr, expert_of_block_ptr, rows_of_b
                         num_experts, BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr, CHUNK: tl.constexpr):
     """One program: a counting sort of the pairs by expert ([CHUNK, EXPERTS] one-hot tiles), then the blocks."""
     experts = tl.arange(0, EXPERTS)
+    real = (experts < num_experts)[None, :]  # padding columns count nothing: ids outside [0, E) stay ungrouped
     counts = tl.zeros((EXPERTS,), dtype=tl.int32)
     for c0 in range(0, num_pairs, CHUNK):
         offs = c0 + tl.arange(0, CHUNK)
         ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        counts += tl.sum(((ids[:, None] == experts[None, :]) & real).to(tl.int32), axis=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_end = tl.cumsum(padded, axis=0)
     padded_start = padded_end - padded
@@ -90,10 +96,10 @@ def _group_pairs_kernel(ids_ptr, pair_of_row_ptr, expert_of_block_ptr, rows_of_b
         offs = c0 + tl.arange(0, CHUNK)
         ok = offs < num_pairs
         ids = tl.load(ids_ptr + offs, mask=ok, other=-1).to(tl.int32)
-        hit = (ids[:, None] == experts[None, :]).to(tl.int32)
+        hit = ((ids[:, None] == experts[None, :]) & real).to(tl.int32)
         earlier_in_chunk = tl.cumsum(hit, axis=0) - hit
         row = tl.sum(hit * (padded_start[None, :] + placed[None, :] + earlier_in_chunk), axis=1)
-        tl.store(pair_of_row_ptr + row, offs, mask=ok)
+        tl.store(pair_of_row_ptr + row, offs, mask=ok & (ids >= 0) & (ids < num_experts))
         placed += tl.sum(hit, axis=0)
     group_end = padded_start + counts  # one past each expert's last pair row
     for b0 in range(0, num_blocks, CHUNK):
@@ -112,17 +118,18 @@ def _group_pairs_kernel(ids_ptr, pair_of_row_ptr, expert_of_block_ptr, rows_of_b
 
 
 def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, method: str = "auto") -> ExpertGroups:
-    """Group the pairs of ``ids`` [T, k] (expert ids in [0, E)) by expert; see :class:`ExpertGroups`. No host
-    sync either way. ``method``: "kernel" (one single-program Triton launch), "torch" (sort, searchsorted,
-    cumsum, scatter; ``torch.bincount`` would read the max id on the host on CUDA), or "auto" (the kernel up to
+    """Group the pairs of ``ids`` [T, k] by expert; see :class:`ExpertGroups`. Pairs with an id outside [0, E)
+    are skipped (an expert-parallel rank passes every pair, other ranks' experts included). No host sync either
+    way. ``method``: "kernel" (one single-program Triton launch), "torch" (sort, searchsorted, cumsum, scatter;
+    ``torch.bincount`` would read the max id on the host on CUDA), or "auto" (the kernel up to
     :data:`SMALL_GROUPING_PAIRS` pairs). Both give the same layout. ``ids`` is not mutated."""
     flat = ids.reshape(-1)
     num_pairs, device = flat.numel(), flat.device
     num_blocks = max_blocks(num_pairs, num_experts, block_m)
-    pair_of_row = torch.empty((num_blocks * block_m,), dtype=torch.int32, device=device)
     if method == "auto":
         method = "kernel" if num_pairs <= SMALL_GROUPING_PAIRS else "torch"
     if method == "kernel":
+        pair_of_row = torch.empty((num_blocks * block_m,), dtype=torch.int32, device=device)
         expert_of_block = torch.empty((num_blocks,), dtype=torch.int32, device=device)
         rows_of_block = torch.empty((num_blocks,), dtype=torch.int32, device=device)
         experts_block = max(16, triton.next_power_of_2(num_experts))
@@ -134,15 +141,21 @@ def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, method: s
     if method != "torch":
         raise ValueError(f"method must be 'auto', 'kernel' or 'torch', got {method!r}")
     flat = flat.to(torch.int64)
+    flat = flat.masked_fill((flat < 0) | (flat >= num_experts), num_experts)  # skipped pairs: one E-th "expert"
     sorted_experts, pair_order = torch.sort(flat, stable=True)
-    # bounds[e]: the first sorted position of expert e; bounds[E] = num_pairs
+    # bounds[e]: the first sorted position of expert e; bounds[E]: of the first skipped pair (or num_pairs)
     bounds = torch.searchsorted(sorted_experts, torch.arange(num_experts + 1, device=device, dtype=torch.int64))
     counts = bounds[1:] - bounds[:-1]
     padded_counts = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded_counts, dim=0)
     padded_start = padded_end - padded_counts
     rank = torch.arange(num_pairs, device=device, dtype=torch.int64) - bounds[sorted_experts]
-    pair_of_row.scatter_(0, padded_start[sorted_experts] + rank, pair_order.to(torch.int32))
+    # skipped pairs (sorted last) go to one spare row past the layout, dropped with it
+    target = torch.cat([padded_start, padded_start.new_full((1,), num_blocks * block_m)])[sorted_experts]
+    target = (target + rank).clamp(max=num_blocks * block_m)
+    spare = torch.empty((num_blocks * block_m + 1,), dtype=torch.int32, device=device)
+    spare.scatter_(0, target, pair_order.to(torch.int32))
+    pair_of_row = spare[: num_blocks * block_m]
     first_row = torch.arange(num_blocks, device=device, dtype=torch.int64) * block_m
     # the first expert whose padded group ends after the block's first row; E past the last group
     expert_of_block = torch.searchsorted(padded_end, first_row, right=True)
@@ -268,8 +281,8 @@ def _down_weighted_kernel(h_ptr, w_ptr, w_scale_ptr, pair_of_row_ptr, expert_of_
 
 
 @triton.jit
-def _sum_slots_kernel(pair_out_ptr, ids_ptr, out_ptr, hidden, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
-                      BLOCK: tl.constexpr):
+def _sum_slots_kernel(pair_out_ptr, ids_ptr, out_ptr, hidden, num_experts, TOP_K: tl.constexpr,
+                      SLOTS: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < hidden
@@ -281,9 +294,12 @@ def _sum_slots_kernel(pair_out_ptr, ids_ptr, out_ptr, hidden, TOP_K: tl.constexp
     before = (ids[None, :] < ids[:, None]) | ((ids[None, :] == ids[:, None]) & (slots[None, :] < slots[:, None]))
     rank = tl.sum((before & real[None, :]).to(tl.int32), axis=1)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    held = real & (ids >= 0) & (ids < num_experts)  # pairs of other expert-parallel ranks' experts add zero
     for r in tl.static_range(TOP_K):
         slot = tl.sum(tl.where((rank == r) & real, slots, 0), axis=0).to(tl.int64)
-        row = tl.load(pair_out_ptr + (token * TOP_K + slot) * hidden + cols, mask=ok, other=0.0).to(tl.float32)
+        slot_held = tl.sum(tl.where((rank == r) & held, 1, 0), axis=0) > 0
+        row = tl.load(pair_out_ptr + (token * TOP_K + slot) * hidden + cols, mask=ok & slot_held,
+                      other=0.0).to(tl.float32)
         acc = (acc + row).to(dtype).to(tl.float32)  # eager: index_add_ into a model-dtype output
     tl.store(out_ptr + token * hidden + cols, acc.to(dtype), mask=ok)
 
@@ -293,8 +309,8 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gat
                   down_scale: torch.Tensor | None = None, *, block_m: int | None = None, block_n: int | None = None,
                   block_k: int = 64, grouping: str = "auto") -> torch.Tensor:
     """``MoEExperts.forward`` fused: x [T, H] (last dim contiguous), weights [T, k] (fp32 routing weights),
-    ids [T, k] (int, in [0, E)), gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I], both contiguous
-    in x's dtype. Returns a new [T, H] in x's dtype; mutates nothing. No host sync, grids from shapes only
+    ids [T, k] (int; pairs with an id outside [0, E) are skipped: they add zero), gate_up_proj [E, 2I, H] (gate
+    rows first), down_proj [E, H, I], both contiguous in x's dtype. Returns a new [T, H] in x's dtype; mutates nothing. No host sync, grids from shapes only
     (CUDA-graph capturable). ``block_m`` (rows per block; default :func:`pick_block_m`), ``block_n`` (output
     columns per program; default 32 with ``block_m`` 16, so a decode step's few blocks still spread over many
     programs, else 64), ``block_k``: powers of two >= 16. Defaults untuned (no GPU measurement yet).
@@ -359,7 +375,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gat
     )
     sum_block = min(1024, triton.next_power_of_2(hidden))
     _sum_slots_kernel[(tokens, triton.cdiv(hidden, sum_block))](
-        pair_out, ids, out, hidden, TOP_K=top_k, SLOTS=max(2, triton.next_power_of_2(top_k)), BLOCK=sum_block,
-        num_warps=4 if sum_block >= 512 else 1,
+        pair_out, ids, out, hidden, num_experts, TOP_K=top_k, SLOTS=max(2, triton.next_power_of_2(top_k)),
+        BLOCK=sum_block, num_warps=4 if sum_block >= 512 else 1,
     )
     return out

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from gemmaserve.errors import ConfigurationError
 
 from ..distributed.collectives import SINGLE, TensorParallel
-from ..distributed.shards import Shard, read_shard, shard_config, shard_for, vocab_range
+from ..distributed.shards import Shard, expert_range, read_shard, shard_config, shard_for, vocab_range
 from .attention_context import AttentionContext
 from .config import GemmaTextConfig
 from .layers import (
@@ -179,7 +179,10 @@ class GemmaDecoderLayer(nn.Module):
         self.has_moe = config.moe_num_experts > 0
         if self.has_moe:
             self.router = MoERouter(hidden, config.moe_num_experts, config.moe_top_k, eps, device, dtype)
-            self.experts = MoEExperts(hidden, config.moe_num_experts, config.moe_intermediate_size, device, dtype)
+            total = config.moe_num_experts
+            first, end = expert_range(total, tp.rank, tp.world_size) if tp.expert_parallel else (0, total)
+            self.experts = MoEExperts(hidden, end - first, config.moe_intermediate_size, device, dtype,
+                                      first_expert=first, total_experts=total)
             self.pre_feedforward_layernorm_2 = norm()
             self.post_feedforward_layernorm_1 = norm()
             self.post_feedforward_layernorm_2 = norm()
@@ -218,7 +221,8 @@ class GemmaDecoderLayer(nn.Module):
 
     def _with_moe(self, residual: Tensor, h: Tensor) -> Tensor:
         """The MoE block's sum with the dense MLP output ``h``: post_ff_1(h) + post_ff_2(experts(residual)), the
-        experts' output all-reduced over the tensor-parallel ranks (each holds a slice of every expert's width)."""
+        experts' output all-reduced over the tensor-parallel ranks (each holds a slice of every expert's width, or
+        under expert parallel whole experts: either way a partial sum)."""
         flat = residual.reshape(-1, residual.shape[-1])  # router and experts read the pre-MLP residual
         weights, ids = self.router(flat)
         moe = self.tp.all_reduce(self.experts(self.pre_feedforward_layernorm_2(flat), weights, ids))
@@ -269,7 +273,7 @@ class GemmaForCausalLM(nn.Module):
         super().__init__()
         self.tp = tp
         self.full_config = config
-        config = shard_config(config, tp.world_size) if tp.enabled else config
+        config = shard_config(config, tp.world_size, tp.expert_parallel) if tp.enabled else config
         self.config = config
         hidden = config.hidden_size
         self.embed_tokens = ScaledEmbedding(config.vocab_size, hidden, config.embed_scale, device, dtype, tp)
@@ -422,7 +426,8 @@ class GemmaForCausalLM(nn.Module):
                 with safe_open(file, framework="pt", device=str(device)) as f:
                     for key in keys:
                         local = wanted[key]
-                        shard = shard_for(local, config, tp.rank, tp.world_size) if tp.enabled else None
+                        shard = (shard_for(local, config, tp.rank, tp.world_size, tp.expert_parallel) if tp.enabled
+                                 else None)
                         if local.endswith(".weight_scale"):
                             state[local] = _read_scale(f, key, shard, meta_state[local].shape[0])
                         else:

@@ -199,13 +199,24 @@ class MoEExperts(nn.Module):
     ``gate_up_proj_scale`` [E, 2I] and ``down_proj_scale`` [E, H] (None otherwise); the eager loop then runs each
     expert through the FP8 matmul (``quantization.linear``) and the fused kernel reads the FP8 weights with
     their scales (the same arithmetic up to summation order).
+
+    Expert parallel (``distributed.shards``): the block holds ``num_experts`` whole experts, the global experts
+    ``[first_expert, first_expert + num_experts)`` of ``total_experts``; ``ids`` stay global (the router is
+    replicated) and only the pairs routed to the held experts are computed, the rest add zero, so the ranks'
+    outputs sum to the full block's.
     """
 
     def __init__(
-        self, hidden: int, num_experts: int, width: int, device: Device = None, dtype: torch.dtype | None = None
+        self, hidden: int, num_experts: int, width: int, device: Device = None, dtype: torch.dtype | None = None,
+        *, first_expert: int = 0, total_experts: int | None = None,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.first_expert = first_expert
+        self.total_experts = num_experts if total_experts is None else total_experts
+        if not 0 <= first_expert <= self.total_experts - num_experts:
+            raise ValueError(f"experts [{first_expert}, {first_expert + num_experts}) are not within the "
+                             f"{self.total_experts} experts")
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * width, hidden, device=device, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, width, device=device, dtype=dtype))
         self.register_buffer("gate_up_proj_scale", None)
@@ -218,11 +229,14 @@ class MoEExperts(nn.Module):
 
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         if self.fused is not None and (x.is_cuda or (_TRITON_INTERPRET and x.device.type == "cpu")):
-            return self.fused(x, weights, ids, self.gate_up_proj, self.down_proj, self.gate_up_proj_scale,
+            # local ids; the kernel skips pairs whose local id falls outside [0, num_experts)
+            local = ids - self.first_expert if self.first_expert else ids
+            return self.fused(x, weights, local, self.gate_up_proj, self.down_proj, self.gate_up_proj_scale,
                               self.down_proj_scale)
         out = torch.zeros_like(x)
-        # hits[e, j, t]: token t picked expert e in its j-th top-k slot
-        hits = F.one_hot(ids, num_classes=self.num_experts).permute(2, 1, 0)
+        # hits[e, j, t]: token t picked held expert e (local index) in its j-th top-k slot
+        hits = F.one_hot(ids, num_classes=self.total_experts).permute(2, 1, 0)
+        hits = hits[self.first_expert : self.first_expert + self.num_experts]
         for expert in torch.nonzero(hits.sum(dim=(1, 2)) > 0).flatten().tolist():
             slot, token = torch.where(hits[expert])
             gate, up = linear(x[token], self.gate_up_proj[expert], _row(self.gate_up_proj_scale, expert)).chunk(2, -1)
