@@ -255,3 +255,20 @@ def test_a_batch_of_constrained_rows_with_stuck_ones_among_them() -> None:
         text = backend.tokenizer.decode(out.token_ids)
         assert out.finish_reason == FinishReason.STOP and re.fullmatch("[a-c]{4}", text), text
     assert outs[4].finish_reason == FinishReason.LENGTH
+
+
+def test_compilers_on_one_vocabulary_share_its_llguidance_tokenizer() -> None:
+    """A second engine on the same tokenizer reuses the vocabulary built for the first (seconds on Gemma's);
+    another vocabulary size or end-of-sequence set gets its own, and both compile working constraints."""
+    from gemmaserve.structured import GrammarCompiler
+    from gemmaserve.testing.reference_backend import ReferenceBackend
+
+    backend = ReferenceBackend(vocab_size=64)
+    tokenizer, eos = backend.tokenizer, backend.model_info.eos_token_ids
+    first, second = GrammarCompiler(tokenizer, 64, eos), GrammarCompiler(tokenizer, 64, eos)
+    other = GrammarCompiler(tokenizer, 64, [*eos, 7])
+    first.warm(), second.warm(), other.warm()
+    assert first._vocabulary() is second._vocabulary()
+    assert other._vocabulary() is not first._vocabulary()
+    for compiler in (first, second, other):
+        assert compiler.compile(StructuredOutputs(regex="[a-c]+")).allowed()

@@ -154,11 +154,8 @@ class GrammarCompiler:
                 problem = self.available(self._tokenizer)
                 if problem is not None:
                     raise InvalidRequestError(f"structured_outputs cannot be served: {problem}")
-                import llguidance
-
-                text = self._tokenizer.tokenizer_json()
-                self._ll_tokenizer = llguidance.LLTokenizer(text, n_vocab=self._vocab_size,
-                                                            eos_token=self._eos or None)
+                self._ll_tokenizer = _ll_tokenizer(self._tokenizer.tokenizer_json(), self._vocab_size,
+                                                   tuple(self._eos))
                 self._mask_bytes = (self._ll_tokenizer.vocab_size + 31) // 32 * 4
             return self._ll_tokenizer
 
@@ -186,6 +183,16 @@ class GrammarCompiler:
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
         return TokenConstraint(template.deep_copy(), spec.kind, self._mask_bytes)
+
+
+@functools.lru_cache(maxsize=4)
+def _ll_tokenizer(text: str, vocab_size: int, eos_token_ids: tuple[int, ...]) -> Any:
+    """llguidance's tokenizer of a ``tokenizer.json`` text, shared by every compiler in the process (an
+    LLTokenizer is immutable; building one for Gemma's vocabulary takes ~4 s, so an engine started after
+    another on the same tokenizer, offline or in a benchmark, does not pay it again)."""
+    import llguidance
+
+    return llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
 
 
 def _first_line(text: str) -> str:
