@@ -120,6 +120,7 @@ def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool
     import decode_model as dm
     from decode import _custom_backend, _settings
     from decode_workloads import random_prompts, run_engine
+    from tick_profile import TickRecorder, _summary
 
     import gemmaserve.engine.request as request_module
     from gemmaserve.hf_tokenizer import HFTokenizerAdapter
@@ -156,10 +157,18 @@ def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool
             params = SamplingParams(max_tokens=tokens, temperature=temperature, seed=1, ignore_eos=True,
                                     structured_outputs={"json": _SCHEMA_DIGITS(4 * tokens)} if constrained else None)
             spent.clear()
-            run = run_engine(backend, settings, prompts, tokens, params).summary()
+            recorder = TickRecorder(backend)
+            try:
+                run = run_engine(backend, settings, prompts, tokens, params).summary()
+            finally:
+                recorder.restore()
             if label != "warm-up":
                 result[label] = {key: run[key] for key in ("tpot_median_ms", "ttft_median_ms", "output_tok_per_s",
                                                            "wall_s", "errors")}
+                # steady decode ticks: interval, host time of the launch (the deferred masks included) and the
+                # time blocked on the previous step's tokens (the device being the longer side)
+                steady = [t for t in recorder.intervals() if t["prompt_tokens"] == 0 and t["rows"] >= rows]
+                result[label]["steady_ticks"] = _summary(steady[3:-3] if len(steady) > 12 else steady)
                 if constrained and spent:
                     result[label]["mask_calls"] = len(spent)
                     result[label]["mask_ms_median"] = round(statistics.median(spent) * 1e3, 3)
