@@ -291,3 +291,16 @@ def test_repetition_penalty_matches_transformers_generate(tmp_path) -> None:
         want.append(out[0, len(prompt):].tolist())
     for backend in ("custom-cpu", "hf"):
         assert _generate(path, backend, [params] * 2, prompts) == want, backend
+
+
+@settings(max_examples=80, deadline=None, database=None)
+@given(masks=st.lists(st.binary(max_size=20), min_size=1, max_size=5), vocab=st.integers(1, 150))
+def test_masks_unpack_on_the_device_as_the_reference_unpacks_them(masks, vocab) -> None:
+    """``allowed_on_device`` (one copy per mask into the packed host buffer) is ``allowed_tokens`` per row, for
+    masks shorter than, exactly as long as, or longer than the vocabulary's bytes (incl. empty ones)."""
+    from gemmaserve.sampling_params import allowed_tokens
+    from gemmaserve.torch_sampling import allowed_on_device
+
+    got = allowed_on_device(masks, vocab, torch.device("cpu"))
+    assert got.shape == (len(masks), vocab)
+    assert got.tolist() == [allowed_tokens(mask, vocab) for mask in masks]

