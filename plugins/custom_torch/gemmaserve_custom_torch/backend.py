@@ -533,7 +533,8 @@ def _fixed_buffer_options(model: GemmaForCausalLM, custom: CustomTorchSettings, 
                           parallel: bool) -> tuple[bool, bool]:
     """(CUDA graphs, fixed buffers) of the backend's `MixedStep`: graphs on CUDA with triton attention unless the
     model has MoE layers on the eager expert loop (its host sync cannot be captured); fixed buffers with graphs,
-    or for ``CUSTOM_BACKEND_COMPILE`` / ``EXPLAIN`` (they compile / explain the fixed-buffer decode forward).
+    and for ``CUSTOM_BACKEND_COMPILE`` / ``EXPLAIN`` (they compile / explain the fixed-buffer decode forward).
+    Otherwise every tick is an unpadded eager batch.
     Neither under tensor parallel (refused before, see :func:`check_tensor_parallel_settings`)."""
     if parallel:
         return False, False
