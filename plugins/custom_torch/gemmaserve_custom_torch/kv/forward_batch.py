@@ -24,6 +24,12 @@ Every storing layer writes the batch's K/V with one indexed copy, then every lay
 tables with the ragged kernel (Triton) or its plain-torch reference (the portable path); fresh keys are read
 back from the pools, so one kernel serves prefill and decode. From ``narrow_layer`` on (the KV-shared tail,
 fast prefill) only the last tokens of ``logit_seqs`` are computed: those layers attend as decode rows.
+
+A decode-only batch (``decode_only``: every sequence one token, every sequence's logits wanted, in order) is
+the same description run by the model as ``[S, 1]`` with the paged decode kernel (`DecodeBatchContext`, picked
+by :func:`paged_context` from the flag, never from data). On the fixed buffers it is staged by `DecodeStaging`
+(:meth:`ForwardBuffers.load_decode`, row buckets of ``graph_buckets``) and read through
+:meth:`ForwardBuffers.decode_view`.
 """
 
 from __future__ import annotations
