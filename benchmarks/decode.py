@@ -195,15 +195,15 @@ def _workload_a(backend: Any, settings: CoreSettings, sizes: list[int], args: ar
                 bandwidth: float, output_len: int, label: str) -> list[dict[str, Any]]:
     rows = []
     vocab = backend.model_info.vocab_size
-    decoder = getattr(backend, "decoder", None)
+    mixed = getattr(backend, "mixed", None)
     for n in sizes:
         prompts = random_prompts(n, args.prompt_len, vocab, seed=args.seed + 1000 * n + len(label))
         method = ("decode_step_async" if settings.async_scheduling and backend.capabilities.async_decode
                   else "decode_step_batched")
         step = StepTimer(backend, method, lambda batch, ids, *rest: len(ids), settings.device)
         replay = None
-        if decoder is not None and decoder.graphs is not None:
-            replay = StepTimer(decoder.graphs, "run", lambda bucket: bucket, settings.device)
+        if mixed is not None and mixed.graphs is not None:  # decode-only graph replays, keyed by row bucket
+            replay = StepTimer(mixed.graphs, "run", lambda key: key[0] if key[1] else -key[0], settings.device)
         result = run_engine(backend, settings, prompts, output_len)
         step.restore()
         if replay is not None:
@@ -360,15 +360,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         memory["cuda_peak_gb_after_backend"] = _gb(torch.cuda.max_memory_allocated())
         memory["cuda_allocated_gb_after_backend"] = _gb(torch.cuda.memory_allocated())
     section("capacity", lambda: _capacity(args, backend, model, device, kv_item, block_size, kv_left))
-    decoder = getattr(backend, "decoder", None)
-    if decoder is not None and decoder.graphs is not None:
-        if section("graph_capture_s", lambda: {str(k): round(v, 3) for k, v in decoder.capture_all().items()}) is None:
+    mixed = getattr(backend, "mixed", None)
+    graphed = mixed is not None and mixed.graphs is not None
+    if graphed:  # one capture_all: decode-only row buckets (graph_capture_s) and token buckets (tick_...)
+        captured = section("graph_capture_s", lambda: {k: round(v, 3) for k, v in mixed.capture_all().items()})
+        if captured is None:
             backend.close()  # its pools go before the eager backend allocates its own
             backend = _custom_backend(model, settings, cuda_graph=False, name=f"{args.config}-random")
-            decoder = backend.decoder  # keep measuring, eagerly
-    mixed = getattr(backend, "mixed", None)
-    if mixed is not None and mixed.graphs is not None:
-        section("tick_graph_capture_s", lambda: {str(k): round(v, 3) for k, v in mixed.capture_all().items()})
+            graphed = False  # keep measuring, eagerly
+        else:
+            results["graph_capture_s"] = {str(k[0]): v for k, v in captured.items() if k[1]}
+            results["tick_graph_capture_s"] = {str(k[0]): v for k, v in captured.items() if not k[1]}
     vocab = base["vocab_size"]
     run_engine(backend, settings, random_prompts(2, args.prompt_len, vocab, seed=99), 4)  # warm-up
     print(f"built in {results['meta']['build_s']} s; copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
@@ -403,7 +405,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             section("decode_with_chunk_profile", lambda: dp.profile_decode_with_chunk(backend))
     if device == "cuda" and not args.skip_prefill_profile:
         section("prefill_profile", lambda: dp.profile_prefill_paths(backend, args.prompt_len))
-    if args.profile_size and decoder is not None and device == "cuda":
+    if args.profile_size and graphed and device == "cuda":
         section("profile", lambda: dp.profile_decode_step(backend, settings, args.profile_size, args.prompt_len))
         section("sdpa_backends", lambda: dp.sdpa_backends(device, dtype))
     if hf_sizes:
@@ -418,7 +420,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if section("hf", hf_runs) is not None:
             section("hf_ratio", lambda: _ratios(results["workload_a"], results["hf"]))
     eager_sizes = [int(x) for x in args.eager_sizes.split(",") if x]
-    if eager_sizes and decoder is not None and decoder.graphs is not None:
+    if eager_sizes and graphed:
         def eager_runs() -> list[dict[str, Any]]:
             eager = _custom_backend(model, settings, cuda_graph=False)
             rows = _workload_a(eager, settings, eager_sizes, args, roof, bandwidth, 64, "custom-no-graph")
@@ -431,7 +433,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sync = settings.model_copy(update={"async_scheduling": False})
         section("workload_a_sync",
                 lambda: _workload_a(backend, sync, sync_sizes, args, roof, bandwidth, args.output_len, "custom-sync"))
-    if args.compile_size and decoder is not None:
+    if args.compile_size and graphed:
         section("compile", lambda: dp.compile_on_off(_custom_backend, model, settings, args, roof, bandwidth,
                                                      _workload_a, backend))
     _print_tables(results)

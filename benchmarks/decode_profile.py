@@ -56,7 +56,7 @@ def _kernel_summary(prof: Any) -> dict[str, Any]:
 def profile_decode_step(backend: Any, settings: Any, rows: int, prompt_len: int) -> dict[str, Any]:
     """Profile the 3rd decode step of ``rows`` live requests run eagerly (graphs switched off for it) and the
     4th as a graph replay; returns kernel counts and time splits plus the eager step's wall time."""
-    decoder = backend.decoder
+    mixed = backend.mixed
     original = backend.decode_step_batched
     out: dict[str, Any] = {"rows": rows}
     calls = [0]
@@ -66,9 +66,9 @@ def profile_decode_step(backend: Any, settings: Any, rows: int, prompt_len: int)
         if calls[0] not in (3, 4) or len(ids) != rows:
             return original(batch, ids)
         eager = calls[0] == 3
-        graphs = decoder.graphs
+        graphs = mixed.graphs
         if eager:
-            decoder.graphs = None
+            mixed.graphs = None
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         try:
             torch.cuda.synchronize()
@@ -78,7 +78,7 @@ def profile_decode_step(backend: Any, settings: Any, rows: int, prompt_len: int)
                 torch.cuda.synchronize()
             wall = (time.perf_counter() - start) * 1e3
         finally:
-            decoder.graphs = graphs
+            mixed.graphs = graphs
         out["eager_step" if eager else "graph_replay_step"] = {"wall_ms_under_profiler": round(wall, 3),
                                                                 **_kernel_summary(prof)}
         return logits
@@ -134,19 +134,20 @@ def compile_on_off(make_backend: Callable[..., Any], model: Any, settings: Any, 
     n = args.compile_size
     off = workload(plain, settings, [n], args, roof, bandwidth, 64, "custom")
     compiled = make_backend(model, settings, compile=True, graph_capture="lazy")
-    decoder = compiled.decoder
+    mixed = compiled.mixed
+    bucket = next(b for b in mixed.buffers.decode_buckets if b >= n)
     start = time.perf_counter()
     with torch.inference_mode():
-        decoder.state.load([], [], n)
-        explain = decoder.run_explain(n)
+        mixed.buffers.decode.load([], [], bucket)
+        explain = mixed.run_explain(bucket)
         explain_s = time.perf_counter() - start
-        decoder.graphs.capture(n)
+        mixed.graphs.capture((bucket, True))
     compile_s = time.perf_counter() - start - explain_s
     on = workload(compiled, settings, [n], args, roof, bandwidth, 64, "custom+compile")
     compiled.close()
     return {"N": n, "off": off[0], "on": on[0], "explain": explain, "explain_s": round(explain_s, 1),
-            "compile_and_capture_s": round(compile_s, 1), "compiled": decoder._forward.compiled is not None,
-            "compile_error": decoder._forward.error}
+            "compile_and_capture_s": round(compile_s, 1), "compiled": mixed._decode_forward.compiled is not None,
+            "compile_error": mixed._decode_forward.error}
 
 
 def profile_prefill(backend: Any, prompt_len: int, repeats: int = 5, seed: int = 4242) -> dict[str, Any]:

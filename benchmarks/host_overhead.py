@@ -69,8 +69,11 @@ def main() -> None:
                             max_active_kv_tokens=10**7, prefill_chunk_tokens=512, max_waiting_requests=4096)
         backend = CustomTorchBackend(model, HFTokenizer.from_pretrained(path), core,
                                      load_custom_settings(attention="triton", kv_blocks=rows * 24))
-    decoder = backend.decoder
-    assert decoder is not None, "needs the fixed-buffer decoder: run with TRITON_INTERPRET=1"
+    from gemmaserve_custom_torch.mixed_step import MixedStep
+
+    # decode-only ticks on the fixed buffers (what CUDA replays), their forward stubbed
+    backend.mixed = mixed = MixedStep(model, backend.pools, "triton", fixed_buffers=True,
+                                      max_tokens=core.max_num_batched_tokens, max_seqs=rows, width=4096 // 16)
     stub: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def stubbed_forward(bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +83,7 @@ def main() -> None:
             stub[bucket] = (logits, logits.argmax(-1))
         return stub[bucket]
 
-    decoder._forward = stubbed_forward
+    mixed._decode_forward = stubbed_forward
     if args.engine:
         engine_ticks(args, backend, core)
         return
@@ -169,9 +172,8 @@ def prefill_ticks(args: argparse.Namespace) -> None:
     backend.mixed = mixed
     logits = torch.zeros(rows, model.config.vocab_size)
     logits[:, 7] = 1.0
-    mixed._bucket_forward = lambda bucket: (logits[: mixed.buffers.seqs_of(bucket)],)  # the stubbed forward
-    if backend.decoder is None:  # decode-only ticks: stub the portable decode step too
-        backend.runner.decode = lambda batch, ids: logits[: len(ids)]
+    mixed._bucket_forward = lambda key: (  # the stubbed forward: (bucket, decode_only) keys
+        (logits[: key[0]], logits[: key[0]].argmax(-1)) if key[1] else (logits[: mixed.buffers.seqs_of(key[0])],))
     freeze_startup_objects()  # as the engine does when it is built
     scheduler = ContinuousBatchScheduler(backend, core)
     params = SamplingParams(max_tokens=2, ignore_eos=True)

@@ -134,8 +134,8 @@ def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool
     settings = _settings(device, dtype, rows, base["max_position_embeddings"], rows * base["max_position_embeddings"])
     tokenizer = HFTokenizerAdapter(AutoTokenizer.from_pretrained(str(tokenizer_dir)))
     backend = _custom_backend(model, settings, tokenizer=tokenizer)
-    if backend.decoder is not None and backend.decoder.graphs is not None:
-        backend.decoder.capture_all()
+    if backend.mixed.graphs is not None:
+        backend.mixed.capture_all()
     result: dict[str, Any] = {"rows": rows, "tokens": tokens, "prompt_len": 128, "async_scheduling":
                               settings.async_scheduling, "build_s": round(time.perf_counter() - start, 1)}
     prompts = random_prompts(rows, 128, base["vocab_size"], seed=5)

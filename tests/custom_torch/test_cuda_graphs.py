@@ -74,6 +74,16 @@ def joining_requests(seed: int, count: int = 16, vocab: int = 500) -> list[tuple
              rng.randrange(1, 40)) for _ in range(count)]
 
 
+def with_fixed_buffers(backend):
+    """A `MixedStep` for ``backend`` (no graphs) that runs the padded forwards of the fixed buffers eagerly."""
+    from gemmaserve_custom_torch.mixed_step import MixedStep
+
+    width = -(-backend.model_info.max_model_len // backend.block_size)
+    return MixedStep(backend.model, backend.pools, "triton", fixed_buffers=True,
+                     max_tokens=backend.mixed.buffers.max_tokens if backend.mixed.buffers else 8192,
+                     max_seqs=8, width=width)
+
+
 @pytest.mark.parametrize("name", ["gemma4", "e2b_like", "gemma4_k_eq_v", "gemma4_moe"])
 def test_graph_replay_is_byte_identical_to_eager_across_buckets(tiny_checkpoint, e2b_like_dir, name):
     path = e2b_like_dir if name == "e2b_like" else tiny_checkpoint(name)
@@ -81,7 +91,9 @@ def test_graph_replay_is_byte_identical_to_eager_across_buckets(tiny_checkpoint,
     runs = {}
     for graphs in (False, True):
         backend = cuda_backend(path, block_size=4, cuda_graph=graphs)
-        assert (backend.decoder.graphs is not None) == graphs
+        assert (backend.mixed.graphs is not None) == graphs
+        if not graphs:  # the graphs' padded forwards of the fixed buffers, run eagerly
+            backend.mixed = with_fixed_buffers(backend)
         steps = record_logits(backend)  # decode_step_batched: synchronous scheduling
         finished = run_scheduler(backend, requests, check_every_tick=True, async_scheduling=False)
         runs[graphs] = ({rid: r.output_token_ids for rid, r in finished.items()}, steps, backend)
@@ -90,8 +102,9 @@ def test_graph_replay_is_byte_identical_to_eager_across_buckets(tiny_checkpoint,
     assert len(runs[True][1]) == len(runs[False][1])
     for eager, replay in zip(runs[False][1], runs[True][1]):
         assert torch.equal(eager, replay)
-    graphs = runs[True][2].decoder.graphs
-    assert set(graphs.capture_seconds) == {1, 2, 4, 8}  # every bucket was used, captured once
+    graphs = runs[True][2].mixed.graphs
+    decode_keys = {key for key in graphs.capture_seconds if key[1]}
+    assert decode_keys == {(1, True), (2, True), (4, True), (8, True)}  # every row bucket was used, captured once
     print(f"\n{name}: capture seconds per bucket {graphs.capture_seconds}")
 
 
@@ -106,7 +119,7 @@ def test_async_decode_gives_the_synchronous_tokens(e2b_like_dir, graphs):
         assert backend.capabilities.async_decode
         finished = run_scheduler(backend, requests, check_every_tick=True, async_scheduling=use_async)
         got[use_async] = {rid: r.output_token_ids for rid, r in finished.items()}
-        assert (backend.decoder.fed_rows > 0) == use_async
+        assert (backend.mixed.fed_rows > 0) == use_async
         assert_no_leaks(backend)
     assert got[True] == got[False]
 
@@ -115,7 +128,9 @@ def test_startup_capture_serves_the_same_tokens(e2b_like_dir):
     requests = joining_requests(seed=5, count=10)
     lazy = cuda_backend(e2b_like_dir)
     startup = cuda_backend(e2b_like_dir, graph_capture="startup")
-    assert set(startup.decoder.graphs.capture_seconds) == {1, 2, 4, 8}
+    captured = set(startup.mixed.graphs.capture_seconds)
+    assert {key for key in captured if key[1]} == {(1, True), (2, True), (4, True), (8, True)}
+    assert {bucket for bucket, decode_only in captured if not decode_only} == set(startup.mixed.buffers.buckets)
     got = [{rid: r.output_token_ids for rid, r in run_scheduler(b, requests).items()} for b in (lazy, startup)]
     assert got[0] == got[1]
     assert_no_leaks(startup)
@@ -132,7 +147,7 @@ def test_greedy_tokens_come_from_the_graph_argmax(e2b_like_dir):
         for _ in range(4):
             logits = backend.decode_step_batched(batch, [11, 12, 13])
             greedy = [RowSampling(0.0, 1.0, 0, 0, 0)] * 3
-            assert backend.decoder.greedy_tokens(logits) is not None
+            assert backend.mixed.greedy_tokens(logits) is not None
             assert backend.sample(logits, greedy).token_ids == sample_tokens(logits.double(), greedy).token_ids
         while len(batch):
             backend.remove_row_from_cache(batch, 0)
@@ -148,10 +163,10 @@ def test_compile_under_graphs_gives_the_eager_tokens(e2b_like_dir):
     # Inductor fuses the elementwise ops, so bf16 rounding differs from eager and a tiny random model's
     # greedy path may part after a while (H200, 2026-11-29: equal for the first 21 of 24 tokens).
     assert got[1][:16] == got[0][:16]
-    report = compiled.decoder.explain
+    report = compiled.mixed.explain
     assert report is not None and "error" not in report, report
-    assert compiled.decoder._forward.compiled is not None, "compile fell back to eager"
-    print(f"\nexplain: {report}; compile+capture s: {compiled.decoder.graphs.capture_seconds}")
+    assert compiled.mixed._decode_forward.compiled is not None, "compile fell back to eager"
+    print(f"\nexplain: {report}; compile+capture s: {compiled.mixed.graphs.capture_seconds}")
 
 
 @pytest.mark.parametrize("name", ["gemma4", "e2b_like", "gemma4_moe"])

@@ -96,7 +96,7 @@ def test_bf16_portable_path_greedy_equals_transformers_on_gpu(tiny_checkpoint, e
     path = e2b_like_dir if name == "e2b_like" else tiny_checkpoint(name)
     referee = Referee(path)
     backend = cuda_backend(path, **PORTABLE)
-    assert backend.decoder is None and backend.prefill_attention == "eager"
+    assert not backend.async_decode and backend.mixed.buffers is None and backend.prefill_attention == "eager"
     differences = []
     for prompt in PROMPTS:
         with backend.lock:
@@ -123,7 +123,7 @@ def test_fp32_cuda_fast_path_equals_portable_path_tokens(tiny_checkpoint, e2b_li
     fast = cuda_backend(path, torch.float32, block_size=4)
     portable = cuda_backend(path, torch.float32, block_size=4, attention="gather", prefill_attention="eager",
                             fuse="off", cuda_graph=False)
-    assert fast.prefill_attention == "sdpa" and fast.decoder is not None and portable.decoder is None
+    assert fast.prefill_attention == "sdpa" and fast.mixed.graphs is not None and portable.mixed.buffers is None
     got = [{rid: r.output_token_ids for rid, r in run_scheduler(b, requests).items()} for b in (fast, portable)]
     assert got[0] == got[1]
     assert_no_leaks(fast)

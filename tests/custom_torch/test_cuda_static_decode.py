@@ -1,6 +1,7 @@
-"""CPU tests of the CUDA fast path's device-independent logic: graph buckets, the fixed decode buffers
-(`BatchedDecodeState`), the fixed-buffer decoder driven eagerly with the plain-torch kernel, the decode
-fast-path predicate, settings, projection fusion and SDPA prefill (fp32 on CPU)."""
+"""CPU tests of the CUDA fast path's device-independent logic: graph buckets, the decode-only staging of the
+fixed tick buffers (`DecodeStaging`), decode-only `MixedStep` ticks on the fixed buffers driven eagerly with
+the plain-torch decode kernel, the decode fast-path predicate, settings, projection fusion and SDPA prefill
+(fp32 on CPU)."""
 
 from __future__ import annotations
 
@@ -22,22 +23,24 @@ from gemmaserve.testing.backend_contract import BackendContractTests
 from gemmaserve.testing.row_driver import solo_greedy
 from gemmaserve_custom_torch.kernels import paged_decode_attention_reference
 from gemmaserve_custom_torch.kv import PagedKVCache
-from gemmaserve_custom_torch.kv.decode_state import BatchedDecodeState, graph_buckets, pick_bucket
+from gemmaserve_custom_torch.kv.decode_state import DecodeStaging, graph_buckets, pick_bucket
+from gemmaserve_custom_torch.mixed_step import MixedStep
 from gemmaserve_custom_torch.models import GemmaForCausalLM
 from gemmaserve_custom_torch.models.fusion import fuse_projections, is_fused
 from gemmaserve_custom_torch.sampling import sample_tokens
 from gemmaserve_custom_torch.settings import load_custom_settings, resolve_fast_paths
-from gemmaserve_custom_torch.static_decode import StaticDecoder
 
 
-def with_static_decoder(backend, max_batch_size: int = 8):
-    """Swap ``backend``'s decode onto the fixed-buffer decoder, eager, with the plain-torch kernel (which makes
-    it an ``async_decode`` backend, as on CUDA)."""
+def with_fixed_decode(backend, max_batch_size: int = 8, fixed_buffers: bool = True):
+    """Swap ``backend``'s ticks onto a `MixedStep` whose decode-only ticks run the plain-torch decode kernel
+    (``paged_decode_attention_reference``, the Triton kernel's contract) on the padded fixed buffers the CUDA
+    graphs replay (eagerly; ``fixed_buffers=False``: unpadded eager batches), which makes it an
+    ``async_decode`` backend, as on CUDA. Ticks with prompt tokens use the ragged reference."""
     width = -(-backend.model_info.max_model_len // backend.block_size)
-    backend.decoder = StaticDecoder(
-        backend.model, backend.pools, buckets=graph_buckets(max_batch_size), width=width,
-        kernel=paged_decode_attention_reference, use_graphs=False,
-    )
+    backend.mixed = MixedStep(backend.model, backend.pools, "reference", fixed_buffers=fixed_buffers,
+                              max_tokens=8192, max_seqs=max_batch_size, width=width,
+                              decode_kernel=paged_decode_attention_reference)
+    backend.async_decode = True
     backend.capabilities = dataclasses.replace(backend.capabilities, async_decode=True)
     return backend
 
@@ -64,14 +67,16 @@ def test_decode_state_copies_changed_rows_only_and_pads_with_scratch(tiny_gemma4
     backend = make_backend(tiny_gemma4_dir, block_size=4)
     pools = backend.pools
     rows = _rows_of(backend, [[5, 6, 7, 8, 9], [(3 * i) % 400 + 4 for i in range(14)]])
-    state = BatchedDecodeState(pools, capacity=4, width=8)
+    groups = len(pools.groups)
+    state = DecodeStaging(pools, torch.zeros(12, dtype=torch.int64), torch.full((groups, 4, 8), -1, dtype=torch.int32),
+                          capacity=4, width=8)
     for row in rows:
         row.prepare_append(1)
     state.load(rows, [11, 12], bucket=4)
-    assert state.rows_copied == 2  # the two real rows; padding rows already hold [scratch, -1, ...]
-    assert state.ids.tolist() == [11, 12, 0, 0] and state.positions.tolist() == [5, 14, 0, 0]
+    assert state.rows_copied == 4  # nothing known yet: the two real rows and two padding rows [scratch, ...]
+    assert state.io(4)[0].tolist() == [11, 12, 0, 0] and state.io(4)[1].tolist() == [5, 14, 0, 0]
     state.check_integrity(rows)
-    positions, seq_lens, tables, slots = state.step_tensors(4)
+    ids, positions, seq_lens, tables, slots = state.step_tensors(4)
     assert seq_lens.tolist() == [6, 15, 1, 1]
     for group, table in tables.items():
         scratch = pools.scratch_block(group)
@@ -80,16 +85,21 @@ def test_decode_state_copies_changed_rows_only_and_pads_with_scratch(tiny_gemma4
         for i, row in enumerate(rows):
             assert int(slots[group][i]) == row.tables[group][row.length // 4] * 4 + row.length % 4
     state.load(rows, [11, 12], bucket=4)
-    assert state.rows_copied == 2  # nothing changed: nothing copied
+    assert state.rows_copied == 4  # nothing changed: nothing copied
     rows[1].release_out_of_window(5)  # evicts sliding blocks: the row's version moves
     state.load(rows, [11, 12], bucket=2)
-    assert state.rows_copied == 3
+    assert state.rows_copied == 5
     state.load(rows[1:], [12], bucket=1)  # row 1 moves to slot 0: slot 0 is rewritten
-    assert state.rows_copied == 4
+    assert state.rows_copied == 6
+    state.check_integrity(rows[1:])
+    state.invalidate()  # a tick with prompt tokens rewrote the tables: the next load rewrites what it uses
+    state.load(rows[1:], [12], bucket=1)
+    assert state.rows_copied == 7
     state.check_integrity(rows[1:])
     with pytest.raises(ValueError, match="do not fit"):
         state.load(rows, [1, 2], bucket=1)
-    too_narrow = BatchedDecodeState(pools, capacity=2, width=1)
+    too_narrow = DecodeStaging(pools, torch.zeros(6, dtype=torch.int64),
+                               torch.full((groups, 2, 1), -1, dtype=torch.int32), capacity=2, width=1)
     with pytest.raises(ValueError, match="wide"):
         too_narrow.load(rows[1:], [1], bucket=1)
     for row in rows:
@@ -120,19 +130,20 @@ def test_decode_needs_nothing_exactly_when_prepare_append_is_a_no_op(tiny_gemma4
 
 
 @pytest.mark.parametrize("name", ["gemma4", "gemma4_k_eq_v", "gemma3"])
-def test_static_decoder_matches_gather_path_through_the_scheduler(tiny_checkpoint, name):
+def test_fixed_buffer_decode_matches_gather_path_through_the_scheduler(tiny_checkpoint, name):
     """Joins and leaves at every tick, bucket sizes 1..8, block boundaries every 4 tokens, windows of 8."""
     path = tiny_checkpoint(name)
     rng = random.Random(7)
     requests = [([rng.randrange(4, 500) for _ in range(rng.randrange(1, 30))], rng.randrange(0, 12),
                  rng.randrange(1, 20)) for _ in range(14)]
     gather = run_scheduler(make_backend(path), requests, check_every_tick=False)
-    static_backend = with_static_decoder(make_backend(path))
+    static_backend = with_fixed_decode(make_backend(path))
     static = run_scheduler(static_backend, requests)
     for rid, request in gather.items():
         assert static[rid].output_token_ids == request.output_token_ids, rid
         assert static[rid].finish_reason is FinishReason.LENGTH
-    assert static_backend.decoder.steps > 0 and static_backend.decoder.slow_rows > 0
+    mixed = static_backend.mixed
+    assert mixed.decode_steps > 0 and mixed.slow_rows > 0 and mixed.decode_eager_steps == 0
     assert_no_leaks(static_backend)
 
 
@@ -170,25 +181,15 @@ def _run_mixed_params(backend, async_scheduling: bool,
             for r, _ in plans}
 
 
-def _with_fixed_tick_buffers(backend):
-    """The tick forward through the padded fixed buffers the CUDA graphs replay (eagerly, reference attention)."""
-    from gemmaserve_custom_torch.mixed_step import MixedStep
-
-    backend.mixed = MixedStep(backend.model, backend.pools, "reference", fixed_buffers=True, max_tokens=8192,
-                              max_seqs=8, width=-(-backend.model_info.max_model_len // backend.block_size))
-    return backend
-
-
 @pytest.mark.parametrize("fixed_tick_buffers", [False, True])
 def test_async_decode_gives_the_synchronous_tokens_and_logprobs(tiny_gemma4_dir, fixed_tick_buffers):
-    """The fixed-buffer decoder and the tick forward fed from the previous step's device tokens (asynchronous
-    scheduling, decode-only and prompt-carrying ticks) give exactly the tokens, logprobs and finish reasons of
-    synchronous scheduling; rows do feed on the device."""
-    wrap = _with_fixed_tick_buffers if fixed_tick_buffers else (lambda backend: backend)
-    sync = wrap(with_static_decoder(make_backend(tiny_gemma4_dir)))
+    """Ticks fed from the previous step's device tokens (asynchronous scheduling, decode-only and
+    prompt-carrying ticks; on the fixed buffers or eager batches) give exactly the tokens, logprobs and finish
+    reasons of synchronous scheduling; rows do feed on the device."""
+    sync = with_fixed_decode(make_backend(tiny_gemma4_dir), fixed_buffers=fixed_tick_buffers)
     expected = _run_mixed_params(sync, async_scheduling=False)
-    assert sync.decoder.fed_rows == 0
-    fast = wrap(with_static_decoder(make_backend(tiny_gemma4_dir)))
+    assert sync.mixed.fed_rows == 0
+    fast = with_fixed_decode(make_backend(tiny_gemma4_dir), fixed_buffers=fixed_tick_buffers)
     launched = []
     original = fast.forward_step_async
     fast.forward_step_async = lambda *a, **k: launched.append(1) or original(*a, **k)
@@ -200,7 +201,8 @@ def test_async_decode_gives_the_synchronous_tokens_and_logprobs(tiny_gemma4_dir,
         if logprobs is not None:
             assert logprobs == pytest.approx(expected[rid][1], abs=1e-5), rid
     assert launched, "prompt-carrying ticks went through forward_step_async"
-    assert fast.decoder.fed_rows > 0
+    assert fast.mixed.fed_rows > 0
+    assert (fast.mixed.decode_eager_steps == 0) == fixed_tick_buffers
     assert_no_leaks(fast)
 
 
@@ -208,8 +210,8 @@ def test_async_scheduling_with_constrained_rows_gives_the_synchronous_tokens(tin
     """Structured-output rows need their previous token for their next mask, penalized rows for their counts:
     with them in the batch the scheduler applies each launched step before the next launch, and every request's
     tokens are those of synchronous scheduling; the constrained outputs are complete (stop)."""
-    expected = _run_mixed_params(with_static_decoder(make_backend(tiny_gemma4_dir)), False, constrained=True)
-    fast = with_static_decoder(make_backend(tiny_gemma4_dir))
+    expected = _run_mixed_params(with_fixed_decode(make_backend(tiny_gemma4_dir)), False, constrained=True)
+    fast = with_fixed_decode(make_backend(tiny_gemma4_dir))
     got = _run_mixed_params(fast, True, constrained=True)
     assert {rid: (tokens, reason) for rid, (tokens, _, reason) in got.items()} == {
         rid: (tokens, reason) for rid, (tokens, _, reason) in expected.items()}
@@ -219,11 +221,11 @@ def test_async_scheduling_with_constrained_rows_gives_the_synchronous_tokens(tin
 
 
 def test_async_decode_conformance(tiny_gemma4_dir):
-    """The conformance kit's decode_step_async test on the fixed-buffer decoder (device-fed rows, a row leaving
-    and one joining with a step in flight)."""
-    backend = with_static_decoder(make_backend(tiny_gemma4_dir))
+    """The conformance kit's decode_step_async test on decode-only ticks of the fixed buffers (device-fed rows,
+    a row leaving and one joining with a step in flight)."""
+    backend = with_fixed_decode(make_backend(tiny_gemma4_dir))
     BackendContractTests().test_decode_step_async_feeds_on_the_previous_step(backend)
-    assert backend.decoder.fed_rows > 0
+    assert backend.mixed.fed_rows > 0
     with pytest.raises(ValueError, match="do not index the previous step"):
         with backend.lock:
             result = backend.prefill([5, 6, 7])
@@ -235,9 +237,9 @@ def test_async_decode_conformance(tiny_gemma4_dir):
     assert_no_leaks(backend)
 
 
-def test_static_decoder_logits_and_greedy_fast_path(tiny_gemma4_dir):
+def test_fixed_buffer_decode_logits_and_greedy_fast_path(tiny_gemma4_dir):
     gather = make_backend(tiny_gemma4_dir)
-    static = with_static_decoder(make_backend(tiny_gemma4_dir))
+    static = with_fixed_decode(make_backend(tiny_gemma4_dir))
     prompts = [[5, 17, 42, 7, 99], [(7 * i + 3) % 500 + 4 for i in range(19)], [9] * 3]
     logits = {}
     for key, backend in (("gather", gather), ("static", static)):
@@ -249,6 +251,7 @@ def test_static_decoder_logits_and_greedy_fast_path(tiny_gemma4_dir):
             for _ in range(6):
                 step = backend.decode_step_batched(batch, tokens)
                 steps.append(step.clone())
+                assert (backend.mixed.greedy_tokens(step) is not None) == (key == "static")  # in-forward argmax
                 greedy = [RowSampling(0.0, 1.0, 0, 0, 0)] * len(rows)
                 tokens = backend.sample(step, greedy).token_ids
                 assert tokens == sample_tokens(step.double(), greedy).token_ids
@@ -259,11 +262,11 @@ def test_static_decoder_logits_and_greedy_fast_path(tiny_gemma4_dir):
     # the two backends prefill through different tick attention (Triton under the interpreter / reference)
     torch.testing.assert_close(logits["static"], logits["gather"], rtol=0, atol=5e-5)
     stale = logits["static"][0].clone()
-    assert static.decoder.greedy_tokens(stale) is None  # only the tensor the last step returned
+    assert static.mixed.greedy_tokens(stale) is None  # only the tensor the last step returned
 
 
-def test_static_decoder_matches_contiguous_reference_alone(tiny_gemma4_dir):
-    backend = with_static_decoder(make_backend(tiny_gemma4_dir))
+def test_fixed_buffer_decode_matches_contiguous_reference_alone(tiny_gemma4_dir):
+    backend = with_fixed_decode(make_backend(tiny_gemma4_dir))
     prompt = [(5 * i + 9) % 500 + 4 for i in range(29)]
     assert solo_greedy(backend, prompt, 12) == solo_greedy(make_backend(tiny_gemma4_dir), prompt, 12)
 
@@ -336,11 +339,15 @@ def test_removed_settings_are_refused_with_the_reason(monkeypatch, name):
 
 def test_padding_rows_touch_only_the_scratch_block(tiny_gemma4_dir):
     """3 rows run in bucket 4: the step writes each row's new-token block and the scratch block, nothing else."""
-    backend = with_static_decoder(make_backend(tiny_gemma4_dir, block_size=4), max_batch_size=8)
+    backend = with_fixed_decode(make_backend(tiny_gemma4_dir, block_size=4), max_batch_size=8)
     pools = backend.pools
     rows = _rows_of(backend, [[5, 6, 7], [8] * 6, [(3 * i) % 400 + 4 for i in range(13)]])
     with backend.lock:
         batch = backend.stack_caches_left_padded(rows)
+        for layer in pools.k:  # the prefill ticks' padding tokens wrote the same K/V there: poison it
+            group = pools.group_of_layer[layer]
+            pools.k[layer][pools.scratch_block(group)] = 7.0
+            pools.v[layer][pools.scratch_block(group)] = 7.0
         before = {layer: (pools.k[layer].clone(), pools.v[layer].clone()) for layer in pools.k}
         targets = {g: {row.tables[g][row.length // 4] if row.length % 4 else None for row in rows}
                    for g in pools.groups}
@@ -392,7 +399,7 @@ def test_triton_rms_norm_matches_the_eager_module_under_interpreter():
 
 
 class _FakeRow:
-    """What `BatchedDecodeState.load` reads of a row: uid, version, length, tables."""
+    """What `DecodeStaging.load` reads of a row: uid, version, length, tables."""
 
     def __init__(self, uid: int, tables: dict[str, list[int]]) -> None:
         self.uid, self.version, self.length, self.tables = uid, 0, 3, tables
@@ -407,8 +414,9 @@ def test_decode_state_sends_only_changed_entries_and_mirrors_the_device(tiny_gem
     joining and leaving slots): after every load the device tables equal each row's table padded with -1 (and
     padding slots hold the scratch block), and an unchanged step sends no table entry."""
     backend = make_backend(tiny_gemma4_dir, block_size=4)
-    state = BatchedDecodeState(backend.pools, capacity=4, width=10)
     groups = list(backend.pools.groups)
+    state = DecodeStaging(backend.pools, torch.zeros(12, dtype=torch.int64),
+                          torch.full((len(groups), 4, 10), -1, dtype=torch.int32), capacity=4, width=10)
     pool = [_FakeRow(uid, {g: [uid + 1] for g in groups}) for uid in range(6)]
     for k, (count, edits) in enumerate(steps):
         for which, value, column in edits:  # edit a row's table: set/extend (value >= 0) or truncate (-1)

@@ -500,11 +500,11 @@ def test_gpu_moe_backend_fuses_the_experts_and_captures_graphs(tiny_moe_dir):
     backend = CustomTorchBackend(model, HFTokenizer.from_pretrained(tiny_moe_dir), core,
                                  load_custom_settings(kv_blocks=64))
     assert moe_is_fused(backend.model) and backend.mixed.graphs is not None
-    assert backend.decoder is not None and backend.decoder.graphs is not None
     from fixtures_backend import assert_no_leaks, run_scheduler
 
     requests = [([(5 * i + 9) % 500 + 4 for i in range(length)], tick, 12) for tick, length in enumerate((3, 29, 9))]
     finished = run_scheduler(backend, requests, max_batch_size=4)
     assert all(len(request.output_token_ids) == 12 for request in finished.values())
-    assert backend.decoder.graphs.capture_seconds and backend.mixed.graphs.capture_seconds  # both captured
+    captured = backend.mixed.graphs.capture_seconds
+    assert any(key[1] for key in captured) and not all(key[1] for key in captured)  # decode-only and mixed
     assert_no_leaks(backend)

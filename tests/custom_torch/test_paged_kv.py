@@ -209,7 +209,8 @@ def test_triton_decode_matches_gather_under_interpreter(tiny_gemma4_dir):
 
 def test_attention_contexts_used_directly_are_consistent(tiny_gemma4_dir):
     """The contexts the runner builds, driven by hand: they hold what their check_integrity promises."""
-    from gemmaserve_custom_torch.kv import PagedDecodeContext, PagedKVCache
+    from gemmaserve_custom_torch.kv import DecodeBatchContext, PagedKVCache
+    from gemmaserve_custom_torch.kv.forward_batch import build_forward_batch, pack_tick
     from gemmaserve_custom_torch.runner import PagedPrefillContext
 
     backend = make_backend(tiny_gemma4_dir)
@@ -225,13 +226,14 @@ def test_attention_contexts_used_directly_are_consistent(tiny_gemma4_dir):
     row.commit_append(len(prompt))
     batch = backend.stack_caches_left_padded([row])
     row.prepare_append(1)
-    state = batch.prepare_step(gather=True)
-    dctx = PagedDecodeContext(model.config, pools, state, "gather")
+    decode = build_forward_batch(pools, pack_tick(pools, [row], [[9]], [0], decode_only=True), torch.device("cpu"), [])
+    dctx = DecodeBatchContext(model.config, pools, decode, "reference")
     with torch.inference_mode():
-        model.forward_hidden(torch.tensor([[9]]), state.positions[:, None], dctx)
+        model.forward_hidden(decode.ids[:, None], decode.positions[:, None], dctx)
     dctx.check_integrity()
+    assert set(dctx._gathered) == set(model.config.kv_storing_layers)
     row.commit_append(1)
-    dctx.state.seq_lens = dctx.state.seq_lens[:0]
+    dctx.batch.seq_lens = dctx.batch.seq_lens[:0]
     with pytest.raises(RuntimeError, match="batch size"):
         dctx.check_integrity()
     backend.remove_row_from_cache(batch, 0)

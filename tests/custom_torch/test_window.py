@@ -60,6 +60,9 @@ def test_decode_frees_out_of_window_blocks(tiny_gemma4_dir):
     with backend.lock:
         rows = [backend.prefill(p).kv for p in (LONG[:6], LONG[:17])]
         batch = backend.stack_caches_left_padded(rows)
+        seen = []  # the decode-only batches the forward ran: the kernel's view of the tables
+        forward_batch = backend.mixed.forward_batch
+        backend.mixed.forward_batch = lambda b: seen.append(b) or forward_batch(b)
         for step in range(30):
             logits = backend.decode_step_batched(batch, logits_tokens := [7, 9])
             assert logits.shape[0] == len(logits_tokens)
@@ -69,7 +72,8 @@ def test_decode_frees_out_of_window_blocks(tiny_gemma4_dir):
             assert len(held) <= 2 * cap
             cached = set(backend.prefix_cache.references()[SLIDING])
             assert backend.pools.managers[SLIDING].num_used == len(held | cached), "freed blocks go back"
-            tables = batch.block_tables()  # the kernel's view: sentinels in the int32 tables
+            assert seen[-1].decode_only
+            tables = seen[-1].block_tables  # the kernel's view: sentinels in the int32 tables
             for i, row in enumerate(batch.rows):
                 assert tables[SLIDING][i, : len(row.tables[SLIDING])].tolist() == row.tables[SLIDING]
                 assert -1 in row.tables[SLIDING] or row.length < 16

@@ -1,19 +1,20 @@
 """`CustomTorchBackend`: the InferenceBackend of custom-{cuda,mps,cpu} over the hand-written Gemma model.
 
 In-flight KV is one `PagedKVCache` per row (``RowKV``) and a `BatchedPagedKVCache` for the decoding rows
-(``BatchKV``). Every forward that carries prompt tokens is a `MixedStep` tick (``forward_step``, and the
-``prefill_chunk(s)`` primitives as prefill-only ticks): one ragged forward over the decode rows and the
-chunks, replayed as a CUDA graph per token bucket on CUDA. A chunk whose sliding pool cannot hold even one
-token's blocks runs alone on `PagedRunner.prefill` (it gathers its old window, then frees it). Ticks with
-decode rows only run through the `StaticDecoder` (fixed buffers, CUDA graphs per batch bucket) with triton
-attention (auto on CUDA), or `PagedRunner.decode` on the gather path. q/k/v + gate/up weights, RMSNorms and
+(``BatchKV``). Every forward is a `MixedStep` tick: ``forward_step`` (decode rows + chunks), the
+``prefill_chunk(s)`` primitives (prefill-only ticks) and ``decode_step_*`` (decode-only ticks). A tick with
+prompt tokens is one ragged forward (CUDA graph per token bucket on CUDA); a decode-only tick runs the paged
+decode kernel (triton; the gather reference on the portable path), on CUDA from fixed buffers replayed as a
+CUDA graph per row bucket, with the greedy argmax taken inside the graph. A chunk whose sliding pool cannot
+hold even one token's blocks runs alone on `PagedRunner.prefill` (it gathers its old window, then frees it).
+q/k/v + gate/up weights, RMSNorms and
 the elementwise chains are fused at load on CUDA (``CUSTOM_BACKEND_FUSE``). It caches prefixes itself
 (`PrefixCache`, progressively after every prefill chunk), so ``set_cache_adapter`` is a no-op, and admits by
 window-aware block reservations (`KVAdmission`). All methods run under ``self.lock`` (the caller's job).
 
 Tensor parallel (``TENSOR_PARALLEL_SIZE`` N > 1, ``distributed/``): this process is rank 0 and holds its weight
-shard; `TensorParallelWorkers` runs ranks 1..N-1. Every forward is then a `MixedStep` tick (decode-only ticks
-too: no fixed-buffer decoder, no CUDA graphs, no asynchronous decode), whose `PackedTick` goes to the workers
+shard; `TensorParallelWorkers` runs ranks 1..N-1. Every `MixedStep` tick is then eager (no fixed buffers, no
+CUDA graphs, no asynchronous decode), and its `PackedTick` goes to the workers
 right before rank 0 runs it, and every block copy outside a forward is repeated on them; sampling stays here.
 """
 
@@ -64,7 +65,6 @@ from .models.quantization import uses_fp8
 from .runner import PagedRunner
 from .sampling import DeviceTokens, sample_on_device, sample_tokens
 from .settings import CustomTorchSettings, load_custom_settings, resolve_attention, resolve_fast_paths
-from .static_decode import make_decoder
 from .tokenizer import HFTokenizer
 
 __all__ = ["CustomTorchBackend", "create_backend"]
@@ -106,7 +106,7 @@ def _read_config(model_path: str | Path) -> GemmaTextConfig:
 
 def check_tensor_parallel_settings(custom: CustomTorchSettings, device: str) -> None:
     """Refuse the ``CUSTOM_BACKEND_*`` options tensor parallel does not run (ConfigurationError naming each): its
-    ticks are eager `MixedStep` forwards, so the fixed-buffer decoder's options and CUDA graphs do not apply."""
+    ticks are eager `MixedStep` forwards, so the fixed-buffer options and CUDA graphs do not apply."""
     refused = []
     if custom.cuda_graph and torch.device(device).type == "cuda":
         refused.append("CUSTOM_BACKEND_CUDA_GRAPH=1 (CUDA graphs are not wired for the worker ranks yet: set "
@@ -114,9 +114,9 @@ def check_tensor_parallel_settings(custom: CustomTorchSettings, device: str) -> 
     if custom.graph_capture == "startup":
         refused.append("CUSTOM_BACKEND_GRAPH_CAPTURE=startup (no graphs are captured: leave it lazy)")
     if custom.compile:
-        refused.append("CUSTOM_BACKEND_COMPILE=1 (it compiles the fixed-buffer decoder, unused: unset it)")
+        refused.append("CUSTOM_BACKEND_COMPILE=1 (it compiles the fixed-buffer decode forward, unused: unset it)")
     if custom.explain:
-        refused.append("CUSTOM_BACKEND_EXPLAIN=1 (it explains the fixed-buffer decoder, unused: unset it)")
+        refused.append("CUSTOM_BACKEND_EXPLAIN=1 (it explains the fixed-buffer decode forward, unused: unset it)")
     if custom.prefill_attention != "auto":
         refused.append(f"CUSTOM_BACKEND_PREFILL_ATTENTION={custom.prefill_attention} (it picks the one-row prefill "
                        "fallback's attention, which tensor parallel does not have: unset it)")
@@ -169,26 +169,26 @@ class CustomTorchBackend(InferenceBackend):
         if fuse:
             fuse_model(model)
         width = -(-max_len // self.block_size)
-        self.runner = PagedRunner(model, self.pools, self.attention, self.prefill_attention)
-        self.decoder = None if workers is not None else make_decoder(
-            model, self.pools, custom, self.attention, settings.max_batch_size, width=width)
-        # MoE models capture only with the fused experts (the eager expert loop syncs the host)
-        graphs = (custom.cuda_graph and on_cuda and self.attention == "triton" and moe_is_fused(model)
-                  and workers is None)
+        self.runner = PagedRunner(model, self.pools, self.prefill_attention)
+        graphs, fixed = _fixed_buffer_options(model, custom, self.attention, on_cuda, workers is not None)
         tick_attention = "triton" if self.attention == "triton" else "reference"
         self.mixed = MixedStep(model, self.pools, tick_attention, fast_prefill=custom.fast_prefill, graphs=graphs,
-                               max_tokens=settings.max_num_batched_tokens, max_seqs=settings.max_batch_size,
-                               width=width, mirror=workers)
+                               fixed_buffers=fixed, max_tokens=settings.max_num_batched_tokens,
+                               max_seqs=settings.max_batch_size, width=width, mirror=workers,
+                               compile=fixed and custom.compile, explain=fixed and custom.explain)
+        # asynchronous decode: the decode kernel's ticks on this process alone (as the fixed-buffer decoder had)
+        self.async_decode = workers is None and self.attention == "triton"
         if workers is not None:
             workers.build_pools(num_blocks, self.block_size, tick_attention, custom.fast_prefill, fuse)
         if custom.graph_capture == "startup":
             seconds = self.mixed.capture_all()
-            logger.info("custom_torch: captured %d tick graphs in %.1f s", len(seconds), sum(seconds.values()))
+            logger.info("custom_torch: captured %d tick graphs (decode-only and mixed) in %.1f s", len(seconds),
+                        sum(seconds.values()))
         self.max_chunk_tokens = min(windows) if windows else None  # a tick's chunk then stores all it reads
         self.capabilities = BackendCapabilities(
             continuous_batching=True, uses_core_cache_manager=False, kv_reservation=True, logprobs=True,
             top_logprobs=True,
-            mixed_step=custom.mixed_step, async_decode=self.decoder is not None, deferred_sampling=True,
+            mixed_step=custom.mixed_step, async_decode=self.async_decode, deferred_sampling=True,
             allowed_token_masks=True, progressive_cache_block_size=self.block_size,
         )
         self._device_tokens: torch.Tensor | None = None  # the last decode_step_async's sampled ids
@@ -204,10 +204,10 @@ class CustomTorchBackend(InferenceBackend):
             self.block_size, num_blocks, self.pools.nbytes / 2**20,
             "CUSTOM_BACKEND_SLIDING_BLOCKS" if self.pool_reference_tokens is None
             else f"default split; when memory is tight, balanced at {self.pool_reference_tokens}-token requests",
-            self.attention, "one-forward ticks" if workers is not None else "gather path" if self.decoder is None else (
-                "CUDA graphs" if self.decoder.graphs is not None else "fixed buffers, eager"),
+            self.attention, "decode kernel" if self.attention == "triton" else "gather reference",
             "one forward" if custom.mixed_step else "prefill and decode apart",
-            "CUDA graphs per token bucket" if graphs else "eager", self.mixed.narrow_layer is not None, fuse,
+            "CUDA graphs per row / token bucket" if graphs else "fixed buffers, eager" if fixed else "eager",
+            self.mixed.narrow_layer is not None, fuse,
         )
 
     @classmethod
@@ -298,8 +298,8 @@ class CustomTorchBackend(InferenceBackend):
         self, states: Sequence[PrefillState], num_tokens: Sequence[int], batched: BatchedPagedKVCache | None,
         input_ids: Sequence[int],
     ) -> StepOutput:
-        """The tick as one `MixedStep` forward (a tick without chunks replays the decode graphs instead, when
-        the fixed-buffer decoder exists). Chunks are capped at the narrowest window (each then stores every
+        """The tick as one `MixedStep` forward (a tick without chunks is a decode-only tick,
+        :meth:`decode_step_batched`). Chunks are capped at the narrowest window (each then stores every
         position its queries read) and run shorter when their pool is short; a chunk's prefix-cache failure is
         reported for it alone."""
         if len(states) != len(num_tokens):
@@ -350,9 +350,9 @@ class CustomTorchBackend(InferenceBackend):
     ) -> LaunchedStep:
         """The `MixedStep` tick with the decode rows fed from the previous step's device tokens and every token
         (decode rows', then first tokens of completed prompts) sampled on the device in one call; the copy to
-        the host is queued behind the tick (:class:`DeviceTokens`). Without the fixed-buffer decoder: the
-        contract's synchronous default."""
-        if self.decoder is None:
+        the host is queued behind the tick (:class:`DeviceTokens`). Without asynchronous decode (the gather
+        path, tensor parallel): the contract's synchronous default."""
+        if not self.async_decode:
             return super().forward_step_async(states, num_tokens, batched, input_ids, from_previous, rows,
                                               first_rows, want_logprobs=want_logprobs)
         decode_rows = batched.rows if batched is not None else []
@@ -417,35 +417,37 @@ class CustomTorchBackend(InferenceBackend):
         batched.pop(row_idx).free_all()
 
     def decode_step_batched(self, batched: BatchedPagedKVCache, input_ids: Sequence[int]) -> torch.Tensor:
-        """Logits [rows, vocab]; on the fixed-buffer path they are overwritten by the next step."""
+        """A decode-only `MixedStep` tick: logits [rows, vocab], valid until the next tick (graph outputs)."""
         self._device_tokens = None  # graph outputs the next async step could feed on are overwritten now
-        if self.decoder is not None:
-            return self.decoder.decode(batched, input_ids)
-        if self.workers is not None:  # a decode-only tick the workers replay
-            logits = self.mixed.run(batched.rows, input_ids, [])[0]
-            assert logits is not None
-            return logits
-        return self.runner.decode(batched, input_ids)
+        return self._decode(batched, input_ids)
+
+    def _decode(self, batched: BatchedPagedKVCache, input_ids: Sequence[int], sources: Sequence[int] | None = None,
+                previous: torch.Tensor | None = None) -> torch.Tensor:
+        if not batched.rows:
+            raise ValueError("a decode step needs at least one row")
+        logits = self.mixed.run(batched.rows, input_ids, [], sources, previous)[0]
+        assert logits is not None
+        return logits
 
     def decode_step_async(
         self, batched: BatchedPagedKVCache, input_ids: Sequence[int], from_previous: Sequence[int],
         rows: Sequence[RowSampling] | Callable[[], Sequence[RowSampling]], *, want_logprobs: bool = False,
     ) -> PendingTokens:
-        """The fixed-buffer decode step with the sampling on the device and nothing read back: rows with a source
-        take the previous step's device token (gathered before the forward), the tokens' copy to the host is
-        queued behind the step. Deferred samplings (a callable ``rows``) are resolved after the forward's
-        replay is queued, so the host reads the previous tokens and builds masks while the device computes.
-        Without the fixed-buffer decoder: the contract's synchronous default."""
-        if self.decoder is None:
+        """The decode-only tick with the sampling on the device and nothing read back: rows with a source take
+        the previous step's device token (gathered before the forward), the tokens' copy to the host is queued
+        behind the step. Deferred samplings (a callable ``rows``) are resolved after the forward's replay is
+        queued, so the host reads the previous tokens and builds masks while the device computes. Without
+        asynchronous decode (the gather path, tensor parallel): the contract's synchronous default."""
+        if not self.async_decode:
             return super().decode_step_async(batched, input_ids, from_previous, rows, want_logprobs=want_logprobs)
         if len(input_ids) != len(from_previous):
             raise ValueError(f"{len(input_ids)} input ids and {len(from_previous)} sources")
         previous, self._device_tokens = self._device_tokens, None
-        logits = self.decoder.decode(batched, input_ids, from_previous, previous)
+        logits = self._decode(batched, input_ids, from_previous, previous)
         rows = resolve_rows(rows, len(input_ids))  # a deferred sampling runs while the forward does
         tokens = None
         if not want_logprobs and all(row.is_greedy and not row.adjusts_logits for row in rows):
-            tokens = self.decoder.greedy_tokens(logits)  # the argmax the decode graph already took
+            tokens = self.mixed.greedy_tokens(logits)  # the argmax the decode graph already took
         logprobs = None
         if tokens is None:
             tokens, logprobs = sample_on_device(logits, rows, want_logprobs=want_logprobs)
@@ -463,8 +465,8 @@ class CustomTorchBackend(InferenceBackend):
         self, logits: torch.Tensor, rows: Sequence[RowSampling], *, want_logprobs: bool = False
     ) -> SampledTokens:
         greedy = None
-        if self.decoder is not None and not want_logprobs and all(row.is_greedy and not row.adjusts_logits for row in rows):
-            greedy = self.decoder.greedy_tokens(logits)  # the argmax the decode graph already took
+        if not want_logprobs and all(row.is_greedy and not row.adjusts_logits for row in rows):
+            greedy = self.mixed.greedy_tokens(logits)  # the argmax the decode graph already took
         if greedy is not None:
             return SampledTokens(greedy.tolist())  # int64 tensor: tolist() gives ints
         return sample_tokens(logits, rows, want_logprobs=want_logprobs)
@@ -500,7 +502,8 @@ class CustomTorchBackend(InferenceBackend):
         )
         stats.update(mixed_steps=self.mixed.steps, mixed_step_tokens=self.mixed.tokens,
                      mixed_step_shrunk_chunks=self.mixed.shrunk, mixed_step_deferred_chunks=self.mixed.deferred,
-                     mixed_step_eager=self.mixed.eager_steps)
+                     mixed_step_eager=self.mixed.eager_steps, decode_steps=self.mixed.decode_steps,
+                     decode_fed_rows=self.mixed.fed_rows)
         return stats
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -524,6 +527,28 @@ class CustomTorchBackend(InferenceBackend):
             table.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _fixed_buffer_options(model: GemmaForCausalLM, custom: CustomTorchSettings, attention: str, on_cuda: bool,
+                          parallel: bool) -> tuple[bool, bool]:
+    """(CUDA graphs, fixed buffers) of the backend's `MixedStep`: graphs on CUDA with triton attention unless the
+    model has MoE layers on the eager expert loop (its host sync cannot be captured); fixed buffers with graphs,
+    and for ``CUSTOM_BACKEND_COMPILE`` / ``EXPLAIN`` (they compile / explain the fixed-buffer decode forward).
+    Otherwise every tick is an unpadded eager batch.
+    Neither under tensor parallel (refused before, see :func:`check_tensor_parallel_settings`)."""
+    if parallel:
+        return False, False
+    if attention != "triton":
+        if custom.compile or custom.explain or (custom.cuda_graph and on_cuda):
+            logger.warning("custom_torch: CUDA graphs / COMPILE / EXPLAIN need CUSTOM_BACKEND_ATTENTION=triton "
+                           "(auto on CUDA); ticks run eagerly on the portable path")
+        return False, False
+    graphs = custom.cuda_graph and on_cuda
+    if graphs and not moe_is_fused(model):
+        logger.warning("custom_torch: MoE models run without CUDA graphs unless their experts are fused "
+                       "(CUSTOM_BACKEND_FUSE): the eager expert loop syncs the host")
+        graphs = False
+    return graphs, graphs or custom.compile or custom.explain
 
 
 def _budget_bytes(config: Any, settings: CoreSettings, custom: CustomTorchSettings, param: torch.Tensor) -> int:

@@ -1,4 +1,5 @@
-"""`MixedStep`: one scheduler tick (decode rows + prefill chunks) as ONE forward over a `ForwardBatch`.
+"""`MixedStep`: one scheduler tick (decode rows + prefill chunks, or decode rows alone) as ONE forward over a
+`ForwardBatch`: the only forward path of the backend (apart from the one-row prefill fallback).
 
 Order of work in :meth:`MixedStep.run`:
 
@@ -19,35 +20,46 @@ Order of work in :meth:`MixedStep.run`:
    are those of the full computation.
 4. Lengths move only after the forward: if it raises, every row holds the tokens it held (blocks prepared
    for the tick stay and are reused by the next append).
+
+A decode-only tick (no chunk) is the same path with a decode-only batch (``decode_only``: the model runs it as
+``[rows, 1]`` and the attention is the paged decode kernel, `DecodeBatchContext`). With fixed buffers its
+rows are staged by `DecodeStaging` (one H2D copy of ids / positions / sources plus the table entries that
+changed) padded to a row bucket of ``graph_buckets(max_seqs)``, and the graph of ``(bucket, True)`` replays;
+that forward also takes the greedy argmax on the device (:meth:`MixedStep.greedy_tokens`). Graph keys are
+``(bucket, decode_only)``: the kernel choice is static per captured graph.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from gemmaserve.errors import KVCapacityError
 
-from .graphs import StepGraphs
+from .graphs import StepGraphs, explain_report, maybe_compile
+from .kv.decode_state import count_fed, feed_previous
 from .kv.forward_batch import (
     ForwardBatch,
     ForwardBuffers,
     PackedTick,
     RaggedAttention,
-    RaggedPagedContext,
     build_forward_batch,
     pack_tick,
+    paged_context,
 )
-from .kv.decode_state import count_fed, feed_previous
 from .kv.paged_cache import PagedKVCache, prepare_decode_rows
 from .kv.pools import KVPools
 from .models.gemma import GemmaForCausalLM
 from .sampling import to_device
 
 __all__ = ["MixedStep", "TickMirror", "shared_tail_start"]
+
+logger = logging.getLogger(__name__)
+GraphKey = tuple[int, bool]  # (bucket, decode_only)
 
 
 class TickMirror(Protocol):
@@ -83,10 +95,19 @@ def _block_ms(model: GemmaForCausalLM, attention: RaggedAttention) -> list[int]:
 class MixedStep:
     """Runs ticks of ``model`` over ``pools``. ``fast_prefill``: narrow the KV-shared tail (see above).
     ``graphs``: replay CUDA graphs per token bucket for ticks of at most ``max_tokens`` tokens and
-    ``max_seqs`` sequences (rows at most ``width`` blocks); ``fixed_buffers`` (default: with ``graphs``) runs
-    the same padded forwards of the fixed buffers without graphs (the replay-parity reference, CPU tests). Not thread-safe (backend lock). Counters:
-    ``steps``, ``tokens``, ``shrunk`` (halvings of a chunk whose pool was short), ``deferred`` (chunks left
-    out: not even one token fitted), ``eager_steps`` (ticks run without a graph).
+    ``max_seqs`` sequences (rows at most ``width`` blocks), and per row bucket for decode-only ticks;
+    ``fixed_buffers`` (default: with ``graphs``) runs the same padded forwards of the fixed buffers without
+    graphs (the replay-parity reference, CPU tests). ``compile``: the decode-only forward of the fixed buffers
+    through ``torch.compile(dynamic=False)`` (one compilation per bucket); ``explain``: log
+    ``torch._dynamo.explain`` of the first decode-only bucket run (kept in :attr:`explain`); both need the
+    fixed buffers (ValueError otherwise). ``decode_kernel``: the decode-only batches' attention kernel in place of
+    the default (``paged_decode_attention`` / the gather reference), e.g. ``paged_decode_attention_reference``
+    in CPU tests. Not thread-safe (backend lock).
+
+    Counters of ticks with prompt tokens: ``steps``, ``tokens``, ``shrunk`` (halvings of a chunk whose pool
+    was short), ``deferred`` (chunks left out: not even one token fitted), ``eager_steps`` (those ticks run
+    without the fixed buffers). Of decode-only ticks: ``decode_steps``, ``slow_rows`` (rows that needed block
+    bookkeeping), ``fed_rows`` (rows that consumed the previous step's device token), ``decode_eager_steps``.
 
     ``mirror``: told of every tick's `PackedTick` right before its forward (tensor parallel: rank 0 sends it to
     the worker ranks, which run :meth:`forward_tick` on it) and of that forward's exception; ticks fed from
@@ -95,11 +116,13 @@ class MixedStep:
     def __init__(self, model: GemmaForCausalLM, pools: KVPools, attention: RaggedAttention, *,
                  fast_prefill: bool = True, graphs: bool = False, fixed_buffers: bool | None = None,
                  max_tokens: int = 8192, max_seqs: int = 256, width: int = 1,
-                 mirror: TickMirror | None = None) -> None:
+                 mirror: TickMirror | None = None, compile: bool = False, explain: bool = False,
+                 decode_kernel: Callable[..., Tensor] | None = None) -> None:
         self.model = model
         self.mirror = mirror
         self.pools = pools
         self.attention: RaggedAttention = attention
+        self.decode_kernel = decode_kernel
         self.narrow_layer = shared_tail_start(model) if fast_prefill else None
         self.device = next(iter(pools.k.values())).device
         self.block_ms = _block_ms(model, attention)
@@ -108,13 +131,24 @@ class MixedStep:
         if graphs or fixed_buffers:
             self.buffers = ForwardBuffers(pools, max_tokens=max_tokens, max_seqs=max_seqs, width=width,
                                           block_ms=self.block_ms, device=self.device)
+        if (compile or explain) and self.buffers is None:
+            raise ValueError("compile / explain run the decode forward of the fixed buffers: pass graphs or "
+                             "fixed_buffers")
+        self._decode_forward = maybe_compile(self._decode_forward_eager, compile)
         if graphs:
-            self.graphs = StepGraphs(self._bucket_forward, "mixed")
+            self.graphs = StepGraphs(self._bucket_forward, "tick")
+        self._explain_pending = explain
+        self.explain: dict[str, Any] | None = None
+        self._last: tuple[Tensor, Tensor | None] | None = None  # the last decode-only tick's (logits, argmax)
         self.steps = 0
         self.tokens = 0
         self.shrunk = 0
         self.deferred = 0
         self.eager_steps = 0
+        self.decode_steps = 0
+        self.slow_rows = 0
+        self.fed_rows = 0
+        self.decode_eager_steps = 0
 
     @torch.inference_mode()
     def run(self, decode_rows: Sequence[PagedKVCache], decode_ids: Sequence[int],
@@ -130,6 +164,8 @@ class MixedStep:
         changing anything if the decode rows' blocks cannot be supplied."""
         if len(decode_ids) != len(decode_rows):
             raise ValueError(f"got {len(decode_ids)} input ids for {len(decode_rows)} decode rows")
+        if not chunks:
+            return (self._decode(decode_rows, decode_ids, sources, previous) if decode_rows else None), [], []
         fed = count_fed(sources, previous, len(decode_rows))
         prepare_decode_rows(self.pools, decode_rows)
         taken: list[int] = []
@@ -169,16 +205,67 @@ class MixedStep:
         self.tokens += tick.num_tokens
         return (logits[:num_decode] if num_decode else None), out, sizes
 
-    def capture_all(self) -> dict[int, float]:
-        """Capture every token bucket's graph now (all padding: only scratch blocks are written); returns
-        seconds per bucket. No-op without graphs."""
+    def _decode(self, rows: Sequence[PagedKVCache], ids: Sequence[int], sources: Sequence[int] | None,
+                previous: Tensor | None) -> Tensor:
+        """The decode-only tick of :meth:`run`: block bookkeeping, then the padded bucket of the fixed buffers
+        (graph replay on CUDA) or an eager decode-only batch (no buffers, tensor parallel). Logits [B, vocab]
+        valid until the next call; with the fixed buffers the argmax taken in the same forward is kept for
+        :meth:`greedy_tokens`."""
+        fed = count_fed(sources, previous, len(rows))
+        slow = prepare_decode_rows(self.pools, rows)
+        buffers, count = self.buffers, len(rows)
+        tokens: Tensor | None = None
+        if buffers is not None and self.mirror is None:
+            bucket = buffers.load_decode(rows, ids, sources if fed else None)
+            if fed:
+                assert previous is not None
+                buffers.decode.feed_previous(previous, bucket)
+            if self._explain_pending:
+                self.run_explain(bucket)
+            key = (bucket, True)
+            logits, tokens = self.graphs.run(key) if self.graphs is not None else self._bucket_forward(key)
+            logits, tokens = logits[:count], tokens[:count]
+        else:
+            tick = pack_tick(self.pools, rows, [[token] for token in ids], range(count), decode_only=True)
+            logits = self._forward(tick, (sources, previous) if fed else None)  # type: ignore[arg-type]
+            self.decode_eager_steps += 1
+        for row in rows:
+            row.commit_append(1)
+        self.decode_steps += 1
+        self.slow_rows += slow
+        self.fed_rows += fed
+        self._last = (logits, tokens)
+        return logits
+
+    def greedy_tokens(self, logits: Tensor) -> Tensor | None:
+        """The device argmax the last decode-only tick's forward took, if ``logits`` is the tensor it returned
+        and it ran on the fixed buffers; else None (the caller samples)."""
+        if self._last is not None and logits is self._last[0]:
+            return self._last[1]
+        return None
+
+    def run_explain(self, bucket: int) -> dict[str, Any]:
+        """``torch._dynamo.explain`` of the decode-only ``bucket`` forward now (runs it once: the buffers must
+        hold a valid decode step, e.g. all padding); also kept in :attr:`explain`."""
+        self._explain_pending = False
+        self.explain = explain_report(self._decode_forward_eager, bucket)
+        return self.explain
+
+    def capture_all(self) -> dict[GraphKey, float]:
+        """Capture every decode-only row bucket's and every token bucket's graph now (all padding: only scratch
+        blocks are written); returns seconds per ``(bucket, decode_only)``. No-op without graphs."""
         if self.graphs is None or self.buffers is None:
             return {}
+        buffers = self.buffers
         with torch.inference_mode():
-            for bucket in self.buffers.buckets:
-                if not self.graphs.has(bucket):
-                    self.buffers.load_padding(bucket)
-                    self.graphs.capture(bucket)
+            for bucket in buffers.decode_buckets:
+                if not self.graphs.has((bucket, True)):
+                    buffers.decode.load([], [], bucket)
+                    self.graphs.capture((bucket, True))
+            for bucket in buffers.buckets:
+                if not self.graphs.has((bucket, False)):
+                    buffers.load_padding(bucket)
+                    self.graphs.capture((bucket, False))
         return dict(self.graphs.capture_seconds)
 
     def _forward(self, tick: PackedTick, feed: tuple[Sequence[int], Tensor] | None = None) -> Tensor:
@@ -198,29 +285,47 @@ class MixedStep:
 
     def forward_tick(self, tick: PackedTick, feed: tuple[Sequence[int], Tensor] | None = None) -> Tensor:
         """The forward of a packed tick over the pools as they are (no block bookkeeping): logits [R, vocab].
-        Rank 0 reaches it through :meth:`run`; tensor-parallel workers call it with rank 0's tick."""
+        Rank 0 reaches it through :meth:`run`; tensor-parallel workers call it with rank 0's tick. A
+        decode-only tick runs here eagerly (the fixed buffers stage decode-only ticks in :meth:`run`)."""
         buffers = self.buffers
-        if buffers is not None and buffers.bucket_for(tick.num_tokens, len(tick.query_lens)) is not None:
+        if (buffers is not None and not tick.decode_only
+                and buffers.bucket_for(tick.num_tokens, len(tick.query_lens)) is not None):
             bucket = buffers.load(tick, feed[0] if feed is not None else None)
             if feed is not None:
                 buffers.feed_previous(feed[1])
+            key = (bucket, False)
             run = self.graphs.run if self.graphs is not None else self._bucket_forward
-            return run(bucket)[0][: len(tick.logit_seqs)]
-        self.eager_steps += 1
+            return run(key)[0][: len(tick.logit_seqs)]
+        if not tick.decode_only:
+            self.eager_steps += 1
         batch = build_forward_batch(self.pools, tick, self.device, self.block_ms)
         if feed is not None:
             sources = to_device(list(feed[0]), torch.int64, self.device)
             feed_previous(batch.ids[: len(sources)], sources, feed[1])
         return self.forward_batch(batch)
 
-    def _bucket_forward(self, bucket: int) -> tuple[Tensor]:
+    def _bucket_forward(self, key: GraphKey) -> tuple[Tensor, ...]:
+        bucket, decode_only = key
+        if decode_only:
+            return self._decode_forward(bucket)
         assert self.buffers is not None
         return (self.forward_batch(self.buffers.view(bucket)),)
 
+    def _decode_forward_eager(self, bucket: int) -> tuple[Tensor, Tensor]:
+        """The decode-only forward of ``bucket`` rows of the fixed buffers: (logits [b, V], argmax [b])."""
+        assert self.buffers is not None
+        logits = self.forward_batch(self.buffers.decode_view(bucket))
+        return logits, logits.argmax(dim=-1)
+
     def forward_batch(self, batch: ForwardBatch) -> Tensor:
         """The whole forward of ``batch``: logits [len(logit_seqs), vocab]. Reads only ``batch`` and the pools
-        (graph-capturable for a padded batch of fixed buffers)."""
-        context = RaggedPagedContext(self.model.config, self.pools, batch, self.attention, self.narrow_layer)
+        (graph-capturable for a padded batch of fixed buffers). A decode-only batch runs as ``[S, 1]`` with the
+        paged decode kernel, any other as ``[1, T]`` with the ragged kernel (:func:`paged_context`)."""
+        context = paged_context(self.model.config, self.pools, batch, self.attention, self.narrow_layer,
+                                self.decode_kernel)
+        if batch.decode_only:
+            hidden = self.model.forward_hidden(batch.ids[:, None], batch.positions[:, None], context)
+            return self.model.compute_logits(hidden[:, -1])
         logit_tokens = batch.logit_tokens()
         narrow = None if self.narrow_layer is None else (self.narrow_layer, logit_tokens)
         hidden = self.model.forward_hidden(batch.ids[None], batch.positions[None], context, narrow)

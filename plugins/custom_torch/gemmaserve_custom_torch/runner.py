@@ -1,4 +1,4 @@
-"""`PagedRunner`: the one-row eager prefill and the portable decode step of the model over paged KV.
+"""`PagedRunner`: the one-row eager prefill of the model over paged KV.
 
 Prefill (one row, one chunk [start, end)): gather the sliding keys the chunk's first queries still see
 (``first_visible(start)`` .. ``start``) *before* ``prepare_append`` frees out-of-window blocks, then run the
@@ -11,10 +11,7 @@ not bite, else the explicit mask).
 
 The one-row prefill is the fallback of the one-forward tick (`MixedStep`) for a chunk whose sliding pool
 cannot hold its old window and its new blocks at once: it gathers the old keys first, so it needs no headroom.
-
-Decode (all rows, one token each): free out-of-window blocks, check every pool can supply the new blocks
-(before touching any row), allocate, build the `DecodeState` tensors and run one forward with a
-`PagedDecodeContext`.
+Decode steps are `MixedStep` ticks (decode-only batches).
 """
 
 from __future__ import annotations
@@ -25,8 +22,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from .kv.batched import BatchedPagedKVCache, PagedDecodeContext
-from .kv.paged_cache import PagedKVCache, prepare_decode_rows
+from .kv.paged_cache import PagedKVCache
 from .kv.pools import KVPools
 from .models.attention_context import build_attention_mask, eager_attention, sdpa_attention
 from .models.gemma import GemmaForCausalLM
@@ -109,14 +105,13 @@ class PagedPrefillContext:
 
 
 class PagedRunner:
-    """Runs ``model`` over rows of ``pools``. Stateless between calls apart from the rows it mutates."""
+    """Runs one-row prefills of ``model`` over rows of ``pools``. Stateless between calls apart from the rows
+    it mutates."""
 
-    def __init__(self, model: GemmaForCausalLM, pools: KVPools, attention: Literal["gather", "triton"],
-                 prefill_attention: PrefillAttention = "eager") -> None:
+    def __init__(self, model: GemmaForCausalLM, pools: KVPools, prefill_attention: PrefillAttention = "eager") -> None:
         self.model = model
         self.pools = pools
         self.config = model.config
-        self.attention = attention
         self.prefill_attention = prefill_attention
         self.device = next(iter(pools.k.values())).device
 
@@ -144,18 +139,3 @@ class PagedRunner:
         hidden = self.model.forward_hidden(ids, context.q_positions[None], context)
         row.commit_append(num_new)
         return self.model.compute_logits(hidden[:, -1]) if want_logits else None
-
-    @torch.inference_mode()
-    def decode(self, batch: BatchedPagedKVCache, input_ids: Sequence[int]) -> Tensor:
-        """Row ``i`` consumes ``input_ids[i]``; returns logits [B, vocab]. Raises KVCapacityError before
-        changing any row if a pool cannot supply the step's new blocks."""
-        if len(input_ids) != len(batch):
-            raise ValueError(f"got {len(input_ids)} input ids for a batch of {len(batch)} rows")
-        prepare_decode_rows(self.pools, batch.rows)
-        state = batch.prepare_step(gather=self.attention == "gather")
-        context = PagedDecodeContext(self.config, self.pools, state, self.attention)
-        ids = torch.tensor(list(input_ids), dtype=torch.int64, device=self.device)[:, None]
-        hidden = self.model.forward_hidden(ids, state.positions[:, None], context)
-        for row in batch.rows:
-            row.commit_append(1)
-        return self.model.compute_logits(hidden[:, -1])

@@ -1,21 +1,24 @@
-"""`BatchedDecodeState`: the decode step's inputs in fixed device buffers (what a CUDA graph reads).
+"""`DecodeStaging`: a decode-only tick's inputs staged into the fixed buffers of `ForwardBuffers` (what the
+decode-only CUDA graphs read), plus the helpers of asynchronous decode and the decode bucket sizes.
 
-Buffers (``R`` = capacity rows = the largest bucket, ``W`` = table width = blocks of the longest row):
+Decode-only ticks (every sequence one token, all logits wanted) of ``B`` rows run at the smallest bucket
+``b >= B`` of :func:`graph_buckets` (powers of two, then ``max_batch_size``). What they read:
 
-- ``ids`` int64 ``[R]`` (token each row consumes), ``positions`` int64 ``[R]`` (its position) and ``sources``
-  int64 ``[R]`` (-1, or the row of the previous step whose device token it consumes instead: asynchronous
-  decode, :meth:`BatchedDecodeState.feed_previous`): rewritten every step by one H2D copy of ``[3, bucket]``;
-- ``tables[group]`` int32 ``[R, W]``: block table per group. A slot is looked at only when it now holds
-  another row (``PagedKVCache.uid``) or that row's ``version`` moved, and then only what changed from the
-  host mirror (what the device holds) is sent: the appended entries when a table only grew, else the whole
-  row. A steady step copies no table entry, a row that grew by a block sends one (a row changes tables once
-  per block, every ``block_size`` steps).
+- ``ids``, ``positions``, ``sources`` int64 ``[b]`` each, the first ``3 * b`` entries of the tick buffers'
+  int64 run (``sources``: -1, or the index of the previous step's device token the row consumes instead:
+  asynchronous decode, :func:`feed_previous`): rewritten every step by ONE host-to-device copy;
+- the tick buffers' block tables ``[groups, max_seqs, W]``. A slot is looked at only when it now holds another
+  row (``PagedKVCache.uid``) or that row's ``version`` moved, and then only what changed from the host mirror
+  (what the device holds) is sent, in the same copy: the appended entries when a table only grew, else the
+  whole row. A steady step copies no table entry; a row that grew by a block sends one. A tick with prompt
+  tokens rewrites the tables (`ForwardBuffers` staging): the mirror is then forgotten
+  (:meth:`DecodeStaging.invalidate`) and the next decode tick rewrites each slot's table once.
 
-Padding: rows ``B .. bucket-1`` of a step consume token 0 at position 0 with table ``[scratch, -1, ...]``,
-so they write one K/V into the group's scratch block and attend over it alone (finite, never read back).
-Write slots and ``seq_lens`` are derived on the device (inside the graph) by :meth:`step_tensors`.
-On CUDA every host-to-device copy goes through pinned memory without blocking, so staging a step never waits
-for the step before it (asynchronous decode launches a step while the previous one runs).
+Padding: rows ``B .. b-1`` consume token 0 at position 0 with table ``[scratch, ...]``, so they write one K/V
+into the group's scratch block and attend over it alone (finite, never read back). Write slots and
+``seq_lens`` are derived on the device (inside the graph) by :meth:`DecodeStaging.step_tensors`. Entries of a
+table past its row's blocks may be stale: no kernel reads past ``seq_len``. On CUDA the copy goes through
+pinned memory without blocking, so staging a step never waits for the step before it.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from torch import Tensor
 from .paged_cache import PagedKVCache
 from .pools import KVPools
 
-__all__ = ["BatchedDecodeState", "count_fed", "feed_previous", "graph_buckets", "pick_bucket"]
+__all__ = ["DecodeStaging", "count_fed", "feed_previous", "graph_buckets", "pick_bucket"]
 
 _PAD = (-1, -1)  # slot key of a padding row
 
@@ -74,42 +77,52 @@ def pick_bucket(buckets: Sequence[int], batch_size: int) -> int:
     raise ValueError(f"a decode batch of {batch_size} rows exceeds the largest bucket {buckets[-1]}")
 
 
-class BatchedDecodeState:
-    """Fixed buffers for up to ``capacity`` rows whose tables have at most ``width`` blocks.
+class DecodeStaging:
+    """Stages decode-only ticks of up to ``capacity`` rows (tables at most ``width`` blocks) into device buffers
+    it does not own: ``ints`` (int64, at least ``3 * capacity`` entries: ids, positions, sources of a bucket laid
+    out ``[3, bucket]``) and ``tables`` (int32 ``[groups, >= capacity, width]``), both kept by `ForwardBuffers`.
 
-    Mutated by :meth:`load` (host mirror and device buffers); single-threaded (under the backend lock).
-    Device buffers keep their addresses for the object's lifetime (graphs may capture them)."""
+    Mutated by :meth:`load` (host mirror and those buffers) and :meth:`invalidate`; single-threaded (under the
+    backend lock)."""
 
-    def __init__(self, pools: KVPools, capacity: int, width: int) -> None:
+    def __init__(self, pools: KVPools, ints: Tensor, tables: Tensor, capacity: int, width: int) -> None:
         if capacity < 1 or width < 1:
             raise ValueError(f"capacity and width must be >= 1, got {capacity}, {width}")
+        if ints.numel() < 3 * capacity or tables.shape[1] < capacity or tables.shape[2] != width:
+            raise ValueError(f"buffers {tuple(ints.shape)} / {tuple(tables.shape)} are too small for {capacity} rows")
         self.pools = pools
         self.capacity = capacity
         self.width = width
-        device = next(iter(pools.k.values())).device
-        self.device = device
-        self.io = torch.zeros((3, capacity), dtype=torch.int64, device=device)  # ids, positions, sources
-        self.ids, self.positions, self.sources = self.io[0], self.io[1], self.io[2]
+        self.device = ints.device
+        self.ints = ints
         self.groups = list(pools.groups)
+        self.tables = {group: tables[i] for i, group in enumerate(self.groups)}
         self._scratch = {group: [pools.scratch_block(group)] for group in self.groups}
-        # host mirror: per group, each slot's table as last sent (the device row is it, padded with -1)
-        self._mirror: dict[str, list[list[int]]] = {g: [list(self._scratch[g]) for _ in range(capacity)]
-                                                     for g in self.groups}
-        self.tables: dict[str, Tensor] = {}
-        for group in self.groups:
-            host = torch.full((capacity, width), -1, dtype=torch.int32)
-            host[:, 0] = pools.scratch_block(group)
-            self.tables[group] = host.to(device)
-        self._keys: list[tuple[int, int]] = [_PAD] * capacity
+        # host mirror: per group, each slot's table as last sent (its prefix of the device row); None = unknown
+        self._mirror: dict[str, list[list[int]]] = {g: [[] for _ in range(capacity)] for g in self.groups}
+        self._keys: list[tuple[int, int] | None] = [None] * capacity
         self.rows_copied = 0  # table rows rewritten on the device so far (for tests and stats)
         self.entries_copied = 0  # table entries sent to the device so far
+
+    def invalidate(self) -> None:
+        """Forget what the device tables hold (another staging rewrote them): every slot is rewritten whole by
+        the next :meth:`load` that uses it."""
+        self._keys = [None] * self.capacity
+        for mirror in self._mirror.values():
+            for i in range(self.capacity):
+                mirror[i] = []
+
+    def io(self, bucket: int) -> Tensor:
+        """int64 [3, bucket]: ids, positions, sources of a ``bucket``-row step (a view of ``ints``)."""
+        return self.ints[: 3 * bucket].view(3, bucket)
 
     def load(self, rows: Sequence[PagedKVCache], input_ids: Sequence[int], bucket: int,
              sources: Sequence[int] | None = None) -> None:
         """Stage a step of ``rows`` (row ``i`` consumes ``input_ids[i]`` at position ``rows[i].length``, or, when
-        ``sources[i] >= 0``, the token :meth:`feed_previous` puts there) padded to ``bucket`` rows. Rows must
+        ``sources[i] >= 0``, the token :func:`feed_previous` puts there) padded to ``bucket`` rows. Rows must
         already hold the block of their new position. One host-to-device copy carries the step's ids, positions,
-        sources and every table entry that changed since the slot's last step."""
+        sources and every table entry that changed since the slot's last step. Raises ValueError (before
+        touching the buffers) if the step does not fit or a row is wider than the tables."""
         count = len(rows)
         if not count <= bucket <= self.capacity or len(input_ids) != count:
             raise ValueError(f"{count} rows / {len(input_ids)} ids do not fit bucket {bucket} of {self.capacity}")
@@ -128,7 +141,7 @@ class BatchedDecodeState:
             for part in group_changes:
                 staged.extend(part)
         on_device = self._to_device(staged)
-        self.io[:, :bucket].copy_(on_device[: 3 * bucket].view(3, bucket))
+        self.io(bucket).copy_(on_device[: 3 * bucket].view(3, bucket))
         at = 3 * bucket
         for group, (slot, column, value) in zip(self.groups, changes):
             n = len(slot)
@@ -181,27 +194,32 @@ class BatchedDecodeState:
     def feed_previous(self, previous: Tensor, bucket: int) -> None:
         """Rows whose staged source is ``s >= 0`` consume ``previous[s]`` (the device tokens of the previous
         step) instead of their staged id: device ops only, queued before the step's forward."""
-        feed_previous(self.ids[:bucket], self.sources[:bucket], previous)
+        io = self.io(bucket)
+        feed_previous(io[0], io[2], previous)
 
-    def step_tensors(self, bucket: int) -> tuple[Tensor, Tensor, dict[str, Tensor], dict[str, Tensor]]:
+    def step_tensors(self, bucket: int) -> tuple[Tensor, Tensor, Tensor, dict[str, Tensor], dict[str, Tensor]]:
         """Device-side views/derivations for a ``bucket``-row step (no host sync, graph-capturable):
-        (positions int64 [b], seq_lens int32 [b], tables int32 [b, W] per group, write slots int64 [b] per
-        group = the flat pool slot of each row's new token)."""
-        positions = self.positions[:bucket]
+        (ids int64 [b], positions int64 [b], seq_lens int32 [b], tables int32 [b, W] per group, write slots
+        int64 [b] per group = the flat pool slot of each row's new token)."""
+        io = self.io(bucket)
+        positions = io[1]
         bs = self.pools.block_size
         tables = {group: table[:bucket] for group, table in self.tables.items()}
         blocks_at = (positions // bs)[:, None]
         offset = positions % bs
         slots = {group: table.gather(1, blocks_at)[:, 0].to(torch.int64) * bs + offset
                  for group, table in tables.items()}
-        return positions, (positions + 1).to(torch.int32), tables, slots
+        return io[0], positions, (positions + 1).to(torch.int32), tables, slots
 
     def check_integrity(self, rows: Sequence[PagedKVCache]) -> None:
-        """Device tables equal their host mirrors; mirrors of rows whose key is current equal the rows' tables."""
+        """Each known slot's device table starts with its host mirror; mirrors of rows whose key is current equal
+        the rows' tables."""
         for group, mirror in self._mirror.items():
             device_rows = self.tables[group].cpu().tolist()
             for i, key in enumerate(self._keys):
+                if key is None:
+                    continue
                 if i < len(rows) and key == (rows[i].uid, rows[i].version) and mirror[i] != rows[i].tables[group]:
-                    raise RuntimeError(f"BatchedDecodeState: row {i} {group} host mirror is stale")
-                if device_rows[i] != mirror[i] + [-1] * (self.width - len(mirror[i])):
-                    raise RuntimeError(f"BatchedDecodeState: row {i} {group} device table differs from the host")
+                    raise RuntimeError(f"DecodeStaging: row {i} {group} host mirror is stale")
+                if device_rows[i][: len(mirror[i])] != mirror[i]:
+                    raise RuntimeError(f"DecodeStaging: row {i} {group} device table differs from the host")

@@ -24,6 +24,12 @@ Every storing layer writes the batch's K/V with one indexed copy, then every lay
 tables with the ragged kernel (Triton) or its plain-torch reference (the portable path); fresh keys are read
 back from the pools, so one kernel serves prefill and decode. From ``narrow_layer`` on (the KV-shared tail,
 fast prefill) only the last tokens of ``logit_seqs`` are computed: those layers attend as decode rows.
+
+A decode-only batch (``decode_only``: every sequence one token, every sequence's logits wanted, in order) is
+the same description run by the model as ``[S, 1]`` with the paged decode kernel (`DecodeBatchContext`, picked
+by :func:`paged_context` from the flag, never from data). On the fixed buffers it is staged by `DecodeStaging`
+(:meth:`ForwardBuffers.load_decode`, row buckets of ``graph_buckets``) and read through
+:meth:`ForwardBuffers.decode_view`.
 """
 
 from __future__ import annotations
@@ -39,11 +45,13 @@ from torch import Tensor
 
 from ..kernels.ragged_reference import query_tiles, ragged_paged_attention_reference
 from ..models.config import GemmaTextConfig
-from .decode_state import feed_previous
+from .decode_context import DecodeBatchContext
+from .decode_state import DecodeStaging, feed_previous, graph_buckets, pick_bucket
 from .paged_cache import PagedKVCache
 from .pools import KVPools
 
-__all__ = ["ForwardBatch", "ForwardBuffers", "PackedTick", "RaggedPagedContext", "build_forward_batch", "pack_tick"]
+__all__ = ["ForwardBatch", "ForwardBuffers", "PackedTick", "RaggedPagedContext", "build_forward_batch",
+           "pack_tick", "paged_context"]
 
 RaggedAttention = Literal["triton", "reference"]
 Tiles = tuple[Tensor, Tensor, Tensor]  # tile_seq int32 [N], tile_q0 int32 [N], number of valid tiles int32 [1]
@@ -61,6 +69,7 @@ class PackedTick:
     tables: dict[str, list[list[int]]]
     logit_seqs: list[int]
     query_lens: list[int]
+    decode_only: bool = False  # every sequence a decode row (one token, logits wanted): the decode forward
 
     @property
     def num_tokens(self) -> int:
@@ -68,9 +77,10 @@ class PackedTick:
 
 
 def pack_tick(pools: KVPools, rows: Sequence[PagedKVCache], tokens: Sequence[Sequence[int]],
-              logit_seqs: Sequence[int]) -> PackedTick:
+              logit_seqs: Sequence[int], *, decode_only: bool = False) -> PackedTick:
     """Describe ``tokens[i]`` appended to ``rows[i]`` (prepared, lengths not committed); logits wanted for the
-    last token of each sequence in ``logit_seqs``."""
+    last token of each sequence in ``logit_seqs``. ``decode_only``: every sequence is one token whose logits are
+    wanted, in order (checked): the tick runs as a decode forward (`DecodeBatchContext`)."""
     if len(rows) != len(tokens) or not rows:
         raise ValueError(f"{len(rows)} rows for {len(tokens)} token lists")
     lens = [len(t) for t in tokens]
@@ -101,8 +111,10 @@ def pack_tick(pools: KVPools, rows: Sequence[PagedKVCache], tokens: Sequence[Seq
                 write_from = block_end
         slots[group] = group_slots
         tables[group] = [row.tables[group] for row in rows]
+    if decode_only and (max(lens) != 1 or list(logit_seqs) != list(range(len(rows)))):
+        raise ValueError("a decode-only tick is one token per sequence, every sequence's logits wanted in order")
     return PackedTick(ids, positions, slots, starts, [row.length + n for row, n in zip(rows, lens)], tables,
-                      list(logit_seqs), lens)
+                      list(logit_seqs), lens, decode_only)
 
 
 @dataclass(slots=True)
@@ -117,6 +129,8 @@ class ForwardBatch:
     block_tables: dict[str, Tensor]
     logit_seqs: Tensor
     tiles: dict[int, Tiles]
+    decode_only: bool = False  # one token per sequence, all logits wanted: the decode forward (static per graph)
+    max_seq_len: int | None = None  # the longest seq_len when known on the host (unpadded batches)
 
     @property
     def num_tokens(self) -> int:
@@ -141,7 +155,7 @@ def build_forward_batch(pools: KVPools, tick: PackedTick, device: torch.device, 
     tables = torch.tensor([[t + [-1] * (width - len(t)) for t in tick.tables[g]] for g in groups], dtype=torch.int32)
     meta = torch.tensor([*tick.query_start, *tick.seq_lens], dtype=torch.int32).to(device)
     tiles: dict[int, Tiles] = {}
-    for block_m in block_ms:
+    for block_m in block_ms if not tick.decode_only else ():  # the decode kernel reads no tile map
         seqs, firsts = query_tiles(tick.query_lens, block_m)
         both = torch.tensor([seqs, firsts], dtype=torch.int32).to(device)
         tiles[block_m] = (both[0], both[1], torch.tensor([len(seqs)], dtype=torch.int32, device=device))
@@ -152,6 +166,7 @@ def build_forward_batch(pools: KVPools, tick: PackedTick, device: torch.device, 
         query_start=meta[: count + 1], seq_lens=meta[count + 1 :],
         block_tables={g: tables[i] for i, g in enumerate(groups)},
         logit_seqs=torch.tensor(tick.logit_seqs, dtype=torch.int64).to(device), tiles=tiles,
+        decode_only=tick.decode_only, max_seq_len=max(tick.seq_lens),
     )
 
 
@@ -196,7 +211,7 @@ class ForwardBuffers:
         self._rows64 = 3 + len(self.groups)  # ids, positions, sources, one write-slot row per group
         self._max_tiles = {bm: -(-max_tokens // bm) + max_seqs for bm in self.block_ms}
         self._meta_room = 3 * max_seqs + 1 + sum(2 * n + 1 for n in self._max_tiles.values())
-        len64 = self._rows64 * max_tokens
+        len64 = max(self._rows64 * max_tokens, 3 * max_seqs)  # decode-only ticks use 3 * bucket of it
         len32 = self._meta_room + len(self.groups) * max_seqs * width
         self._i64 = torch.zeros(len64, dtype=torch.int64, device=device)
         self._i32 = torch.zeros(len32, dtype=torch.int32, device=device)
@@ -207,6 +222,10 @@ class ForwardBuffers:
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
         self._scratch_slots = [pools.scratch_block(group) * pools.block_size for group in self.groups]
+        self.decode_buckets = graph_buckets(max_seqs)  # decode-only ticks: rows (= tokens) per bucket
+        self.decode = DecodeStaging(pools, self._i64, self._tables, max_seqs, width)
+        self._arange = torch.arange(max_seqs + 1, dtype=torch.int64, device=device)
+        self._arange32 = self._arange.to(torch.int32)
         self._bucket = self.buckets[0]
         self.load_padding(self._bucket)
 
@@ -243,8 +262,31 @@ class ForwardBuffers:
         self._stage_tick(PackedTick([], [], nothing, [0], [], nothing, [], []), bucket, None, 0)
         self._tables[:, : self.seqs_of(bucket)].fill_(-1)
 
+    def load_decode(self, rows: Sequence[PagedKVCache], input_ids: Sequence[int],
+                    sources: Sequence[int] | None = None) -> int:
+        """Stage a decode-only tick (row ``i`` consumes ``input_ids[i]`` at ``rows[i].length``; rows hold the
+        block of that position) through `DecodeStaging`; returns its bucket (of :attr:`decode_buckets`, read by
+        :meth:`decode_view`). ``sources``: as in :meth:`load`. Raises ValueError (buffers untouched) if it does
+        not fit."""
+        bucket = pick_bucket(self.decode_buckets, max(len(rows), 1))
+        self.decode.load(rows, input_ids, bucket, sources)
+        self._bucket = bucket
+        return bucket
+
+    def decode_view(self, bucket: int) -> ForwardBatch:
+        """The padded decode-only batch of ``bucket`` rows (views of the buffers and device derivations of
+        them: no host sync, graph-capturable). Query tiles are left out: the decode kernel reads none."""
+        ids, positions, seq_lens, tables, slots = self.decode.step_tensors(bucket)
+        return ForwardBatch(
+            ids=ids, positions=positions, write_slots=slots,
+            query_start=self._arange32[: bucket + 1], seq_lens=seq_lens, block_tables=tables,
+            logit_seqs=self._arange[:bucket], tiles={}, decode_only=True,
+        )
+
     def _stage_tick(self, tick: PackedTick, bucket: int, sources: Sequence[int] | None, width: int) -> None:
-        """Lay ``tick`` out padded to ``bucket`` (tables ``width`` wide), stage it and spread its tables."""
+        """Lay ``tick`` out padded to ``bucket`` (tables ``width`` wide), stage it and spread its tables
+        (the decode staging's table mirror is forgotten)."""
+        self.decode.invalidate()
         seqs, pad, count = self.seqs_of(bucket), bucket - tick.num_tokens, len(tick.query_lens)
         fed = array("q", sources if sources is not None else ())
         ints = array("q", tick.ids)
@@ -405,3 +447,15 @@ class RaggedPagedContext:
         out = self._ragged(q[0], k_pool, v_pool, tables[group], query_start, seq_lens, scale=scale, window=window,
                            **tiles)
         return out[None]
+
+
+def paged_context(config: GemmaTextConfig, pools: KVPools, batch: ForwardBatch, attention: RaggedAttention,
+                  narrow_layer: int | None = None,
+                  decode_kernel: Callable[..., Tensor] | None = None) -> DecodeBatchContext | RaggedPagedContext:
+    """The attention context of ``batch``, chosen by its static ``decode_only`` flag (never by its data): the
+    paged decode kernel (`DecodeBatchContext`; the model runs the batch as ``[S, 1]``) for a decode-only batch,
+    else the ragged kernel (`RaggedPagedContext`, ``[1, T]``). ``narrow_layer`` applies to the ragged one,
+    ``decode_kernel`` (a ``paged_decode_attention`` stand-in) to the decode one."""
+    if batch.decode_only:
+        return DecodeBatchContext(config, pools, batch, attention, decode_kernel)
+    return RaggedPagedContext(config, pools, batch, attention, narrow_layer)
