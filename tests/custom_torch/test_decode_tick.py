@@ -64,9 +64,9 @@ def test_padded_decode_tick_gives_the_unpadded_logits_with_async_sources(tiny_ch
     assert torch.equal(runs["padded"].argmax(-1), runs["eager"].argmax(-1))
 
 
-def test_decode_tick_after_a_prompt_tick_rewrites_the_tables(tiny_gemma4_dir):
-    """A tick with prompt tokens rewrites the shared block tables: the next decode-only tick on the fixed
-    buffers still reads each row's own blocks (same logits as the eager path)."""
+def test_decode_tick_after_a_prompt_tick_reads_its_own_tables(tiny_gemma4_dir):
+    """A tick with prompt tokens (its rows in other slots) stages tables of its own: the next decode-only tick
+    on the fixed buffers still reads each row's own blocks (same logits as the eager path)."""
     eager, padded = make_backend(tiny_gemma4_dir), _fixed(make_backend(tiny_gemma4_dir))
     out = []
     for backend in (eager, padded):
@@ -82,6 +82,27 @@ def test_decode_tick_after_a_prompt_tick_rewrites_the_tables(tiny_gemma4_dir):
         assert_no_leaks(backend)
     torch.testing.assert_close(out[1], out[0], rtol=0, atol=1e-4)
     padded.mixed.buffers.decode.check_integrity([])
+
+
+def test_prompt_ticks_leave_the_decode_tables_alone(tiny_gemma4_dir):
+    """Decode-only ticks keep their own device tables: after a tick with prompt tokens, a decode tick of the
+    same rows sends only the blocks they appended (at most one per row and group), not their whole tables,
+    and the device tables still equal the host mirror."""
+    backend = _fixed(make_backend(tiny_gemma4_dir))
+    staging = backend.mixed.buffers.decode
+    with backend.lock:
+        rows = [backend.prefill(p).kv for p in PROMPTS[:3]]
+        backend.mixed.run(rows, [3, 4, 5], [])
+        whole = sum(len(row.tables[g]) for row in rows for g in row.tables)
+        state = backend.prefill_lookup(PROMPTS[4])
+        backend.mixed.run(rows, [5, 6, 7], [(state.kv, PROMPTS[4][:8], False)])
+        sent = staging.entries_copied
+        backend.mixed.run(rows, [7, 8, 9], [])
+        assert staging.entries_copied - sent <= len(rows) * len(staging.groups) < whole
+        staging.check_integrity(rows)
+        for row in [*rows, state.kv]:
+            row.free_all()
+    assert_no_leaks(backend)
 
 
 _KERNEL_SCRIPT = """

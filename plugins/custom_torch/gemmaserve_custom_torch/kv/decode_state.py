@@ -7,12 +7,12 @@ Decode-only ticks (every sequence one token, all logits wanted) of ``B`` rows ru
 - ``ids``, ``positions``, ``sources`` int64 ``[b]`` each, the first ``3 * b`` entries of the tick buffers'
   int64 run (``sources``: -1, or the index of the previous step's device token the row consumes instead:
   asynchronous decode, :func:`feed_previous`): rewritten every step by ONE host-to-device copy;
-- the tick buffers' block tables ``[groups, max_seqs, W]``. A slot is looked at only when it now holds another
-  row (``PagedKVCache.uid``) or that row's ``version`` moved, and then only what changed from the host mirror
-  (what the device holds) is sent, in the same copy: the appended entries when a table only grew, else the
-  whole row. A steady step copies no table entry; a row that grew by a block sends one. A tick with prompt
-  tokens rewrites the tables (`ForwardBuffers` staging): the mirror is then forgotten
-  (:meth:`DecodeStaging.invalidate`) and the next decode tick rewrites each slot's table once.
+- block tables ``[groups, max_seqs, W]`` of their own (ticks with prompt tokens stage theirs elsewhere, so
+  they leave these alone). A slot is looked at only when it now holds another row (``PagedKVCache.uid``) or
+  that row's ``version`` moved, and then only what changed from the host mirror (what the device holds) is
+  sent, in the same copy: the appended entries when a table only grew, else the whole row. A steady step
+  copies no table entry; a row that grew by a block sends one. :meth:`DecodeStaging.invalidate` forgets the
+  mirror (the next load rewrites each slot it uses whole) for an owner that rewrote the tables itself.
 
 Padding: rows ``B .. b-1`` consume token 0 at position 0 with table ``[scratch, ...]``, so they write one K/V
 into the group's scratch block and attend over it alone (finite, never read back). Write slots and
@@ -80,7 +80,8 @@ def pick_bucket(buckets: Sequence[int], batch_size: int) -> int:
 class DecodeStaging:
     """Stages decode-only ticks of up to ``capacity`` rows (tables at most ``width`` blocks) into device buffers
     it does not own: ``ints`` (int64, at least ``3 * capacity`` entries: ids, positions, sources of a bucket laid
-    out ``[3, bucket]``) and ``tables`` (int32 ``[groups, >= capacity, width]``), both kept by `ForwardBuffers`.
+    out ``[3, bucket]``, shared with ticks that carry prompt tokens) and ``tables`` (int32 ``[groups, >= capacity,
+    width]``, written by nothing else), both kept by `ForwardBuffers`.
 
     Mutated by :meth:`load` (host mirror and those buffers) and :meth:`invalidate`; single-threaded (under the
     backend lock)."""

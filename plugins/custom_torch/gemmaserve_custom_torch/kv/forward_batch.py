@@ -223,7 +223,9 @@ class ForwardBuffers:
         self._turn = 0
         self._scratch_slots = [pools.scratch_block(group) * pools.block_size for group in self.groups]
         self.decode_buckets = graph_buckets(max_seqs)  # decode-only ticks: rows (= tokens) per bucket
-        self.decode = DecodeStaging(pools, self._i64, self._tables, max_seqs, width)
+        # decode-only ticks keep their own tables, so a tick with prompt tokens leaves their mirror valid
+        self._decode_tables = torch.full_like(self._tables, -1)
+        self.decode = DecodeStaging(pools, self._i64, self._decode_tables, max_seqs, width)
         self._arange = torch.arange(max_seqs + 1, dtype=torch.int64, device=device)
         self._arange32 = self._arange.to(torch.int32)
         self._bucket = self.buckets[0]
@@ -284,9 +286,8 @@ class ForwardBuffers:
         )
 
     def _stage_tick(self, tick: PackedTick, bucket: int, sources: Sequence[int] | None, width: int) -> None:
-        """Lay ``tick`` out padded to ``bucket`` (tables ``width`` wide), stage it and spread its tables
-        (the decode staging's table mirror is forgotten)."""
-        self.decode.invalidate()
+        """Lay ``tick`` out padded to ``bucket`` (tables ``width`` wide), stage it and spread its tables (into
+        the tick tables; the decode-only tables and their mirror are not touched)."""
         seqs, pad, count = self.seqs_of(bucket), bucket - tick.num_tokens, len(tick.query_lens)
         fed = array("q", sources if sources is not None else ())
         ints = array("q", tick.ids)
