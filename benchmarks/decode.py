@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     mixed = getattr(backend, "mixed", None)
     graphed = mixed is not None and mixed.graphs is not None
     if graphed:  # one capture_all: decode-only row buckets (graph_capture_s) and token buckets (tick_...)
-        captured = section("graph_capture_s", lambda: {k: round(v, 3) for k, v in mixed.capture_all().items()})
+        captured = section("graph_capture_s", lambda: {str(k): round(v, 3) for k, v in mixed.capture_all().items()})
         if captured is None:
             backend.close()  # its pools go before the eager backend allocates its own
             backend = _custom_backend(model, settings, cuda_graph=False, name=f"{args.config}-random")

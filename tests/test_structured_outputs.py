@@ -272,3 +272,20 @@ def test_compilers_on_one_vocabulary_share_its_llguidance_tokenizer() -> None:
     assert other._vocabulary() is not first._vocabulary()
     for compiler in (first, second, other):
         assert compiler.compile(StructuredOutputs(regex="[a-c]+")).allowed()
+
+
+def test_a_hf_tokenizer_serializes_its_vocabulary_once() -> None:
+    """``tokenizer_json`` (seconds for Gemma's vocabulary) is built on the first call and kept: every engine
+    over the same tokenizer reads the same text (padding and truncation off, as structured output needs)."""
+    pytest.importorskip("transformers")
+    from tiny_checkpoints import _train_tokenizer_json
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from gemmaserve.hf_tokenizer import HFTokenizerAdapter
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_train_tokenizer_json()))
+    adapter = HFTokenizerAdapter(fast)
+    text = adapter.tokenizer_json()
+    assert json.loads(text)["truncation"] is None and json.loads(text)["padding"] is None
+    assert adapter.tokenizer_json() is text  # the kept text, not a second serialization (a new str each time)

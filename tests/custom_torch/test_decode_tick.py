@@ -137,6 +137,9 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-interpreter test: on CUDA the compiled kernels run "
+                    "(test_cuda_*), and the H200 image's Triton 3.6 interpreter fails inside the ragged kernel's "
+                    "launch (InterpreterError: only 0-dimensional arrays can be converted to Python scalars)")
 def test_decode_only_batches_run_the_decode_kernel_under_the_interpreter(tiny_gemma4_dir):
     pytest.importorskip("triton")
     script = _KERNEL_SCRIPT.format(tests=str(Path(__file__).parent), path=str(tiny_gemma4_dir))
