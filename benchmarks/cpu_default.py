@@ -11,7 +11,8 @@ summary gives each variant's minimum and median tok/s over the rounds. ``auto`` 
 ``make run`` gets (``BACKEND=auto``, ``DTYPE=auto``); each run records the backend and dtype it resolved to.
 
 Usage (repo root):  .venv/bin/python benchmarks/cpu_default.py [--backends hf,custom-cpu] [--dtypes float32,bfloat16]
-                    [--tokens 64] [--rounds 3] [--threads 1,2] [--profile-steps 20] [--json out.json]
+                    [--quantizations none,int8,demo] [--tokens 64] [--rounds 3] [--threads 1,2]
+                    [--profile-steps 20] [--json out.json]
                     .venv/bin/python benchmarks/cpu_default.py --kernels [--rounds 5] [--json out.json]
 """
 
@@ -57,13 +58,21 @@ class StepProfiler:
                  "calls_per_step": round(e.count / self.steps, 1)} for e in events]
 
 
-def measure(path: str, backend: str, dtype: str, tokens: int, profile_steps: int = 0) -> dict[str, Any]:
+def measure(path: str, backend: str, dtype: str, tokens: int, profile_steps: int = 0,
+            quantization: str = "none") -> dict[str, Any]:
     """One run in this process: load, warm up (8 tokens), then time ``tokens`` greedy tokens; with
-    ``profile_steps``, profile that many decode steps after the timed run (on the engine thread)."""
+    ``profile_steps``, profile that many decode steps after the timed run (on the engine thread).
+    ``quantization``: QUANTIZATION (``none`` = unset; ``demo`` = what ``gemmaserve demo`` picks)."""
     from gemmaserve import LLM
+    from gemmaserve.cli import demo_quantization
     from gemmaserve.sampling_params import SamplingParams
+    from gemmaserve.settings import load_settings
 
-    llm = LLM(path, backend=backend, device="cpu", dtype=dtype, max_batch_size=1)
+    resolved = quantization
+    if quantization == "demo":
+        resolved = demo_quantization(load_settings(backend=backend, device="cpu", dtype=dtype)) or "none"
+    llm = LLM(path, backend=backend, device="cpu", dtype=dtype, max_batch_size=1,
+              quantization=None if resolved == "none" else resolved)
     profile: list[dict[str, Any]] = []
     try:
         info, backend_class = llm.engine.backend.model_info, type(llm.engine.backend).__name__
@@ -82,7 +91,9 @@ def measure(path: str, backend: str, dtype: str, tokens: int, profile_steps: int
     tpot = None
     if metrics is not None and metrics.first_token_time is not None and metrics.finish_time is not None:
         tpot = (metrics.finish_time - metrics.first_token_time) / (len(out.token_ids) - 1)
-    row = {"backend": backend, "dtype": dtype, "resolved_backend": backend_class, "resolved_dtype": info.dtype,
+    row = {"backend": backend, "dtype": dtype, "quantization": quantization, "resolved_quantization": resolved,
+           "resolved_backend": backend_class,
+           "resolved_dtype": info.dtype,
            "tokens": len(out.token_ids), "tok_per_s": round(tokens / wall, 2),
            "tpot_ms": round(tpot * 1e3, 2) if tpot else None, "text": out.text}
     return row | ({"profile": profile} if profile else {})
@@ -132,16 +143,17 @@ def kernel_timings(path: str, rounds: int) -> dict[str, Any]:
             for name, v in times.items()}
 
 
-def run_child(backend: str, dtype: str, tokens: int, threads: int | None, profile_steps: int) -> dict[str, Any]:
+def run_child(backend: str, dtype: str, tokens: int, threads: int | None, profile_steps: int,
+              quantization: str) -> dict[str, Any]:
     """One :func:`measure` in a fresh interpreter (``--child``); its JSON row."""
     env = dict(os.environ)
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     cmd = [sys.executable, __file__, "--child", "--backends", backend, "--dtypes", dtype, "--tokens", str(tokens),
-           "--profile-steps", str(profile_steps)]
+           "--profile-steps", str(profile_steps), "--quantizations", quantization]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"{backend}/{dtype} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"{backend}/{dtype}/{quantization} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     row = json.loads(done.stdout.strip().splitlines()[-1])
     row["threads"] = threads
     return row
@@ -151,6 +163,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default="hf,custom-cpu", help="comma-separated; auto = what make run picks")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated; auto = DTYPE=auto")
+    parser.add_argument("--quantizations", default="none",
+                        help="comma-separated QUANTIZATION values: none (unset), int8, demo (what `gemmaserve demo` "
+                        "= make run picks)")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (each variant once per round)")
     parser.add_argument("--threads", default="", help="comma-separated OMP_NUM_THREADS values to vary (default: unset)")
@@ -165,7 +180,8 @@ def main() -> None:
 
     path = str(ensure_default_model())
     if args.child:
-        print(json.dumps(measure(path, args.backends, args.dtypes, args.tokens, args.profile_steps)), flush=True)
+        print(json.dumps(measure(path, args.backends, args.dtypes, args.tokens, args.profile_steps,
+                                 args.quantizations)), flush=True)
         return
     if args.kernels:
         result = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv), **cpu_info(),
@@ -175,18 +191,21 @@ def main() -> None:
             args.json.write_text(json.dumps(result, indent=2) + "\n")
         return
     threads: list[int | None] = [int(t) for t in args.threads.split(",") if t] or [None]
-    variants = [(b, d, t) for b in args.backends.split(",") for d in args.dtypes.split(",") for t in threads]
+    variants = [(b, d, t, q) for b in args.backends.split(",") for d in args.dtypes.split(",") for t in threads
+                for q in args.quantizations.split(",")]
     rows = []
     for round_index in range(args.rounds):
-        for backend, dtype, n in variants:
-            row = run_child(backend, dtype, args.tokens, n, args.profile_steps) | {"round": round_index}
+        for backend, dtype, n, quantization in variants:
+            row = run_child(backend, dtype, args.tokens, n, args.profile_steps, quantization) | {"round": round_index}
             print(json.dumps({k: v for k, v in row.items() if k not in ("text", "profile")}), flush=True)
             rows.append(row)
     summary = []
-    for backend, dtype, n in variants:
-        mine = [r for r in rows if (r["backend"], r["dtype"], r["threads"]) == (backend, dtype, n)]
+    for backend, dtype, n, quantization in variants:
+        mine = [r for r in rows if (r["backend"], r["dtype"], r["threads"], r["quantization"])
+                == (backend, dtype, n, quantization)]
         speeds = [r["tok_per_s"] for r in mine]
-        summary.append({"backend": backend, "dtype": dtype, "threads": n,
+        summary.append({"backend": backend, "dtype": dtype, "threads": n, "quantization": quantization,
+                        "resolved_quantization": mine[0]["resolved_quantization"],
                         "resolved_backend": mine[0]["resolved_backend"],
                         "resolved_dtype": mine[0]["resolved_dtype"],
                         "tok_per_s_min": min(speeds), "tok_per_s_median": round(statistics.median(speeds), 2),

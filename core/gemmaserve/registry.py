@@ -42,8 +42,8 @@ class BackendSpec:
       ``build_engine`` refuses it.
     - ``expert_parallel``: the factory honours ``ENABLE_EXPERT_PARALLEL`` (MoE experts split whole over the
       tensor-parallel ranks); for any other backend ``build_engine`` refuses it.
-    - ``quantization``: the ``QUANTIZATION`` values the factory honours (e.g. ``("fp8",)``); ``build_engine``
-      refuses any other.
+    - ``quantization``: the ``QUANTIZATION`` values the factory honours (e.g. ``("fp8",)``); selection passes
+      the backend over for any other (``BACKEND=auto`` picks another, an explicit ``BACKEND`` is refused).
     """
 
     name: str

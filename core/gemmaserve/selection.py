@@ -16,7 +16,7 @@ from gemmaserve.plugins import get_plugin_manager, load_registry
 from gemmaserve.registry import KNOWN_BACKENDS, BackendRegistry, BackendSpec, BackendStatus, resolve_dotted
 from gemmaserve.settings import CoreSettings
 
-__all__ = ["Selection", "backend_statuses", "probe_backend", "select_backend"]
+__all__ = ["Selection", "backend_statuses", "probe_backend", "quantization_hint", "select_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,12 +31,24 @@ class Selection:
     rejected: dict[str, str] = field(default_factory=dict)
 
 
+def quantization_hint(quantization: str) -> str:
+    """Which backends run ``QUANTIZATION=quantization`` (for error texts)."""
+    return {
+        "fp8": "use custom-cuda (compute capability >= 8.9) / custom-cpu (BACKEND), which run FP8 weights",
+        "int8": "use hf (BACKEND) on the CPU, which runs int8 weights",
+    }.get(quantization, "see docs/settings.md (QUANTIZATION)")
+
+
 def probe_backend(spec: BackendSpec, settings: CoreSettings, device: str, *, strict: bool = False) -> str | None:
     """Why ``spec`` cannot run on ``device`` with these settings, or None if it can. ``strict`` (choosing the
     backend to start): an invalid setting of the plugin (``ConfigurationError`` from its probe) is raised, since
     invalid values stop startup, instead of counting as "unavailable" and letting another backend be chosen."""
     if device not in spec.devices:
         return f"does not run on {device} (runs on: {', '.join(spec.devices)})"
+    if settings.quantization is not None and settings.quantization not in spec.quantization:
+        return (f"does not support QUANTIZATION={settings.quantization} ("
+                + (f"supports: {', '.join(spec.quantization)}" if spec.quantization else "no quantization")
+                + f"); unset QUANTIZATION, or {quantization_hint(settings.quantization)}")
     report = detect_devices()
     if device not in report.available:
         return f"device {device} unavailable: {report.unavailable.get(device, 'not detected')}"

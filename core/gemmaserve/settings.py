@@ -51,12 +51,13 @@ class CoreSettings(BaseSettings):
         description="Model dtype; auto = bfloat16 on GPUs and on CPUs with bfloat16 matmul instructions "
         "(AVX512_BF16 or AMX), float32 on other CPUs.",
     )
-    quantization: Literal["fp8"] | None = Field(
+    quantization: Literal["fp8", "int8"] | None = Field(
         None, validation_alias=env_alias("QUANTIZATION"),
         description="Weight quantization (vLLM's --quantization): fp8 = float8_e4m3fn weights with per-output-channel "
         "scales and dynamic per-token FP8 activations, quantized at load from a bf16/fp32 checkpoint (custom-cpu, "
-        "custom-cuda on compute capability >= 8.9; docs/architecture.md#fp8-weights). Unset: weights load in DTYPE, "
-        "except a compressed-tensors FP8 checkpoint, whose FP8 weights load as they are.",
+        "custom-cuda on compute capability >= 8.9; docs/architecture.md#fp8-weights); int8 = int8 weights per "
+        "output channel times int8 activations per token on fbgemm, quantized at load (hf on the CPU). Unset: "
+        "weights load in DTYPE, except a compressed-tensors FP8 checkpoint, whose FP8 weights load as they are.",
     )
     max_active_kv_tokens: int = Field(
         65536,

@@ -20,12 +20,16 @@ PROMPTS = ("The capital of France is", "def fibonacci(n):")
 TOKENS = 32  # the 270M model's step costs ~0.1 s on a 2-core CI box, twice (ours and transformers')
 
 
-def _transformers_greedy(dtype: torch.dtype) -> list[list[int]]:
+def _transformers_greedy(dtype: torch.dtype, int8: bool = False) -> list[list[int]]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = str(dm.default_model_dir())
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).eval()
+    if int8:
+        from gemmaserve_hf_torch.int8 import quantize_linears
+
+        quantize_linears(model)
     out: list[list[int]] = []
     with torch.inference_mode():
         for prompt in PROMPTS:
@@ -55,3 +59,24 @@ def test_make_run_greedy_text_is_transformers_own_in_the_auto_dtype(dtype: str) 
     theirs = _transformers_greedy(getattr(torch, resolved))
     for prompt, mine, reference in zip(PROMPTS, ours, theirs):
         assert list(mine) == reference, f"{resolved} greedy tokens differ from transformers' for {prompt!r}"
+
+
+@needs_default_model
+def test_the_demos_int8_greedy_text_is_transformers_own_on_the_quantized_model() -> None:
+    """What `make run` runs on a CPU without bfloat16 matmuls (QUANTIZATION=int8, one prompt at a time): the
+    greedy tokens of transformers' `generate` on the same int8 model."""
+    from gemmaserve import LLM
+    from gemmaserve.sampling_params import SamplingParams
+    from gemmaserve_hf_torch.int8 import int8_unavailable_reason
+
+    if int8_unavailable_reason("cpu") is not None:
+        pytest.skip(str(int8_unavailable_reason("cpu")))
+    llm = LLM(str(dm.default_model_dir()), backend="auto", device="cpu", dtype="float32", quantization="int8",
+              max_batch_size=1)
+    try:
+        params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+        ours = [llm.generate([prompt], params)[0].token_ids for prompt in PROMPTS]
+    finally:
+        llm.close()
+    for prompt, mine, reference in zip(PROMPTS, ours, _transformers_greedy(torch.float32, int8=True)):
+        assert list(mine) == reference, f"int8 greedy tokens differ from transformers' for {prompt!r}"

@@ -34,9 +34,10 @@ def build_engine(settings: CoreSettings | None = None, registry: BackendRegistry
     With ``KV_EVENTS_CONFIG`` enabling events, the prefix cache's changes are published in vLLM's format
     (``gemmaserve.kv.events``) by ``engine.kv_events``, which the engine closes at shutdown.
 
-    Raises ConfigurationError / BackendUnavailableError from selection, ConfigurationError for
-    ``TENSOR_PARALLEL_SIZE`` > 1 on a backend without tensor parallel, ``ENABLE_EXPERT_PARALLEL`` on one without
-    expert parallel, or a ``QUANTIZATION`` the backend does not declare, BackendUnavailableError if
+    Raises ConfigurationError / BackendUnavailableError from selection (which also rejects a backend that does
+    not declare the ``QUANTIZATION`` asked for), ConfigurationError for ``TENSOR_PARALLEL_SIZE`` > 1 on a
+    backend without tensor parallel or ``ENABLE_EXPERT_PARALLEL`` on one without expert parallel,
+    BackendUnavailableError if
     the backend's factory cannot be imported, whatever the factory raises (ModelLoadError...), and
     ConfigurationError (the backend closed again) if KV events are enabled for a backend without a prefix cache
     or their sockets cannot be opened.
@@ -54,13 +55,6 @@ def build_engine(settings: CoreSettings | None = None, registry: BackendRegistry
         raise ConfigurationError(
             f"ENABLE_EXPERT_PARALLEL: backend {spec.name!r} does not support expert parallel; unset it, or use "
             "custom-cpu / custom-cuda (BACKEND), which split MoE experts over torch.distributed ranks"
-        )
-    if settings.quantization is not None and settings.quantization not in spec.quantization:
-        raise ConfigurationError(
-            f"QUANTIZATION={settings.quantization}: backend {spec.name!r} does not support it"
-            + (f" (it supports {', '.join(spec.quantization)})" if spec.quantization else "")
-            + "; unset QUANTIZATION, or use custom-cuda (compute capability >= 8.9) / custom-cpu (BACKEND), which "
-            "run FP8 weights"
         )
     model_path = settings.model
     if model_path is None and spec.requires_model:

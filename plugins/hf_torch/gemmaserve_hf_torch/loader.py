@@ -5,6 +5,8 @@
   float32 on other CPUs and on MPS. float16 is never chosen automatically: Gemma activations overflow it.
 - :func:`load_model`: validates the directory (config.json, weights, architecture, dtype) and loads
   model + tokenizer, raising :class:`~gemmaserve.errors.ModelLoadError` with what is wrong.
+- ``QUANTIZATION=int8`` (CPU): every ``nn.Linear`` becomes an :class:`~gemmaserve_hf_torch.int8.Int8Linear`
+  after loading (int8 weights per output channel, int8 activations per token, batch-invariant).
 - :class:`ModelForward`: the forward used by the backend, optionally through ``torch.compile``
   (``COMPILE_MODEL``) with a warning and a permanent fall back to eager if compiling fails.
 """
@@ -189,6 +191,14 @@ def load_model(model_path: str, device: str, settings: CoreSettings, hf_settings
                 "convert it again") if "safetensor" in type(exc).__name__.lower() else ""
         raise ModelLoadError(f"transformers could not load {str(path)!r}: {type(exc).__name__}: {exc}{hint}") from None
     model = model.to(torch_device).eval()
+    if settings.quantization == "int8":
+        from gemmaserve_hf_torch.int8 import int8_unavailable_reason, quantize_linears
+
+        problem = int8_unavailable_reason(device)
+        if problem is not None:
+            raise ConfigurationError(problem)
+        replaced = quantize_linears(model)
+        logger.info("hf: QUANTIZATION=int8: %d linear layers run as int8 x int8 (fbgemm)", replaced)
     text_config = model.config.get_text_config(decoder=True)
     return LoadedModel(
         path=path,

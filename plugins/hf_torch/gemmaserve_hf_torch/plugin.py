@@ -18,6 +18,7 @@ HF_BACKEND_SPEC = BackendSpec(
     devices=("cpu", "cuda", "mps"),
     probe="gemmaserve_hf_torch.probe:unavailable_reason",
     priority=50,
+    quantization=("int8",),
     description="any Hugging Face causal LM via transformers (DynamicCache in-flight KV, core prefix cache)",
 )
 

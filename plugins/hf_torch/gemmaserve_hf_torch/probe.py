@@ -36,6 +36,12 @@ def unavailable_reason(settings: CoreSettings, device: str) -> str | None:
     problem = device_unavailable_reason(device)
     if problem is not None:
         return problem
+    if settings.quantization == "int8":
+        from gemmaserve_hf_torch.int8 import int8_unavailable_reason
+
+        problem = int8_unavailable_reason(device)
+        if problem is not None:
+            return problem
     from gemmaserve_hf_torch.settings import load_hf_settings
 
     # an invalid HF_* setting raises ConfigurationError: it stops startup (selection) instead of reading as
