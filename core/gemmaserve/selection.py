@@ -39,16 +39,24 @@ def quantization_hint(quantization: str) -> str:
     }.get(quantization, "see docs/settings.md (QUANTIZATION)")
 
 
+def quantization_problem(spec: BackendSpec, settings: CoreSettings) -> str | None:
+    """Why ``spec`` cannot run ``settings.quantization`` (it does not declare the value), or None."""
+    if settings.quantization is None or settings.quantization in spec.quantization:
+        return None
+    return (f"QUANTIZATION={settings.quantization}: backend {spec.name!r} does not support it ("
+            + (f"it supports {', '.join(spec.quantization)}" if spec.quantization else "it supports none")
+            + f"); unset QUANTIZATION, or {quantization_hint(settings.quantization)}")
+
+
 def probe_backend(spec: BackendSpec, settings: CoreSettings, device: str, *, strict: bool = False) -> str | None:
     """Why ``spec`` cannot run on ``device`` with these settings, or None if it can. ``strict`` (choosing the
     backend to start): an invalid setting of the plugin (``ConfigurationError`` from its probe) is raised, since
     invalid values stop startup, instead of counting as "unavailable" and letting another backend be chosen."""
     if device not in spec.devices:
         return f"does not run on {device} (runs on: {', '.join(spec.devices)})"
-    if settings.quantization is not None and settings.quantization not in spec.quantization:
-        return (f"does not support QUANTIZATION={settings.quantization} ("
-                + (f"supports: {', '.join(spec.quantization)}" if spec.quantization else "no quantization")
-                + f"); unset QUANTIZATION, or {quantization_hint(settings.quantization)}")
+    problem = quantization_problem(spec, settings)
+    if problem is not None:
+        return problem
     report = detect_devices()
     if device not in report.available:
         return f"device {device} unavailable: {report.unavailable.get(device, 'not detected')}"
@@ -137,6 +145,9 @@ def _select_explicit(settings: CoreSettings, registry: BackendRegistry) -> Selec
         raise ConfigurationError(
             f"unknown BACKEND={settings.backend!r}; accepted: auto, {', '.join(registry.known_names())}"
         )
+    problem = quantization_problem(spec, settings)
+    if problem is not None:  # a setting the named backend cannot honour: a configuration error, not availability
+        raise ConfigurationError(problem)
     device = settings.device if settings.device != "auto" else _device_for(spec, settings)
     reason = probe_backend(spec, settings, device, strict=True)
     if reason is not None:

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_hf_scheduler import PROMPTS, greedy_requests, run
 
-from gemmaserve.errors import BackendUnavailableError
+from gemmaserve.errors import ConfigurationError
 from gemmaserve.selection import select_backend
 from gemmaserve.testing.row_driver import solo_greedy
 
@@ -120,7 +120,7 @@ def test_selection_takes_int8_only_where_it_runs(gemma4_dir: Path) -> None:
     assert chosen.spec.name == "hf"
     if "custom-cpu" in chosen.rejected:
         assert "QUANTIZATION=int8" in chosen.rejected["custom-cpu"]
-        with pytest.raises(BackendUnavailableError, match=r"does not support QUANTIZATION=int8.*use hf"):
+        with pytest.raises(ConfigurationError, match=r"QUANTIZATION=int8: backend 'custom-cpu' does not support it.*use hf"):
             select_backend(cpu_settings(model=str(gemma4_dir), backend="custom-cpu", quantization="int8"))
     assert "CPU only" in str(int8_unavailable_reason("cuda"))
 
