@@ -148,3 +148,48 @@ def test_the_waits_are_counted_for_metrics() -> None:
     run(sched)
     assert sched.stats().prefix_waits > 0
     assert_idle(sched)
+
+
+@settings(max_examples=200, deadline=None)
+@given(prefix=st.lists(st.integers(0, 2), max_size=24), tails=st.lists(st.lists(st.integers(0, 2), max_size=12),
+       min_size=2, max_size=5), progress=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=4,
+       max_size=4), block=st.sampled_from([1, 2, 4]), chunk=st.integers(1, 16), progressive=st.booleans())
+def test_leaders_skipped_without_comparing_change_no_decision(prefix, tails, progress, block, chunk, progressive):
+    """The length bound that skips a leader before comparing prompts decides exactly as comparing them would:
+    the rule evaluated leader by leader with the full common prefix gives the same answer."""
+    prompts = [tuple(prefix + tail) for tail in tails]
+    follower, others = prompts[0], prompts[1:]
+    leaders = []
+    for i, (leader, (computed, findable)) in enumerate(zip(others, progress)):
+        computed = min(computed, len(leader))
+        leaders.append((i, leader, computed, min(findable, computed)))
+    expected = False
+    for _, leader, computed, findable in leaders:
+        shared = common_prefix_len(follower, leader) // block * block
+        found = findable // block * block
+        if shared - found < max(block, chunk):
+            continue
+        if progressive:
+            expected = True
+            break
+        ticks_waiting = -(-(len(leader) - computed) // chunk) + -(-(len(follower) - shared) // chunk)
+        if ticks_waiting <= -(-(len(follower) - found) // chunk) + 1:
+            expected = True
+            break
+    assert should_wait(follower, leaders, block, progressive=progressive, chunk=chunk) == expected
+
+
+def test_a_burst_hitting_a_cached_prefix_compares_no_prompts(monkeypatch) -> None:
+    """64 prompts of a cached 1,536-token prefix + 64 own tokens (workload B's hits): every leader's findable
+    blocks already cover all but less than a chunk, so no pair of prompts is compared."""
+    from gemmaserve.engine import shared_prefix
+
+    calls = []
+    monkeypatch.setattr(shared_prefix, "common_prefix_len", lambda *a, **k: calls.append(1) or 0)
+    prefix = tuple(range(1536))
+    prompts = [prefix + tuple(range(10_000 + 64 * i, 10_064 + 64 * i)) for i in range(64)]
+    leaders = []
+    for i, prompt in enumerate(prompts):
+        assert not shared_prefix.should_wait(prompt, leaders, 16, progressive=True, chunk=512, memo={})
+        leaders.append((i, prompt, 1536, 1536))
+    assert calls == []

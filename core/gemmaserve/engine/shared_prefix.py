@@ -50,16 +50,21 @@ def should_wait(prompt: Sequence[int], leaders: Iterable[tuple[Hashable, Sequenc
     far, tokens a lookup finds now) of earlier requests whose prefill is under way. ``progressive``: the backend's
     cache finds a prompt's blocks as soon as they are computed, else only once its prefill completed.
     ``chunk``: the most prompt tokens a request computes per tick. ``memo`` (the follower's, mutated): common
-    prefix lengths by leader key, so each pair of prompts is compared once. See the module docstring."""
+    prefix lengths by leader key, so each pair of prompts is compared once. A leader whose findable blocks leave
+    less than a chunk of the shorter prompt to share is skipped before any comparison (a burst that hits a cached
+    prefix: 64 prompts of 1,600 tokens made 2,016 comparisons per tick). See the module docstring."""
+    saving = max(block_size, chunk)
     for key, leader, computed, findable in leaders:
+        found = findable // block_size * block_size
+        if min(len(prompt), len(leader)) // block_size * block_size - found < saving:
+            continue  # even a whole shared prefix would save less than a chunk
         common = memo.get(key) if memo is not None else None
         if common is None:
             common = common_prefix_len(prompt, leader, block_size)
             if memo is not None:
                 memo[key] = common
         shared = common // block_size * block_size
-        found = findable // block_size * block_size
-        if shared - found < max(block_size, chunk):  # waiting would save less than a chunk
+        if shared - found < saving:  # waiting would save less than a chunk
             continue
         if progressive:
             return True
