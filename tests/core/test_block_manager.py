@@ -62,6 +62,12 @@ def test_misuse_raises_and_changes_nothing() -> None:
         bm.refcount(3)
     with pytest.raises(BlockRefError):
         bm.decref([-1])
+    for bad in (True, 3, -1, 1.0, "0"):  # ids that are not block numbers, on both paths, before any change
+        with pytest.raises(BlockRefError, match="not in"):
+            bm.incref([a, bad])
+        with pytest.raises(BlockRefError, match="not in"):
+            bm.decref([a, bad])
+    assert (bm.refcount(a), bm.refcount(b)) == (1, 1)
     bm.check_integrity()
 
 

@@ -69,11 +69,14 @@ class BlockManager:
     def incref(self, block_ids: Iterable[int]) -> None:
         """Add one reference per occurrence. Every block must already be allocated."""
         block_ids = list(block_ids)
-        for block_id in block_ids:
-            if self.refcount(block_id) == 0:
+        refcounts, num_blocks = self._refcounts, self._num_blocks
+        for block_id in block_ids:  # refcount()'s checks, inlined: a prefix hit increfs every block of the row
+            if type(block_id) is not int or not 0 <= block_id < num_blocks:
+                self.refcount(block_id)  # raises BlockRefError naming the id
+            if refcounts[block_id] == 0:
                 raise BlockRefError(f"incref of free block {block_id}: allocate it first")
         for block_id in block_ids:
-            self._refcounts[block_id] += 1
+            refcounts[block_id] += 1
 
     def decref(self, block_ids: Iterable[int]) -> list[int]:
         """Drop one reference per occurrence; returns the blocks that became free (in argument order).
@@ -81,8 +84,11 @@ class BlockManager:
         Raises :class:`BlockRefError` (changing nothing) if a block would drop below 0 references.
         """
         counts = Counter(block_ids)
+        refcounts, num_blocks = self._refcounts, self._num_blocks
         for block_id, count in counts.items():
-            held = self.refcount(block_id)
+            if type(block_id) is not int or not 0 <= block_id < num_blocks:
+                self.refcount(block_id)  # raises BlockRefError naming the id
+            held = refcounts[block_id]
             if held < count:
                 raise BlockRefError(f"decref of block {block_id} {count} time(s) but it holds {held} reference(s)")
         freed: list[int] = []
