@@ -192,15 +192,22 @@ def _parse_token_ids(text: str) -> list[int]:
 
 
 def demo_quantization(settings: CoreSettings) -> str | None:
-    """QUANTIZATION for the demo on the default model: int8 when nothing was asked for, the hf backend may run
-    (BACKEND auto or hf) and the device is a CPU without bfloat16 matmul instructions (there int8 weights and
-    activations decode ~2x faster than float32, docs/benchmarks.md); None otherwise (the setting stands)."""
-    if "quantization" in settings.model_fields_set or settings.backend not in ("auto", "hf", "torch", "hf-torch"):
+    """QUANTIZATION for the demo on the default model: int8 when nothing was asked for, the device is a CPU
+    without bfloat16 matmul instructions (there int8 weights and activations decode ~2x faster than float32,
+    docs/benchmarks.md) and the backend asked for (or, under BACKEND=auto, some installed CPU backend) declares
+    int8; None otherwise (the setting stands)."""
+    if "quantization" in settings.model_fields_set:
         return None
     from gemmaserve.hardware import cpu_has_native_bfloat16, detect_devices
+    from gemmaserve.plugins import load_registry
 
     device = settings.device if settings.device != "auto" else detect_devices().best
-    return "int8" if device == "cpu" and not cpu_has_native_bfloat16() else None
+    if device != "cpu" or cpu_has_native_bfloat16():
+        return None
+    registry = load_registry()
+    specs = registry.specs.values() if settings.backend == "auto" else [registry.get(settings.backend)]
+    runs_int8 = any(spec is not None and "int8" in spec.quantization and "cpu" in spec.devices for spec in specs)
+    return "int8" if runs_int8 else None
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

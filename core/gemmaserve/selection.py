@@ -16,7 +16,7 @@ from gemmaserve.plugins import get_plugin_manager, load_registry
 from gemmaserve.registry import KNOWN_BACKENDS, BackendRegistry, BackendSpec, BackendStatus, resolve_dotted
 from gemmaserve.settings import CoreSettings
 
-__all__ = ["Selection", "backend_statuses", "probe_backend", "quantization_hint", "select_backend"]
+__all__ = ["Selection", "backend_statuses", "probe_backend", "quantization_problem", "select_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,30 +31,27 @@ class Selection:
     rejected: dict[str, str] = field(default_factory=dict)
 
 
-def quantization_hint(quantization: str) -> str:
-    """Which backends run ``QUANTIZATION=quantization`` (for error texts)."""
-    return {
-        "fp8": "use custom-cuda (compute capability >= 8.9) / custom-cpu (BACKEND), which run FP8 weights",
-        "int8": "use hf (BACKEND) on the CPU, which runs int8 weights",
-    }.get(quantization, "see docs/settings.md (QUANTIZATION)")
-
-
-def quantization_problem(spec: BackendSpec, settings: CoreSettings) -> str | None:
-    """Why ``spec`` cannot run ``settings.quantization`` (it does not declare the value), or None."""
-    if settings.quantization is None or settings.quantization in spec.quantization:
+def quantization_problem(spec: BackendSpec, settings: CoreSettings, registry: BackendRegistry) -> str | None:
+    """Why ``spec`` cannot run ``settings.quantization`` (it does not declare the value: ``BackendSpec.quantization``),
+    naming the backends of ``registry`` that do; None when it can."""
+    wanted = settings.quantization
+    if wanted is None or wanted in spec.quantization:
         return None
-    return (f"QUANTIZATION={settings.quantization}: backend {spec.name!r} does not support it ("
-            + (f"it supports {', '.join(spec.quantization)}" if spec.quantization else "it supports none")
-            + f"); unset QUANTIZATION, or {quantization_hint(settings.quantization)}")
+    runners = sorted(other.name for other in registry.specs.values() if wanted in other.quantization)
+    alternative = f"use {' / '.join(runners)} (BACKEND), which run it" if runners else "no installed backend runs it"
+    return (f"QUANTIZATION={wanted}: backend {spec.name!r} does not support it (it supports "
+            f"{', '.join(spec.quantization) or 'none'}); unset QUANTIZATION, or {alternative}")
 
 
-def probe_backend(spec: BackendSpec, settings: CoreSettings, device: str, *, strict: bool = False) -> str | None:
+def probe_backend(spec: BackendSpec, settings: CoreSettings, device: str, *, strict: bool = False,
+                  registry: BackendRegistry | None = None) -> str | None:
     """Why ``spec`` cannot run on ``device`` with these settings, or None if it can. ``strict`` (choosing the
     backend to start): an invalid setting of the plugin (``ConfigurationError`` from its probe) is raised, since
-    invalid values stop startup, instead of counting as "unavailable" and letting another backend be chosen."""
+    invalid values stop startup, instead of counting as "unavailable" and letting another backend be chosen.
+    ``registry`` (default: the installed one) names the backends that run a ``QUANTIZATION`` this one lacks."""
     if device not in spec.devices:
         return f"does not run on {device} (runs on: {', '.join(spec.devices)})"
-    problem = quantization_problem(spec, settings)
+    problem = quantization_problem(spec, settings, registry if registry is not None else load_registry())
     if problem is not None:
         return problem
     report = detect_devices()
@@ -87,7 +84,7 @@ def backend_statuses(settings: CoreSettings, registry: BackendRegistry | None = 
     registry = registry or load_registry()
     rows: list[BackendStatus] = []
     for spec in sorted(registry.specs.values(), key=lambda s: (s.priority, s.name)):
-        reason = probe_backend(spec, settings, _device_for(spec, settings))
+        reason = probe_backend(spec, settings, _device_for(spec, settings), registry=registry)
         rows.append(BackendStatus(spec.name, spec.plugin, spec.devices, reason is None, reason, spec))
     for known in KNOWN_BACKENDS:
         if known.name not in registry.specs:
@@ -113,7 +110,7 @@ def select_backend(settings: CoreSettings, registry: BackendRegistry | None = No
         spec = registry.get(hooked)
         if spec is None:
             raise ConfigurationError(f"a plugin selected unknown backend {hooked!r}")
-        reason = probe_backend(spec, settings, device, strict=True)
+        reason = probe_backend(spec, settings, device, strict=True, registry=registry)
         if reason is not None:  # a plugin's choice gets the same device and probe checks as any other
             raise BackendUnavailableError(
                 f"a plugin's gemmaserve_select_backend hook chose backend {spec.name!r}, which cannot run on "
@@ -123,7 +120,7 @@ def select_backend(settings: CoreSettings, registry: BackendRegistry | None = No
         _log(selection)
         return selection
     for spec in candidates:
-        reason = probe_backend(spec, settings, device, strict=True)
+        reason = probe_backend(spec, settings, device, strict=True, registry=registry)
         if reason is None:
             selection = Selection(spec, device, f"highest-priority available backend on {device}", rejected)
             _log(selection)
@@ -145,11 +142,11 @@ def _select_explicit(settings: CoreSettings, registry: BackendRegistry) -> Selec
         raise ConfigurationError(
             f"unknown BACKEND={settings.backend!r}; accepted: auto, {', '.join(registry.known_names())}"
         )
-    problem = quantization_problem(spec, settings)
+    problem = quantization_problem(spec, settings, registry)
     if problem is not None:  # a setting the named backend cannot honour: a configuration error, not availability
         raise ConfigurationError(problem)
     device = settings.device if settings.device != "auto" else _device_for(spec, settings)
-    reason = probe_backend(spec, settings, device, strict=True)
+    reason = probe_backend(spec, settings, device, strict=True, registry=registry)
     if reason is not None:
         raise BackendUnavailableError(f"backend {spec.name!r} cannot run on {device}: {reason}")
     selection = Selection(spec, device, f"BACKEND={settings.backend} (explicit)", {})
