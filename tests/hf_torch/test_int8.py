@@ -64,7 +64,7 @@ def test_int8_linear_is_close_to_the_float_linear_and_keeps_shape_and_dtype() ->
 
 
 def test_an_input_changed_in_place_is_normalized_again() -> None:
-    """q/k/v share one normalization of their common input; an in-place change of that input is seen."""
+    """Each call normalizes its input afresh: an input changed in place between two linears' reads is seen."""
     torch.manual_seed(1)
     a, b = (torch.nn.Linear(32, 8, bias=False) for _ in range(2))
     model = torch.nn.Sequential(a, b)

@@ -30,30 +30,12 @@ __all__ = ["Int8Linear", "int8_unavailable_reason", "quantize_linears"]
 _TINY = torch.finfo(torch.float32).tiny
 
 
-class _LastInput:
-    """The last input normalized by any :class:`Int8Linear` sharing this object: q/k/v (and gate/up) projections
-    receive the same tensor, so it is normalized once. Held by strong reference (an ``is`` test cannot then be
-    fooled by a reused address); an in-place change of the input is caught by its version counter, except for
-    inference-mode tensors, which keep none: there the contract is that a tensor read by two linears is not
-    changed in place between the two reads (true of transformers' decoder layers: their projections read the
-    fresh output of a norm or an activation)."""
-
-    __slots__ = ("source", "version", "normalized", "row_max")
-
-    def __init__(self) -> None:
-        self.source: Tensor | None = None
-        self.version = -1
-        self.normalized = self.row_max = torch.empty(0)
-
-
 class Int8Linear(nn.Module):
     """The int8 twin of an ``nn.Linear`` (see the module docstring). Inputs of any float dtype and leading shape;
-    computes in float32 and returns the input's dtype. Immutable after construction, except ``last`` (the
-    normalized-input cache it may share with the model's other int8 linears; one thread at a time)."""
+    computes in float32 and returns the input's dtype. Immutable after construction."""
 
-    def __init__(self, linear: nn.Linear, last: _LastInput | None = None) -> None:
+    def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        self._last = last if last is not None else _LastInput()
         weight = linear.weight.detach().to(torch.float32)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         scales = (weight.abs().amax(dim=1) / 127.0).clamp_min(_TINY).to(torch.float64)
@@ -69,14 +51,11 @@ class Int8Linear(nn.Module):
         self.register_buffer("_anchor", anchor, persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        shape, dtype, last = x.shape, x.dtype, self._last
-        version = -2 if x.is_inference() else x._version  # inference tensors keep no version counter
-        if last.source is not x or last.version != version or last.normalized.shape[1] != self.in_features:
-            rows = x.reshape(-1, self.in_features).to(torch.float32)
-            row_max = rows.abs().amax(dim=1, keepdim=True).clamp_min(_TINY)
-            last.normalized, last.row_max = torch.cat([rows / row_max, self._anchor]), row_max
-            last.source, last.version = x, version
-        out = torch.ops.quantized.linear_dynamic(last.normalized, self._packed, True)[:-2] * last.row_max
+        shape, dtype = x.shape, x.dtype
+        rows = x.reshape(-1, self.in_features).to(torch.float32)
+        row_max = rows.abs().amax(dim=1, keepdim=True).clamp_min(_TINY)
+        normalized = torch.cat([rows / row_max, self._anchor])
+        out = torch.ops.quantized.linear_dynamic(normalized, self._packed, True)[:-2] * row_max
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features).to(dtype)
@@ -92,9 +71,8 @@ def quantize_linears(model: nn.Module) -> int:
                for name, child in parent.named_children() if type(child) is nn.Linear]
     if not targets:
         raise ValueError(f"{type(model).__name__} has no nn.Linear to quantize")
-    last = _LastInput()
     for parent, name, child in targets:
-        setattr(parent, name, Int8Linear(child, last))
+        setattr(parent, name, Int8Linear(child))
     return len(targets)
 
 
