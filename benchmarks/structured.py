@@ -108,11 +108,14 @@ _SCHEMA_DIGITS = (lambda count: {"type": "object", "additionalProperties": False
                                                            "items": {"type": "integer", "minimum": 0, "maximum": 9}}}})
 
 
-def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool = False) -> dict[str, Any]:
+def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool = False,
+                        trace_dir: Path | None = None) -> dict[str, Any]:
     """Unconstrained vs constrained decode at E2B shapes on CUDA, every request sampled (temperature 1, seeded)
     so the only difference is the constraint; the constrained rows give up the launch-ahead of asynchronous
     decode (their next mask needs the token just sampled), which the TPOT ratio includes. ``quick``: the toy
-    E2B config (with the full vocabulary) on the CPU, to check the path."""
+    E2B config (with the full vocabulary) on the CPU, to check the path. ``trace_dir``: one more unconstrained
+    and one more constrained run, each with a torch.profiler window of steady decode ticks (GPU idle gaps, host
+    and device ops; Chrome traces written there)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -120,7 +123,7 @@ def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool
     import decode_model as dm
     from decode import _custom_backend, _settings
     from decode_workloads import random_prompts, run_engine
-    from tick_profile import TickRecorder, _summary
+    from tick_profile import TickRecorder, _summary, trace_ticks
 
     import gemmaserve.engine.request as request_module
     from gemmaserve.hf_tokenizer import HFTokenizerAdapter
@@ -172,6 +175,13 @@ def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool
                 if constrained and spent:
                     result[label]["mask_calls"] = len(spent)
                     result[label]["mask_ms_median"] = round(statistics.median(spent) * 1e3, 3)
+        if trace_dir is not None:
+            for label, constrained in (("unconstrained", False), ("constrained", True)):
+                params = SamplingParams(max_tokens=tokens, temperature=1.0, seed=1, ignore_eos=True,
+                                        structured_outputs={"json": _SCHEMA_DIGITS(4 * tokens)} if constrained else None)
+                result[f"trace_{label}"] = trace_ticks(
+                    backend, settings, lambda params=params: run_engine(backend, settings, prompts, tokens, params),
+                    first=tokens // 2, ticks=8, trace_path=trace_dir / f"structured_trace_{label}.json")
     finally:
         request_module.allowed_many = original
         backend.close()
@@ -190,9 +200,12 @@ def main() -> None:
     parser.add_argument("--e2b", action="store_true", help="also the decode comparison at E2B shapes (CUDA)")
     parser.add_argument("--quick", action="store_true", help="with --e2b: toy shapes on the CPU (checks the path)")
     parser.add_argument("--e2b-only", action="store_true", help="with --e2b: skip the CPU sections")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="with --e2b: a folder for torch.profiler traces of steady decode ticks, "
+                             "unconstrained and constrained")
     args = parser.parse_args()
-    if (args.quick or args.e2b_only) and not args.e2b:
-        parser.error("--quick and --e2b-only apply to the --e2b section; add --e2b")
+    if (args.quick or args.e2b_only or args.trace) and not args.e2b:
+        parser.error("--quick, --e2b-only and --trace apply to the --e2b section; add --e2b")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     if args.tokenizer is None:
         from gemmaserve.models.default_model import ensure_default_model
@@ -203,7 +216,8 @@ def main() -> None:
         results.update(vocabulary=vocabulary_compile_and_mask(args.tokenizer),
                        decode=decode_overhead(args.rows, args.tokens))
     if args.e2b:
-        results["decode_e2b"] = decode_overhead_e2b(args.rows, args.tokens, args.tokenizer, quick=args.quick)
+        results["decode_e2b"] = decode_overhead_e2b(args.rows, args.tokens, args.tokenizer, quick=args.quick,
+                                                    trace_dir=args.trace)
     print(json.dumps(results, indent=2))
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")

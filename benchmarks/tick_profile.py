@@ -223,12 +223,14 @@ def _decode_cprofile(backend: Any, settings: Any, args: argparse.Namespace, voca
     return {"tpot_median_ms_under_cprofile": round(statistics.median(result.tpot_ms), 3), "stats": stats}
 
 
-def _decode_trace(backend: Any, settings: Any, args: argparse.Namespace, vocab: int, out_dir: Path) -> dict[str, Any]:
+def trace_ticks(backend: Any, settings: Any, run: Any, first: int, ticks: int, trace_path: Path) -> dict[str, Any]:
+    """torch.profiler over ticks ``first`` .. ``first + ticks`` of ``run()`` (which drives an Engine over
+    ``backend``): GPU busy/idle in the window, the longest GPU-idle gaps (and the kernel after each), host ops by
+    own CPU time, device ops by own device time; the Chrome trace goes to ``trace_path``."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if settings.device == "cuda" else [])
     prof = profile(activities=activities)
-    first = args.prompt_len // max(1, settings.max_num_batched_tokens // args.rows) + 20  # well into decode
     window = {"on": False}
 
     def on_tick(n: int) -> None:
@@ -237,7 +239,7 @@ def _decode_trace(backend: Any, settings: Any, args: argparse.Namespace, vocab: 
                 torch.cuda.synchronize()
             prof.start()
             window["on"] = True
-        elif n == first + args.trace_ticks and window["on"]:
+        elif n == first + ticks and window["on"]:
             if settings.device == "cuda":
                 torch.cuda.synchronize()
             prof.stop()
@@ -245,12 +247,12 @@ def _decode_trace(backend: Any, settings: Any, args: argparse.Namespace, vocab: 
 
     rec = TickRecorder(backend, on_tick)
     try:
-        run_engine(backend, settings, random_prompts(args.rows, args.prompt_len, vocab, seed=3), args.output_len)
+        run()
     finally:
         rec.restore()
         if window["on"]:
             prof.stop()
-    out: dict[str, Any] = {"ticks": args.trace_ticks, "first_tick": first}
+    out: dict[str, Any] = {"ticks": ticks, "first_tick": first}
     kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                      if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
     if kernels:
@@ -269,8 +271,15 @@ def _decode_trace(backend: Any, settings: Any, args: argparse.Namespace, vocab: 
     if settings.device == "cuda":
         out["device_ops"] = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20,
                                                       max_name_column_width=60)
-    prof.export_chrome_trace(str(out_dir / "decode_trace.json"))
+    prof.export_chrome_trace(str(trace_path))
     return out
+
+
+def _decode_trace(backend: Any, settings: Any, args: argparse.Namespace, vocab: int, out_dir: Path) -> dict[str, Any]:
+    first = args.prompt_len // max(1, settings.max_num_batched_tokens // args.rows) + 20  # well into decode
+    prompts = random_prompts(args.rows, args.prompt_len, vocab, seed=3)
+    return trace_ticks(backend, settings, lambda: run_engine(backend, settings, prompts, args.output_len), first,
+                       args.trace_ticks, out_dir / "decode_trace.json")
 
 
 def _prefix_hit(backend: Any, settings: Any, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
