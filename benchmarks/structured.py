@@ -70,6 +70,56 @@ def vocabulary_compile_and_mask(tokenizer_dir: Path) -> dict[str, Any]:
     return out
 
 
+def mask_threads(tokenizer_dir: Path, rows: int, sizes: list[int]) -> dict[str, Any]:
+    """``allowed_many`` over ``rows`` constraints inside a JSON array of digits (the decode benchmark's
+    schema) with llguidance executors of each size in ``sizes`` (0 = llguidance's default, 80 % of the CPUs):
+    median ms per call of the whole function and of the native call alone."""
+    import os
+
+    import llguidance
+    from transformers import AutoTokenizer
+
+    import gemmaserve.structured.grammar as grammar
+    from gemmaserve.hf_tokenizer import HFTokenizerAdapter
+    from gemmaserve.structured import GrammarCompiler, StructuredOutputs
+
+    hf = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    vocab = max(len(hf), int(getattr(hf, "vocab_size", 0) or 0))
+    compiler = GrammarCompiler(HFTokenizerAdapter(hf), vocab, [hf.eos_token_id])
+    spec = StructuredOutputs(json=_SCHEMA_DIGITS(4096))
+    prefix = hf.encode('{"items":[1,2', add_special_tokens=False)
+    constraints = [compiler.compile(spec) for _ in range(rows)]
+    for constraint in constraints:
+        for token in prefix:
+            constraint.accept(token)
+    saved = grammar._executor
+    out: dict[str, Any] = {"rows": rows, "cpus": os.cpu_count(), "executors": []}
+    try:
+        for size in sizes:
+            grammar._executor = llguidance.LLExecutor() if size == 0 else llguidance.LLExecutor(num_threads=size)
+            native: list[float] = []
+            whole: list[float] = []
+            inner = grammar._executor
+
+            class Timed:
+                def unsafe_compute_mask_ptr(self, *args: Any) -> None:
+                    t0 = time.perf_counter()
+                    inner.unsafe_compute_mask_ptr(*args)
+                    native.append(time.perf_counter() - t0)
+
+            grammar._executor = Timed()
+            for i in range(220):
+                t0 = time.perf_counter()
+                grammar.allowed_many(constraints)
+                whole.append(time.perf_counter() - t0)
+                time.sleep(0.003)  # a decode step's gap: the pool's threads go idle between calls, as in serving
+            out["executors"].append({"threads": size, "allowed_many_ms": round(statistics.median(whole[20:]) * 1e3, 3),
+                                     "native_ms": round(statistics.median(native[20:]) * 1e3, 3)})
+    finally:
+        grammar._executor = saved
+    return out
+
+
 def decode_overhead(rows: int, tokens: int) -> dict[str, Any]:
     from tiny_checkpoints import build_tiny_gemma4
 
@@ -200,6 +250,8 @@ def main() -> None:
     parser.add_argument("--e2b", action="store_true", help="also the decode comparison at E2B shapes (CUDA)")
     parser.add_argument("--quick", action="store_true", help="with --e2b: toy shapes on the CPU (checks the path)")
     parser.add_argument("--e2b-only", action="store_true", help="with --e2b: skip the CPU sections")
+    parser.add_argument("--mask-threads", default="",
+                        help="only the mask micro-benchmark: llguidance executor sizes, e.g. 1,2,4,0 (0 = default)")
     parser.add_argument("--trace", type=Path, default=None,
                         help="with --e2b: a folder for torch.profiler traces of steady decode ticks, "
                              "unconstrained and constrained")
@@ -212,6 +264,12 @@ def main() -> None:
 
         args.tokenizer = ensure_default_model()
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if args.mask_threads:
+        results["mask_threads"] = mask_threads(args.tokenizer, args.rows, [int(x) for x in args.mask_threads.split(",")])
+        print(json.dumps(results, indent=2))
+        if args.json is not None:
+            args.json.write_text(json.dumps(results, indent=2) + "\n")
+        return
     if not (args.e2b and args.e2b_only):
         results.update(vocabulary=vocabulary_compile_and_mask(args.tokenizer),
                        decode=decode_overhead(args.rows, args.tokens))

@@ -217,7 +217,7 @@ class Request:
         step = len(self.output_token_ids) + ahead
         ready = self._ahead if ahead else None
         if not ahead:
-            self._ahead = None  # a token taken ahead that was never appended (a failed step) is forgotten
+            self._forget_ahead()  # a token taken ahead that was never appended (a failed step) is forgotten
         top_k = min(params.top_k, MAX_TOP_K)
         if self.is_finished:  # its token is dropped: no mask, no penalties
             return RowSampling.for_params(params, self.seed, step, self.eos_token_ids, top_k=top_k)
@@ -260,17 +260,22 @@ class Request:
                 or bool(self.bad_word_ids) and any(len(s) > 1 for s in self.bad_word_ids))
 
     def take_ahead(self, token_id: int) -> None:
-        """Deferred sampling: ``token_id`` was sampled by the launched step and read, not appended yet. A copy of
-        the constraint advances by it now, so the next ``row_sampling(ahead=1)`` gets the mask that follows it;
-        :meth:`append_token` of that same token adopts the copy. Penalties count it."""
+        """Deferred sampling: ``token_id`` was sampled by the launched step and read, not appended yet. The
+        constraint advances by it now (when its grammar accepts it), so the next ``row_sampling(ahead=1)`` gets
+        the mask that follows it; :meth:`append_token` of that same token keeps the advance, any other way the
+        token is dropped rolls it back (:meth:`_forget_ahead`). Penalties count it."""
+        self._forget_ahead()
         constraint, result = None, None
         if self.constraint is not None and self.constraint_error is None:
-            constraint = self.constraint.copy()
-            try:
-                result = constraint.accept(token_id)
-            except ConstraintError as exc:
-                result = exc
+            constraint = self.constraint
+            result = constraint.advance_if_valid(token_id)
         self._ahead = _Ahead(len(self.output_token_ids), token_id, constraint, result)
+
+    def _forget_ahead(self) -> None:
+        """Drop the token taken ahead, if any, undoing the constraint's advance by it."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.constraint is not None and not isinstance(ahead.result, ConstraintError):
+            ahead.constraint.rollback()
 
     def _mask_constraint(self, ahead: int) -> TokenConstraint | None:
         """The constraint whose state gives the mask of the token ``ahead`` steps on, or None when that token
@@ -321,12 +326,13 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = now
         complete = False
-        ahead, self._ahead = self._ahead, None
+        ahead = self._ahead
         if ahead is not None and (ahead.token != token_id or ahead.length != len(self.output_token_ids)):
-            ahead = None  # taken ahead for a step that was not the one applied: advance the constraint here
+            self._forget_ahead()  # taken ahead for a step that was not the one applied: advance the constraint here
+            ahead = None
+        self._ahead = None
         if self.constraint is not None:
-            if ahead is not None and ahead.constraint is not None:
-                self.constraint = ahead.constraint
+            if ahead is not None and ahead.constraint is not None:  # already advanced by it (take_ahead)
                 if isinstance(ahead.result, ConstraintError):
                     self.constraint_error = ahead.result
                 else:
@@ -436,9 +442,10 @@ def prepare_masks(requests: Iterable[Request]) -> None:
 
 @dataclass(slots=True)
 class _Ahead:
-    """A token taken ahead (:meth:`Request.take_ahead`): the output length it follows, the token, the advanced
-    copy of the constraint (None without one), what advancing returned (True: complete, False: not, or the
-    ConstraintError), and why no token can follow it, once a mask was tried."""
+    """A token taken ahead (:meth:`Request.take_ahead`): the output length it follows, the token, the request's
+    constraint, advanced by it unless that failed (None without one), what advancing returned (True: complete,
+    False: not, or the ConstraintError: then not advanced), and why no token can follow it, once a mask was
+    tried."""
 
     length: int
     token: int

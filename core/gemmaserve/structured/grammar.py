@@ -11,9 +11,10 @@ optional part of the tokenizer protocol). Building llguidance's tokenizer takes 
 once per engine, on the first constrained request's thread (or at start-up through :meth:`GrammarCompiler.warm`).
 Compiled grammars are cached by the constraint's canonical text; each request gets a copy of the cached matcher.
 Thread-safe: compile on any thread; a :class:`TokenConstraint` belongs to one request (the engine thread).
-:func:`allowed_many` computes the masks of a whole batch at once on llguidance's thread pool (the GIL released):
-64 rows of JSON on Gemma's vocabulary take ~1.0–1.1 ms on two cores instead of ~2.4–3.2 ms one by one
-(``benchmarks/sampling.py --tokenizer``).
+:func:`allowed_many` computes the masks of a whole batch at once on llguidance's thread pool: 64 rows of JSON on
+Gemma's vocabulary take ~1.0–1.1 ms on two cores instead of ~2.4–3.2 ms one by one (``benchmarks/sampling.py
+--tokenizer``). The calling thread keeps the GIL while the pool works (llguidance 1.9: masks computed on a second
+Python thread do not overlap Python work on the first), so the masks are on the engine thread's critical path.
 """
 
 from __future__ import annotations
@@ -74,6 +75,23 @@ class TokenConstraint:
                                   f"({_first_line(matcher.get_error()) or 'rejected'})")
         return matcher.is_stopped()
 
+    def advance_if_valid(self, token_id: int) -> bool | ConstraintError:
+        """Advance by ``token_id`` when the grammar accepts it, returning :meth:`accept`'s result; when it does not,
+        stay where it was and return the ConstraintError that :meth:`accept` would raise (undo a successful
+        advance with :meth:`rollback`)."""
+        if not self._matcher.validate_tokens([token_id]):
+            try:
+                self.copy().accept(token_id)
+            except ConstraintError as exc:
+                return exc
+        return self.accept(token_id)
+
+    def rollback(self) -> None:
+        """Undo the last advance (a token taken ahead and then not appended)."""
+        if not self._matcher.rollback(1):
+            raise RuntimeError(f"could not roll the {self._what} constraint back one token "
+                               f"({_first_line(self._matcher.get_error())})")
+
     def copy(self) -> TokenConstraint:
         """An independent constraint at the same position (advancing one leaves the other as it was)."""
         return TokenConstraint(self._matcher.deep_copy(), self._what, self.mask_bytes)
@@ -105,11 +123,9 @@ def allowed_many(constraints: Sequence[TokenConstraint]) -> list[bytes | Constra
             import llguidance
 
             _executor = llguidance.LLExecutor()
-    buffer = bytearray(width * len(constraints))
-    address = ctypes.addressof((ctypes.c_char * len(buffer)).from_buffer(buffer))
+    view, address = _scratch(width * len(constraints))
     _executor.unsafe_compute_mask_ptr([(c._matcher, i) for i, c in enumerate(constraints)], address, width,
                                       len(constraints))
-    view = memoryview(buffer)
     out: list[bytes | ConstraintError] = []
     for i, constraint in enumerate(constraints):
         try:
@@ -117,6 +133,21 @@ def allowed_many(constraints: Sequence[TokenConstraint]) -> list[bytes | Constra
         except ConstraintError as exc:
             out.append(exc)
     return out
+
+
+_scratch_local = threading.local()
+
+
+def _scratch(size: int) -> tuple[memoryview, int]:
+    """This thread's scratch buffer for :func:`allowed_many` (at least ``size`` bytes; grown, never shrunk): a
+    view and its address. llguidance writes every mask whole before it is read, so it is not cleared; reusing
+    it spares a fresh allocation (and its page faults) per decode step."""
+    held = getattr(_scratch_local, "held", None)
+    if held is None or len(held[0]) < size:
+        buffer = bytearray(size)
+        held = (memoryview(buffer), ctypes.addressof((ctypes.c_char * size).from_buffer(buffer)))
+        _scratch_local.held = held
+    return held
 
 
 class GrammarCompiler:
