@@ -147,6 +147,7 @@ def engine_ticks(args: argparse.Namespace, backend: object, core: CoreSettings) 
           + (" (under cProfile)" if args.profile else ""))
     if profile is not None:
         pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+        pstats.Stats(profile).sort_stats("cumulative").print_stats(30)
 
 
 def prefill_ticks(args: argparse.Namespace) -> None:
@@ -198,6 +199,7 @@ def prefill_ticks(args: argparse.Namespace) -> None:
           + (" (under cProfile)" if args.profile else ""))
     if args.profile:
         pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+        pstats.Stats(profile).sort_stats("cumulative").print_stats(30)
 
 
 if __name__ == "__main__":

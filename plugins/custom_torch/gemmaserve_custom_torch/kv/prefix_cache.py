@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from gemmaserve.errors import KVCapacityError
 from gemmaserve.kv.exact_index import ExactMatchIndex
@@ -37,6 +38,8 @@ from .paged_cache import PagedKVCache
 from .pools import KVPools
 
 __all__ = ["CachedBlock", "PrefixCache"]
+
+_FULL_ID, _SLIDING_ID = attrgetter("full"), attrgetter("sliding")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -111,9 +114,9 @@ class PrefixCache:
         num = _cdiv(c, self.block_size)
         tables: dict[str, list[int]] = {}
         for group in self.pools.groups:
-            first = self.pools.geometry[group].first_visible(c) // self.block_size
-            ids = [values[j].get(group) for j in range(num)]
-            tables[group] = [b if b is not None and j >= first else -1 for j, b in enumerate(ids)]
+            first = min(num, self.pools.geometry[group].first_visible(c) // self.block_size)
+            ids = map(_FULL_ID if group == FULL else _SLIDING_ID, values[first:num])
+            tables[group] = [-1] * first + [-1 if b is None else b for b in ids]
         return tables
 
     # -- store -------------------------------------------------------------------------------------
