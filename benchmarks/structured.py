@@ -9,7 +9,10 @@ decode slowdown of constrained rows.
   unconstrained and then all constrained to a JSON schema that cannot end early; TPOT medians and their ratio;
 - ``--e2b`` (CUDA): the same decode comparison on the custom_torch backend at Gemma 4 E2B shapes (random bf16
   weights, CUDA graphs, asynchronous decode, as benchmarks/decode.py) with the real 262,144-token vocabulary,
-  plus the engine-thread time spent computing masks.
+  plus the engine-thread time spent computing masks; with ``--trace DIR`` a torch.profiler window over steady
+  unconstrained and constrained ticks (GPU idle gaps, host and device ops; Chrome traces in DIR);
+- ``--mask-threads 1,2,4,0`` (alone): only ``allowed_many`` over ``--rows`` constraints per llguidance pool size
+  (0 = its default), the whole call and its native part.
 
 Usage (repo root):  PYTHONPATH=core:plugins/custom_torch:tests .venv/bin/python benchmarks/structured.py [--json out.json]
                     python benchmarks/structured.py --e2b --tokenizer DIR --json out.json   (H200, ~2 minutes)
@@ -258,6 +261,8 @@ def main() -> None:
     args = parser.parse_args()
     if (args.quick or args.e2b_only or args.trace) and not args.e2b:
         parser.error("--quick, --e2b-only and --trace apply to the --e2b section; add --e2b")
+    if args.mask_threads and args.e2b:
+        parser.error("--mask-threads runs only the mask micro-benchmark; run --e2b in another call")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     if args.tokenizer is None:
         from gemmaserve.models.default_model import ensure_default_model
