@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from itertools import repeat
 
 import torch
+from gemmaserve.torch_sampling import host_to_device
 from torch import Tensor
 
 from .paged_cache import PagedKVCache
@@ -189,7 +190,7 @@ class DecodeStaging:
         the caching host allocator keeps until the copy ran)."""
         host = torch.frombuffer(staged, dtype=torch.int64) if len(staged) else torch.zeros(0, dtype=torch.int64)
         if self.device.type == "cuda":
-            return host.pin_memory().to(self.device, non_blocking=True)
+            return host_to_device(host, self.device)
         return host.clone()
 
     def feed_previous(self, previous: Tensor, bucket: int) -> None:
