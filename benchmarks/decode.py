@@ -87,6 +87,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--long-output-len", type=int, default=128)
     p.add_argument("--serving-rates", default="", help="workload C Poisson rates per second ('' = skip)")
     p.add_argument("--serving-requests", type=int, default=1000)
+    p.add_argument("--serving-max-rows", type=int, default=256, help="with --serving-rates: the engine's row and KV "
+                   "pool size is at least this many requests (workload C's concurrency limit)")
     p.add_argument("--serving-input", default="128,2048", help="workload C prompt lengths: uniform in [lo, hi]")
     p.add_argument("--serving-output", default="32,512", help="workload C output lengths: uniform in [lo, hi]")
     p.add_argument("--mixed-profiles", default="tick,chunk", help="tick: a 16 x 512-token tick profiled; chunk: "
@@ -95,12 +97,15 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quantization", choices=["fp8"], default=None, help="fp8: the custom model's projections and "
                    "experts quantized to FP8 at load (QUANTIZATION=fp8); the hf comparison stays in the model dtype")
+    p.add_argument("--fp8-skinny-max-rows", type=int, default=None, help="with --quantization fp8: FP8 products of "
+                   "at most this many rows use the Triton skinny kernel (default: the code's; 0 = torch._scaled_mm)")
     args = p.parse_args(argv)
     if args.quick:
         args.sizes, args.hf_sizes, args.prompt_len, args.output_len, args.hf_output_len = "1,2", "1,2", 24, 6, 4
         args.prefix_len, args.prefix_requests, args.prefix_own, args.profile_size = 32, 4, 4, 0
         args.eager_sizes = ""
         args.serving_input, args.serving_output = "8,40", "2,8"
+        args.serving_max_rows = min(args.serving_max_rows, 8)
     return args
 
 
@@ -297,10 +302,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     elif args.quantization is None:
         hf_slots = dm.release_shared(hf_model, model)
     if args.quantization == "fp8":
-        from gemmaserve_custom_torch.models.quantization import check_fp8_device, quantize_fp8
+        from gemmaserve_custom_torch.models import quantization
 
-        check_fp8_device(device, dtype)
-        quantize_fp8(model)  # new FP8 tensors
+        quantization.check_fp8_device(device, dtype)
+        quantization.quantize_fp8(model)  # new FP8 tensors
+        if args.fp8_skinny_max_rows is not None:  # an A/B knob of this benchmark, not a user setting
+            quantization.FP8_SKINNY_MAX_ROWS = args.fp8_skinny_max_rows
+        results["meta"]["fp8_skinny_max_rows"] = quantization.FP8_SKINNY_MAX_ROWS
     if device == "cuda":
         torch.cuda.empty_cache()
     results["meta"]["quantization"] = args.quantization
@@ -315,7 +323,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                moe_gb_per_expert=round(roof.expert_bytes / 1e9, 4))
     results["memory"] = memory
     save()
-    max_rows = max(sizes + [args.prefix_requests])
+    # workload C sizes the engine too: sized by --sizes 1 alone, its pools held one request and C ran serially
+    max_rows = max(sizes + [args.prefix_requests] + ([args.serving_max_rows] if args.serving_rates else []))
     max_len = base["max_position_embeddings"]
     block_size = load_custom_settings().block_size or KV_BLOCK_SIZE  # what the backend will use
     kv_item = torch.tensor([], dtype=dtype).element_size()  # KV stays in the model dtype (also with FP8 weights)

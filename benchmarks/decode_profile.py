@@ -54,40 +54,50 @@ def _kernel_summary(prof: Any) -> dict[str, Any]:
 
 
 def profile_decode_step(backend: Any, settings: Any, rows: int, prompt_len: int) -> dict[str, Any]:
-    """Profile the 3rd decode step of ``rows`` live requests run eagerly (graphs switched off for it) and the
-    4th as a graph replay; returns kernel counts and time splits plus the eager step's wall time."""
+    """Profile one decode tick of ``rows`` live requests run eagerly (the tick graphs switched off for it) and a
+    later one replaying its graph; returns kernel counts and time splits plus each tick's wall time. Ticks are
+    found by the engine's own tick boundaries (``tick_profile.TickRecorder``), so this follows whatever forward
+    the backend runs."""
+    from tick_profile import TickRecorder  # imports decode.py: not at module level
+
     mixed = backend.mixed
-    original = backend.decode_step_batched
+    prefill_ticks = -(-rows * prompt_len // settings.max_num_batched_tokens)
+    targets = {prefill_ticks + 4: "eager_step", prefill_ticks + 7: "graph_replay_step"}
     out: dict[str, Any] = {"rows": rows}
-    calls = [0]
+    live: dict[str, Any] = {}
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
 
-    def hooked(batch: Any, ids: Any) -> Any:
-        calls[0] += 1
-        if calls[0] not in (3, 4) or len(ids) != rows:
-            return original(batch, ids)
-        eager = calls[0] == 3
-        graphs = mixed.graphs
-        if eager:
-            mixed.graphs = None
-        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        try:
+    def finish() -> None:
+        torch.cuda.synchronize()
+        live["prof"].stop()
+        wall = (time.perf_counter() - live["start"]) * 1e3
+        if "graphs" in live:
+            mixed.graphs = live["graphs"]
+        out[live["label"]] = {"wall_ms_under_profiler": round(wall, 3), **_kernel_summary(live["prof"])}
+        live.clear()
+
+    def on_tick(n: int) -> None:
+        if live:
+            finish()
+        if n in targets:
+            live["label"] = targets[n]
+            if targets[n] == "eager_step":
+                live["graphs"], mixed.graphs = mixed.graphs, None
             torch.cuda.synchronize()
-            start = time.perf_counter()
-            with torch.profiler.profile(activities=acts) as prof:
-                logits = original(batch, ids)
-                torch.cuda.synchronize()
-            wall = (time.perf_counter() - start) * 1e3
-        finally:
-            mixed.graphs = graphs
-        out["eager_step" if eager else "graph_replay_step"] = {"wall_ms_under_profiler": round(wall, 3),
-                                                                **_kernel_summary(prof)}
-        return logits
+            live["prof"] = torch.profiler.profile(activities=acts)
+            live["prof"].start()
+            live["start"] = time.perf_counter()
 
-    backend.decode_step_batched = hooked
+    rec = TickRecorder(backend, on_tick)
     try:
-        run_engine(backend, settings, random_prompts(rows, prompt_len, backend.model_info.vocab_size, seed=5), 6)
+        run_engine(backend, settings, random_prompts(rows, prompt_len, backend.model_info.vocab_size, seed=5), 12)
     finally:
-        del backend.decode_step_batched  # back to the class method
+        rec.restore()
+        if live:
+            finish()
+    missing = [label for label in targets.values() if label not in out]
+    if missing:
+        raise RuntimeError(f"profile_decode_step: no tick profiled for {missing} (the run had {len(rec.ticks)} ticks)")
     return out
 
 

@@ -6,10 +6,15 @@ successive layers would), and reports microseconds per call and the achieved wei
 device-to-device copy bandwidth measured in the same run. GeGLU compares the fused kernel against
 ``F.linear`` over [gate; up] + the eager GeGLU chain; the LM head compares ``lm_head_argmax`` against
 ``F.linear`` + softcap + ``argmax``. Also sweeps ``split_k`` for one shape per kind with ``--sweep``.
+``--fp8`` times the FP8 projections instead (every linear and gate/up shape as one product, as
+``QUANTIZATION=fp8`` runs them): the CUDA path of ``models.quantization.linear`` (Triton row quantization +
+``skinny_linear_fp8``) against the torch row quantization + ``torch._scaled_mm`` it replaced, Triton quantization +
+``_scaled_mm``, and bf16 ``F.linear``; the bandwidth column counts one byte per FP8 weight.
 
 Usage (repo root):
     PYTHONPATH=plugins/custom_torch python benchmarks/kernels/bench_skinny_gemm.py --json skinny.json
     ... --models e2b --rows 1,8,32 --sweep
+    ... --models 31b --fp8 --rows 1,8,32,64
     TRITON_INTERPRET=1 PYTHONPATH=plugins/custom_torch python benchmarks/kernels/bench_skinny_gemm.py --tiny
         (CPU smoke run: tiny shapes, correctness only, no timing)
 """
@@ -35,12 +40,15 @@ except ImportError:
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared timing helpers
 from timing import copy_bandwidth, graph_replay_ms  # noqa: E402
 
+from gemmaserve_custom_torch.kernels.fp8_rows import quantize_rows  # noqa: E402
 from gemmaserve_custom_torch.kernels.skinny_gemm import (  # noqa: E402
     choose_split_k,
     lm_head_argmax,
     skinny_geglu,
     skinny_linear,
+    skinny_linear_fp8,
 )
+from gemmaserve_custom_torch.models.quantization import quantize_per_token, quantize_weight  # noqa: E402
 
 # (kind, N, K) per decode projection; gate_up N is the fused [gate; up] width. From gemma4-spec.md §4.
 SHAPES: dict[str, list[tuple[str, str, int, int]]] = {
@@ -109,6 +117,44 @@ def bench(models: list[str], rows: list[int], sweep: bool, cap: float) -> dict[s
     return result
 
 
+def _fp8_paths() -> dict[str, Callable[[torch.Tensor, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]]:
+    def scaled_mm(xq: torch.Tensor, xs: torch.Tensor, w: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype):
+        return torch._scaled_mm(xq, w[0].t(), scale_a=xs, scale_b=w[1].view(1, -1), out_dtype=dtype)
+
+    return {
+        "skinny_us": lambda x, w: skinny_linear_fp8(*quantize_rows(x), w[0], w[1], x.dtype),
+        "torch_quant_scaled_mm_us": lambda x, w: scaled_mm(*quantize_per_token(x), w, x.dtype),
+        "triton_quant_scaled_mm_us": lambda x, w: scaled_mm(*quantize_rows(x), w, x.dtype),
+    }
+
+
+def bench_fp8(models: list[str], rows: list[int]) -> dict[str, Any]:
+    """µs per FP8 product (weights quantized per output row) by path, and bf16 ``F.linear`` beside them."""
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "copy_tbps": copy_bandwidth("cuda") / 1e12,
+                              "fp8": True, "rows": []}
+    for model in models:
+        for name, kind, n, k in SHAPES[model]:
+            if kind == "argmax":
+                continue  # the LM head stays in the model dtype under QUANTIZATION=fp8
+            copies = max(2, -(-L2_BYTES // (n * k)))
+            bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+            weights = [quantize_weight(w) for w in bf16]
+            bf16 = bf16[: max(2, -(-L2_BYTES // (n * k * 2)))]
+            for m in rows:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                row: dict[str, Any] = {"model": model, "shape": name, "m": m, "n": n, "k": k,
+                                       "split_k": choose_split_k(m, n, k)}
+                for label, fn in _fp8_paths().items():
+                    row[label] = round(_graph_time_us(fn, x, weights), 2)
+                row["bf16_linear_us"] = round(_graph_time_us(F.linear, x, bf16), 2)
+                row["skinny_tbps"] = round(n * k / (row["skinny_us"] * 1e-6) / 1e12, 3)
+                result["rows"].append(row)
+                print(json.dumps(row), flush=True)
+            del weights, bf16
+            torch.cuda.empty_cache()
+    return result
+
+
 def smoke() -> dict[str, Any]:
     """Tiny shapes on the CPU (TRITON_INTERPRET=1): each kernel's output against its eager counterpart."""
     torch.manual_seed(0)
@@ -121,6 +167,12 @@ def smoke() -> dict[str, Any]:
             got, want = ours(x, w), theirs(x, w)
             error = float((got.float() - want.float()).abs().max()) if kind != "argmax" else float((got != want).sum())
             out["rows"].append({"shape": name, "m": m, "error": error})
+    for m in (1, 5, 20):  # the FP8 path against the fp32 product of the same FP8 values and scales
+        x, (wq, ws) = torch.randn(m, 96), quantize_weight(torch.randn(48, 96) * 0.2)
+        xq, xs = quantize_rows(x)
+        want = (xq.double() @ wq.double().T) * xs.double() * ws.double()[None]
+        got = skinny_linear_fp8(xq, xs, wq, ws, torch.float32)
+        out["rows"].append({"shape": "tiny fp8 linear", "m": m, "error": float((got.double() - want).abs().max())})
     return out
 
 
@@ -130,6 +182,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,8,16,32,64", help="decode batch sizes M")
     parser.add_argument("--softcap", type=float, default=30.0, help="final logit softcap of the LM head rows")
     parser.add_argument("--sweep", action="store_true", help="also time split_k 1..16 at M = 1 and 32")
+    parser.add_argument("--fp8", action="store_true", help="time the FP8 projection paths instead")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run (needs TRITON_INTERPRET=1)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -144,7 +197,8 @@ def main() -> None:
         unknown = sorted(set(models) - set(SHAPES))
         if unknown:
             parser.error(f"unknown --models {unknown}; choose from {sorted(SHAPES)}")
-        result = bench(models, [int(r) for r in args.rows.split(",") if r], args.sweep, args.softcap)
+        sizes = [int(r) for r in args.rows.split(",") if r]
+        result = bench_fp8(models, sizes) if args.fp8 else bench(models, sizes, args.sweep, args.softcap)
     text = json.dumps(result, indent=1)
     if args.json:
         args.json.write_text(text)

@@ -2,7 +2,9 @@
 fp16, tiny shapes, in a subprocess: the flag must be set before triton is imported): ``skinny_linear`` against
 ``F.linear``, ``skinny_geglu`` against the eager GeGLU chain, with and without split K (including slices that do
 not divide K and column counts that are not a multiple of the tile), and ``lm_head_argmax`` against
-``argmax(softcap(F.linear))`` including exact ties, which must go to the lowest token id."""
+``argmax(softcap(F.linear))`` including exact ties, which must go to the lowest token id; the FP8 path
+(``fp8_rows.quantize_rows``: the same bytes as ``quantization.quantize_per_token``; ``skinny_linear_fp8`` against
+the float64 product of the same FP8 values and scales)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ _SCRIPT = r"""
 import json, torch
 import torch.nn.functional as F
 from gemmaserve_custom_torch.kernels.skinny_gemm import choose_split_k, lm_head_argmax, skinny_geglu, skinny_linear
+from gemmaserve_custom_torch.kernels.skinny_gemm import skinny_linear_fp8
+from gemmaserve_custom_torch.kernels.fp8_rows import quantize_rows
+from gemmaserve_custom_torch.models.quantization import quantize_per_token, quantize_weight
 from gemmaserve_custom_torch.models.layers import gelu_tanh
 torch.manual_seed(0)
 torch.set_num_threads(1)
@@ -66,8 +71,28 @@ for dtype in (torch.float32, torch.float16):
                 assert gap < (1e-5 if dtype == torch.float32 else 2e-2), (dtype, row, int(got[row]), int(want[row]), gap)
         assert int(got[0]) == vocab // 2, (dtype, int(got[0]))
         ties["checked"] += 1
+fp8 = {"rows": 0, "products": 0}
+for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    for m, k in ((1, 48), (4, 1000), (3, 2100), (2, 7)):
+        x = (torch.randn(m, k) * torch.logspace(-5, 3, m)[:, None]).to(dtype)
+        x[0, :5] = 0.0
+        if m > 2:
+            x[2] = 0.0  # an all-zero row: the minimum scale, zeros
+        q, scale = quantize_rows(x, block=256)
+        want_q, want_scale = quantize_per_token(x)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale), (dtype, m, k)
+        fp8["rows"] += m
+for out_dtype in (torch.float32, torch.float16):
+    for m, n, k in ((1, 40, 96), (5, 33, 200), (18, 16, 64)):
+        xq, x_scale = quantize_rows(torch.randn(m, k))
+        wq, w_scale = quantize_weight(torch.randn(n, k) * 0.1)
+        want = (xq.double() @ wq.double().T) * x_scale.double() * w_scale.double()[None]
+        for split in (1, 3, None):
+            got = skinny_linear_fp8(xq, x_scale, wq, w_scale, out_dtype, split_k=split, **small)
+            note(f"fp8/{out_dtype}", got, want.to(out_dtype))
+            fp8["products"] += 1
 assert choose_split_k(1, 262144, 1536) == 1 and choose_split_k(1, 1536, 12288) > 1 and choose_split_k(64, 64, 64) == 1
-print(json.dumps({"errors": errors, "checks": checks, "ties": ties["checked"]}))
+print(json.dumps({"errors": errors, "checks": checks, "ties": ties["checked"], "fp8": fp8}))
 """
 
 
@@ -76,7 +101,8 @@ def test_skinny_kernels_match_torch_under_interpreter():
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["checks"] == 2 * 4 * (4 + 2 + 1) and result["ties"] == 6, result
+    assert result["checks"] == 2 * 4 * (4 + 2 + 1) + 18 and result["ties"] == 6, result
+    assert result["fp8"] == {"rows": 3 * 10, "products": 18}, result
     for name, error in result["errors"].items():
         # fp32: summation order only; fp16: one rounding step of outputs of magnitude up to ~10
         assert error < (2e-5 if "float32" in name else 1.6e-2), (name, error)
@@ -91,41 +117,60 @@ def test_the_kernel_benchmark_smoke_run_agrees_with_torch(tmp_path):
                            "--json", str(out)], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 9 and all(row["error"] < 1e-4 for row in rows), rows
+    assert len(rows) == 12 and all(row["error"] < 1e-4 for row in rows), rows
 
 
 def test_the_kernels_compile_for_hopper_without_a_gpu():
     """The real compiler path (Triton -> PTX -> cubin for sm_90 with Triton's bundled ptxas), which the
     interpreter never takes: bf16 at the decode row blocks 16 and 64 with and without split K and the GeGLU
-    epilogue, the reduction, and the LM-head argmax with its softcap; fp32 with IEEE dots. Pointers and sizes
+    epilogue, the reduction, and the LM-head argmax with its softcap; fp32 with IEEE dots; FP8 operands widened to
+    bf16 with the scale epilogue, and the FP8 row quantization. Pointers and sizes
     carry the 16-divisibility E2B's shapes give the launcher, so the bf16 K loops become tensor-core dots."""
     require_hopper_compiler()
+    import triton.language as tl
+
     from gemmaserve_custom_torch.kernels import skinny_gemm as sk
+    from gemmaserve_custom_torch.kernels.fp8_rows import _quantize_rows_kernel as quantize_rows_kernel
 
     builds = []
     for dtype, precision, row_blocks in (("bf16", "tf32", (16, 64)), ("fp32", "ieee", (16,))):
         for block_m in row_blocks:
             for geglu in (False, True):
                 for split in (False, True):
-                    builds.append((sk._skinny_kernel, {
-                        "x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "part_ptr": "*fp32",
-                        "m": "i32", "n_out": "i32", "k": "i32", "k_per_split": "i32", "stride_xm": "i32",
-                        "stride_wn": "i32", "up_offset": "i32", "GEGLU": "constexpr", "SPLIT": "constexpr",
-                        "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-                        "PRECISION": "constexpr"},
-                        {"GEGLU": geglu, "SPLIT": split, "BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 128,
-                         "PRECISION": precision}, dtype))
+                    builds.append((sk._skinny_kernel, _skinny_signature(dtype, dtype),
+                                   {"GEGLU": geglu, "SPLIT": split, "SCALED": False, "BLOCK_M": block_m,
+                                    "BLOCK_N": 64, "BLOCK_K": 128, "PRECISION": precision, "WIDEN": None}, dtype))
             builds.append((sk._argmax_kernel, {
                 "x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "best_ptr": "*fp32", "index_ptr": "*i32", "m": "i32",
                 "n": "i32", "k": "i32", "stride_xm": "i32", "stride_wn": "i32", "softcap": "fp32",
                 "HAS_CAP": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
                 "PRECISION": "constexpr"},
                 {"HAS_CAP": True, "BLOCK_M": block_m, "BLOCK_N": 128, "BLOCK_K": 128, "PRECISION": precision}, dtype))
-        for geglu in (False, True) if dtype == "bf16" else ():
-            builds.append((sk._reduce_kernel, {"part_ptr": "*fp32", "out_ptr": f"*{dtype}", "m": "i32",
-                                               "n_out": "i32", "slices": "i32", "GEGLU": "constexpr",
-                                               "BLOCK": "constexpr"}, {"GEGLU": geglu, "BLOCK": 256}, dtype))
+        for geglu, scaled in ((False, False), (True, False), (False, True)) if dtype == "bf16" else ():
+            builds.append((sk._reduce_kernel, {"part_ptr": "*fp32", "out_ptr": f"*{dtype}", "x_scale_ptr": "*fp32",
+                                               "w_scale_ptr": "*fp32", "m": "i32", "n_out": "i32", "slices": "i32",
+                                               "GEGLU": "constexpr", "SCALED": "constexpr", "BLOCK": "constexpr"},
+                           {"GEGLU": geglu, "SCALED": scaled, "BLOCK": 256}, dtype))
+    for block_m in (16, 64):  # FP8 operands widened to bf16, the scales in the epilogue
+        for split in (False, True):
+            builds.append((sk._skinny_kernel, _skinny_signature("fp8e4nv", "bf16"),
+                           {"GEGLU": False, "SPLIT": split, "SCALED": True, "BLOCK_M": block_m, "BLOCK_N": 64,
+                            "BLOCK_K": 128, "PRECISION": "tf32", "WIDEN": tl.bfloat16}, "fp8"))
+    for dtype in ("bf16", "fp16", "fp32"):
+        builds.append((quantize_rows_kernel, {"x_ptr": f"*{dtype}", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
+                                              "k": "i32", "stride_xm": "i32", "BLOCK": "constexpr"},
+                       {"BLOCK": 1024}, "quantize"))
     for kernel, signature, constexprs, dtype in builds:
         asm = compile_for_hopper(kernel, signature, constexprs, unaligned=("m", "slices"))
-        if dtype == "bf16" and "BLOCK_K" in constexprs:
+        if dtype in ("bf16", "fp8") and "BLOCK_K" in constexprs:
             assert "mma" in asm["ptx"], (kernel, constexprs)  # tensor-core dots
+        if dtype == "quantize":  # the FP8 cast only narrows values already on the e4m3 grid
+            assert "e4m3" in asm["ptx"], constexprs
+
+
+def _skinny_signature(operands: str, out: str) -> dict[str, str]:
+    return {"x_ptr": f"*{operands}", "w_ptr": f"*{operands}", "out_ptr": f"*{out}", "part_ptr": "*fp32",
+            "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "m": "i32", "n_out": "i32", "k": "i32",
+            "k_per_split": "i32", "stride_xm": "i32", "stride_wn": "i32", "up_offset": "i32", "GEGLU": "constexpr",
+            "SPLIT": "constexpr", "SCALED": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+            "BLOCK_K": "constexpr", "PRECISION": "constexpr", "WIDEN": "constexpr"}

@@ -6,7 +6,10 @@ SM streaming, also split the reduction dimension (``split_k``): each program rea
 slab of the weight once, and a second kernel sums the fp32 partials in a fixed order (deterministic, no atomics)
 and applies the epilogue.
 
-- :func:`skinny_linear`: ``x @ w.T`` (``F.linear`` without bias);
+- :func:`skinny_linear`: ``x @ w.T`` (``F.linear`` without bias); with FP8 operands and their row scales
+  (``x_scale`` [M, 1], ``w_scale`` [N]) the ``torch._scaled_mm`` product ``(xq @ wq.T) * x_scale * w_scale``,
+  the FP8 values widened exactly to the dot's dtype (bf16, fp32 for fp32 outputs) so the weights stream as
+  one byte each;
 - :func:`skinny_geglu`: ``gelu_tanh(x @ gate.T) * (x @ up.T)`` over a fused ``[gate; up]`` weight, the GeGLU
   MLP's first half, rounding where the eager chain rounds (the projections, gelu's output, the product);
 - :func:`lm_head_argmax`: the greedy token of ``softcap(x @ w.T)`` without writing the logits: each program
@@ -16,8 +19,9 @@ and applies the epilogue.
 Weights are ``[N, K]`` row-major as the model holds them (no repacking). Inputs must have a contiguous last
 dim. Accumulation is fp32, so results equal cuBLAS's up to summation order (last-bit differences in bf16).
 Nothing syncs the host; every launch grid depends on shapes only (CUDA-graph capturable). Runs on CPU under
-``TRITON_INTERPRET=1`` (fp32 / fp16, tiny shapes) for the tests. Not yet wired into the model: the decision
-waits for the H200 comparison against cuBLAS (``benchmarks/kernels/bench_skinny_gemm.py``).
+``TRITON_INTERPRET=1`` (fp32 / fp16, tiny shapes) for the tests. Only the FP8 form is wired into the model (every
+FP8 projection of at most ``quantization.FP8_SKINNY_MAX_ROWS`` rows on CUDA); the bf16 forms lost or tied
+against cuBLAS on the H200 (docs/benchmarks.md, ``benchmarks/kernels/bench_skinny_gemm.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import triton.language as tl
 
 from .fused_ops import gelu_tanh
 
-__all__ = ["choose_split_k", "lm_head_argmax", "skinny_geglu", "skinny_linear"]
+__all__ = ["choose_split_k", "lm_head_argmax", "skinny_geglu", "skinny_linear", "skinny_linear_fp8"]
 
 #: Programs to aim for when choosing ``split_k``: two waves of the H200's 132 SMs.
 TARGET_PROGRAMS = 264
@@ -55,8 +59,10 @@ def choose_split_k(m: int, n: int, k: int, block_n: int = 64, block_k: int = 128
 
 @triton.jit
 def _dot_slab(x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """fp32 [BLOCK_M, BLOCK_N] = x[offs_m, k_start:k_stop] @ w[offs_n, k_start:k_stop].T (masked)."""
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+              WIDEN: tl.constexpr = None):
+    """fp32 [BLOCK_M, BLOCK_N] = x[offs_m, k_start:k_stop] @ w[offs_n, k_start:k_stop].T (masked). ``WIDEN``: the
+    dtype both tiles are converted to before the dot (FP8 operands; exact)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(k_start, k_stop, BLOCK_K):
@@ -66,16 +72,20 @@ def _dot_slab(x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, st
                      mask=(offs_m[:, None] < m) & k_mask[None, :], other=0.0)
         ws = tl.load(w_ptr + offs_n[:, None] * stride_wn + ks[None, :],
                      mask=(offs_n[:, None] < n) & k_mask[None, :], other=0.0)
+        if WIDEN is not None:
+            xs = xs.to(WIDEN)
+            ws = ws.to(WIDEN)
         acc += tl.dot(xs, tl.trans(ws), input_precision=PRECISION, out_dtype=tl.float32)
     return acc
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, m, n_out, k, k_per_split, stride_xm, stride_wn, up_offset,
-                   GEGLU: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, x_scale_ptr, w_scale_ptr, m, n_out, k, k_per_split, stride_xm,
+                   stride_wn, up_offset, GEGLU: tl.constexpr, SPLIT: tl.constexpr, SCALED: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                   WIDEN: tl.constexpr):
     """Program (column tile, row tile, K slice). SPLIT: write fp32 partials [slices, m, n_out(x2 for GEGLU)];
-    else write the rounded result (with the GeGLU epilogue when GEGLU)."""
+    else write the rounded result (with the GeGLU epilogue when GEGLU, times the row scales when SCALED)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -84,7 +94,7 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, m, n_out, k, k_per_split, st
     k_start = pid_k * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, k)
     acc = _dot_slab(x_ptr, w_ptr, offs_m, offs_n, m, n_out, k_start, k_stop, stride_xm, stride_wn,
-                    BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+                    BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN)
     mask = (offs_m[:, None] < m) & (offs_n[None, :] < n_out)
     if GEGLU:
         acc_up = _dot_slab(x_ptr, w_ptr + up_offset * stride_wn, offs_m, offs_n, m, n_out, k_start, k_stop,
@@ -97,6 +107,8 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, m, n_out, k, k_per_split, st
             tl.store(base + n_out, acc_up, mask=mask)
     else:
         dtype = out_ptr.dtype.element_ty
+        if SCALED:
+            acc = _scaled(acc, x_scale_ptr, w_scale_ptr, offs_m, offs_n, m, n_out)
         if GEGLU:
             gate = acc.to(dtype).to(tl.float32)
             up = acc_up.to(dtype).to(tl.float32)
@@ -105,7 +117,16 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, m, n_out, k, k_per_split, st
 
 
 @triton.jit
-def _reduce_kernel(part_ptr, out_ptr, m, n_out, slices, GEGLU: tl.constexpr, BLOCK: tl.constexpr):
+def _scaled(acc, x_scale_ptr, w_scale_ptr, offs_m, offs_n, m, n):
+    """fp32 ``acc`` [rows, cols] times x_scale[offs_m] (per row) and w_scale[offs_n] (per column)."""
+    x_scale = tl.load(x_scale_ptr + offs_m, mask=offs_m < m, other=0.0)
+    w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < n, other=0.0)
+    return acc * x_scale[:, None] * w_scale[None, :]
+
+
+@triton.jit
+def _reduce_kernel(part_ptr, out_ptr, x_scale_ptr, w_scale_ptr, m, n_out, slices, GEGLU: tl.constexpr,
+                   SCALED: tl.constexpr, BLOCK: tl.constexpr):
     """out[row, cols] = epilogue(sum over slices, in slice order)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -119,6 +140,8 @@ def _reduce_kernel(part_ptr, out_ptr, m, n_out, slices, GEGLU: tl.constexpr, BLO
         if GEGLU:
             acc_up += tl.load(base + n_out, mask=mask, other=0.0)
     dtype = out_ptr.dtype.element_ty
+    if SCALED:
+        acc = acc * tl.load(x_scale_ptr + row) * tl.load(w_scale_ptr + cols, mask=mask, other=0.0)
     if GEGLU:
         gate = acc.to(dtype).to(tl.float32)
         up = acc_up.to(dtype).to(tl.float32)
@@ -126,14 +149,19 @@ def _reduce_kernel(part_ptr, out_ptr, m, n_out, slices, GEGLU: tl.constexpr, BLO
     tl.store(out_ptr + row * n_out + cols, acc.to(dtype), mask=mask)
 
 
+_WIDEN = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
 def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, geglu: bool, split_k: int | None, block_n: int,
-            block_k: int, num_warps: int) -> torch.Tensor:
+            block_k: int, num_warps: int, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"need x [M, K] and w [N, K]; got {tuple(x.shape)} and {tuple(w.shape)}")
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError("x and w need a contiguous last dimension")
     m, k = x.shape
-    out = torch.empty(m, n_out, device=x.device, dtype=x.dtype)
+    dtype = out_dtype or x.dtype
+    out = torch.empty(m, n_out, device=x.device, dtype=dtype)
     if m == 0 or n_out == 0:
         return out
     block_m = _block_m(m)
@@ -144,12 +172,15 @@ def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, geglu: bool, split_k: 
     split = slices > 1
     partials = (torch.empty(slices, m, n_out * (2 if geglu else 1), device=x.device, dtype=torch.float32)
                 if split else out)
-    _skinny_kernel[grid](x, w, out, partials, m, n_out, k, k_per_split, x.stride(0), w.stride(0), n_out,
-                         GEGLU=geglu, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                         PRECISION=_precision(x), num_warps=num_warps)
+    x_scale, w_scale = scales if scales is not None else (out, out)  # unread unless SCALED
+    _skinny_kernel[grid](x, w, out, partials, x_scale, w_scale, m, n_out, k, k_per_split, x.stride(0), w.stride(0),
+                         n_out, GEGLU=geglu, SPLIT=split, SCALED=scales is not None, BLOCK_M=block_m,
+                         BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(out),
+                         WIDEN=_WIDEN[dtype] if scales is not None else None, num_warps=num_warps)
     if split:
         reduce_block = 256
-        _reduce_kernel[(m, triton.cdiv(n_out, reduce_block))](partials, out, m, n_out, slices, GEGLU=geglu,
+        _reduce_kernel[(m, triton.cdiv(n_out, reduce_block))](partials, out, x_scale, w_scale, m, n_out, slices,
+                                                               GEGLU=geglu, SCALED=scales is not None,
                                                                BLOCK=reduce_block, num_warps=4)
     return out
 
@@ -159,6 +190,24 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, *, split_k: int | None = Non
     """``x @ w.T`` for x [M, K], w [N, K] -> new [M, N] in x's dtype. ``split_k=None`` picks the slices from
     the shapes (:func:`choose_split_k`)."""
     return _launch(x, w, w.shape[0], False, split_k, block_n, block_k, num_warps)
+
+
+def skinny_linear_fp8(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                      out_dtype: torch.dtype, *, split_k: int | None = None, block_n: int = 64, block_k: int = 128,
+                      num_warps: int = 4) -> torch.Tensor:
+    """What ``torch._scaled_mm(xq, wq.T, scale_a=x_scale, scale_b=w_scale[None], out_dtype=out_dtype)`` computes,
+    for few rows: xq float8_e4m3fn [M, K] with fp32 per-row scales ``x_scale`` [M, 1] (or [M]), wq float8_e4m3fn
+    [N, K] with fp32 per-row scales ``w_scale`` [N] -> new [M, N] in ``out_dtype`` (fp32 accumulation, then the
+    scales, then one rounding)."""
+    fp8 = torch.float8_e4m3fn
+    if xq.dtype != fp8 or wq.dtype != fp8 or out_dtype not in _WIDEN:
+        raise ValueError(f"need float8_e4m3fn operands and a float out_dtype; got {xq.dtype}, {wq.dtype}, {out_dtype}")
+    m, n = xq.shape[0], wq.shape[0]
+    x_scale, w_scale = x_scale.reshape(-1).contiguous(), w_scale.reshape(-1).contiguous()
+    if x_scale.numel() != m or w_scale.numel() != n or x_scale.dtype != torch.float32 or w_scale.dtype != torch.float32:
+        raise ValueError(f"need fp32 scales [{m}] and [{n}]; got {tuple(x_scale.shape)} {x_scale.dtype} and "
+                         f"{tuple(w_scale.shape)} {w_scale.dtype}")
+    return _launch(xq, wq, n, False, split_k, block_n, block_k, num_warps, (x_scale, w_scale), out_dtype)
 
 
 def skinny_geglu(x: torch.Tensor, gate_up: torch.Tensor, *, split_k: int | None = None, block_n: int = 64,

@@ -16,8 +16,10 @@ weight (plain ``F.linear``) or an FP8 weight with its scales.
   scale is broadcast to one per output channel).
 
 Numerics: a weight row w is stored as ``q = fp8(w / s)`` with ``s = amax(|w|) / 448``; an activation row the same
-way per token; ``_scaled_mm`` accumulates in fp32 and rounds once to the output dtype. Nothing here syncs the host
-(CUDA-graph safe). On CUDA, FP8 matmuls need compute capability 8.9 or newer (:func:`check_fp8_device`).
+way per token; ``_scaled_mm`` accumulates in fp32 and rounds once to the output dtype. On CUDA the activations are
+quantized by one Triton kernel (``kernels.fp8_rows``, the same bytes) and products of at most
+``FP8_SKINNY_MAX_ROWS`` rows run ``kernels.skinny_gemm.skinny_linear_fp8`` (same arithmetic, another summation
+order). Nothing here syncs the host (CUDA-graph safe). On CUDA, FP8 matmuls need compute capability 8.9 or newer (:func:`check_fp8_device`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ __all__ = [
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
+#: On CUDA, FP8 products of at most this many rows (decode) run ``kernels.skinny_gemm.skinny_linear_fp8`` (the
+#: weight read as one byte per value by split-K Triton programs) instead of ``torch._scaled_mm``; same arithmetic
+#: (FP8 x FP8 in fp32, then the scales), another summation order. 0 = always ``_scaled_mm``.
+FP8_SKINNY_MAX_ROWS = 64
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 _MIN_SCALE = 1e-12  # an all-zero row quantizes to zeros instead of dividing by zero
 SUPPORTED_CHECKPOINTS = ("compressed-tensors, format float-quantized: 8-bit float weights with channel or tensor "
@@ -80,7 +86,16 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
     lead = x.shape[:-1]
     if x.numel() == 0:  # a shape test, no sync; cuBLAS FP8 kernels are not asked for empty products
         return x.new_empty(*lead, weight.shape[0])
-    xq, x_scale = quantize_per_token(x.reshape(-1, x.shape[-1]))
+    rows = x.reshape(-1, x.shape[-1])
+    if not x.is_cuda:
+        xq, x_scale = quantize_per_token(rows)
+    else:  # one Triton kernel for the ~9 torch ones; then few rows stream the FP8 weight through skinny_gemm
+        from ..kernels.fp8_rows import quantize_rows
+        from ..kernels.skinny_gemm import skinny_linear_fp8
+
+        xq, x_scale = quantize_rows(rows.contiguous())
+        if rows.shape[0] <= FP8_SKINNY_MAX_ROWS:
+            return skinny_linear_fp8(xq, x_scale, weight, scale, x.dtype).view(*lead, weight.shape[0])
     out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)
     return out.view(*lead, weight.shape[0])
 

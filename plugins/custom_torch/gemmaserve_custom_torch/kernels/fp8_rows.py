@@ -1,0 +1,63 @@
+"""Dynamic per-token FP8 quantization of activations in one Triton kernel (``QUANTIZATION=fp8`` on CUDA).
+
+:func:`quantize_rows` computes what ``models.quantization.quantize_per_token`` computes with ~9 torch kernels:
+per row ``scale = max(amax(|x|) / 448, 1e-12)`` (fp32) and ``q = fp8_e4m3fn(clamp(x / scale, -448, 448))``, the
+division correctly rounded and the FP8 rounding round-to-nearest-even, so the bytes equal the torch path's. The
+rounding to the e4m3 grid is done in fp32 bit arithmetic before the cast (the cast then only narrows an exact
+value): Triton's CPU interpreter rounds some fp32 -> fp8 casts wrongly at exponent boundaries. One program per
+row; nothing syncs the host (CUDA-graph capturable).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["quantize_rows"]
+
+_MIN_SCALE = 1e-12  # an all-zero row's scale, as quantize_per_token
+
+
+@triton.jit
+def round_to_e4m3(v):
+    """fp32 ``v`` (|v| <= 448) rounded to nearest-even on the float8_e4m3fn grid, as fp32: 3 mantissa bits for
+    normals (|v| >= 2^-6), steps of 2^-9 below (the subnormals); the sign of zero kept."""
+    bits = v.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    small = (v + 24576.0) - 24576.0  # 24576 = 1.5 * 2^14: its fp32 spacing is 2^-9
+    small = tl.where(small == 0.0, v * 0.0, small)
+    return tl.where(tl.abs(v) < 0.015625, small, normal)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, k, stride_xm, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK):
+        x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < k, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 448.0), 1e-12)
+    tl.store(scale_ptr + row, scale)
+    for k0 in range(0, k, BLOCK):
+        mask = k0 + offs < k
+        x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+        tl.store(q_ptr + row * k + k0 + offs, round_to_e4m3(v).to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_rows(x: torch.Tensor, block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (any float dtype, contiguous last dim) -> (float8_e4m3fn [M, K] contiguous, fp32 scales [M, 1]);
+    new tensors, x not mutated."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"need x [M, K] with a contiguous last dim; got {tuple(x.shape)} strides {x.stride()}")
+    m, k = x.shape
+    q = torch.empty(m, k, device=x.device, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(m, 1, device=x.device, dtype=torch.float32)
+    if m and k:
+        _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), BLOCK=min(block, triton.next_power_of_2(k)),
+                                    num_warps=4)
+    elif m:
+        scale.fill_(_MIN_SCALE)
+    return q, scale
