@@ -30,6 +30,7 @@ import random
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +146,16 @@ class TickRecorder:
                 state = getattr(owner, "state", None)
                 if state is not None:
                     patch(state, "load", phase(f"{type(owner).__name__}.state.load_ms"))
+        # structured output's deferred sampling, inside the launch call: the tokens taken ahead, the masks, the
+        # rows' samplings, the masks packed for the device
+        import gemmaserve.engine.scheduler as scheduler_module
+        import gemmaserve.torch_sampling as torch_sampling
+        from gemmaserve.engine.request import Request
+
+        patch(Request, "take_ahead", phase("take_ahead_ms"))
+        patch(Request, "row_sampling", phase("row_sampling_ms"))
+        patch(scheduler_module, "prepare_masks", phase("prepare_masks_ms"))
+        patch(torch_sampling, "_packed_allowed", phase("packed_allowed_ms"))
         import gc
 
         def on_gc(stage: str, info: dict[str, Any]) -> None:
@@ -168,7 +179,7 @@ class TickRecorder:
 
         gc.callbacks.remove(self._gc)
         for owner, name, original in reversed(self._saved):
-            if isinstance(owner, type) or name not in vars(owner):
+            if isinstance(owner, (type, types.ModuleType)) or name not in vars(owner):
                 setattr(owner, name, original)
             else:
                 delattr(owner, name)  # the instance attribute shadowed the class's method
