@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8_rows import round_to_e4m3
 from .fused_ops import gelu_tanh
 
 __all__ = ["ExpertGroups", "fused_experts", "group_by_expert", "max_blocks", "pick_block_m"]
@@ -180,14 +181,10 @@ def _row_fp8_scale(row_ptrs, valid, length, BLOCK_M: tl.constexpr, BLOCK_K: tl.c
 def _fp8_values(v, scale, dtype: tl.constexpr):
     """Rows ``v`` quantized to float8_e4m3fn with their ``scale`` [BLOCK_M] (clamped to +-448, round to nearest
     even, as torch's cast), returned as the FP8 values in ``dtype`` (exact: every e4m3 value is a bf16/fp16/fp32
-    value). The rounding is done in fp32 arithmetic: each value's e4m3 step is 2^(max(exponent, -6) - 3), and
-    adding then subtracting 1.5·2^23 steps rounds to a multiple of it (fp32 adds round to nearest even). Triton's
-    interpreter casts to fp8 inexactly at binade edges and ties, so no fp8 cast is used here."""
+    value). The rounding is :func:`fp8_rows.round_to_e4m3` (fp32 arithmetic; Triton's interpreter casts to fp8
+    inexactly at binade edges and ties, so no fp8 cast is used here)."""
     q = tl.clamp(v.to(tl.float32) / scale[:, None], -448.0, 448.0)
-    exponent = ((q.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    step = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    magic = step * 12582912.0  # 1.5 * 2^23 steps
-    return ((q + magic) - magic).to(dtype)
+    return round_to_e4m3(q).to(dtype)
 
 
 @triton.jit
