@@ -1,8 +1,10 @@
 """Dynamic per-token FP8 quantization of activations in one Triton kernel (``QUANTIZATION=fp8`` on CUDA).
 
 :func:`quantize_rows` computes what ``models.quantization.quantize_per_token`` computes with ~9 torch kernels:
-per row ``scale = max(amax(|x|) / 448, 1e-12)`` (fp32) and ``q = fp8_e4m3fn(clamp(x / scale, -448, 448))``, the
-division correctly rounded and the FP8 rounding round-to-nearest-even, so the bytes equal the torch path's. The
+per row ``scale = max(amax(|x|) / 448, 1e-12)`` (fp32) and ``q = fp8_e4m3fn(clamp(x / scale, -448, 448))``, both
+divisions correctly rounded and the FP8 rounding round-to-nearest-even: the torch path's bytes on the CPU (tested);
+on CUDA torch divides by the scalar 448 as a multiplication by fl(1/448), so its scales can differ in the last bit.
+The fused MoE kernel quantizes its rows by the same definition (``moe._fp8_values``). The
 rounding to the e4m3 grid is done in fp32 bit arithmetic before the cast (the cast then only narrows an exact
 value): Triton's CPU interpreter rounds some fp32 -> fp8 casts wrongly at exponent boundaries. One program per
 row; nothing syncs the host (CUDA-graph capturable).

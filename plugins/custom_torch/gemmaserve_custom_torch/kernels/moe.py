@@ -174,7 +174,7 @@ def _row_fp8_scale(row_ptrs, valid, length, BLOCK_M: tl.constexpr, BLOCK_K: tl.c
         ks = k0 + tl.arange(0, BLOCK_K)
         v = tl.load(row_ptrs + ks[None, :], mask=valid[:, None] & (ks < length)[None, :], other=0.0)
         amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), axis=1))
-    return tl.maximum(amax / 448.0, 1e-12)
+    return tl.maximum(tl.math.div_rn(amax, 448.0), 1e-12)  # div_rn: Triton's fp32 "/" may round approximately
 
 
 @triton.jit
@@ -183,7 +183,7 @@ def _fp8_values(v, scale, dtype: tl.constexpr):
     even, as torch's cast), returned as the FP8 values in ``dtype`` (exact: every e4m3 value is a bf16/fp16/fp32
     value). The rounding is :func:`fp8_rows.round_to_e4m3` (fp32 arithmetic; Triton's interpreter casts to fp8
     inexactly at binade edges and ties, so no fp8 cast is used here)."""
-    q = tl.clamp(v.to(tl.float32) / scale[:, None], -448.0, 448.0)
+    q = tl.clamp(tl.math.div_rn(v.to(tl.float32), scale[:, None]), -448.0, 448.0)
     return round_to_e4m3(q).to(dtype)
 
 

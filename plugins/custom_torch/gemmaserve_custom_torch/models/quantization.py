@@ -17,9 +17,9 @@ weight (plain ``F.linear``) or an FP8 weight with its scales.
 
 Numerics: a weight row w is stored as ``q = fp8(w / s)`` with ``s = amax(|w|) / 448``; an activation row the same
 way per token; ``_scaled_mm`` accumulates in fp32 and rounds once to the output dtype. On CUDA the activations are
-quantized by one Triton kernel (``kernels.fp8_rows``, the same bytes) and products of at most
-``FP8_SKINNY_MAX_ROWS`` rows run ``kernels.skinny_gemm.skinny_linear_fp8`` (same arithmetic, another summation
-order). Nothing here syncs the host (CUDA-graph safe). On CUDA, FP8 matmuls need compute capability 8.9 or newer (:func:`check_fp8_device`).
+quantized by one Triton kernel (``kernels.fp8_rows``: the same definition, divisions correctly rounded) and
+products of at most ``FP8_SKINNY_MAX_ROWS`` rows (default none) run ``kernels.skinny_gemm.skinny_linear_fp8`` (same
+arithmetic, another summation order). Nothing here syncs the host (CUDA-graph safe). On CUDA, FP8 matmuls need compute capability 8.9 or newer (:func:`check_fp8_device`).
 """
 
 from __future__ import annotations
@@ -43,10 +43,11 @@ __all__ = [
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
-#: On CUDA, FP8 products of at most this many rows (decode) run ``kernels.skinny_gemm.skinny_linear_fp8`` (the
-#: weight read as one byte per value by split-K Triton programs) instead of ``torch._scaled_mm``; same arithmetic
-#: (FP8 x FP8 in fp32, then the scales), another summation order. 0 = always ``_scaled_mm``.
-FP8_SKINNY_MAX_ROWS = 64
+#: On CUDA, FP8 products of at most this many rows run ``kernels.skinny_gemm.skinny_linear_fp8`` (the weight read
+#: as one byte per value by split-K Triton programs) instead of ``torch._scaled_mm``; same arithmetic (FP8 x FP8 in
+#: fp32, then the scales), another summation order. 0 (the default): always ``_scaled_mm``, which was faster at
+#: every 31B projection shape and M = 1-64 on an H100 (run 26, ``bench_skinny_gemm.py --fp8``); kept for the A/B.
+FP8_SKINNY_MAX_ROWS = 0
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 _MIN_SCALE = 1e-12  # an all-zero row quantizes to zeros instead of dividing by zero
 SUPPORTED_CHECKPOINTS = ("compressed-tensors, format float-quantized: 8-bit float weights with channel or tensor "
