@@ -170,18 +170,24 @@ class RadixPrefixIndex:
             node = child
         return RadixMatch(len(values) * self.block_size, tuple(values))
 
-    def insert(self, token_ids: Sequence[int], values: Sequence[BlockValue]) -> InsertResult:
+    def insert(self, token_ids: Sequence[int],
+               values: Sequence[BlockValue] | Callable[[int], BlockValue]) -> InsertResult:
         """Index the full blocks of ``token_ids``; ``values[i]`` is for block ``i``.
 
         ``len(values)`` must equal ``len(token_ids) // block_size`` (a trailing partial block is
         ignored). Blocks already cached keep their value; the rest take the given ones, which must not
-        be held anywhere in the index. Stamps the whole path as most recently used. Raises ValueError
+        be held anywhere in the index. ``values`` may instead be a function of the block index, called only
+        for the blocks not cached yet (the result's ``given`` then holds the index's own values for the
+        others, so nothing is a duplicate). Stamps the whole path as most recently used. Raises ValueError
         (changing nothing) on a bad argument.
         """
         keys = self._keys(token_ids)
-        given = tuple(values)
-        if len(given) != len(keys):
-            raise ValueError(f"got {len(given)} values for {len(keys)} full blocks of {len(token_ids)} tokens")
+        lazy = callable(values)
+        given: tuple[BlockValue, ...] = ()
+        if not lazy:
+            given = tuple(values)  # type: ignore[arg-type]
+            if len(given) != len(keys):
+                raise ValueError(f"got {len(given)} values for {len(keys)} full blocks of {len(token_ids)} tokens")
         node = self._root
         path: list[_Node] = []
         for key in keys:
@@ -191,7 +197,11 @@ class RadixPrefixIndex:
             path.append(child)
             node = child
         num_existing = len(path)
-        fresh = given[num_existing:]
+        if lazy:
+            fresh = tuple(values(j) for j in range(num_existing, len(keys)))  # type: ignore[operator]
+            given = tuple(n.value for n in path) + fresh
+        else:
+            fresh = given[num_existing:]
         if len(set(fresh)) != len(fresh) or any(value in self._by_value for value in fresh):
             raise ValueError("insert: a new block value is repeated or already held by another cached block")
         stored_under = node

@@ -34,7 +34,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from gemmaserve.kv.block_manager import BlockManager, BlockRefError, OutOfBlocksError
 from gemmaserve.kv.cache_manager import CacheManager, PrefixMatch, StorePlan
 from gemmaserve.kv.events import VllmBlockHasher
-from gemmaserve.kv.radix import RadixPrefixIndex, StoredBlock
+from gemmaserve.kv.radix import BlockValue, RadixPrefixIndex, StoredBlock
 
 __all__ = [
     "KVStore",
@@ -260,14 +260,22 @@ class RadixIndexMachine(RuleBasedStateMachine):
         tokens = _draw_tokens(data, self.seen, self.max_tokens)
         keys = self._path(tokens)
         existing = self._model_match(keys)
-        reuse = data.draw(st.booleans(), label="pass cached values back")
+        lazy = data.draw(st.booleans(), label="values as a function of the block index")
+        reuse = lazy or data.draw(st.booleans(), label="pass cached values back")
         given = [self.paths[p] if reuse else self._fresh() for p in existing]
         given += [self._fresh() for _ in keys[len(existing) :]]
-        result = self.index.insert(tokens, given)
-        note(f"insert({tokens}, {given}) -> {result}")
+        asked: list[int] = []
+
+        def value_of(j: int) -> BlockValue:
+            asked.append(j)
+            return given[j]
+
+        result = self.index.insert(tokens, value_of if lazy else given)
+        note(f"insert({tokens}, {given}, lazy={lazy}) -> {result}")
         assert result.num_existing == len(existing)
         assert result.new_values == tuple(given[len(existing) :])
         assert result.duplicate_values == (() if reuse else tuple(given[: len(existing)]))
+        assert asked == (list(range(len(existing), len(keys))) if lazy else []), asked  # only the uncached blocks
         self.clock += 1
         for depth in range(1, len(keys) + 1):
             self.paths.setdefault(keys[:depth], given[depth - 1])

@@ -129,8 +129,8 @@ class PrefixCache:
         num_full = row.length // self.block_size
         if row.indexed == (row.version, num_full):  # indexed already and unchanged since (store() after a chunk)
             return 0
-        given = [self._value_of(row, j) for j in range(num_full)]
-        result = self.radix.insert(tuple(prompt_ids[: num_full * self.block_size]), given)
+        # the row's values only for the blocks the index lacks (a prefix hit's row shares the others)
+        result = self.radix.insert(tuple(prompt_ids[: num_full * self.block_size]), lambda j: self._value_of(row, j))
         for value in result.new_values:
             assert isinstance(value, CachedBlock)
             for group, block in value.ids():
@@ -138,9 +138,12 @@ class PrefixCache:
             self._values.add(value)
             if value.sliding is not None:
                 self._trimmable[value.sliding] = value
-        for held, mine in zip(result.values[: result.num_existing], given):
+        for j, held in enumerate(result.values[: result.num_existing]):
             assert isinstance(held, CachedBlock)
-            if held.full == mine.full and held.sliding is None and mine.sliding is not None:
+            if held.sliding is not None:
+                continue
+            mine = self._value_of(row, j)
+            if held.full == mine.full and mine.sliding is not None:
                 held.sliding = mine.sliding  # re-attach a trimmed sliding block this row still holds
                 self.pools.incref(SLIDING, [mine.sliding])
                 self._trimmable[mine.sliding] = held
