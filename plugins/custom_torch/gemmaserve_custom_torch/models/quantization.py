@@ -24,6 +24,7 @@ arithmetic, another summation order). Nothing here syncs the host (CUDA-graph sa
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -88,17 +89,29 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
     if x.numel() == 0:  # a shape test, no sync; cuBLAS FP8 kernels are not asked for empty products
         return x.new_empty(*lead, weight.shape[0])
     rows = x.reshape(-1, x.shape[-1])
-    if not x.is_cuda:
+    kernels = _triton_fp8() if x.is_cuda else None
+    if kernels is None:
         xq, x_scale = quantize_per_token(rows)
-    else:  # one Triton kernel for the ~9 torch ones; then few rows stream the FP8 weight through skinny_gemm
-        from ..kernels.fp8_rows import quantize_rows
-        from ..kernels.skinny_gemm import skinny_linear_fp8
-
+    else:  # one Triton kernel for the ~9 torch ones (optionally few rows through skinny_gemm)
+        quantize_rows, skinny_linear_fp8 = kernels
         xq, x_scale = quantize_rows(rows.contiguous())
         if rows.shape[0] <= FP8_SKINNY_MAX_ROWS:
             return skinny_linear_fp8(xq, x_scale, weight, scale, x.dtype).view(*lead, weight.shape[0])
     out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)
     return out.view(*lead, weight.shape[0])
+
+
+@functools.cache
+def _triton_fp8() -> tuple[Any, Any] | None:
+    """(``quantize_rows``, ``skinny_linear_fp8``), or None where triton does not import (the torch ops then)."""
+    from ..kernels import HAS_TRITON
+
+    if not HAS_TRITON:
+        return None
+    from ..kernels.fp8_rows import quantize_rows
+    from ..kernels.skinny_gemm import skinny_linear_fp8
+
+    return quantize_rows, skinny_linear_fp8
 
 
 class Fp8Linear(nn.Module):
