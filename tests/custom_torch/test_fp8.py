@@ -501,6 +501,32 @@ def test_cuda_shape_rule_names_the_projections(checkpoint) -> None:
         check_fp8_shapes(model)
 
 
+def test_online_quantization_frees_each_model_dtype_layer_as_it_goes(checkpoint, monkeypatch) -> None:
+    """Peak memory of QUANTIZATION=fp8 is the model-dtype weights plus one projection's copies (what lets 31B's
+    bf16 checkpoint quantize on an 80 GB GPU): when a projection is quantized, every one replaced before it is
+    already gone."""
+    import gc
+    import weakref
+
+    from gemmaserve_custom_torch.models import quantization
+
+    model = GemmaForCausalLM.from_hf(checkpoint("dense_ple_shared"), dtype=torch.float32)
+    gc.collect()
+    replaced: list[weakref.ref[torch.nn.Module]] = []
+    alive_at_call: list[int] = []
+    original = quantization.Fp8Linear.from_linear.__func__
+
+    def watched(cls: type, source: torch.nn.Linear) -> Fp8Linear:
+        alive_at_call.append(sum(ref() is not None for ref in replaced))
+        replaced.append(weakref.ref(source))
+        return original(cls, source)
+
+    monkeypatch.setattr(quantization.Fp8Linear, "from_linear", classmethod(watched))
+    count = quantization.quantize_fp8(model)
+    assert count >= len(alive_at_call) > 4
+    assert alive_at_call == [0] * len(alive_at_call), alive_at_call  # no reference cycle holds a replaced layer
+
+
 def test_quantizing_after_fusion_is_refused(checkpoint) -> None:
     from gemmaserve_custom_torch.models.fusion import fuse_projections
     from gemmaserve_custom_torch.models.quantization import quantize_fp8

@@ -171,8 +171,8 @@ def quantize_fp8(model: nn.Module) -> int:
         raise ValueError("quantize_fp8 after fusion.fuse_projections would leave the fused weights in the model "
                          "dtype; quantize first, then fuse")
     count = 0
-    for name, module in _projections(model):
-        _replace(model, name, Fp8Linear.from_linear(module))
+    for name in [name for name, _ in _projections(model)]:  # names only: each replaced layer is freed at once
+        _replace(model, name, Fp8Linear.from_linear(model.get_submodule(name)))
         count += 1
     for block in model.modules():
         if isinstance(block, MoEExperts) and block.gate_up_proj_scale is None:
