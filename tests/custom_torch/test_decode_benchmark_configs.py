@@ -119,3 +119,19 @@ def test_release_and_retie_keep_one_copy_and_the_same_logits():
     assert dm.held_bytes(hf, model) == held
     with torch.no_grad():
         assert torch.equal(hf(ids).logits, before)
+
+
+def test_workload_c_sizes_the_engine_beyond_the_workload_a_sizes(tmp_path):
+    """With ``--serving-rates`` the engine holds ``--serving-max-rows`` requests (the --quick cap: 8), not only the
+    largest ``--sizes`` / workload B count: sized by ``--sizes 1`` alone, workload C ran one request at a time."""
+    out = tmp_path / "c.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(BENCH / "decode.py"), "--quick", "--hf-sizes", "", "--serving-rates", "50",
+                           "--serving-requests", "6", "--json", str(out)], capture_output=True, text=True, env=env,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    max_len = dm.CONFIGS["e2b"][2]["max_position_embeddings"]  # the toy config's (C's quick prompts fit in it)
+    assert results["memory"]["kv_tokens_wanted"] == 8 * max_len  # quick: A sizes 1,2 and B 4 rows would give 4
+    [serving] = results["workload_c"]
+    assert serving["requests"] == 6 and not serving["errors"], serving

@@ -93,9 +93,12 @@ class PrefixCache:
                     break
         if hit > 0:
             row.adopt(self._tables(values, hit), hit)
-            for value in values[: _cdiv(hit, self.block_size)]:  # sliding trims go least recently used first
-                if value.sliding is not None and self._trimmable.get(value.sliding) is value:  # not a tail
-                    self._trimmable.move_to_end(value.sliding)
+            trimmable = self._trimmable  # sliding trims go least recently used first; a hit runs this per block
+            held, to_end = trimmable.get, trimmable.move_to_end
+            for value in values[: _cdiv(hit, self.block_size)]:
+                sliding = value.sliding
+                if sliding is not None and held(sliding) is value:  # not a tail
+                    to_end(sliding)
             self.stats["hits"] += 1
             self.stats["hit_tokens"] += hit
         self.stats["lookups"] += 1
