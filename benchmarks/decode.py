@@ -87,8 +87,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--long-output-len", type=int, default=128)
     p.add_argument("--serving-rates", default="", help="workload C Poisson rates per second ('' = skip)")
     p.add_argument("--serving-requests", type=int, default=1000)
-    p.add_argument("--serving-max-rows", type=int, default=256, help="with --serving-rates: the engine's row and KV "
-                   "pool size is at least this many requests (workload C's concurrency limit)")
+    p.add_argument("--serving-max-rows", type=int, default=None, help="with --serving-rates: the engine's row and KV "
+                   "pool size is at least this many requests (workload C's concurrency limit; default 256)")
     p.add_argument("--serving-input", default="128,2048", help="workload C prompt lengths: uniform in [lo, hi]")
     p.add_argument("--serving-output", default="32,512", help="workload C output lengths: uniform in [lo, hi]")
     p.add_argument("--mixed-profiles", default="tick,chunk", help="tick: a 16 x 512-token tick profiled; chunk: "
@@ -100,6 +100,14 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fp8-skinny-max-rows", type=int, default=None, help="with --quantization fp8: FP8 products of "
                    "at most this many rows use the Triton skinny kernel (default: the code's; 0 = torch._scaled_mm)")
     args = p.parse_args(argv)
+    if args.serving_max_rows is not None and not args.serving_rates:
+        p.error("--serving-max-rows sizes the engine for workload C; add --serving-rates")
+    if args.serving_max_rows is not None and args.serving_max_rows < 1:
+        p.error(f"--serving-max-rows must be at least 1, got {args.serving_max_rows}")
+    if args.fp8_skinny_max_rows is not None and args.quantization != "fp8":
+        p.error("--fp8-skinny-max-rows applies to FP8 weights; add --quantization fp8")
+    if args.serving_max_rows is None:
+        args.serving_max_rows = 256
     if args.quick:
         args.sizes, args.hf_sizes, args.prompt_len, args.output_len, args.hf_output_len = "1,2", "1,2", 24, 6, 4
         args.prefix_len, args.prefix_requests, args.prefix_own, args.profile_size = 32, 4, 4, 0

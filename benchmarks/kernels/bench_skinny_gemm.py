@@ -180,12 +180,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="e2b,e4b,31b", help="comma-separated: e2b, e4b, 31b")
     parser.add_argument("--rows", default="1,2,4,8,16,32,64", help="decode batch sizes M")
-    parser.add_argument("--softcap", type=float, default=30.0, help="final logit softcap of the LM head rows")
+    parser.add_argument("--softcap", type=float, default=None, help="final logit softcap of the LM head rows "
+                        "(default 30)")
     parser.add_argument("--sweep", action="store_true", help="also time split_k 1..16 at M = 1 and 32")
     parser.add_argument("--fp8", action="store_true", help="time the FP8 projection paths instead")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run (needs TRITON_INTERPRET=1)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    if args.fp8 and (args.sweep or args.tiny or args.softcap is not None):
+        parser.error("--fp8 times the FP8 projections only: --sweep, --softcap and --tiny apply to the bf16 kernels")
+    if args.tiny and args.softcap is not None:
+        parser.error("--tiny checks the kernels at a fixed softcap of 30; --softcap applies to the timed run")
+    softcap = 30.0 if args.softcap is None else args.softcap
     if args.tiny:
         if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
             parser.error("--tiny on a machine without CUDA needs TRITON_INTERPRET=1 (set before triton is imported)")
@@ -198,7 +204,7 @@ def main() -> None:
         if unknown:
             parser.error(f"unknown --models {unknown}; choose from {sorted(SHAPES)}")
         sizes = [int(r) for r in args.rows.split(",") if r]
-        result = bench_fp8(models, sizes) if args.fp8 else bench(models, sizes, args.sweep, args.softcap)
+        result = bench_fp8(models, sizes) if args.fp8 else bench(models, sizes, args.sweep, softcap)
     text = json.dumps(result, indent=1)
     if args.json:
         args.json.write_text(text)

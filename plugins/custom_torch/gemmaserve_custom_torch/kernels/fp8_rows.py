@@ -4,8 +4,8 @@
 per row ``scale = max(amax(|x|) / 448, 1e-12)`` (fp32) and ``q = fp8_e4m3fn(clamp(x / scale, -448, 448))``, both
 divisions correctly rounded and the FP8 rounding round-to-nearest-even: the torch path's bytes on the CPU (tested);
 on CUDA torch divides by the scalar 448 as a multiplication by fl(1/448), so its scales can differ in the last bit.
-The fused MoE kernel quantizes its rows by the same definition (``moe._fp8_values``). The
-rounding to the e4m3 grid is done in fp32 bit arithmetic before the cast (the cast then only narrows an exact
+The definition lives once, in the Triton helpers :func:`fp8_scale` and :func:`fp8_grid`, which the fused MoE kernel's
+row quantization uses too. The rounding to the e4m3 grid is done in fp32 bit arithmetic before the cast (the cast then only narrows an exact
 value): Triton's CPU interpreter rounds some fp32 -> fp8 casts wrongly at exponent boundaries. One program per
 row; nothing syncs the host (CUDA-graph capturable).
 """
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["quantize_rows"]
+__all__ = ["fp8_grid", "fp8_scale", "quantize_rows", "round_to_e4m3"]
 
 _MIN_SCALE = 1e-12  # an all-zero row's scale, as quantize_per_token
 
@@ -33,6 +33,20 @@ def round_to_e4m3(v):
 
 
 @triton.jit
+def fp8_scale(amax):
+    """The dynamic FP8 scale of rows whose largest magnitude is fp32 ``amax``: max(amax / 448, 1e-12), the division
+    correctly rounded (Triton's fp32 "/" may round approximately on the GPU)."""
+    return tl.maximum(tl.math.div_rn(amax, 448.0), 1e-12)
+
+
+@triton.jit
+def fp8_grid(v, scale):
+    """The FP8 value of fp32 ``v`` under ``scale`` (broadcast): ``v / scale`` correctly rounded, clamped to +-448 and
+    rounded to the e4m3 grid, as fp32 (exact in any float dtype, so callers cast it to fp8 or widen it)."""
+    return round_to_e4m3(tl.clamp(tl.math.div_rn(v, scale), -448.0, 448.0))
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, k, stride_xm, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -40,13 +54,12 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, k, stride_xm, BLOCK: tl.const
     for k0 in range(0, k, BLOCK):
         x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < k, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 448.0), 1e-12)
+    scale = fp8_scale(tl.max(amax, axis=0))
     tl.store(scale_ptr + row, scale)
     for k0 in range(0, k, BLOCK):
         mask = k0 + offs < k
         x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-        v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
-        tl.store(q_ptr + row * k + k0 + offs, round_to_e4m3(v).to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_ptr + row * k + k0 + offs, fp8_grid(x, scale).to(q_ptr.dtype.element_ty), mask=mask)
 
 
 def quantize_rows(x: torch.Tensor, block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:

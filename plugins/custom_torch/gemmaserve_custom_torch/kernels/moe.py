@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_rows import round_to_e4m3
+from .fp8_rows import fp8_grid, fp8_scale
 from .fused_ops import gelu_tanh
 
 __all__ = ["ExpertGroups", "fused_experts", "group_by_expert", "max_blocks", "pick_block_m"]
@@ -174,17 +174,16 @@ def _row_fp8_scale(row_ptrs, valid, length, BLOCK_M: tl.constexpr, BLOCK_K: tl.c
         ks = k0 + tl.arange(0, BLOCK_K)
         v = tl.load(row_ptrs + ks[None, :], mask=valid[:, None] & (ks < length)[None, :], other=0.0)
         amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), axis=1))
-    return tl.maximum(tl.math.div_rn(amax, 448.0), 1e-12)  # div_rn: Triton's fp32 "/" may round approximately
+    return fp8_scale(amax)
 
 
 @triton.jit
 def _fp8_values(v, scale, dtype: tl.constexpr):
     """Rows ``v`` quantized to float8_e4m3fn with their ``scale`` [BLOCK_M] (clamped to +-448, round to nearest
     even, as torch's cast), returned as the FP8 values in ``dtype`` (exact: every e4m3 value is a bf16/fp16/fp32
-    value). The rounding is :func:`fp8_rows.round_to_e4m3` (fp32 arithmetic; Triton's interpreter casts to fp8
-    inexactly at binade edges and ties, so no fp8 cast is used here)."""
-    q = tl.clamp(tl.math.div_rn(v.to(tl.float32), scale[:, None]), -448.0, 448.0)
-    return round_to_e4m3(q).to(dtype)
+    value), by :func:`fp8_rows.fp8_grid` (fp32 arithmetic; Triton's interpreter casts to fp8 inexactly at binade
+    edges and ties, so no fp8 cast is used here)."""
+    return fp8_grid(v.to(tl.float32), scale[:, None]).to(dtype)
 
 
 @triton.jit

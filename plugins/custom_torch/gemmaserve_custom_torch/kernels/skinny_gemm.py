@@ -6,10 +6,10 @@ SM streaming, also split the reduction dimension (``split_k``): each program rea
 slab of the weight once, and a second kernel sums the fp32 partials in a fixed order (deterministic, no atomics)
 and applies the epilogue.
 
-- :func:`skinny_linear`: ``x @ w.T`` (``F.linear`` without bias); with FP8 operands and their row scales
-  (``x_scale`` [M, 1], ``w_scale`` [N]) the ``torch._scaled_mm`` product ``(xq @ wq.T) * x_scale * w_scale``,
-  the FP8 values widened exactly to the dot's dtype (bf16, fp32 for fp32 outputs) so the weights stream as
-  one byte each;
+- :func:`skinny_linear`: ``x @ w.T`` (``F.linear`` without bias);
+- :func:`skinny_linear_fp8`: the ``torch._scaled_mm`` product ``(xq @ wq.T) * x_scale * w_scale`` of FP8 operands
+  with their row scales, the FP8 values widened exactly to the dot's dtype (bf16, fp32 for fp32 outputs) so the
+  weights stream as one byte each;
 - :func:`skinny_geglu`: ``gelu_tanh(x @ gate.T) * (x @ up.T)`` over a fused ``[gate; up]`` weight, the GeGLU
   MLP's first half, rounding where the eager chain rounds (the projections, gelu's output, the product);
 - :func:`lm_head_argmax`: the greedy token of ``softcap(x @ w.T)`` without writing the logits: each program
@@ -19,9 +19,9 @@ and applies the epilogue.
 Weights are ``[N, K]`` row-major as the model holds them (no repacking). Inputs must have a contiguous last
 dim. Accumulation is fp32, so results equal cuBLAS's up to summation order (last-bit differences in bf16).
 Nothing syncs the host; every launch grid depends on shapes only (CUDA-graph capturable). Runs on CPU under
-``TRITON_INTERPRET=1`` (fp32 / fp16, tiny shapes) for the tests. Only the FP8 form is wired into the model (every
-FP8 projection of at most ``quantization.FP8_SKINNY_MAX_ROWS`` rows on CUDA); the bf16 forms lost or tied
-against cuBLAS on the H200 (docs/benchmarks.md, ``benchmarks/kernels/bench_skinny_gemm.py``).
+``TRITON_INTERPRET=1`` (fp32 / fp16, tiny shapes) for the tests. None of them runs in the model by default: the bf16
+forms tied or lost against cuBLAS on the H200, and the FP8 form (behind ``quantization.FP8_SKINNY_MAX_ROWS``,
+default 0) lost against ``torch._scaled_mm`` on an H100 (docs/benchmarks.md, ``benchmarks/kernels/bench_skinny_gemm.py``).
 """
 
 from __future__ import annotations
