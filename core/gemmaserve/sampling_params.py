@@ -227,9 +227,10 @@ class RowSampling:
     """Penalties: the prompt's distinct tokens (only with a ``repetition_penalty``)."""
     output_counts: tuple[tuple[int, int], ...] = ()
     """Penalties: ``(token, count)`` of every token generated so far."""
-    allowed: bytes | None = None
+    allowed: bytes | memoryview | None = None
     """Structured output: the tokens that may be picked at this step as a bitmask (bit ``t % 8`` of byte
-    ``t // 8`` set = token ``t`` allowed; tokens past the mask's end are not allowed); None = every token.
+    ``t // 8`` set = token ``t`` allowed; tokens past the mask's end are not allowed); None = every token. A
+    bytes-like object, read-only by contract: the engine hands slices of one buffer (``memoryview``).
     Applied after ``logit_bias`` and ``banned``, before temperature and the filters (:func:`allowed_tokens`)."""
     top_logprobs: int = 0
     """How many most-likely alternatives (token, logprob) to return with this row's token (logprobs requested)."""
@@ -258,7 +259,7 @@ class RowSampling:
 
     @classmethod
     def for_params(cls, params: SamplingParams, seed: int, step: int, eos_token_ids: Sequence[int] = (),
-                   top_k: int | None = None, allowed: bytes | None = None, prompt_tokens: frozenset[int] = frozenset(),
+                   top_k: int | None = None, allowed: bytes | memoryview | None = None, prompt_tokens: frozenset[int] = frozenset(),
                    output_counts: tuple[tuple[int, int], ...] = (), banned: Sequence[int] = ()) -> RowSampling:
         """The row view of ``params`` for token ``step`` (bans EOS and stop ids while ``step < min_tokens``;
         ``allowed``: the structured-output mask of this step; ``prompt_tokens`` / ``output_counts``: what the
@@ -272,6 +273,6 @@ class RowSampling:
                    params.logprobs or 0)
 
 
-def allowed_tokens(mask: bytes, vocab_size: int) -> list[bool]:
+def allowed_tokens(mask: bytes | memoryview, vocab_size: int) -> list[bool]:
     """The ``RowSampling.allowed`` bitmask as one flag per token id in ``[0, vocab_size)`` (reference unpacking)."""
     return [t < 8 * len(mask) and bool(mask[t >> 3] >> (t & 7) & 1) for t in range(vocab_size)]

@@ -172,7 +172,7 @@ class Request:
     """``bad_words`` as token sequences (set by the scheduler's validation, with the backend's tokenizer)."""
     constraint_error: ConstraintError | None = None
     """Why the constraint cannot continue; the next appended token ends the request with it."""
-    _next_mask: tuple[int, bytes] | None = field(default=None, repr=False)
+    _next_mask: tuple[int, bytes | memoryview] | None = field(default=None, repr=False)
     """(step it is for, mask): computed by :func:`prepare_masks` for the next row_sampling()."""
     _ahead: _Ahead | None = field(default=None, repr=False)
     """Deferred sampling: the launched step's token, read but not appended (:meth:`take_ahead`)."""
@@ -291,7 +291,7 @@ class Request:
             return None
         return ready.constraint
 
-    def _allowed(self, ahead: int) -> bytes | None:
+    def _allowed(self, ahead: int) -> bytes | memoryview | None:
         """The constraint's mask for the next token (None without one, or when that token is dropped anyway). A
         constraint that cannot continue gives an empty mask and records why: the token sampled under it ends
         the request (:meth:`append_token`)."""

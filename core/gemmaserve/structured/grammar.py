@@ -58,16 +58,16 @@ class TokenConstraint:
     def allowed(self) -> bytes:
         """Bitmask of the tokens that may come next (``RowSampling.allowed``'s layout). Raises ConstraintError
         when the grammar is in an error state or allows no token at all."""
-        return self._checked(self._matcher.compute_bitmask()[:self.mask_bytes])
-
-    def _checked(self, mask: bytes) -> bytes:
-        matcher = self._matcher
-        if matcher.is_error():
-            raise ConstraintError(f"no token can continue the {self._what} constraint from here "
-                                  f"({_first_line(matcher.get_error())})")
-        if mask == _zeros(len(mask)):
-            raise ConstraintError(f"no token can continue the {self._what} constraint from here")
+        mask = self._matcher.compute_bitmask()[:self.mask_bytes]
+        if self._matcher.is_error() or mask == _zeros(len(mask)):
+            raise self._stuck()
         return mask
+
+    def _stuck(self) -> ConstraintError:
+        """Why no token can come next: the grammar's error, or (none recorded) a mask that allows nothing."""
+        matcher = self._matcher
+        detail = f" ({_first_line(matcher.get_error())})" if matcher.is_error() else ""
+        return ConstraintError(f"no token can continue the {self._what} constraint from here{detail}")
 
     def accept(self, token_id: int) -> bool:
         """Advance by ``token_id``; True when the constraint is now complete (the request stops). Raises
@@ -81,12 +81,15 @@ class TokenConstraint:
     def advance_if_valid(self, token_id: int) -> bool | ConstraintError:
         """Advance by ``token_id`` when the grammar accepts it, returning :meth:`accept`'s result; when it does not,
         stay where it was and return the ConstraintError that :meth:`accept` would raise (undo a successful
-        advance with :meth:`rollback`)."""
-        if not self._matcher.validate_tokens([token_id]):
-            try:
-                self.copy().accept(token_id)
-            except ConstraintError as exc:
-                return exc
+        advance with :meth:`rollback`). One native call when the token is accepted (the common case: it was
+        sampled under this constraint's mask)."""
+        matcher = self._matcher
+        if matcher.try_consume_tokens([token_id]) == 1:
+            return bool(matcher.is_stopped())
+        try:
+            self.copy().accept(token_id)
+        except ConstraintError as exc:
+            return exc
         return self.accept(token_id)
 
     def rollback(self) -> None:
@@ -111,10 +114,12 @@ def _zeros(width: int) -> bytes:
     return bytes(width)
 
 
-def allowed_many(constraints: Sequence[TokenConstraint]) -> list[bytes | ConstraintError]:
+def allowed_many(constraints: Sequence[TokenConstraint]) -> list[memoryview | ConstraintError]:
     """:meth:`TokenConstraint.allowed` of every constraint (all compiled against one vocabulary), computed in
     parallel on llguidance's thread pool; a constraint that cannot continue gives its ConstraintError in its
-    place. Engine thread only (the constraints are not thread-safe)."""
+    place. The masks are consecutive slices of one fresh buffer (mask ``i`` at ``i * mask_bytes``): written once
+    by llguidance, never copied row by row, and a backend can upload them as one block. Engine thread only (the
+    constraints are not thread-safe)."""
     if not constraints:
         return []
     width = constraints[0].mask_bytes
@@ -126,31 +131,21 @@ def allowed_many(constraints: Sequence[TokenConstraint]) -> list[bytes | Constra
             import llguidance
 
             _executor = llguidance.LLExecutor()
-    view, address = _scratch(width * len(constraints))
+    size = width * len(constraints)
+    block = bytearray(size)
+    address = ctypes.addressof((ctypes.c_char * size).from_buffer(block))
     _executor.unsafe_compute_mask_ptr([(c._matcher, i) for i, c in enumerate(constraints)], address, width,
                                       len(constraints))
-    out: list[bytes | ConstraintError] = []
+    rows = memoryview(block)
+    zeros = _zeros(width)
+    out: list[memoryview | ConstraintError] = []
     for i, constraint in enumerate(constraints):
-        try:
-            out.append(constraint._checked(bytes(view[i * width:(i + 1) * width])))
-        except ConstraintError as exc:
-            out.append(exc)
+        start = i * width
+        if constraint._matcher.is_error() or block.startswith(zeros, start, start + width):
+            out.append(constraint._stuck())
+        else:
+            out.append(rows[start:start + width])
     return out
-
-
-_scratch_local = threading.local()
-
-
-def _scratch(size: int) -> tuple[memoryview, int]:
-    """This thread's scratch buffer for :func:`allowed_many` (at least ``size`` bytes; grown, never shrunk): a
-    view and its address. llguidance writes every mask whole before it is read, so it is not cleared; reusing
-    it spares a fresh allocation (and its page faults) per decode step."""
-    held = getattr(_scratch_local, "held", None)
-    if held is None or len(held[0]) < size:
-        buffer = bytearray(size)
-        held = (memoryview(buffer), ctypes.addressof((ctypes.c_char * size).from_buffer(buffer)))
-        _scratch_local.held = held
-    return held
 
 
 class GrammarCompiler:
