@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 from types import ModuleType
@@ -263,7 +264,7 @@ def _packed_allowed(masks: Sequence[bytes | memoryview], vocab: int, device: tor
 def _consecutive(sources: Sequence[int | bytes | None], width: int) -> bool:
     """True when ``sources`` are addresses ``width`` bytes apart, in order."""
     return bool(sources) and all(isinstance(a, int) for a in sources) and all(
-        b - a == width for a, b in zip(sources, sources[1:]))  # type: ignore[operator]
+        b - a == width for a, b in itertools.pairwise(sources))  # type: ignore[operator]
 
 
 def _address(mask: bytes | memoryview) -> int | bytes | None:
