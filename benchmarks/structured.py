@@ -12,7 +12,8 @@ decode slowdown of constrained rows.
   plus the engine-thread time spent computing masks; with ``--trace DIR`` a torch.profiler window over steady
   unconstrained and constrained ticks (GPU idle gaps, host and device ops; Chrome traces in DIR);
 - ``--mask-threads 1,2,4,0`` (alone): only ``allowed_many`` over ``--rows`` constraints per llguidance pool size
-  (0 = its default), the whole call and its native part.
+  (0 = its default), the whole call and its native part; ``--engine-mask-threads N`` (with ``--e2b``): the
+  engine's pool size for the decode comparison.
 
 Usage (repo root):  PYTHONPATH=core:plugins/custom_torch:tests .venv/bin/python benchmarks/structured.py [--json out.json]
                     python benchmarks/structured.py --e2b --tokenizer DIR --json out.json   (H200, ~2 minutes)
@@ -255,12 +256,18 @@ def main() -> None:
     parser.add_argument("--e2b-only", action="store_true", help="with --e2b: skip the CPU sections")
     parser.add_argument("--mask-threads", default="",
                         help="only the mask micro-benchmark: llguidance executor sizes, e.g. 1,2,4,0 (0 = default)")
+    parser.add_argument("--engine-mask-threads", type=int, default=0,
+                        help="with --e2b: the engine's llguidance pool size (0 = llguidance's default)")
     parser.add_argument("--trace", type=Path, default=None,
                         help="with --e2b: a folder for torch.profiler traces of steady decode ticks, "
                              "unconstrained and constrained")
     args = parser.parse_args()
     if (args.quick or args.e2b_only or args.trace) and not args.e2b:
         parser.error("--quick, --e2b-only and --trace apply to the --e2b section; add --e2b")
+    if args.engine_mask_threads and not args.e2b:
+        parser.error("--engine-mask-threads applies to the --e2b section; add --e2b")
+    if args.engine_mask_threads < 0:
+        parser.error("--engine-mask-threads must be >= 0")
     if args.mask_threads and args.e2b:
         parser.error("--mask-threads runs only the mask micro-benchmark; run --e2b in another call")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -279,6 +286,13 @@ def main() -> None:
         results.update(vocabulary=vocabulary_compile_and_mask(args.tokenizer),
                        decode=decode_overhead(args.rows, args.tokens))
     if args.e2b:
+        if args.engine_mask_threads:
+            import llguidance
+
+            from gemmaserve.structured import grammar
+
+            grammar._executor = llguidance.LLExecutor(num_threads=args.engine_mask_threads)
+            results["engine_mask_threads"] = args.engine_mask_threads
         results["decode_e2b"] = decode_overhead_e2b(args.rows, args.tokens, args.tokenizer, quick=args.quick,
                                                     trace_dir=args.trace)
     print(json.dumps(results, indent=2))

@@ -324,15 +324,19 @@ def test_a_moe_model_on_the_fused_experts_keeps_its_tokens(tiny_moe_dir, hf_refe
     assert out[0, prompt.shape[1]:].tolist() == result["tokens"][1]
 
 
-def _hopper_kernels(dtype: str, blocks: tuple[int, int, int], fp8: bool = False) -> list[tuple[object, dict, dict]]:
+def _hopper_kernels(dtype: str, blocks: tuple[int, int, int], fp8: bool = False,
+                    fp8_dot: bool = False) -> list[tuple[object, dict, dict]]:
     """(kernel, signature, constexprs) of the four launches of ``fused_experts`` (26B-A4B's E 128, k 8) for one
-    dtype / block shape; ``fp8``: float8_e4m3fn expert weights with fp32 scales."""
+    dtype / block shape; ``fp8``: float8_e4m3fn expert weights with fp32 scales and FP8 input rows (widened to
+    ``dtype`` for the dots, or FP8 tensor-core dots with ``fp8_dot``)."""
     from gemmaserve_custom_torch.kernels import moe
 
     block_m, block_n, block_k = blocks
     tiles = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
-             "PRECISION": "ieee" if dtype == "fp32" else "tf32", "FP8": fp8}
+             "PRECISION": "ieee" if dtype == "fp32" else "tf32", "FP8": fp8, "FP8_DOT": fp8_dot}
     weight = {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32"} if fp8 else {"w_ptr": f"*{dtype}", "w_scale_ptr": f"*{dtype}"}
+    rows = "*fp8e4nv" if fp8 else f"*{dtype}"
+    row_scale = "*fp32" if fp8 else f"*{dtype}"
     gemm = {"pair_of_row_ptr": "*i32", "expert_of_block_ptr": "*i32", "rows_of_block_ptr": "*i32"}
     sizes = {"hidden": "i32", "width": "i32", "num_experts": "i32"}
     constexpr = dict.fromkeys(tiles, "constexpr")
@@ -342,10 +346,10 @@ def _hopper_kernels(dtype: str, blocks: tuple[int, int, int], fp8: bool = False)
           "BLOCK_M": "constexpr", "EXPERTS": "constexpr", "CHUNK": "constexpr"},
          {"BLOCK_M": block_m, "EXPERTS": 128, "CHUNK": 32}),
         (moe._gate_up_geglu_kernel,
-         {"x_ptr": f"*{dtype}", **weight, **gemm, "out_ptr": f"*{dtype}", "stride_x": "i32", **sizes,
+         {"x_ptr": rows, "x_scale_ptr": row_scale, **weight, **gemm, "out_ptr": f"*{dtype}", "stride_x": "i32", **sizes,
           "TOP_K": "constexpr", **constexpr}, {"TOP_K": 8, **tiles}),
         (moe._down_weighted_kernel,
-         {"h_ptr": f"*{dtype}", **weight, **gemm, "routing_ptr": "*fp32", "out_ptr": f"*{dtype}",
+         {"h_ptr": rows, "h_scale_ptr": row_scale, **weight, **gemm, "routing_ptr": "*fp32", "out_ptr": f"*{dtype}",
           **sizes, **constexpr}, tiles),
         (moe._sum_slots_kernel,
          {"pair_out_ptr": f"*{dtype}", "ids_ptr": "*i64", "out_ptr": f"*{dtype}", "hidden": "i32",
@@ -360,14 +364,17 @@ def test_the_kernels_compile_for_hopper_without_a_gpu():
     Pointers and sizes carry the 16-divisibility the launcher sees at 26B-A4B shapes (H 2816, I 704); with it
     the bf16 GEMMs' K loops are software-pipelined (cp.async) into tensor-core dots."""
     require_hopper_compiler()
-    builds = [("bf16", (16, 32, 64), False), ("bf16", (32, 64, 64), False), ("bf16", (64, 64, 64), False),
-              ("fp32", (16, 32, 64), False), ("bf16", (16, 32, 64), True), ("bf16", (64, 64, 64), True),
-              ("fp32", (16, 32, 64), True)]
-    for dtype, blocks, fp8 in builds:
-        for kernel, signature, constexprs in _hopper_kernels(dtype, blocks, fp8):
+    builds = [("bf16", (16, 32, 64), False, False), ("bf16", (32, 64, 64), False, False),
+              ("bf16", (64, 64, 64), False, False), ("fp32", (16, 32, 64), False, False),
+              ("bf16", (16, 32, 64), True, False), ("fp32", (16, 32, 64), True, False),
+              ("bf16", (16, 32, 64), True, True), ("bf16", (64, 64, 64), True, True), ("fp32", (16, 32, 64), True, True)]
+    for dtype, blocks, fp8, fp8_dot in builds:
+        for kernel, signature, constexprs in _hopper_kernels(dtype, blocks, fp8, fp8_dot):
             ptx = compile_for_hopper(kernel, signature, constexprs, unaligned=("num_experts",))["ptx"]
-            if dtype == "bf16" and "BLOCK_K" in constexprs:
+            if (dtype == "bf16" or fp8_dot) and "BLOCK_K" in constexprs:
                 assert "mma" in ptx and "cp.async" in ptx, (kernel, blocks)  # pipelined tensor-core dots
+                if fp8_dot:
+                    assert "e4m3" in ptx, (kernel, blocks)  # FP8 operands in the MMA
 
 
 def test_the_eager_loop_stays_the_cpu_default_outside_the_interpreter():

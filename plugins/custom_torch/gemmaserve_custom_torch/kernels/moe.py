@@ -19,8 +19,9 @@ Expert parallel: a rank holding experts [first, first + E) passes ``ids - first`
 [0, E) belong to other ranks' experts: no group holds them (step 1), so no GEMM computes them, and step 4 adds
 zero for them (their rows of the pair buffer are never written). The ranks' outputs then sum to the full result.
 
-FP8 experts (``gate_up_scale`` / ``down_scale`` given): weights are read as float8_e4m3fn and their values used in
-the model dtype, each GEMM's input rows quantized per row in the kernel (see :func:`fused_experts`).
+FP8 experts (``gate_up_scale`` / ``down_scale`` given): weights are read as float8_e4m3fn; each GEMM's input rows
+(x, then the GeGLU product) are quantized per row beforehand by ``fp8_rows.quantize_rows`` (one launch each), and
+the dots take the FP8 operands natively on GPUs that have FP8 tensor cores (see :func:`fused_experts`).
 
 Matmuls accumulate in fp32; each value the eager loop holds in the model dtype (the gate/up and down outputs,
 the GeGLU product, the weighted rows, the running sum) is rounded to it here too, so results differ from the
@@ -37,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_rows import fp8_grid, fp8_scale
+from .fp8_rows import quantize_rows
 from .fused_ops import gelu_tanh
 
 __all__ = ["ExpertGroups", "fused_experts", "group_by_expert", "max_blocks", "pick_block_m"]
@@ -166,27 +167,6 @@ def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, method: s
 
 
 @triton.jit
-def _row_fp8_scale(row_ptrs, valid, length, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Per-row dynamic FP8 scale of [BLOCK_M] rows of ``length`` values (``row_ptrs`` [BLOCK_M, 1]): amax / 448,
-    at least 1e-12, as ``quantization.quantize_per_token`` (fp32)."""
-    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in range(0, length, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        v = tl.load(row_ptrs + ks[None, :], mask=valid[:, None] & (ks < length)[None, :], other=0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), axis=1))
-    return fp8_scale(amax)
-
-
-@triton.jit
-def _fp8_values(v, scale, dtype: tl.constexpr):
-    """Rows ``v`` quantized to float8_e4m3fn with their ``scale`` [BLOCK_M] (clamped to +-448, round to nearest
-    even, as torch's cast), returned as the FP8 values in ``dtype`` (exact: every e4m3 value is a bf16/fp16/fp32
-    value), by :func:`fp8_rows.fp8_grid` (fp32 arithmetic; Triton's interpreter casts to fp8 inexactly at binade
-    edges and ties, so no fp8 cast is used here)."""
-    return fp8_grid(v.to(tl.float32), scale[:, None]).to(dtype)
-
-
-@triton.jit
 def _block_pairs(block, pair_of_row_ptr, rows_of_block_ptr, BLOCK_M: tl.constexpr):
     """A block's rows, which of them hold pairs, and those pairs' flat indices (0 on padding rows)."""
     local = tl.arange(0, BLOCK_M)
@@ -196,9 +176,10 @@ def _block_pairs(block, pair_of_row_ptr, rows_of_block_ptr, BLOCK_M: tl.constexp
 
 
 @triton.jit
-def _gate_up_geglu_kernel(x_ptr, w_ptr, w_scale_ptr, pair_of_row_ptr, expert_of_block_ptr, rows_of_block_ptr, out_ptr,
-                          stride_x, hidden, width, num_experts, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
+def _gate_up_geglu_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, pair_of_row_ptr, expert_of_block_ptr,
+                          rows_of_block_ptr, out_ptr, stride_x, hidden, width, num_experts, TOP_K: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                          FP8: tl.constexpr, FP8_DOT: tl.constexpr):
     block = tl.program_id(0)
     expert = tl.load(expert_of_block_ptr + block)
     if expert >= num_experts:
@@ -211,8 +192,6 @@ def _gate_up_geglu_kernel(x_ptr, w_ptr, w_scale_ptr, pair_of_row_ptr, expert_of_
     up_rows = gate_rows + width * hidden
     dtype = out_ptr.dtype.element_ty
     x_rows = x_ptr + tokens[:, None] * stride_x
-    if FP8:
-        x_scale = _row_fp8_scale(x_rows, valid, hidden, BLOCK_M, BLOCK_K)
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -222,13 +201,18 @@ def _gate_up_geglu_kernel(x_ptr, w_ptr, w_scale_ptr, pair_of_row_ptr, expert_of_
         w_mask = col_ok[:, None] & k_ok[None, :]
         gate_w = tl.load(gate_rows[:, None] + ks[None, :], mask=w_mask, other=0.0)
         up_w = tl.load(up_rows[:, None] + ks[None, :], mask=w_mask, other=0.0)
-        if FP8:  # the FP8 values, exact in the model dtype; scales applied to the fp32 sums below
-            x = _fp8_values(x, x_scale, dtype)
-            gate_w = gate_w.to(tl.float32).to(dtype)
-            up_w = up_w.to(tl.float32).to(dtype)
-        acc_gate = tl.dot(x, tl.trans(gate_w), acc_gate, input_precision=PRECISION)
-        acc_up = tl.dot(x, tl.trans(up_w), acc_up, input_precision=PRECISION)
+        if FP8_DOT:  # FP8 tensor-core dots, fp32 sums; the scales applied below
+            acc_gate = tl.dot(x, tl.trans(gate_w), acc_gate)
+            acc_up = tl.dot(x, tl.trans(up_w), acc_up)
+        else:
+            if FP8:  # the FP8 values widened (exact in the model dtype)
+                x = x.to(tl.float32).to(dtype)
+                gate_w = gate_w.to(tl.float32).to(dtype)
+                up_w = up_w.to(tl.float32).to(dtype)
+            acc_gate = tl.dot(x, tl.trans(gate_w), acc_gate, input_precision=PRECISION)
+            acc_up = tl.dot(x, tl.trans(up_w), acc_up, input_precision=PRECISION)
     if FP8:  # as torch._scaled_mm: fp32 sum x row scale x column scale, then one rounding
+        x_scale = tl.load(x_scale_ptr + tokens, mask=valid, other=0.0)
         scales = w_scale_ptr + expert.to(tl.int64) * 2 * width + cols
         acc_gate = acc_gate * x_scale[:, None] * tl.load(scales, mask=col_ok, other=0.0)[None, :]
         acc_up = acc_up * x_scale[:, None] * tl.load(scales + width, mask=col_ok, other=0.0)[None, :]
@@ -241,9 +225,10 @@ def _gate_up_geglu_kernel(x_ptr, w_ptr, w_scale_ptr, pair_of_row_ptr, expert_of_
 
 
 @triton.jit
-def _down_weighted_kernel(h_ptr, w_ptr, w_scale_ptr, pair_of_row_ptr, expert_of_block_ptr, rows_of_block_ptr,
-                          routing_ptr, out_ptr, hidden, width, num_experts, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
+def _down_weighted_kernel(h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, pair_of_row_ptr, expert_of_block_ptr,
+                          rows_of_block_ptr, routing_ptr, out_ptr, hidden, width, num_experts, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+                          FP8_DOT: tl.constexpr):
     block = tl.program_id(0)
     expert = tl.load(expert_of_block_ptr + block)
     if expert >= num_experts:
@@ -254,19 +239,21 @@ def _down_weighted_kernel(h_ptr, w_ptr, w_scale_ptr, pair_of_row_ptr, expert_of_
     w_rows = w_ptr + expert.to(tl.int64) * hidden * width + cols.to(tl.int64) * width
     h_rows = (h_ptr + rows.to(tl.int64) * width)[:, None]
     dtype = out_ptr.dtype.element_ty
-    if FP8:
-        h_scale = _row_fp8_scale(h_rows, valid, width, BLOCK_M, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, width, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < width
         h = tl.load(h_rows + ks[None, :], mask=k_ok[None, :], other=0.0)
         w = tl.load(w_rows[:, None] + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        if FP8:
-            h = _fp8_values(h, h_scale, dtype)
-            w = w.to(tl.float32).to(dtype)
-        acc = tl.dot(h, tl.trans(w), acc, input_precision=PRECISION)
+        if FP8_DOT:
+            acc = tl.dot(h, tl.trans(w), acc)
+        else:
+            if FP8:
+                h = h.to(tl.float32).to(dtype)
+                w = w.to(tl.float32).to(dtype)
+            acc = tl.dot(h, tl.trans(w), acc, input_precision=PRECISION)
     if FP8:
+        h_scale = tl.load(h_scale_ptr + rows, mask=valid, other=0.0)
         scale = tl.load(w_scale_ptr + expert.to(tl.int64) * hidden + cols, mask=col_ok, other=0.0)
         acc = acc * h_scale[:, None] * scale[None, :]
     routing = tl.load(routing_ptr + pairs, mask=valid, other=0.0)
@@ -300,6 +287,12 @@ def _sum_slots_kernel(pair_out_ptr, ids_ptr, out_ptr, hidden, num_experts, TOP_K
     tl.store(out_ptr + token * hidden + cols, acc.to(dtype), mask=ok)
 
 
+def _native_fp8_dot(device: torch.device) -> bool:
+    """True where ``tl.dot`` takes FP8 operands natively (CUDA, compute capability 8.9+); elsewhere (the CPU
+    interpreter) the FP8 values are widened to the model dtype first: the same products, exact either way."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
                   down_proj: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
                   down_scale: torch.Tensor | None = None, *, block_m: int | None = None, block_n: int | None = None,
@@ -313,10 +306,11 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gat
     ``grouping``: :func:`group_by_expert`'s method.
 
     FP8 experts (``quantization.quantize_fp8``): both weights float8_e4m3fn with fp32 per-output-channel scales
-    ``gate_up_scale`` [E, 2I] and ``down_scale`` [E, H]. Each pair's input row (x, then the GeGLU product) is
-    quantized per row to FP8 as ``quantization.linear`` does per token, the FP8 values are multiplied in the model
-    dtype (exact) with fp32 sums, and the row and column scales applied before the one rounding: the eager FP8
-    loop's arithmetic up to summation order (dequantize-on-load; native FP8 dots are a later speed-up)."""
+    ``gate_up_scale`` [E, 2I] and ``down_scale`` [E, H]. x, then the GeGLU product, are quantized per row to FP8
+    by ``quantize_rows`` (the definition ``quantization.linear`` uses per token), the FP8 values multiplied with
+    fp32 sums (FP8 tensor-core dots on compute capability 8.9+; elsewhere, e.g. the CPU interpreter, widened to
+    the model dtype: the same exact products) and the row and column scales applied before the one rounding:
+    the eager FP8 loop's arithmetic up to summation order."""
     tokens, hidden = x.shape
     num_experts, double_width, hidden_w = gate_up_proj.shape
     width = double_width // 2
@@ -356,18 +350,22 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gat
     groups = group_by_expert(ids, num_experts, block_m, grouping)
     num_blocks = groups.expert_of_block.shape[0]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models: no TF32 rounding of the inputs
+    fp8_dot = fp8 and _native_fp8_dot(x.device)
+    x_in, x_scale = quantize_rows(x) if fp8 else (x, x)
     intermediate = torch.empty((num_blocks * block_m, width), dtype=x.dtype, device=x.device)
     _gate_up_geglu_kernel[(num_blocks, triton.cdiv(width, block_n))](
-        x, gate_up_proj, gate_up_proj if gate_up_scale is None else gate_up_scale, groups.pair_of_row,
-        groups.expert_of_block, groups.rows_of_block, intermediate, x.stride(0), hidden, width, num_experts,
-        TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, FP8=fp8, num_warps=4,
+        x_in, x_scale, gate_up_proj, gate_up_proj if gate_up_scale is None else gate_up_scale, groups.pair_of_row,
+        groups.expert_of_block, groups.rows_of_block, intermediate, x_in.stride(0), hidden, width, num_experts,
+        TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, FP8=fp8,
+        FP8_DOT=fp8_dot, num_warps=4,
     )
+    h_in, h_scale = quantize_rows(intermediate) if fp8 else (intermediate, intermediate)
     pair_out = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     routing = weights.reshape(-1).to(torch.float32).contiguous()
     _down_weighted_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
-        intermediate, down_proj, down_proj if down_scale is None else down_scale, groups.pair_of_row,
+        h_in, h_scale, down_proj, down_proj if down_scale is None else down_scale, groups.pair_of_row,
         groups.expert_of_block, groups.rows_of_block, routing, pair_out, hidden, width, num_experts, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, FP8=fp8, num_warps=4,
+        BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, FP8=fp8, FP8_DOT=fp8_dot, num_warps=4,
     )
     sum_block = min(1024, triton.next_power_of_2(hidden))
     _sum_slots_kernel[(tokens, triton.cdiv(hidden, sum_block))](
