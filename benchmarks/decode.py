@@ -99,7 +99,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    "experts quantized to FP8 at load (QUANTIZATION=fp8); the hf comparison stays in the model dtype")
     p.add_argument("--fp8-skinny-max-rows", type=int, default=None, help="with --quantization fp8: FP8 products of "
                    "at most this many rows use the Triton skinny kernel (default: the code's; 0 = torch._scaled_mm)")
+    p.add_argument("--switch-interval", type=float, default=None, help="Python's thread switch interval in seconds "
+                   "for the whole run (sys.setswitchinterval; default: Python's 0.005)")
     args = p.parse_args(argv)
+    if args.switch_interval is not None and not 0 < args.switch_interval <= 1:
+        p.error(f"--switch-interval must be in (0, 1] seconds, got {args.switch_interval}")
     if args.serving_max_rows is not None and not args.serving_rates:
         p.error("--serving-max-rows sizes the engine for workload C; add --serving-rates")
     if args.serving_max_rows is not None and args.serving_max_rows < 1:
@@ -270,6 +274,8 @@ def _r(x: float | None) -> float | None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _args(argv)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     dtype, dtype_name = (torch.bfloat16, "bfloat16") if device == "cuda" else (torch.float32, "float32")
     label, full_size, toy = dm.CONFIGS[args.config]
@@ -280,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__, "quick": args.quick,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "argv": sys.argv[1:],
         "config": ("tiny" if args.config == "e2b" else f"{label}-tiny") if args.quick else label,
-        "preset": args.config}}
+        "preset": args.config, "switch_interval_s": sys.getswitchinterval()}}
 
     def save() -> None:
         args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
