@@ -150,8 +150,9 @@ class RadixPrefixIndex:
         return value in self._by_value
 
     def _keys(self, token_ids: Sequence[int]) -> list[tuple[int, ...]]:
-        bs = self.block_size
-        return [tuple(token_ids[start : start + bs]) for start in range(0, len(token_ids) - bs + 1, bs)]
+        """The tuples of the full blocks of ``token_ids`` (a trailing partial block dropped), cut at C speed: zip
+        over one iterator repeated ``block_size`` times (half the time of slicing, per prompt lookup and store)."""
+        return list(zip(*[iter(token_ids)] * self.block_size, strict=False))
 
     def match(self, token_ids: Sequence[int], *, touch: bool = True) -> RadixMatch:
         """Longest cached block-aligned prefix of ``token_ids``. ``touch`` stamps the matched path as
