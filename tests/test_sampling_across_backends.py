@@ -297,10 +297,9 @@ def test_repetition_penalty_matches_transformers_generate(tmp_path) -> None:
 @given(masks=st.lists(st.binary(max_size=20), min_size=1, max_size=5), vocab=st.integers(1, 150),
        form=st.sampled_from(["bytes", "block", "block reversed", "read-only block"]))
 def test_masks_unpack_on_the_device_as_the_reference_unpacks_them(masks, vocab, form) -> None:
-    """``allowed_on_device`` (masks copied into the packed host buffer: one move for consecutive rows of one
-    buffer, else one per mask) is ``allowed_tokens`` per row, for masks shorter than, exactly as long as, or
-    longer than the vocabulary's bytes (incl. empty ones), as bytes or as slices of one buffer (what
-    ``allowed_many`` hands over), in order or not, writable or not."""
+    """``allowed_on_device`` (each mask copied from where it lies into the packed host buffer) is ``allowed_tokens``
+    per row, for masks shorter than, exactly as long as, or longer than the vocabulary's bytes (incl. empty ones),
+    as bytes or as slices of one buffer (what ``allowed_many`` hands over), in order or not, writable or not."""
     from gemmaserve.sampling_params import allowed_tokens
     from gemmaserve.torch_sampling import allowed_on_device
 

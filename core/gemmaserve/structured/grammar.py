@@ -117,9 +117,9 @@ def _zeros(width: int) -> bytes:
 def allowed_many(constraints: Sequence[TokenConstraint]) -> list[memoryview | ConstraintError]:
     """:meth:`TokenConstraint.allowed` of every constraint (all compiled against one vocabulary), computed in
     parallel on llguidance's thread pool; a constraint that cannot continue gives its ConstraintError in its
-    place. The masks are consecutive slices of one fresh buffer (mask ``i`` at ``i * mask_bytes``): written once
-    by llguidance, never copied row by row, and a backend can upload them as one block. Engine thread only (the
-    constraints are not thread-safe)."""
+    place. The masks are memoryview slices of one fresh buffer that llguidance writes once (no copy per row; a
+    fresh buffer because a row's mask outlives the call). Engine thread only (the constraints are not
+    thread-safe)."""
     if not constraints:
         return []
     width = constraints[0].mask_bytes

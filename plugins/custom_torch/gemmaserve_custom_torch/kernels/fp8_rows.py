@@ -4,8 +4,8 @@
 per row ``scale = max(amax(|x|) / 448, 1e-12)`` (fp32) and ``q = fp8_e4m3fn(clamp(x / scale, -448, 448))``, both
 divisions correctly rounded and the FP8 rounding round-to-nearest-even: the torch path's bytes on the CPU (tested);
 on CUDA torch divides by the scalar 448 as a multiplication by fl(1/448), so its scales can differ in the last bit.
-The definition lives once, in the Triton helpers :func:`fp8_scale` and :func:`fp8_grid`, which the fused MoE kernel's
-row quantization uses too. The rounding to the e4m3 grid is done in fp32 bit arithmetic before the cast (the cast then only narrows an exact
+``quantization.linear`` (FP8 projections on CUDA) and the fused MoE kernels (their input rows) both call it. The
+rounding to the e4m3 grid is done in fp32 bit arithmetic before the cast (the cast then only narrows an exact
 value): Triton's CPU interpreter rounds some fp32 -> fp8 casts wrongly at exponent boundaries. One program per
 row; nothing syncs the host (CUDA-graph capturable).
 """
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["fp8_grid", "fp8_scale", "quantize_rows", "round_to_e4m3"]
+__all__ = ["quantize_rows"]
 
 _MIN_SCALE = 1e-12  # an all-zero row's scale, as quantize_per_token
 
