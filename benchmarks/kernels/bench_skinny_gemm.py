@@ -7,9 +7,10 @@ device-to-device copy bandwidth measured in the same run. GeGLU compares the fus
 ``F.linear`` over [gate; up] + the eager GeGLU chain; the LM head compares ``lm_head_argmax`` against
 ``F.linear`` + softcap + ``argmax``. Also sweeps ``split_k`` for one shape per kind with ``--sweep``.
 ``--fp8`` times the FP8 projections instead (every linear and gate/up shape as one product, as
-``QUANTIZATION=fp8`` runs them): the CUDA path of ``models.quantization.linear`` (Triton row quantization +
-``skinny_linear_fp8``) against the torch row quantization + ``torch._scaled_mm`` it replaced, Triton quantization +
-``_scaled_mm``, and bf16 ``F.linear``; the bandwidth column counts one byte per FP8 weight.
+``QUANTIZATION=fp8`` runs them): Triton row quantization + ``skinny_linear_fp8`` (the path behind
+``quantization.FP8_SKINNY_MAX_ROWS``, off by default), Triton quantization + ``torch._scaled_mm`` (the default CUDA path
+of ``models.quantization.linear``), the torch row quantization + ``_scaled_mm`` it replaced, and bf16 ``F.linear``;
+the bandwidth column counts one byte per FP8 weight.
 
 Usage (repo root):
     PYTHONPATH=plugins/custom_torch python benchmarks/kernels/bench_skinny_gemm.py --json skinny.json
