@@ -13,7 +13,9 @@ decode slowdown of constrained rows.
   unconstrained and constrained ticks (GPU idle gaps, host and device ops; Chrome traces in DIR);
 - ``--mask-threads 1,2,4,0`` (alone): only ``allowed_many`` over ``--rows`` constraints per llguidance pool size
   (0 = its default), the whole call and its native part; ``--engine-mask-threads N`` (with ``--e2b``): the
-  engine's pool size for the decode comparison.
+  engine's pool size for the decode comparison;
+- ``--host-path`` (alone): the engine thread's host work of one constrained step under deferred sampling (tokens
+  taken ahead, masks, row samplings, masks packed), ``--rows`` requests, CPU only.
 
 Usage (repo root):  PYTHONPATH=core:plugins/custom_torch:tests .venv/bin/python benchmarks/structured.py [--json out.json]
                     python benchmarks/structured.py --e2b --tokenizer DIR --json out.json   (H200, ~2 minutes)
@@ -122,6 +124,60 @@ def mask_threads(tokenizer_dir: Path, rows: int, sizes: list[int]) -> dict[str, 
     finally:
         grammar._executor = saved
     return out
+
+
+def host_path(tokenizer_dir: Path, rows: int, steps: int = 40) -> dict[str, Any]:
+    """The engine thread's work between reading a constrained step's tokens and launching the next sampling
+    (deferred sampling, no device): ``Request.take_ahead`` of each row's token, ``prepare_masks``, the rows'
+    ``row_sampling(ahead=1)`` and the masks packed by ``torch_sampling`` (CPU tensor, no pinned memory); ``rows``
+    requests inside a JSON array of digits, each step's token drawn at random among the allowed ones (outside the
+    timing). Median ms per step of each part and of their sum."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from sampling import random_allowed  # benchmarks/sampling.py
+
+    from gemmaserve import torch_sampling
+    from gemmaserve.engine.request import Request, RequestState, prepare_masks
+    from gemmaserve.hf_tokenizer import HFTokenizerAdapter
+    from gemmaserve.sampling_params import SamplingParams
+    from gemmaserve.structured import GrammarCompiler, StructuredOutputs
+
+    hf = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    vocab = max(len(hf), int(getattr(hf, "vocab_size", 0) or 0))
+    compiler = GrammarCompiler(HFTokenizerAdapter(hf), vocab, [hf.eos_token_id])
+    spec = StructuredOutputs(json=_SCHEMA_DIGITS(4 * steps))
+    requests = []
+    for i in range(rows):
+        request = Request(f"r{i}", (1, 2, 3), SamplingParams(max_tokens=8 * steps, structured_outputs=spec))
+        request.seed, request.constraint, request.eos_token_ids = i, compiler.compile(spec), (hf.eos_token_id,)
+        request.state = RequestState.DECODING
+        requests.append(request)
+    rng = random.Random(1)
+    prepare_masks(requests)
+    samplings = [request.row_sampling() for request in requests]
+    parts: dict[str, list[float]] = {name: [] for name in ("take_ahead", "masks", "row_sampling", "pack", "total")}
+    for _ in range(steps):
+        tokens = [random_allowed(sampling.allowed, rng) for sampling in samplings]
+        t0 = time.perf_counter()
+        for request, token in zip(requests, tokens):
+            request.take_ahead(token)
+        t1 = time.perf_counter()
+        prepare_masks(requests)
+        t2 = time.perf_counter()
+        samplings = [request.row_sampling(ahead=1) for request in requests]
+        t3 = time.perf_counter()
+        torch_sampling._packed_allowed([s.allowed for s in samplings], vocab, torch.device("cpu"))
+        t4 = time.perf_counter()
+        for request, token in zip(requests, tokens):
+            request.append_token(token, None, request.eos_token_ids)
+        for name, a, b in (("take_ahead", t0, t1), ("masks", t1, t2), ("row_sampling", t2, t3), ("pack", t3, t4),
+                           ("total", t0, t4)):
+            parts[name].append(b - a)
+        if any(request.is_finished for request in requests):
+            raise RuntimeError(f"a constrained request ended early: {[r.error for r in requests if r.is_finished]}")
+    return {"rows": rows, "steps": steps, **{f"{name}_ms_p50": round(statistics.median(values) * 1e3, 3)
+                                             for name, values in parts.items()}}
 
 
 def decode_overhead(rows: int, tokens: int) -> dict[str, Any]:
@@ -256,6 +312,8 @@ def main() -> None:
     parser.add_argument("--e2b-only", action="store_true", help="with --e2b: skip the CPU sections")
     parser.add_argument("--mask-threads", default="",
                         help="only the mask micro-benchmark: llguidance executor sizes, e.g. 1,2,4,0 (0 = default)")
+    parser.add_argument("--host-path", action="store_true",
+                        help="only the CPU micro-benchmark of a constrained step's host work (deferred sampling)")
     parser.add_argument("--engine-mask-threads", type=int, default=0,
                         help="with --e2b: the engine's llguidance pool size (0 = llguidance's default)")
     parser.add_argument("--trace", type=Path, default=None,
@@ -270,14 +328,20 @@ def main() -> None:
         parser.error("--engine-mask-threads must be >= 0")
     if args.mask_threads and args.e2b:
         parser.error("--mask-threads runs only the mask micro-benchmark; run --e2b in another call")
+    if args.host_path and (args.e2b or args.mask_threads):
+        parser.error("--host-path runs only the host-path micro-benchmark; run --e2b / --mask-threads in another call")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     if args.tokenizer is None:
         from gemmaserve.models.default_model import ensure_default_model
 
         args.tokenizer = ensure_default_model()
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    if args.mask_threads:
-        results["mask_threads"] = mask_threads(args.tokenizer, args.rows, [int(x) for x in args.mask_threads.split(",")])
+    if args.host_path or args.mask_threads:
+        if args.host_path:
+            results["host_path"] = host_path(args.tokenizer, args.rows)
+        else:
+            results["mask_threads"] = mask_threads(args.tokenizer, args.rows,
+                                                   [int(x) for x in args.mask_threads.split(",")])
         print(json.dumps(results, indent=2))
         if args.json is not None:
             args.json.write_text(json.dumps(results, indent=2) + "\n")

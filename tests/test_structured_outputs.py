@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -289,3 +290,22 @@ def test_a_hf_tokenizer_serializes_its_vocabulary_once() -> None:
     text = adapter.tokenizer_json()
     assert json.loads(text)["truncation"] is None and json.loads(text)["padding"] is None
     assert adapter.tokenizer_json() is text  # the kept text, not a second serialization (a new str each time)
+
+
+def test_the_host_path_benchmark_walks_constrained_requests_through_deferred_sampling(tmp_path) -> None:
+    """benchmarks/structured.py --host-path: the engine's take-ahead, masks, row samplings and packing over real
+    constrained requests (tiny byte-level tokenizer), every part timed, no request ended early."""
+    pytest.importorskip("transformers")
+    import sys
+
+    from tiny_checkpoints import save_tiny_tokenizer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import structured
+
+    save_tiny_tokenizer(tmp_path)
+    got = structured.host_path(tmp_path, rows=3, steps=6)
+    parts = ("take_ahead", "masks", "row_sampling", "pack")
+    assert got["rows"] == 3 and got["steps"] == 6
+    assert all(got[f"{name}_ms_p50"] > 0 for name in (*parts, "total"))
+    assert got["total_ms_p50"] >= max(got[f"{name}_ms_p50"] for name in parts)
