@@ -17,7 +17,8 @@ Gemma's vocabulary take ~1.0–1.1 ms on two cores instead of ~2.4–3.2 ms one 
 on a second thread, a Python loop on the first kept 76-89 % of its rate (2-core CPU machine, ad hoc). The masks of
 a step still sit on the engine thread's critical path, because the sampling they feed is launched after them; a
 thread computing them must also get the GIL back promptly (Python's 5 ms switch interval made each call ~6 ms
-there instead of ~1 ms; 0.2 ms brought it back to ~1.1 ms).
+there instead of ~1 ms; 0.2 ms brought it back to ~1.1 ms), and a shorter interval for the whole engine slowed it
+under load (docs/benchmarks.md, run 27).
 """
 
 from __future__ import annotations
