@@ -305,7 +305,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", type=Path, default=None, help="a Hugging Face tokenizer folder")
     parser.add_argument("--rows", type=int, default=64)
-    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="tokens per request (decode sections) or steps (--host-path); default 32")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--e2b", action="store_true", help="also the decode comparison at E2B shapes (CUDA)")
     parser.add_argument("--quick", action="store_true", help="with --e2b: toy shapes on the CPU (checks the path)")
@@ -330,6 +331,11 @@ def main() -> None:
         parser.error("--mask-threads runs only the mask micro-benchmark; run --e2b in another call")
     if args.host_path and (args.e2b or args.mask_threads):
         parser.error("--host-path runs only the host-path micro-benchmark; run --e2b / --mask-threads in another call")
+    if args.mask_threads and args.tokens is not None:
+        parser.error("--mask-threads times a fixed walk; --tokens applies to the decode sections and --host-path")
+    args.tokens = 32 if args.tokens is None else args.tokens
+    if args.tokens < 1 or args.rows < 1:
+        parser.error(f"--tokens and --rows must be at least 1, got {args.tokens} and {args.rows}")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     if args.tokenizer is None:
         from gemmaserve.models.default_model import ensure_default_model
@@ -338,7 +344,7 @@ def main() -> None:
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S")}
     if args.host_path or args.mask_threads:
         if args.host_path:
-            results["host_path"] = host_path(args.tokenizer, args.rows)
+            results["host_path"] = host_path(args.tokenizer, args.rows, args.tokens)
         else:
             results["mask_threads"] = mask_threads(args.tokenizer, args.rows,
                                                    [int(x) for x in args.mask_threads.split(",")])
