@@ -266,7 +266,7 @@ def _address(mask: bytes | memoryview, length: int) -> int | bytes:
         return bytes(mask[:length])
 
 
-def allowed_on_device(masks: Sequence[bytes], vocab: int, device: torch.device) -> torch.Tensor:
+def allowed_on_device(masks: Sequence[bytes | memoryview], vocab: int, device: torch.device) -> torch.Tensor:
     """bool [len(masks), vocab]: the ``RowSampling.allowed`` bitmasks unpacked on ``device`` (one small copy;
     tokens past a mask's end are not allowed)."""
     width = -(-vocab // 8)
