@@ -15,7 +15,8 @@ decode slowdown of constrained rows.
   (0 = its default), the whole call and its native part; ``--engine-mask-threads N`` (with ``--e2b``): the
   engine's pool size for the decode comparison;
 - ``--host-path`` (alone): the engine thread's host work of one constrained step under deferred sampling (tokens
-  taken ahead, masks, row samplings, masks packed), ``--rows`` requests, CPU only.
+  taken ahead, masks with the row samplings built meanwhile, masks packed), ``--rows`` requests, ``--tokens``
+  steps in the engine's overlapped order and as many in the serial order, alternating; CPU only.
 
 Usage (repo root):  PYTHONPATH=core:plugins/custom_torch:tests .venv/bin/python benchmarks/structured.py [--json out.json]
                     python benchmarks/structured.py --e2b --tokenizer DIR --json out.json   (H200, ~2 minutes)
@@ -128,17 +129,19 @@ def mask_threads(tokenizer_dir: Path, rows: int, sizes: list[int]) -> dict[str, 
 
 def host_path(tokenizer_dir: Path, rows: int, steps: int = 40) -> dict[str, Any]:
     """The engine thread's work between reading a constrained step's tokens and launching the next sampling
-    (deferred sampling, no device): ``Request.take_ahead`` of each row's token, ``prepare_masks``, the rows'
-    ``row_sampling(ahead=1)`` and the masks packed by ``torch_sampling`` (CPU tensor, no pinned memory); ``rows``
+    (deferred sampling, no device), in the engine's order and in the serial one it replaced, alternating steps:
+    ``Request.take_ahead`` of each row's token; the masks started on the mask thread, the rows'
+    ``row_sampling(ahead=1)`` built meanwhile, then waited for (``overlapped``; ``serial``: ``prepare_masks``,
+    then the row samplings); the masks packed by ``torch_sampling`` (CPU tensor, no pinned memory). ``rows``
     requests inside a JSON array of digits, each step's token drawn at random among the allowed ones (outside the
-    timing). Median ms per step of each part and of their sum."""
+    timing). Median ms per step of each part and of their sum, per order."""
     import torch
     from transformers import AutoTokenizer
 
     from sampling import random_allowed  # benchmarks/sampling.py
 
     from gemmaserve import torch_sampling
-    from gemmaserve.engine.request import Request, RequestState, prepare_masks
+    from gemmaserve.engine.request import Request, RequestState, prepare_masks, start_masks
     from gemmaserve.hf_tokenizer import HFTokenizerAdapter
     from gemmaserve.sampling_params import SamplingParams
     from gemmaserve.structured import GrammarCompiler, StructuredOutputs
@@ -146,38 +149,46 @@ def host_path(tokenizer_dir: Path, rows: int, steps: int = 40) -> dict[str, Any]
     hf = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     vocab = max(len(hf), int(getattr(hf, "vocab_size", 0) or 0))
     compiler = GrammarCompiler(HFTokenizerAdapter(hf), vocab, [hf.eos_token_id])
-    spec = StructuredOutputs(json=_SCHEMA_DIGITS(4 * steps))
+    spec = StructuredOutputs(json=_SCHEMA_DIGITS(4 * 2 * steps))
     requests = []
     for i in range(rows):
-        request = Request(f"r{i}", (1, 2, 3), SamplingParams(max_tokens=8 * steps, structured_outputs=spec))
+        request = Request(f"r{i}", (1, 2, 3), SamplingParams(max_tokens=8 * 2 * steps, structured_outputs=spec))
         request.seed, request.constraint, request.eos_token_ids = i, compiler.compile(spec), (hf.eos_token_id,)
         request.state = RequestState.DECODING
         requests.append(request)
     rng = random.Random(1)
     prepare_masks(requests)
     samplings = [request.row_sampling() for request in requests]
-    parts: dict[str, list[float]] = {name: [] for name in ("take_ahead", "masks", "row_sampling", "pack", "total")}
-    for _ in range(steps):
+    orders = ("overlapped", "serial")
+    names = ("take_ahead", "masks_and_row_sampling", "pack", "total")
+    parts: dict[str, dict[str, list[float]]] = {order: {name: [] for name in names} for order in orders}
+    for step in range(2 * steps):
+        order = orders[step % 2]
         tokens = [random_allowed(sampling.allowed, rng) for sampling in samplings]
         t0 = time.perf_counter()
         for request, token in zip(requests, tokens):
             request.take_ahead(token)
         t1 = time.perf_counter()
-        prepare_masks(requests)
+        if order == "overlapped":
+            pending = start_masks((request, 1) for request in requests)
+            samplings = [request.row_sampling(ahead=1) for request in requests]
+            if pending.wait():
+                raise RuntimeError("a constraint could not continue")
+        else:
+            prepare_masks(requests)
+            samplings = [request.row_sampling(ahead=1) for request in requests]
         t2 = time.perf_counter()
-        samplings = [request.row_sampling(ahead=1) for request in requests]
-        t3 = time.perf_counter()
         torch_sampling._packed_allowed([s.allowed for s in samplings], vocab, torch.device("cpu"))
-        t4 = time.perf_counter()
+        t3 = time.perf_counter()
         for request, token in zip(requests, tokens):
             request.append_token(token, None, request.eos_token_ids)
-        for name, a, b in (("take_ahead", t0, t1), ("masks", t1, t2), ("row_sampling", t2, t3), ("pack", t3, t4),
-                           ("total", t0, t4)):
-            parts[name].append(b - a)
+        for name, start, end in (("take_ahead", t0, t1), ("masks_and_row_sampling", t1, t2), ("pack", t2, t3),
+                                 ("total", t0, t3)):
+            parts[order][name].append(end - start)
         if any(request.is_finished for request in requests):
             raise RuntimeError(f"a constrained request ended early: {[r.error for r in requests if r.is_finished]}")
-    return {"rows": rows, "steps": steps, **{f"{name}_ms_p50": round(statistics.median(values) * 1e3, 3)
-                                             for name, values in parts.items()}}
+    return {"rows": rows, "steps": steps, **{order: {f"{name}_ms_p50": round(statistics.median(values) * 1e3, 3)
+                                                     for name, values in parts[order].items()} for order in orders}}
 
 
 def decode_overhead(rows: int, tokens: int) -> dict[str, Any]:
@@ -252,17 +263,26 @@ def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool
     result: dict[str, Any] = {"rows": rows, "tokens": tokens, "prompt_len": 128, "async_scheduling":
                               settings.async_scheduling, "build_s": round(time.perf_counter() - start, 1)}
     prompts = random_prompts(rows, 128, base["vocab_size"], seed=5)
-    spent: list[float] = []
-    original = request_module.allowed_many
+    spent: list[float] = []  # per batch of masks: engine-thread time starting it plus time blocked waiting for it
+    original_start, original_wait = request_module.grammar_start_masks, request_module.PendingMasks.wait
 
-    def timed(constraints: Any) -> Any:
+    def timed_start(constraints: Any) -> Any:
         t0 = time.perf_counter()
         try:
-            return original(constraints)
+            return original_start(constraints)
         finally:
             spent.append(time.perf_counter() - t0)
 
-    request_module.allowed_many = timed
+    def timed_wait(self: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return original_wait(self)
+        finally:
+            if self._todo:
+                spent[-1] += time.perf_counter() - t0
+
+    request_module.grammar_start_masks = timed_start
+    request_module.PendingMasks.wait = timed_wait  # type: ignore[method-assign]
     try:
         for label, constrained, temperature in (
                 ("warm-up", True, 1.0), ("greedy", False, 0.0), ("unconstrained", False, 1.0),
@@ -293,7 +313,8 @@ def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool
                     backend, settings, lambda params=params: run_engine(backend, settings, prompts, tokens, params),
                     first=tokens // 2, ticks=8, trace_path=trace_dir / f"structured_trace_{label}.json")
     finally:
-        request_module.allowed_many = original
+        request_module.grammar_start_masks = original_start
+        request_module.PendingMasks.wait = original_wait  # type: ignore[method-assign]
         backend.close()
     base = statistics.fmean([result["unconstrained"]["tpot_median_ms"], result["unconstrained_again"]["tpot_median_ms"]])
     masked = statistics.fmean([result["constrained"]["tpot_median_ms"], result["constrained_again"]["tpot_median_ms"]])

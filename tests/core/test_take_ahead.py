@@ -84,3 +84,94 @@ def test_masks_after_tokens_taken_ahead_equal_a_fresh_constraints(spec: dict, op
         # forget: the step that sampled ``token`` failed; the next sampling asks for ahead=0
         if not request.is_finished:
             assert request.row_sampling().allowed == _oracle_mask(spec, request.output_token_ids)
+
+
+_batch_rows = st.lists(st.tuples(st.sampled_from(_SPECS + [{"regex": "[A-Z]+"}]),  # the last one is stuck
+                                 st.sampled_from(["ahead", "fresh", "stale_ahead"]), st.integers(0, 1000),
+                                 st.integers(0, 3)), min_size=2, max_size=6)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=_batch_rows)
+def test_row_samplings_built_while_the_masks_are_computed_equal_the_serial_ones(rows: list) -> None:
+    """The deferred tick's order (masks started on the mask thread, row samplings built meanwhile, then waited
+    for, the rows it returns built again) gives every row the sampling the serial order gives: the mask of a
+    fresh constraint fed its tokens, an empty mask for a constraint no token can continue, and a token taken
+    ahead by a failed step forgotten for ``ahead=0``."""
+    from gemmaserve.engine.request import prepare_masks, start_masks
+    from gemmaserve.structured import StructuredOutputs
+
+    eos = tuple(_BACKEND.model_info.eos_token_ids)
+
+    def build() -> list[tuple[Request, int]]:
+        built = []
+        for i, (spec, kind, choice, warmup) in enumerate(rows):
+            request = Request(f"r{i}", (5, 6), SamplingParams(max_tokens=100, structured_outputs=spec))
+            request.seed = i
+            request.constraint = _COMPILER.compile(StructuredOutputs(**spec))
+            for _ in range(warmup):  # some tokens appended first
+                mask = request.row_sampling().allowed
+                if request.is_finished or not mask:
+                    break
+                request.append_token(_pick(mask, choice), None, eos)
+            ahead = 0
+            if kind != "fresh" and not request.is_finished:
+                request.take_ahead(_pick(request.row_sampling().allowed, choice + 1))
+                ahead = int(kind == "ahead")  # stale_ahead: the step that sampled it failed (ahead=0 now)
+            built.append((request, ahead))
+        return built
+
+    serial = build()
+    for request, ahead in serial:
+        if not ahead:
+            request.row_sampling()  # forgets a stale token before the masks, as start_masks does
+    prepare_masks(request for request, _ in serial)
+    expected = [request.row_sampling(ahead=ahead) for request, ahead in serial]
+    overlapped = build()
+    pending = start_masks(overlapped)
+    got = [request.row_sampling(ahead=ahead) for request, ahead in overlapped]
+    redo = pending.wait()
+    got = [request.row_sampling(ahead=ahead) if id(request) in redo else sampling
+           for (request, ahead), sampling in zip(overlapped, got)]
+    assert [bytes(s.allowed) if s.allowed is not None else None for s in got] == \
+           [bytes(s.allowed) if s.allowed is not None else None for s in expected]
+    assert [s.step for s in got] == [s.step for s in expected]
+    for (request, ahead), (reference, _) in zip(overlapped, serial):
+        assert str(request.constraint_error) == str(reference.constraint_error)
+        if ahead and request._ahead is not None:
+            assert str(request._ahead.mask_error) == str(reference._ahead.mask_error)
+
+
+def test_a_failed_native_mask_call_leaves_every_row_to_compute_its_own(monkeypatch) -> None:
+    """When llguidance's batch call raises, ``wait`` names every row of the batch and clears their half-written
+    masks: their row samplings, built again, carry the masks each constraint computes alone."""
+    from gemmaserve.engine.request import start_masks
+    from gemmaserve.structured import StructuredOutputs, grammar
+
+    class Broken:
+        def unsafe_compute_mask_ptr(self, *args: object) -> None:
+            raise RuntimeError("injected")
+
+    monkeypatch.setattr(grammar, "_executor", Broken())
+    requests = []
+    for i, spec in enumerate(_SPECS):
+        request = Request(f"r{i}", (5, 6), SamplingParams(max_tokens=100, structured_outputs=spec))
+        request.seed, request.constraint = i, _COMPILER.compile(StructuredOutputs(**spec))
+        requests.append(request)
+    pending = start_masks((request, 0) for request in requests)
+    assert pending.wait() == {id(request) for request in requests}
+    for request, spec in zip(requests, _SPECS):
+        assert request.row_sampling().allowed == _oracle_mask(spec, [])
+
+
+def test_the_mask_thread_is_started_again_in_a_process_that_lacks_it(monkeypatch) -> None:
+    """A forked child has no threads: a mask thread recorded under another process id is replaced, and the
+    masks still arrive (no wait on a thread that does not exist)."""
+    from gemmaserve.structured import StructuredOutputs, grammar
+
+    constraints = [_COMPILER.compile(StructuredOutputs(**spec)) for spec in _SPECS]
+    first = grammar._mask_thread()
+    monkeypatch.setattr(first, "pid", -1)
+    masks = grammar.allowed_many(constraints)
+    assert grammar._mask_thread() is not first
+    assert [bytes(m) for m in masks] == [c.allowed() for c in constraints]

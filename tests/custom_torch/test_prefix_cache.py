@@ -115,3 +115,31 @@ def test_clear_drops_everything_not_in_use(tiny_gemma4_dir):
         backend.prefix_cache.clear()
     assert all(m.num_used == 0 for m in backend.pools.managers.values())
     assert_no_leaks(backend)
+
+
+def test_indexing_resumes_below_the_blocks_already_indexed(tiny_gemma4_dir, monkeypatch):
+    """A prefix hit's row, chunk after chunk, is indexed from the last block indexed for it (its hit's, then its
+    own): the index walks only the new blocks, and the cache ends exactly as a walk from the root leaves it
+    (same block paths, references and integrity)."""
+    prompts = [BASE[:20] + [300 + i, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310, 311] for i in range(3)]
+
+    def run(resume: bool) -> tuple[list, dict, list]:
+        backend = make_backend(tiny_gemma4_dir)
+        _solo(backend, BASE[:21])
+        insert, knowns = backend.prefix_cache.radix.insert, []
+
+        def recording_insert(tokens, values, *, known=None):
+            knowns.append(known)
+            return insert(tokens, values, known=known if resume else None)
+
+        monkeypatch.setattr(backend.prefix_cache.radix, "insert", recording_insert)
+        for prompt in prompts:
+            assert _solo(backend, prompt) == contiguous_greedy(backend.model, prompt, 6)
+        backend.prefix_cache.check_integrity()
+        assert_no_leaks(backend)
+        references = {g: sorted(c.values()) for g, c in backend.prefix_cache.references().items()}
+        return sorted(backend.prefix_cache.block_paths()), references, knowns
+
+    paths, references, knowns = run(resume=True)
+    assert (paths, references) == run(resume=False)[:2]
+    assert any(known is not None for known in knowns), "no insert resumed below a known block"

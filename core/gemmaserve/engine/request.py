@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gemmaserve.sampling_params import RowSampling, SamplingParams
-from gemmaserve.structured.grammar import ConstraintError, TokenConstraint, allowed_many
+from gemmaserve.structured.grammar import ConstraintError, MaskBatch, TokenConstraint
+from gemmaserve.structured.grammar import start_masks as grammar_start_masks
 
 if TYPE_CHECKING:
     from gemmaserve.backend import PrefillState, SampledTokens
@@ -27,7 +28,7 @@ MAX_BAD_WORD_TOKENS = 64
 """Longest bad-word token sequence kept (longer ones are refused at validation)."""
 
 __all__ = ["RequestState", "FinishReason", "RequestMetrics", "RequestOutput", "RequestEvent", "Request", "MAX_TOP_K",
-           "prepare_masks", "sampled_token"]
+           "prepare_masks", "PendingMasks", "sampled_token", "start_masks"]
 
 
 class RequestState(str, enum.Enum):
@@ -410,34 +411,76 @@ def sampled_token(sampled: SampledTokens, index: int) -> tuple[int, float | None
 
 
 def prepare_masks(requests: Iterable[Request]) -> None:
-    """Compute the next masks of the constrained requests among ``requests`` in one parallel call
-    (:func:`~gemmaserve.structured.grammar.allowed_many`), for their next ``row_sampling()`` to pick up: the
-    mask after the token :meth:`Request.take_ahead` gave a request (``row_sampling(ahead=1)``), else after its
-    last appended token. A constraint that cannot continue records its error as ``_allowed`` would. Mutates
-    only those requests' mask caches. Engine thread only."""
+    """Compute the next masks of the constrained requests among ``requests`` in one parallel call, for their
+    next ``row_sampling()`` to pick up: the mask after the token :meth:`Request.take_ahead` gave a request
+    (``row_sampling(ahead=1)``), else after its last appended token (:func:`start_masks`, waited for at once).
+    Engine thread only."""
+    start_masks((request, int(request._ahead is not None)) for request in requests).wait()
+
+
+def start_masks(rows: Iterable[tuple[Request, int]]) -> PendingMasks:
+    """Start computing, in one parallel call (:func:`~gemmaserve.structured.grammar.start_masks`), the masks that
+    the constrained requests among ``rows`` = ``(request, ahead)`` will sample under with ``row_sampling(ahead)``
+    (``ahead=1``: after the token :meth:`Request.take_ahead` gave it; ``ahead=0``: after its last appended token,
+    a token taken ahead being forgotten first, as ``row_sampling(0)`` would). Each of those requests holds its
+    mask's view at once, so its ``row_sampling(ahead)`` may be taken while the masks are computed (the point:
+    that Python work overlaps the native work); such a sampling is valid only after :meth:`PendingMasks.wait`
+    and only for the requests it does not return. Until then those requests must not advance, roll back or copy
+    their constraints (append no token, take none ahead). Mutates only the requests' mask caches and forgotten
+    tokens. Engine thread only."""
     todo: list[tuple[Request, TokenConstraint, int, int]] = []
-    for request in requests:
+    for request, ahead in rows:
         if request.constraint is None or request.is_finished:  # the common case, per row per tick: cheap first
             continue
-        ahead = int(request._ahead is not None)
+        if not ahead:
+            request._forget_ahead()
         constraint = request._mask_constraint(ahead)
         step = len(request.output_token_ids) + ahead
         if constraint is not None and (request._next_mask is None or request._next_mask[0] != step):
             todo.append((request, constraint, step, ahead))
-    if len(todo) < 2:
-        return
+    if len(todo) < 2:  # one mask: its row_sampling() computes it (no thread hand-over for one row)
+        return PendingMasks([], None)
     try:
-        masks = allowed_many([constraint for _, constraint, _, _ in todo])
-    except Exception:  # each row_sampling() then computes its own mask (and meets the error itself)
-        logger.warning("computing %d structured-output masks at once failed; computing them one by one",
-                       len(todo), exc_info=True)
-        return
-    for (request, _, step, ahead), mask in zip(todo, masks):
-        if isinstance(mask, ConstraintError):
-            request._record_mask_error(mask, ahead)
-            request._next_mask = (step, b"")
-        else:
-            request._next_mask = (step, mask)
+        batch = grammar_start_masks([constraint for _, constraint, _, _ in todo])
+    except Exception:
+        logger.warning("starting %d structured-output masks at once failed; computing them one by one", len(todo),
+                       exc_info=True)
+        return PendingMasks([], None)
+    for (request, _, step, _), view in zip(todo, batch.views):
+        request._next_mask = (step, view)
+    return PendingMasks(todo, batch)
+
+
+class PendingMasks:
+    """The masks :func:`start_masks` started. :meth:`wait` finishes them; until then they are being written."""
+
+    def __init__(self, todo: list[tuple[Request, TokenConstraint, int, int]], batch: MaskBatch | None) -> None:
+        self._todo = todo
+        self._batch = batch
+
+    def wait(self) -> set[int]:
+        """Wait for the masks and record them (a constraint that cannot continue records its error as
+        ``_allowed`` would, with an empty mask). Returns the ``id()`` of each request whose ``row_sampling()``
+        taken before this call holds a wrong mask and must be taken again: those whose constraint cannot
+        continue, or all of them if the native call failed (each then computes its own mask). Idempotent."""
+        batch, self._batch = self._batch, None
+        if batch is None:
+            return set()
+        try:
+            masks = batch.result()
+        except Exception:
+            logger.warning("computing %d structured-output masks at once failed; computing them one by one",
+                           len(self._todo), exc_info=True)
+            for request, _, _, _ in self._todo:
+                request._next_mask = None
+            return {id(request) for request, _, _, _ in self._todo}
+        redo: set[int] = set()
+        for (request, _, step, ahead), mask in zip(self._todo, masks):
+            if isinstance(mask, ConstraintError):
+                request._record_mask_error(mask, ahead)
+                request._next_mask = (step, b"")
+                redo.add(id(request))
+        return redo
 
 
 @dataclass(slots=True)

@@ -47,6 +47,7 @@ from gemmaserve.engine.request import (
     RequestState,
     prepare_masks,
     sampled_token,
+    start_masks,
 )
 from gemmaserve.engine.shared_prefix import should_wait
 from gemmaserve.engine.validation import backend_error, validate_request
@@ -632,8 +633,16 @@ class ContinuousBatchScheduler:
                 for request, source in zip(rows, sources):
                     if source >= 0 and request.needs_previous_token and not request.is_finished:
                         request.take_ahead(tokens[source])
-            prepare_masks(request for request, source in zip(rows, sources) if source < 0 or deferred)
-            return [request.row_sampling(ahead=int(source >= 0)) for request, source in zip(rows, sources)]
+            pending = start_masks((request, int(source >= 0)) for request, source in zip(rows, sources)
+                                  if source < 0 or deferred)
+            try:  # the row samplings are built while the masks are computed
+                samplings = [request.row_sampling(ahead=int(source >= 0)) for request, source in zip(rows, sources)]
+            finally:  # the native work reads the constraints: it ends before anything else may touch them
+                redo = pending.wait()
+            if redo:
+                samplings = [request.row_sampling(ahead=int(source >= 0)) if id(request) in redo else sampling
+                             for request, source, sampling in zip(rows, sources, samplings)]
+            return samplings
 
         return input_ids, sources, (samplings if deferred else samplings())
 

@@ -96,6 +96,7 @@ class _Node:
     value: BlockValue
     parent: _Node | None
     serial: int
+    depth: int = 0  # blocks from the root down to this one (root 0)
     last_access: int = 0
     children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
 
@@ -171,26 +172,41 @@ class RadixPrefixIndex:
             node = child
         return RadixMatch(len(values) * self.block_size, tuple(values))
 
-    def insert(self, token_ids: Sequence[int],
-               values: Sequence[BlockValue] | Callable[[int], BlockValue]) -> InsertResult:
+    def insert(self, token_ids: Sequence[int], values: Sequence[BlockValue] | Callable[[int], BlockValue], *,
+               known: BlockValue | None = None) -> InsertResult:
         """Index the full blocks of ``token_ids``; ``values[i]`` is for block ``i``.
 
         ``len(values)`` must equal ``len(token_ids) // block_size`` (a trailing partial block is
         ignored). Blocks already cached keep their value; the rest take the given ones, which must not
         be held anywhere in the index. ``values`` may instead be a function of the block index, called only
         for the blocks not cached yet (the result's ``given`` then holds the index's own values for the
-        others, so nothing is a duplicate). Stamps the whole path as most recently used. Raises ValueError
-        (changing nothing) on a bad argument.
+        others, so nothing is a duplicate). ``known``: the value of a cached block that the caller knows lies
+        on ``token_ids``' path (the last block it matched or inserted along it): the walk resumes there instead
+        of hashing the blocks above it (their values come from the parent links; the result is the same); one no
+        longer cached is ignored. The caller guarantees the blocks above it are ``token_ids``' (only its own
+        block is compared). Stamps the whole path as most recently used. Raises ValueError (changing nothing) on
+        a bad argument.
         """
-        keys = self._keys(token_ids)
+        bs = self.block_size
+        num_blocks = len(token_ids) // bs
         lazy = callable(values)
         given: tuple[BlockValue, ...] = ()
         if not lazy:
             given = tuple(values)  # type: ignore[arg-type]
-            if len(given) != len(keys):
-                raise ValueError(f"got {len(given)} values for {len(keys)} full blocks of {len(token_ids)} tokens")
-        node = self._root
+            if len(given) != num_blocks:
+                raise ValueError(f"got {len(given)} values for {num_blocks} full blocks of {len(token_ids)} tokens")
+        node = self._by_value.get(known, self._root) if known is not None else self._root
+        depth = node.depth
+        if depth > num_blocks or (depth and tuple(token_ids[(depth - 1) * bs:depth * bs]) != node.key):
+            raise ValueError(f"insert: the known block (block {depth - 1} of its path) is not block {depth - 1} of "
+                             f"the {num_blocks} full blocks given")
         path: list[_Node] = []
+        above = node
+        while above is not self._root:
+            path.append(above)
+            above = above.parent  # type: ignore[assignment]
+        path.reverse()
+        keys = self._keys(token_ids[depth * bs:])  # only the blocks below the known one are hashed
         for key in keys:
             child = node.children.get(key)
             if child is None:
@@ -199,15 +215,15 @@ class RadixPrefixIndex:
             node = child
         num_existing = len(path)
         if lazy:
-            fresh = tuple(values(j) for j in range(num_existing, len(keys)))  # type: ignore[operator]
+            fresh = tuple(values(j) for j in range(num_existing, num_blocks))  # type: ignore[operator]
             given = tuple(n.value for n in path) + fresh
         else:
             fresh = given[num_existing:]
         if len(set(fresh)) != len(fresh) or any(value in self._by_value for value in fresh):
             raise ValueError("insert: a new block value is repeated or already held by another cached block")
         stored_under = node
-        for key, value in zip(keys[num_existing:], fresh):
-            child = _Node(key=key, value=value, parent=node, serial=next(self._serials))
+        for key, value in zip(keys[num_existing - depth:], fresh):
+            child = _Node(key=key, value=value, parent=node, serial=next(self._serials), depth=node.depth + 1)
             node.children[key] = child
             self._leaves.discard(node)
             self._leaves.add(child)
@@ -278,7 +294,8 @@ class RadixPrefixIndex:
         while stack:
             node = stack.pop()
             for key, child in node.children.items():
-                if child.parent is not node or child.key != key or len(key) != self.block_size:
+                if (child.parent is not node or child.key != key or len(key) != self.block_size
+                        or child.depth != node.depth + 1):
                     raise RuntimeError(f"RadixPrefixIndex: malformed child {key!r}")
                 if child.value in seen:
                     raise RuntimeError(f"RadixPrefixIndex: value {child.value!r} held by two nodes")

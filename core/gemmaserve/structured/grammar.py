@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
+import queue
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -34,10 +36,10 @@ from gemmaserve.errors import InvalidRequestError
 
 from .spec import StructuredOutputs
 
-__all__ = ["ConstraintError", "GrammarCompiler", "TokenConstraint", "allowed_many"]
+__all__ = ["ConstraintError", "GrammarCompiler", "MaskBatch", "TokenConstraint", "allowed_many", "start_masks"]
 
 _CACHE_SIZE = 256
-_executor: Any = None
+_executor: Any = None  # llguidance's executor; benchmarks swap it for one of another pool size
 _executor_lock = threading.Lock()
 
 
@@ -117,36 +119,114 @@ def _zeros(width: int) -> bytes:
 
 def allowed_many(constraints: Sequence[TokenConstraint]) -> list[memoryview | ConstraintError]:
     """:meth:`TokenConstraint.allowed` of every constraint (all compiled against one vocabulary), computed in
-    parallel on llguidance's thread pool; a constraint that cannot continue gives its ConstraintError in its
-    place. The masks are memoryview slices of one fresh buffer that llguidance writes once (no copy per row; a
-    fresh buffer because a row's mask outlives the call). Engine thread only (the constraints are not
-    thread-safe)."""
+    parallel on llguidance's thread pool: ``start_masks(constraints).result()``. Engine thread only."""
+    return start_masks(constraints).result()
+
+
+def start_masks(constraints: Sequence[TokenConstraint]) -> MaskBatch:
+    """Start computing the masks of ``constraints`` (all compiled against one vocabulary) on the mask thread,
+    which hands them to llguidance's pool, and return at once: the calling thread runs Python meanwhile (the
+    native work holds no GIL). Until :meth:`MaskBatch.result` returns, the constraints must not be advanced or
+    copied (the pool reads them) and the masks' bytes are being written. Engine thread only."""
     if not constraints:
-        return []
+        return MaskBatch(bytearray(), 0, [])
     width = constraints[0].mask_bytes
     if any(c.mask_bytes != width for c in constraints):
-        raise ValueError("allowed_many needs constraints compiled against one vocabulary")
+        raise ValueError("start_masks needs constraints compiled against one vocabulary")
+    block = bytearray(width * len(constraints))
+    batch = MaskBatch(block, width, constraints)
+    _mask_thread().submit(batch)
+    return batch
+
+
+class MaskBatch:
+    """The masks of a batch of constraints (:func:`start_masks`): one fresh buffer (a row's mask outlives the
+    call) that llguidance writes once; ``views[i]`` is constraint ``i``'s slice of it, final once :meth:`result`
+    returned. Who frees: nobody; the buffer lives while a view of it does."""
+
+    def __init__(self, block: bytearray, width: int, constraints: Sequence[TokenConstraint]) -> None:
+        self._block = block
+        self._width = width
+        self._constraints = list(constraints)
+        rows = memoryview(block)
+        self.views = [rows[i * width:(i + 1) * width] for i in range(len(self._constraints))]
+        self._started = threading.Event()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def _compute(self) -> None:
+        """On the mask thread: the native call (no GIL held while llguidance's pool works)."""
+        self._started.set()
+        try:
+            size = len(self._block)
+            address = ctypes.addressof((ctypes.c_char * size).from_buffer(self._block))
+            _llguidance_executor().unsafe_compute_mask_ptr([(c._matcher, i) for i, c in enumerate(self._constraints)], address,
+                                                self._width, len(self._constraints))
+        except BaseException as exc:  # handed to result()
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def result(self) -> list[memoryview | ConstraintError]:
+        """Wait for the masks: each constraint's view of its mask, or the ConstraintError of one that cannot
+        continue (an error state or nothing allowed). Re-raises what the native call raised."""
+        if self._constraints:
+            self._done.wait()
+        if self._error is not None:
+            raise self._error
+        zeros, block, width = _zeros(self._width), self._block, self._width
+        out: list[memoryview | ConstraintError] = []
+        for i, (constraint, view) in enumerate(zip(self._constraints, self.views)):
+            start = i * width
+            if constraint._matcher.is_error() or block.startswith(zeros, start, start + width):
+                out.append(constraint._stuck())
+            else:
+                out.append(view)
+        return out
+
+
+class _MaskThread:
+    """One daemon thread that makes the native mask calls of :func:`start_masks`. ``submit`` waits until the
+    thread has picked the batch up: the thread needs the GIL to start the call, and a thread that asks for it
+    while the caller runs Python waits up to Python's switch interval (5 ms), so the caller hands it over by
+    blocking for those few microseconds."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[MaskBatch] = queue.SimpleQueue()
+        self.pid = os.getpid()
+        self.thread = threading.Thread(target=self._run, name="gemmaserve-masks", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._jobs.get()._compute()
+
+    def submit(self, batch: MaskBatch) -> None:
+        self._jobs.put(batch)
+        batch._started.wait()
+
+
+_thread: _MaskThread | None = None
+
+
+def _mask_thread() -> _MaskThread:
+    """The process's mask thread, started on first use (again in a forked child, which has no threads)."""
+    global _thread
+    with _executor_lock:
+        if _thread is None or _thread.pid != os.getpid() or not _thread.thread.is_alive():
+            _thread = _MaskThread()
+        return _thread
+
+
+def _llguidance_executor() -> Any:
+    """llguidance's executor (its thread pool), created on first use."""
     global _executor
     with _executor_lock:
         if _executor is None:
             import llguidance
 
             _executor = llguidance.LLExecutor()
-    size = width * len(constraints)
-    block = bytearray(size)
-    address = ctypes.addressof((ctypes.c_char * size).from_buffer(block))
-    _executor.unsafe_compute_mask_ptr([(c._matcher, i) for i, c in enumerate(constraints)], address, width,
-                                      len(constraints))
-    rows = memoryview(block)
-    zeros = _zeros(width)
-    out: list[memoryview | ConstraintError] = []
-    for i, constraint in enumerate(constraints):
-        start = i * width
-        if constraint._matcher.is_error() or block.startswith(zeros, start, start + width):
-            out.append(constraint._stuck())
-        else:
-            out.append(rows[start:start + width])
-    return out
+        return _executor
 
 
 class GrammarCompiler:

@@ -270,8 +270,10 @@ class RadixIndexMachine(RuleBasedStateMachine):
             asked.append(j)
             return given[j]
 
-        result = self.index.insert(tokens, value_of if lazy else given)
-        note(f"insert({tokens}, {given}, lazy={lazy}) -> {result}")
+        # where the walk may resume: nothing, a cached block on this path, or a value not cached (ignored)
+        known = data.draw(st.sampled_from([None, self._fresh(), *(self.paths[p] for p in existing)]), label="known")
+        result = self.index.insert(tokens, value_of if lazy else given, known=known)
+        note(f"insert({tokens}, {given}, lazy={lazy}, known={known}) -> {result}")
         assert result.num_existing == len(existing)
         assert result.new_values == tuple(given[len(existing) :])
         assert result.duplicate_values == (() if reuse else tuple(given[: len(existing)]))
@@ -293,6 +295,13 @@ class RadixIndexMachine(RuleBasedStateMachine):
         if len(existing) < len(keys):
             _raises(ValueError, lambda: self.index.insert(tokens, values))
         _raises(ValueError, lambda: self.index.insert(tokens, [*values, self._fresh()]))
+        # a known block that is not the path's block at its depth (its blocks above are the caller's guarantee)
+        elsewhere = [value for path, value in self.paths.items() if len(path) > len(keys) or path[-1] != keys[len(path) - 1]]
+        if elsewhere:
+            off_path = data.draw(st.sampled_from(sorted(elsewhere, key=repr)), label="known off the path")
+            fresh = [self._fresh() for _ in keys[len(existing):]]
+            _raises(ValueError, lambda: self.index.insert(tokens, [*(self.paths[p] for p in existing), *fresh],
+                                                          known=off_path))
 
     @rule(data=st.data())
     def match(self, data: st.DataObject) -> None:

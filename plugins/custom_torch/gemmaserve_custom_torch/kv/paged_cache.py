@@ -41,6 +41,7 @@ class PagedKVCache:
         self.freed = False
         self._exclusive: tuple[int, int] = (-1, -1)  # (version, logical block) last seen held by this row alone
         self.indexed: tuple[int, int] = (-1, 0)  # (version, full blocks) the prefix cache last indexed of this row
+        self.indexed_last: object | None = None  # the prefix cache's value of a block on this row's indexed path
         pools.live_rows.add(self)
 
     # -- setup from the prefix cache ---------------------------------------------------------------

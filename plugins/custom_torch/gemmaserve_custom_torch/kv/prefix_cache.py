@@ -93,6 +93,8 @@ class PrefixCache:
                     break
         if hit > 0:
             row.adopt(self._tables(values, hit), hit)
+            if hit >= self.block_size:  # the next cache_prefix resumes below the hit's full blocks
+                row.indexed_last = values[hit // self.block_size - 1]
             trimmable = self._trimmable  # sliding trims go least recently used first; a hit runs this per block
             held, to_end = trimmable.get, trimmable.move_to_end
             for value in values[: _cdiv(hit, self.block_size)]:
@@ -132,8 +134,11 @@ class PrefixCache:
         num_full = row.length // self.block_size
         if row.indexed == (row.version, num_full):  # indexed already and unchanged since (store() after a chunk)
             return 0
-        # the row's values only for the blocks the index lacks (a prefix hit's row shares the others)
-        result = self.radix.insert(tuple(prompt_ids[: num_full * self.block_size]), lambda j: self._value_of(row, j))
+        # the row's values only for the blocks the index lacks (a prefix hit's row shares the others); the walk
+        # resumes at the last block indexed for this row (or its hit's), not at the root
+        known = row.indexed_last if row.indexed[1] <= num_full else None
+        result = self.radix.insert(tuple(prompt_ids[: num_full * self.block_size]), lambda j: self._value_of(row, j),
+                                   known=known)
         for value in result.new_values:
             assert isinstance(value, CachedBlock)
             for group, block in value.ids():
@@ -152,6 +157,7 @@ class PrefixCache:
                 self._trimmable[mine.sliding] = held
         self.stats["stored_blocks"] += len(result.new_values)
         row.indexed = (row.version, num_full)
+        row.indexed_last = result.values[-1] if result.values else None
         return len(result.new_values)
 
     def store(self, prompt_ids: Sequence[int], row: PagedKVCache) -> int:
