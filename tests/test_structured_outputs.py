@@ -310,3 +310,52 @@ def test_the_host_path_benchmark_walks_constrained_requests_through_deferred_sam
     for order in ("overlapped", "serial"):
         assert all(got[order][f"{name}_ms_p50"] > 0 for name in (*parts, "total"))
         assert got[order]["total_ms_p50"] >= max(got[order][f"{name}_ms_p50"] for name in parts)
+
+
+@pytest.mark.parametrize("spec", [{"regex": "((a{100}){100}){100}"},
+                                  {"grammar": "root ::= " + " | ".join(f'"w{i}"' for i in range(3000))}],
+                         ids=["nested-repeats", "3000-alternatives"])
+def test_constraints_beyond_the_engines_limits_are_refused_at_compile_time(spec, monkeypatch) -> None:
+    """A constraint whose lexer or first parser rows exceed llguidance's limits is refused when it is compiled
+    (a server does that off the engine thread), naming the limit, within a bounded time; the refusal is
+    remembered, so sending it again costs no second compile."""
+    import time
+
+    from gemmaserve.structured import grammar
+
+    compiler = _reference_compiler()
+    compiler.compile(StructuredOutputs(json={"type": "object"}))  # the vocabulary, built outside the timing
+    start = time.perf_counter()
+    with pytest.raises(InvalidRequestError, match="exceeds what the constraint engine accepts") as first:
+        compiler.compile(StructuredOutputs(**spec))
+    assert time.perf_counter() - start < 10
+    calls = []
+    monkeypatch.setattr(grammar, "_template", lambda *args: calls.append(args))
+    with pytest.raises(InvalidRequestError) as again:
+        compiler.compile(StructuredOutputs(**spec))
+    assert str(again.value) == str(first.value) and not calls
+
+
+def test_a_constraint_compiled_ahead_is_only_copied_when_its_request_is_submitted(monkeypatch) -> None:
+    """Engine.compile_constraint (what a server calls on its preparing threads) compiles on the calling thread;
+    the submit that follows copies the cached constraint and the request runs to its grammar's end."""
+    from gemmaserve.engine.engine import Engine
+    from gemmaserve.settings import CoreSettings
+    from gemmaserve.structured import grammar
+    from gemmaserve.testing.reference_backend import ReferenceBackend
+
+    backend = ReferenceBackend(vocab_size=64)
+    engine = Engine(backend, CoreSettings(device="cpu"))
+    spec = StructuredOutputs(regex="[a-c]{5}")
+    try:
+        engine.compile_constraint(spec)
+        compiled = []
+        monkeypatch.setattr(grammar, "_template", lambda *args: compiled.append(args))
+        out = engine.submit([5, 6, 7], SamplingParams(max_tokens=20, structured_outputs=spec)).result(timeout=60)
+        with pytest.raises(InvalidRequestError, match="structured_outputs.regex is invalid"):
+            monkeypatch.undo()
+            engine.compile_constraint(StructuredOutputs(regex="(a"))
+    finally:
+        engine.shutdown(timeout=10)
+    assert not compiled
+    assert out.finish_reason == FinishReason.STOP and re.fullmatch("[a-c]{5}", backend.tokenizer.decode(out.token_ids))

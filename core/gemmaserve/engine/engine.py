@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from gemmaserve.kv.cache_manager import CacheManager, CacheStats
     from gemmaserve.kv.events import ZmqEventPublisher
     from gemmaserve.settings import CoreSettings
+    from gemmaserve.structured.spec import StructuredOutputs
 
 __all__ = ["Engine", "EngineStats"]
 
@@ -164,6 +165,13 @@ class Engine:
         with ``wait_for_room`` a full queue blocks until there is room instead."""
         request = Request(request_id or uuid.uuid4().hex, tuple(prompt_ids), params or SamplingParams(), logprobs)
         return self._submit([request], [on_event], wait_for_room=wait_for_room)[0]
+
+    def compile_constraint(self, spec: StructuredOutputs) -> None:
+        """Compile a structured-output constraint now, on the calling thread (pathological ones take up to about a
+        second): the :meth:`submit` of a request carrying ``spec`` then only copies it. A server calls this on its
+        request-preparing threads so that neither its event loop nor the engine thread compiles. Raises
+        InvalidRequestError as :meth:`submit` would for ``spec``. Thread-safe."""
+        self.scheduler.compile_constraint(spec)
 
     def submit_many(
         self,

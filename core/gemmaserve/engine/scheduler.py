@@ -52,13 +52,14 @@ from gemmaserve.engine.request import (
 from gemmaserve.engine.shared_prefix import should_wait
 from gemmaserve.engine.validation import backend_error, validate_request
 from gemmaserve.errors import EngineOverloadedError, InvalidRequestError, KVCapacityError
-from gemmaserve.structured.grammar import GrammarCompiler
+from gemmaserve.structured.grammar import GrammarCompiler, TokenConstraint
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from gemmaserve.backend import InferenceBackend, PendingTokens, PrefillState, SampledTokens
     from gemmaserve.sampling_params import RowSampling
+    from gemmaserve.structured.spec import StructuredOutputs
     from gemmaserve.kv.cache_manager import CacheManager
     from gemmaserve.settings import CoreSettings
 
@@ -197,14 +198,20 @@ class ContinuousBatchScheduler:
         validate_request(request, self.backend, self.max_model_len, self.settings.max_active_kv_tokens)
         spec = request.params.structured_outputs
         if spec is not None and request.constraint is None:
-            if self._streaming or not self._caps.allowed_token_masks:
-                raise InvalidRequestError(
-                    f"backend {self.backend.model_info.name!r} does not apply allowed-token masks "
-                    "(capabilities.allowed_token_masks), so it cannot serve structured output; send the request "
-                    "without structured_outputs / response_format")
-            request.constraint = self._grammar_compiler().compile(spec)
+            request.constraint = self.compile_constraint(spec)
         if request.params.bad_words and not request.bad_word_ids:
             request.bad_word_ids = self._bad_word_ids(request.params.bad_words)
+
+    def compile_constraint(self, spec: StructuredOutputs) -> TokenConstraint:
+        """A fresh constraint for ``spec`` (compiled on the calling thread once per distinct spec, then copied: a
+        server compiles on its own threads before submitting, so the engine thread never does). Raises
+        InvalidRequestError when this backend applies no masks or ``spec`` is refused. Thread-safe."""
+        if self._streaming or not self._caps.allowed_token_masks:
+            raise InvalidRequestError(
+                f"backend {self.backend.model_info.name!r} does not apply allowed-token masks "
+                "(capabilities.allowed_token_masks), so it cannot serve structured output; send the request "
+                "without structured_outputs / response_format")
+        return self._grammar_compiler().compile(spec)
 
     def _bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """Each bad word tokenized as it is (leading blanks dropped) and with one leading space, without

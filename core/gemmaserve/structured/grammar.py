@@ -242,6 +242,7 @@ class GrammarCompiler:
         self._ll_tokenizer: Any = None
         self._mask_bytes = 0
         self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._refused: OrderedDict[str, str] = OrderedDict()  # constraint key -> the InvalidRequestError text
 
     @staticmethod
     def available(tokenizer: Any) -> str | None:
@@ -271,28 +272,83 @@ class GrammarCompiler:
 
     def compile(self, spec: StructuredOutputs) -> TokenConstraint:
         """A fresh constraint for ``spec`` (compiled once per distinct constraint, then copied). Raises
-        InvalidRequestError naming what is wrong with the schema, regex, choice or grammar."""
+        InvalidRequestError naming what is wrong with the schema, regex, choice or grammar, or the limit of the
+        constraint engine it exceeds (refusals are remembered too, so a repeated one costs no second compile).
+        The first mask is computed here (see :func:`_first_step`), on the caller's thread: a request's first
+        step on the engine thread then finds the lexer built."""
         key = spec.key
         with self._lock:
             template = self._cache.get(key)
             if template is not None:
                 self._cache.move_to_end(key)
                 return TokenConstraint(template.deep_copy(), spec.kind, self._mask_bytes)
+            refusal = self._refused.get(key)
+            if refusal is not None:
+                self._refused.move_to_end(key)
+                raise InvalidRequestError(refusal)
         vocabulary = self._vocabulary()
-        import llguidance
-
-        grammar = _grammar_text(spec)
-        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, vocabulary)
-        if failed:
-            raise InvalidRequestError(f"structured_outputs.{spec.kind} is invalid: {messages[0].strip()}")
-        template = llguidance.LLMatcher(vocabulary, grammar, log_level=0)
-        if template.is_error():
-            raise InvalidRequestError(f"structured_outputs.{spec.kind} is invalid: {_first_line(template.get_error())}")
+        try:
+            template = _template(vocabulary, spec)
+        except InvalidRequestError as exc:
+            with self._lock:
+                self._refused[key] = str(exc)
+                while len(self._refused) > _CACHE_SIZE:
+                    self._refused.popitem(last=False)
+            raise
         with self._lock:
             self._cache[key] = template
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
         return TokenConstraint(template.deep_copy(), spec.kind, self._mask_bytes)
+
+
+def _template(vocabulary: Any, spec: StructuredOutputs) -> Any:
+    """llguidance's matcher of ``spec`` at its start, its first step taken (:func:`_first_step`), under
+    :data:`_LIMITS`. Raises InvalidRequestError."""
+    import llguidance
+
+    template = llguidance.LLMatcher(vocabulary, _grammar_text(spec), log_level=0, limits=_limits())
+    if template.is_error():
+        raise InvalidRequestError(f"structured_outputs.{spec.kind} is invalid: {template.get_error().strip()}")
+    _first_step(template, spec.kind)
+    return template
+
+
+def _first_step(template: Any, kind: str) -> None:
+    """Compute ``template``'s first mask and advance a copy of it by one allowed token: building the lexer (up to
+    :data:`_LIMITS`' initial fuel) and the parser's first rows is where a pathological constraint spends its time
+    or hits llguidance's limits (a regex of nested repeats, a rule of thousands of alternatives), so both happen
+    at compile time instead of on the engine thread, and such a constraint is refused with llguidance's reason.
+    A constraint that allows no first token, or whose first allowed token the parser refuses (a small vocabulary
+    that cannot spell the bytes it forces), is not refused here: the request ends with a ConstraintError."""
+    mask = template.compute_bitmask()
+    first = len(mask) - len(bytes(mask).lstrip(b"\0"))  # the first byte with an allowed token
+    if template.is_error() or first == len(mask):  # no token can start it (the lexer is built all the same)
+        return
+    byte = mask[first]
+    probe = template.deep_copy()
+    probe.consume_token(first * 8 + (byte & -byte).bit_length() - 1)
+    # a rejected token is not a limit: a small vocabulary that cannot spell the bytes a grammar forces has its mask
+    # allow a token the parser then refuses; such a request ends with a ConstraintError, as before
+    if probe.is_error() and _REJECTED not in probe.get_error():
+        raise InvalidRequestError(f"structured_outputs.{kind} exceeds what the constraint engine accepts after its "
+                                  f"first token: {_first_line(probe.get_error())}")
+
+
+_REJECTED = "doesn't satisfy the grammar"
+"""How llguidance's error for a token the grammar refuses reads (llguidance 1.9)."""
+
+_LIMITS: dict[str, int] = {"initial_lexer_fuel": 200_000}
+"""llguidance's parser limits that differ from its defaults: the fuel for building a constraint's lexer (its
+default, 1,000,000, let one 40-byte regex take ~1-2 s of CPU; ordinary JSON schemas, formats and long enums need
+far less, docs/api.md)."""
+
+
+@functools.lru_cache(maxsize=1)
+def _limits() -> Any:
+    import llguidance
+
+    return llguidance.LLParserLimits(**_LIMITS)
 
 
 @functools.lru_cache(maxsize=4)
