@@ -175,3 +175,32 @@ def test_the_mask_thread_is_started_again_in_a_process_that_lacks_it(monkeypatch
     masks = grammar.allowed_many(constraints)
     assert grammar._mask_thread() is not first
     assert [bytes(m) for m in masks] == [c.allowed() for c in constraints]
+
+
+def test_a_batch_the_mask_thread_does_not_take_in_time_is_given_up_and_never_computed(monkeypatch) -> None:
+    """A stalled mask thread cannot hang the engine: the submitter gives the batch up after the pick-up timeout
+    (start_masks then leaves every row to compute its own mask), and the thread, when it gets there, leaves that
+    batch alone (its constraints are the engine thread's again)."""
+    import threading
+
+    from gemmaserve.engine.request import start_masks
+    from gemmaserve.structured import StructuredOutputs, grammar
+
+    monkeypatch.setattr(grammar, "_PICKUP_TIMEOUT_S", 0.05)
+    gate = threading.Event()
+    stalled = grammar._MaskThread.__new__(grammar._MaskThread)  # a thread stuck before its next job
+    stalled._jobs, stalled.pid = __import__("queue").SimpleQueue(), __import__("os").getpid()
+    stalled.thread = threading.Thread(target=lambda: (gate.wait(), stalled._jobs.get()._compute()), daemon=True)
+    stalled.thread.start()
+    monkeypatch.setattr(grammar, "_thread", stalled)
+    requests = []
+    for i, spec in enumerate(_SPECS):
+        request = Request(f"r{i}", (5, 6), SamplingParams(max_tokens=100, structured_outputs=spec))
+        request.seed, request.constraint = i, _COMPILER.compile(StructuredOutputs(**spec))
+        requests.append(request)
+    pending = start_masks((request, 0) for request in requests)
+    assert pending.wait() == set()  # nothing was started: no mask view handed out
+    assert [request.row_sampling().allowed for request in requests] == [_oracle_mask(spec, []) for spec in _SPECS]
+    gate.set()
+    stalled.thread.join(timeout=5)
+    assert not stalled.thread.is_alive()

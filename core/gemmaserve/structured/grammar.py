@@ -152,16 +152,22 @@ class MaskBatch:
         self.views = [rows[i * width:(i + 1) * width] for i in range(len(self._constraints))]
         self._started = threading.Event()
         self._done = threading.Event()
+        self._claim = threading.Lock()  # the mask thread starts the batch, or the submitter gives it up: not both
+        self._abandoned = False
         self._error: BaseException | None = None
 
     def _compute(self) -> None:
-        """On the mask thread: the native call (no GIL held while llguidance's pool works)."""
-        self._started.set()
+        """On the mask thread: the native call (no GIL held while llguidance's pool works), unless the submitter
+        gave the batch up (then its constraints are the submitter's again)."""
+        with self._claim:
+            if self._abandoned:
+                return
+            self._started.set()
         try:
             size = len(self._block)
             address = ctypes.addressof((ctypes.c_char * size).from_buffer(self._block))
-            _llguidance_executor().unsafe_compute_mask_ptr([(c._matcher, i) for i, c in enumerate(self._constraints)], address,
-                                                self._width, len(self._constraints))
+            _llguidance_executor().unsafe_compute_mask_ptr([(c._matcher, i) for i, c in enumerate(self._constraints)],
+                                                           address, self._width, len(self._constraints))
         except BaseException as exc:  # handed to result()
             self._error = exc
         finally:
@@ -202,8 +208,19 @@ class _MaskThread:
             self._jobs.get()._compute()
 
     def submit(self, batch: MaskBatch) -> None:
+        """Hand ``batch`` over and wait until the thread has started it. Raises RuntimeError (the batch given up,
+        never to be computed) if the thread does not take it within :data:`_PICKUP_TIMEOUT_S`."""
         self._jobs.put(batch)
-        batch._started.wait()
+        if batch._started.wait(_PICKUP_TIMEOUT_S):
+            return
+        with batch._claim:
+            if not batch._started.is_set():
+                batch._abandoned = True
+                raise RuntimeError(f"the structured-output mask thread did not start within {_PICKUP_TIMEOUT_S} s")
+
+
+_PICKUP_TIMEOUT_S = 5.0
+"""How long :meth:`_MaskThread.submit` waits for the mask thread (microseconds when it is alive)."""
 
 
 _thread: _MaskThread | None = None
