@@ -13,7 +13,8 @@ decode slowdown of constrained rows.
   unconstrained and constrained ticks (GPU idle gaps, host and device ops; Chrome traces in DIR);
 - ``--mask-threads 1,2,4,0`` (alone): only ``allowed_many`` over ``--rows`` constraints per llguidance pool size
   (0 = its default), the whole call and its native part; ``--engine-mask-threads N`` (with ``--e2b``): the
-  engine's pool size for the decode comparison;
+  engine's pool size for the decode comparison; ``--serial-masks`` (with ``--e2b``): the masks computed before
+  the row samplings are built instead of meanwhile (the A/B of the mask thread);
 - ``--host-path`` (alone): the engine thread's host work of one constrained step under deferred sampling (tokens
   taken ahead, masks with the row samplings built meanwhile, masks packed), ``--rows`` requests, ``--tokens``
   steps in the engine's overlapped order and as many in the serial order, alternating; CPU only.
@@ -338,14 +339,17 @@ def main() -> None:
                         help="only the CPU micro-benchmark of a constrained step's host work (deferred sampling)")
     parser.add_argument("--engine-mask-threads", type=int, default=0,
                         help="with --e2b: the engine's llguidance pool size (0 = llguidance's default)")
+    parser.add_argument("--serial-masks", action="store_true",
+                        help="with --e2b: the engine computes a deferred tick's masks before building its row "
+                             "samplings (the order before the mask thread), for an A/B against the default")
     parser.add_argument("--trace", type=Path, default=None,
                         help="with --e2b: a folder for torch.profiler traces of steady decode ticks, "
                              "unconstrained and constrained")
     args = parser.parse_args()
     if (args.quick or args.e2b_only or args.trace) and not args.e2b:
         parser.error("--quick, --e2b-only and --trace apply to the --e2b section; add --e2b")
-    if args.engine_mask_threads and not args.e2b:
-        parser.error("--engine-mask-threads applies to the --e2b section; add --e2b")
+    if (args.engine_mask_threads or args.serial_masks) and not args.e2b:
+        parser.error("--engine-mask-threads and --serial-masks apply to the --e2b section; add --e2b")
     if args.engine_mask_threads < 0:
         parser.error("--engine-mask-threads must be >= 0")
     if args.mask_threads and args.e2b:
@@ -384,6 +388,13 @@ def main() -> None:
 
             grammar._executor = llguidance.LLExecutor(num_threads=args.engine_mask_threads)
             results["engine_mask_threads"] = args.engine_mask_threads
+        if args.serial_masks:
+            import functools
+
+            from gemmaserve.engine import scheduler as scheduler_module
+
+            scheduler_module.start_masks = functools.partial(scheduler_module.start_masks, overlap=False)
+            results["serial_masks"] = True
         results["decode_e2b"] = decode_overhead_e2b(args.rows, args.tokens, args.tokenizer, quick=args.quick,
                                                     trace_dir=args.trace)
     print(json.dumps(results, indent=2))

@@ -415,10 +415,10 @@ def prepare_masks(requests: Iterable[Request]) -> None:
     next ``row_sampling()`` to pick up: the mask after the token :meth:`Request.take_ahead` gave a request
     (``row_sampling(ahead=1)``), else after its last appended token (:func:`start_masks`, waited for at once).
     Engine thread only."""
-    start_masks((request, int(request._ahead is not None)) for request in requests).wait()
+    start_masks(((request, int(request._ahead is not None)) for request in requests), overlap=False).wait()
 
 
-def start_masks(rows: Iterable[tuple[Request, int]]) -> PendingMasks:
+def start_masks(rows: Iterable[tuple[Request, int]], *, overlap: bool = True) -> PendingMasks:
     """Start computing, in one parallel call (:func:`~gemmaserve.structured.grammar.start_masks`), the masks that
     the constrained requests among ``rows`` = ``(request, ahead)`` will sample under with ``row_sampling(ahead)``
     (``ahead=1``: after the token :meth:`Request.take_ahead` gave it; ``ahead=0``: after its last appended token,
@@ -426,7 +426,8 @@ def start_masks(rows: Iterable[tuple[Request, int]]) -> PendingMasks:
     mask's view at once, so its ``row_sampling(ahead)`` may be taken while the masks are computed (the point:
     that Python work overlaps the native work); such a sampling is valid only after :meth:`PendingMasks.wait`
     and only for the requests it does not return. Until then those requests must not advance, roll back or copy
-    their constraints (append no token, take none ahead). Mutates only the requests' mask caches and forgotten
+    their constraints (append no token, take none ahead). ``overlap=False``: computed before returning (see
+    :func:`~gemmaserve.structured.grammar.start_masks`). Mutates only the requests' mask caches and forgotten
     tokens. Engine thread only."""
     todo: list[tuple[Request, TokenConstraint, int, int]] = []
     for request, ahead in rows:
@@ -441,7 +442,7 @@ def start_masks(rows: Iterable[tuple[Request, int]]) -> PendingMasks:
     if len(todo) < 2:  # one mask: its row_sampling() computes it (no thread hand-over for one row)
         return PendingMasks([], None)
     try:
-        batch = grammar_start_masks([constraint for _, constraint, _, _ in todo])
+        batch = grammar_start_masks([constraint for _, constraint, _, _ in todo], overlap=overlap)
     except Exception:
         logger.warning("starting %d structured-output masks at once failed; computing them one by one", len(todo),
                        exc_info=True)
