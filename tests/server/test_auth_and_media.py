@@ -24,7 +24,8 @@ def guarded() -> Iterator[tuple[TestClient, object]]:
     engine.shutdown(timeout=10)
 
 
-@pytest.mark.parametrize("header", [None, "Bearer wrong", "s3cret", "Bearer s3cret2", "bearer s3cret"])
+@pytest.mark.parametrize("header", [None, "Bearer wrong", "s3cret", "Bearer s3cret2", "bearer s3cret2", "Basic s3cret",
+                                    "Bearers3cret", "Bearer", "s3cret Bearer"])
 def test_a_wrong_or_missing_key_gets_openais_401(guarded, header) -> None:
     client, engine = guarded
     headers = {} if header is None else {"Authorization": header}
@@ -44,6 +45,13 @@ def test_the_right_key_serves_and_health_and_metrics_stay_open(guarded) -> None:
     assert client.get("/v1/models", headers=ok).status_code == 200
     assert client.get("/health").status_code == 200
     assert client.get("/metrics").status_code == 200
+
+
+@pytest.mark.parametrize("header", ["bearer s3cret", "BEARER s3cret", "Bearer  s3cret", "bEaReR s3cret "])
+def test_the_bearer_scheme_is_case_insensitive(guarded, header) -> None:
+    """RFC 7235: the auth scheme is case-insensitive (and one or more spaces separate it from the token)."""
+    client, _ = guarded
+    assert client.post("/v1/completions", json=BODY, headers={"Authorization": header}).status_code == 200
 
 
 @pytest.mark.parametrize("kind", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",

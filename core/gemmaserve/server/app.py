@@ -182,6 +182,13 @@ def _host_name(header: str) -> str:
     return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
 
 
+def _bearer_token(header: str) -> bytes:
+    """The credentials of an ``Authorization: Bearer <token>`` header (the scheme is case-insensitive, RFC 7235;
+    b"" for any other scheme or none)."""
+    scheme, _, token = header.strip().partition(" ")
+    return token.strip().encode() if scheme.lower() == "bearer" else b""
+
+
 class Drain:
     """Set (``active``) once shutdown began: new generation requests get 503 ``server_shutting_down`` while
     the running ones finish (``gemmaserve serve``'s ``--shutdown-timeout``)."""
@@ -195,7 +202,7 @@ def _add_guards(app: FastAPI, api_key: str | None, allowed_hosts: Sequence[str] 
     """Host allow-list (DNS rebinding), API-key check (when set) and JSON-only generation bodies: a browser page
     can POST ``text/plain`` or a form to localhost without a CORS preflight, so anything but JSON is refused
     with 415 before it runs."""
-    expected = f"Bearer {api_key}".encode() if api_key else None
+    expected = api_key.encode() if api_key else None
     hosts = None if allowed_hosts is None else frozenset(_host_name(h) for h in allowed_hosts)
 
     @app.middleware("http")
@@ -210,8 +217,7 @@ def _add_guards(app: FastAPI, api_key: str | None, allowed_hosts: Sequence[str] 
                              "--allowed-hosts (ALLOWED_HOSTS)", code="invalid_host")
             return JSONResponse(error.body(), status_code=400)
         if expected is not None and path not in _OPEN_PATHS:
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
+            if not hmac.compare_digest(_bearer_token(request.headers.get("authorization", "")), expected):
                 error = APIError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>' with the "
                                  "server's --api-key", code="invalid_api_key")
                 return JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
