@@ -53,20 +53,21 @@ def test_tokenize_messages_is_what_chat_prefills(client: TestClient, engine: Eng
 
 
 @pytest.mark.parametrize(("body", "param", "fragment"), [
-    ({}, "body", "either 'prompt'"),
-    ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "body", "not both"),
+    ({}, "prompt", "either 'prompt'"),
+    ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "messages", "not both"),
     ({"prompt": 5}, "prompt", "string"),
     ({"prompt": "a", "return_token_strs": True}, "return_token_strs", "not supported"),
     # the reference tokenizer renders messages only (tests/server/test_chat_template_options.py has the options)
     ({"messages": [{"role": "user", "content": "b"}], "add_generation_prompt": False}, "add_generation_prompt",
      "not supported"),
-    ({"prompt": "a", "continue_final_message": False}, "body", "messages only"),
+    ({"prompt": "a", "continue_final_message": False}, "continue_final_message", "messages only"),
     ({"messages": [{"role": "user", "content": "b"}], "continue_final_message": True}, "continue_final_message",
      "not supported"),
     ({"messages": [{"role": "user", "content": "b"}], "chat_template": "{{x}}"}, "chat_template", "not supported"),
     ({"messages": [{"role": "user", "content": "b"}], "chat_template_kwargs": {"a": 1}}, "chat_template_kwargs",
      "not supported"),
-    ({"messages": [{"role": "user", "content": "b"}], "add_special_tokens": True}, "body", "chat template adds"),
+    ({"messages": [{"role": "user", "content": "b"}], "add_special_tokens": True}, "add_special_tokens",
+     "chat template adds"),
     ({"prompt": "x" * 600}, "prompt", "context"),
 ])
 def test_tokenize_refuses_what_it_does_not_do(client: TestClient, body: dict, param: str, fragment: str) -> None:

@@ -34,8 +34,8 @@ def validate_request(
     request: Request, backend: InferenceBackend, max_model_len: int, max_active_kv_tokens: int
 ) -> None:
     """Raise :class:`InvalidRequestError` (or :class:`PromptTooLongError`) if ``request`` can never run:
-    empty prompt, token ids outside ``[0, vocab_size)``, logprobs the backend cannot give, or
-    prompt + max_tokens over the model length or over MAX_ACTIVE_KV_TOKENS."""
+    empty prompt, token ids (prompt, ``logit_bias``, ``stop_token_ids``) outside ``[0, vocab_size)``, logprobs the
+    backend cannot give, or prompt + max_tokens over the model length or over MAX_ACTIVE_KV_TOKENS."""
     prompt = request.prompt_token_ids
     num_prompt = len(prompt)
     if num_prompt == 0:
@@ -57,6 +57,12 @@ def validate_request(
         if token_id >= vocab_size:
             raise InvalidRequestError(
                 f"logit_bias names token {token_id}, outside the vocabulary; token ids are integers in [0, {vocab_size})"
+            )
+    for token_id in request.params.stop_token_ids:
+        if token_id >= vocab_size:
+            raise InvalidRequestError(
+                f"stop_token_ids names token {token_id}, outside the vocabulary of {vocab_size} tokens; token ids are "
+                f"integers in [0, {vocab_size})"
             )
     if request.want_logprobs and not backend.capabilities.logprobs:
         raise InvalidRequestError(f"backend {backend.model_info.name!r} cannot return logprobs; do not request them")

@@ -298,6 +298,15 @@ class _Server:
                 param="model", code="model_not_found",
             )
 
+    def check_n(self, n: int | None) -> None:
+        """400 for ``n`` above MAX_WAITING_REQUESTS: the choices are queued together, so such a request could
+        never be admitted (a 429 would tell the client to retry something that cannot succeed)."""
+        bound = self.engine.settings.max_waiting_requests
+        if n is not None and n > bound:
+            raise APIError(400, f"n={n} exceeds the engine's queue bound MAX_WAITING_REQUESTS={bound}: each choice is "
+                           f"a queued request, so this request could never be admitted; send n <= {bound}",
+                           param="n", code="invalid_value")
+
     # -- /tokenize, /detokenize ----------------------------------------------------------------------------
     async def run_json(self, request: Request, work: Callable[[bytes], dict[str, Any]]) -> dict[str, Any]:
         """Read the body and run ``work`` on it: on a worker thread for large bodies (tokenizing)."""
@@ -313,7 +322,7 @@ class _Server:
 
     def tokenize(self, raw: bytes) -> dict[str, Any]:
         """vLLM's /tokenize: ``{count, max_model_len, tokens, token_strs}``."""
-        body = parse_body(TokenizeRequest, raw)
+        body = parse_body(TokenizeRequest, raw, max_messages=self.context_limit)
         self.check_model(body.model)
         if body.prompt is not None:
             add_special = body.add_special_tokens is not False
@@ -370,13 +379,15 @@ class _Server:
     def _prepare(self, raw: bytes, endpoint: str) -> tuple[CompletionRequest | ChatCompletionRequest, Prepared]:
         """Parse, check the model, tokenize. Pure CPU work: runs on the loop or a worker thread."""
         if endpoint == "chat":
-            chat = parse_body(ChatCompletionRequest, raw)
+            chat = parse_body(ChatCompletionRequest, raw, max_messages=self.context_limit)
             self.check_model(chat.model)
+            self.check_n(chat.n)
             return chat, prepare_chat(chat, self.tokenizer, self.context_limit,
                                       self.engine.settings.default_max_tokens, self.engine.settings.tool_call_parser,
                                       self.engine.settings.reasoning_parser, self.render_pool)
         completion = parse_body(CompletionRequest, raw)
         self.check_model(completion.model)
+        self.check_n(completion.n)
         return completion, prepare_completion(completion, self.tokenizer, self.context_limit, self.render_pool)
 
     def _submit(self, prepared: Prepared, timing: Timing) -> Generation:

@@ -77,7 +77,7 @@ def from_engine_error(
         param = "max_tokens" if prompt_fits else prompt_param
         return APIError(400, str(exc), param=param, code="context_length_exceeded")
     if isinstance(exc, InvalidRequestError):
-        return APIError(400, str(exc), param=_guess_param(str(exc), prompt_param))
+        return APIError(400, str(exc), param=_guess_param(str(exc), prompt_param), code="invalid_value")
     if isinstance(exc, EngineOverloadedError):
         if not engine_alive:
             return APIError(503, f"the engine is not running: {exc}", code="engine_unavailable")
@@ -89,8 +89,8 @@ def from_output_error(error_type: str | None, message: str | None, *, prompt_par
     """The HTTP error for a request the engine finished with ``finish_reason="error"``."""
     text = message or "the backend failed on this request"
     if error_type in ("KVCapacityError", "PromptTooLongError", "InvalidRequestError"):
-        code = "kv_capacity_exceeded" if error_type == "KVCapacityError" else None
-        return APIError(400, text, param=prompt_param, code=code)
+        code = {"KVCapacityError": "kv_capacity_exceeded", "PromptTooLongError": "context_length_exceeded"}
+        return APIError(400, text, param=prompt_param, code=code.get(error_type, "invalid_value"))
     if error_type == "ConstraintError":  # the output constraint could not be continued
         return APIError(400, text, param="structured_outputs", code="constraint_unsatisfiable")
     if error_type == "EngineOverloadedError":
@@ -100,8 +100,8 @@ def from_output_error(error_type: str | None, message: str | None, *, prompt_par
 
 def _guess_param(message: str, default: str) -> str | None:
     """Engine validation messages start with the field they are about."""
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "logprobs",
-                 "structured_outputs"):
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "logit_bias", "logprobs",
+                 "min_tokens", "bad_words", "structured_outputs"):
         if re.search(rf"\b{name}\b", message):
             return name
     return default if "prompt" in message else None

@@ -15,8 +15,8 @@ processes instead (this thread waits, without the GIL), with the same token ids 
 from __future__ import annotations
 
 import dataclasses
-
 import inspect
+import sys
 from typing import TYPE_CHECKING, Any
 
 from gemmaserve.engine.validation import check_text_can_fit
@@ -27,6 +27,7 @@ from gemmaserve.tools.parsers import GEMMA4_CALL_OPEN
 from gemmaserve.sampling_params import SamplingParams
 from gemmaserve.server.errors import APIError
 from gemmaserve.server.generation import Prepared
+from gemmaserve.server.protocol import check_message_count
 
 if TYPE_CHECKING:
     from gemmaserve.backend import Tokenizer
@@ -53,7 +54,8 @@ def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer, context_li
     prompt = body.prompt
     prompt_ids = tokenize_text(prompt, tokenizer, context_limit, pool=pool) if isinstance(prompt, str) else list(prompt)
     if not prompt_ids:
-        raise APIError(400, "the prompt tokenizes to zero tokens; send a non-empty prompt", param="prompt")
+        raise APIError(400, "the prompt tokenizes to zero tokens; send a non-empty prompt", param="prompt",
+                       code="invalid_value")
     max_tokens = body.requested_max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
     params = dataclasses.replace(_sampling(body, max_tokens), logprobs=body.logprobs)
     return Prepared(prompt_ids, params, body.stop_strings, body.logprobs is not None, "prompt")
@@ -86,12 +88,12 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limi
     if mode not in (None, "auto"):
         if params.structured_outputs is not None:
             raise APIError(400, f'tool_choice "{mode}" constrains the reply to a tool call; it cannot be combined '
-                           "with response_format / structured_outputs", param="tool_choice")
+                           "with response_format / structured_outputs", param="tool_choice", code="invalid_value")
         functions = [tool["function"] for tool in body.tool_functions]
         try:
             constraint = tool_call_constraint(functions, mode, parser or "json", body.parallel_tool_calls is not False)
         except InvalidRequestError as exc:
-            raise APIError(400, str(exc), param="tools") from None
+            raise APIError(400, str(exc), param="tools", code="invalid_value") from None
         params = dataclasses.replace(params, structured_outputs=constraint)
     hidden: tuple[int, ...] = ()
     if parser == "gemma4" or reasoning_parser:  # markers are special tokens: decode with them, not the stops' text
@@ -151,19 +153,70 @@ def render_chat(messages: list[dict[str, Any]], tokenizer: Tokenizer, context_li
             param="messages",
             code="no_chat_template",
         )
-    chars = sum(len(m["content"] or "") for m in messages)
-    _refuse_text_that_cannot_fit(chars, tokenizer, context_limit, "messages")
+    chars = _check_template_input(messages, options, tokenizer, context_limit)
     pooled = pool is not None and chars >= RENDER_POOL_MIN_CHARS and pool.serves(tokenizer)
     render = pool.apply_chat_template if pool is not None and pooled else tokenizer.apply_chat_template
     try:
         prompt_ids = render(messages, **options)
     except InvalidRequestError as exc:
-        raise APIError(400, str(exc), param="messages") from None
+        raise APIError(400, str(exc), param="messages", code="invalid_value") from None
     except RenderWorkerDied as exc:
         raise APIError(500, f"internal server error: {exc}; retry the request") from None
     if not prompt_ids:
-        raise APIError(400, "the chat template rendered these messages to zero tokens", param="messages")
+        raise APIError(400, "the chat template rendered these messages to zero tokens", param="messages",
+                       code="invalid_value")
     return prompt_ids
+
+
+def _check_template_input(messages: list[dict[str, Any]], options: dict[str, Any], tokenizer: Tokenizer,
+                          context_limit: int) -> int:
+    """The characters of everything the template can render (messages' fields, tools, ``chat_template_kwargs``),
+    counted before rendering; 400 (``context_length_exceeded``, naming the part holding the most) when there are
+    more messages than ``context_limit`` or more characters than it can hold at the tokenizer's longest token
+    (``max_token_chars``; no character bound for a tokenizer that does not tell it)."""
+    check_message_count(len(messages), context_limit)
+    longest = getattr(tokenizer, "max_token_chars", None)
+    bounded = isinstance(longest, int) and not isinstance(longest, bool) and longest > 0
+    limit = context_limit * longest if bounded else sys.maxsize
+    kwargs = dict(options.get("template_kwargs") or {})
+    parts = {"tools": kwargs.pop("tools", None), "chat_template_kwargs": kwargs}
+    counts = {"messages": sum(_rendered_chars(value, limit) for message in messages for value in message.values())}
+    for name, value in parts.items():
+        counts[name] = _rendered_chars(value, limit - counts["messages"])
+    total = sum(counts.values())
+    if total > limit:
+        param = max(counts, key=lambda name: counts[name])
+        raise APIError(400, f"the chat template's input (the messages' contents and other fields, tools, "
+                       f"chat_template_kwargs) has more than {limit} characters: even at {longest} characters per "
+                       f"token (this tokenizer's longest token) that is more than the model's {context_limit}-token "
+                       f"context; most of it is in {param}: shorten it", param=param, code="context_length_exceeded")
+    return total
+
+
+def _rendered_chars(value: Any, budget: int) -> int:
+    """An upper bound on what ``value`` (JSON data) adds to a rendered template when it is written out: the
+    length of every string (object keys included), the digits of numbers, 1 per container, null or bool. Stops
+    counting once past ``budget`` (iterative: no recursion limit)."""
+    total = 0
+    stack = [value]
+    while stack and total <= budget:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            total += 1
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            total += 1
+            stack.extend(item)
+        elif isinstance(item, int) and not isinstance(item, bool):
+            total += item.bit_length() // 3 + 2  # digits (and sign), without str(): huge ints cannot be printed
+        elif isinstance(item, float):
+            total += len(repr(item))
+        else:
+            total += 1
+    return total
 
 
 _OPTION_FIELDS = {"add_generation_prompt": "add_generation_prompt", "continue_final_message": "continue_final_message",
@@ -203,7 +256,7 @@ def _sampling(body: SamplingFields, max_tokens: int, extra_stop_ids: tuple[int, 
         structured = body.structured
     except InvalidRequestError as exc:
         named = [name for name in ("structured_outputs", "response_format") if name in str(exc)]
-        raise APIError(400, str(exc), param=named[0] if named else "structured_outputs") from None
+        raise APIError(400, str(exc), param=named[0] if named else "structured_outputs", code="invalid_value") from None
     try:
         return SamplingParams(
             structured_outputs=structured,
@@ -223,4 +276,4 @@ def _sampling(body: SamplingFields, max_tokens: int, extra_stop_ids: tuple[int, 
             bad_words=tuple(body.bad_words or ()),
         )
     except InvalidRequestError as exc:  # the protocol checks ranges first; this is a backstop
-        raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0].split(".", 1)[0]) from None
+        raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0].split(".", 1)[0], code="invalid_value") from None

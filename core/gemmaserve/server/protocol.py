@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible API (the subset gemmaserve serves), validated strictly.
 
 Bodies are parsed with :func:`parse_body`: JSON types are not coerced (``"5"`` is not an integer),
-unknown fields are ignored, and every problem becomes an :class:`~gemmaserve.server.errors.APIError`
+unknown fields (top-level or inside nested objects) are refused, and every problem becomes an :class:`~gemmaserve.server.errors.APIError`
 (HTTP 400) whose message and ``param`` name the offending field and what is accepted.
 """
 
@@ -11,7 +11,7 @@ import json
 import re
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from gemmaserve.errors import InvalidRequestError
 from gemmaserve.sampling_params import (
@@ -38,6 +38,7 @@ __all__ = [
     "DetokenizeRequest",
     "parse_body",
     "read_body",
+    "check_message_count",
     "MAX_STOP_STRINGS",
     "MAX_BODY_BYTES",
 ]
@@ -69,25 +70,79 @@ _CONTENT_SCHEMA: dict[str, Any] = {"anyOf": [{"type": "string"}, _NULL, {"type":
 }}]}
 
 
-_RESPONSE_FORMAT_SCHEMA: dict[str, Any] = {"type": "object", "required": ["type"], "properties": {
+_RESPONSE_FORMAT_SCHEMA: dict[str, Any] = {"type": "object", "required": ["type"], "additionalProperties": False,
+                                           "properties": {
     "type": {"enum": ["text", "json_object", "json_schema"]},
-    "json_schema": {"type": "object", "properties": {"name": {"type": "string"}, "schema": {"type": "object"},
-                                                     "strict": {"type": ["boolean", "null"]}}}}}
+    "json_schema": {"type": "object", "additionalProperties": False, "properties": {
+        "name": {"type": ["string", "null"]}, "description": {"type": ["string", "null"]},
+        "schema": {"type": ["object", "null"]}, "strict": {"type": ["boolean", "null"]}}}}}
 _STRUCTURED_SCHEMA: dict[str, Any] = {"type": "object", "properties": {
     "json": {"type": ["object", "string"]}, "regex": {"type": "string"},
     "choice": {"type": "array", "items": {"type": "string"}}, "grammar": {"type": "string"},
-    "json_object": {"type": "boolean"}, "disable_any_whitespace": {"type": "boolean"}}}
+    "json_object": {"type": "boolean"}, "disable_any_whitespace": {"type": ["boolean", "null"]}}}
+
+
+_RESPONSE_FORMAT_KEYS: dict[str, frozenset[str]] = {
+    "text": frozenset({"type"}), "json_object": frozenset({"type"}), "json_schema": frozenset({"type", "json_schema"})}
+_JSON_SCHEMA_KEYS = frozenset({"name", "description", "schema", "strict"})
+_LOGIT_BIAS_KEY = re.compile(r"0|[1-9][0-9]{0,9}")
+
+
+def _refuse_keys(mapping: dict[str, Any], allowed: frozenset[str], what: str) -> None:
+    """ValueError naming the first key of ``mapping`` outside ``allowed``."""
+    unknown = next((key for key in mapping if key not in allowed), None)
+    if unknown is not None:
+        raise ValueError(f"unknown key {unknown!r} in {what} (accepted: {', '.join(sorted(allowed))})")
 
 
 def _only(schema: dict[str, Any]) -> dict[str, Any]:
     """``json_schema_extra`` for an optional field that accepts ``schema`` or null."""
     return {"anyOf": [schema, _NULL]}
 
+_MAX_MESSAGES = "max_messages"
+
+
+def check_message_count(count: int, limit: int | None) -> None:
+    """APIError 400 (``context_length_exceeded``, param ``messages``) when a chat has more than ``limit`` messages
+    (None: no limit). Callers pass the context length: a message renders to at least one token, so more messages
+    than that cannot fit, and rendering them would cost CPU for nothing."""
+    if limit is not None and count > limit:
+        raise APIError(400, f"the chat has {count} messages; at most {limit} are accepted (the model's context "
+                       f"holds {limit} tokens, and every message takes at least one)", param="messages",
+                       code="context_length_exceeded")
+
+
+def _bounded_messages(value: Any, info: ValidationInfo) -> Any:
+    """``messages``' before-validator: the count limit of the parse context, checked before any message is."""
+    if isinstance(value, list) and isinstance(info.context, dict):
+        check_message_count(len(value), info.context.get(_MAX_MESSAGES))
+    return value
+
+
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
-class StreamOptions(BaseModel):
-    model_config = _STRICT
+_CLOSED = ConfigDict(strict=True, extra="ignore", json_schema_extra={"additionalProperties": False})
+"""Models that refuse unknown keys themselves (the OpenAPI document says so)."""
+
+
+class _Closed(BaseModel):
+    """A nested request object whose unknown keys are refused (400 naming the key and the accepted ones)."""
+
+    model_config = _CLOSED
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unknown_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            unknown = [key for key in data if key not in cls.model_fields]
+            if unknown:
+                raise ValueError(f"unknown key {unknown[0]!r} (accepted: {', '.join(cls.model_fields)})")
+        return data
+
+
+class StreamOptions(_Closed):
+    """``{"include_usage": bool}``; vLLM's ``continuous_usage_stats`` is not implemented (refused as unknown)."""
 
     include_usage: bool = False
 
@@ -109,6 +164,26 @@ NEUTRAL_EXTRAS: dict[str, tuple[Any, ...]] = {
 other value is a 400 naming the field). Every other unknown field is a 400 too: nothing is silently ignored."""
 
 
+def _refuse_unknown_fields(cls: type[BaseModel], data: Any, neutral: dict[str, tuple[Any, ...]]) -> Any:
+    """``data`` unchanged if every top-level field is one of ``cls``'s or a ``neutral`` one at a neutral value;
+    else APIError 400 naming the field (``code: "invalid_value"``)."""
+    if not isinstance(data, dict):
+        return data
+    for name, value in data.items():
+        if name in cls.model_fields:
+            continue
+        if name in neutral:
+            if not any(value == ok and type(value) is type(ok) or value is ok for ok in neutral[name]):
+                raise APIError(400, f"{name}={_short(value)} is not supported; leave it unset"
+                               + (f" or {neutral[name][1]!r}" if len(neutral[name]) > 1 else ""),
+                               param=name, code="invalid_value")
+            continue
+        hint = "; use tools / tool_choice" if name in ("functions", "function_call") else ""
+        raise APIError(400, f"unknown field {name!r}: gemmaserve does not implement it{hint} (the accepted fields "
+                       "are listed in docs/api.md)", param=name, code="invalid_value")
+    return data
+
+
 class SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions. ``None`` means "the default". A field the
     request models do not define is refused (400 naming it), except :data:`NEUTRAL_EXTRAS` at their neutral
@@ -119,23 +194,7 @@ class SamplingFields(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unknown_fields(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        known = set(cls.model_fields)
-        for name, value in data.items():
-            if name in known:
-                continue
-            if name in NEUTRAL_EXTRAS:
-                if not any(value == neutral and type(value) is type(neutral) or value is neutral
-                           for neutral in NEUTRAL_EXTRAS[name]):
-                    raise APIError(400, f"{name}={value!r} is not supported; leave it unset"
-                                   + (f" or {NEUTRAL_EXTRAS[name][1]!r}" if len(NEUTRAL_EXTRAS[name]) > 1 else ""),
-                                   param=name)
-                continue
-            hint = "; use tools / tool_choice" if name in ("functions", "function_call") else ""
-            raise APIError(400, f"unknown field {name!r}: gemmaserve does not implement it{hint} (the accepted fields "
-                           "are listed in docs/api.md)", param=name)
-        return data
+        return _refuse_unknown_fields(cls, data, NEUTRAL_EXTRAS)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -154,7 +213,7 @@ class SamplingFields(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = Field(None, json_schema_extra=_only({
-        "type": "object", "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+        "type": "object", "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^(0|[1-9][0-9]{0,9})$"},
         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}))
     min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     min_tokens: int | None = Field(None, ge=0)
@@ -188,6 +247,56 @@ class SamplingFields(BaseModel):
         if value is not None and any(not 0 <= token <= _MAX_TOKEN_ID for token in value):
             raise ValueError("stop_token_ids must be non-negative token ids")
         return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        """Keys are canonical decimal token ids (``"0"``, ``"42"``; not ``" 5"``, ``"+5"``, ``"05"``, ``"1_0"``), so
+        no two keys name the same token."""
+        bad = next((key for key in value or () if not _LOGIT_BIAS_KEY.fullmatch(key)), None)
+        if bad is not None:
+            raise ValueError(f"key {_short(bad)} is not a token id: keys are token ids written in decimal digits "
+                             "without sign, spaces or leading zeros (\"0\", \"42\"), at most 10 digits")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _check_response_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        """OpenAI's shapes only: ``{"type": "text" | "json_object"}`` or ``{"type": "json_schema", "json_schema":
+        {"name", "description", "schema", "strict"}}``; any other key is refused."""
+        if value is None:
+            return value
+        kind = value.get("type")
+        allowed = _RESPONSE_FORMAT_KEYS.get(kind) if isinstance(kind, str) else None
+        if allowed is None:
+            raise ValueError(f"type must be one of {', '.join(_RESPONSE_FORMAT_KEYS)}, got {_short(kind)}")
+        _refuse_keys(value, allowed, f"a {kind!r} response_format")
+        spec = value.get("json_schema")
+        if kind == "json_schema":
+            if not isinstance(spec, dict):
+                raise ValueError('type "json_schema" needs a "json_schema" object {"name", "schema", "strict"}')
+            _refuse_keys(spec, _JSON_SCHEMA_KEYS, "json_schema")
+            for key, types, accepted in (("strict", (bool,), "a boolean"), ("name", (str,), "a string"),
+                                         ("description", (str,), "a string"), ("schema", (dict,), "an object")):
+                if spec.get(key) is not None and not isinstance(spec[key], types):
+                    raise ValueError(f"json_schema.{key} must be {accepted} or null, got {_short(spec[key])}")
+        return value
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _check_structured_flags(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        flag = (value or {}).get("disable_any_whitespace")
+        if flag is not None and not isinstance(flag, bool):
+            raise ValueError(f"disable_any_whitespace must be a boolean, got {_short(flag)}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options applies to streamed responses only; send it with stream: true or "
+                           "leave it unset (a non-streamed response always carries usage)", param="stream_options",
+                           code="invalid_value")
+        return self
 
     @field_validator("n")
     @classmethod
@@ -267,6 +376,16 @@ class CompletionRequest(SamplingFields):
             raise ValueError("suffix (insertion) is not supported; leave it unset")
         return value
 
+    @model_validator(mode="after")
+    def _check_echo_logprobs(self) -> CompletionRequest:
+        """``echo`` with ``logprobs`` would need the prompt tokens' logprobs (OpenAI and vLLM return them first),
+        which the engine does not compute: refused rather than answered with the generated tokens' only."""
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs is not supported: the prompt tokens' logprobs (which echo adds "
+                           "to the logprobs) are not computed; send echo without logprobs, or logprobs without "
+                           "echo", param="echo", code="invalid_value")
+        return self
+
 
 _ECHOED_REPLY_FIELDS = frozenset({"refusal", "annotations", "audio", "function_call"})
 
@@ -328,17 +447,13 @@ class ChatMessage(BaseModel):
         return out
 
 
-class MessageFunction(BaseModel):
-    model_config = _STRICT
-
+class MessageFunction(_Closed):
     name: str = Field(min_length=1)
     arguments: str = "{}"
 
 
-class MessageToolCall(BaseModel):
+class MessageToolCall(_Closed):
     """An earlier call in the conversation (an assistant message's ``tool_calls`` entry)."""
-
-    model_config = _STRICT
 
     id: str | None = None
     type: Literal["function"] = "function"
@@ -347,12 +462,12 @@ class MessageToolCall(BaseModel):
     def as_template_dict(self) -> dict[str, Any]:
         try:
             arguments = json.loads(self.function.arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise APIError(400, f"tool call {self.function.name!r}: arguments must be a JSON object text, got "
-                           f"{self.function.arguments[:80]!r}", param="messages") from None
+                           f"{self.function.arguments[:80]!r}", param="messages", code="invalid_value") from None
         if not isinstance(arguments, dict):
             raise APIError(400, f"tool call {self.function.name!r}: arguments must be a JSON object",
-                           param="messages")
+                           param="messages", code="invalid_value")
         return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
 
 
@@ -361,9 +476,7 @@ MAX_TOOLS = 128
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 
-class FunctionDefinition(BaseModel):
-    model_config = _STRICT
-
+class FunctionDefinition(_Closed):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -377,10 +490,8 @@ class FunctionDefinition(BaseModel):
         return value
 
 
-class ToolDefinition(BaseModel):
+class ToolDefinition(_Closed):
     """One entry of ``tools``: ``{"type": "function", "function": {"name", "description", "parameters"}}``."""
-
-    model_config = _STRICT
 
     type: Literal["function"]
     function: FunctionDefinition
@@ -462,6 +573,11 @@ class ChatCompletionRequest(ChatTemplateOptions, SamplingFields):
                                                         "properties": {"name": {"type": "string"}}}}}]}))
     parallel_tool_calls: bool | None = None
 
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _count_messages(cls, value: Any, info: ValidationInfo) -> Any:
+        return _bounded_messages(value, info)
+
     @property
     def tool_mode(self) -> str | None:
         """None (no tools, or ``tool_choice: "none"``), ``"auto"``, ``"required"``, or the one function's name
@@ -474,16 +590,16 @@ class ChatCompletionRequest(ChatTemplateOptions, SamplingFields):
             return None
         if choice in ("auto", "required"):
             if not names:
-                raise APIError(400, f'tool_choice "{choice}" needs tools', param="tool_choice")
+                raise APIError(400, f'tool_choice "{choice}" needs tools', param="tool_choice", code="invalid_value")
             return str(choice)
         if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
             name = choice["function"].get("name")
             if name in names:
                 return str(name)
             raise APIError(400, f"tool_choice names function {name!r}, which is not among the tools "
-                           f"({', '.join(names) or 'none given'})", param="tool_choice")
+                           f"({', '.join(names) or 'none given'})", param="tool_choice", code="invalid_value")
         raise APIError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
-                       '{"name": ...}}', param="tool_choice")
+                       '{"name": ...}}', param="tool_choice", code="invalid_value")
 
     @property
     def tool_functions(self) -> list[dict[str, Any]]:
@@ -517,7 +633,12 @@ class TokenizeRequest(ChatTemplateOptions):
     renders them). vLLM options gemmaserve does not implement are refused unless left at their default:
     ``return_token_strs``, ``chat_template``, ``tools``, ``mm_processor_kwargs``."""
 
-    model_config = _STRICT
+    model_config = _CLOSED
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unknown_fields(cls, data: Any) -> Any:
+        return _refuse_unknown_fields(cls, data, {})
 
     model: str | None = None
     prompt: str | None = None
@@ -529,6 +650,11 @@ class TokenizeRequest(ChatTemplateOptions):
     chat_template: str | None = Field(None, json_schema_extra=_NULL)
     tools: list[Any] | None = Field(None, json_schema_extra=_NULL)
     mm_processor_kwargs: dict[str, Any] | None = Field(None, json_schema_extra=_NULL)
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _count_messages(cls, value: Any, info: ValidationInfo) -> Any:
+        return _bounded_messages(value, info)
 
     @field_validator("return_token_strs")
     @classmethod
@@ -546,21 +672,32 @@ class TokenizeRequest(ChatTemplateOptions):
 
     @model_validator(mode="after")
     def _one_shape(self) -> TokenizeRequest:
+        """One of the two shapes; APIError naming the field that does not belong."""
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("send either 'prompt' (a string) or 'messages' (a chat), not both and not neither")
+            raise APIError(400, "send either 'prompt' (a string) or 'messages' (a chat), not both and not neither",
+                           param="prompt" if self.prompt is None else "messages",
+                           code="missing_field" if self.prompt is None else "invalid_value")
         if self.messages is not None and self.add_special_tokens:
-            raise ValueError("add_special_tokens is not supported with messages: the chat template adds them")
-        if self.prompt is not None and (self.add_generation_prompt is not None or self.continue_final_message
-                                        is not None or self.chat_template_kwargs is not None):
-            raise ValueError("add_generation_prompt, continue_final_message and chat_template_kwargs apply to "
-                             "messages only")
+            raise APIError(400, "add_special_tokens is not supported with messages: the chat template adds them",
+                           param="add_special_tokens", code="invalid_value")
+        chat_only = [name for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+                     if getattr(self, name) is not None]
+        if self.prompt is not None and chat_only:
+            raise APIError(400, f"{chat_only[0]} applies to messages only (add_generation_prompt, "
+                           "continue_final_message and chat_template_kwargs); leave it unset with a prompt",
+                           param=chat_only[0], code="invalid_value")
         return self
 
 
 class DetokenizeRequest(BaseModel):
-    """POST /detokenize: ``{model?, tokens}`` -> ``{prompt}`` (vLLM's shape)."""
+    """POST /detokenize: ``{model?, tokens}`` -> ``{prompt}`` (vLLM's shape); other fields are refused."""
 
-    model_config = _STRICT
+    model_config = _CLOSED
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unknown_fields(cls, data: Any) -> Any:
+        return _refuse_unknown_fields(cls, data, {})
 
     model: str | None = None
     tokens: list[int] = Field(json_schema_extra=_TOKEN_IDS)
@@ -594,12 +731,13 @@ def _too_large(size: int, limit: int) -> APIError:
                     param="body", code="body_too_large")
 
 
-def parse_body(model: type[BodyT], raw: bytes) -> BodyT:
-    """Validate a JSON request body. Raises APIError(400) naming the first bad field."""
+def parse_body(model: type[BodyT], raw: bytes, max_messages: int | None = None) -> BodyT:
+    """Validate a JSON request body. Raises APIError(400) naming the first bad field. ``max_messages``: a chat of
+    more messages is refused before any message is validated (see :func:`check_message_count`)."""
     if not raw.strip():
         raise APIError(400, "the request body is empty; send a JSON object", param="body", code="invalid_json")
     try:
-        return model.model_validate_json(raw)
+        return model.model_validate_json(raw, context={_MAX_MESSAGES: max_messages})
     except ValidationError as exc:
         raise _as_api_error(exc) from None
 
@@ -610,7 +748,12 @@ def _as_api_error(exc: ValidationError) -> APIError:
     param = ".".join(loc) or "body"
     kind = error.get("type", "")
     if kind == "json_invalid":
-        return APIError(400, f"the request body is not valid JSON: {error['msg']}", param="body", code="invalid_json")
+        detail = str(error["msg"]).removeprefix("Invalid JSON: ")
+        if "surrogate" in detail or "hex escape" in detail:
+            where = detail[detail.find(" at line "):] if " at line " in detail else ""
+            detail = (f"invalid \\u escape{where}: a lone UTF-16 surrogate (\\ud800-\\udfff not written as a "
+                      "high-low pair) or a \\u without 4 hex digits; JSON strings must be valid Unicode")
+        return APIError(400, f"the request body is not valid JSON: {detail}", param="body", code="invalid_json")
     if kind == "missing":
         return APIError(400, f"'{param}' is required", param=param, code="missing_field")
     message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
@@ -619,7 +762,7 @@ def _as_api_error(exc: ValidationError) -> APIError:
     if not loc and kind == "value_error":  # a check across fields (model validator)
         return APIError(400, message, param="body", code="invalid_value")
     if not loc:
-        return APIError(400, f"the request body must be a JSON object: {message}", param="body")
+        return APIError(400, f"the request body must be a JSON object: {message}", param="body", code="invalid_value")
     return APIError(400, f"invalid '{param}': {message}", param=param, code="invalid_value")
 
 
