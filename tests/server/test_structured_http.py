@@ -74,3 +74,32 @@ def test_bad_schema_is_a_400_naming_the_field(client) -> None:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=5,
                                        response_format=_schema_format({"type": "objectx"}))
     assert caught.value.body["param"] == "structured_outputs" and "objectx" in caught.value.body["message"]
+
+
+def test_a_constraint_beyond_the_engines_limits_is_a_400_compiled_off_the_event_loop(client, monkeypatch) -> None:
+    """A 40-byte regex whose lexer llguidance cannot build within its fuel is refused with a 400 naming the limit,
+    compiled on the server's preparing threads (never on the event loop or the engine thread); a valid
+    constraint compiled there runs on."""
+    import threading
+
+    from gemmaserve.structured.grammar import GrammarCompiler
+
+    threads: list[str] = []
+    prepare = GrammarCompiler.prepare
+
+    def recording(self, spec):
+        if spec.key not in self._cache:  # a compilation (a cached template is only looked up)
+            threads.append(threading.current_thread().name)
+        return prepare(self, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "prepare", recording)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=5,
+                                  extra_body={"structured_outputs": {"regex": "((a{100}){100}){100}"}})
+    error = refused.value.body
+    assert "exceeds what the constraint engine accepts" in error["message"]
+    assert error["param"] == "structured_outputs" and error["code"] == "invalid_value"
+    out = client.completions.create(model=MODEL, prompt="x", max_tokens=20, temperature=1.0, seed=2,
+                                    extra_body={"structured_outputs": {"regex": "[0-9]{4}"}})
+    assert re.fullmatch("[0-9]{4}", out.choices[0].text) and out.choices[0].finish_reason == "stop"
+    assert threads and all(name.startswith("gemmaserve-prepare") for name in threads), threads

@@ -374,6 +374,13 @@ class _Server:
             body, prepared = await self.offload(self._prepare, raw, endpoint)
         else:
             body, prepared = self._prepare(raw, endpoint)
+        spec = prepared.params.structured_outputs
+        if spec is not None:  # compiled here, off the event loop; the engine's submit then only copies it
+            try:
+                await self.offload(self.engine.compile_constraint, spec)
+            except GemmaserveError as exc:
+                raise from_engine_error(exc, engine_alive=self.engine.is_alive(), prompt_param=prepared.prompt_param,
+                                        prompt_fits=True) from None
         return await self._handle_choices(request, endpoint, body, prepared, timing)
 
     def _prepare(self, raw: bytes, endpoint: str) -> tuple[CompletionRequest | ChatCompletionRequest, Prepared]:

@@ -299,12 +299,17 @@ class GrammarCompiler:
         constraint engine it exceeds (refusals are remembered too, so a repeated one costs no second compile).
         The first mask is computed here (see :func:`_first_step`), on the caller's thread: a request's first
         step on the engine thread then finds the lexer built."""
+        return TokenConstraint(self.prepare(spec).deep_copy(), spec.kind, self._mask_bytes)
+
+    def prepare(self, spec: StructuredOutputs) -> Any:
+        """``spec``'s compiled template (llguidance's matcher at the start; compiled and cached now if it is not
+        yet): what :meth:`compile` copies. Raises InvalidRequestError as :meth:`compile` does."""
         key = spec.key
         with self._lock:
             template = self._cache.get(key)
             if template is not None:
                 self._cache.move_to_end(key)
-                return TokenConstraint(template.deep_copy(), spec.kind, self._mask_bytes)
+                return template
             refusal = self._refused.get(key)
             if refusal is not None:
                 self._refused.move_to_end(key)
@@ -322,7 +327,7 @@ class GrammarCompiler:
             self._cache[key] = template
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
-        return TokenConstraint(template.deep_copy(), spec.kind, self._mask_bytes)
+        return template
 
 
 def _template(vocabulary: Any, spec: StructuredOutputs) -> Any:
