@@ -194,9 +194,10 @@ def _check_template_input(messages: list[dict[str, Any]], options: dict[str, Any
 
 
 def _rendered_chars(value: Any, budget: int) -> int:
-    """An upper bound on what ``value`` (JSON data) adds to a rendered template when it is written out: the
-    length of every string (object keys included), the digits of numbers, 1 per container, null or bool. Stops
-    counting once past ``budget`` (iterative: no recursion limit)."""
+    """The characters ``value`` (JSON data) takes when a template writes it out whole, counted low (what a refusal
+    may rely on): the length of every string (object keys included), the digits of numbers, 1 per container,
+    null or bool; quotes and separators are not counted. Stops counting once past ``budget`` (iterative: no
+    recursion limit)."""
     total = 0
     stack = [value]
     while stack and total <= budget:
