@@ -262,11 +262,37 @@ def build_settings(
     The one construction path for core and plugin settings. Raises :class:`ConfigurationError`
     listing every invalid field with the value given and what is accepted.
     """
+    if env_prefix:
+        check_prefixed_names(settings_class, env_prefix, title)
     clean = {key: value for key, value in overrides.items() if value is not None}
     try:
         return settings_class(**clean)
     except ValidationError as exc:
         raise ConfigurationError(format_validation_error(exc, title=title, env_prefix=env_prefix)) from None
+
+
+def check_prefixed_names(settings_class: type[BaseSettings], env_prefix: str, title: str) -> None:
+    """Raise ConfigurationError for every variable of the environment or the ``.env`` file that starts with
+    ``env_prefix`` but names no setting of ``settings_class`` (a misspelt variable would otherwise be ignored:
+    ``CUSTOM_BACKEND_CUDA_GRAPHS=0`` leaves the graphs on), with the closest accepted name. Names compare
+    case-insensitively, as pydantic-settings reads them."""
+    import difflib
+    import os
+
+    accepted = {f"{env_prefix}{name}".upper() for name in settings_class.model_fields}
+    given = {key.upper() for key in os.environ}
+    env_file = settings_class.model_config.get("env_file")
+    if isinstance(env_file, str) and os.path.isfile(env_file):
+        from dotenv import dotenv_values
+
+        given |= {key.upper() for key in dotenv_values(env_file)}
+    unknown = sorted(key for key in given if key.startswith(env_prefix.upper()) and key not in accepted)
+    if unknown:
+        lines = [f"invalid {title}: unknown variable(s); accepted: {', '.join(sorted(accepted))}"]
+        for key in unknown:
+            close = difflib.get_close_matches(key, sorted(accepted), n=1)
+            lines.append(f"  {key} is not a setting" + (f" (did you mean {close[0]}?)" if close else ""))
+        raise ConfigurationError("\n".join(lines))
 
 
 def load_settings(**overrides: Any) -> CoreSettings:

@@ -179,6 +179,25 @@ def test_settings_from_env_and_validation(monkeypatch):
         resolve_attention("triton", "cpu", True)
 
 
+def test_a_misspelt_custom_backend_variable_is_refused_with_the_closest_name(monkeypatch, tmp_path):
+    """A CUSTOM_BACKEND_* variable that names no setting (in the environment or the .env file) is refused, naming
+    it and the setting it was probably meant to be, instead of being ignored (the graphs would stay on)."""
+    monkeypatch.setenv("CUSTOM_BACKEND_CUDA_GRAPHS", "0")
+    with pytest.raises(ConfigurationError, match=r"CUSTOM_BACKEND_CUDA_GRAPHS is not a setting \(did you mean "
+                                                 r"CUSTOM_BACKEND_CUDA_GRAPH\?\)"):
+        load_custom_settings()
+    monkeypatch.delenv("CUSTOM_BACKEND_CUDA_GRAPHS")
+    monkeypatch.setenv("custom_backend_cuda_graph", "0")  # names are case-insensitive, as pydantic-settings reads
+    assert load_custom_settings().cuda_graph is False
+    monkeypatch.delenv("custom_backend_cuda_graph")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".env").write_text("CUSTOM_BACKEND_KV_BLOKS=12\n")
+    with pytest.raises(ConfigurationError, match="CUSTOM_BACKEND_KV_BLOKS is not a setting .*CUSTOM_BACKEND_KV_BLOCKS"):
+        load_custom_settings()
+    (tmp_path / ".env").write_text("CUSTOM_BACKEND_KV_BLOCKS=12\n")
+    assert load_custom_settings().kv_blocks == 12
+
+
 def test_factory_reads_env_and_budget_errors_are_clear(tiny_gemma4_dir, monkeypatch):
     monkeypatch.setenv("CUSTOM_BACKEND_KV_BLOCKS", "10")
     monkeypatch.setenv("CUSTOM_BACKEND_BLOCK_SIZE", "8")
