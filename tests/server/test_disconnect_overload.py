@@ -95,3 +95,38 @@ def test_full_queue_gives_429_with_retry_after(served: Any) -> None:
     assert results["queued"].json()["usage"]["completion_tokens"] >= 1
     assert_all_freed(engine, backend)
     assert httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "after", "max_tokens": 2}).status_code == 200
+
+
+def test_choices_that_do_not_all_fit_the_queue_are_refused_together() -> None:
+    """n choices are queued together: with room for two and n=3, the request gets 429 and none of its choices
+    was queued (nothing cancelled, the waiting request untouched); with room for all three they all run."""
+    backend = ReferenceBackend(kv_capacity_tokens=4096, decode_delay_s=SLOW_DECODE_S)
+    engine = reference_engine(backend, max_batch_size=1, max_waiting_requests=3)
+    server = ThreadedServer(create_app(engine, "tiny-ref"))
+    results: dict[str, Any] = {}
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=30) as client:
+            with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as running:
+                lines = running.iter_lines()
+                next(line for line in lines if line.startswith("data: "))  # admitted, decoding
+
+                def queued() -> None:
+                    results["queued"] = httpx.post(f"{server.base_url}/v1/completions", timeout=30,
+                                                   json={"prompt": "queued", "max_tokens": 3})
+
+                waiter = threading.Thread(target=queued)
+                waiter.start()
+                wait_until(lambda: engine.stats().waiting == 1, 10, "the second request to queue")
+                rejected = client.post("/v1/completions", json={"prompt": "three", "max_tokens": 3, "n": 3})
+                assert rejected.status_code == 429, rejected.text
+                assert engine.stats().waiting == 1 and "cancelled" not in engine.stats().finished
+            waiter.join(timeout=30)
+        assert results["queued"].status_code == 200
+        both = httpx.post(f"{server.base_url}/v1/completions", timeout=30,
+                          json={"prompt": "three", "max_tokens": 3, "n": 3})
+        assert both.status_code == 200 and len(both.json()["choices"]) == 3
+        assert engine.stats().finished.get("cancelled", 0) == 1  # the stream this test closed, nothing else
+        assert_all_freed(engine, backend)
+    finally:
+        server.stop()
+        engine.shutdown(timeout=10)

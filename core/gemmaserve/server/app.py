@@ -397,13 +397,14 @@ class _Server:
         self.check_n(completion.n)
         return completion, prepare_completion(completion, self.tokenizer, self.context_limit, self.render_pool)
 
-    def _submit(self, prepared: Prepared, timing: Timing) -> Generation:
+    def _submit(self, prepared: Sequence[Prepared], timings: Sequence[Timing]) -> list[Generation]:
+        """The choices' generations, queued together (all or none)."""
         try:
-            return Generation(self.engine, self.tokenizer, prepared, timing=timing)
+            return Generation.submit_many(self.engine, self.tokenizer, prepared, timings)
         except GemmaserveError as exc:
-            fits = len(prepared.prompt_ids) < self.context_limit
+            fits = len(prepared[0].prompt_ids) < self.context_limit
             alive = self.engine.is_alive()
-            param = prepared.prompt_param
+            param = prepared[0].prompt_param
             raise from_engine_error(exc, engine_alive=alive, prompt_param=param, prompt_fits=fits) from None
 
     async def _handle_choices(self, request: Request, endpoint: str, body: Any, prepared: Prepared,
@@ -412,16 +413,9 @@ class _Server:
         given), answered as one response whose ``choices`` carry their ``index``; usage counts the prompt once.
         Streamed, the choices' chunks interleave as their tokens arrive."""
         n = body.n or 1
-        generations: list[Generation] = []
-        try:
-            every = dataclasses.replace(prepared.params, n=n)
-            for i in range(n):
-                generations.append(self._submit(dataclasses.replace(prepared, params=every.for_sample(i)),
-                                                timing if i == 0 else Timing(start=timing.start)))
-        except BaseException:
-            for generation in generations:
-                generation.close()
-            raise
+        every = dataclasses.replace(prepared.params, n=n)
+        generations = self._submit([dataclasses.replace(prepared, params=every.for_sample(i)) for i in range(n)],
+                                   [timing, *(Timing(start=timing.start) for _ in range(n - 1))])
         views = [_View.create(endpoint, generation, body, self) for generation in generations]
         group = _Choices(generations)
         try:

@@ -103,9 +103,25 @@ class Generation:
     """Submits ``prepared`` on construction (engine validation errors raise right here, as
     :class:`~gemmaserve.errors.GemmaserveError`), then :meth:`next_step` yields text steps until
     the generation is over. Stop strings end it early (the engine request is cancelled); a
-    cancelled or failed engine request raises :class:`APIError` or :class:`ClientDisconnected`."""
+    cancelled or failed engine request raises :class:`APIError` or :class:`ClientDisconnected`.
+    :meth:`submit_many` queues several at once (a request's ``n`` choices: all or none)."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, prepared: Prepared, *, timing: Timing) -> None:
+    @classmethod
+    def submit_many(cls, engine: Engine, tokenizer: Tokenizer, prepared: Sequence[Prepared],
+                    timings: Sequence[Timing]) -> list[Generation]:
+        """One generation per ``prepared[i]``, queued together through ``Engine.submit_many``: a validation error
+        or a queue without room for all of them raises (as the constructor does) with none of them queued, so a
+        refused request leaves no cancelled choices behind. They share ``prepared[0].want_logprobs``."""
+        generations = [cls(engine, tokenizer, p, timing=t, submit=False) for p, t in zip(prepared, timings)]
+        handles = engine.submit_many([g.prepared.prompt_ids for g in generations],
+                                     [g.prepared.params for g in generations], [g.request_id for g in generations],
+                                     [g._on_event for g in generations], logprobs=prepared[0].want_logprobs)
+        for generation, handle in zip(generations, handles):
+            generation._handle, generation._engine_done = handle, False
+        return generations
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, prepared: Prepared, *, timing: Timing,
+                 submit: bool = True) -> None:
         self.prepared = prepared
         self.timing = timing
         self.request_id = uuid.uuid4().hex
@@ -132,6 +148,10 @@ class Generation:
             except RuntimeError:  # the loop is closed: nobody will read this request any more
                 engine.cancel(event.request_id)
 
+        self._on_event = on_event
+        if not submit:  # submit_many queues it; until then there is no engine request to cancel
+            self._engine_done = True
+            return
         self._handle = engine.submit(
             prepared.prompt_ids, prepared.params, self.request_id, on_event, logprobs=prepared.want_logprobs
         )
