@@ -359,3 +359,21 @@ def test_a_constraint_compiled_ahead_is_only_copied_when_its_request_is_submitte
         engine.shutdown(timeout=10)
     assert not compiled
     assert out.finish_reason == FinishReason.STOP and re.fullmatch("[a-c]{5}", backend.tokenizer.decode(out.token_ids))
+
+
+def test_a_gbnf_grammar_of_too_many_rules_is_refused_before_conversion() -> None:
+    """GBNF converts to Lark in Python in time quadratic in its rules: more than 500 rules are refused at once,
+    naming Lark syntax as the way to write a larger grammar, which is accepted at that size."""
+    import time
+
+    compiler = _reference_compiler()
+    rules = 600
+    gbnf = "root ::= r0\n" + "\n".join(f'r{i} ::= "a" r{i + 1} | "b"' for i in range(rules)) + f'\nr{rules} ::= "c"'
+    start = time.perf_counter()
+    with pytest.raises(InvalidRequestError, match=r"^structured_outputs.grammar defines 602 GBNF rules; at most 500 .* Lark syntax"):
+        compiler.compile(StructuredOutputs(grammar=gbnf))
+    assert time.perf_counter() - start < 1.0
+    lark = "start: r0\n" + "\n".join(f'r{i}: "a" r{i + 1} | "b"' for i in range(rules)) + f'\nr{rules}: "c"'
+    compiler.compile(StructuredOutputs(grammar=lark))
+    small = "root ::= item+\nitem ::= [a-c]"
+    compiler.compile(StructuredOutputs(grammar=small))
