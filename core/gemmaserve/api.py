@@ -88,6 +88,9 @@ class LLM:
         from gemmaserve.hf_tokenizer import configure_chat_template, read_chat_template
 
         _check_options(overrides)
+        if settings is not None and not isinstance(settings, CoreSettings):
+            raise TypeError(f"LLM(settings=...) takes a gemmaserve.settings.CoreSettings, got "
+                            f"{type(settings).__name__}; pass its fields as keywords instead (LLM(model=..., ...))")
         given = sorted([*(name for name in overrides if name in CoreSettings.model_fields),
                         *(name for name, value in (("model", model), ("backend", backend), ("device", device))
                           if value is not None)])
@@ -119,6 +122,9 @@ class LLM:
             _check_unicode(prompt)
             check_text_can_fit(len(prompt), self.tokenizer, self.engine.scheduler.max_model_len)
             return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (bytes, bytearray, memoryview)):
+            raise InvalidRequestError(f"a prompt must be a string or a list of token IDs (ints), got "
+                                      f"{type(prompt).__name__} (its bytes are not token IDs): decode it to str")
         if isinstance(prompt, Sequence):
             vocab_size = self.engine.backend.model_info.vocab_size
             for position, token in enumerate(prompt):
@@ -140,6 +146,8 @@ class LLM:
         )
 
     def _normalize(self, prompts: PromptInput | Sequence[PromptInput]) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompts, (bytes, bytearray, memoryview)):
+            return [self.encode_prompt(prompts)]  # type: ignore[arg-type]  # refused there, with the reason
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts)
         ):
@@ -158,7 +166,7 @@ class LLM:
         ``n`` > 1 runs n samples (``SamplingParams.for_sample``; they share its prefill through the prefix cache);
         its output is sample 0 and holds all of them in ``outputs``."""
         encoded = self._normalize(prompts)
-        params = sampling_params or SamplingParams()
+        params = SamplingParams() if sampling_params is None else sampling_params
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(encoded)
         if len(params_list) != len(encoded):
             raise InvalidRequestError(f"{len(params_list)} SamplingParams given for {len(encoded)} prompts")
@@ -189,7 +197,7 @@ class LLM:
     def stream(self, prompt: PromptInput, sampling_params: SamplingParams | None = None) -> Iterator[StreamChunk]:
         """Yield text as it is generated. Stopping the iteration early cancels the request."""
         text, prompt_ids = self.encode_prompt(prompt)
-        params = sampling_params or SamplingParams()
+        params = SamplingParams() if sampling_params is None else sampling_params
         _check_params(params)
         if params.n != 1:
             raise InvalidRequestError(f"stream() yields one sample; got n={params.n}: use generate() for n > 1, "
@@ -343,6 +351,10 @@ VLLM_OPTIONS_NOT_IMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
 what gemmaserve does anyway; anything else is a ConfigurationError (never silently ignored)."""
 
 _LLM_PARAMETERS = ("model", "backend", "device", "settings", "engine")
+_SERVER_ONLY = ("api_key", "allowed_hosts", "allowed_origins", "enable_debug_endpoints", "host", "port",
+                "timeout_keep_alive", "client_header_timeout", "client_body_timeout", "limit_concurrency",
+                "shutdown_timeout", "served_model_name", "default_max_tokens", "tool_call_parser", "reasoning_parser")
+"""Core settings only the HTTP server reads: an offline ``LLM(...)`` keyword for one of them would do nothing."""
 
 
 def _check_options(options: dict[str, Any]) -> None:
@@ -353,6 +365,9 @@ def _check_options(options: dict[str, Any]) -> None:
 
     known = tuple(CoreSettings.model_fields)
     for name, value in options.items():
+        if name in _SERVER_ONLY:
+            raise ConfigurationError(f"LLM({name}=...) configures the HTTP server (`gemmaserve serve`, "
+                                     f"{name.upper()}); the offline LLM serves no HTTP: drop it")
         if name in known:
             continue
         if name in VLLM_OPTIONS_NOT_IMPLEMENTED:

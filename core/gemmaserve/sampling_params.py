@@ -113,6 +113,8 @@ class SamplingParams:
         """Raise :class:`InvalidRequestError` naming the first bad field and the accepted range."""
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             raise InvalidRequestError(f"n must be an integer in [1, {MAX_N}] (samples of the prompt), got {self.n!r}")
         if not _is_real(self.temperature) or not (0.0 <= self.temperature <= 100.0):

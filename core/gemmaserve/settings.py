@@ -226,6 +226,15 @@ class CoreSettings(BaseSettings):
     def _dump_kv_events_config(self, value: KVEventsConfig | None) -> dict[str, Any] | None:
         return None if value is None else dataclasses.asdict(value)
 
+    @field_validator("host")
+    @classmethod
+    def _check_host(cls, value: str) -> str:
+        """A blank bind address would listen on every interface: say so instead of doing it."""
+        if not value.strip():
+            raise ValueError("the bind address is empty; give one, e.g. 127.0.0.1 (this machine only) or 0.0.0.0 "
+                             "(every IPv4 interface)")
+        return value
+
     @field_validator("device", "dtype", "log_level", mode="before")
     @classmethod
     def _lower(cls, value: Any) -> Any:
@@ -269,6 +278,8 @@ def build_settings(
         return settings_class(**clean)
     except ValidationError as exc:
         raise ConfigurationError(format_validation_error(exc, title=title, env_prefix=env_prefix)) from None
+    except UnicodeDecodeError as exc:  # the .env file
+        raise ConfigurationError(f"cannot read {title} from .env: it is not UTF-8 text ({exc})") from None
 
 
 def check_prefixed_names(settings_class: type[BaseSettings], env_prefix: str, title: str) -> None:
@@ -285,7 +296,10 @@ def check_prefixed_names(settings_class: type[BaseSettings], env_prefix: str, ti
     if isinstance(env_file, str) and os.path.isfile(env_file):
         from dotenv import dotenv_values
 
-        given |= {key.upper() for key in dotenv_values(env_file)}
+        try:
+            given |= {key.upper() for key in dotenv_values(env_file)}
+        except UnicodeDecodeError as exc:
+            raise ConfigurationError(f"cannot read {title} from .env: it is not UTF-8 text ({exc})") from None
     unknown = sorted(key for key in given if key.startswith(env_prefix.upper()) and key not in accepted)
     if unknown:
         lines = [f"invalid {title}: unknown variable(s); accepted: {', '.join(sorted(accepted))}"]

@@ -61,3 +61,42 @@ def test_settings_with_other_settings_is_a_type_error() -> None:
         LLM(settings=settings, max_batch_size=8)
     with pytest.raises(TypeError, match="model"):
         LLM("/some/model", settings=settings)
+
+
+@pytest.mark.parametrize("prompt", [b"Hello", bytearray(b"Hi")])
+def test_a_bytes_prompt_is_refused_not_read_as_token_ids(llm: LLM, prompt: bytes) -> None:
+    """bytes are a Sequence of ints: they used to run as token ids (their byte values)."""
+    with pytest.raises(InvalidRequestError, match="decode it to str"):
+        llm.generate(prompt, SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="decode it to str"):
+        llm.generate([prompt, "text"], SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="decode it to str"):
+        list(llm.stream(prompt, SamplingParams(max_tokens=2)))
+
+
+def test_an_empty_list_of_sampling_params_is_not_the_default(llm: LLM) -> None:
+    with pytest.raises(InvalidRequestError, match="0 SamplingParams given for 2 prompts"):
+        llm.generate(["a", "b"], [])
+    with pytest.raises(InvalidRequestError, match="must be SamplingParams"):
+        list(llm.stream("a", []))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", ["no", "false", None, 0, 1])
+def test_ignore_eos_must_be_a_bool(llm: LLM, value: object) -> None:
+    with pytest.raises(InvalidRequestError, match="ignore_eos must be a bool"):
+        llm.generate("a", SamplingParams(max_tokens=2, ignore_eos=value))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name, value", [("port", 1), ("api_key", "secret"), ("host", "0.0.0.0"),
+                                         ("allowed_origins", "*"), ("limit_concurrency", 4)])
+def test_http_server_settings_are_refused_offline(name: str, value: object) -> None:
+    """Keywords that only the HTTP server reads would do nothing in an offline LLM: refused, naming the server."""
+    from gemmaserve.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=rf"LLM\({name}=\.\.\.\) configures the HTTP server"):
+        LLM(backend="reference", device="cpu", **{name: value})
+
+
+def test_settings_must_be_core_settings() -> None:
+    with pytest.raises(TypeError, match="takes a gemmaserve.settings.CoreSettings, got dict"):
+        LLM(settings={"max_batch_size": 2})  # type: ignore[arg-type]

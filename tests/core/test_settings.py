@@ -70,3 +70,20 @@ def test_shutdown_timeout_default_and_zero(monkeypatch: pytest.MonkeyPatch) -> N
     assert load_settings().shutdown_timeout == 0.0
     with pytest.raises(ConfigurationError, match="SHUTDOWN_TIMEOUT"):
         load_settings(shutdown_timeout=-1)
+
+
+@pytest.mark.parametrize("host", ["", " ", "\t"])
+def test_a_blank_bind_address_is_refused(monkeypatch: pytest.MonkeyPatch, host: str) -> None:
+    """HOST= (a blank line in a .env or a container template) used to listen on every interface."""
+    monkeypatch.setenv("HOST", host)
+    with pytest.raises(ConfigurationError, match="HOST=.*the bind address is empty"):
+        load_settings()
+    with pytest.raises(ConfigurationError, match="the bind address is empty"):
+        load_settings(host=host)
+
+
+def test_a_dotenv_that_is_not_utf8_is_a_configuration_error(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".env").write_bytes(b"MAX_BATCH_SIZE=2\n\xff\xfe=1\n")
+    with pytest.raises(ConfigurationError, match="cannot read settings from .env: it is not UTF-8"):
+        load_settings()
