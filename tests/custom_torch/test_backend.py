@@ -198,6 +198,26 @@ def test_a_misspelt_custom_backend_variable_is_refused_with_the_closest_name(mon
     assert load_custom_settings().kv_blocks == 12
 
 
+@pytest.mark.parametrize("field, value", [("vocab_size", 600), ("hidden_size", 40)])
+def test_a_config_that_disagrees_with_the_weights_is_a_load_error_naming_both(tiny_gemma4_dir, tmp_path, field, value):
+    """config.json edited away from the weights (a size the tensors do not have): ModelLoadError naming the weight,
+    its shape in the checkpoint and the shape config.json implies, not load_state_dict's RuntimeError."""
+    import shutil
+
+    from gemmaserve.errors import ModelLoadError
+
+    folder = tmp_path / "edited"
+    shutil.copytree(tiny_gemma4_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    target = config.get("text_config", config)
+    target[field] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    settings = CoreSettings(model=str(folder), device="cpu", dtype="float32", max_batch_size=2)
+    with pytest.raises(ModelLoadError, match=r"config.json disagrees with the weights \(.* in the checkpoint but .* by "
+                                             r"config.json"):
+        create_backend(str(folder), "cpu", settings)
+
+
 def test_factory_reads_env_and_budget_errors_are_clear(tiny_gemma4_dir, monkeypatch):
     monkeypatch.setenv("CUSTOM_BACKEND_KV_BLOCKS", "10")
     monkeypatch.setenv("CUSTOM_BACKEND_BLOCK_SIZE", "8")

@@ -437,6 +437,12 @@ class GemmaForCausalLM(nn.Module):
             except Exception as exc:
                 raise ValueError(f"{file}: reading its tensors failed: {type(exc).__name__}: {exc}; the file is "
                                  "probably corrupt: fetch or convert it again") from None
+        wrong = [(key, tuple(tensor.shape), tuple(meta_state[key].shape)) for key, tensor in state.items()
+                 if tensor.shape != meta_state[key].shape]
+        if wrong:
+            shown = "; ".join(f"{key} is {got} in the checkpoint but {want} by config.json" for key, got, want in wrong[:4])
+            raise ValueError(f"{folder}: config.json disagrees with the weights ({shown}): its sizes (hidden_size, "
+                             "vocab_size, intermediate_size, heads, head_dim ...) must be the checkpoint's")
         model.load_state_dict(state, strict=True, assign=True)
         model.requires_grad_(False)
         if scheme is None and quantization == "fp8":
