@@ -163,3 +163,20 @@ def test_pool_exhaustion_without_reservations_raises_and_keeps_state(tiny_gemma4
         backend.decode_step_batched(batch, [1])  # the survivor continues
         backend.remove_row_from_cache(batch, 0)
     assert_no_leaks(backend)
+
+
+def test_a_request_that_can_never_fit_names_the_setting_of_its_pool() -> None:
+    """The sliding pool's refusal names CUSTOM_BACKEND_SLIDING_BLOCKS (the setting that sized it, when given);
+    the full pool's, the budget settings only."""
+    from gemmaserve.errors import KVCapacityError
+    from gemmaserve_custom_torch.kv import GroupGeometry, KVAdmission
+    from gemmaserve_custom_torch.models.config import FULL, SLIDING
+
+    geometry = {SLIDING: GroupGeometry(4, 8), FULL: GroupGeometry(4, None)}
+    admission = KVAdmission(geometry, {SLIDING: 1, FULL: 100})
+    with pytest.raises(KVCapacityError, match="raise CUSTOM_BACKEND_SLIDING_BLOCKS \\(if set\\) or CUSTOM_BACKEND_KV"):
+        admission.reserve("r", 20)
+    admission = KVAdmission(geometry, {SLIDING: 100, FULL: 2})
+    with pytest.raises(KVCapacityError, match="raise CUSTOM_BACKEND_KV_MEMORY_GB") as refused:
+        admission.reserve("r", 20)
+    assert "SLIDING_BLOCKS" not in str(refused.value)

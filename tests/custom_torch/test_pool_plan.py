@@ -119,8 +119,16 @@ def test_default_budget_keeps_the_previous_split(plan):
 @settings(max_examples=200, deadline=None)
 @given(plans(), st.integers(1, 3000))
 def test_explicit_sliding_blocks_are_kept(plan, sliding_blocks):
+    """An explicit sliding pool is kept as given, unless it cannot hold one request's window (refused, naming the
+    least that can) or leaves no full-attention block."""
     groups, bs, budget, limits, headroom = plan
     s, f = _bytes(groups, bs)
+    one_window = GroupGeometry(bs, groups[0].window).max_blocks(limits["max_len"])
+    if sliding_blocks < one_window:
+        with pytest.raises(ConfigurationError, match=f"SLIDING_BLOCKS={sliding_blocks} cannot hold one request's "
+                                                     f"sliding window.*set at least {one_window}"):
+            plan_pool_sizes(groups, bs, 1, budget, sliding_blocks=sliding_blocks, **limits)
+        return
     if budget - sliding_blocks * s < f:
         with pytest.raises(ConfigurationError, match=f"SLIDING_BLOCKS={sliding_blocks} uses the whole KV budget"):
             plan_pool_sizes(groups, bs, 1, budget, sliding_blocks=sliding_blocks, **limits)

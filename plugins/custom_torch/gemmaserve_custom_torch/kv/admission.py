@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from gemmaserve.errors import InvalidRequestError, KVCapacityError
 
+from ..models.config import SLIDING
 from .pools import GroupGeometry
 
 __all__ = ["KVAdmission"]
@@ -59,7 +60,8 @@ class KVAdmission:
                 raise KVCapacityError(
                     f"the request needs {blocks} blocks of the {group} KV pool ({num_tokens} tokens) but the pool has "
                     f"{self.capacity[group]} in total; lower max_tokens, shorten the prompt, or raise "
-                    "CUSTOM_BACKEND_KV_MEMORY_GB / CUSTOM_BACKEND_KV_BLOCKS"
+                    + ("CUSTOM_BACKEND_SLIDING_BLOCKS (if set) or " if group == SLIDING else "")
+                    + "CUSTOM_BACKEND_KV_MEMORY_GB / CUSTOM_BACKEND_KV_BLOCKS"
                 )
 
     def release(self, request_id: str) -> None:

@@ -170,6 +170,13 @@ def plan_pool_sizes(
     if sliding is None or full is None:
         return {g.name: budget_bytes // per_block[g.name] for g in groups}
     s, f = per_block[SLIDING], per_block[FULL]
+    one_window = GroupGeometry(block_size, sliding.window).max_blocks(max_len)
+    if sliding_blocks is not None and sliding_blocks < one_window:
+        raise ConfigurationError(
+            f"CUSTOM_BACKEND_SLIDING_BLOCKS={sliding_blocks} cannot hold one request's sliding window: a request of "
+            f"{min(max_len, sliding.window + block_size)} tokens or more needs {one_window} blocks of that pool "
+            f"(window {sliding.window}, blocks of {block_size}); set at least {one_window}, or leave it unset "
+            "(window-aware default)")
     if sliding_blocks is None:
         sliding_max, full_max = _pool_maxima(sliding, block_size, max_rows=max_rows,
                                              max_active_tokens=max_active_tokens, max_len=max_len,
