@@ -58,6 +58,20 @@ def test_pools_follow_the_cache_adapter(any_backend: HFTorchBackend) -> None:
     assert any_backend.pools is None and any_backend.kv_stats() == {}
 
 
+def test_pools_larger_than_the_device_are_refused_naming_the_setting(any_backend: HFTorchBackend) -> None:
+    """PREFIX_CACHE_BLOCKS beyond the machine's memory: a ConfigurationError naming it, at once, instead of an
+    allocation error traceback or the process being killed while the zeroed pools are touched."""
+    import time
+
+    from gemmaserve.errors import ConfigurationError
+
+    start = time.perf_counter()
+    with pytest.raises(ConfigurationError, match=r"PREFIX_CACHE_BLOCKS=10000000000 blocks .* need .* GiB .* lower "
+                                                 r"PREFIX_CACHE_BLOCKS"):
+        BlockPools(any_backend.layout, num_blocks=10**10, block_size=BLOCK)
+    assert time.perf_counter() - start < 1.0
+
+
 def test_block_round_trip_is_exact_and_touches_only_planned_slots(any_backend: HFTorchBackend) -> None:
     layout = any_backend.layout
     with any_backend.lock:

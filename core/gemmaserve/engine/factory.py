@@ -69,10 +69,10 @@ def build_engine(settings: CoreSettings | None = None, registry: BackendRegistry
         ) from exc
     backend = factory(model_path or "", selection.device, settings)
     cache = None
-    if backend.capabilities.uses_core_cache_manager and settings.prefix_cache_blocks > 0:
-        cache = CacheManager(settings.prefix_cache_blocks, settings.kv_block_size)
-        backend.set_cache_adapter(cache)
     try:
+        if backend.capabilities.uses_core_cache_manager and settings.prefix_cache_blocks > 0:
+            cache = CacheManager(settings.prefix_cache_blocks, settings.kv_block_size)
+            backend.set_cache_adapter(cache)
         publisher = _kv_events(settings, spec.name, backend, cache)
     except BaseException:
         backend.close()

@@ -15,6 +15,7 @@ in block ``block_ids[t // block_size]`` at slot ``t % block_size``. Copies in bo
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -23,7 +24,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 
-from gemmaserve.errors import ModelLoadError
+from gemmaserve.errors import ConfigurationError, ModelLoadError
 
 if TYPE_CHECKING:
     from gemmaserve.kv.cache_manager import BlockWrite
@@ -169,6 +170,26 @@ def detect_layout(
     return CacheLayout(len(stores), tuple(shapes), dtype, device)
 
 
+def _check_room(layout: CacheLayout, num_blocks: int, block_size: int) -> None:
+    """Raise ConfigurationError naming PREFIX_CACHE_BLOCKS when the pools need more memory than the device has
+    (the host's total RAM on CPU/MPS, free memory on CUDA): allocating them would fail or, on the CPU, get the
+    process killed when the zeroed pages are touched."""
+    itemsize = torch.empty((), dtype=layout.dtype).element_size()
+    need = 2 * num_blocks * block_size * itemsize * sum(shape.kv_heads * shape.head_dim for shape in layout.stored)
+    device = torch.device(layout.device)
+    if device.type == "cuda":
+        room = torch.cuda.mem_get_info(device)[0]
+    elif hasattr(os, "sysconf"):
+        room = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    else:
+        return
+    if need > room:
+        raise ConfigurationError(
+            f"the prefix-cache pools (PREFIX_CACHE_BLOCKS={num_blocks} blocks of KV_BLOCK_SIZE={block_size} tokens) "
+            f"need {need / 2**30:.1f} GiB for this model but the {device.type} device has {room / 2**30:.1f} GiB "
+            f"{'free' if device.type == 'cuda' else 'in all'}; lower PREFIX_CACHE_BLOCKS (0 turns the cache off)")
+
+
 class BlockPools:
     """The K/V tensors behind the core prefix cache: per storing layer, pools of shape
     ``[num_blocks, block_size, kv_heads, head_dim]``. Owned by the backend; only :meth:`write`
@@ -180,6 +201,7 @@ class BlockPools:
         self.block_size = block_size
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        _check_room(layout, num_blocks, block_size)
         for shape in layout.stored:
             dims = (num_blocks, block_size, shape.kv_heads, shape.head_dim)
             self.keys.append(torch.zeros(dims, dtype=layout.dtype, device=layout.device))
