@@ -108,7 +108,8 @@ def _setup_logging(settings: CoreSettings) -> None:
 
 # -- commands -----------------------------------------------------------------------------------
 def cmd_backends(args: argparse.Namespace) -> int:
-    """Print the backend registry and the backend `auto` would pick, with reasons."""
+    """Print the backend registry and the backend these settings select, with reasons. Exits 2 when no backend
+    can be selected (the reason is printed)."""
     from gemmaserve.hardware import detect_devices
     from gemmaserve.plugins import load_registry
     from gemmaserve.selection import backend_statuses, select_backend
@@ -137,7 +138,7 @@ def cmd_backends(args: argparse.Namespace) -> int:
         selection = select_backend(settings, registry)
     except GemmaserveError as exc:
         print(f"selection: none ({exc})")
-        return 2 if settings.backend != "auto" else 0  # a BACKEND that cannot be used is an error
+        return 2  # these settings cannot start a server (an unusable BACKEND, or nothing runs on DEVICE)
     print(f"selected: {selection.spec.name} on {selection.device} ({selection.reason})")
     for name, why in sorted(selection.rejected.items()):
         print(f"  rejected {name}: {why}")

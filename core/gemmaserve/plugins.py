@@ -1,7 +1,8 @@
 """Plugin loading: pluggy over the ``gemmaserve.backends`` entry-point group.
 
 ``load_registry()`` is idempotent: entry points are loaded once per process; a plugin that fails to
-import (or whose hook raises) is recorded with its error and the others still load.
+import (``SystemExit`` included), implements a hook that is not a hookspec (a misspelt name), or whose hook
+raises is recorded with its error in ``plugin_errors`` and the others still load.
 """
 
 from __future__ import annotations
@@ -35,6 +36,23 @@ def _new_manager() -> pluggy.PluginManager:
     return manager
 
 
+def _register(manager: pluggy.PluginManager, plugin: object, name: str) -> None:
+    """Register ``plugin`` as ``name``, validated now: a hook implementation that no hookspec declares (unless
+    ``optionalhook``) unregisters it again and raises ``pluggy.PluginValidationError`` naming the hook, so one
+    misspelt plugin never fails the others (pluggy's ``check_pending`` checks every plugin at once)."""
+    manager.register(plugin, name=name)
+    unknown = sorted(
+        caller.name for caller in manager.get_hookcallers(plugin) or []
+        if not caller.has_spec()
+        and any(impl.plugin is plugin and not impl.optionalhook for impl in caller.get_hookimpls())
+    )
+    if unknown:
+        manager.unregister(plugin)
+        known = ", ".join(sorted(n for n in dir(hookspecs) if n.startswith(f"{hookspecs.PROJECT_NAME}_")))
+        raise pluggy.PluginValidationError(
+            plugin, f"unknown hook {', '.join(map(repr, unknown))} (not a hookspec; the hooks are: {known})")
+
+
 def get_plugin_manager() -> pluggy.PluginManager:
     """The process-wide plugin manager with every installed entry point loaded (once)."""
     global _manager
@@ -45,26 +63,27 @@ def get_plugin_manager() -> pluggy.PluginManager:
                 if manager.get_plugin(entry_point.name) is not None:
                     continue
                 try:
-                    module = entry_point.load()
-                    manager.register(module, name=entry_point.name)
+                    _register(manager, entry_point.load(), entry_point.name)
                     if entry_point.dist is not None:
                         _distributions[entry_point.name] = entry_point.dist.name
-                except Exception as exc:  # a broken plugin must not take the others down
+                except KeyboardInterrupt:
+                    raise
+                except BaseException as exc:  # a broken plugin (even one that calls sys.exit) must not stop the rest
                     _load_errors[entry_point.name] = f"{type(exc).__name__}: {exc}"
                     logger.warning("plugin %r failed to load: %s", entry_point.name, exc)
                     logger.debug("%s", traceback.format_exc())
-            manager.check_pending()
             _manager = manager
         return _manager
 
 
 def register_plugin(module: ModuleType | object, name: str) -> None:
-    """Register a plugin object explicitly (tests, embedding). Invalidates the cached registry."""
+    """Register a plugin object explicitly (tests, embedding). Invalidates the cached registry. Raises
+    ``pluggy.PluginValidationError`` (nothing registered) for a hook implementation no hookspec declares."""
     global _registry
     manager = get_plugin_manager()
     with _lock:
         if manager.get_plugin(name) is None:
-            manager.register(module, name=name)
+            _register(manager, module, name)
         _registry = None
 
 
@@ -107,7 +126,9 @@ def load_registry() -> BackendRegistry:
                 hook(register=collected.append)
                 for spec in collected:
                     registry.add(spec, _distributions.get(plugin_name, plugin_name))
-            except Exception as exc:
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:
                 registry.plugin_errors[plugin_name] = f"{type(exc).__name__}: {exc}"
                 logger.warning("plugin %r failed to register backends: %s", plugin_name, exc)
         registry.check_integrity()

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from gemmaserve.backend import InferenceBackend
     from gemmaserve.settings import CoreSettings
 
-__all__ = ["BackendSpec", "BackendStatus", "BackendRegistry", "KNOWN_BACKENDS", "resolve_dotted", "BackendFactory"]
+__all__ = ["BackendSpec", "BackendStatus", "BackendRegistry", "KNOWN_BACKENDS", "known_backend", "resolve_dotted",
+           "BackendFactory"]
 
 BackendFactory = Callable[[str, str, "CoreSettings"], "InferenceBackend"]
 """``factory(model_path, device, settings) -> InferenceBackend``."""
@@ -73,13 +74,15 @@ class BackendSpec:
 
 @dataclass(frozen=True, slots=True)
 class KnownBackend:
-    """A first-party backend the core knows about even when its plugin is not installed."""
+    """A first-party backend the core knows about even when its plugin is not installed. Its name and
+    ``aliases`` are reserved for ``distribution``: no other plugin may register them."""
 
     name: str
     distribution: str
     extra: str
     source_dir: str
     devices: tuple[str, ...]
+    aliases: tuple[str, ...] = ()
 
     @property
     def install_hint(self) -> str:
@@ -90,7 +93,7 @@ class KnownBackend:
 
 
 KNOWN_BACKENDS: tuple[KnownBackend, ...] = (
-    KnownBackend("hf", "gemmaserve-hf-torch", "hf", "plugins/hf_torch", ("cpu", "cuda", "mps")),
+    KnownBackend("hf", "gemmaserve-hf-torch", "hf", "plugins/hf_torch", ("cpu", "cuda", "mps"), ("torch", "hf-torch")),
     KnownBackend("custom-cuda", "gemmaserve-custom-torch", "custom-torch", "plugins/custom_torch", ("cuda",)),
     KnownBackend("custom-mps", "gemmaserve-custom-torch", "custom-torch", "plugins/custom_torch", ("mps",)),
     KnownBackend("custom-cpu", "gemmaserve-custom-torch", "custom-torch", "plugins/custom_torch", ("cpu",)),
@@ -99,7 +102,10 @@ KNOWN_BACKENDS: tuple[KnownBackend, ...] = (
 )
 
 
-_FIRST_PARTY = {known.name: known.distribution for known in KNOWN_BACKENDS}
+def known_backend(name: str) -> KnownBackend | None:
+    """The first-party backend called ``name`` (a name or alias, as ``BACKEND`` normalises it), or None."""
+    name = name.strip().lower().replace("_", "-")
+    return next((known for known in KNOWN_BACKENDS if name == known.name or name in known.aliases), None)
 
 
 def _dist_key(name: str) -> str:
@@ -138,15 +144,17 @@ class BackendRegistry:
     plugin_errors: dict[str, str] = field(default_factory=dict)
 
     def add(self, spec: BackendSpec, plugin: str) -> None:
-        """Register ``spec`` from ``plugin`` (its distribution name when installed); a name or alias taken by
-        another plugin, or a first-party name (`KNOWN_BACKENDS`) from any other distribution, is an error."""
+        """Register ``spec`` from ``plugin`` (its distribution name when installed). Raises ConfigurationError
+        (nothing registered) for a name or alias taken by another plugin, or a first-party name or alias
+        (`KNOWN_BACKENDS`) from any other distribution, so a first-party backend always registers."""
         spec = replace(spec, plugin=plugin)
         for key in (spec.name, *spec.aliases):
-            known = _FIRST_PARTY.get(key)
-            if known is not None and _dist_key(plugin) != _dist_key(known):
+            known = known_backend(key)
+            if known is not None and _dist_key(plugin) != _dist_key(known.distribution):
+                of = "" if key == known.name else f" (an alias of the first-party backend {known.name!r})"
                 raise ConfigurationError(
-                    f"backend name {key!r} from plugin {plugin!r} is reserved for the first-party distribution "
-                    f"{known!r}; register it under another name"
+                    f"backend name {key!r}{of} from plugin {plugin!r} is reserved for the first-party distribution "
+                    f"{known.distribution!r}; register it under another name"
                 )
             owner = self.aliases.get(key) or (key if key in self.specs else None)
             if owner is not None and self.specs[owner].plugin != plugin:

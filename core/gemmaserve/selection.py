@@ -13,10 +13,18 @@ from dataclasses import dataclass, field
 from gemmaserve.errors import BackendUnavailableError, ConfigurationError
 from gemmaserve.hardware import detect_devices
 from gemmaserve.plugins import get_plugin_manager, load_registry
-from gemmaserve.registry import KNOWN_BACKENDS, BackendRegistry, BackendSpec, BackendStatus, resolve_dotted
+from gemmaserve.registry import (
+    KNOWN_BACKENDS,
+    BackendRegistry,
+    BackendSpec,
+    BackendStatus,
+    known_backend,
+    resolve_dotted,
+)
 from gemmaserve.settings import CoreSettings
 
-__all__ = ["Selection", "backend_statuses", "probe_backend", "quantization_problem", "select_backend"]
+__all__ = ["Selection", "backend_statuses", "factory_problem", "probe_backend", "quantization_problem",
+           "select_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +77,15 @@ def probe_backend(spec: BackendSpec, settings: CoreSettings, device: str, *, str
         return f"availability probe failed: {type(exc).__name__}: {exc}"
 
 
+def factory_problem(spec: BackendSpec) -> str | None:
+    """Why ``spec``'s factory cannot be imported (what ``build_engine`` would fail on), or None if it imports."""
+    try:
+        resolve_dotted(spec.factory)
+    except (Exception, SystemExit) as exc:  # any import-time failure, even sys.exit in the module
+        return f"its factory {spec.factory!r} cannot be imported: {type(exc).__name__}: {exc}"
+    return None
+
+
 def _device_for(spec: BackendSpec, settings: CoreSettings) -> str:
     if settings.device != "auto":
         return settings.device
@@ -93,8 +110,9 @@ def backend_statuses(settings: CoreSettings, registry: BackendRegistry | None = 
 
 
 def select_backend(settings: CoreSettings, registry: BackendRegistry | None = None) -> Selection:
-    """Pick the backend and device. Raises ConfigurationError (unknown name) or
-    BackendUnavailableError (nothing can run), each listing the alternatives and reasons."""
+    """Pick the backend and device. ``BACKEND=auto`` takes the first candidate (by priority) that passes its probe
+    and whose factory imports, recording why each one before it was skipped. Raises ConfigurationError (unknown
+    name) or BackendUnavailableError (nothing can run), each listing the alternatives and reasons."""
     registry = registry or load_registry()
     if settings.backend != "auto":
         return _select_explicit(settings, registry)
@@ -122,6 +140,8 @@ def select_backend(settings: CoreSettings, registry: BackendRegistry | None = No
     for spec in candidates:
         reason = probe_backend(spec, settings, device, strict=True, registry=registry)
         if reason is None:
+            reason = factory_problem(spec)
+        if reason is None:
             selection = Selection(spec, device, f"highest-priority available backend on {device}", rejected)
             _log(selection)
             return selection
@@ -130,17 +150,30 @@ def select_backend(settings: CoreSettings, registry: BackendRegistry | None = No
         if known.name not in registry.specs and device in known.devices:
             rejected[known.name] = known.install_hint
     details = "\n".join(f"  {name}: {why}" for name, why in sorted(rejected.items())) or "  (no backends registered)"
-    raise BackendUnavailableError(f"no backend can run on {device}:\n{details}")
+    errors = sorted(registry.plugin_errors.items())
+    failed = "".join(f"\n  plugin {name!r} failed to load: {why}" for name, why in errors)
+    raise BackendUnavailableError(f"no backend can run on {device}:\n{details}{failed}")
+
+
+def _plugin_errors(registry: BackendRegistry) -> str:
+    """The plugins that failed to load or register, as a clause to append to an error (one of them may provide
+    the backend asked for); empty when none failed."""
+    if not registry.plugin_errors:
+        return ""
+    errors = ", ".join(f"{name!r} ({error})" for name, error in sorted(registry.plugin_errors.items()))
+    return f"; plugins that failed to load (one may provide it): {errors}"
 
 
 def _select_explicit(settings: CoreSettings, registry: BackendRegistry) -> Selection:
     spec = registry.get(settings.backend)
     if spec is None:
-        known = next((k for k in KNOWN_BACKENDS if k.name == settings.backend), None)
+        known = known_backend(settings.backend)
         if known is not None:
-            raise BackendUnavailableError(f"backend {settings.backend!r}: {known.install_hint}")
+            raise BackendUnavailableError(
+                f"backend {settings.backend!r}: {known.install_hint}{_plugin_errors(registry)}")
         raise ConfigurationError(
             f"unknown BACKEND={settings.backend!r}; accepted: auto, {', '.join(registry.known_names())}"
+            f"{_plugin_errors(registry)}"
         )
     problem = quantization_problem(spec, settings, registry)
     if problem is not None:  # a setting the named backend cannot honour: a configuration error, not availability

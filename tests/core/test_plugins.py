@@ -72,7 +72,8 @@ def test_auto_selection_skips_unavailable_and_records_why(fake_plugins) -> None:
     fake_plugins(
         "fake_b",
         BackendSpec("alpha", "x.y:z", ("cpu",), f"{PROBE_MODULE}:unavailable_probe", priority=-100),
-        BackendSpec("beta", "x.y:z", ("cpu",), f"{PROBE_MODULE}:available_probe", priority=-99),
+        BackendSpec("beta", f"{PROBE_MODULE}:available_probe", ("cpu",), f"{PROBE_MODULE}:available_probe",
+                    priority=-99),  # auto checks that the factory imports: any importable attribute will do
         BackendSpec("gamma", "x.y:z", ("cuda",), None, priority=-200),
     )
     selection = select_backend(load_settings(device="cpu", backend="auto"))
