@@ -172,6 +172,17 @@ def test_settings_max_model_len_caps_requests() -> None:
     assert len(run(sched).outputs["b"].token_ids) == 5
 
 
+def test_a_max_model_len_beyond_the_models_context_is_refused() -> None:
+    """As vLLM does: MAX_MODEL_LEN above the model's context is a ConfigurationError naming both (it used to be
+    lowered with a warning); at the model's context exactly it is accepted."""
+    from gemmaserve.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=r"MAX_MODEL_LEN=65 .* exceeds the model's context of 64 tokens"):
+        make(ReferenceBackend(max_model_len=64), max_model_len=65)
+    sched, _, _ = make(ReferenceBackend(max_model_len=64), max_model_len=64)
+    assert sched.max_model_len == 64
+
+
 def test_queue_bound_raises_overloaded() -> None:
     sched, _, _ = make(max_waiting_requests=2, max_batch_size=1)
     sched.add_request(req("a", [5]))

@@ -92,6 +92,7 @@ def build_engine(settings: CoreSettings | None = None, registry: BackendRegistry
     except BaseException:
         if publisher is not None:
             publisher.close()
+        backend.close()
         raise
 
 

@@ -51,7 +51,7 @@ from gemmaserve.engine.request import (
 )
 from gemmaserve.engine.shared_prefix import should_wait
 from gemmaserve.engine.validation import backend_error, validate_request
-from gemmaserve.errors import EngineOverloadedError, InvalidRequestError, KVCapacityError
+from gemmaserve.errors import ConfigurationError, EngineOverloadedError, InvalidRequestError, KVCapacityError
 from gemmaserve.structured.grammar import GrammarCompiler, TokenConstraint
 
 if TYPE_CHECKING:
@@ -130,12 +130,11 @@ class ContinuousBatchScheduler:
         self._caps = backend.capabilities
         self._eos = tuple(backend.model_info.eos_token_ids)
         model_len = backend.model_info.max_model_len
-        self.max_model_len = min(settings.max_model_len, model_len) if settings.max_model_len else model_len
         if settings.max_model_len and settings.max_model_len > model_len:
-            logger.warning(
-                "MAX_MODEL_LEN=%d exceeds the model's context of %d tokens; using %d",
-                settings.max_model_len, model_len, model_len,
-            )
+            raise ConfigurationError(
+                f"MAX_MODEL_LEN={settings.max_model_len} (--max-model-len) exceeds the model's context of {model_len} "
+                f"tokens (its positions end there); set at most {model_len}, or leave it unset to use the model's")
+        self.max_model_len = settings.max_model_len or model_len
         self._streaming = not self._caps.continuous_batching
         self._max_running = self._caps.max_concurrent_streams if self._streaming else settings.max_batch_size
         self._q = RequestQueues(backend)
