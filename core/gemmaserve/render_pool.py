@@ -268,7 +268,9 @@ class RenderPool:
 
 
 def _serve() -> None:
-    """Worker process: read the pickled tokenizer, answer ``ready``, then answer requests until stdin closes."""
+    """Worker process: read the pickled tokenizer, answer ``ready``, then answer requests until stdin closes.
+    Exits quietly (status 0, nothing on stderr) when the server is gone: its stdin at EOF, or its answer pipe
+    closed (the server exited while the worker was starting or answering)."""
     channel_in = os.fdopen(os.dup(0), "rb")
     channel_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # whatever prints lands on stderr, never in the answers
@@ -283,8 +285,11 @@ def _serve() -> None:
             data = pickle.dumps((ok, value), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # an exception that cannot be pickled
             data = pickle.dumps((False, RuntimeError(f"{type(value).__name__}: {value} ({exc})")))
-        channel_out.write(data)
-        channel_out.flush()
+        try:
+            channel_out.write(data)
+            channel_out.flush()
+        except OSError:  # BrokenPipeError: nobody reads the answers any more
+            os._exit(0)  # not sys.exit: flushing the buffered answer at interpreter exit would fail again
 
     try:
         tokenizer = pickle.load(channel_in)

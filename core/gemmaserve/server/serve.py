@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,9 +19,10 @@ from gemmaserve.server.connections import (
     guarded_protocol_class,
     raise_fd_limit,
 )
+from gemmaserve.errors import ConfigurationError
 from gemmaserve.settings import CoreSettings
 
-__all__ = ["serve", "served_model_name", "model_names", "model_aliases"]
+__all__ = ["serve", "served_model_name", "model_names", "model_aliases", "bind_listeners"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +42,19 @@ def served_model_name(settings: CoreSettings, fallback: str) -> str:
 def model_names(settings: CoreSettings, fallback: str) -> list[str]:
     """The names ``/v1/models`` lists (responses use the first): ``SERVED_MODEL_NAME`` (``--served-model-name``)
     when given, as vLLM's; else the checkpoint folder's name."""
-    return _split(settings.served_model_name) or [served_model_name(settings, fallback)]
+    return _served_names(settings) or [served_model_name(settings, fallback)]
+
+
+def _served_names(settings: CoreSettings) -> list[str]:
+    """``SERVED_MODEL_NAME`` split at commas ([] when unset); raises ConfigurationError for an empty name
+    (``"a,,b"``, ``","``), which ``--served-model-name`` refuses too, instead of dropping it."""
+    if settings.served_model_name == "":
+        return []
+    names = [part.strip() for part in settings.served_model_name.split(",")]
+    if not all(names):
+        raise ConfigurationError(f"SERVED_MODEL_NAME={settings.served_model_name!r}: each comma-separated name "
+                                 "must be non-empty; e.g. SERVED_MODEL_NAME=gemma,gemma-3")
+    return names
 
 
 def model_aliases(settings: CoreSettings) -> list[str]:
@@ -144,17 +159,61 @@ def _warm_grammars(engine: Any) -> None:
         logger.warning("could not prepare structured output; constrained requests will try again", exc_info=True)
 
 
+def bind_listeners(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound (not yet listening) to every address ``host`` resolves to, as asyncio's ``create_server``
+    (what uvicorn calls) would bind them; ``host`` empty = every interface. Raises ConfigurationError
+    ``cannot listen on HOST:PORT: reason`` (port in use, an address not of this machine, a name that does not
+    resolve), with nothing left open."""
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    sockets: list[socket.socket] = []
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in dict.fromkeys(infos):  # duplicates dropped, order kept
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError:  # a family this machine lacks (IPv6 off): asyncio skips it too
+                continue
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+        if not sockets:
+            raise OSError(errno.EAFNOSUPPORT, "no address of a supported family")
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        hint = {errno.EADDRINUSE: "; another process listens there: stop it or pick another --port",
+                errno.EADDRNOTAVAIL: "; --host must be an address of this machine"}.get(exc.errno or 0, "")
+        raise ConfigurationError(f"cannot listen on {where}: {exc.strerror or exc}{hint}") from None
+    return sockets
+
+
 def serve(settings: CoreSettings) -> None:
     """Blocking: serve HTTP on settings.host:settings.port; shuts the engine (and its KV-event publisher) down
-    on exit. Raises what ``build_engine`` raises (ConfigurationError, BackendUnavailableError, ModelLoadError)."""
+    on exit. The address is bound before the model loads: one that cannot be bound raises ConfigurationError
+    (:func:`bind_listeners`) at once. Raises what ``build_engine`` raises (ConfigurationError,
+    BackendUnavailableError, ModelLoadError)."""
+    from gemmaserve.hf_tokenizer import read_chat_template
+
+    _served_names(settings)  # before the load, as everything below
+    template = read_chat_template(settings.chat_template) if settings.chat_template else None
+    listeners = bind_listeners(settings.host, settings.port)  # the load takes seconds to minutes
+    try:
+        _serve_on(settings, listeners, template)
+    finally:
+        for sock in listeners:
+            sock.close()
+
+
+def _serve_on(settings: CoreSettings, listeners: list[socket.socket], template: str | None) -> None:
+    """:func:`serve` on the bound ``listeners``."""
     import uvicorn
 
     from gemmaserve.engine.factory import build_engine
+    from gemmaserve.hf_tokenizer import configure_chat_template
     from gemmaserve.server.app import create_app
 
-    from gemmaserve.hf_tokenizer import configure_chat_template, read_chat_template
-
-    template = read_chat_template(settings.chat_template) if settings.chat_template else None  # before the load
     engine = build_engine(settings)
     try:
         if template is not None:
@@ -172,7 +231,8 @@ def serve(settings: CoreSettings) -> None:
                          api_key=settings.api_key,
                          allowed_hosts=allowed_hosts(settings), allowed_origins=_split(settings.allowed_origins),
                          debug_endpoints=settings.enable_debug_endpoints)
-        logger.info("serving %s (backend %s) on http://%s:%d", name, engine.backend_name, settings.host, settings.port)
+        port = listeners[0].getsockname()[1] if listeners else settings.port  # the port bound for PORT=0
+        logger.info("serving %s (backend %s) on http://%s:%d", name, engine.backend_name, settings.host, port)
         limits = connection_limits(settings)
         config = uvicorn.Config(
             app,
@@ -184,6 +244,6 @@ def serve(settings: CoreSettings) -> None:
             timeout_keep_alive=limits.timeout_keep_alive,  # type: ignore[arg-type]  # a float works
             timeout_graceful_shutdown=settings.shutdown_timeout + CANCEL_GRACE_S,  # type: ignore[arg-type]
         )
-        _draining_server(config, engine, app.state.drain, settings.shutdown_timeout).run()
+        _draining_server(config, engine, app.state.drain, settings.shutdown_timeout).run(sockets=listeners)
     finally:
         engine.shutdown()  # closes the KV-event publisher after the backend: the cache's last changes go out first
