@@ -11,7 +11,6 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-
 from gemmaserve.cli import main
 from gemmaserve.errors import ConfigurationError
 from gemmaserve.server.serve import bind_listeners

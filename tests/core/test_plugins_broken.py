@@ -14,9 +14,7 @@ from pathlib import Path
 
 import pluggy
 import pytest
-
-import gemmaserve.plugins as plugins
-from gemmaserve import BackendSpec, hookimpl
+from gemmaserve import BackendSpec, hookimpl, plugins
 from gemmaserve.errors import BackendUnavailableError, ConfigurationError
 from gemmaserve.hardware import detect_devices
 from gemmaserve.plugins import get_plugin_manager, load_registry, register_plugin, reset_plugins, unregister_plugin

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from gemmaserve.errors import ConfigurationError
 from gemmaserve.server.connections import (
     AcceptErrorFilter,
     ConnectionLimits,
@@ -19,7 +20,6 @@ from gemmaserve.server.connections import (
     guarded_protocol_class,
     raise_fd_limit,
 )
-from gemmaserve.errors import ConfigurationError
 from gemmaserve.settings import CoreSettings
 
 __all__ = ["serve", "served_model_name", "model_names", "model_aliases", "bind_listeners"]
