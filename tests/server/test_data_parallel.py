@@ -62,6 +62,23 @@ def test_missing_router_names_the_package(monkeypatch: pytest.MonkeyPatch, capsy
 
 
 @needs_router
+def test_a_public_port_in_use_is_refused_before_any_replica_starts(monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The router's --port already taken: one error line and exit 2 at once, no replica launched (it used to be
+    found once every replica had loaded its model)."""
+    import socket
+
+    monkeypatch.setattr(data_parallel, "require_router", lambda: None)
+    monkeypatch.setattr(data_parallel, "_Supervisor", lambda plan: pytest.fail("replicas were launched"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--data-parallel-size", "2", "--device", "cpu", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "Address already in use" in err
+
+
 def test_data_parallel_with_tensor_parallel_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "-dp", "2", "--device", "cpu", "--tensor-parallel-size", "2"]) == 2
     assert "cannot be tensor parallel yet" in capsys.readouterr().err

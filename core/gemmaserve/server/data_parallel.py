@@ -573,6 +573,17 @@ def serve_data_parallel(settings: CoreSettings, size: int, policy: str, replica_
     Raises ConfigurationError (bad launch, router not installed) before starting anything, DataParallelError
     when a replica cannot start or the router fails."""
     require_router()
+    check_public_address(settings)
     plan = plan_launch(settings, size, policy, replica_flags, api_key)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health probe
     return _Supervisor(plan).run()
+
+
+def check_public_address(settings: CoreSettings) -> None:
+    """Raise ConfigurationError (``cannot listen on HOST:PORT: ...``) at once when the router could not bind the
+    public ``--host`` / ``--port`` (in use, not an address of this machine), instead of after every replica has
+    loaded its model. A test bind, closed again before the router binds it."""
+    from gemmaserve.server.serve import bind_listeners
+
+    for sock in bind_listeners(settings.host, settings.port):
+        sock.close()
