@@ -273,6 +273,7 @@ def build_settings(
     """
     if env_prefix:
         check_prefixed_names(settings_class, env_prefix, title)
+    check_spellings_agree(settings_class, title)
     clean = {key: value for key, value in overrides.items() if value is not None}
     try:
         return settings_class(**clean)
@@ -282,24 +283,33 @@ def build_settings(
         raise ConfigurationError(f"cannot read {title} from .env: it is not UTF-8 text ({exc})") from None
 
 
+def _environment(settings_class: type[BaseSettings], title: str) -> dict[str, str]:
+    """The variables pydantic-settings reads for ``settings_class``: the ``.env`` file's, then the environment's
+    on top, names upper-cased (they compare case-insensitively)."""
+    import os
+
+    merged: dict[str, str] = {}
+    env_file = settings_class.model_config.get("env_file")
+    if isinstance(env_file, str) and os.path.isfile(env_file):
+        from dotenv import dotenv_values
+
+        try:
+            merged.update({key.upper(): value or "" for key, value in dotenv_values(env_file).items()})
+        except UnicodeDecodeError as exc:
+            raise ConfigurationError(f"cannot read {title} from .env: it is not UTF-8 text ({exc})") from None
+    merged.update({key.upper(): value for key, value in os.environ.items()})
+    return merged
+
+
 def check_prefixed_names(settings_class: type[BaseSettings], env_prefix: str, title: str) -> None:
     """Raise ConfigurationError for every variable of the environment or the ``.env`` file that starts with
     ``env_prefix`` but names no setting of ``settings_class`` (a misspelt variable would otherwise be ignored:
     ``CUSTOM_BACKEND_CUDA_GRAPHS=0`` leaves the graphs on), with the closest accepted name. Names compare
     case-insensitively, as pydantic-settings reads them."""
     import difflib
-    import os
 
     accepted = {f"{env_prefix}{name}".upper() for name in settings_class.model_fields}
-    given = {key.upper() for key in os.environ}
-    env_file = settings_class.model_config.get("env_file")
-    if isinstance(env_file, str) and os.path.isfile(env_file):
-        from dotenv import dotenv_values
-
-        try:
-            given |= {key.upper() for key in dotenv_values(env_file)}
-        except UnicodeDecodeError as exc:
-            raise ConfigurationError(f"cannot read {title} from .env: it is not UTF-8 text ({exc})") from None
+    given = _environment(settings_class, title)
     unknown = sorted(key for key in given if key.startswith(env_prefix.upper()) and key not in accepted)
     if unknown:
         lines = [f"invalid {title}: unknown variable(s); accepted: {', '.join(sorted(accepted))}"]
@@ -307,6 +317,25 @@ def check_prefixed_names(settings_class: type[BaseSettings], env_prefix: str, ti
             close = difflib.get_close_matches(key, sorted(accepted), n=1)
             lines.append(f"  {key} is not a setting" + (f" (did you mean {close[0]}?)" if close else ""))
         raise ConfigurationError("\n".join(lines))
+
+
+def check_spellings_agree(settings_class: type[BaseSettings], title: str) -> None:
+    """Raise ConfigurationError when two spellings of one setting (``BACKEND`` and ``GEMMASERVE_BACKEND``,
+    ``API_KEY`` and ``VLLM_API_KEY``) are both set to different values: which one wins is not something a user
+    should have to know."""
+    given = _environment(settings_class, title)
+    clashes = []
+    for field in settings_class.model_fields.values():
+        alias = field.validation_alias
+        if not isinstance(alias, AliasChoices):
+            continue
+        names = [str(choice).upper() for choice in alias.choices if isinstance(choice, str)]
+        values = {name: given[name] for name in names if name in given}
+        if len(set(values.values())) > 1:
+            clashes.append(" and ".join(values))  # names only: a value may be a secret (API_KEY)
+    if clashes:
+        raise ConfigurationError(f"invalid {title}: one setting is given twice with different values: "
+                                 f"{'; '.join(clashes)}; set only one of each")
 
 
 def load_settings(**overrides: Any) -> CoreSettings:

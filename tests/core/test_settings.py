@@ -87,3 +87,19 @@ def test_a_dotenv_that_is_not_utf8_is_a_configuration_error(tmp_path, monkeypatc
     (tmp_path / ".env").write_bytes(b"MAX_BATCH_SIZE=2\n\xff\xfe=1\n")
     with pytest.raises(ConfigurationError, match="cannot read settings from .env: it is not UTF-8"):
         load_settings()
+
+
+def test_two_spellings_of_one_setting_must_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BACKEND and GEMMASERVE_BACKEND (or API_KEY and VLLM_API_KEY) set to different values: refused, naming
+    both and no value (a key is a secret); the same value twice is fine."""
+    monkeypatch.setenv("BACKEND", "custom-cpu")
+    monkeypatch.setenv("GEMMASERVE_BACKEND", "hf")
+    with pytest.raises(ConfigurationError, match="BACKEND and GEMMASERVE_BACKEND; set only one"):
+        load_settings()
+    monkeypatch.setenv("GEMMASERVE_BACKEND", "custom-cpu")
+    assert load_settings().backend == "custom-cpu"
+    monkeypatch.setenv("API_KEY", "first-secret")
+    monkeypatch.setenv("VLLM_API_KEY", "second-secret")
+    with pytest.raises(ConfigurationError, match="API_KEY and VLLM_API_KEY") as refused:
+        load_settings()
+    assert "secret" not in str(refused.value)
