@@ -271,16 +271,15 @@ def build_settings(
     The one construction path for core and plugin settings. Raises :class:`ConfigurationError`
     listing every invalid field with the value given and what is accepted.
     """
+    given = _environment(settings_class, title)  # raises first for a .env that is not UTF-8
     if env_prefix:
-        check_prefixed_names(settings_class, env_prefix, title)
-    check_spellings_agree(settings_class, title)
+        check_prefixed_names(settings_class, env_prefix, title, given)
+    check_spellings_agree(settings_class, title, given)
     clean = {key: value for key, value in overrides.items() if value is not None}
     try:
         return settings_class(**clean)
     except ValidationError as exc:
         raise ConfigurationError(format_validation_error(exc, title=title, env_prefix=env_prefix)) from None
-    except UnicodeDecodeError as exc:  # the .env file
-        raise ConfigurationError(f"cannot read {title} from .env: it is not UTF-8 text ({exc})") from None
 
 
 def _environment(settings_class: type[BaseSettings], title: str) -> dict[str, str]:
@@ -301,15 +300,15 @@ def _environment(settings_class: type[BaseSettings], title: str) -> dict[str, st
     return merged
 
 
-def check_prefixed_names(settings_class: type[BaseSettings], env_prefix: str, title: str) -> None:
+def check_prefixed_names(settings_class: type[BaseSettings], env_prefix: str, title: str,
+                         given: dict[str, str]) -> None:
     """Raise ConfigurationError for every variable of the environment or the ``.env`` file that starts with
     ``env_prefix`` but names no setting of ``settings_class`` (a misspelt variable would otherwise be ignored:
-    ``CUSTOM_BACKEND_CUDA_GRAPHS=0`` leaves the graphs on), with the closest accepted name. Names compare
-    case-insensitively, as pydantic-settings reads them."""
+    ``CUSTOM_BACKEND_CUDA_GRAPHS=0`` leaves the graphs on), with the closest accepted name. ``given``: the
+    variables, :func:`_environment`."""
     import difflib
 
     accepted = {f"{env_prefix}{name}".upper() for name in settings_class.model_fields}
-    given = _environment(settings_class, title)
     unknown = sorted(key for key in given if key.startswith(env_prefix.upper()) and key not in accepted)
     if unknown:
         lines = [f"invalid {title}: unknown variable(s); accepted: {', '.join(sorted(accepted))}"]
@@ -319,11 +318,10 @@ def check_prefixed_names(settings_class: type[BaseSettings], env_prefix: str, ti
         raise ConfigurationError("\n".join(lines))
 
 
-def check_spellings_agree(settings_class: type[BaseSettings], title: str) -> None:
+def check_spellings_agree(settings_class: type[BaseSettings], title: str, given: dict[str, str]) -> None:
     """Raise ConfigurationError when two spellings of one setting (``BACKEND`` and ``GEMMASERVE_BACKEND``,
-    ``API_KEY`` and ``VLLM_API_KEY``) are both set to different values: which one wins is not something a user
-    should have to know."""
-    given = _environment(settings_class, title)
+    ``API_KEY`` and ``VLLM_API_KEY``) are both set to different values in ``given`` (:func:`_environment`): which
+    one wins is not something a user should have to know."""
     clashes = []
     for field in settings_class.model_fields.values():
         alias = field.validation_alias

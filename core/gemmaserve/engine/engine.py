@@ -171,7 +171,7 @@ class Engine:
         second): the :meth:`submit` of a request carrying ``spec`` then only copies it. A server calls this on its
         request-preparing threads so that neither its event loop nor the engine thread compiles. Raises
         InvalidRequestError as :meth:`submit` would for ``spec``. Thread-safe."""
-        self.scheduler.compile_constraint(spec, copy=False)
+        self.scheduler.constraint_compiler().prepare(spec)
 
     def submit_many(
         self,

@@ -201,21 +201,22 @@ class ContinuousBatchScheduler:
         if request.params.bad_words and not request.bad_word_ids:
             request.bad_word_ids = self._bad_word_ids(request.params.bad_words)
 
-    def compile_constraint(self, spec: StructuredOutputs, *, copy: bool = True) -> TokenConstraint | None:
-        """A fresh constraint for ``spec`` (compiled on the calling thread once per distinct spec, then copied: a
-        server compiles on its own threads before submitting, so the engine thread never does); ``copy=False``:
-        only compile (into the cache), None. Raises InvalidRequestError when this backend applies no masks or
-        ``spec`` is refused. Thread-safe."""
+    def compile_constraint(self, spec: StructuredOutputs) -> TokenConstraint:
+        """A fresh constraint for ``spec``, compiled on the calling thread once per distinct spec, then copied (a
+        server compiles on its own threads before submitting, :meth:`Engine.compile_constraint`, so the engine
+        thread only copies). Raises InvalidRequestError when this backend applies no masks or ``spec`` is
+        refused. Thread-safe."""
+        return self.constraint_compiler().compile(spec)
+
+    def constraint_compiler(self) -> GrammarCompiler:
+        """The compiler of this backend's constraints. Raises InvalidRequestError when the backend applies no
+        allowed-token masks (it cannot serve structured output). Thread-safe."""
         if self._streaming or not self._caps.allowed_token_masks:
             raise InvalidRequestError(
                 f"backend {self.backend.model_info.name!r} does not apply allowed-token masks "
                 "(capabilities.allowed_token_masks), so it cannot serve structured output; send the request "
                 "without structured_outputs / response_format")
-        compiler = self._grammar_compiler()
-        if not copy:
-            compiler.prepare(spec)
-            return None
-        return compiler.compile(spec)
+        return self._grammar_compiler()
 
     def _bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """Each bad word tokenized as it is (leading blanks dropped) and with one leading space, without

@@ -136,9 +136,8 @@ class PrefixCache:
             return 0
         # the row's values only for the blocks the index lacks (a prefix hit's row shares the others); the walk
         # resumes at the last block indexed for this row (or its hit's), not at the root
-        known = row.indexed_last if row.indexed[1] <= num_full else None
         result = self.radix.insert(tuple(prompt_ids[: num_full * self.block_size]), lambda j: self._value_of(row, j),
-                                   known=known)
+                                   known=row.indexed_last)
         for value in result.new_values:
             assert isinstance(value, CachedBlock)
             for group, block in value.ids():
