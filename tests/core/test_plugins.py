@@ -16,16 +16,6 @@ from gemmaserve.selection import backend_statuses, select_backend
 from gemmaserve.settings import load_settings
 
 
-def _plugin(*specs: BackendSpec) -> object:
-    class Plugin:
-        @hookimpl
-        def gemmaserve_register_backends(self, register: Callable[[BackendSpec], None]) -> None:
-            for spec in specs:
-                register(spec)
-
-    return Plugin()
-
-
 def unavailable_probe(settings: object, device: str) -> str | None:
     return "needs a unicorn"
 
@@ -35,19 +25,6 @@ def available_probe(settings: object, device: str) -> str | None:
 
 
 PROBE_MODULE = __name__
-
-
-@pytest.fixture
-def fake_plugins():
-    names: list[str] = []
-
-    def add(name: str, *specs: BackendSpec) -> None:
-        register_plugin(_plugin(*specs), name)
-        names.append(name)
-
-    yield add
-    for name in names:
-        unregister_plugin(name)
 
 
 def test_registry_lists_registered_and_known_backends(fake_plugins) -> None:

@@ -17,7 +17,7 @@ import pytest
 from gemmaserve import BackendSpec, hookimpl, plugins
 from gemmaserve.errors import BackendUnavailableError, ConfigurationError
 from gemmaserve.hardware import detect_devices
-from gemmaserve.plugins import get_plugin_manager, load_registry, register_plugin, reset_plugins, unregister_plugin
+from gemmaserve.plugins import get_plugin_manager, load_registry, register_plugin, reset_plugins
 from gemmaserve.registry import KNOWN_BACKENDS, BackendRegistry
 from gemmaserve.selection import select_backend
 from gemmaserve.settings import load_settings
@@ -99,29 +99,6 @@ def test_register_plugin_refuses_an_unknown_hook_and_registers_nothing() -> None
         register_plugin(Typo(), "fake_typo")
     assert get_plugin_manager().get_plugin("fake_typo") is None
     get_plugin_manager().check_pending()  # nothing of it left behind
-
-
-def _plugin(*specs: BackendSpec) -> object:
-    class Plugin:
-        @hookimpl
-        def gemmaserve_register_backends(self, register: Callable[[BackendSpec], None]) -> None:
-            for spec in specs:
-                register(spec)
-
-    return Plugin()
-
-
-@pytest.fixture
-def fake_plugins() -> Iterator[Callable[..., None]]:
-    names: list[str] = []
-
-    def add(name: str, *specs: BackendSpec) -> None:
-        register_plugin(_plugin(*specs), name)
-        names.append(name)
-
-    yield add
-    for name in names:
-        unregister_plugin(name)
 
 
 def test_a_first_party_alias_is_reserved(fake_plugins) -> None:

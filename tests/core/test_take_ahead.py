@@ -142,22 +142,30 @@ def test_row_samplings_built_while_the_masks_are_computed_equal_the_serial_ones(
             assert str(request._ahead.mask_error) == str(reference._ahead.mask_error)
 
 
+def _fresh_requests() -> list[Request]:
+    """One request per spec of _SPECS, its constraint at the start, nothing generated."""
+    from gemmaserve.structured import StructuredOutputs
+
+    requests = []
+    for i, spec in enumerate(_SPECS):
+        request = Request(f"r{i}", (5, 6), SamplingParams(max_tokens=100, structured_outputs=spec))
+        request.seed, request.constraint = i, _COMPILER.compile(StructuredOutputs(**spec))
+        requests.append(request)
+    return requests
+
+
 def test_a_failed_native_mask_call_leaves_every_row_to_compute_its_own(monkeypatch) -> None:
     """When llguidance's batch call raises, ``wait`` names every row of the batch and clears their half-written
     masks: their row samplings, built again, carry the masks each constraint computes alone."""
     from gemmaserve.engine.request import start_masks
-    from gemmaserve.structured import StructuredOutputs, grammar
+    from gemmaserve.structured import grammar
 
     class Broken:
         def unsafe_compute_mask_ptr(self, *args: object) -> None:
             raise RuntimeError("injected")
 
     monkeypatch.setattr(grammar, "_executor", Broken())
-    requests = []
-    for i, spec in enumerate(_SPECS):
-        request = Request(f"r{i}", (5, 6), SamplingParams(max_tokens=100, structured_outputs=spec))
-        request.seed, request.constraint = i, _COMPILER.compile(StructuredOutputs(**spec))
-        requests.append(request)
+    requests = _fresh_requests()
     pending = start_masks((request, 0) for request in requests)
     assert pending.wait() == {id(request) for request in requests}
     for request, spec in zip(requests, _SPECS):
@@ -181,23 +189,21 @@ def test_a_batch_the_mask_thread_does_not_take_in_time_is_given_up_and_never_com
     """A stalled mask thread cannot hang the engine: the submitter gives the batch up after the pick-up timeout
     (start_masks then leaves every row to compute its own mask), and the thread, when it gets there, leaves that
     batch alone (its constraints are the engine thread's again)."""
+    import os
+    import queue
     import threading
 
     from gemmaserve.engine.request import start_masks
-    from gemmaserve.structured import StructuredOutputs, grammar
+    from gemmaserve.structured import grammar
 
     monkeypatch.setattr(grammar, "_PICKUP_TIMEOUT_S", 0.05)
     gate = threading.Event()
     stalled = grammar._MaskThread.__new__(grammar._MaskThread)  # a thread stuck before its next job
-    stalled._jobs, stalled.pid = __import__("queue").SimpleQueue(), __import__("os").getpid()
+    stalled._jobs, stalled.pid = queue.SimpleQueue(), os.getpid()
     stalled.thread = threading.Thread(target=lambda: (gate.wait(), stalled._jobs.get()._compute()), daemon=True)
     stalled.thread.start()
     monkeypatch.setattr(grammar, "_thread", stalled)
-    requests = []
-    for i, spec in enumerate(_SPECS):
-        request = Request(f"r{i}", (5, 6), SamplingParams(max_tokens=100, structured_outputs=spec))
-        request.seed, request.constraint = i, _COMPILER.compile(StructuredOutputs(**spec))
-        requests.append(request)
+    requests = _fresh_requests()
     pending = start_masks((request, 0) for request in requests)
     assert pending.wait() == set()  # nothing was started: no mask view handed out
     assert [request.row_sampling().allowed for request in requests] == [_oracle_mask(spec, []) for spec in _SPECS]

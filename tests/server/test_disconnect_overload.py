@@ -4,6 +4,7 @@ Retry-After and the server keeps working."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -68,21 +69,30 @@ def test_non_streaming_disconnect_cancels_and_frees_kv(served: Any) -> None:
     assert report["integrity"] == "ok" and report["live_rows"] == 0 and report["kv"]["tokens_reserved"] == 0
 
 
+@contextlib.contextmanager
+def running_and_queued(server: ThreadedServer, engine: Engine, client: httpx.Client) -> Iterator[dict[str, Any]]:
+    """A long stream decoding (a batch of one: full) and a request waiting behind it; on exit the stream is closed
+    and the waiting request's response is under "queued" in the yielded dict."""
+    results: dict[str, Any] = {}
+    with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as running:
+        lines = running.iter_lines()  # keep it referenced: a collected iterator closes the connection
+        next(line for line in lines if line.startswith("data: "))  # admitted, decoding
+
+        def queued() -> None:
+            results["queued"] = httpx.post(f"{server.base_url}/v1/completions", timeout=30,
+                                           json={"prompt": "queued", "max_tokens": 3})
+
+        waiter = threading.Thread(target=queued)
+        waiter.start()
+        wait_until(lambda: engine.stats().waiting == 1, 10, "the second request to queue")
+        yield results
+    waiter.join(timeout=30)
+
+
 def test_full_queue_gives_429_with_retry_after(served: Any) -> None:
     server, engine, backend = served
-    results: dict[str, Any] = {}
     with httpx.Client(base_url=server.base_url, timeout=30) as client:
-        with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as running:
-            lines = running.iter_lines()  # keep it referenced: a collected iterator closes the connection
-            next(line for line in lines if line.startswith("data: "))  # admitted, decoding
-
-            def queued() -> None:
-                results["queued"] = httpx.post(f"{server.base_url}/v1/completions", timeout=30,
-                                               json={"prompt": "queued", "max_tokens": 3})
-
-            waiter = threading.Thread(target=queued)
-            waiter.start()
-            wait_until(lambda: engine.stats().waiting == 1, 10, "the second request to queue")
+        with running_and_queued(server, engine, client) as results:
             rejected = client.post("/v1/completions", json={"prompt": "one too many", "max_tokens": 3})
             assert rejected.status_code == 429, rejected.text
             assert rejected.headers["retry-after"] == "1"
@@ -90,7 +100,6 @@ def test_full_queue_gives_429_with_retry_after(served: Any) -> None:
             assert error["type"] == "rate_limit_error" and "MAX_WAITING_REQUESTS" in error["message"]
             chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
             assert chat.status_code == 429
-        waiter.join(timeout=30)
     assert results["queued"].status_code == 200
     assert results["queued"].json()["usage"]["completion_tokens"] >= 1
     assert_all_freed(engine, backend)
@@ -103,24 +112,12 @@ def test_choices_that_do_not_all_fit_the_queue_are_refused_together() -> None:
     backend = ReferenceBackend(kv_capacity_tokens=4096, decode_delay_s=SLOW_DECODE_S)
     engine = reference_engine(backend, max_batch_size=1, max_waiting_requests=3)
     server = ThreadedServer(create_app(engine, "tiny-ref"))
-    results: dict[str, Any] = {}
     try:
         with httpx.Client(base_url=server.base_url, timeout=30) as client:
-            with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as running:
-                lines = running.iter_lines()
-                next(line for line in lines if line.startswith("data: "))  # admitted, decoding
-
-                def queued() -> None:
-                    results["queued"] = httpx.post(f"{server.base_url}/v1/completions", timeout=30,
-                                                   json={"prompt": "queued", "max_tokens": 3})
-
-                waiter = threading.Thread(target=queued)
-                waiter.start()
-                wait_until(lambda: engine.stats().waiting == 1, 10, "the second request to queue")
+            with running_and_queued(server, engine, client) as results:
                 rejected = client.post("/v1/completions", json={"prompt": "three", "max_tokens": 3, "n": 3})
                 assert rejected.status_code == 429, rejected.text
                 assert engine.stats().waiting == 1 and "cancelled" not in engine.stats().finished
-            waiter.join(timeout=30)
         assert results["queued"].status_code == 200
         both = httpx.post(f"{server.base_url}/v1/completions", timeout=30,
                           json={"prompt": "three", "max_tokens": 3, "n": 3})
