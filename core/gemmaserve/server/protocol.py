@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -88,11 +89,12 @@ _JSON_SCHEMA_KEYS = frozenset({"name", "description", "schema", "strict"})
 _LOGIT_BIAS_KEY = re.compile(r"0|[1-9][0-9]{0,9}")
 
 
-def _refuse_keys(mapping: dict[str, Any], allowed: frozenset[str], what: str) -> None:
-    """ValueError naming the first key of ``mapping`` outside ``allowed``."""
+def _refuse_keys(mapping: dict[str, Any], allowed: Collection[str], what: str = "") -> None:
+    """ValueError naming the first key of ``mapping`` outside ``allowed`` (and ``what`` it is a key of)."""
     unknown = next((key for key in mapping if key not in allowed), None)
     if unknown is not None:
-        raise ValueError(f"unknown key {unknown!r} in {what} (accepted: {', '.join(sorted(allowed))})")
+        where = f" in {what}" if what else ""
+        raise ValueError(f"unknown key {unknown!r}{where} (accepted: {', '.join(sorted(allowed))})")
 
 
 def _only(schema: dict[str, Any]) -> dict[str, Any]:
@@ -135,9 +137,7 @@ class _Closed(BaseModel):
     @classmethod
     def _refuse_unknown_keys(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            unknown = [key for key in data if key not in cls.model_fields]
-            if unknown:
-                raise ValueError(f"unknown key {unknown[0]!r} (accepted: {', '.join(cls.model_fields)})")
+            _refuse_keys(data, cls.model_fields)
         return data
 
 
