@@ -124,7 +124,8 @@ def test_the_kernels_compile_for_hopper_without_a_gpu():
     """The real compiler path (Triton -> PTX -> cubin for sm_90 with Triton's bundled ptxas), which the
     interpreter never takes: bf16 at the decode row blocks 16 and 64 with and without split K and the GeGLU
     epilogue, the reduction, and the LM-head argmax with its softcap; fp32 with IEEE dots; FP8 operands widened to
-    bf16 with the scale epilogue, and the FP8 row quantization. Pointers and sizes
+    bf16 with the scale epilogue, and the FP8 row quantization; the programmatic-dependent-launch forms (bf16)
+    carry the grid-dependency instructions and nothing else does. Pointers and sizes
     carry the 16-divisibility E2B's shapes give the launcher, so the bf16 K loops become tensor-core dots."""
     require_hopper_compiler()
     import triton.language as tl
@@ -137,25 +138,29 @@ def test_the_kernels_compile_for_hopper_without_a_gpu():
         for block_m in row_blocks:
             for geglu in (False, True):
                 for split in (False, True):
-                    builds.append((sk._skinny_kernel, _skinny_signature(dtype, dtype),
-                                   {"GEGLU": geglu, "SPLIT": split, "SCALED": False, "BLOCK_M": block_m,
-                                    "BLOCK_N": 64, "BLOCK_K": 128, "PRECISION": precision, "WIDEN": None}, dtype))
+                    for pdl in (False, True) if dtype == "bf16" else (False,):
+                        builds.append((sk._skinny_kernel, _skinny_signature(dtype, dtype),
+                                       {"GEGLU": geglu, "SPLIT": split, "SCALED": False, "BLOCK_M": block_m,
+                                        "BLOCK_N": 64, "BLOCK_K": 128, "PRECISION": precision, "WIDEN": None,
+                                        "PDL": pdl}, dtype))
             builds.append((sk._argmax_kernel, {
                 "x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "best_ptr": "*fp32", "index_ptr": "*i32", "m": "i32",
                 "n": "i32", "k": "i32", "stride_xm": "i32", "stride_wn": "i32", "softcap": "fp32",
                 "HAS_CAP": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
                 "PRECISION": "constexpr"},
                 {"HAS_CAP": True, "BLOCK_M": block_m, "BLOCK_N": 128, "BLOCK_K": 128, "PRECISION": precision}, dtype))
-        for geglu, scaled in ((False, False), (True, False), (False, True)) if dtype == "bf16" else ():
+        for geglu, scaled, pdl in (((False, False, False), (True, False, False), (False, True, False),
+                                    (True, False, True)) if dtype == "bf16" else ()):
             builds.append((sk._reduce_kernel, {"part_ptr": "*fp32", "out_ptr": f"*{dtype}", "x_scale_ptr": "*fp32",
                                                "w_scale_ptr": "*fp32", "m": "i32", "n_out": "i32", "slices": "i32",
-                                               "GEGLU": "constexpr", "SCALED": "constexpr", "BLOCK": "constexpr"},
-                           {"GEGLU": geglu, "SCALED": scaled, "BLOCK": 256}, dtype))
+                                               "GEGLU": "constexpr", "SCALED": "constexpr", "BLOCK": "constexpr",
+                                               "PDL": "constexpr"},
+                           {"GEGLU": geglu, "SCALED": scaled, "BLOCK": 256, "PDL": pdl}, dtype))
     for block_m in (16, 64):  # FP8 operands widened to bf16, the scales in the epilogue
         for split in (False, True):
             builds.append((sk._skinny_kernel, _skinny_signature("fp8e4nv", "bf16"),
                            {"GEGLU": False, "SPLIT": split, "SCALED": True, "BLOCK_M": block_m, "BLOCK_N": 64,
-                            "BLOCK_K": 128, "PRECISION": "tf32", "WIDEN": tl.bfloat16}, "fp8"))
+                            "BLOCK_K": 128, "PRECISION": "tf32", "WIDEN": tl.bfloat16, "PDL": False}, "fp8"))
     for dtype in ("bf16", "fp16", "fp32"):
         builds.append((quantize_rows_kernel, {"x_ptr": f"*{dtype}", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
                                               "k": "i32", "stride_xm": "i32", "BLOCK": "constexpr"},
@@ -166,6 +171,9 @@ def test_the_kernels_compile_for_hopper_without_a_gpu():
             assert "mma" in asm["ptx"], (kernel, constexprs)  # tensor-core dots
         if dtype == "quantize":  # the FP8 cast only narrows values already on the e4m3 grid
             assert "e4m3" in asm["ptx"], constexprs
+        # a programmatic dependent waits for the previous grid and releases the next one; nothing else does
+        assert ("griddepcontrol.wait" in asm["ptx"]) == bool(constexprs.get("PDL")), constexprs
+        assert ("griddepcontrol.launch_dependents" in asm["ptx"]) == bool(constexprs.get("PDL")), constexprs
 
 
 def _skinny_signature(operands: str, out: str) -> dict[str, str]:
@@ -173,4 +181,4 @@ def _skinny_signature(operands: str, out: str) -> dict[str, str]:
             "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "m": "i32", "n_out": "i32", "k": "i32",
             "k_per_split": "i32", "stride_xm": "i32", "stride_wn": "i32", "up_offset": "i32", "GEGLU": "constexpr",
             "SPLIT": "constexpr", "SCALED": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-            "BLOCK_K": "constexpr", "PRECISION": "constexpr", "WIDEN": "constexpr"}
+            "BLOCK_K": "constexpr", "PRECISION": "constexpr", "WIDEN": "constexpr", "PDL": "constexpr"}

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from .fused_ops import gelu_tanh
 
-__all__ = ["choose_split_k", "lm_head_argmax", "skinny_geglu", "skinny_linear", "skinny_linear_fp8"]
+__all__ = ["choose_split_k", "lm_head_argmax", "pdl_supported", "skinny_geglu", "skinny_linear", "skinny_linear_fp8"]
 
 #: Programs to aim for when choosing ``split_k``: two waves of the H200's 132 SMs.
 TARGET_PROGRAMS = 264
@@ -58,12 +58,12 @@ def choose_split_k(m: int, n: int, k: int, block_n: int = 64, block_k: int = 128
 
 
 @triton.jit
-def _dot_slab(x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-              WIDEN: tl.constexpr = None):
-    """fp32 [BLOCK_M, BLOCK_N] = x[offs_m, k_start:k_stop] @ w[offs_n, k_start:k_stop].T (masked). ``WIDEN``: the
-    dtype both tiles are converted to before the dot (FP8 operands; exact)."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+def _accumulate(acc, x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                WIDEN: tl.constexpr = None):
+    """fp32 ``acc`` [BLOCK_M, BLOCK_N] += x[offs_m, k_start:k_stop] @ w[offs_n, k_start:k_stop].T (masked), one
+    BLOCK_K tile at a time in ascending K. ``WIDEN``: the dtype both tiles are converted to before the dot (FP8
+    operands; exact)."""
     offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(k_start, k_stop, BLOCK_K):
         ks = k0 + offs_k
@@ -80,12 +80,49 @@ def _dot_slab(x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, st
 
 
 @triton.jit
+def _dot_slab(x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+              WIDEN: tl.constexpr = None):
+    """fp32 [BLOCK_M, BLOCK_N] = x[offs_m, k_start:k_stop] @ w[offs_n, k_start:k_stop].T (masked)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return _accumulate(acc, x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
+                       BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN)
+
+
+@triton.jit
+def _dot_slab_after_wait(x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PRECISION: tl.constexpr, WIDEN: tl.constexpr = None):
+    """:func:`_dot_slab` for a programmatic dependent launch: the slab's first weight tile (which no earlier
+    kernel writes) is loaded before ``gdc_wait`` so it streams while the previous kernel finishes; ``x`` (its
+    output) only after. Same products, same order."""
+    offs_k = tl.arange(0, BLOCK_K)
+    ks = k_start + offs_k
+    k_mask = ks < k_stop
+    ws = tl.load(w_ptr + offs_n[:, None] * stride_wn + ks[None, :], mask=(offs_n[:, None] < n) & k_mask[None, :],
+                 other=0.0)
+    tl.extra.cuda.gdc_wait()
+    xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :], mask=(offs_m[:, None] < m) & k_mask[None, :],
+                 other=0.0)
+    if WIDEN is not None:
+        xs = xs.to(WIDEN)
+        ws = ws.to(WIDEN)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc += tl.dot(xs, tl.trans(ws), input_precision=PRECISION, out_dtype=tl.float32)
+    return _accumulate(acc, x_ptr, w_ptr, offs_m, offs_n, m, n, k_start + BLOCK_K, k_stop, stride_xm, stride_wn,
+                       BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN)
+
+
+@triton.jit
 def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, x_scale_ptr, w_scale_ptr, m, n_out, k, k_per_split, stride_xm,
                    stride_wn, up_offset, GEGLU: tl.constexpr, SPLIT: tl.constexpr, SCALED: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                   WIDEN: tl.constexpr):
+                   WIDEN: tl.constexpr, PDL: tl.constexpr = False):
     """Program (column tile, row tile, K slice). SPLIT: write fp32 partials [slices, m, n_out(x2 for GEGLU)];
-    else write the rounded result (with the GeGLU epilogue when GEGLU, times the row scales when SCALED)."""
+    else write the rounded result (with the GeGLU epilogue when GEGLU, times the row scales when SCALED).
+    PDL: launched as a programmatic dependent (see :func:`_dot_slab_after_wait`)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start its own weight loads
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -93,8 +130,12 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, x_scale_ptr, w_scale_ptr, m,
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = pid_k * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, k)
-    acc = _dot_slab(x_ptr, w_ptr, offs_m, offs_n, m, n_out, k_start, k_stop, stride_xm, stride_wn,
-                    BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN)
+    if PDL:
+        acc = _dot_slab_after_wait(x_ptr, w_ptr, offs_m, offs_n, m, n_out, k_start, k_stop, stride_xm, stride_wn,
+                                   BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN)
+    else:
+        acc = _dot_slab(x_ptr, w_ptr, offs_m, offs_n, m, n_out, k_start, k_stop, stride_xm, stride_wn,
+                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN)
     mask = (offs_m[:, None] < m) & (offs_n[None, :] < n_out)
     if GEGLU:
         acc_up = _dot_slab(x_ptr, w_ptr + up_offset * stride_wn, offs_m, offs_n, m, n_out, k_start, k_stop,
@@ -126,8 +167,11 @@ def _scaled(acc, x_scale_ptr, w_scale_ptr, offs_m, offs_n, m, n):
 
 @triton.jit
 def _reduce_kernel(part_ptr, out_ptr, x_scale_ptr, w_scale_ptr, m, n_out, slices, GEGLU: tl.constexpr,
-                   SCALED: tl.constexpr, BLOCK: tl.constexpr):
+                   SCALED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """out[row, cols] = epilogue(sum over slices, in slice order)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()  # the partials are the previous kernel's output
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_out
@@ -154,7 +198,7 @@ _WIDEN = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16:
 
 def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, geglu: bool, split_k: int | None, block_n: int,
             block_k: int, num_warps: int, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-            out_dtype: torch.dtype | None = None) -> torch.Tensor:
+            out_dtype: torch.dtype | None = None, pdl: bool = False) -> torch.Tensor:
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"need x [M, K] and w [N, K]; got {tuple(x.shape)} and {tuple(w.shape)}")
     if x.stride(1) != 1 or w.stride(1) != 1:
@@ -176,20 +220,34 @@ def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, geglu: bool, split_k: 
     _skinny_kernel[grid](x, w, out, partials, x_scale, w_scale, m, n_out, k, k_per_split, x.stride(0), w.stride(0),
                          n_out, GEGLU=geglu, SPLIT=split, SCALED=scales is not None, BLOCK_M=block_m,
                          BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(out),
-                         WIDEN=_WIDEN[dtype] if scales is not None else None, num_warps=num_warps)
+                         WIDEN=_WIDEN[dtype] if scales is not None else None, num_warps=num_warps,
+                         **_pdl_launch(pdl))
     if split:
         reduce_block = 256
         _reduce_kernel[(m, triton.cdiv(n_out, reduce_block))](partials, out, x_scale, w_scale, m, n_out, slices,
                                                                GEGLU=geglu, SCALED=scales is not None,
-                                                               BLOCK=reduce_block, num_warps=4)
+                                                               BLOCK=reduce_block, num_warps=4, **_pdl_launch(pdl))
     return out
 
 
+def pdl_supported(device: torch.device | str) -> bool:
+    """Whether kernels on ``device`` can be launched as programmatic dependents (CUDA, compute capability 9+)."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _pdl_launch(pdl: bool) -> dict[str, bool]:
+    """Launch keywords for a kernel with a ``PDL`` constexpr (none at all when off, so the interpreter and the
+    pre-Hopper path never see them)."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {}
+
+
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, *, split_k: int | None = None, block_n: int = 64,
-                  block_k: int = 128, num_warps: int = 4) -> torch.Tensor:
+                  block_k: int = 128, num_warps: int = 4, pdl: bool = False) -> torch.Tensor:
     """``x @ w.T`` for x [M, K], w [N, K] -> new [M, N] in x's dtype. ``split_k=None`` picks the slices from
-    the shapes (:func:`choose_split_k`)."""
-    return _launch(x, w, w.shape[0], False, split_k, block_n, block_k, num_warps)
+    the shapes (:func:`choose_split_k`). ``pdl``: launch as a programmatic dependent of the previous kernel
+    (Hopper; :func:`pdl_supported`): the first weight tiles stream while that kernel finishes."""
+    return _launch(x, w, w.shape[0], False, split_k, block_n, block_k, num_warps, pdl=pdl)
 
 
 def skinny_linear_fp8(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
@@ -211,12 +269,12 @@ def skinny_linear_fp8(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
 
 
 def skinny_geglu(x: torch.Tensor, gate_up: torch.Tensor, *, split_k: int | None = None, block_n: int = 64,
-                 block_k: int = 128, num_warps: int = 4) -> torch.Tensor:
+                 block_k: int = 128, num_warps: int = 4, pdl: bool = False) -> torch.Tensor:
     """``gelu_tanh(x @ gate.T) * (x @ up.T)`` for x [M, K] and gate_up [2 * W, K] (gate rows first, as
     ``fusion.fuse_projections`` lays them out) -> new [M, W] in x's dtype."""
     if gate_up.shape[0] % 2:
         raise ValueError(f"gate_up needs an even number of rows (gate then up); got {gate_up.shape[0]}")
-    return _launch(x, gate_up, gate_up.shape[0] // 2, True, split_k, block_n, block_k, num_warps)
+    return _launch(x, gate_up, gate_up.shape[0] // 2, True, split_k, block_n, block_k, num_warps, pdl=pdl)
 
 
 @triton.jit
