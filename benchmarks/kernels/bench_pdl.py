@@ -36,7 +36,8 @@ except ImportError:
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared timing helpers
 from timing import copy_bandwidth, graph_replay_ms  # noqa: E402
 
-from gemmaserve_custom_torch.kernels.skinny_gemm import pdl_supported, skinny_geglu, skinny_linear  # noqa: E402
+from gemmaserve_custom_torch.kernels.pdl import pdl_supported  # noqa: E402
+from gemmaserve_custom_torch.kernels.skinny_gemm import skinny_geglu, skinny_linear  # noqa: E402
 
 #: (hidden, q heads x head dim sliding / full, kv width sliding / full, MLP width narrow / wide, layers,
 #: first wide layer, full-attention period, per-layer-embedding width) of the chained shapes.

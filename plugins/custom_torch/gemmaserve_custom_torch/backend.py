@@ -57,7 +57,14 @@ from .distributed.workers import TensorParallelWorkers, rank_device
 from .kernels import HAS_TRITON
 from .kv import (BatchedPagedKVCache, KVAdmission, KVPools, PagedKVCache, PrefixCache, kv_groups,
                  plan_pools_for_settings, reference_tokens)
-from .models.fusion import fuse_elementwise, fuse_moe, fuse_norms, fuse_projections, moe_is_fused
+from .models.fusion import (
+    fuse_elementwise,
+    fuse_moe,
+    fuse_norms,
+    fuse_projections,
+    fuse_small_batch,
+    moe_is_fused,
+)
 from .mixed_step import MixedStep
 from .models.config import GemmaTextConfig
 from .models.gemma import GemmaForCausalLM
@@ -96,6 +103,24 @@ def fuse_model(model: GemmaForCausalLM) -> None:
         fuse_moe(model)
 
 
+def check_small_batch(custom: CustomTorchSettings, device: torch.device, fused: bool) -> bool:
+    """Whether the programmatic dependent launches are on, once CUSTOM_BACKEND_SKINNY_MAX_ROWS / CUSTOM_BACKEND_PDL
+    are checked against what this load can run (ConfigurationError naming what is missing)."""
+    names = "CUSTOM_BACKEND_SKINNY_MAX_ROWS / CUSTOM_BACKEND_PDL"
+    if not HAS_TRITON or device.type != "cuda" or not fused:
+        raise ConfigurationError(f"{names} need a CUDA device, triton and fusion (CUSTOM_BACKEND_FUSE auto or on); "
+                                 f"this load has device {device.type}, triton {'yes' if HAS_TRITON else 'no'}, fusion "
+                                 f"{'on' if fused else 'off'}: unset them")
+    if custom.pdl:
+        from .kernels.pdl import pdl_supported
+
+        if not pdl_supported(device):
+            major, minor = torch.cuda.get_device_capability(device)
+            raise ConfigurationError(f"CUSTOM_BACKEND_PDL=1 needs compute capability 9.0 or newer (Hopper); this GPU "
+                                     f"has {major}.{minor}: unset it")
+    return custom.pdl
+
+
 def _read_config(model_path: str | Path) -> GemmaTextConfig:
     """The checkpoint's text config (ModelLoadError on a bad folder), read before any weight or worker."""
     try:
@@ -120,6 +145,9 @@ def check_tensor_parallel_settings(custom: CustomTorchSettings, device: str) -> 
     if custom.prefill_attention != "auto":
         refused.append(f"CUSTOM_BACKEND_PREFILL_ATTENTION={custom.prefill_attention} (it picks the one-row prefill "
                        "fallback's attention, which tensor parallel does not have: unset it)")
+    if custom.skinny_max_rows or custom.pdl:
+        refused.append("CUSTOM_BACKEND_SKINNY_MAX_ROWS / CUSTOM_BACKEND_PDL (the worker ranks run cuBLAS and plain "
+                       "launches: unset them)")
     if refused:
         raise ConfigurationError("TENSOR_PARALLEL_SIZE > 1 runs every tick as an eager forward and does not support "
                                  + "; ".join(refused))
@@ -168,6 +196,8 @@ class CustomTorchBackend(InferenceBackend):
         self.prefill_attention, fuse = resolve_fast_paths(custom, self.device.type)
         if fuse:
             fuse_model(model)
+        if custom.skinny_max_rows or custom.pdl:
+            fuse_small_batch(model, custom.skinny_max_rows, pdl=check_small_batch(custom, self.device, fuse))
         width = -(-max_len // self.block_size)
         self.runner = PagedRunner(model, self.pools, self.prefill_attention)
         graphs, fixed = _fixed_buffer_options(model, custom, self.attention, on_cuda, workers is not None)

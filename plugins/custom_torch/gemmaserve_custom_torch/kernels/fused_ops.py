@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import await_previous, launch_options
+
 __all__ = ["gelu_mul", "norm_rope", "residual_norm"]
 
 @triton.jit
@@ -38,7 +40,9 @@ def _weight(w_ptr, offs, mask, ONE_PLUS: tl.constexpr):
 
 @triton.jit
 def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_xt, stride_xh, half, eps,
-                      HAS_WEIGHT: tl.constexpr, ONE_PLUS: tl.constexpr, BLOCK: tl.constexpr):
+                      HAS_WEIGHT: tl.constexpr, ONE_PLUS: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    await_previous(PDL)
     row = tl.program_id(0)
     token = (row // heads).to(tl.int64)
     head = (row % heads).to(tl.int64)
@@ -70,9 +74,10 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_xt,
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, style: str, cos: torch.Tensor,
-              sin: torch.Tensor) -> torch.Tensor:
+              sin: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
     """``apply_rotary(RMSNorm(x), cos, sin)``: x [B, S, H, D] (last dim contiguous), cos/sin [B, S, D] in x's
-    dtype (contiguous). Returns a new contiguous [B, S, H, D]."""
+    dtype (contiguous). Returns a new contiguous [B, S, H, D]. ``pdl``: launched as a programmatic dependent
+    (``kernels.pdl``; Hopper), as every kernel here can be."""
     batch, seq, heads, dim = x.shape
     if dim % 2:
         raise ValueError(f"rotary needs an even head dim, got {dim}")
@@ -88,7 +93,7 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, style: s
     _norm_rope_kernel[(batch * seq * heads,)](
         view, weight if weight is not None else view, cos, sin, out, heads, view.stride(0), view.stride(1), half,
         float(eps), HAS_WEIGHT=weight is not None, ONE_PLUS=style == "one_plus_w", BLOCK=block,
-        num_warps=4 if block >= 512 else (2 if block >= 128 else 1),
+        num_warps=4 if block >= 512 else (2 if block >= 128 else 1), **launch_options(pdl),
     )
     return out
 
@@ -96,7 +101,8 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, style: s
 @triton.jit
 def _residual_norm_kernel(res_ptr, h_ptr, w_ptr, scale_ptr, w_next_ptr, out_ptr, next_ptr, stride_r, stride_h,
                           n_cols, eps, eps_next, ONE_PLUS: tl.constexpr, HAS_SCALE: tl.constexpr,
-                          HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr):
+                          HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    await_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -115,7 +121,7 @@ def _residual_norm_kernel(res_ptr, h_ptr, w_ptr, scale_ptr, w_next_ptr, out_ptr,
 
 def residual_norm(residual: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float, style: str, *,
                   scale: torch.Tensor | None = None, next_weight: torch.Tensor | None = None,
-                  next_eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  next_eps: float | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``y = residual + RMSNorm_w(h)`` (then ``* scale``, a one-element tensor, if given), and with
     ``next_weight`` also ``RMSNorm_next(y)``. residual, h [..., H] of one shape. Returns (y, next or None),
     new contiguous tensors."""
@@ -137,6 +143,7 @@ def residual_norm(residual: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
         out, nxt if nxt is not None else out, res2.stride(0), h2.stride(0), n_cols, float(eps),
         float(eps if next_eps is None else next_eps), ONE_PLUS=style == "one_plus_w", HAS_SCALE=scale is not None,
         HAS_NEXT=next_weight is not None, BLOCK=block, num_warps=8 if block >= 2048 else (4 if block >= 512 else 1),
+        **launch_options(pdl),
     )
     return out, nxt
 
@@ -150,7 +157,9 @@ def gelu_tanh(a):
 
 
 @triton.jit
-def _gelu_mul_kernel(a_ptr, b_ptr, out_ptr, stride_a, stride_b, n_cols, BLOCK: tl.constexpr):
+def _gelu_mul_kernel(a_ptr, b_ptr, out_ptr, stride_a, stride_b, n_cols, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    await_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -161,7 +170,7 @@ def _gelu_mul_kernel(a_ptr, b_ptr, out_ptr, stride_a, stride_b, n_cols, BLOCK: t
     tl.store(out_ptr + row * n_cols + offs, (gelu * b).to(dtype), mask=mask)
 
 
-def gelu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def gelu_mul(a: torch.Tensor, b: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
     """``gelu_tanh(a) * b`` for a, b [..., W] of one shape (last dim contiguous; rows may be strided, e.g. the
     two halves of a fused gate/up output). Returns a new contiguous [..., W]."""
     if a.shape != b.shape:
@@ -178,5 +187,6 @@ def gelu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(n_cols))
     _gelu_mul_kernel[(a2.shape[0], triton.cdiv(n_cols, block))](
         a2, b2, out, a2.stride(0), b2.stride(0), n_cols, BLOCK=block, num_warps=4 if block >= 512 else 1,
+        **launch_options(pdl),
     )
     return out

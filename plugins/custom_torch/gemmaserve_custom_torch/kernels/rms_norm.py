@@ -12,12 +12,16 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import await_previous, launch_options
+
 __all__ = ["rms_norm"]
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, inner, stride_xm, stride_xk, n_cols, eps,
-                     HAS_WEIGHT: tl.constexpr, ONE_PLUS: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_WEIGHT: tl.constexpr, ONE_PLUS: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    await_previous(PDL)
     row = tl.program_id(0)
     m = (row // inner).to(tl.int64)
     k = (row % inner).to(tl.int64)
@@ -35,10 +39,12 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, inner, stride_xm, stride_xk, n_cols,
     tl.store(out_ptr + row.to(tl.int64) * n_cols + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, style: str) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, style: str, *,
+             pdl: bool = False) -> torch.Tensor:
     """RMSNorm over the last dim of ``x`` (any leading shape; the last dim must be contiguous, the dim before
     it may have any stride, e.g. heads sliced out of a fused projection). Returns a new contiguous tensor of
-    x's shape and dtype. No host sync (CUDA-graph capturable)."""
+    x's shape and dtype. No host sync (CUDA-graph capturable). ``pdl``: launched as a programmatic dependent
+    (``kernels.pdl``; Hopper)."""
     n_cols, shape = x.shape[-1], x.shape
     out = torch.empty(shape, dtype=x.dtype, device=x.device)
     if x.numel() == 0:
@@ -53,6 +59,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, style: st
     _rms_norm_kernel[(rows,)](
         view, weight if weight is not None else view, out, view.shape[1], view.stride(0), view.stride(1),
         n_cols, float(eps), HAS_WEIGHT=weight is not None, ONE_PLUS=style == "one_plus_w", BLOCK=block,
-        num_warps=4 if block >= 1024 else (2 if block >= 256 else 1),
+        num_warps=4 if block >= 1024 else (2 if block >= 256 else 1), **launch_options(pdl),
     )
     return out

@@ -31,8 +31,9 @@ import triton
 import triton.language as tl
 
 from .fused_ops import gelu_tanh
+from .pdl import await_previous, launch_options
 
-__all__ = ["choose_split_k", "lm_head_argmax", "pdl_supported", "skinny_geglu", "skinny_linear", "skinny_linear_fp8"]
+__all__ = ["choose_split_k", "lm_head_argmax", "skinny_geglu", "skinny_linear", "skinny_linear_fp8"]
 
 #: Programs to aim for when choosing ``split_k``: two waves of the H200's 132 SMs.
 TARGET_PROGRAMS = 264
@@ -169,9 +170,7 @@ def _scaled(acc, x_scale_ptr, w_scale_ptr, offs_m, offs_n, m, n):
 def _reduce_kernel(part_ptr, out_ptr, x_scale_ptr, w_scale_ptr, m, n_out, slices, GEGLU: tl.constexpr,
                    SCALED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """out[row, cols] = epilogue(sum over slices, in slice order)."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()  # the partials are the previous kernel's output
+    await_previous(PDL)  # the partials are the previous kernel's output
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_out
@@ -221,32 +220,20 @@ def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, geglu: bool, split_k: 
                          n_out, GEGLU=geglu, SPLIT=split, SCALED=scales is not None, BLOCK_M=block_m,
                          BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(out),
                          WIDEN=_WIDEN[dtype] if scales is not None else None, num_warps=num_warps,
-                         **_pdl_launch(pdl))
+                         **launch_options(pdl))
     if split:
         reduce_block = 256
         _reduce_kernel[(m, triton.cdiv(n_out, reduce_block))](partials, out, x_scale, w_scale, m, n_out, slices,
                                                                GEGLU=geglu, SCALED=scales is not None,
-                                                               BLOCK=reduce_block, num_warps=4, **_pdl_launch(pdl))
+                                                               BLOCK=reduce_block, num_warps=4, **launch_options(pdl))
     return out
-
-
-def pdl_supported(device: torch.device | str) -> bool:
-    """Whether kernels on ``device`` can be launched as programmatic dependents (CUDA, compute capability 9+)."""
-    device = torch.device(device)
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def _pdl_launch(pdl: bool) -> dict[str, bool]:
-    """Launch keywords for a kernel with a ``PDL`` constexpr (none at all when off, so the interpreter and the
-    pre-Hopper path never see them)."""
-    return {"PDL": True, "launch_pdl": True} if pdl else {}
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, *, split_k: int | None = None, block_n: int = 64,
                   block_k: int = 128, num_warps: int = 4, pdl: bool = False) -> torch.Tensor:
     """``x @ w.T`` for x [M, K], w [N, K] -> new [M, N] in x's dtype. ``split_k=None`` picks the slices from
     the shapes (:func:`choose_split_k`). ``pdl``: launch as a programmatic dependent of the previous kernel
-    (Hopper; :func:`pdl_supported`): the first weight tiles stream while that kernel finishes."""
+    (Hopper; ``kernels.pdl``): the first weight tiles stream while that kernel finishes."""
     return _launch(x, w, w.shape[0], False, split_k, block_n, block_k, num_warps, pdl=pdl)
 
 

@@ -1,5 +1,6 @@
 """Load-time fusion on CUDA: fewer, longer matmuls, one kernel per RMSNorm (`fuse_norms`) and per
-elementwise chain of a layer (`fuse_elementwise`), fused MoE experts (`fuse_moe`).
+elementwise chain of a layer (`fuse_elementwise`), fused MoE experts (`fuse_moe`), and optionally few-row Triton
+matmuls and programmatic dependent launches for decode at small batch (`fuse_small_batch`).
 
 `fuse_projections(model)` concatenates, per layer, the q/k/v weights of KV-storing layers (q/k on K=V layers)
 into one ``[q_width + k_width (+ v_width), hidden]`` weight and the MLP's gate/up weights into one
@@ -19,7 +20,9 @@ from torch import Tensor, nn
 from .gemma import GemmaForCausalLM
 from .quantization import Fp8Linear
 
-__all__ = ["fuse_elementwise", "fuse_moe", "fuse_norms", "fuse_projections", "is_fused", "moe_is_fused"]
+__all__ = [
+    "fuse_elementwise", "fuse_moe", "fuse_norms", "fuse_projections", "fuse_small_batch", "is_fused", "moe_is_fused",
+]
 
 
 def _fuse(linears: list[nn.Module]) -> tuple[Tensor, Tensor | None]:
@@ -114,3 +117,35 @@ def moe_is_fused(model: torch.nn.Module) -> bool:
     from .layers import MoEExperts
 
     return all(m.fused is not None for m in model.modules() if isinstance(m, MoEExperts))
+
+
+def fuse_small_batch(model: GemmaForCausalLM, max_rows: int, *, pdl: bool = False) -> int:
+    """Run the model-dtype projections of at most ``max_rows`` rows (decode at small batch) through the few-row
+    Triton kernels (``kernels.skinny_gemm``: q/k/v, o, gate/up with its GeGLU in one kernel, down, and the PLE
+    projections) instead of cuBLAS; larger products and FP8 weights keep ``quantization.linear``. With ``pdl``
+    (Hopper) those kernels, the norms and the elementwise kernels launch as programmatic dependents
+    (``kernels.pdl``): each kernel's weight reads start while the previous kernel finishes. Run after
+    ``fuse_projections`` and ``fuse_norms`` / ``fuse_elementwise``. ``max_rows`` 0 switches the few-row path off
+    (the PDL launches stay as set). Returns how many layers were switched. Mutates ``model``; idempotent."""
+    from functools import partial
+
+    from ..kernels import fused_ops
+    from ..kernels.rms_norm import rms_norm
+    from ..kernels.skinny_gemm import skinny_geglu, skinny_linear
+    from .layers import FusedElementwise, RMSNorm, SmallBatchMatmuls
+
+    if max_rows < 0:
+        raise ValueError(f"max_rows must be >= 0, got {max_rows}")
+    small = (SmallBatchMatmuls(max_rows, partial(skinny_linear, pdl=pdl), partial(skinny_geglu, pdl=pdl))
+             if max_rows else None)
+    if pdl:
+        ops = FusedElementwise(partial(fused_ops.norm_rope, pdl=True), partial(fused_ops.residual_norm, pdl=True),
+                               partial(fused_ops.gelu_mul, pdl=True))
+        for norm in (m for m in model.modules() if isinstance(m, RMSNorm) and m.kernel is not None):
+            norm.kernel = partial(rms_norm, pdl=True)
+    for layer in model.layers:
+        layer.small_batch = layer.self_attn.small_batch = layer.mlp.small_batch = small
+        if pdl and layer.fused_ops is not None:
+            layer.fused_ops = layer.self_attn.fused_ops = ops
+            layer.mlp.gelu_mul = ops.gelu_mul
+    return len(model.layers)

@@ -31,8 +31,10 @@ from .layers import (
     MoERouter,
     RMSNorm,
     RotaryEmbedding,
+    SmallBatchMatmuls,
     apply_rotary,
     gelu_tanh,
+    small_batch_linear,
 )
 from .quantization import (
     FP8_DTYPE,
@@ -124,6 +126,7 @@ class GemmaAttention(nn.Module):
         self.fused_qkv_scale: Tensor | None = None  # its FP8 scales (FP8 weights only)
         self.fused_widths: tuple[int, ...] = ()
         self.fused_ops: FusedElementwise | None = None  # set by `fusion.fuse_elementwise`
+        self.small_batch: SmallBatchMatmuls | None = None  # set by `fusion.fuse_small_batch`
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext) -> Tensor:
         batch, seq, _ = x.shape
@@ -137,7 +140,8 @@ class GemmaAttention(nn.Module):
             k = self._norm_rope(self.k_norm, k_raw, cos, sin)
             v = self.v_norm(v_raw) if self.v_norm is not None else v_raw
         out = attn.attend(self.layer_idx, q, k, v)
-        return self.tp.all_reduce(self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim)))
+        out = out.reshape(batch, seq, self.num_heads * self.head_dim)
+        return self.tp.all_reduce(small_batch_linear(self.o_proj, out, self.small_batch))
 
     def _norm_rope(self, norm: RMSNorm, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         if self.fused_ops is not None:
@@ -146,11 +150,16 @@ class GemmaAttention(nn.Module):
 
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """(q, k, v) projections of x; k/v None where the layer has none. One matmul after `fuse_projections`."""
+        small = self.small_batch
         if self.fused_qkv is not None:
-            parts = linear(x, self.fused_qkv, self.fused_qkv_scale).split(self.fused_widths, dim=-1)
+            if small is not None and self.fused_qkv_scale is None and small.takes(x):
+                fused = small.project(x, self.fused_qkv)
+            else:
+                fused = linear(x, self.fused_qkv, self.fused_qkv_scale)
+            parts = fused.split(self.fused_widths, dim=-1)
             return parts[0], parts[1], parts[2] if len(parts) > 2 else None
         if self.k_proj is None:
-            return self.q_proj(x), None, None
+            return small_batch_linear(self.q_proj, x, small), None, None
         return self.q_proj(x), self.k_proj(x), None if self.v_proj is None else self.v_proj(x)
 
 
@@ -197,6 +206,7 @@ class GemmaDecoderLayer(nn.Module):
         else:
             self.layer_scalar = None
         self.fused_ops: FusedElementwise | None = None  # set by `fusion.fuse_elementwise`
+        self.small_batch: SmallBatchMatmuls | None = None  # set by `fusion.fuse_small_batch` (the PLE projections)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext, ple: Tensor | None = None) -> Tensor:
         if self.fused_ops is not None:
@@ -246,10 +256,10 @@ class GemmaDecoderLayer(nn.Module):
                                  scale=None if self.has_ple else self.layer_scalar)
         if self.has_ple:
             assert ple is not None, "PLE model layers need their per-layer input"
-            gated = ops.gelu_mul(self.per_layer_input_gate(x), ple)
+            gated = ops.gelu_mul(small_batch_linear(self.per_layer_input_gate, x, self.small_batch), ple)
             norm = self.post_per_layer_input_norm
-            x, _ = ops.residual_norm(x, self.per_layer_projection(gated), norm.weight, norm.eps, norm.style,
-                                     scale=self.layer_scalar)
+            projected = small_batch_linear(self.per_layer_projection, gated, self.small_batch)
+            x, _ = ops.residual_norm(x, projected, norm.weight, norm.eps, norm.style, scale=self.layer_scalar)
         return x
 
 

@@ -135,6 +135,34 @@ class FusedElementwise:
     gelu_mul: Callable[[Tensor, Tensor], Tensor]
 
 
+@dataclass(frozen=True)
+class SmallBatchMatmuls:
+    """Few-row matmul kernels (``kernels.skinny_gemm``, set by ``fusion.fuse_small_batch``) that replace cuBLAS
+    for products of at most ``max_rows`` rows (decode at small batch) with model-dtype weights; FP8 weights and
+    larger products keep ``quantization.linear``. Plain callables so the model package never imports triton.
+    ``linear(x [M, K], w [N, K])`` -> [M, N]; ``geglu(x [M, K], gate_up [2W, K])`` -> gelu_tanh(gate) * up [M, W]."""
+
+    max_rows: int
+    linear: Callable[[Tensor, Tensor], Tensor]
+    geglu: Callable[[Tensor, Tensor], Tensor]
+
+    def takes(self, x: Tensor) -> bool:
+        """Whether a product with input ``x`` [..., K] runs here (its row count only: graph-capture safe)."""
+        return x.numel() > 0 and x.numel() // x.shape[-1] <= self.max_rows
+
+    def project(self, x: Tensor, weight: Tensor) -> Tensor:
+        """``F.linear(x, weight)`` for x [..., K] through the few-row kernel."""
+        return self.linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+
+
+def small_batch_linear(module: nn.Module, x: Tensor, small: SmallBatchMatmuls | None) -> Tensor:
+    """``module(x)`` for a projection module; through ``small`` when it takes ``x`` and the module is a plain
+    model-dtype ``nn.Linear`` without bias (FP8 and other layers run their own forward)."""
+    if small is not None and type(module) is nn.Linear and module.bias is None and small.takes(x):
+        return small.project(x, module.weight)
+    return module(x)
+
+
 class GeGLUMLP(nn.Module):
     """down(gelu_tanh(gate(x)) * up(x)); x [..., hidden] -> [..., hidden]."""
 
@@ -146,8 +174,14 @@ class GeGLUMLP(nn.Module):
         self.fused_gate_up: Tensor | None = None  # [gate; up] rows, set by `fusion.fuse_projections`
         self.fused_gate_up_scale: Tensor | None = None  # their FP8 scales (FP8 weights only)
         self.gelu_mul: Callable[[Tensor, Tensor], Tensor] | None = None  # set by `fusion.fuse_elementwise`
+        self.small_batch: SmallBatchMatmuls | None = None  # set by `fusion.fuse_small_batch`
 
     def forward(self, x: Tensor) -> Tensor:
+        small = self.small_batch
+        if (small is not None and self.fused_gate_up is not None and self.fused_gate_up_scale is None
+                and small.takes(x)):
+            gated = small.geglu(x.reshape(-1, x.shape[-1]), self.fused_gate_up)
+            return small.project(gated, self.down_proj.weight).view(*x.shape[:-1], -1)
         if self.fused_gate_up is not None:
             gate, up = linear(x, self.fused_gate_up, self.fused_gate_up_scale).chunk(2, dim=-1)
             if self.gelu_mul is not None:

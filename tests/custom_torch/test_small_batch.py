@@ -1,0 +1,146 @@
+"""Decode at small batch on the few-row kernels (``fusion.fuse_small_batch``, ``CUSTOM_BACKEND_SKINNY_MAX_ROWS``) and
+the programmatic-dependent-launch forms of the fused kernels (``kernels.pdl``, ``CUSTOM_BACKEND_PDL``).
+
+The model-level checks run on CPU under ``TRITON_INTERPRET=1`` in a subprocess (the flag must be set before triton
+is imported; fp32, tiny checkpoints); the PDL forms cannot run without a Hopper GPU, so they are compiled for sm_90
+with Triton's bundled ptxas and their PTX is checked instead. The GPU run is in benchmarks/kernels/bench_pdl.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hopper_compile import compile_for_hopper, require_hopper_compiler
+
+pytest.importorskip("triton")
+
+_MODEL_SCRIPT = r"""
+import json, sys, torch
+import gemmaserve_custom_torch.kernels.skinny_gemm as sk
+from gemmaserve_custom_torch.models import ContiguousKVContext, GemmaForCausalLM
+from gemmaserve_custom_torch.models.fusion import fuse_elementwise, fuse_projections, fuse_small_batch
+path, max_rows, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+torch.set_num_threads(1)
+calls = {"linear": [], "geglu": []}
+def counted(name, kernel):
+    def run(x, w, **kw):
+        calls[name].append(x.shape[0])
+        return kernel(x, w, **kw)
+    return run
+sk.skinny_linear, sk.skinny_geglu = counted("linear", sk.skinny_linear), counted("geglu", sk.skinny_geglu)
+fused = GemmaForCausalLM.from_hf(path, "cpu", torch.float32)
+small = GemmaForCausalLM.from_hf(path, "cpu", torch.float32)
+for model in (fused, small):
+    fuse_projections(model)
+    fuse_elementwise(model)
+out = {"switched": fuse_small_batch(small, max_rows), "layers": len(small.layers)}
+prompt = torch.tensor([[(7 * i + 3 * b) % 200 + 4 for i in range(9)] for b in range(batch)])
+with torch.inference_mode():
+    tokens, logits, prompt_calls = [], [], None
+    for model in (fused, small):
+        ctx, ids, got, seen = ContiguousKVContext(model.config), prompt, [], []
+        for step in range(5):
+            step_logits = model(ids, ctx.next_positions(batch, ids.shape[1]), ctx, logits_to_keep=1)[:, -1]
+            if model is small and step == 0:
+                prompt_calls = {k: len(v) for k, v in calls.items()}
+            seen.append(step_logits)
+            got.append(step_logits.argmax(-1).tolist())
+            ids = step_logits.argmax(-1)[:, None]
+        tokens.append(got)
+        logits.append(torch.stack(seen))
+out["max_logit_diff"] = float((logits[0] - logits[1]).abs().max())
+out["tokens_equal"] = tokens[0] == tokens[1]
+out["prompt_calls"] = prompt_calls
+out["decode_rows"] = sorted(set(calls["linear"] + calls["geglu"]))
+out["geglu_calls"] = len(calls["geglu"])
+out["linear_calls"] = len(calls["linear"])
+print(json.dumps(out))
+"""
+
+
+def _interpret(script: str, *args: str) -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", ["gemma4", "gemma3", "gemma4_moe"])
+def test_decode_rows_run_the_few_row_kernels_and_keep_the_tokens(tiny_checkpoint, name):
+    """Prompt forwards (more rows than the cap) stay on cuBLAS; decode steps of a 2-row batch run every projection
+    through the few-row kernels (GeGLU included) and give the fused model's logits up to summation order."""
+    result = _interpret(_MODEL_SCRIPT, str(tiny_checkpoint(name)), "4", "2")
+    assert result["switched"] == result["layers"]
+    assert result["prompt_calls"] == {"linear": 0, "geglu": 0}, result  # 2 x 9 prompt rows > 4
+    assert result["decode_rows"] == [2], result
+    layers = result["layers"]
+    assert result["geglu_calls"] == 4 * layers, result  # one per layer per decode step (MoE layers' dense MLP too)
+    assert result["linear_calls"] >= 4 * layers * 3, result  # at least q(kv), o, down per layer per step
+    assert result["max_logit_diff"] < 1e-4, result
+    assert result["tokens_equal"], result
+
+
+def test_a_cap_of_zero_runs_nothing_on_the_few_row_kernels(tiny_checkpoint):
+    result = _interpret(_MODEL_SCRIPT, str(tiny_checkpoint("gemma4")), "0", "1")
+    assert result["linear_calls"] == result["geglu_calls"] == 0, result
+    assert result["max_logit_diff"] == 0.0 and result["tokens_equal"], result
+
+
+def test_the_elementwise_and_norm_kernels_compile_as_programmatic_dependents():
+    """The PDL forms (sm_90, bundled ptxas) wait for the previous grid and release the next one; the plain forms
+    carry neither instruction."""
+    require_hopper_compiler()
+    from gemmaserve_custom_torch.kernels import fused_ops, rms_norm
+
+    builds = []
+    for pdl in (False, True):
+        builds.append((rms_norm._rms_norm_kernel, {
+            "x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "inner": "i32", "stride_xm": "i32",
+            "stride_xk": "i32", "n_cols": "i32", "eps": "fp32", "HAS_WEIGHT": "constexpr", "ONE_PLUS": "constexpr",
+            "BLOCK": "constexpr", "PDL": "constexpr"},
+            {"HAS_WEIGHT": True, "ONE_PLUS": False, "BLOCK": 256, "PDL": pdl}))
+        builds.append((fused_ops._norm_rope_kernel, {
+            "x_ptr": "*bf16", "w_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16",
+            "heads": "i32", "stride_xt": "i32", "stride_xh": "i32", "half": "i32", "eps": "fp32",
+            "HAS_WEIGHT": "constexpr", "ONE_PLUS": "constexpr", "BLOCK": "constexpr", "PDL": "constexpr"},
+            {"HAS_WEIGHT": True, "ONE_PLUS": False, "BLOCK": 128, "PDL": pdl}))
+        builds.append((fused_ops._residual_norm_kernel, {
+            "res_ptr": "*bf16", "h_ptr": "*bf16", "w_ptr": "*bf16", "scale_ptr": "*bf16", "w_next_ptr": "*bf16",
+            "out_ptr": "*bf16", "next_ptr": "*bf16", "stride_r": "i32", "stride_h": "i32", "n_cols": "i32",
+            "eps": "fp32", "eps_next": "fp32", "ONE_PLUS": "constexpr", "HAS_SCALE": "constexpr",
+            "HAS_NEXT": "constexpr", "BLOCK": "constexpr", "PDL": "constexpr"},
+            {"ONE_PLUS": False, "HAS_SCALE": True, "HAS_NEXT": True, "BLOCK": 2048, "PDL": pdl}))
+        builds.append((fused_ops._gelu_mul_kernel, {
+            "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "stride_a": "i32", "stride_b": "i32",
+            "n_cols": "i32", "BLOCK": "constexpr", "PDL": "constexpr"}, {"BLOCK": 1024, "PDL": pdl}))
+    for kernel, signature, constexprs in builds:
+        ptx = compile_for_hopper(kernel, signature, constexprs)["ptx"]
+        assert ("griddepcontrol.wait" in ptx) == constexprs["PDL"], (kernel, constexprs)
+        assert ("griddepcontrol.launch_dependents" in ptx) == constexprs["PDL"], (kernel, constexprs)
+
+
+def test_the_settings_are_refused_where_they_cannot_run(tiny_checkpoint):
+    """On the CPU (no CUDA, no fusion) and under tensor parallel the two settings name what is missing."""
+    import torch
+
+    from gemmaserve.errors import ConfigurationError
+    from gemmaserve.settings import CoreSettings
+    from gemmaserve_custom_torch.backend import CustomTorchBackend, check_tensor_parallel_settings
+    from gemmaserve_custom_torch.models import GemmaForCausalLM
+    from gemmaserve_custom_torch.settings import load_custom_settings
+    from gemmaserve_custom_torch.tokenizer import HFTokenizer
+
+    path = tiny_checkpoint("gemma4")
+    core = CoreSettings(model=str(path), device="cpu", dtype="float32", max_batch_size=2, max_active_kv_tokens=4096)
+    for custom in ({"skinny_max_rows": 8}, {"pdl": True}):
+        with pytest.raises(ConfigurationError, match="need a CUDA device, triton and fusion"):
+            CustomTorchBackend(GemmaForCausalLM.from_hf(path, "cpu", torch.float32), HFTokenizer.from_pretrained(path),
+                               core, load_custom_settings(kv_blocks=64, **custom))
+        with pytest.raises(ConfigurationError, match="SKINNY_MAX_ROWS / CUSTOM_BACKEND_PDL"):
+            check_tensor_parallel_settings(load_custom_settings(cuda_graph=False, **custom), "cpu")
+    with pytest.raises(ConfigurationError, match="SKINNY_MAX_ROWS"):
+        load_custom_settings(skinny_max_rows=65)
