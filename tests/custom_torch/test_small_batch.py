@@ -94,7 +94,7 @@ def test_the_elementwise_and_norm_kernels_compile_as_programmatic_dependents():
     """The PDL forms (sm_90, bundled ptxas) wait for the previous grid and release the next one; the plain forms
     carry neither instruction."""
     require_hopper_compiler()
-    from gemmaserve_custom_torch.kernels import fused_ops, rms_norm
+    from gemmaserve_custom_torch.kernels import fused_ops, paged_attention, rms_norm
 
     builds = []
     for pdl in (False, True):
@@ -117,6 +117,20 @@ def test_the_elementwise_and_norm_kernels_compile_as_programmatic_dependents():
         builds.append((fused_ops._gelu_mul_kernel, {
             "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "stride_a": "i32", "stride_b": "i32",
             "n_cols": "i32", "BLOCK": "constexpr", "PDL": "constexpr"}, {"BLOCK": 1024, "PDL": pdl}))
+        builds.append((paged_attention._combine_splits_kernel, {
+            "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16", "num_splits": "i32",
+            "stride_ob": "i32", "stride_oh": "i32", "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr",
+            "SPLIT_PAD": "constexpr", "PDL": "constexpr"}, {"HEAD_DIM": 256, "BLOCK_D": 256, "SPLIT_PAD": 8, "PDL": pdl}))
+        builds.append((paged_attention._paged_decode_kernel, {
+            "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
+            "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "qk_scale": "fp32", "window": "i32",
+            "max_blocks": "i32", "num_splits": "i32", **{name: "i32" for name in (
+                "stride_qb", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs",
+                "stride_vh", "stride_btb", "stride_ob", "stride_oh")},
+            **{name: "constexpr" for name in ("GROUP", "GROUP_PAD", "HEAD_DIM", "DIM_PAD", "BLOCK_SIZE", "TILE_N",
+                                              "SPLIT", "UPCAST", "DOT_PRECISION", "PDL")}},
+            {"GROUP": 8, "GROUP_PAD": 8, "HEAD_DIM": 256, "DIM_PAD": 256, "BLOCK_SIZE": 16, "TILE_N": 64,
+             "SPLIT": True, "UPCAST": False, "DOT_PRECISION": "tf32", "PDL": pdl}))
     for kernel, signature, constexprs in builds:
         ptx = compile_for_hopper(kernel, signature, constexprs)["ptx"]
         assert ("griddepcontrol.wait" in ptx) == constexprs["PDL"], (kernel, constexprs)

@@ -20,6 +20,7 @@ right before rank 0 runs it, and every block copy outside a forward is repeated 
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import os
@@ -121,6 +122,13 @@ def check_small_batch(custom: CustomTorchSettings, device: torch.device, fused: 
     return custom.pdl
 
 
+def pdl_decode_attention() -> Callable[..., torch.Tensor]:
+    """The paged decode attention kernel launched as a programmatic dependent (CUSTOM_BACKEND_PDL)."""
+    from .kernels.paged_attention import paged_decode_attention
+
+    return functools.partial(paged_decode_attention, pdl=True)
+
+
 def _read_config(model_path: str | Path) -> GemmaTextConfig:
     """The checkpoint's text config (ModelLoadError on a bad folder), read before any weight or worker."""
     try:
@@ -196,8 +204,10 @@ class CustomTorchBackend(InferenceBackend):
         self.prefill_attention, fuse = resolve_fast_paths(custom, self.device.type)
         if fuse:
             fuse_model(model)
+        pdl = False
         if custom.skinny_max_rows or custom.pdl:
-            fuse_small_batch(model, custom.skinny_max_rows, pdl=check_small_batch(custom, self.device, fuse))
+            pdl = check_small_batch(custom, self.device, fuse)
+            fuse_small_batch(model, custom.skinny_max_rows, pdl=pdl)
         width = -(-max_len // self.block_size)
         self.runner = PagedRunner(model, self.pools, self.prefill_attention)
         graphs, fixed = _fixed_buffer_options(model, custom, self.attention, on_cuda, workers is not None)
@@ -205,7 +215,8 @@ class CustomTorchBackend(InferenceBackend):
         self.mixed = MixedStep(model, self.pools, tick_attention, fast_prefill=custom.fast_prefill, graphs=graphs,
                                fixed_buffers=fixed, max_tokens=settings.max_num_batched_tokens,
                                max_seqs=settings.max_batch_size, width=width, mirror=workers,
-                               compile=fixed and custom.compile, explain=fixed and custom.explain)
+                               compile=fixed and custom.compile, explain=fixed and custom.explain,
+                               decode_kernel=pdl_decode_attention() if pdl and self.attention == "triton" else None)
         # asynchronous decode: the decode kernel's ticks on this process alone (as the fixed-buffer decoder had)
         self.async_decode = workers is None and self.attention == "triton"
         if workers is not None:

@@ -88,9 +88,9 @@ class CustomTorchSettings(BaseSettings):
         "Needs CUDA, triton and fusion (CUSTOM_BACKEND_FUSE)."
     )
     pdl: bool = Field(
-        False, description="Launch the fused norms, elementwise kernels and few-row matmuls as programmatic "
-        "dependents (each kernel's weight reads overlap the previous kernel's end). Needs a Hopper or newer GPU, "
-        "triton and fusion."
+        False, description="Launch the fused norms, elementwise kernels, paged decode attention and few-row matmuls as "
+        "programmatic dependents (each kernel's weight reads overlap the previous kernel's end). Needs a Hopper or "
+        "newer GPU, triton and fusion."
     )
     fast_prefill: bool = Field(
         True, description="In the one-forward tick, run the trailing KV-shared layers (Gemma 4) only for tokens whose "

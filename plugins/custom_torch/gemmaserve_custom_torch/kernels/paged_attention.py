@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import await_previous, launch_options
 from .reference import validate_paged_decode_inputs
 
 __all__ = [
@@ -128,7 +129,9 @@ def _paged_decode_kernel(
     SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    await_previous(PDL)  # q and the pools' new K/V are the previous kernels' output
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -206,9 +209,11 @@ def _combine_splits_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLIT_PAD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """out[b, h, d-chunk] = sum_s w_s acc_s / sum_s w_s l_s with w_s = 2^(m_s - max m); all splits
     are loaded at once (one memory round trip). Empty splits have m = -inf, so w = 0."""
+    await_previous(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     num_q_heads = tl.num_programs(1)
@@ -312,6 +317,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: DecodeKernelConfig | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Decode attention over a paged KV cache (Triton).
 
@@ -328,6 +334,7 @@ def paged_decode_attention(
         num_splits: split-KV factor, 1..256; ``None`` picks one from shapes
             (:func:`default_num_splits`).
         config: tile/warps/stages override (:func:`default_decode_config` if ``None``).
+        pdl: launch as a programmatic dependent (``kernels.pdl``; Hopper).
 
     Returns ``out`` (allocated if ``None``). No host sync; CUDA-graph capturable.
     """
@@ -390,13 +397,13 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, TILE_N=cfg.tile_n, SPLIT=split, UPCAST=upcast,
         DOT_PRECISION=dot_precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     if split:
         split_pad = triton.next_power_of_2(num_splits)
         block_d = max(16, min(dim_pad, 4096 // split_pad))
         _combine_splits_kernel[(batch, num_q_heads, triton.cdiv(head_dim, block_d))](
             part_acc, part_ml, out, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT_PAD=split_pad, num_warps=4,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT_PAD=split_pad, num_warps=4, **launch_options(pdl),
         )
     return out
