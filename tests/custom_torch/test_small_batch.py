@@ -143,7 +143,11 @@ def test_the_settings_are_refused_where_they_cannot_run(tiny_checkpoint):
 
     from gemmaserve.errors import ConfigurationError
     from gemmaserve.settings import CoreSettings
-    from gemmaserve_custom_torch.backend import CustomTorchBackend, check_tensor_parallel_settings
+    from gemmaserve_custom_torch.backend import (
+        CustomTorchBackend,
+        check_small_batch,
+        check_tensor_parallel_settings,
+    )
     from gemmaserve_custom_torch.models import GemmaForCausalLM
     from gemmaserve_custom_torch.settings import load_custom_settings
     from gemmaserve_custom_torch.tokenizer import HFTokenizer
@@ -158,3 +162,5 @@ def test_the_settings_are_refused_where_they_cannot_run(tiny_checkpoint):
             check_tensor_parallel_settings(load_custom_settings(cuda_graph=False, **custom), "cpu")
     with pytest.raises(ConfigurationError, match="SKINNY_MAX_ROWS"):
         load_custom_settings(skinny_max_rows=65)
+    with pytest.raises(ConfigurationError, match="not supported under CUSTOM_BACKEND_COMPILE=1"):
+        check_small_batch(load_custom_settings(skinny_max_rows=8, compile=True), torch.device("cpu"), True)

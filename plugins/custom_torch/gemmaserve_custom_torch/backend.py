@@ -108,6 +108,9 @@ def check_small_batch(custom: CustomTorchSettings, device: torch.device, fused: 
     """Whether the programmatic dependent launches are on, once CUSTOM_BACKEND_SKINNY_MAX_ROWS / CUSTOM_BACKEND_PDL
     are checked against what this load can run (ConfigurationError naming what is missing)."""
     names = "CUSTOM_BACKEND_SKINNY_MAX_ROWS / CUSTOM_BACKEND_PDL"
+    if custom.compile:
+        raise ConfigurationError(f"{names} are not supported under CUSTOM_BACKEND_COMPILE=1 (torch.compile would "
+                                 "trace the Triton launches; the combination is not built): unset one or the other")
     if not HAS_TRITON or device.type != "cuda" or not fused:
         raise ConfigurationError(f"{names} need a CUDA device, triton and fusion (CUSTOM_BACKEND_FUSE auto or on); "
                                  f"this load has device {device.type}, triton {'yes' if HAS_TRITON else 'no'}, fusion "

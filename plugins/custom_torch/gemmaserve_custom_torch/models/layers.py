@@ -179,7 +179,7 @@ class GeGLUMLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         small = self.small_batch
         if (small is not None and self.fused_gate_up is not None and self.fused_gate_up_scale is None
-                and small.takes(x)):
+                and type(self.down_proj) is nn.Linear and small.takes(x)):
             gated = small.geglu(x.reshape(-1, x.shape[-1]), self.fused_gate_up)
             return small.project(gated, self.down_proj.weight).view(*x.shape[:-1], -1)
         if self.fused_gate_up is not None:
