@@ -211,14 +211,14 @@ def test_ragged_prefill_matches_the_portable_prefill(e2b_like_dir):
 @pytest.mark.parametrize("pdl", [False, True])
 def test_small_batch_kernels_keep_greedy_tokens_in_bf16(e2b_like_dir, pdl):
     """CUSTOM_BACKEND_SKINNY_MAX_ROWS (few-row Triton matmuls for decode) and CUSTOM_BACKEND_PDL (programmatic
-    dependent launches, Hopper): greedy tokens of solo and joining requests against the fused cuBLAS path, a
-    differing token refereed against transformers as above."""
+    dependent launches, Hopper), on by default on Hopper: greedy tokens of solo and joining requests against the
+    fused cuBLAS path with both off, a differing token refereed against transformers as above."""
     from gemmaserve_custom_torch.kernels.pdl import pdl_supported
 
     if pdl and not pdl_supported("cuda"):
         pytest.skip("programmatic dependent launch needs compute capability 9.0+")
     small = cuda_backend(e2b_like_dir, fuse="on", skinny_max_rows=16, pdl=pdl)
-    fused = cuda_backend(e2b_like_dir, fuse="on")
+    fused = cuda_backend(e2b_like_dir, fuse="on", skinny_max_rows=0, pdl=False)
     assert small.model.layers[0].mlp.small_batch is not None and fused.model.layers[0].mlp.small_batch is None
     referee = Referee(e2b_like_dir)
     same = 0

@@ -145,7 +145,7 @@ def test_the_settings_are_refused_where_they_cannot_run(tiny_checkpoint):
     from gemmaserve.settings import CoreSettings
     from gemmaserve_custom_torch.backend import (
         CustomTorchBackend,
-        check_small_batch,
+        small_batch_plan,
         check_tensor_parallel_settings,
     )
     from gemmaserve_custom_torch.models import GemmaForCausalLM
@@ -163,4 +163,35 @@ def test_the_settings_are_refused_where_they_cannot_run(tiny_checkpoint):
     with pytest.raises(ConfigurationError, match="SKINNY_MAX_ROWS"):
         load_custom_settings(skinny_max_rows=65)
     with pytest.raises(ConfigurationError, match="not supported under CUSTOM_BACKEND_COMPILE=1"):
-        check_small_batch(load_custom_settings(skinny_max_rows=8, compile=True), torch.device("cpu"), True)
+        small_batch_plan(load_custom_settings(skinny_max_rows=8, compile=True), torch.device("cpu"), True)
+    with pytest.raises(ConfigurationError, match="not supported under tensor parallel"):
+        small_batch_plan(load_custom_settings(pdl=True), torch.device("cpu"), True, tensor_parallel=True)
+    # unset or 0: whatever the load can run, never a refusal (here: nothing)
+    cpu = torch.device("cpu")
+    for custom in ({}, {"skinny_max_rows": 0, "pdl": False}, {"compile": True}):
+        assert small_batch_plan(load_custom_settings(**custom), cpu, True) == (0, False)
+    assert small_batch_plan(load_custom_settings(), cpu, True, tensor_parallel=True) == (0, False)
+
+
+def test_unset_settings_take_what_a_cuda_load_can_run(monkeypatch):
+    """Unset: the few-row cap AUTO_SKINNY_MAX_ROWS and PDL exactly where the GPU is Hopper or newer; 0 / off and a
+    load without fusion get neither; PDL asked of an older GPU is refused naming its compute capability."""
+    import torch
+
+    import gemmaserve_custom_torch.backend as backend
+    import gemmaserve_custom_torch.kernels.pdl as pdl
+    from gemmaserve.errors import ConfigurationError
+    from gemmaserve_custom_torch.settings import load_custom_settings
+
+    monkeypatch.setattr(backend, "HAS_TRITON", True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    cuda = torch.device("cuda")
+    for hopper in (False, True):
+        monkeypatch.setattr(pdl, "pdl_supported", lambda device, hopper=hopper: hopper)
+        assert backend.small_batch_plan(load_custom_settings(), cuda, True) == (backend.AUTO_SKINNY_MAX_ROWS, hopper)
+        assert backend.small_batch_plan(load_custom_settings(skinny_max_rows=8), cuda, True) == (8, hopper)
+        assert backend.small_batch_plan(load_custom_settings(skinny_max_rows=0, pdl=False), cuda, True) == (0, False)
+        assert backend.small_batch_plan(load_custom_settings(), cuda, False) == (0, False)  # fusion off
+    monkeypatch.setattr(pdl, "pdl_supported", lambda device: False)
+    with pytest.raises(ConfigurationError, match="compute capability 9.0 or newer .* has 8.0"):
+        backend.small_batch_plan(load_custom_settings(pdl=True), cuda, True)

@@ -104,25 +104,42 @@ def fuse_model(model: GemmaForCausalLM) -> None:
         fuse_moe(model)
 
 
-def check_small_batch(custom: CustomTorchSettings, device: torch.device, fused: bool) -> bool:
-    """Whether the programmatic dependent launches are on, once CUSTOM_BACKEND_SKINNY_MAX_ROWS / CUSTOM_BACKEND_PDL
-    are checked against what this load can run (ConfigurationError naming what is missing)."""
+#: CUSTOM_BACKEND_SKINNY_MAX_ROWS where it is unset and the load can run it: on an H100, E2B decode with the few-row
+#: kernels and PDL took TPOT 3.35 -> 2.92 ms at 1 row, 3.54 -> 3.17 at 8, 3.67 -> 3.37 at 16 and 4.01 -> 3.95 at 32;
+#: at 64 rows they were slower than cuBLAS (4.61 -> 4.80 ms; docs/benchmarks.md, run 28).
+AUTO_SKINNY_MAX_ROWS = 32
+
+
+def small_batch_plan(custom: CustomTorchSettings, device: torch.device, fused: bool,
+                     tensor_parallel: bool = False) -> tuple[int, bool]:
+    """(few-row matmul cap, programmatic dependent launches) for this load from CUSTOM_BACKEND_SKINNY_MAX_ROWS /
+    CUSTOM_BACKEND_PDL: unset values take what the load can run (AUTO_SKINNY_MAX_ROWS, PDL on Hopper+); values
+    asking for what it cannot run raise ConfigurationError naming what is missing."""
     names = "CUSTOM_BACKEND_SKINNY_MAX_ROWS / CUSTOM_BACKEND_PDL"
-    if custom.compile:
+    asked = bool(custom.skinny_max_rows) or custom.pdl is True
+    possible = HAS_TRITON and device.type == "cuda" and fused and not custom.compile and not tensor_parallel
+    if asked and custom.compile:
         raise ConfigurationError(f"{names} are not supported under CUSTOM_BACKEND_COMPILE=1 (torch.compile would "
                                  "trace the Triton launches; the combination is not built): unset one or the other")
-    if not HAS_TRITON or device.type != "cuda" or not fused:
+    if asked and tensor_parallel:
+        raise ConfigurationError(f"{names} are not supported under tensor parallel (the worker ranks run cuBLAS and "
+                                 "plain launches): unset them")
+    if asked and not possible:
         raise ConfigurationError(f"{names} need a CUDA device, triton and fusion (CUSTOM_BACKEND_FUSE auto or on); "
                                  f"this load has device {device.type}, triton {'yes' if HAS_TRITON else 'no'}, fusion "
                                  f"{'on' if fused else 'off'}: unset them")
-    if custom.pdl:
+    rows = custom.skinny_max_rows if custom.skinny_max_rows is not None else (AUTO_SKINNY_MAX_ROWS if possible else 0)
+    hopper = False
+    if possible:
         from .kernels.pdl import pdl_supported
 
-        if not pdl_supported(device):
-            major, minor = torch.cuda.get_device_capability(device)
-            raise ConfigurationError(f"CUSTOM_BACKEND_PDL=1 needs compute capability 9.0 or newer (Hopper); this GPU "
-                                     f"has {major}.{minor}: unset it")
-    return custom.pdl
+        hopper = pdl_supported(device)
+    if custom.pdl is True and not hopper:
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ConfigurationError(f"CUSTOM_BACKEND_PDL=1 needs compute capability 9.0 or newer (Hopper); this GPU has "
+                                 f"{major}.{minor}: unset it")
+    pdl = custom.pdl if custom.pdl is not None else hopper
+    return rows, pdl
 
 
 def pdl_decode_attention() -> Callable[..., torch.Tensor]:
@@ -158,7 +175,7 @@ def check_tensor_parallel_settings(custom: CustomTorchSettings, device: str) -> 
                        "fallback's attention, which tensor parallel does not have: unset it)")
     if custom.skinny_max_rows or custom.pdl:
         refused.append("CUSTOM_BACKEND_SKINNY_MAX_ROWS / CUSTOM_BACKEND_PDL (the worker ranks run cuBLAS and plain "
-                       "launches: unset them)")
+                       "launches: unset them or set them to 0)")
     if refused:
         raise ConfigurationError("TENSOR_PARALLEL_SIZE > 1 runs every tick as an eager forward and does not support "
                                  + "; ".join(refused))
@@ -207,10 +224,9 @@ class CustomTorchBackend(InferenceBackend):
         self.prefill_attention, fuse = resolve_fast_paths(custom, self.device.type)
         if fuse:
             fuse_model(model)
-        pdl = False
-        if custom.skinny_max_rows or custom.pdl:
-            pdl = check_small_batch(custom, self.device, fuse)
-            fuse_small_batch(model, custom.skinny_max_rows, pdl=pdl)
+        skinny_rows, pdl = small_batch_plan(custom, self.device, fuse, tensor_parallel=workers is not None)
+        if skinny_rows or pdl:
+            fuse_small_batch(model, skinny_rows, pdl=pdl)
         width = -(-max_len // self.block_size)
         self.runner = PagedRunner(model, self.pools, self.prefill_attention)
         graphs, fixed = _fixed_buffer_options(model, custom, self.attention, on_cuda, workers is not None)

@@ -82,15 +82,16 @@ class CustomTorchSettings(BaseSettings):
         True, description="Run each tick's prefill chunks and decode rows as one ragged forward (forward_step); "
         "0 keeps the separate prefill_chunks + decode path. Decode-only ticks replay the decode graphs either way."
     )
-    skinny_max_rows: int = Field(
-        0, ge=0, le=64, description="Decode matmuls of at most this many rows (model-dtype weights: q/k/v, o, gate/up "
-        "with GeGLU, down, PLE) run the few-row Triton kernels (kernels/skinny_gemm.py) instead of cuBLAS; 0 = off. "
-        "Needs CUDA, triton and fusion (CUSTOM_BACKEND_FUSE)."
+    skinny_max_rows: int | None = Field(
+        None, ge=0, le=64, description="Decode matmuls of at most this many rows (model-dtype weights: q/k/v, o, "
+        "gate/up with GeGLU, down, PLE) run the few-row Triton kernels (kernels/skinny_gemm.py) instead of cuBLAS; "
+        "0 = off. Unset: 32 where the load can (CUDA, triton, fusion, no tensor parallel, no COMPILE), else 0; a "
+        "value above 0 is refused where it cannot run."
     )
-    pdl: bool = Field(
-        False, description="Launch the fused norms, elementwise kernels, paged decode attention and few-row matmuls as "
-        "programmatic dependents (each kernel's weight reads overlap the previous kernel's end). Needs a Hopper or "
-        "newer GPU, triton and fusion."
+    pdl: bool | None = Field(
+        None, description="Launch the fused norms, elementwise kernels, paged decode attention and few-row matmuls as "
+        "programmatic dependents (each kernel's weight reads overlap the previous kernel's end). Unset: on where the "
+        "load can (compute capability 9.0+, triton, fusion, no tensor parallel, no COMPILE); 1 is refused elsewhere."
     )
     fast_prefill: bool = Field(
         True, description="In the one-forward tick, run the trailing KV-shared layers (Gemma 4) only for tokens whose "

@@ -19,9 +19,14 @@ and applies the epilogue.
 Weights are ``[N, K]`` row-major as the model holds them (no repacking). Inputs must have a contiguous last
 dim. Accumulation is fp32, so results equal cuBLAS's up to summation order (last-bit differences in bf16).
 Nothing syncs the host; every launch grid depends on shapes only (CUDA-graph capturable). Runs on CPU under
-``TRITON_INTERPRET=1`` (fp32 / fp16, tiny shapes) for the tests. None of them runs in the model by default: the bf16
-forms tied or lost against cuBLAS on the H200, and the FP8 form (behind ``quantization.FP8_SKINNY_MAX_ROWS``,
-default 0) lost against ``torch._scaled_mm`` on an H100 (docs/benchmarks.md, ``benchmarks/kernels/bench_skinny_gemm.py``).
+``TRITON_INTERPRET=1`` (fp32 / fp16, tiny shapes) for the tests.
+
+``skinny_linear`` and ``skinny_geglu`` run decode's model-dtype projections of at most
+``CUSTOM_BACKEND_SKINNY_MAX_ROWS`` rows (``fusion.fuse_small_batch``; 32 by default on CUDA), launched as programmatic
+dependents on Hopper (``pdl=True``, ``kernels.pdl``): per product they tie cuBLAS, chained with PDL they took 13 % off
+E2B's decode step at one row on an H100 (docs/benchmarks.md, run 28). The FP8 form (behind
+``quantization.FP8_SKINNY_MAX_ROWS``, default 0) lost against ``torch._scaled_mm`` on an H100, and ``lm_head_argmax``
+is not wired (``benchmarks/kernels/bench_skinny_gemm.py``).
 """
 
 from __future__ import annotations
