@@ -87,6 +87,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--long-output-len", type=int, default=128)
     p.add_argument("--serving-rates", default="", help="workload C Poisson rates per second ('' = skip)")
     p.add_argument("--serving-requests", type=int, default=1000)
+    p.add_argument("--serving-repeats", type=int, default=1, help="workload C runs per rate (arrival seeds differ)")
     p.add_argument("--serving-max-rows", type=int, default=None, help="with --serving-rates: the engine's row and KV "
                    "pool size is at least this many requests (workload C's concurrency limit; default 256)")
     p.add_argument("--serving-input", default="128,2048", help="workload C prompt lengths: uniform in [lo, hi]")
@@ -108,6 +109,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--serving-max-rows sizes the engine for workload C; add --serving-rates")
     if args.serving_max_rows is not None and args.serving_max_rows < 1:
         p.error(f"--serving-max-rows must be at least 1, got {args.serving_max_rows}")
+    if args.serving_repeats < 1:
+        p.error(f"--serving-repeats must be at least 1, got {args.serving_repeats}")
     if args.fp8_skinny_max_rows is not None and args.quantization != "fp8":
         p.error("--fp8-skinny-max-rows applies to FP8 weights; add --quantization fp8")
     if args.serving_max_rows is None:
@@ -415,9 +418,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     for _ in range(args.serving_requests)]
             rows = []
             for rate in rates:
-                row = run_arrivals(backend, settings, work, rate, seed=args.seed + int(rate * 10))
-                rows.append(row)
-                print(f"  serving rate {rate}/s: {row}", flush=True)
+                for repeat in range(args.serving_repeats):  # the ITL tail is noisy: repeats give its spread
+                    row = run_arrivals(backend, settings, work, rate, seed=args.seed + int(rate * 10) + 1000 * repeat)
+                    row["repeat"] = repeat
+                    if row.get("itl_p50_ms"):
+                        row["itl_p99_over_p50"] = round(row["itl_p99_ms"] / row["itl_p50_ms"], 3)
+                    rows.append(row)
+                    print(f"  serving rate {rate}/s (repeat {repeat}): {row}", flush=True)
             return rows
 
         section("workload_c", serving)
@@ -485,8 +492,9 @@ def _print_tables(results: dict[str, Any]) -> None:
         print(" | ".join(str(row.get(c)) for c in cols), "| prefill tok/s", row.get("prefill_tok_per_s"),
               row.get("prefill_pct_of_compute_roofline"))
     for row in results.get("workload_c", []):
-        print(f"C rate {row['rate_per_s']}/s: TTFT p50/p99 {row['ttft_p50_ms']}/{row['ttft_p99_ms']} ms, ITL p50/p99 "
-              f"{row['itl_p50_ms']}/{row['itl_p99_ms']} ms, TPOT p50 {row['tpot_p50_ms']} ms, "
+        print(f"C rate {row['rate_per_s']}/s (repeat {row.get('repeat', 0)}): TTFT p50/p99 {row['ttft_p50_ms']}/"
+              f"{row['ttft_p99_ms']} ms, ITL p50/p99 {row['itl_p50_ms']}/{row['itl_p99_ms']} ms "
+              f"({row.get('itl_p99_over_p50')}x), TPOT p50 {row['tpot_p50_ms']} ms, "
               f"{row['output_tok_per_s']} out tok/s, {row['prefill_tok_per_s']} prefill tok/s")
     if "workload_b" in results:
         b = results["workload_b"]

@@ -127,11 +127,13 @@ def test_workload_c_sizes_the_engine_beyond_the_workload_a_sizes(tmp_path):
     out = tmp_path / "c.json"
     env = {**os.environ, "OMP_NUM_THREADS": "2", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, str(BENCH / "decode.py"), "--quick", "--hf-sizes", "", "--serving-rates", "50",
-                           "--serving-requests", "6", "--json", str(out)], capture_output=True, text=True, env=env,
-                          timeout=300, check=False)
+                           "--serving-requests", "6", "--serving-repeats", "2", "--json", str(out)], capture_output=True,
+                          text=True, env=env, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
     max_len = dm.CONFIGS["e2b"][2]["max_position_embeddings"]  # the toy config's (C's quick prompts fit in it)
     assert results["memory"]["kv_tokens_wanted"] == 8 * max_len  # quick: A sizes 1,2 and B 4 rows would give 4
-    [serving] = results["workload_c"]
-    assert serving["requests"] == 6 and not serving["errors"], serving
+    first, second = results["workload_c"]  # --serving-repeats 2: the rate twice, other arrival seeds
+    for repeat, serving in enumerate((first, second)):
+        assert serving["requests"] == 6 and not serving["errors"] and serving["repeat"] == repeat, serving
+        assert serving["itl_p99_over_p50"] == round(serving["itl_p99_ms"] / serving["itl_p50_ms"], 3), serving
