@@ -2,15 +2,16 @@
 
 Issue 14 asks whether the few-row kernels (kernels/skinny_gemm.py) close the gap to the HBM roofline once each
 kernel's weight loads overlap the previous kernel's tail (PDL, Hopper). This times, by CUDA-graph replay, the
-projections of every layer of a Gemma 4 shape in model order (qkv, o, gate/up + GeGLU, down, the per-layer
-embedding gate) for each row count M, three ways: cuBLAS (``F.linear`` and the eager GeGLU), the Triton kernels
-launched normally, and the Triton kernels launched as programmatic dependents (the first weight tile of every
-program is read before ``gdc_wait``). Each layer has its own weights, so nothing is served from the L2 across
+projections of every layer of a Gemma 4 shape in model order (the input RMSNorm, qkv, o, gate/up + GeGLU, down,
+the per-layer embedding gate) for each row count M, four ways: cuBLAS (``F.linear`` and the eager GeGLU), the
+Triton kernels launched normally, the Triton kernels launched as programmatic dependents (the first weight tile of
+every program is read before ``gdc_wait``), and that with the input norm folded into the qkv kernel's prologue
+(``skinny_linear(..., norm=)``). Each layer has its own weights, so nothing is served from the L2 across
 layers. Reports ms per chain, kernels per chain, and the weight bandwidth against the copy bandwidth measured in
 the same run; the two Triton forms must give identical outputs (same products, same order).
 
-Only the matmuls are timed: norms, RoPE, attention and the residual chain are not in it, so the figure is the
-ceiling of what PDL can take off the step's matmul time, not a step time.
+Only the matmuls and the input norms are timed: RoPE, attention and the residual chain are not in it, so the figure
+is the ceiling of what PDL can take off that part of the step, not a step time.
 
 Usage (repo root, Hopper GPU):
     PYTHONPATH=plugins/custom_torch python benchmarks/kernels/bench_pdl.py --rows 1,8,32 --json pdl.json
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the
 from timing import copy_bandwidth, graph_replay_ms  # noqa: E402
 
 from gemmaserve_custom_torch.kernels.pdl import pdl_supported  # noqa: E402
+from gemmaserve_custom_torch.kernels.rms_norm import rms_norm  # noqa: E402
 from gemmaserve_custom_torch.kernels.skinny_gemm import skinny_geglu, skinny_linear  # noqa: E402
 
 #: (hidden, q heads x head dim sliding / full, kv width sliding / full, MLP width narrow / wide, layers,
@@ -59,13 +61,16 @@ def layer_weights(spec: dict[str, int], index: int, device: str, dtype: torch.dt
         return torch.randn(n, k, device=device, dtype=dtype) * k ** -0.5
 
     return {"qkv": w(q + 2 * kv, hidden), "o": w(hidden, q), "gate_up": w(2 * width, hidden),
-            "down": w(hidden, width), "ple_gate": w(spec["ple"], hidden)}
+            "down": w(hidden, width), "ple_gate": w(spec["ple"], hidden),
+            "input_norm": 1.0 + 0.1 * torch.randn(hidden, device=device, dtype=dtype)}
 
 
 def chain(layers: list[dict[str, torch.Tensor]], x: torch.Tensor, kind: str) -> Callable[[], list[torch.Tensor]]:
-    """The step's matmuls in model order; each reads a slice of the previous product as its input (the real data
-    dependence), so PDL's wait is exercised. ``kind``: "cublas", "triton" or "triton_pdl"."""
-    pdl = kind == "triton_pdl"
+    """The step's matmuls in model order, each layer's input RMSNorm before its qkv (the Triton norm kernel, as
+    the model runs it); each product reads a slice of the previous one as its input (the real data dependence), so
+    PDL's wait is exercised. ``kind``: "cublas", "triton", "triton_pdl", or "triton_pdl_norm" (the norm folded
+    into the qkv kernel's prologue: one launch fewer per layer)."""
+    pdl = kind.startswith("triton_pdl")
 
     def linear(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.linear(a, w) if kind == "cublas" else skinny_linear(a, w, pdl=pdl)
@@ -80,7 +85,10 @@ def chain(layers: list[dict[str, torch.Tensor]], x: torch.Tensor, kind: str) -> 
         h = x
         outs = []
         for layer in layers:
-            qkv = linear(h, layer["qkv"])
+            if kind == "triton_pdl_norm":
+                qkv = skinny_linear(h, layer["qkv"], pdl=True, norm=(layer["input_norm"], 1e-6, "w"))
+            else:
+                qkv = linear(rms_norm(h, layer["input_norm"], 1e-6, "w", pdl=pdl), layer["qkv"])
             h = linear(qkv[:, : layer["o"].shape[1]], layer["o"])  # the q columns stand in for attention
             mlp = geglu(h, layer["gate_up"])
             h = linear(mlp, layer["down"])
@@ -108,11 +116,11 @@ def run(model: str, rows: list[int], iters: int) -> dict[str, Any]:
     torch.manual_seed(0)
     spec = MODELS[model]
     layers = [layer_weights(spec, i, device, dtype) for i in range(spec["layers"])]
-    weight_bytes = sum(w.numel() * w.element_size() for layer in layers for w in layer.values())
+    weight_bytes = sum(w.numel() * w.element_size() for layer in layers for w in layer.values() if w.dim() == 2)
     bandwidth = copy_bandwidth(device)
     results: dict[str, Any] = {"model": model, "device": torch.cuda.get_device_name(), "weight_gb": weight_bytes / 1e9,
                                "copy_tb_s": bandwidth / 1e12, "pdl_supported": pdl_supported(device), "rows": {}}
-    kinds = ["cublas", "triton"] + (["triton_pdl"] if pdl_supported(device) else [])
+    kinds = ["cublas", "triton"] + (["triton_pdl", "triton_pdl_norm"] if pdl_supported(device) else [])
     for m in rows:
         x = torch.randn(m, spec["hidden"], device=device, dtype=dtype)
         row: dict[str, Any] = {}
@@ -127,6 +135,9 @@ def run(model: str, rows: list[int], iters: int) -> dict[str, Any]:
         if "triton_pdl" in outputs:
             row["pdl_outputs_identical"] = all(torch.equal(a, b) for a, b in zip(outputs["triton"],
                                                                                   outputs["triton_pdl"]))
+            last = outputs["triton_pdl"][-1].float()
+            row["norm_fold_vs_pdl_max_rel"] = float((outputs["triton_pdl_norm"][-1].float() - last).abs().max()
+                                                    / last.abs().max().clamp_min(1e-6))
         last = outputs["cublas"][-1].float()
         row["triton_vs_cublas_max_rel"] = float((outputs["triton"][-1].float() - last).abs().max()
                                                 / last.abs().max().clamp_min(1e-6))

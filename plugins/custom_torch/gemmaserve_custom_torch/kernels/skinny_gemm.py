@@ -6,7 +6,8 @@ SM streaming, also split the reduction dimension (``split_k``): each program rea
 slab of the weight once, and a second kernel sums the fp32 partials in a fixed order (deterministic, no atomics)
 and applies the epilogue.
 
-- :func:`skinny_linear`: ``x @ w.T`` (``F.linear`` without bias);
+- :func:`skinny_linear`: ``x @ w.T`` (``F.linear`` without bias), optionally ``RMSNorm(x) @ w.T`` with the norm in
+  the kernel's prologue (``norm=``: every program reads its rows' whole K once for the factors);
 - :func:`skinny_linear_fp8`: the ``torch._scaled_mm`` product ``(xq @ wq.T) * x_scale * w_scale`` of FP8 operands
   with their row scales, the FP8 values widened exactly to the dot's dtype (bf16, fp32 for fp32 outputs) so the
   weights stream as one byte each;
@@ -64,18 +65,44 @@ def choose_split_k(m: int, n: int, k: int, block_n: int = 64, block_k: int = 128
 
 
 @triton.jit
+def _normed(xs, ks, k_mask, inv, g_ptr, NORM: tl.constexpr):
+    """x tile [BLOCK_M, BLOCK_K] RMS-normalised as ``kernels.rms_norm`` does (fp32 ``x * inv`` times the weight
+    ``g`` (NORM 1) or ``1 + g`` (NORM 2), one rounding to x's dtype); unchanged when NORM is 0."""
+    if NORM:
+        g = tl.load(g_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+        if NORM == 2:
+            g = 1.0 + g
+        xs = (xs.to(tl.float32) * inv[:, None] * g[None, :]).to(xs.dtype)
+    return xs
+
+
+@triton.jit
+def _row_inv_rms(x_ptr, offs_m, m, k, stride_xm, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 ``1 / sqrt(mean(x[offs_m]^2) + eps)`` over the whole row (K), per row [BLOCK_M]."""
+    offs_k = tl.arange(0, BLOCK_K)
+    sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        ks = k0 + offs_k
+        xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :],
+                     mask=(offs_m[:, None] < m) & (ks < k)[None, :], other=0.0).to(tl.float32)
+        sum_sq += tl.sum(xs * xs, axis=1)
+    return 1.0 / tl.sqrt((sum_sq / k + eps).to(tl.float32))
+
+
+@triton.jit
 def _accumulate(acc, x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                WIDEN: tl.constexpr = None):
+                WIDEN: tl.constexpr = None, inv=None, g_ptr=None, NORM: tl.constexpr = 0):
     """fp32 ``acc`` [BLOCK_M, BLOCK_N] += x[offs_m, k_start:k_stop] @ w[offs_n, k_start:k_stop].T (masked), one
     BLOCK_K tile at a time in ascending K. ``WIDEN``: the dtype both tiles are converted to before the dot (FP8
-    operands; exact)."""
+    operands; exact). ``NORM``: the x tiles are RMS-normalised first (:func:`_normed`, row factors ``inv``)."""
     offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(k_start, k_stop, BLOCK_K):
         ks = k0 + offs_k
         k_mask = ks < k_stop
         xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :],
                      mask=(offs_m[:, None] < m) & k_mask[None, :], other=0.0)
+        xs = _normed(xs, ks, k_mask, inv, g_ptr, NORM)
         ws = tl.load(w_ptr + offs_n[:, None] * stride_wn + ks[None, :],
                      mask=(offs_n[:, None] < n) & k_mask[None, :], other=0.0)
         if WIDEN is not None:
@@ -88,45 +115,54 @@ def _accumulate(acc, x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride
 @triton.jit
 def _dot_slab(x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-              WIDEN: tl.constexpr = None):
-    """fp32 [BLOCK_M, BLOCK_N] = x[offs_m, k_start:k_stop] @ w[offs_n, k_start:k_stop].T (masked)."""
+              WIDEN: tl.constexpr = None, inv=None, g_ptr=None, NORM: tl.constexpr = 0):
+    """fp32 [BLOCK_M, BLOCK_N] = x[offs_m, k_start:k_stop] @ w[offs_n, k_start:k_stop].T (masked; x normalised
+    with NORM, see :func:`_accumulate`)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     return _accumulate(acc, x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
-                       BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN)
+                       BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN, inv, g_ptr, NORM)
 
 
 @triton.jit
 def _dot_slab_after_wait(x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PRECISION: tl.constexpr, WIDEN: tl.constexpr = None):
-    """:func:`_dot_slab` for a programmatic dependent launch: the slab's first weight tile (which no earlier
-    kernel writes) is loaded before ``gdc_wait`` so it streams while the previous kernel finishes; ``x`` (its
-    output) only after. Same products, same order."""
+                         PRECISION: tl.constexpr, WIDEN: tl.constexpr = None, k=0, eps=0.0, g_ptr=None,
+                         NORM: tl.constexpr = 0):
+    """:func:`_dot_slab` for a programmatic dependent launch, and the rows' RMS factors when NORM (over the whole
+    row: ``k`` columns, ``eps``): the slab's first weight tile (which no earlier kernel writes) is loaded before
+    ``gdc_wait`` so it streams while the previous kernel finishes; ``x`` (its output) only after. Same products,
+    same order. Returns (acc, inv)."""
     offs_k = tl.arange(0, BLOCK_K)
     ks = k_start + offs_k
     k_mask = ks < k_stop
     ws = tl.load(w_ptr + offs_n[:, None] * stride_wn + ks[None, :], mask=(offs_n[:, None] < n) & k_mask[None, :],
                  other=0.0)
     tl.extra.cuda.gdc_wait()
+    inv = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if NORM:
+        inv = _row_inv_rms(x_ptr, offs_m, m, k, stride_xm, eps, BLOCK_M, BLOCK_K)
     xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :], mask=(offs_m[:, None] < m) & k_mask[None, :],
                  other=0.0)
+    xs = _normed(xs, ks, k_mask, inv, g_ptr, NORM)
     if WIDEN is not None:
         xs = xs.to(WIDEN)
         ws = ws.to(WIDEN)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc += tl.dot(xs, tl.trans(ws), input_precision=PRECISION, out_dtype=tl.float32)
-    return _accumulate(acc, x_ptr, w_ptr, offs_m, offs_n, m, n, k_start + BLOCK_K, k_stop, stride_xm, stride_wn,
-                       BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN)
+    acc = _accumulate(acc, x_ptr, w_ptr, offs_m, offs_n, m, n, k_start + BLOCK_K, k_stop, stride_xm, stride_wn,
+                      BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN, inv, g_ptr, NORM)
+    return acc, inv
 
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, x_scale_ptr, w_scale_ptr, m, n_out, k, k_per_split, stride_xm,
                    stride_wn, up_offset, GEGLU: tl.constexpr, SPLIT: tl.constexpr, SCALED: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                   WIDEN: tl.constexpr, PDL: tl.constexpr = False):
+                   WIDEN: tl.constexpr, PDL: tl.constexpr = False, g_ptr=None, eps=0.0, NORM: tl.constexpr = 0):
     """Program (column tile, row tile, K slice). SPLIT: write fp32 partials [slices, m, n_out(x2 for GEGLU)];
     else write the rounded result (with the GeGLU epilogue when GEGLU, times the row scales when SCALED).
-    PDL: launched as a programmatic dependent (see :func:`_dot_slab_after_wait`)."""
+    PDL: launched as a programmatic dependent (see :func:`_dot_slab_after_wait`). NORM: x is RMS-normalised
+    first (weight ``g``, ``eps``; 1 = times g, 2 = times 1 + g), each program from its rows' whole K."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start its own weight loads
     pid_n = tl.program_id(0)
@@ -137,15 +173,18 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, x_scale_ptr, w_scale_ptr, m,
     k_start = pid_k * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, k)
     if PDL:
-        acc = _dot_slab_after_wait(x_ptr, w_ptr, offs_m, offs_n, m, n_out, k_start, k_stop, stride_xm, stride_wn,
-                                   BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN)
+        acc, inv = _dot_slab_after_wait(x_ptr, w_ptr, offs_m, offs_n, m, n_out, k_start, k_stop, stride_xm,
+                                        stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN, k, eps, g_ptr, NORM)
     else:
+        inv = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        if NORM:
+            inv = _row_inv_rms(x_ptr, offs_m, m, k, stride_xm, eps, BLOCK_M, BLOCK_K)
         acc = _dot_slab(x_ptr, w_ptr, offs_m, offs_n, m, n_out, k_start, k_stop, stride_xm, stride_wn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN)
+                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN, inv, g_ptr, NORM)
     mask = (offs_m[:, None] < m) & (offs_n[None, :] < n_out)
     if GEGLU:
         acc_up = _dot_slab(x_ptr, w_ptr + up_offset * stride_wn, offs_m, offs_n, m, n_out, k_start, k_stop,
-                           stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+                           stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, None, inv, g_ptr, NORM)
     if SPLIT:
         width = n_out * 2 if GEGLU else n_out
         base = part_ptr + pid_k.to(tl.int64) * m * width + offs_m[:, None] * width + offs_n[None, :]
@@ -202,7 +241,8 @@ _WIDEN = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16:
 
 def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, geglu: bool, split_k: int | None, block_n: int,
             block_k: int, num_warps: int, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-            out_dtype: torch.dtype | None = None, pdl: bool = False) -> torch.Tensor:
+            out_dtype: torch.dtype | None = None, pdl: bool = False,
+            norm: tuple[torch.Tensor | None, float, str] | None = None) -> torch.Tensor:
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"need x [M, K] and w [N, K]; got {tuple(x.shape)} and {tuple(w.shape)}")
     if x.stride(1) != 1 or w.stride(1) != 1:
@@ -225,7 +265,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, geglu: bool, split_k: 
                          n_out, GEGLU=geglu, SPLIT=split, SCALED=scales is not None, BLOCK_M=block_m,
                          BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(out),
                          WIDEN=_WIDEN[dtype] if scales is not None else None, num_warps=num_warps,
-                         **launch_options(pdl))
+                         **launch_options(pdl), **_norm_options(norm, k))
     if split:
         reduce_block = 256
         _reduce_kernel[(m, triton.cdiv(n_out, reduce_block))](partials, out, x_scale, w_scale, m, n_out, slices,
@@ -234,12 +274,27 @@ def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, geglu: bool, split_k: 
     return out
 
 
+def _norm_options(norm: tuple[torch.Tensor | None, float, str] | None, k: int) -> dict[str, object]:
+    """Launch keywords of the RMSNorm prologue (none when ``norm`` is None)."""
+    if norm is None:
+        return {}
+    weight, eps, style = norm
+    if style not in ("w", "one_plus_w"):
+        raise ValueError(f"norm style must be 'w' or 'one_plus_w', got {style!r}")
+    if weight is None or weight.shape != (k,) or weight.stride(0) != 1:
+        raise ValueError(f"the norm weight must be a contiguous [{k}] tensor")
+    return {"g_ptr": weight, "eps": float(eps), "NORM": 2 if style == "one_plus_w" else 1}
+
+
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, *, split_k: int | None = None, block_n: int = 64,
-                  block_k: int = 128, num_warps: int = 4, pdl: bool = False) -> torch.Tensor:
+                  block_k: int = 128, num_warps: int = 4, pdl: bool = False,
+                  norm: tuple[torch.Tensor | None, float, str] | None = None) -> torch.Tensor:
     """``x @ w.T`` for x [M, K], w [N, K] -> new [M, N] in x's dtype. ``split_k=None`` picks the slices from
     the shapes (:func:`choose_split_k`). ``pdl``: launch as a programmatic dependent of the previous kernel
-    (Hopper; ``kernels.pdl``): the first weight tiles stream while that kernel finishes."""
-    return _launch(x, w, w.shape[0], False, split_k, block_n, block_k, num_warps, pdl=pdl)
+    (Hopper; ``kernels.pdl``): the first weight tiles stream while that kernel finishes. ``norm=(weight, eps,
+    style)``: ``RMSNorm(x) @ w.T`` with the norm computed in the kernel as ``kernels.rms_norm`` computes it (style
+    "w": times weight, "one_plus_w": times 1 + weight), saving the norm's own launch."""
+    return _launch(x, w, w.shape[0], False, split_k, block_n, block_k, num_warps, pdl=pdl, norm=norm)
 
 
 def skinny_linear_fp8(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
