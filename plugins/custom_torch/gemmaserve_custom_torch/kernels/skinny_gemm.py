@@ -265,7 +265,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, geglu: bool, split_k: 
                          n_out, GEGLU=geglu, SPLIT=split, SCALED=scales is not None, BLOCK_M=block_m,
                          BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(out),
                          WIDEN=_WIDEN[dtype] if scales is not None else None, num_warps=num_warps,
-                         **launch_options(pdl), **_norm_options(norm, k))
+                         **launch_options(pdl), **_norm_options(norm, k, w))
     if split:
         reduce_block = 256
         _reduce_kernel[(m, triton.cdiv(n_out, reduce_block))](partials, out, x_scale, w_scale, m, n_out, slices,
@@ -274,10 +274,12 @@ def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, geglu: bool, split_k: 
     return out
 
 
-def _norm_options(norm: tuple[torch.Tensor | None, float, str] | None, k: int) -> dict[str, object]:
-    """Launch keywords of the RMSNorm prologue (none when ``norm`` is None)."""
+def _norm_options(norm: tuple[torch.Tensor | None, float, str] | None, k: int,
+                  unread: torch.Tensor) -> dict[str, object]:
+    """Launch keywords of the RMSNorm prologue; without ``norm``, NORM 0 and ``unread`` as the (never read)
+    weight pointer, so the plain launch's arguments keep their types."""
     if norm is None:
-        return {}
+        return {"g_ptr": unread, "eps": 0.0, "NORM": 0}
     weight, eps, style = norm
     if style not in ("w", "one_plus_w"):
         raise ValueError(f"norm style must be 'w' or 'one_plus_w', got {style!r}")
