@@ -5,12 +5,9 @@ before triton is imported. The bf16 GPU runs are in test_cuda_parity.py / test_c
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+
+from triton_interpret import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -91,15 +88,8 @@ print(json.dumps(out))
 """
 
 
-def _interpret(script: str, *args: str) -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def test_fused_kernels_match_the_eager_chains_under_interpreter():
-    errors = _interpret(_KERNELS_SCRIPT)
+    errors = run_interpreted(_KERNELS_SCRIPT)
     assert len(errors) == 10, errors  # 5 checks x 2 dtypes ran
     for name, error in errors.items():
         # fp32: the kernels differ only in summation order / rsqrt / the tanh formula; fp16: at most about one
@@ -109,7 +99,7 @@ def test_fused_kernels_match_the_eager_chains_under_interpreter():
 
 @pytest.mark.parametrize("name", ["gemma4", "gemma3", "gemma4_moe"])
 def test_a_model_on_the_fused_kernels_keeps_its_logits_and_tokens(tiny_checkpoint, name):
-    result = _interpret(_MODEL_SCRIPT, str(tiny_checkpoint(name)))
+    result = run_interpreted(_MODEL_SCRIPT, str(tiny_checkpoint(name)))
     assert result["switched"] == result["layers"]  # MoE layers too (their router / experts stay eager here)
     assert result["max_logit_diff"] < 1e-4, result
     assert result["argmax_equal"] and result["tokens_equal"], result

@@ -7,14 +7,10 @@ with Triton's bundled ptxas and their PTX is checked instead. The GPU run is in 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 from hopper_compile import compile_for_hopper, require_hopper_compiler
+from triton_interpret import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -62,18 +58,11 @@ print(json.dumps(out))
 """
 
 
-def _interpret(script: str, *args: str) -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.parametrize("name", ["gemma4", "gemma3", "gemma4_moe"])
 def test_decode_rows_run_the_few_row_kernels_and_keep_the_tokens(tiny_checkpoint, name):
     """Prompt forwards (more rows than the cap) stay on cuBLAS; decode steps of a 2-row batch run every projection
     through the few-row kernels (GeGLU included) and give the fused model's logits up to summation order."""
-    result = _interpret(_MODEL_SCRIPT, str(tiny_checkpoint(name)), "4", "2")
+    result = run_interpreted(_MODEL_SCRIPT, str(tiny_checkpoint(name)), "4", "2")
     assert result["switched"] == result["layers"]
     assert result["prompt_calls"] == {"linear": 0, "geglu": 0}, result  # 2 x 9 prompt rows > 4
     assert result["decode_rows"] == [2], result
@@ -85,7 +74,7 @@ def test_decode_rows_run_the_few_row_kernels_and_keep_the_tokens(tiny_checkpoint
 
 
 def test_a_cap_of_zero_runs_nothing_on_the_few_row_kernels(tiny_checkpoint):
-    result = _interpret(_MODEL_SCRIPT, str(tiny_checkpoint("gemma4")), "0", "1")
+    result = run_interpreted(_MODEL_SCRIPT, str(tiny_checkpoint("gemma4")), "0", "1")
     assert result["linear_calls"] == result["geglu_calls"] == 0, result
     assert result["max_logit_diff"] == 0.0 and result["tokens_equal"], result
 
