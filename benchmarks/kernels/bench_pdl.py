@@ -157,11 +157,13 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_pdl.py needs a CUDA device (programmatic dependent launch: compute capability 9+)")
     rows = [int(r) for r in args.rows.split(",") if r]
     if not rows or min(rows) < 1:
         raise SystemExit(f"--rows needs positive row counts; got {args.rows!r}")
+    if args.iters < 1:
+        raise SystemExit(f"--iters must be at least 1; got {args.iters}")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_pdl.py needs a CUDA device (programmatic dependent launch: compute capability 9+)")
     results = run(args.model, rows, args.iters)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
