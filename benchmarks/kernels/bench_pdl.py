@@ -157,7 +157,10 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    rows = [int(r) for r in args.rows.split(",") if r]
+    try:
+        rows = [int(r) for r in args.rows.split(",") if r]
+    except ValueError:
+        rows = []
     if not rows or min(rows) < 1:
         raise SystemExit(f"--rows needs positive row counts; got {args.rows!r}")
     if args.iters < 1:
