@@ -35,13 +35,13 @@ from .layers import (
     apply_rotary,
     gelu_tanh,
     small_batch_linear,
+    small_batch_project,
 )
 from .quantization import (
     FP8_DTYPE,
     check_fp8_device,
     check_fp8_shapes,
     is_fp8,
-    linear,
     prepare_fp8,
     quantize_fp8,
     read_checkpoint_scheme,
@@ -150,16 +150,12 @@ class GemmaAttention(nn.Module):
 
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """(q, k, v) projections of x; k/v None where the layer has none. One matmul after `fuse_projections`."""
-        small = self.small_batch
         if self.fused_qkv is not None:
-            if small is not None and self.fused_qkv_scale is None and small.takes(x):
-                fused = small.project(x, self.fused_qkv)
-            else:
-                fused = linear(x, self.fused_qkv, self.fused_qkv_scale)
+            fused = small_batch_project(x, self.fused_qkv, self.fused_qkv_scale, self.small_batch)
             parts = fused.split(self.fused_widths, dim=-1)
             return parts[0], parts[1], parts[2] if len(parts) > 2 else None
         if self.k_proj is None:
-            return small_batch_linear(self.q_proj, x, small), None, None
+            return small_batch_linear(self.q_proj, x, self.small_batch), None, None
         return self.q_proj(x), self.k_proj(x), None if self.v_proj is None else self.v_proj(x)
 
 

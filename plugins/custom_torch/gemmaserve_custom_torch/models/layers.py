@@ -155,11 +155,19 @@ class SmallBatchMatmuls:
         return self.linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
 
 
+def small_batch_project(x: Tensor, weight: Tensor, scale: Tensor | None, small: SmallBatchMatmuls | None) -> Tensor:
+    """``quantization.linear(x, weight, scale)``, through ``small`` when it takes ``x`` and the weight is in the
+    model dtype (``scale`` None)."""
+    if small is not None and scale is None and small.takes(x):
+        return small.project(x, weight)
+    return linear(x, weight, scale)
+
+
 def small_batch_linear(module: nn.Module, x: Tensor, small: SmallBatchMatmuls | None) -> Tensor:
     """``module(x)`` for a projection module; through ``small`` when it takes ``x`` and the module is a plain
     model-dtype ``nn.Linear`` without bias (FP8 and other layers run their own forward)."""
-    if small is not None and type(module) is nn.Linear and module.bias is None and small.takes(x):
-        return small.project(x, module.weight)
+    if type(module) is nn.Linear and module.bias is None:
+        return small_batch_project(x, module.weight, None, small)
     return module(x)
 
 
