@@ -189,11 +189,15 @@ def test_engine_cancels_queued_requests_before_they_run() -> None:
     settings_ = CoreSettings(max_batch_size=1, max_active_kv_tokens=4096, prefill_chunk_tokens=8)
     engine = Engine(backend, settings_)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
+    # The first request runs ~2 s (400 steps of 5 ms), so the window in which the other five wait is wide
+    # on a loaded 2-core CI box (a 150 ms window was once missed there and the loop then ran past it).
+    first_params = SamplingParams(max_tokens=400, ignore_eos=True)
     try:
-        handles = [engine.submit([5 + i, 6, 7], params) for i in range(6)]
+        handles = [engine.submit([5 + i, 6, 7], first_params if i == 0 else params) for i in range(6)]
         deadline = time.monotonic() + 10
         while engine.stats().waiting != 5 and time.monotonic() < deadline:
             time.sleep(0.002)
+        assert time.monotonic() < deadline, "five requests never waited behind the first"
         for handle in handles[2:5]:
             assert handle.cancel()
         outputs = [handle.result(timeout=30) for handle in handles]
@@ -201,7 +205,8 @@ def test_engine_cancels_queued_requests_before_they_run() -> None:
             if 2 <= index < 5:
                 assert out.finish_reason == "cancelled" and out.token_ids == [] and out.cached_tokens == 0
             else:
-                assert out.token_ids == backend.reference_generate([5 + index, 6, 7], params)
+                expected_params = first_params if index == 0 else params
+                assert out.token_ids == backend.reference_generate([5 + index, 6, 7], expected_params)
         stats = engine.stats()
         assert stats.prompt_tokens == 3 * 3 and stats.finished == {"length": 3, "cancelled": 3}
         engine.check_integrity()
