@@ -67,6 +67,11 @@ fused = GemmaForCausalLM.from_hf(path, "cpu", torch.float32)
 fuse_projections(fused)
 switched = fuse_elementwise(fused)
 out = {"switched": switched, "layers": len(fused.layers)}
+# the fused layers carry each next input norm (and the final norm) in their last kernel: only layer 0's runs alone
+separate_norms = []
+for i, layer in enumerate(fused.layers):
+    layer.input_layernorm.register_forward_pre_hook(lambda module, args, i=i: separate_norms.append(i))
+fused.norm.register_forward_pre_hook(lambda module, args: separate_norms.append("final"))
 prompt = torch.tensor([[(7 * i + 3) % 200 + 4 for i in range(13)]])
 with torch.inference_mode():
     logits = []
@@ -84,6 +89,7 @@ with torch.inference_mode():
             ids = torch.tensor([[got[-1]]])
         tokens.append(got)
     out["tokens_equal"] = tokens[0] == tokens[1]
+out["separate_norms"] = sorted(set(map(str, separate_norms)))
 print(json.dumps(out))
 """
 
@@ -103,3 +109,42 @@ def test_a_model_on_the_fused_kernels_keeps_its_logits_and_tokens(tiny_checkpoin
     assert result["switched"] == result["layers"]  # MoE layers too (their router / experts stay eager here)
     assert result["max_logit_diff"] < 1e-4, result
     assert result["argmax_equal"] and result["tokens_equal"], result
+    assert result["separate_norms"] == ["0"], result
+
+
+_NARROWED_SCRIPT = r"""
+import json, sys, torch
+sys.path[:0] = [sys.argv[2]]  # tests/custom_torch: fixtures_backend
+from fixtures_backend import make_backend
+from gemmaserve_custom_torch.models.fusion import fuse_elementwise, fuse_projections
+torch.set_num_threads(1)
+path = sys.argv[1]
+prompts = [[(3 * i + j) % 300 + 4 for i in range(n)] for j, n in enumerate([5, 8, 1, 7])]
+
+def one_tick(backend):
+    with backend.lock:
+        decoding = backend.prefill([9, 10, 11, 12, 13])
+        batch = backend.splice_into_batched(None, decoding.kv, backend.kv_length(decoding.kv))
+        states = [backend.prefill_lookup(p) for p in prompts]
+        out = backend.forward_step(states, [len(p) for p in prompts], batch, [7])
+    assert out.prefill_errors == [None] * len(prompts)
+    return [out.decode_logits.clone()] + [state.last_logits.clone() for state in states]
+
+plain = make_backend(path, fast_prefill=True)
+assert plain.mixed.narrow_layer is not None
+want = one_tick(plain)
+fuse_projections(plain.model)  # the fixture's model is shared: the next backend runs it fused
+fuse_elementwise(plain.model)
+got = one_tick(make_backend(path, fast_prefill=True))
+print(json.dumps({"max_diff": max(float((a - b).abs().max()) for a, b in zip(got, want)),
+                  "argmax_equal": all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(got, want))}))
+"""
+
+
+def test_fused_layers_carry_their_norms_through_the_narrowed_prefill(tiny_checkpoint):
+    """Fast prefill narrows the KV-shared tail to the kept positions mid-forward: the norm a fused layer carries
+    to the next one is narrowed with the hidden states (logits of a mixed tick as the unfused model's)."""
+    from pathlib import Path
+
+    result = run_interpreted(_NARROWED_SCRIPT, str(tiny_checkpoint("gemma4")), str(Path(__file__).parent))
+    assert result["max_diff"] < 1e-4 and result["argmax_equal"], result

@@ -206,7 +206,7 @@ class GemmaDecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext, ple: Tensor | None = None) -> Tensor:
         if self.fused_ops is not None:
-            return self._forward_fused(self.fused_ops, x, cos, sin, attn, ple)
+            return self.forward_fused(self.fused_ops, x, cos, sin, attn, ple)[0]
         residual = x
         h = self.self_attn(self.input_layernorm(x), cos, sin, attn)
         x = residual + self.post_attention_layernorm(h)
@@ -235,28 +235,37 @@ class GemmaDecoderLayer(nn.Module):
         moe = moe.reshape(residual.shape)
         return self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(moe)
 
-    def _forward_fused(self, ops: FusedElementwise, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext,
-                       ple: Tensor | None) -> Tensor:
+    def forward_fused(self, ops: FusedElementwise, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext,
+                      ple: Tensor | None, *, normed: Tensor | None = None,
+                      next_norm: RMSNorm | None = None) -> tuple[Tensor, Tensor | None]:
         """:meth:`forward` with each post-norm + residual add (+ the next pre-norm, + layer_scalar) and the
         PLE gate as one kernel. On MoE layers the router, the experts (``experts.fused`` when set) and the MoE
-        block's own norms run as in :meth:`forward`."""
+        block's own norms run as in :meth:`forward`. ``normed``: this layer's ``input_layernorm(x)`` when the
+        previous layer's last kernel already computed it; ``next_norm``: the norm that follows this layer (the
+        next layer's input norm, or the model's final norm), folded into this layer's last kernel. Returns
+        (x, next_norm(x) or None)."""
         post_attn, pre_ff = self.post_attention_layernorm, self.pre_feedforward_layernorm
-        h = self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        if next_norm is not None and next_norm.style != post_attn.style:  # one kernel takes one style
+            raise ValueError(f"cannot fold a {next_norm.style!r} norm into a {post_attn.style!r} layer's last kernel")
+        h = self.self_attn(self.input_layernorm(x) if normed is None else normed, cos, sin, attn)
         x, normed = ops.residual_norm(x, h, post_attn.weight, post_attn.eps, post_attn.style,
                                       next_weight=pre_ff.weight, next_eps=pre_ff.eps)
         h = self.tp.all_reduce(self.mlp(normed))
         if self.has_moe:
             h = self._with_moe(x, h)
         post_ff = self.post_feedforward_layernorm
-        x, _ = ops.residual_norm(x, h, post_ff.weight, post_ff.eps, post_ff.style,
-                                 scale=None if self.has_ple else self.layer_scalar)
+        last = {} if next_norm is None else {"next_weight": next_norm.weight, "next_eps": next_norm.eps}
+        x, after = ops.residual_norm(x, h, post_ff.weight, post_ff.eps, post_ff.style,
+                                     scale=None if self.has_ple else self.layer_scalar,
+                                     **({} if self.has_ple else last))
         if self.has_ple:
             assert ple is not None, "PLE model layers need their per-layer input"
             gated = ops.gelu_mul(small_batch_linear(self.per_layer_input_gate, x, self.small_batch), ple)
             norm = self.post_per_layer_input_norm
             projected = small_batch_linear(self.per_layer_projection, gated, self.small_batch)
-            x, _ = ops.residual_norm(x, projected, norm.weight, norm.eps, norm.style, scale=self.layer_scalar)
-        return x
+            x, after = ops.residual_norm(x, projected, norm.weight, norm.eps, norm.style, scale=self.layer_scalar,
+                                         **last)
+        return x, after
 
 
 class GemmaForCausalLM(nn.Module):
@@ -330,17 +339,25 @@ class GemmaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         ple = self._per_layer_inputs(input_ids, x) if self.config.ple_dim else None
         tables = {t: rope(positions, x.dtype) for t, rope in self.rotary.items()}
+        carried: Tensor | None = None  # the next input norm, computed by the previous fused layer's last kernel
         for i, layer in enumerate(self.layers):
             if narrow is not None and i == narrow[0]:
                 index = narrow[1]
                 x = x[:, index]
+                carried = None if carried is None else carried[:, index]
                 ple = None if ple is None else ple[:, index]
                 tables = {t: (cos[:, index], sin[:, index]) for t, (cos, sin) in tables.items()}
                 if x.shape[1] == 0:  # nothing downstream is needed
                     break
             cos, sin = tables[self.config.layer_types[i]]
-            x = layer(x, cos, sin, attn, None if ple is None else ple[:, :, i, :])
-        return self.norm(x)
+            layer_ple = None if ple is None else ple[:, :, i, :]
+            if layer.fused_ops is None:
+                x, carried = layer(x, cos, sin, attn, layer_ple), None
+                continue
+            following = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            x, carried = layer.forward_fused(layer.fused_ops, x, cos, sin, attn, layer_ple, normed=carried,
+                                             next_norm=following)
+        return self.norm(x) if carried is None else carried
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] -> logits [..., V] in the model dtype; softcap `tanh(x/c)*c` in that dtype. Under
