@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 
 _KERNELS_SCRIPT = r"""
 import json, torch
-from gemmaserve_custom_torch.kernels.fused_ops import gelu_mul, norm_rope, residual_norm
+from gemmaserve_custom_torch.kernels.fused_ops import gelu_mul, norm_rope, qkv_norm_rope, residual_norm
 from gemmaserve_custom_torch.models.config import RopeParams
 from gemmaserve_custom_torch.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, gelu_tanh
 torch.manual_seed(0)
@@ -33,6 +33,24 @@ for dtype in (torch.float32, torch.float16):
             for x in (torch.randn(2, 3, heads, dim).to(dtype), wide[..., 5 : 5 + heads * dim].view(2, 3, heads, dim)):
                 note(f"norm_rope/{dtype}", norm_rope(x, norm.weight, norm.eps, style, cos, sin),
                      apply_rotary(norm(x), cos, sin))
+            q_norm, k_norm = norm, RMSNorm(dim, 1e-6, style, dtype=dtype)
+            k_norm.weight.data = torch.randn(dim).to(dtype)
+            v_norm = RMSNorm(dim, 1e-6, style, with_weight=False)
+            for q_heads, kv_heads, k_eq_v, with_v_norm in ((heads, 1, False, True), (2 * heads, 2, True, True),
+                                                            (heads, 1, False, False)):
+                parts = q_heads + kv_heads * (1 if k_eq_v else 2)
+                qkv = torch.randn(2, 3, parts * dim + 3).to(dtype)[..., 3:]  # rows strided as a sliced output
+                q, k, v = qkv_norm_rope(qkv, q_heads, kv_heads, q_norm.weight, k_norm.weight, 1e-6, style, cos, sin,
+                                        v_norm=with_v_norm, k_eq_v=k_eq_v)
+                q_raw = qkv[..., : q_heads * dim].view(2, 3, q_heads, dim)
+                k_raw = qkv[..., q_heads * dim : (q_heads + kv_heads) * dim].view(2, 3, kv_heads, dim)
+                v_raw = k_raw if k_eq_v else qkv[..., (q_heads + kv_heads) * dim :].view(2, 3, kv_heads, dim)
+                note(f"qkv_norm_rope.q/{dtype}", q, apply_rotary(q_norm(q_raw), cos, sin))
+                note(f"qkv_norm_rope.k/{dtype}", k, apply_rotary(k_norm(k_raw), cos, sin))
+                if with_v_norm:
+                    note(f"qkv_norm_rope.v/{dtype}", v, v_norm(v_raw))
+                else:
+                    assert torch.equal(v, v_raw)
         for hidden in (16, 40):
             post, nxt = RMSNorm(hidden, 1e-6, style, dtype=dtype), RMSNorm(hidden, 1e-5, style, dtype=dtype)
             post.weight.data, nxt.weight.data = torch.randn(hidden).to(dtype), torch.randn(hidden).to(dtype)
@@ -67,10 +85,13 @@ fused = GemmaForCausalLM.from_hf(path, "cpu", torch.float32)
 fuse_projections(fused)
 switched = fuse_elementwise(fused)
 out = {"switched": switched, "layers": len(fused.layers)}
-# the fused layers carry each next input norm (and the final norm) in their last kernel: only layer 0's runs alone
+# the fused layers carry each next input norm (and the final norm) in their last kernel: only layer 0's runs alone;
+# no v norm runs alone either
 separate_norms = []
 for i, layer in enumerate(fused.layers):
     layer.input_layernorm.register_forward_pre_hook(lambda module, args, i=i: separate_norms.append(i))
+    if layer.self_attn.v_norm is not None:  # a KV-storing layer's v norm runs in its q/k/v kernel
+        layer.self_attn.v_norm.register_forward_pre_hook(lambda module, args, i=i: separate_norms.append(f"v{i}"))
 fused.norm.register_forward_pre_hook(lambda module, args: separate_norms.append("final"))
 prompt = torch.tensor([[(7 * i + 3) % 200 + 4 for i in range(13)]])
 with torch.inference_mode():
@@ -96,7 +117,7 @@ print(json.dumps(out))
 
 def test_fused_kernels_match_the_eager_chains_under_interpreter():
     errors = run_interpreted(_KERNELS_SCRIPT)
-    assert len(errors) == 10, errors  # 5 checks x 2 dtypes ran
+    assert len(errors) == 16, errors  # 8 checks x 2 dtypes ran
     for name, error in errors.items():
         # fp32: the kernels differ only in summation order / rsqrt / the tanh formula; fp16: at most about one
         # rounding step of the outputs (values up to ~10)

@@ -6,6 +6,8 @@ rounding points (every intermediate the eager code holds in the model dtype is r
 results differ from eager only where fp32 math inside one step differs (rsqrt vs pow, tanh formula):
 
 - :func:`norm_rope`: ``apply_rotary(rms_norm(x), cos, sin)`` (q/k norm + RoPE, half-split pairing);
+- :func:`qkv_norm_rope`: a KV-storing layer's q and k ``norm_rope`` and v norm in one launch, from the fused
+  q/k/v projection;
 - :func:`residual_norm`: ``y = (residual + rms_norm(h)) * scale`` and optionally ``next = rms_norm'(y)``
   (post-norm + residual add [+ layer_scalar] [+ the next pre-norm]);
 - :func:`gelu_mul`: ``gelu_tanh(a) * b`` (GeGLU over the fused gate/up output, and the PLE gate).
@@ -23,7 +25,7 @@ import triton.language as tl
 
 from .pdl import await_previous, launch_options
 
-__all__ = ["gelu_mul", "norm_rope", "residual_norm"]
+__all__ = ["gelu_mul", "norm_rope", "qkv_norm_rope", "residual_norm"]
 
 @triton.jit
 def _norm_factor(sum_sq, n_cols, eps):
@@ -39,6 +41,37 @@ def _weight(w_ptr, offs, mask, ONE_PLUS: tl.constexpr):
 
 
 @triton.jit
+def _norm_rope_head(src, w_ptr, cos_ptr, sin_ptr, dst, token, half, eps, HAS_WEIGHT: tl.constexpr,
+                    ONE_PLUS: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr):
+    """One head: ``dst[:2 * half] = rope(rms_norm(src[:2 * half]))`` (``ROPE`` False: the norm alone), fp32 math
+    with the eager chain's rounding points; ``token`` picks the cos/sin row."""
+    offs = tl.arange(0, BLOCK)
+    mask = offs < half
+    x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half + offs, mask=mask, other=0.0).to(tl.float32)
+    inv = _norm_factor(tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0), 2 * half, eps)
+    y1 = x1 * inv
+    y2 = x2 * inv
+    if HAS_WEIGHT:
+        y1 = y1 * _weight(w_ptr, offs, mask, ONE_PLUS)
+        y2 = y2 * _weight(w_ptr + half, offs, mask, ONE_PLUS)
+    dtype = dst.dtype.element_ty
+    if ROPE:
+        y1 = y1.to(dtype).to(tl.float32)  # the eager norm's output rounding
+        y2 = y2.to(dtype).to(tl.float32)
+        table = token * 2 * half
+        c1 = tl.load(cos_ptr + table + offs, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + table + half + offs, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + table + offs, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + table + half + offs, mask=mask, other=0.0).to(tl.float32)
+        # eager: (x * cos) + (rotate_half(x) * sin), each product rounded to the model dtype
+        y1, y2 = ((y1 * c1).to(dtype).to(tl.float32) + (-y2 * s1).to(dtype).to(tl.float32),
+                  (y2 * c2).to(dtype).to(tl.float32) + (y1 * s2).to(dtype).to(tl.float32))
+    tl.store(dst + offs, y1.to(dtype), mask=mask)
+    tl.store(dst + half + offs, y2.to(dtype), mask=mask)
+
+
+@triton.jit
 def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_xt, stride_xh, half, eps,
                       HAS_WEIGHT: tl.constexpr, ONE_PLUS: tl.constexpr, BLOCK: tl.constexpr,
                       PDL: tl.constexpr = False):
@@ -46,31 +79,8 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_xt,
     row = tl.program_id(0)
     token = (row // heads).to(tl.int64)
     head = (row % heads).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < half
-    base = x_ptr + token * stride_xt + head * stride_xh
-    x1 = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + half + offs, mask=mask, other=0.0).to(tl.float32)
-    inv = _norm_factor(tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0), 2 * half, eps)
-    y1 = x1 * inv
-    y2 = x2 * inv
-    if HAS_WEIGHT:
-        y1 = y1 * _weight(w_ptr, offs, mask, ONE_PLUS)
-        y2 = y2 * _weight(w_ptr + half, offs, mask, ONE_PLUS)
-    dtype = out_ptr.dtype.element_ty
-    y1 = y1.to(dtype).to(tl.float32)  # the eager norm's output rounding
-    y2 = y2.to(dtype).to(tl.float32)
-    table = token * 2 * half
-    c1 = tl.load(cos_ptr + table + offs, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + table + half + offs, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + table + offs, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + table + half + offs, mask=mask, other=0.0).to(tl.float32)
-    # eager: (x * cos) + (rotate_half(x) * sin), each product rounded to the model dtype
-    out1 = (y1 * c1).to(dtype).to(tl.float32) + (-y2 * s1).to(dtype).to(tl.float32)
-    out2 = (y2 * c2).to(dtype).to(tl.float32) + (y1 * s2).to(dtype).to(tl.float32)
-    out = out_ptr + row.to(tl.int64) * 2 * half
-    tl.store(out + offs, out1.to(dtype), mask=mask)
-    tl.store(out + half + offs, out2.to(dtype), mask=mask)
+    _norm_rope_head(x_ptr + token * stride_xt + head * stride_xh, w_ptr, cos_ptr, sin_ptr,
+                    out_ptr + row.to(tl.int64) * 2 * half, token, half, eps, HAS_WEIGHT, ONE_PLUS, True, BLOCK)
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, style: str, cos: torch.Tensor,
@@ -93,9 +103,73 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, style: s
     _norm_rope_kernel[(batch * seq * heads,)](
         view, weight if weight is not None else view, cos, sin, out, heads, view.stride(0), view.stride(1), half,
         float(eps), HAS_WEIGHT=weight is not None, ONE_PLUS=style == "one_plus_w", BLOCK=block,
-        num_warps=4 if block >= 512 else (2 if block >= 128 else 1), **launch_options(pdl),
+        num_warps=_head_warps(block), **launch_options(pdl),
     )
     return out
+
+
+def _head_warps(block: int) -> int:
+    return 4 if block >= 512 else (2 if block >= 128 else 1)
+
+
+@triton.jit
+def _qkv_norm_rope_kernel(x_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, q_heads, kv_heads,
+                          stride_xt, v_col, half, eps, ONE_PLUS: tl.constexpr, V_NORM: tl.constexpr,
+                          BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (token, head) over the q heads, then the k heads, then (V_NORM) the v heads of one fused q/k/v
+    projection row: q and k normed with their weights and rotated, v normed without a weight."""
+    await_previous(PDL)
+    heads = q_heads + kv_heads + (kv_heads if V_NORM else 0)
+    pid = tl.program_id(0)
+    token = (pid // heads).to(tl.int64)
+    head = (pid % heads).to(tl.int64)
+    dim = 2 * half
+    row = x_ptr + token * stride_xt
+    if head < q_heads:
+        _norm_rope_head(row + head * dim, q_w_ptr, cos_ptr, sin_ptr, q_ptr + (token * q_heads + head) * dim,
+                        token, half, eps, True, ONE_PLUS, True, BLOCK)
+    elif head < q_heads + kv_heads:
+        kv = head - q_heads
+        _norm_rope_head(row + (q_heads + kv) * dim, k_w_ptr, cos_ptr, sin_ptr, k_ptr + (token * kv_heads + kv) * dim,
+                        token, half, eps, True, ONE_PLUS, True, BLOCK)
+    else:
+        kv = head - q_heads - kv_heads
+        _norm_rope_head(row + v_col + kv * dim, k_w_ptr, cos_ptr, sin_ptr, v_ptr + (token * kv_heads + kv) * dim,
+                        token, half, eps, False, ONE_PLUS, False, BLOCK)
+
+
+def qkv_norm_rope(qkv: torch.Tensor, q_heads: int, kv_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                  eps: float, style: str, cos: torch.Tensor, sin: torch.Tensor, *, v_norm: bool, k_eq_v: bool = False,
+                  pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A KV-storing layer's q, k, v from its fused projection ``qkv`` [B, S, (q_heads + kv_heads (+ kv_heads)) * D]
+    (last dim contiguous; ``k_eq_v``: no v columns, v is the raw k) in one launch: ``norm_rope`` of the q heads
+    (``q_weight``) and of the k heads (``k_weight``), and with ``v_norm`` the weightless RMSNorm of the v heads.
+    cos/sin [B, S, D] as for :func:`norm_rope`. Returns new contiguous q [B, S, q_heads, D] and k [B, S, kv_heads,
+    D], and v: new [B, S, kv_heads, D] with ``v_norm``, else the view of the raw v (or k) columns of ``qkv``."""
+    batch, seq, width = qkv.shape
+    dim = width // (q_heads + kv_heads * (1 if k_eq_v else 2))
+    if dim * (q_heads + kv_heads * (1 if k_eq_v else 2)) != width or dim % 2:
+        raise ValueError(f"qkv width {width} is not {q_heads} q + {kv_heads} k (+ {kv_heads} v) heads of one even dim")
+    v_col = (q_heads if k_eq_v else q_heads + kv_heads) * dim
+    q = torch.empty((batch, seq, q_heads, dim), dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty((batch, seq, kv_heads, dim), dtype=qkv.dtype, device=qkv.device)
+    v = (torch.empty_like(k) if v_norm
+         else qkv[..., v_col : v_col + kv_heads * dim].view(batch, seq, kv_heads, dim))
+    if qkv.numel() == 0:
+        return q, k, v
+    view = qkv.reshape(batch * seq, width)
+    if view.stride(-1) != 1:
+        view = view.contiguous()
+    cos, sin = cos.reshape(batch * seq, dim).contiguous(), sin.reshape(batch * seq, dim).contiguous()
+    half = dim // 2
+    block = triton.next_power_of_2(half)
+    heads = q_heads + kv_heads * (2 if v_norm else 1)
+    _qkv_norm_rope_kernel[(batch * seq * heads,)](
+        view, q_weight, k_weight, cos, sin, q, k, v, q_heads, kv_heads, view.stride(0), v_col, half, float(eps),
+        ONE_PLUS=style == "one_plus_w", V_NORM=v_norm, BLOCK=block, num_warps=_head_warps(block),
+        **launch_options(pdl),
+    )
+    return q, k, v
 
 
 @triton.jit

@@ -81,7 +81,8 @@ def fuse_norms(model: torch.nn.Module) -> int:
 
 
 def fuse_elementwise(model: GemmaForCausalLM) -> int:
-    """Run the elementwise chains of every layer through ``kernels.fused_ops`` (q/k norm + RoPE, post-norm +
+    """Run the elementwise chains of every layer through ``kernels.fused_ops`` (q/k norm + RoPE and the v norm
+    of a KV-storing layer in one launch, post-norm +
     residual (+ next pre-norm, + layer_scalar), GeGLU and PLE gates); on MoE layers the MoE block's router and
     norms stay eager ops (its experts are ``fuse_moe``'s). Returns how many layers were switched. Mutates
     ``model``; idempotent. Needs triton (the caller checks); the kernels run on the model's device (CUDA, or
@@ -89,7 +90,7 @@ def fuse_elementwise(model: GemmaForCausalLM) -> int:
     from ..kernels import fused_ops
     from .layers import FusedElementwise
 
-    ops = FusedElementwise(fused_ops.norm_rope, fused_ops.residual_norm, fused_ops.gelu_mul)
+    ops = FusedElementwise(fused_ops.norm_rope, fused_ops.qkv_norm_rope, fused_ops.residual_norm, fused_ops.gelu_mul)
     for layer in model.layers:
         layer.fused_ops = ops
         layer.self_attn.fused_ops = ops
@@ -139,8 +140,8 @@ def fuse_small_batch(model: GemmaForCausalLM, max_rows: int, *, pdl: bool = Fals
     small = (SmallBatchMatmuls(max_rows, partial(skinny_linear, pdl=pdl), partial(skinny_geglu, pdl=pdl))
              if max_rows else None)
     if pdl:
-        ops = FusedElementwise(partial(fused_ops.norm_rope, pdl=True), partial(fused_ops.residual_norm, pdl=True),
-                               partial(fused_ops.gelu_mul, pdl=True))
+        ops = FusedElementwise(*(partial(op, pdl=True) for op in (fused_ops.norm_rope, fused_ops.qkv_norm_rope,
+                                                                 fused_ops.residual_norm, fused_ops.gelu_mul)))
         for norm in (m for m in model.modules() if isinstance(m, RMSNorm) and m.kernel is not None):
             norm.kernel = partial(rms_norm, pdl=True)
     for layer in model.layers:

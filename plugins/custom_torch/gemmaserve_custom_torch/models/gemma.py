@@ -130,6 +130,13 @@ class GemmaAttention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext) -> Tensor:
         batch, seq, _ = x.shape
+        if self.fused_ops is not None and self.fused_qkv is not None:  # a KV-storing layer: one kernel after the matmul
+            assert self.k_norm is not None and self.q_norm.weight is not None and self.k_norm.weight is not None
+            qkv = small_batch_project(x, self.fused_qkv, self.fused_qkv_scale, self.small_batch)
+            q, k, v = self.fused_ops.qkv_norm_rope(
+                qkv, self.num_heads, self.num_kv_heads, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                self.q_norm.style, cos, sin, v_norm=self.v_norm is not None, k_eq_v=self.k_eq_v)
+            return self._attend_and_project(q, k, v, attn)
         q_lin, k_lin, v_lin = self._project(x)
         q = self._norm_rope(self.q_norm, q_lin.view(batch, seq, self.num_heads, self.head_dim), cos, sin)
         k = v = None
@@ -139,6 +146,10 @@ class GemmaAttention(nn.Module):
             v_raw = k_raw if v_lin is None else v_lin.view(batch, seq, self.num_kv_heads, -1)
             k = self._norm_rope(self.k_norm, k_raw, cos, sin)
             v = self.v_norm(v_raw) if self.v_norm is not None else v_raw
+        return self._attend_and_project(q, k, v, attn)
+
+    def _attend_and_project(self, q: Tensor, k: Tensor | None, v: Tensor | None, attn: AttentionContext) -> Tensor:
+        batch, seq = q.shape[:2]
         out = attn.attend(self.layer_idx, q, k, v)
         out = out.reshape(batch, seq, self.num_heads * self.head_dim)
         return self.tp.all_reduce(small_batch_linear(self.o_proj, out, self.small_batch))

@@ -131,6 +131,7 @@ class FusedElementwise:
     ``fusion.fuse_elementwise``); plain callables so the model package never imports triton."""
 
     norm_rope: Callable[..., Tensor]
+    qkv_norm_rope: Callable[..., tuple[Tensor, Tensor, Tensor]]
     residual_norm: Callable[..., tuple[Tensor, Tensor | None]]
     gelu_mul: Callable[[Tensor, Tensor], Tensor]
 
