@@ -1,6 +1,8 @@
 """The few-row matmul kernels (kernels/skinny_gemm.py) against torch on CPU under ``TRITON_INTERPRET=1`` (fp32 and
 fp16, tiny shapes, in a subprocess: the flag must be set before triton is imported): ``skinny_linear`` against
-``F.linear``, ``skinny_geglu`` against the eager GeGLU chain, with and without split K (including slices that do
+``F.linear``, ``skinny_geglu`` against the eager GeGLU chain, ``skinny_linear_gelu_mul`` against the eager gate
+(``gelu_tanh(linear) * mul``), ``skinny_linear_residual_norm`` against the product then the residual chain (post-norm,
+residual, scale, next norm), with and without split K (including slices that do
 not divide K and column counts that are not a multiple of the tile), and ``lm_head_argmax`` against
 ``argmax(softcap(F.linear))`` including exact ties, which must go to the lowest token id; the FP8 path
 (``fp8_rows.quantize_rows``: the same bytes as ``quantization.quantize_per_token``; ``skinny_linear_fp8`` against
@@ -23,7 +25,8 @@ _SCRIPT = r"""
 import json, torch
 import torch.nn.functional as F
 from gemmaserve_custom_torch.kernels.skinny_gemm import choose_split_k, lm_head_argmax, skinny_geglu, skinny_linear
-from gemmaserve_custom_torch.kernels.skinny_gemm import skinny_linear_fp8
+from gemmaserve_custom_torch.kernels.skinny_gemm import skinny_linear_fp8, skinny_linear_gelu_mul
+from gemmaserve_custom_torch.kernels.skinny_gemm import skinny_linear_residual_norm
 from gemmaserve_custom_torch.kernels.fp8_rows import quantize_rows
 from gemmaserve_custom_torch.models.quantization import quantize_per_token, quantize_weight
 from gemmaserve_custom_torch.models.layers import RMSNorm, gelu_tanh
@@ -50,13 +53,25 @@ for dtype in (torch.float32, torch.float16):
             note(f"geglu/{dtype}", skinny_geglu(x, gate_up, split_k=split, **small), want)
         strided = torch.randn(m, k + 8).to(dtype)[:, 4:4 + k]  # rows strided, last dim contiguous
         note(f"linear/{dtype}", skinny_linear(strided, w, **small), F.linear(strided.float(), w.float()).to(dtype))
-        for style in ("w", "one_plus_w"):  # the RMSNorm prologue against the norm module, then the product
-            norm = RMSNorm(k, 1e-6, style, dtype=dtype)
-            norm.weight.data = (torch.randn(k) * 0.5).to(dtype)
-            want = F.linear(norm(x).float(), w.float()).to(dtype)
-            for split in (1, 3):
-                note(f"norm_linear/{dtype}", skinny_linear(x, w, split_k=split, norm=(norm.weight, norm.eps, style),
-                                                           **small), want)
+        mul = torch.randn(m, n + 5).to(dtype)[:, 5:]  # the gate's other factor: strided rows, as a PLE slice
+        want = (gelu_tanh(F.linear(x.float(), w.float()).to(dtype).float()).to(dtype).float() * mul.float()).to(dtype)
+        for split in (1, 3, None):
+            note(f"gelu_mul/{dtype}", skinny_linear_gelu_mul(x, w, mul, split_k=split, **small), want)
+        for style in ("w", "one_plus_w"):  # the residual chain after the product, as fused_ops.residual_norm
+            post, nxt = RMSNorm(n, 1e-6, style, dtype=dtype), RMSNorm(n, 1e-5, style, dtype=dtype)
+            post.weight.data, nxt.weight.data = (torch.randn(n) * 0.5).to(dtype), (torch.randn(n) * 0.5).to(dtype)
+            residual = torch.randn(m, n + 3).to(dtype)[:, 3:]
+            h = F.linear(x.float(), w.float()).to(dtype)
+            scale = torch.tensor([0.75]).to(dtype)
+            for split in (1, 3, None):
+                y, z = skinny_linear_residual_norm(x, w, residual, post.weight, post.eps, style, next_weight=nxt.weight,
+                                                   next_eps=nxt.eps, split_k=split, **small)
+                note(f"residual_norm/{dtype}", y, residual + post(h))
+                note(f"residual_norm.next/{dtype}", z, nxt(residual + post(h)))
+                y, none = skinny_linear_residual_norm(x, w, residual, post.weight, post.eps, style, scale=scale,
+                                                      split_k=split, **small)
+                assert none is None
+                note(f"residual_norm.scale/{dtype}", y, (residual + post(h)) * scale)
 ties = {"checked": 0}
 for dtype in (torch.float32, torch.float16):
     for m, vocab, k, cap in ((1, 200, 48, None), (5, 77, 40, 30.0), (18, 130, 64, 4.0)):
@@ -108,7 +123,7 @@ def test_skinny_kernels_match_torch_under_interpreter():
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["checks"] == 2 * 4 * (4 + 2 + 1 + 4) + 18 and result["ties"] == 6, result
+    assert result["checks"] == 2 * 4 * (4 + 2 + 1 + 3 + 2 * 3 * 3) + 18 and result["ties"] == 6, result
     assert result["fp8"] == {"rows": 3 * 10, "products": 18}, result
     for name, error in result["errors"].items():
         # fp32: summation order only; fp16: one rounding step of outputs of magnitude up to ~10 (the norm: its
@@ -130,8 +145,8 @@ def test_the_kernel_benchmark_smoke_run_agrees_with_torch(tmp_path):
 
 def test_the_kernels_compile_for_hopper_without_a_gpu():
     """The real compiler path (Triton -> PTX -> cubin for sm_90 with Triton's bundled ptxas), which the
-    interpreter never takes: bf16 at the decode row blocks 16 and 64 with and without split K and the GeGLU
-    epilogue, the reduction, and the LM-head argmax with its softcap; fp32 with IEEE dots; FP8 operands widened to
+    interpreter never takes: bf16 at the decode row blocks 16 and 64 with and without split K and the GeGLU and
+    gate (gelu times a tensor) epilogues, the reductions (incl. the one running the residual chain), and the LM-head argmax with its softcap; fp32 with IEEE dots; FP8 operands widened to
     bf16 with the scale epilogue, and the FP8 row quantization; the programmatic-dependent-launch forms (bf16)
     carry the grid-dependency instructions and nothing else does. Pointers and sizes
     carry the 16-divisibility E2B's shapes give the launcher, so the bf16 K loops become tensor-core dots."""
@@ -144,32 +159,42 @@ def test_the_kernels_compile_for_hopper_without_a_gpu():
     builds = []
     for dtype, precision, row_blocks in (("bf16", "tf32", (16, 64)), ("fp32", "ieee", (16,))):
         for block_m in row_blocks:
-            for geglu in (False, True):
+            for geglu, gelu_mul in ((False, False), (True, False), (False, True)):
                 for split in (False, True):
-                    forms = ((False, 0), (True, 0), (False, 1), (True, 2)) if dtype == "bf16" else ((False, 0),)
-                    for pdl, norm in forms:
+                    for pdl in (False, True) if dtype == "bf16" else (False,):
                         builds.append((sk._skinny_kernel, _skinny_signature(dtype, dtype),
-                                       {"GEGLU": geglu, "SPLIT": split, "SCALED": False, "BLOCK_M": block_m,
-                                        "BLOCK_N": 64, "BLOCK_K": 128, "PRECISION": precision, "WIDEN": None,
-                                        "PDL": pdl, "NORM": norm}, dtype))
+                                       {"GEGLU": geglu, "GELU_MUL": gelu_mul, "SPLIT": split, "SCALED": False,
+                                        "BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 128, "PRECISION": precision,
+                                        "WIDEN": None, "PDL": pdl}, dtype))
             builds.append((sk._argmax_kernel, {
                 "x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "best_ptr": "*fp32", "index_ptr": "*i32", "m": "i32",
                 "n": "i32", "k": "i32", "stride_xm": "i32", "stride_wn": "i32", "softcap": "fp32",
                 "HAS_CAP": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
                 "PRECISION": "constexpr"},
                 {"HAS_CAP": True, "BLOCK_M": block_m, "BLOCK_N": 128, "BLOCK_K": 128, "PRECISION": precision}, dtype))
-        for geglu, scaled, pdl in (((False, False, False), (True, False, False), (False, True, False),
-                                    (True, False, True)) if dtype == "bf16" else ()):
+        for geglu, gelu_mul, scaled, pdl in (((False, False, False, False), (True, False, False, False),
+                                              (False, True, False, True), (False, False, True, False),
+                                              (True, False, False, True)) if dtype == "bf16" else ()):
             builds.append((sk._reduce_kernel, {"part_ptr": "*fp32", "out_ptr": f"*{dtype}", "x_scale_ptr": "*fp32",
-                                               "w_scale_ptr": "*fp32", "m": "i32", "n_out": "i32", "slices": "i32",
-                                               "GEGLU": "constexpr", "SCALED": "constexpr", "BLOCK": "constexpr",
-                                               "PDL": "constexpr"},
-                           {"GEGLU": geglu, "SCALED": scaled, "BLOCK": 256, "PDL": pdl}, dtype))
+                                               "w_scale_ptr": "*fp32", "mul_ptr": f"*{dtype}", "m": "i32",
+                                               "n_out": "i32", "slices": "i32", "stride_mul": "i32",
+                                               "GEGLU": "constexpr", "GELU_MUL": "constexpr", "SCALED": "constexpr",
+                                               "BLOCK": "constexpr", "PDL": "constexpr"},
+                           {"GEGLU": geglu, "GELU_MUL": gelu_mul, "SCALED": scaled, "BLOCK": 256, "PDL": pdl},
+                           dtype))
+        for pdl in (False, True) if dtype == "bf16" else ():  # the split-K reduce running the residual chain
+            builds.append((sk._reduce_residual_norm_kernel, {
+                "part_ptr": "*fp32", **{name: f"*{dtype}" for name in (
+                    "res_ptr", "w_ptr", "scale_ptr", "w_next_ptr", "out_ptr", "next_ptr")},
+                "m": "i32", "n_out": "i32", "slices": "i32", "stride_r": "i32", "eps": "fp32", "eps_next": "fp32",
+                "ONE_PLUS": "constexpr", "HAS_SCALE": "constexpr", "HAS_NEXT": "constexpr", "BLOCK": "constexpr",
+                "PDL": "constexpr"},
+                {"ONE_PLUS": False, "HAS_SCALE": True, "HAS_NEXT": True, "BLOCK": 2048, "PDL": pdl}, dtype))
     for block_m in (16, 64):  # FP8 operands widened to bf16, the scales in the epilogue
         for split in (False, True):
             builds.append((sk._skinny_kernel, _skinny_signature("fp8e4nv", "bf16"),
-                           {"GEGLU": False, "SPLIT": split, "SCALED": True, "BLOCK_M": block_m, "BLOCK_N": 64,
-                            "BLOCK_K": 128, "PRECISION": "tf32", "WIDEN": tl.bfloat16, "PDL": False, "NORM": 0},
+                           {"GEGLU": False, "GELU_MUL": False, "SPLIT": split, "SCALED": True, "BLOCK_M": block_m,
+                            "BLOCK_N": 64, "BLOCK_K": 128, "PRECISION": "tf32", "WIDEN": tl.bfloat16, "PDL": False},
                            "fp8"))
     for dtype in ("bf16", "fp16", "fp32"):
         builds.append((quantize_rows_kernel, {"x_ptr": f"*{dtype}", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
@@ -188,8 +213,8 @@ def test_the_kernels_compile_for_hopper_without_a_gpu():
 
 def _skinny_signature(operands: str, out: str) -> dict[str, str]:
     return {"x_ptr": f"*{operands}", "w_ptr": f"*{operands}", "out_ptr": f"*{out}", "part_ptr": "*fp32",
-            "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "m": "i32", "n_out": "i32", "k": "i32",
-            "k_per_split": "i32", "stride_xm": "i32", "stride_wn": "i32", "up_offset": "i32", "GEGLU": "constexpr",
-            "SPLIT": "constexpr", "SCALED": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-            "BLOCK_K": "constexpr", "PRECISION": "constexpr", "WIDEN": "constexpr", "PDL": "constexpr",
-            "g_ptr": f"*{operands if operands != 'fp8e4nv' else 'bf16'}", "eps": "fp32", "NORM": "constexpr"}
+            "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "mul_ptr": f"*{out}", "m": "i32", "n_out": "i32",
+            "k": "i32", "k_per_split": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_mul": "i32",
+            "up_offset": "i32", "GEGLU": "constexpr", "GELU_MUL": "constexpr", "SPLIT": "constexpr",
+            "SCALED": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+            "PRECISION": "constexpr", "WIDEN": "constexpr", "PDL": "constexpr"}

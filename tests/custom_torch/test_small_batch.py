@@ -21,13 +21,15 @@ from gemmaserve_custom_torch.models import ContiguousKVContext, GemmaForCausalLM
 from gemmaserve_custom_torch.models.fusion import fuse_elementwise, fuse_projections, fuse_small_batch
 path, max_rows, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 torch.set_num_threads(1)
-calls = {"linear": [], "geglu": []}
+calls = {"linear": [], "geglu": [], "gelu_mul": [], "residual_norm": []}
 def counted(name, kernel):
-    def run(x, w, **kw):
+    def run(x, w, *args, **kw):
         calls[name].append(x.shape[0])
-        return kernel(x, w, **kw)
+        return kernel(x, w, *args, **kw)
     return run
 sk.skinny_linear, sk.skinny_geglu = counted("linear", sk.skinny_linear), counted("geglu", sk.skinny_geglu)
+sk.skinny_linear_gelu_mul = counted("gelu_mul", sk.skinny_linear_gelu_mul)
+sk.skinny_linear_residual_norm = counted("residual_norm", sk.skinny_linear_residual_norm)
 fused = GemmaForCausalLM.from_hf(path, "cpu", torch.float32)
 small = GemmaForCausalLM.from_hf(path, "cpu", torch.float32)
 for model in (fused, small):
@@ -51,9 +53,10 @@ with torch.inference_mode():
 out["max_logit_diff"] = float((logits[0] - logits[1]).abs().max())
 out["tokens_equal"] = tokens[0] == tokens[1]
 out["prompt_calls"] = prompt_calls
-out["decode_rows"] = sorted(set(calls["linear"] + calls["geglu"]))
-out["geglu_calls"] = len(calls["geglu"])
-out["linear_calls"] = len(calls["linear"])
+out["decode_rows"] = sorted(set(sum(calls.values(), [])))
+out.update({f"{name}_calls": len(rows) for name, rows in calls.items()})
+out["ple"] = bool(small.config.ple_dim)
+out["moe_layers"] = sum(layer.has_moe for layer in small.layers)
 print(json.dumps(out))
 """
 
@@ -61,21 +64,27 @@ print(json.dumps(out))
 @pytest.mark.parametrize("name", ["gemma4", "gemma3", "gemma4_moe"])
 def test_decode_rows_run_the_few_row_kernels_and_keep_the_tokens(tiny_checkpoint, name):
     """Prompt forwards (more rows than the cap) stay on cuBLAS; decode steps of a 2-row batch run every projection
-    through the few-row kernels (GeGLU included) and give the fused model's logits up to summation order."""
+    through the few-row kernels (GeGLU included, the residual chains and the PLE gate folded in) and give the fused
+    model's logits up to summation order."""
     result = run_interpreted(_MODEL_SCRIPT, str(tiny_checkpoint(name)), "4", "2")
     assert result["switched"] == result["layers"]
-    assert result["prompt_calls"] == {"linear": 0, "geglu": 0}, result  # 2 x 9 prompt rows > 4
+    assert set(result["prompt_calls"].values()) == {0}, result  # 2 x 9 prompt rows > 4
     assert result["decode_rows"] == [2], result
     layers = result["layers"]
     assert result["geglu_calls"] == 4 * layers, result  # one per layer per decode step (MoE layers' dense MLP too)
-    assert result["linear_calls"] >= 4 * layers * 3, result  # at least q(kv), o, down per layer per step
+    # per layer per step: o, down (but on MoE layers, whose dense MLP output joins the experts' first) and the PLE
+    # projection each with the residual chain in its reduce; the PLE gate with its epilogue; q(kv) and MoE downs plain
+    folded = 2 * layers - result["moe_layers"] + (layers if result["ple"] else 0)
+    assert result["residual_norm_calls"] == 4 * folded, result
+    assert result["gelu_mul_calls"] == (4 * layers if result["ple"] else 0), result
+    assert result["linear_calls"] == 4 * (layers + result["moe_layers"]), result
     assert result["max_logit_diff"] < 1e-4, result
     assert result["tokens_equal"], result
 
 
 def test_a_cap_of_zero_runs_nothing_on_the_few_row_kernels(tiny_checkpoint):
     result = run_interpreted(_MODEL_SCRIPT, str(tiny_checkpoint("gemma4")), "0", "1")
-    assert result["linear_calls"] == result["geglu_calls"] == 0, result
+    assert result["decode_rows"] == [], result
     assert result["max_logit_diff"] == 0.0 and result["tokens_equal"], result
 
 
@@ -190,3 +199,33 @@ def test_unset_settings_take_what_a_cuda_load_can_run(monkeypatch):
     monkeypatch.setattr(pdl, "pdl_supported", lambda device: False)
     with pytest.raises(ConfigurationError, match="compute capability 9.0 or newer .* has 8.0"):
         backend.small_batch_plan(load_custom_settings(pdl=True), cuda, True)
+
+
+_CHAIN_SCRIPT = r"""
+import json, sys, torch
+sys.path[:0] = [sys.argv[1] + "/kernels", sys.argv[1]]  # benchmarks/kernels/bench_pdl.py and its timing helpers
+import bench_pdl
+import gemmaserve_custom_torch.kernels.fused_ops as fused_ops
+import gemmaserve_custom_torch.kernels.skinny_gemm as skinny_gemm
+fused_ops.launch_options = skinny_gemm.launch_options = lambda pdl: {}  # no PDL under the interpreter: same sums
+torch.manual_seed(0)
+spec = {"hidden": 32, "q_sliding": 32, "q_full": 64, "kv_sliding": 16, "kv_full": 32, "mlp": 64, "mlp_wide": 96,
+        "layers": 3, "first_wide": 2, "period": 2, "ple": 16}
+layers = [bench_pdl.layer_weights(spec, i, "cpu", torch.float32) for i in range(spec["layers"])]
+x, ple = torch.randn(3, spec["hidden"]), torch.randn(3, spec["layers"], spec["ple"])
+outs = {kind: bench_pdl.chain(layers, x, ple, kind)() for kind in bench_pdl.KINDS}
+print(json.dumps({"identical": {kind: all(torch.equal(a, b) for a, b in zip(outs["triton"], outs[kind]))
+                                for kind in bench_pdl.KINDS[1:]},
+                  "vs_cublas": max(float((a - b).abs().max()) for a, b in zip(outs["cublas"], outs["triton"]))}))
+"""
+
+
+def test_the_benchmark_chain_folds_change_no_bit():
+    """bench_pdl's chain (fp32, interpreter, PDL launch flags dropped): the folded form (residual chains in the
+    split-K reduce, the PLE gate in its epilogue) gives the plain Triton chain's outputs bit for bit, as the GPU
+    run asserts; cuBLAS's up to summation order."""
+    from pathlib import Path
+
+    result = run_interpreted(_CHAIN_SCRIPT, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    assert all(result["identical"].values()), result
+    assert result["vs_cublas"] < 1e-4, result

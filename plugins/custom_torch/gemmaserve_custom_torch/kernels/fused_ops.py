@@ -173,6 +173,25 @@ def qkv_norm_rope(qkv: torch.Tensor, q_heads: int, kv_heads: int, q_weight: torc
 
 
 @triton.jit
+def residual_norm_row(h, res_ptr, w_ptr, scale_ptr, w_next_ptr, out_ptr, next_ptr, offs, mask, n_cols, eps, eps_next,
+                      ONE_PLUS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_NEXT: tl.constexpr):
+    """One row of :func:`residual_norm` from ``h`` (fp32 [BLOCK], values of the model dtype): stores
+    ``y = (residual + rms_norm_w(h)) (* scale)`` at ``out_ptr`` and, with HAS_NEXT, ``rms_norm_next(y)`` at
+    ``next_ptr`` (row pointers). The one copy of this math: the split-K reduce of ``kernels.skinny_gemm`` runs it
+    as its epilogue."""
+    dtype = out_ptr.dtype.element_ty
+    normed = h * _norm_factor(tl.sum(h * h, axis=0), n_cols, eps) * _weight(w_ptr, offs, mask, ONE_PLUS)
+    residual = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = (residual + normed.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    if HAS_SCALE:
+        y = (y * tl.load(scale_ptr).to(tl.float32)).to(dtype).to(tl.float32)
+    tl.store(out_ptr + offs, y.to(dtype), mask=mask)
+    if HAS_NEXT:
+        z = y * _norm_factor(tl.sum(y * y, axis=0), n_cols, eps_next) * _weight(w_next_ptr, offs, mask, ONE_PLUS)
+        tl.store(next_ptr + offs, z.to(dtype), mask=mask)
+
+
+@triton.jit
 def _residual_norm_kernel(res_ptr, h_ptr, w_ptr, scale_ptr, w_next_ptr, out_ptr, next_ptr, stride_r, stride_h,
                           n_cols, eps, eps_next, ONE_PLUS: tl.constexpr, HAS_SCALE: tl.constexpr,
                           HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
@@ -180,17 +199,14 @@ def _residual_norm_kernel(res_ptr, h_ptr, w_ptr, scale_ptr, w_next_ptr, out_ptr,
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
-    dtype = out_ptr.dtype.element_ty
     h = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
-    normed = h * _norm_factor(tl.sum(h * h, axis=0), n_cols, eps) * _weight(w_ptr, offs, mask, ONE_PLUS)
-    residual = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
-    y = (residual + normed.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    if HAS_SCALE:
-        y = (y * tl.load(scale_ptr).to(tl.float32)).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * n_cols + offs, y.to(dtype), mask=mask)
-    if HAS_NEXT:
-        z = y * _norm_factor(tl.sum(y * y, axis=0), n_cols, eps_next) * _weight(w_next_ptr, offs, mask, ONE_PLUS)
-        tl.store(next_ptr + row * n_cols + offs, z.to(dtype), mask=mask)
+    residual_norm_row(h, res_ptr + row * stride_r, w_ptr, scale_ptr, w_next_ptr, out_ptr + row * n_cols,
+                      next_ptr + row * n_cols, offs, mask, n_cols, eps, eps_next, ONE_PLUS, HAS_SCALE, HAS_NEXT)
+
+
+def residual_norm_warps(block: int) -> int:
+    """Warps of a one-row-per-program residual-norm kernel whose row block is ``block``."""
+    return 8 if block >= 2048 else (4 if block >= 512 else 1)
 
 
 def residual_norm(residual: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float, style: str, *,
@@ -216,7 +232,7 @@ def residual_norm(residual: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
         res2, h2, weight, scale if scale is not None else weight, next_weight if next_weight is not None else weight,
         out, nxt if nxt is not None else out, res2.stride(0), h2.stride(0), n_cols, float(eps),
         float(eps if next_eps is None else next_eps), ONE_PLUS=style == "one_plus_w", HAS_SCALE=scale is not None,
-        HAS_NEXT=next_weight is not None, BLOCK=block, num_warps=8 if block >= 2048 else (4 if block >= 512 else 1),
+        HAS_NEXT=next_weight is not None, BLOCK=block, num_warps=residual_norm_warps(block),
         **launch_options(pdl),
     )
     return out, nxt

@@ -6,8 +6,11 @@ SM streaming, also split the reduction dimension (``split_k``): each program rea
 slab of the weight once, and a second kernel sums the fp32 partials in a fixed order (deterministic, no atomics)
 and applies the epilogue.
 
-- :func:`skinny_linear`: ``x @ w.T`` (``F.linear`` without bias), optionally ``RMSNorm(x) @ w.T`` with the norm in
-  the kernel's prologue (``norm=``: every program reads its rows' whole K once for the factors);
+- :func:`skinny_linear`: ``x @ w.T`` (``F.linear`` without bias);
+- :func:`skinny_linear_gelu_mul`: ``gelu_tanh(x @ w.T) * mul`` (the per-layer-embedding gate) in the epilogue;
+- :func:`skinny_linear_residual_norm`: ``fused_ops.residual_norm`` of the product, run by the split-K reduce (one
+  program per row: the post-norm needs the whole row), so a projection and the residual chain after it are two
+  launches, not three;
 - :func:`skinny_linear_fp8`: the ``torch._scaled_mm`` product ``(xq @ wq.T) * x_scale * w_scale`` of FP8 operands
   with their row scales, the FP8 values widened exactly to the dot's dtype (bf16, fp32 for fp32 outputs) so the
   weights stream as one byte each;
@@ -36,10 +39,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_ops import gelu_tanh
+from .fused_ops import gelu_tanh, residual_norm_row, residual_norm_warps
 from .pdl import await_previous, launch_options
 
-__all__ = ["choose_split_k", "lm_head_argmax", "skinny_geglu", "skinny_linear", "skinny_linear_fp8"]
+__all__ = [
+    "choose_split_k", "lm_head_argmax", "skinny_geglu", "skinny_linear", "skinny_linear_fp8", "skinny_linear_gelu_mul",
+    "skinny_linear_residual_norm",
+]
 
 #: Programs to aim for when choosing ``split_k``: two waves of the H200's 132 SMs.
 TARGET_PROGRAMS = 264
@@ -65,44 +71,18 @@ def choose_split_k(m: int, n: int, k: int, block_n: int = 64, block_k: int = 128
 
 
 @triton.jit
-def _normed(xs, ks, k_mask, inv, g_ptr, NORM: tl.constexpr):
-    """x tile [BLOCK_M, BLOCK_K] RMS-normalised as ``kernels.rms_norm`` does (fp32 ``x * inv`` times the weight
-    ``g`` (NORM 1) or ``1 + g`` (NORM 2), one rounding to x's dtype); unchanged when NORM is 0."""
-    if NORM:
-        g = tl.load(g_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-        if NORM == 2:
-            g = 1.0 + g
-        xs = (xs.to(tl.float32) * inv[:, None] * g[None, :]).to(xs.dtype)
-    return xs
-
-
-@triton.jit
-def _row_inv_rms(x_ptr, offs_m, m, k, stride_xm, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp32 ``1 / sqrt(mean(x[offs_m]^2) + eps)`` over the whole row (K), per row [BLOCK_M]."""
-    offs_k = tl.arange(0, BLOCK_K)
-    sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in range(0, k, BLOCK_K):
-        ks = k0 + offs_k
-        xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :],
-                     mask=(offs_m[:, None] < m) & (ks < k)[None, :], other=0.0).to(tl.float32)
-        sum_sq += tl.sum(xs * xs, axis=1)
-    return 1.0 / tl.sqrt((sum_sq / k + eps).to(tl.float32))
-
-
-@triton.jit
 def _accumulate(acc, x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                WIDEN: tl.constexpr = None, inv=None, g_ptr=None, NORM: tl.constexpr = 0):
+                WIDEN: tl.constexpr = None):
     """fp32 ``acc`` [BLOCK_M, BLOCK_N] += x[offs_m, k_start:k_stop] @ w[offs_n, k_start:k_stop].T (masked), one
     BLOCK_K tile at a time in ascending K. ``WIDEN``: the dtype both tiles are converted to before the dot (FP8
-    operands; exact). ``NORM``: the x tiles are RMS-normalised first (:func:`_normed`, row factors ``inv``)."""
+    operands; exact)."""
     offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(k_start, k_stop, BLOCK_K):
         ks = k0 + offs_k
         k_mask = ks < k_stop
         xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :],
                      mask=(offs_m[:, None] < m) & k_mask[None, :], other=0.0)
-        xs = _normed(xs, ks, k_mask, inv, g_ptr, NORM)
         ws = tl.load(w_ptr + offs_n[:, None] * stride_wn + ks[None, :],
                      mask=(offs_n[:, None] < n) & k_mask[None, :], other=0.0)
         if WIDEN is not None:
@@ -115,54 +95,54 @@ def _accumulate(acc, x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride
 @triton.jit
 def _dot_slab(x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-              WIDEN: tl.constexpr = None, inv=None, g_ptr=None, NORM: tl.constexpr = 0):
-    """fp32 [BLOCK_M, BLOCK_N] = x[offs_m, k_start:k_stop] @ w[offs_n, k_start:k_stop].T (masked; x normalised
-    with NORM, see :func:`_accumulate`)."""
+              WIDEN: tl.constexpr = None):
+    """fp32 [BLOCK_M, BLOCK_N] = x[offs_m, k_start:k_stop] @ w[offs_n, k_start:k_stop].T (masked)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     return _accumulate(acc, x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
-                       BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN, inv, g_ptr, NORM)
+                       BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN)
 
 
 @triton.jit
 def _dot_slab_after_wait(x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PRECISION: tl.constexpr, WIDEN: tl.constexpr = None, k=0, eps=0.0, g_ptr=None,
-                         NORM: tl.constexpr = 0):
-    """:func:`_dot_slab` for a programmatic dependent launch, and the rows' RMS factors when NORM (over the whole
-    row: ``k`` columns, ``eps``): the slab's first weight tile (which no earlier kernel writes) is loaded before
-    ``gdc_wait`` so it streams while the previous kernel finishes; ``x`` (its output) only after. Same products,
-    same order. Returns (acc, inv)."""
+                         PRECISION: tl.constexpr, WIDEN: tl.constexpr = None):
+    """:func:`_dot_slab` for a programmatic dependent launch: the slab's first weight tile (which no earlier kernel
+    writes) is loaded before ``gdc_wait`` so it streams while the previous kernel finishes; ``x`` (its output)
+    only after. Same products, same order."""
     offs_k = tl.arange(0, BLOCK_K)
     ks = k_start + offs_k
     k_mask = ks < k_stop
     ws = tl.load(w_ptr + offs_n[:, None] * stride_wn + ks[None, :], mask=(offs_n[:, None] < n) & k_mask[None, :],
                  other=0.0)
     tl.extra.cuda.gdc_wait()
-    inv = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if NORM:
-        inv = _row_inv_rms(x_ptr, offs_m, m, k, stride_xm, eps, BLOCK_M, BLOCK_K)
     xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :], mask=(offs_m[:, None] < m) & k_mask[None, :],
                  other=0.0)
-    xs = _normed(xs, ks, k_mask, inv, g_ptr, NORM)
     if WIDEN is not None:
         xs = xs.to(WIDEN)
         ws = ws.to(WIDEN)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc += tl.dot(xs, tl.trans(ws), input_precision=PRECISION, out_dtype=tl.float32)
-    acc = _accumulate(acc, x_ptr, w_ptr, offs_m, offs_n, m, n, k_start + BLOCK_K, k_stop, stride_xm, stride_wn,
-                      BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN, inv, g_ptr, NORM)
-    return acc, inv
+    return _accumulate(acc, x_ptr, w_ptr, offs_m, offs_n, m, n, k_start + BLOCK_K, k_stop, stride_xm, stride_wn,
+                       BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN)
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, x_scale_ptr, w_scale_ptr, m, n_out, k, k_per_split, stride_xm,
-                   stride_wn, up_offset, GEGLU: tl.constexpr, SPLIT: tl.constexpr, SCALED: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                   WIDEN: tl.constexpr, PDL: tl.constexpr = False, g_ptr=None, eps=0.0, NORM: tl.constexpr = 0):
+def _gelu_times(acc, up, dtype):
+    """``gelu_tanh(round(acc)) * up`` rounded where the eager chain rounds (the projection, gelu's output); ``up``
+    fp32 holding model-dtype values. Returns fp32 (the caller rounds once more when it stores)."""
+    gate = acc.to(dtype).to(tl.float32)
+    return gelu_tanh(gate).to(dtype).to(tl.float32) * up
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, x_scale_ptr, w_scale_ptr, mul_ptr, m, n_out, k, k_per_split,
+                   stride_xm, stride_wn, stride_mul, up_offset, GEGLU: tl.constexpr, GELU_MUL: tl.constexpr,
+                   SPLIT: tl.constexpr, SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr = False):
     """Program (column tile, row tile, K slice). SPLIT: write fp32 partials [slices, m, n_out(x2 for GEGLU)];
-    else write the rounded result (with the GeGLU epilogue when GEGLU, times the row scales when SCALED).
-    PDL: launched as a programmatic dependent (see :func:`_dot_slab_after_wait`). NORM: x is RMS-normalised
-    first (weight ``g``, ``eps``; 1 = times g, 2 = times 1 + g), each program from its rows' whole K."""
+    else write the rounded result with the epilogue: times the row scales (SCALED), ``gelu(gate) * up`` of the
+    two products (GEGLU) or ``gelu(product) * mul`` (GELU_MUL). PDL: launched as a programmatic dependent (see
+    :func:`_dot_slab_after_wait`)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start its own weight loads
     pid_n = tl.program_id(0)
@@ -173,18 +153,15 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, x_scale_ptr, w_scale_ptr, m,
     k_start = pid_k * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, k)
     if PDL:
-        acc, inv = _dot_slab_after_wait(x_ptr, w_ptr, offs_m, offs_n, m, n_out, k_start, k_stop, stride_xm,
-                                        stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN, k, eps, g_ptr, NORM)
+        acc = _dot_slab_after_wait(x_ptr, w_ptr, offs_m, offs_n, m, n_out, k_start, k_stop, stride_xm, stride_wn,
+                                   BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN)
     else:
-        inv = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        if NORM:
-            inv = _row_inv_rms(x_ptr, offs_m, m, k, stride_xm, eps, BLOCK_M, BLOCK_K)
         acc = _dot_slab(x_ptr, w_ptr, offs_m, offs_n, m, n_out, k_start, k_stop, stride_xm, stride_wn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN, inv, g_ptr, NORM)
+                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN)
     mask = (offs_m[:, None] < m) & (offs_n[None, :] < n_out)
     if GEGLU:
         acc_up = _dot_slab(x_ptr, w_ptr + up_offset * stride_wn, offs_m, offs_n, m, n_out, k_start, k_stop,
-                           stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, None, inv, g_ptr, NORM)
+                           stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, None)
     if SPLIT:
         width = n_out * 2 if GEGLU else n_out
         base = part_ptr + pid_k.to(tl.int64) * m * width + offs_m[:, None] * width + offs_n[None, :]
@@ -196,9 +173,10 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, x_scale_ptr, w_scale_ptr, m,
         if SCALED:
             acc = _scaled(acc, x_scale_ptr, w_scale_ptr, offs_m, offs_n, m, n_out)
         if GEGLU:
-            gate = acc.to(dtype).to(tl.float32)
-            up = acc_up.to(dtype).to(tl.float32)
-            acc = gelu_tanh(gate).to(dtype).to(tl.float32) * up
+            acc = _gelu_times(acc, acc_up.to(dtype).to(tl.float32), dtype)
+        if GELU_MUL:
+            up = tl.load(mul_ptr + offs_m[:, None].to(tl.int64) * stride_mul + offs_n[None, :], mask=mask, other=0.0)
+            acc = _gelu_times(acc, up.to(tl.float32), dtype)
         tl.store(out_ptr + offs_m[:, None] * n_out + offs_n[None, :], acc.to(dtype), mask=mask)
 
 
@@ -211,8 +189,9 @@ def _scaled(acc, x_scale_ptr, w_scale_ptr, offs_m, offs_n, m, n):
 
 
 @triton.jit
-def _reduce_kernel(part_ptr, out_ptr, x_scale_ptr, w_scale_ptr, m, n_out, slices, GEGLU: tl.constexpr,
-                   SCALED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _reduce_kernel(part_ptr, out_ptr, x_scale_ptr, w_scale_ptr, mul_ptr, m, n_out, slices, stride_mul,
+                   GEGLU: tl.constexpr, GELU_MUL: tl.constexpr, SCALED: tl.constexpr, BLOCK: tl.constexpr,
+                   PDL: tl.constexpr = False):
     """out[row, cols] = epilogue(sum over slices, in slice order)."""
     await_previous(PDL)  # the partials are the previous kernel's output
     row = tl.program_id(0).to(tl.int64)
@@ -230,73 +209,132 @@ def _reduce_kernel(part_ptr, out_ptr, x_scale_ptr, w_scale_ptr, m, n_out, slices
     if SCALED:
         acc = acc * tl.load(x_scale_ptr + row) * tl.load(w_scale_ptr + cols, mask=mask, other=0.0)
     if GEGLU:
-        gate = acc.to(dtype).to(tl.float32)
-        up = acc_up.to(dtype).to(tl.float32)
-        acc = gelu_tanh(gate).to(dtype).to(tl.float32) * up
+        acc = _gelu_times(acc, acc_up.to(dtype).to(tl.float32), dtype)
+    if GELU_MUL:
+        acc = _gelu_times(acc, tl.load(mul_ptr + row * stride_mul + cols, mask=mask, other=0.0).to(tl.float32), dtype)
     tl.store(out_ptr + row * n_out + cols, acc.to(dtype), mask=mask)
+
+
+@triton.jit
+def _reduce_residual_norm_kernel(part_ptr, res_ptr, w_ptr, scale_ptr, w_next_ptr, out_ptr, next_ptr, m, n_out, slices,
+                                 stride_r, eps, eps_next, ONE_PLUS: tl.constexpr, HAS_SCALE: tl.constexpr,
+                                 HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """One row: the product (sum over slices, in slice order, rounded to the model dtype) through
+    ``fused_ops.residual_norm_row`` (post-norm, residual add, scale, next norm)."""
+    await_previous(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_out
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, slices):
+        acc += tl.load(part_ptr + (s * m + row) * n_out + offs, mask=mask, other=0.0)
+    h = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # the projection's output, as the eager linear rounds it
+    residual_norm_row(h, res_ptr + row * stride_r, w_ptr, scale_ptr, w_next_ptr, out_ptr + row * n_out,
+                      next_ptr + row * n_out, offs, mask, n_out, eps, eps_next, ONE_PLUS, HAS_SCALE, HAS_NEXT)
 
 
 _WIDEN = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, geglu: bool, split_k: int | None, block_n: int,
-            block_k: int, num_warps: int, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-            out_dtype: torch.dtype | None = None, pdl: bool = False,
-            norm: tuple[torch.Tensor | None, float, str] | None = None) -> torch.Tensor:
+def _check_operands(x: torch.Tensor, w: torch.Tensor) -> None:
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"need x [M, K] and w [N, K]; got {tuple(x.shape)} and {tuple(w.shape)}")
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError("x and w need a contiguous last dimension")
+
+
+def _products(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n_out: int, geglu: bool, split_k: int | None,
+              block_n: int, block_k: int, num_warps: int, *, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+              mul: torch.Tensor | None = None, pdl: bool = False,
+              always_split: bool = False) -> tuple[torch.Tensor, int] | None:
+    """Launch the product kernel for x [M, K] (M > 0) into ``out`` [M, n_out] with its epilogue, or, when K is split
+    (or ``always_split``), into fp32 partials: then returns (partials [slices, M, width], slices) for a reduce
+    kernel to finish; else None."""
     m, k = x.shape
-    dtype = out_dtype or x.dtype
-    out = torch.empty(m, n_out, device=x.device, dtype=dtype)
-    if m == 0 or n_out == 0:
-        return out
     block_m = _block_m(m)
     slices = split_k if split_k is not None else choose_split_k(m, n_out * (2 if geglu else 1), k, block_n, block_k)
     k_per_split = triton.cdiv(triton.cdiv(k, slices), block_k) * block_k
     slices = triton.cdiv(k, k_per_split)
-    grid = (triton.cdiv(n_out, block_n), triton.cdiv(m, block_m), slices)
-    split = slices > 1
+    split = slices > 1 or always_split
     partials = (torch.empty(slices, m, n_out * (2 if geglu else 1), device=x.device, dtype=torch.float32)
                 if split else out)
     x_scale, w_scale = scales if scales is not None else (out, out)  # unread unless SCALED
-    _skinny_kernel[grid](x, w, out, partials, x_scale, w_scale, m, n_out, k, k_per_split, x.stride(0), w.stride(0),
-                         n_out, GEGLU=geglu, SPLIT=split, SCALED=scales is not None, BLOCK_M=block_m,
+    grid = (triton.cdiv(n_out, block_n), triton.cdiv(m, block_m), slices)
+    _skinny_kernel[grid](x, w, out, partials, x_scale, w_scale, out if mul is None else mul, m, n_out, k, k_per_split,
+                         x.stride(0), w.stride(0), 0 if mul is None else mul.stride(0), n_out, GEGLU=geglu,
+                         GELU_MUL=mul is not None, SPLIT=split, SCALED=scales is not None, BLOCK_M=block_m,
                          BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(out),
-                         WIDEN=_WIDEN[dtype] if scales is not None else None, num_warps=num_warps,
-                         **launch_options(pdl), **_norm_options(norm, k, w))
-    if split:
+                         WIDEN=_WIDEN[out.dtype] if scales is not None else None, num_warps=num_warps,
+                         **launch_options(pdl))
+    return (partials, slices) if split else None
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, geglu: bool, split_k: int | None, block_n: int,
+            block_k: int, num_warps: int, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+            out_dtype: torch.dtype | None = None, pdl: bool = False, mul: torch.Tensor | None = None) -> torch.Tensor:
+    _check_operands(x, w)
+    m = x.shape[0]
+    out = torch.empty(m, n_out, device=x.device, dtype=out_dtype or x.dtype)
+    if m == 0 or n_out == 0:
+        return out
+    pending = _products(x, w, out, n_out, geglu, split_k, block_n, block_k, num_warps, scales=scales, mul=mul, pdl=pdl)
+    if pending is not None:
+        partials, slices = pending
+        x_scale, w_scale = scales if scales is not None else (out, out)
         reduce_block = 256
-        _reduce_kernel[(m, triton.cdiv(n_out, reduce_block))](partials, out, x_scale, w_scale, m, n_out, slices,
-                                                               GEGLU=geglu, SCALED=scales is not None,
-                                                               BLOCK=reduce_block, num_warps=4, **launch_options(pdl))
+        _reduce_kernel[(m, triton.cdiv(n_out, reduce_block))](
+            partials, out, x_scale, w_scale, out if mul is None else mul, m, n_out, slices,
+            0 if mul is None else mul.stride(0), GEGLU=geglu, GELU_MUL=mul is not None, SCALED=scales is not None,
+            BLOCK=reduce_block, num_warps=4, **launch_options(pdl))
     return out
 
 
-def _norm_options(norm: tuple[torch.Tensor | None, float, str] | None, k: int,
-                  unread: torch.Tensor) -> dict[str, object]:
-    """Launch keywords of the RMSNorm prologue; without ``norm``, NORM 0 and ``unread`` as the (never read)
-    weight pointer, so the plain launch's arguments keep their types."""
-    if norm is None:
-        return {"g_ptr": unread, "eps": 0.0, "NORM": 0}
-    weight, eps, style = norm
-    if style not in ("w", "one_plus_w"):
-        raise ValueError(f"norm style must be 'w' or 'one_plus_w', got {style!r}")
-    if weight is None or weight.shape != (k,) or weight.stride(0) != 1:
-        raise ValueError(f"the norm weight must be a contiguous [{k}] tensor")
-    return {"g_ptr": weight, "eps": float(eps), "NORM": 2 if style == "one_plus_w" else 1}
-
-
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, *, split_k: int | None = None, block_n: int = 64,
-                  block_k: int = 128, num_warps: int = 4, pdl: bool = False,
-                  norm: tuple[torch.Tensor | None, float, str] | None = None) -> torch.Tensor:
+                  block_k: int = 128, num_warps: int = 4, pdl: bool = False) -> torch.Tensor:
     """``x @ w.T`` for x [M, K], w [N, K] -> new [M, N] in x's dtype. ``split_k=None`` picks the slices from
     the shapes (:func:`choose_split_k`). ``pdl``: launch as a programmatic dependent of the previous kernel
-    (Hopper; ``kernels.pdl``): the first weight tiles stream while that kernel finishes. ``norm=(weight, eps,
-    style)``: ``RMSNorm(x) @ w.T`` with the norm computed in the kernel as ``kernels.rms_norm`` computes it (style
-    "w": times weight, "one_plus_w": times 1 + weight), saving the norm's own launch."""
-    return _launch(x, w, w.shape[0], False, split_k, block_n, block_k, num_warps, pdl=pdl, norm=norm)
+    (Hopper; ``kernels.pdl``): the first weight tiles stream while that kernel finishes."""
+    return _launch(x, w, w.shape[0], False, split_k, block_n, block_k, num_warps, pdl=pdl)
+
+
+def skinny_linear_gelu_mul(x: torch.Tensor, w: torch.Tensor, mul: torch.Tensor, *, split_k: int | None = None,
+                           block_n: int = 64, block_k: int = 128, num_warps: int = 4,
+                           pdl: bool = False) -> torch.Tensor:
+    """``gelu_tanh(x @ w.T) * mul`` (the per-layer-embedding gate) for x [M, K], w [N, K] and mul [M, N] (last
+    dim contiguous, rows may be strided) -> new [M, N] in x's dtype, rounded where the eager chain rounds."""
+    if mul.shape != (x.shape[0], w.shape[0]) or (mul.numel() and mul.stride(1) != 1) or mul.dtype != x.dtype:
+        raise ValueError(f"mul must be [{x.shape[0]}, {w.shape[0]}] in {x.dtype} with a contiguous last dim; got "
+                         f"{tuple(mul.shape)} {mul.dtype}")
+    return _launch(x, w, w.shape[0], False, split_k, block_n, block_k, num_warps, pdl=pdl, mul=mul)
+
+
+def skinny_linear_residual_norm(
+    x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, style: str, *,
+    scale: torch.Tensor | None = None, next_weight: torch.Tensor | None = None, next_eps: float | None = None,
+    split_k: int | None = None, block_n: int = 64, block_k: int = 128, num_warps: int = 4, pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``fused_ops.residual_norm(residual, x @ w.T, weight, eps, style, scale=, next_weight=, next_eps=)`` in two
+    launches: the product into fp32 partials (K split as :func:`skinny_linear` splits it, one slice at least),
+    then one program per row sums them and runs the residual chain (post-norm, residual add, scale, next norm).
+    x [M, K], w [N, K], residual [M, N] (last dim contiguous). Returns new (y [M, N], next [M, N] or None)."""
+    _check_operands(x, w)
+    m, n = x.shape[0], w.shape[0]
+    if residual.shape != (m, n) or (residual.numel() and residual.stride(1) != 1):
+        raise ValueError(f"residual must be [{m}, {n}] with a contiguous last dim; got {tuple(residual.shape)}")
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    nxt = torch.empty_like(out) if next_weight is not None else None
+    if m == 0 or n == 0:
+        return out, nxt
+    pending = _products(x, w, out, n, False, split_k, block_n, block_k, num_warps, pdl=pdl, always_split=True)
+    assert pending is not None
+    partials, slices = pending
+    block = triton.next_power_of_2(n)
+    _reduce_residual_norm_kernel[(m,)](
+        partials, residual, weight, weight if scale is None else scale, weight if next_weight is None else next_weight,
+        out, out if nxt is None else nxt, m, n, slices, residual.stride(0), float(eps),
+        float(eps if next_eps is None else next_eps), ONE_PLUS=style == "one_plus_w", HAS_SCALE=scale is not None,
+        HAS_NEXT=next_weight is not None, BLOCK=block, num_warps=residual_norm_warps(block), **launch_options(pdl))
+    return out, nxt
 
 
 def skinny_linear_fp8(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,

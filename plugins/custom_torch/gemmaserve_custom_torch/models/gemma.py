@@ -129,6 +129,10 @@ class GemmaAttention(nn.Module):
         self.small_batch: SmallBatchMatmuls | None = None  # set by `fusion.fuse_small_batch`
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext) -> Tensor:
+        return self.tp.all_reduce(small_batch_linear(self.o_proj, self.attention(x, cos, sin, attn), self.small_batch))
+
+    def attention(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext) -> Tensor:
+        """The attention output [B, S, heads * head_dim] that ``o_proj`` reads."""
         batch, seq, _ = x.shape
         if self.fused_ops is not None and self.fused_qkv is not None:  # a KV-storing layer: one kernel after the matmul
             assert self.k_norm is not None and self.q_norm.weight is not None and self.k_norm.weight is not None
@@ -136,7 +140,7 @@ class GemmaAttention(nn.Module):
             q, k, v = self.fused_ops.qkv_norm_rope(
                 qkv, self.num_heads, self.num_kv_heads, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                 self.q_norm.style, cos, sin, v_norm=self.v_norm is not None, k_eq_v=self.k_eq_v)
-            return self._attend_and_project(q, k, v, attn)
+            return self._attend(q, k, v, attn)
         q_lin, k_lin, v_lin = self._project(x)
         q = self._norm_rope(self.q_norm, q_lin.view(batch, seq, self.num_heads, self.head_dim), cos, sin)
         k = v = None
@@ -146,13 +150,11 @@ class GemmaAttention(nn.Module):
             v_raw = k_raw if v_lin is None else v_lin.view(batch, seq, self.num_kv_heads, -1)
             k = self._norm_rope(self.k_norm, k_raw, cos, sin)
             v = self.v_norm(v_raw) if self.v_norm is not None else v_raw
-        return self._attend_and_project(q, k, v, attn)
+        return self._attend(q, k, v, attn)
 
-    def _attend_and_project(self, q: Tensor, k: Tensor | None, v: Tensor | None, attn: AttentionContext) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor | None, v: Tensor | None, attn: AttentionContext) -> Tensor:
         batch, seq = q.shape[:2]
-        out = attn.attend(self.layer_idx, q, k, v)
-        out = out.reshape(batch, seq, self.num_heads * self.head_dim)
-        return self.tp.all_reduce(small_batch_linear(self.o_proj, out, self.small_batch))
+        return attn.attend(self.layer_idx, q, k, v).reshape(batch, seq, self.num_heads * self.head_dim)
 
     def _norm_rope(self, norm: RMSNorm, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         if self.fused_ops is not None:
@@ -250,33 +252,65 @@ class GemmaDecoderLayer(nn.Module):
                       ple: Tensor | None, *, normed: Tensor | None = None,
                       next_norm: RMSNorm | None = None) -> tuple[Tensor, Tensor | None]:
         """:meth:`forward` with each post-norm + residual add (+ the next pre-norm, + layer_scalar) and the
-        PLE gate as one kernel. On MoE layers the router, the experts (``experts.fused`` when set) and the MoE
+        PLE gate as one kernel, or, on the few-row path, inside the projection before them (:meth:`_residual`,
+        :meth:`_ple_gate`). On MoE layers the router, the experts (``experts.fused`` when set) and the MoE
         block's own norms run as in :meth:`forward`. ``normed``: this layer's ``input_layernorm(x)`` when the
         previous layer's last kernel already computed it; ``next_norm``: the norm that follows this layer (the
         next layer's input norm, or the model's final norm), folded into this layer's last kernel. Returns
         (x, next_norm(x) or None)."""
-        post_attn, pre_ff = self.post_attention_layernorm, self.pre_feedforward_layernorm
+        post_attn, pre_ff, post_ff = (self.post_attention_layernorm, self.pre_feedforward_layernorm,
+                                      self.post_feedforward_layernorm)
         if next_norm is not None and next_norm.style != post_attn.style:  # one kernel takes one style
             raise ValueError(f"cannot fold a {next_norm.style!r} norm into a {post_attn.style!r} layer's last kernel")
-        h = self.self_attn(self.input_layernorm(x) if normed is None else normed, cos, sin, attn)
-        x, normed = ops.residual_norm(x, h, post_attn.weight, post_attn.eps, post_attn.style,
-                                      next_weight=pre_ff.weight, next_eps=pre_ff.eps)
-        h = self.tp.all_reduce(self.mlp(normed))
+        attention = self.self_attn.attention(self.input_layernorm(x) if normed is None else normed, cos, sin, attn)
+        x, normed = self._residual(ops, self.self_attn.o_proj, attention, x, post_attn, next_norm=pre_ff)
+        mlp_next = None if self.has_ple else next_norm
+        mlp_scale = None if self.has_ple else self.layer_scalar
         if self.has_moe:
-            h = self._with_moe(x, h)
-        post_ff = self.post_feedforward_layernorm
-        last = {} if next_norm is None else {"next_weight": next_norm.weight, "next_eps": next_norm.eps}
-        x, after = ops.residual_norm(x, h, post_ff.weight, post_ff.eps, post_ff.style,
-                                     scale=None if self.has_ple else self.layer_scalar,
-                                     **({} if self.has_ple else last))
+            h = self._with_moe(x, self.tp.all_reduce(self.mlp(normed)))
+            x, after = ops.residual_norm(x, h, post_ff.weight, post_ff.eps, post_ff.style, scale=mlp_scale,
+                                         **_next_norm_args(mlp_next))
+        else:
+            x, after = self._residual(ops, self.mlp.down_proj, self.mlp.activation(normed), x, post_ff,
+                                      scale=mlp_scale, next_norm=mlp_next)
         if self.has_ple:
             assert ple is not None, "PLE model layers need their per-layer input"
-            gated = ops.gelu_mul(small_batch_linear(self.per_layer_input_gate, x, self.small_batch), ple)
-            norm = self.post_per_layer_input_norm
-            projected = small_batch_linear(self.per_layer_projection, gated, self.small_batch)
-            x, after = ops.residual_norm(x, projected, norm.weight, norm.eps, norm.style, scale=self.layer_scalar,
-                                         **last)
+            x, after = self._residual(ops, self.per_layer_projection, self._ple_gate(ops, x, ple), x,
+                                      self.post_per_layer_input_norm, scale=self.layer_scalar, next_norm=next_norm,
+                                      all_reduce=False)
         return x, after
+
+    def _residual(self, ops: FusedElementwise, projection: nn.Module, x: Tensor, residual: Tensor, norm: RMSNorm, *,
+                  scale: Tensor | None = None, next_norm: RMSNorm | None = None,
+                  all_reduce: bool = True) -> tuple[Tensor, Tensor | None]:
+        """``ops.residual_norm(residual, projection(x), norm, scale=, next norm)`` (the projection all-reduced over
+        tensor-parallel ranks unless ``all_reduce`` is False). On the few-row path (one rank, a plain model-dtype
+        projection) the chain runs in the projection's split-K reduce: two launches instead of three."""
+        small = self.small_batch
+        if small is not None and not self.tp.enabled and small.takes_linear(projection, x):
+            y, after = small.residual_norm(x.reshape(-1, x.shape[-1]), projection.weight,
+                                           residual.reshape(-1, residual.shape[-1]), norm.weight, norm.eps, norm.style,
+                                           scale=scale, **_next_norm_args(next_norm))
+            return y.view(residual.shape), None if after is None else after.view(residual.shape)
+        h = small_batch_linear(projection, x, small)
+        if all_reduce:
+            h = self.tp.all_reduce(h)
+        return ops.residual_norm(residual, h, norm.weight, norm.eps, norm.style, scale=scale,
+                                 **_next_norm_args(next_norm))
+
+    def _ple_gate(self, ops: FusedElementwise, x: Tensor, ple: Tensor) -> Tensor:
+        """``gelu_tanh(per_layer_input_gate(x)) * ple``: on the few-row path one kernel (the gate in the
+        projection's epilogue), else the projection and ``ops.gelu_mul``."""
+        gate, small = self.per_layer_input_gate, self.small_batch
+        if small is not None and small.takes_linear(gate, x):
+            flat = small.gelu_mul(x.reshape(-1, x.shape[-1]), gate.weight, ple.reshape(-1, ple.shape[-1]))
+            return flat.view(*x.shape[:-1], -1)
+        return ops.gelu_mul(small_batch_linear(gate, x, small), ple)
+
+
+def _next_norm_args(norm: RMSNorm | None) -> dict[str, Any]:
+    """The keywords that make a residual-norm kernel also write ``norm`` of its output (none for None)."""
+    return {} if norm is None else {"next_weight": norm.weight, "next_eps": norm.eps}
 
 
 class GemmaForCausalLM(nn.Module):

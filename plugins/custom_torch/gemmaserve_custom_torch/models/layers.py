@@ -141,15 +141,23 @@ class SmallBatchMatmuls:
     """Few-row matmul kernels (``kernels.skinny_gemm``, set by ``fusion.fuse_small_batch``) that replace cuBLAS
     for products of at most ``max_rows`` rows (decode at small batch) with model-dtype weights; FP8 weights and
     larger products keep ``quantization.linear``. Plain callables so the model package never imports triton.
-    ``linear(x [M, K], w [N, K])`` -> [M, N]; ``geglu(x [M, K], gate_up [2W, K])`` -> gelu_tanh(gate) * up [M, W]."""
+    ``linear(x [M, K], w [N, K])`` -> [M, N]; ``geglu(x [M, K], gate_up [2W, K])`` -> gelu_tanh(gate) * up [M, W];
+    ``gelu_mul(x, w, mul [M, N])`` -> gelu_tanh(x @ w.T) * mul; ``residual_norm(x, w, residual [M, N], weight, eps,
+    style, scale=, next_weight=, next_eps=)`` -> ``kernels.fused_ops.residual_norm`` of ``x @ w.T`` (y, next)."""
 
     max_rows: int
     linear: Callable[[Tensor, Tensor], Tensor]
     geglu: Callable[[Tensor, Tensor], Tensor]
+    gelu_mul: Callable[[Tensor, Tensor, Tensor], Tensor]
+    residual_norm: Callable[..., tuple[Tensor, Tensor | None]]
 
     def takes(self, x: Tensor) -> bool:
         """Whether a product with input ``x`` [..., K] runs here (its row count only: graph-capture safe)."""
         return x.numel() > 0 and x.numel() // x.shape[-1] <= self.max_rows
+
+    def takes_linear(self, module: nn.Module, x: Tensor) -> bool:
+        """Whether ``module(x)`` runs here: a plain model-dtype ``nn.Linear`` without bias, and :meth:`takes` x."""
+        return type(module) is nn.Linear and module.bias is None and self.takes(x)
 
     def project(self, x: Tensor, weight: Tensor) -> Tensor:
         """``F.linear(x, weight)`` for x [..., K] through the few-row kernel."""
@@ -167,8 +175,8 @@ def small_batch_project(x: Tensor, weight: Tensor, scale: Tensor | None, small: 
 def small_batch_linear(module: nn.Module, x: Tensor, small: SmallBatchMatmuls | None) -> Tensor:
     """``module(x)`` for a projection module; through ``small`` when it takes ``x`` and the module is a plain
     model-dtype ``nn.Linear`` without bias (FP8 and other layers run their own forward)."""
-    if type(module) is nn.Linear and module.bias is None:
-        return small_batch_project(x, module.weight, None, small)
+    if small is not None and small.takes_linear(module, x):
+        return small.project(x, module.weight)
     return module(x)
 
 
@@ -186,17 +194,17 @@ class GeGLUMLP(nn.Module):
         self.small_batch: SmallBatchMatmuls | None = None  # set by `fusion.fuse_small_batch`
 
     def forward(self, x: Tensor) -> Tensor:
+        return small_batch_linear(self.down_proj, self.activation(x), self.small_batch)
+
+    def activation(self, x: Tensor) -> Tensor:
+        """``gelu_tanh(gate(x)) * up(x)`` [..., width]: what ``down_proj`` reads (one kernel for the few-row path)."""
         small = self.small_batch
-        if (small is not None and self.fused_gate_up is not None and self.fused_gate_up_scale is None
-                and type(self.down_proj) is nn.Linear and small.takes(x)):
-            gated = small.geglu(x.reshape(-1, x.shape[-1]), self.fused_gate_up)
-            return small.project(gated, self.down_proj.weight).view(*x.shape[:-1], -1)
+        if small is not None and self.fused_gate_up is not None and self.fused_gate_up_scale is None and small.takes(x):
+            return small.geglu(x.reshape(-1, x.shape[-1]), self.fused_gate_up).view(*x.shape[:-1], -1)
         if self.fused_gate_up is not None:
             gate, up = linear(x, self.fused_gate_up, self.fused_gate_up_scale).chunk(2, dim=-1)
-            if self.gelu_mul is not None:
-                return self.down_proj(self.gelu_mul(gate, up))
-            return self.down_proj(gelu_tanh(gate) * up)
-        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
+            return self.gelu_mul(gate, up) if self.gelu_mul is not None else gelu_tanh(gate) * up
+        return gelu_tanh(self.gate_proj(x)) * self.up_proj(x)
 
 
 class MoERouter(nn.Module):
