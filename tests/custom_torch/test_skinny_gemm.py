@@ -2,7 +2,8 @@
 fp16, tiny shapes, in a subprocess: the flag must be set before triton is imported): ``skinny_linear`` against
 ``F.linear``, ``skinny_geglu`` against the eager GeGLU chain, ``skinny_linear_gelu_mul`` against the eager gate
 (``gelu_tanh(linear) * mul``), ``skinny_linear_residual_norm`` against the product then the residual chain (post-norm,
-residual, scale, next norm), with and without split K (including slices that do
+residual, scale, next norm), with and without split K, each also with its split K reduced in place by the product
+kernel's last programs (the same bits as the reduce launch, every arrival counter back at zero) (including slices that do
 not divide K and column counts that are not a multiple of the tile), and ``lm_head_argmax`` against
 ``argmax(softcap(F.linear))`` including exact ties, which must go to the lowest token id; the FP8 path
 (``fp8_rows.quantize_rows``: the same bytes as ``quantization.quantize_per_token``; ``skinny_linear_fp8`` against
@@ -114,7 +115,30 @@ for out_dtype in (torch.float32, torch.float16):
             note(f"fp8/{out_dtype}", got, want.to(out_dtype))
             fp8["products"] += 1
 assert choose_split_k(1, 262144, 1536) == 1 and choose_split_k(1, 1536, 12288) > 1 and choose_split_k(64, 64, 64) == 1
-print(json.dumps({"errors": errors, "checks": checks, "ties": ties["checked"], "fp8": fp8}))
+import gemmaserve_custom_torch.kernels.skinny_gemm as skinny_gemm
+in_place = 0  # the in-place reduction (one launch) against the reduce launch: the same bits
+for dtype in (torch.float32, torch.float16):
+    for m, n, k in ((1, 40, 96), (3, 16, 64), (17, 33, 100)):
+        x, w = torch.randn(m, k).to(dtype), (torch.randn(n, k) * 0.2).to(dtype)
+        gate_up, mul = (torch.randn(2 * n, k) * 0.2).to(dtype), torch.randn(m, n + 2).to(dtype)[:, 2:]
+        residual, post, nxt = torch.randn(m, n).to(dtype), torch.randn(n).to(dtype), torch.randn(n).to(dtype)
+        for split in (1, 2, 3, None):
+            kw = dict(split_k=split, **small)
+            pairs = [(skinny_linear(x, w, in_place=flag, **kw),) for flag in (False, True)]
+            pairs += [(skinny_geglu(x, gate_up, in_place=flag, **kw),) for flag in (False, True)]
+            pairs += [(skinny_linear_gelu_mul(x, w, mul, in_place=flag, **kw),) for flag in (False, True)]
+            for style in ("w", "one_plus_w"):
+                pairs += [skinny_linear_residual_norm(x, w, residual, post, 1e-6, style, next_weight=nxt,
+                                                      next_eps=1e-5, in_place=flag, **kw) for flag in (False, True)]
+                pairs += [skinny_linear_residual_norm(x, w, residual, post, 1e-6, style, scale=torch.ones(1).to(dtype) * 0.5,
+                                                      in_place=flag, **kw) for flag in (False, True)]
+            for plain, folded in zip(pairs[0::2], pairs[1::2]):
+                for a, b in zip(plain, folded):
+                    assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), (dtype, m, n, k, split)
+                in_place += 1
+counters = skinny_gemm._COUNTERS[torch.device("cpu")]
+assert int(counters.abs().sum()) == 0, "a counter was left non-zero"
+print(json.dumps({"errors": errors, "checks": checks, "ties": ties["checked"], "fp8": fp8, "in_place": in_place}))
 """
 
 
@@ -125,6 +149,7 @@ def test_skinny_kernels_match_torch_under_interpreter():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["checks"] == 2 * 4 * (4 + 2 + 1 + 3 + 2 * 3 * 3) + 18 and result["ties"] == 6, result
     assert result["fp8"] == {"rows": 3 * 10, "products": 18}, result
+    assert result["in_place"] == 2 * 3 * 4 * (3 + 2 * 2), result
     for name, error in result["errors"].items():
         # fp32: summation order only; fp16: one rounding step of outputs of magnitude up to ~10 (the norm: its
         # rounded output may differ by one step where the two sums of squares differ in the last bit)
@@ -146,7 +171,8 @@ def test_the_kernel_benchmark_smoke_run_agrees_with_torch(tmp_path):
 def test_the_kernels_compile_for_hopper_without_a_gpu():
     """The real compiler path (Triton -> PTX -> cubin for sm_90 with Triton's bundled ptxas), which the
     interpreter never takes: bf16 at the decode row blocks 16 and 64 with and without split K and the GeGLU and
-    gate (gelu times a tensor) epilogues, the reductions (incl. the one running the residual chain), and the LM-head argmax with its softcap; fp32 with IEEE dots; FP8 operands widened to
+    gate (gelu times a tensor) epilogues, the reductions (incl. the one running the residual chain, and the
+    product kernel that reduces its own split K with acquire-release arrival counters), and the LM-head argmax with its softcap; fp32 with IEEE dots; FP8 operands widened to
     bf16 with the scale epilogue, and the FP8 row quantization; the programmatic-dependent-launch forms (bf16)
     carry the grid-dependency instructions and nothing else does. Pointers and sizes
     carry the 16-divisibility E2B's shapes give the launcher, so the bf16 K loops become tensor-core dots."""
@@ -185,11 +211,23 @@ def test_the_kernels_compile_for_hopper_without_a_gpu():
         for pdl in (False, True) if dtype == "bf16" else ():  # the split-K reduce running the residual chain
             builds.append((sk._reduce_residual_norm_kernel, {
                 "part_ptr": "*fp32", **{name: f"*{dtype}" for name in (
-                    "res_ptr", "w_ptr", "scale_ptr", "w_next_ptr", "out_ptr", "next_ptr")},
+                    "res_ptr", "norm_ptr", "scale_ptr", "next_norm_ptr", "out_ptr", "next_ptr")},
                 "m": "i32", "n_out": "i32", "slices": "i32", "stride_r": "i32", "eps": "fp32", "eps_next": "fp32",
                 "ONE_PLUS": "constexpr", "HAS_SCALE": "constexpr", "HAS_NEXT": "constexpr", "BLOCK": "constexpr",
                 "PDL": "constexpr"},
                 {"ONE_PLUS": False, "HAS_SCALE": True, "HAS_NEXT": True, "BLOCK": 2048, "PDL": pdl}, dtype))
+    for geglu, gelu_mul, residual, pdl in ((False, False, False, False), (True, False, False, True),
+                                           (False, True, False, True), (False, False, True, True)):
+        builds.append((sk._in_place_reduce_kernel, {  # the split K reduced by the product kernel's last programs
+            "x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
+            **{name: "*bf16" for name in ("mul_ptr", "res_ptr", "norm_ptr", "scale_ptr", "next_norm_ptr", "next_ptr")},
+            **{name: "i32" for name in ("m", "n_out", "k", "k_per_split", "stride_xm", "stride_wn", "stride_mul",
+                                        "stride_r", "up_offset")}, "eps": "fp32", "eps_next": "fp32",
+            **{name: "constexpr" for name in ("GEGLU", "GELU_MUL", "RESIDUAL", "ONE_PLUS", "HAS_SCALE", "HAS_NEXT",
+                                              "BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_ROW", "PRECISION", "PDL")}},
+            {"GEGLU": geglu, "GELU_MUL": gelu_mul, "RESIDUAL": residual, "ONE_PLUS": False, "HAS_SCALE": True,
+             "HAS_NEXT": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_ROW": 2048, "PRECISION": "tf32",
+             "PDL": pdl}, "in_place"))
     for block_m in (16, 64):  # FP8 operands widened to bf16, the scales in the epilogue
         for split in (False, True):
             builds.append((sk._skinny_kernel, _skinny_signature("fp8e4nv", "bf16"),
@@ -202,8 +240,10 @@ def test_the_kernels_compile_for_hopper_without_a_gpu():
                        {"BLOCK": 1024}, "quantize"))
     for kernel, signature, constexprs, dtype in builds:
         asm = compile_for_hopper(kernel, signature, constexprs, unaligned=("m", "slices"))
-        if dtype in ("bf16", "fp8") and "BLOCK_K" in constexprs:
+        if dtype in ("bf16", "fp8", "in_place") and "BLOCK_K" in constexprs:
             assert "mma" in asm["ptx"], (kernel, constexprs)  # tensor-core dots
+        if dtype == "in_place":  # arrivals counted with GPU-scope acquire-release atomics; partials read past L1
+            assert "atom.global.gpu.acq_rel.add" in asm["ptx"] and "ld.global.cg" in asm["ptx"], constexprs
         if dtype == "quantize":  # the FP8 cast only narrows values already on the e4m3 grid
             assert "e4m3" in asm["ptx"], constexprs
         # a programmatic dependent waits for the previous grid and releases the next one; nothing else does

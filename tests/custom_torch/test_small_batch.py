@@ -19,7 +19,7 @@ import json, sys, torch
 import gemmaserve_custom_torch.kernels.skinny_gemm as sk
 from gemmaserve_custom_torch.models import ContiguousKVContext, GemmaForCausalLM
 from gemmaserve_custom_torch.models.fusion import fuse_elementwise, fuse_projections, fuse_small_batch
-path, max_rows, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+path, max_rows, batch, in_place = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:] == ["in-place"]
 torch.set_num_threads(1)
 calls = {"linear": [], "geglu": [], "gelu_mul": [], "residual_norm": []}
 def counted(name, kernel):
@@ -35,7 +35,7 @@ small = GemmaForCausalLM.from_hf(path, "cpu", torch.float32)
 for model in (fused, small):
     fuse_projections(model)
     fuse_elementwise(model)
-out = {"switched": fuse_small_batch(small, max_rows), "layers": len(small.layers)}
+out = {"switched": fuse_small_batch(small, max_rows, in_place=in_place), "layers": len(small.layers)}
 prompt = torch.tensor([[(7 * i + 3 * b) % 200 + 4 for i in range(9)] for b in range(batch)])
 with torch.inference_mode():
     tokens, logits, prompt_calls = [], [], None
@@ -56,6 +56,7 @@ out["prompt_calls"] = prompt_calls
 out["decode_rows"] = sorted(set(sum(calls.values(), [])))
 out.update({f"{name}_calls": len(rows) for name, rows in calls.items()})
 out["ple"] = bool(small.config.ple_dim)
+out["logits"] = logits[1].flatten().tolist()
 out["moe_layers"] = sum(layer.has_moe for layer in small.layers)
 print(json.dumps(out))
 """
@@ -80,6 +81,16 @@ def test_decode_rows_run_the_few_row_kernels_and_keep_the_tokens(tiny_checkpoint
     assert result["linear_calls"] == 4 * (layers + result["moe_layers"]), result
     assert result["max_logit_diff"] < 1e-4, result
     assert result["tokens_equal"], result
+
+
+def test_the_in_place_reduction_gives_the_same_logits_bit_for_bit(tiny_checkpoint):
+    """CUSTOM_BACKEND_SKINNY_IN_PLACE_REDUCE: the decode steps' split products reduced by the product kernels' last
+    programs give the two-launch path's logits exactly (same sums, same order)."""
+    path = str(tiny_checkpoint("gemma4"))
+    two_launches = run_interpreted(_MODEL_SCRIPT, path, "4", "2")
+    in_place = run_interpreted(_MODEL_SCRIPT, path, "4", "2", "in-place")
+    assert in_place["residual_norm_calls"] == two_launches["residual_norm_calls"] > 0, in_place
+    assert in_place["logits"] == two_launches["logits"]
 
 
 def test_a_cap_of_zero_runs_nothing_on_the_few_row_kernels(tiny_checkpoint):
@@ -142,7 +153,8 @@ def test_the_elementwise_and_norm_kernels_compile_as_programmatic_dependents():
 
 
 def test_the_settings_are_refused_where_they_cannot_run(tiny_checkpoint):
-    """On the CPU (no CUDA, no fusion) and under tensor parallel the two settings name what is missing."""
+    """On the CPU (no CUDA, no fusion) and under tensor parallel the settings name what is missing (the in-place
+    reduction too: it needs the few-row kernels)."""
     import torch
 
     from gemmaserve.errors import ConfigurationError
@@ -164,6 +176,11 @@ def test_the_settings_are_refused_where_they_cannot_run(tiny_checkpoint):
                                core, load_custom_settings(kv_blocks=64, **custom))
         with pytest.raises(ConfigurationError, match="SKINNY_MAX_ROWS / CUSTOM_BACKEND_PDL"):
             check_tensor_parallel_settings(load_custom_settings(cuda_graph=False, **custom), "cpu")
+    with pytest.raises(ConfigurationError, match="SKINNY_IN_PLACE_REDUCE=1 changes how the few-row matmuls reduce"):
+        CustomTorchBackend(GemmaForCausalLM.from_hf(path, "cpu", torch.float32), HFTokenizer.from_pretrained(path),
+                           core, load_custom_settings(kv_blocks=64, skinny_in_place_reduce=True))
+    with pytest.raises(ConfigurationError, match="SKINNY_IN_PLACE_REDUCE=1 .the worker ranks"):
+        check_tensor_parallel_settings(load_custom_settings(cuda_graph=False, skinny_in_place_reduce=True), "cpu")
     with pytest.raises(ConfigurationError, match="SKINNY_MAX_ROWS"):
         load_custom_settings(skinny_max_rows=65)
     with pytest.raises(ConfigurationError, match="not supported under CUSTOM_BACKEND_COMPILE=1"):

@@ -176,6 +176,8 @@ def check_tensor_parallel_settings(custom: CustomTorchSettings, device: str) -> 
     if custom.skinny_max_rows or custom.pdl:
         refused.append("CUSTOM_BACKEND_SKINNY_MAX_ROWS / CUSTOM_BACKEND_PDL (the worker ranks run cuBLAS and plain "
                        "launches: unset them or set them to 0)")
+    if custom.skinny_in_place_reduce:
+        refused.append("CUSTOM_BACKEND_SKINNY_IN_PLACE_REDUCE=1 (the worker ranks run no few-row kernels: unset it)")
     if refused:
         raise ConfigurationError("TENSOR_PARALLEL_SIZE > 1 runs every tick as an eager forward and does not support "
                                  + "; ".join(refused))
@@ -225,8 +227,12 @@ class CustomTorchBackend(InferenceBackend):
         if fuse:
             fuse_model(model)
         skinny_rows, pdl = small_batch_plan(custom, self.device, fuse, tensor_parallel=workers is not None)
+        if custom.skinny_in_place_reduce and not skinny_rows:
+            raise ConfigurationError("CUSTOM_BACKEND_SKINNY_IN_PLACE_REDUCE=1 changes how the few-row matmuls reduce, "
+                                     "and this load runs none (CUSTOM_BACKEND_SKINNY_MAX_ROWS is 0 here: it needs "
+                                     "CUDA, triton, fusion, no tensor parallel and no COMPILE): unset it")
         if skinny_rows or pdl:
-            fuse_small_batch(model, skinny_rows, pdl=pdl)
+            fuse_small_batch(model, skinny_rows, pdl=pdl, in_place=custom.skinny_in_place_reduce)
         width = -(-max_len // self.block_size)
         self.runner = PagedRunner(model, self.pools, self.prefill_attention)
         graphs, fixed = _fixed_buffer_options(model, custom, self.attention, on_cuda, workers is not None)

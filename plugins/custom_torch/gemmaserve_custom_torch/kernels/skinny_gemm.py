@@ -216,8 +216,8 @@ def _reduce_kernel(part_ptr, out_ptr, x_scale_ptr, w_scale_ptr, mul_ptr, m, n_ou
 
 
 @triton.jit
-def _reduce_residual_norm_kernel(part_ptr, res_ptr, w_ptr, scale_ptr, w_next_ptr, out_ptr, next_ptr, m, n_out, slices,
-                                 stride_r, eps, eps_next, ONE_PLUS: tl.constexpr, HAS_SCALE: tl.constexpr,
+def _reduce_residual_norm_kernel(part_ptr, res_ptr, norm_ptr, scale_ptr, next_norm_ptr, out_ptr, next_ptr, m, n_out,
+                                 slices, stride_r, eps, eps_next, ONE_PLUS: tl.constexpr, HAS_SCALE: tl.constexpr,
                                  HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """One row: the product (sum over slices, in slice order, rounded to the model dtype) through
     ``fused_ops.residual_norm_row`` (post-norm, residual add, scale, next norm)."""
@@ -229,8 +229,105 @@ def _reduce_residual_norm_kernel(part_ptr, res_ptr, w_ptr, scale_ptr, w_next_ptr
     for s in range(0, slices):
         acc += tl.load(part_ptr + (s * m + row) * n_out + offs, mask=mask, other=0.0)
     h = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # the projection's output, as the eager linear rounds it
-    residual_norm_row(h, res_ptr + row * stride_r, w_ptr, scale_ptr, w_next_ptr, out_ptr + row * n_out,
+    residual_norm_row(h, res_ptr + row * stride_r, norm_ptr, scale_ptr, next_norm_ptr, out_ptr + row * n_out,
                       next_ptr + row * n_out, offs, mask, n_out, eps, eps_next, ONE_PLUS, HAS_SCALE, HAS_NEXT)
+
+
+@triton.jit
+def _in_place_reduce_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, mul_ptr, res_ptr, norm_ptr, scale_ptr,
+                            next_norm_ptr, next_ptr, m, n_out, k, k_per_split, stride_xm, stride_wn, stride_mul,
+                            stride_r, up_offset, eps, eps_next, GEGLU: tl.constexpr, GELU_MUL: tl.constexpr,
+                            RESIDUAL: tl.constexpr, ONE_PLUS: tl.constexpr, HAS_SCALE: tl.constexpr,
+                            HAS_NEXT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            BLOCK_ROW: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (column tile, row tile, K slice) of a split-K product that needs no reduce launch: each program
+    stores its fp32 partials and counts its arrival on its tile; the last to arrive sums the tile's partials in
+    slice order (what ``_reduce_kernel`` does) and applies the epilogue (GEGLU, GELU_MUL as ``_skinny_kernel``).
+    RESIDUAL: the tile's rounded product goes back into slice 0 of the partials instead, the tile counts its
+    arrival on its row block, and the row block's last tile runs ``fused_ops.residual_norm_row`` over its rows
+    (what ``_reduce_residual_norm_kernel`` does). The last arriver resets each counter it read to zero, so the
+    counters are zero between launches and one buffer serves every launch on a stream (a PDL dependent counts only
+    after its ``gdc_wait``, when this grid has finished)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    tiles = tl.num_programs(0)
+    slices = tl.num_programs(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = pid_k * k_per_split
+    k_stop = tl.minimum(k_start + k_per_split, k)
+    if PDL:
+        acc = _dot_slab_after_wait(x_ptr, w_ptr, offs_m, offs_n, m, n_out, k_start, k_stop, stride_xm, stride_wn,
+                                   BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    else:
+        acc = _dot_slab(x_ptr, w_ptr, offs_m, offs_n, m, n_out, k_start, k_stop, stride_xm, stride_wn,
+                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    width = n_out * 2 if GEGLU else n_out
+    mask = (offs_m[:, None] < m) & (offs_n[None, :] < n_out)
+    tile_offs = offs_m[:, None] * width + offs_n[None, :]
+    mine = part_ptr + pid_k.to(tl.int64) * m * width + tile_offs
+    tl.store(mine, acc, mask=mask)
+    if GEGLU:
+        acc_up = _dot_slab(x_ptr, w_ptr + up_offset * stride_wn, offs_m, offs_n, m, n_out, k_start, k_stop,
+                           stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        tl.store(mine + n_out, acc_up, mask=mask)
+    tl.debug_barrier()  # every thread's partials are written before the arrival is counted (release below)
+    tile_count = count_ptr + pid_m * tiles + pid_n
+    if tl.atomic_add(tile_count, 1, sem="acq_rel") == slices - 1:
+        tl.atomic_xchg(tile_count, 0)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in range(0, slices):
+            theirs = part_ptr + s * m * width + tile_offs
+            acc += tl.load(theirs, mask=mask, other=0.0, cache_modifier=".cg")  # not through L1: written elsewhere
+            if GEGLU:
+                acc_up += tl.load(theirs + n_out, mask=mask, other=0.0, cache_modifier=".cg")
+        dtype = out_ptr.dtype.element_ty
+        if GEGLU:
+            acc = _gelu_times(acc, acc_up.to(dtype).to(tl.float32), dtype)
+        if GELU_MUL:
+            up = tl.load(mul_ptr + offs_m[:, None].to(tl.int64) * stride_mul + offs_n[None, :], mask=mask, other=0.0)
+            acc = _gelu_times(acc, up.to(tl.float32), dtype)
+        if RESIDUAL:
+            tl.store(part_ptr + tile_offs, acc.to(dtype).to(tl.float32), mask=mask)  # h, as the eager linear rounds it
+            tl.debug_barrier()
+            rows_count = count_ptr + tiles * tl.num_programs(1) + pid_m
+            if tl.atomic_add(rows_count, 1, sem="acq_rel") == tiles - 1:
+                tl.atomic_xchg(rows_count, 0)
+                cols = tl.arange(0, BLOCK_ROW)
+                cols_mask = cols < n_out
+                for r in range(0, BLOCK_M):
+                    row = (pid_m * BLOCK_M + r).to(tl.int64)
+                    if row < m:
+                        h = tl.load(part_ptr + row * width + cols, mask=cols_mask, other=0.0, cache_modifier=".cg")
+                        residual_norm_row(h, res_ptr + row * stride_r, norm_ptr, scale_ptr, next_norm_ptr,
+                                          out_ptr + row * n_out, next_ptr + row * n_out, cols, cols_mask, n_out, eps,
+                                          eps_next, ONE_PLUS, HAS_SCALE, HAS_NEXT)
+        else:
+            tl.store(out_ptr + offs_m[:, None] * n_out + offs_n[None, :], acc.to(dtype), mask=mask)
+
+
+#: Slots of the per-device arrival counters of the in-place reduction (``_in_place_reduce_kernel``): one per
+#: (row tile, column tile) plus one per row tile of a launch; zero between launches.
+COUNTER_SLOTS = 1 << 16
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, needed: int) -> torch.Tensor:
+    """The device's zeroed counter buffer, made on first use (which must not be inside a CUDA-graph capture: a
+    buffer made there would be zeroed on every replay by a node of its own)."""
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the in-place split-K counters are made on the first eager call; run one before "
+                               "capturing a CUDA graph")
+        counters = _COUNTERS[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+    if needed > counters.numel():
+        raise ValueError(f"a launch needs {needed} split-K counters; there are {counters.numel()}")
+    return counters
 
 
 _WIDEN = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -243,6 +340,14 @@ def _check_operands(x: torch.Tensor, w: torch.Tensor) -> None:
         raise ValueError("x and w need a contiguous last dimension")
 
 
+def _split_plan(m: int, n_out: int, k: int, geglu: bool, split_k: int | None, block_n: int,
+                block_k: int) -> tuple[int, int, int]:
+    """(row block, K slices, K per slice) of a product; shapes only."""
+    slices = split_k if split_k is not None else choose_split_k(m, n_out * (2 if geglu else 1), k, block_n, block_k)
+    k_per_split = triton.cdiv(triton.cdiv(k, slices), block_k) * block_k
+    return _block_m(m), triton.cdiv(k, k_per_split), k_per_split
+
+
 def _products(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n_out: int, geglu: bool, split_k: int | None,
               block_n: int, block_k: int, num_warps: int, *, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
               mul: torch.Tensor | None = None, pdl: bool = False,
@@ -251,10 +356,7 @@ def _products(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n_out: int, g
     (or ``always_split``), into fp32 partials: then returns (partials [slices, M, width], slices) for a reduce
     kernel to finish; else None."""
     m, k = x.shape
-    block_m = _block_m(m)
-    slices = split_k if split_k is not None else choose_split_k(m, n_out * (2 if geglu else 1), k, block_n, block_k)
-    k_per_split = triton.cdiv(triton.cdiv(k, slices), block_k) * block_k
-    slices = triton.cdiv(k, k_per_split)
+    block_m, slices, k_per_split = _split_plan(m, n_out, k, geglu, split_k, block_n, block_k)
     split = slices > 1 or always_split
     partials = (torch.empty(slices, m, n_out * (2 if geglu else 1), device=x.device, dtype=torch.float32)
                 if split else out)
@@ -269,13 +371,38 @@ def _products(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n_out: int, g
     return (partials, slices) if split else None
 
 
+def _in_place(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n_out: int, geglu: bool, split_k: int | None,
+              block_n: int, block_k: int, num_warps: int, *, mul: torch.Tensor | None = None, pdl: bool = False,
+              chain: dict[str, object] | None = None) -> None:
+    """The product of x [M, K] (M > 0) into ``out`` as ONE launch of ``_in_place_reduce_kernel`` (its last programs
+    reduce; ``chain``: the residual-chain launch keywords, then ``out`` gets the chain's y)."""
+    m, k = x.shape
+    block_m, slices, k_per_split = _split_plan(m, n_out, k, geglu, split_k, block_n, block_k)
+    grid = (triton.cdiv(n_out, block_n), triton.cdiv(m, block_m), slices)
+    counters = _counters(x.device, grid[0] * grid[1] + grid[1])
+    partials = torch.empty(slices, m, n_out * (2 if geglu else 1), device=x.device, dtype=torch.float32)
+    if chain is None:
+        chain = {"res_ptr": out, "norm_ptr": out, "scale_ptr": out, "next_norm_ptr": out, "next_ptr": out,
+                 "stride_r": 0, "eps": 0.0, "eps_next": 0.0, "ONE_PLUS": False, "HAS_SCALE": False,
+                 "HAS_NEXT": False, "BLOCK_ROW": 16}
+    _in_place_reduce_kernel[grid](
+        x, w, out, partials, counters, out if mul is None else mul, m=m, n_out=n_out, k=k, k_per_split=k_per_split,
+        stride_xm=x.stride(0), stride_wn=w.stride(0), stride_mul=0 if mul is None else mul.stride(0), up_offset=n_out,
+        GEGLU=geglu, GELU_MUL=mul is not None, RESIDUAL=chain["res_ptr"] is not out, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, PRECISION=_precision(out), num_warps=num_warps, **chain, **launch_options(pdl))
+
+
 def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, geglu: bool, split_k: int | None, block_n: int,
             block_k: int, num_warps: int, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-            out_dtype: torch.dtype | None = None, pdl: bool = False, mul: torch.Tensor | None = None) -> torch.Tensor:
+            out_dtype: torch.dtype | None = None, pdl: bool = False, mul: torch.Tensor | None = None,
+            in_place: bool = False) -> torch.Tensor:
     _check_operands(x, w)
     m = x.shape[0]
     out = torch.empty(m, n_out, device=x.device, dtype=out_dtype or x.dtype)
     if m == 0 or n_out == 0:
+        return out
+    if in_place and scales is None and _split_plan(m, n_out, x.shape[1], geglu, split_k, block_n, block_k)[1] > 1:
+        _in_place(x, w, out, n_out, geglu, split_k, block_n, block_k, num_warps, mul=mul, pdl=pdl)
         return out
     pending = _products(x, w, out, n_out, geglu, split_k, block_n, block_k, num_warps, scales=scales, mul=mul, pdl=pdl)
     if pending is not None:
@@ -290,32 +417,38 @@ def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, geglu: bool, split_k: 
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, *, split_k: int | None = None, block_n: int = 64,
-                  block_k: int = 128, num_warps: int = 4, pdl: bool = False) -> torch.Tensor:
+                  block_k: int = 128, num_warps: int = 4, pdl: bool = False, in_place: bool = False) -> torch.Tensor:
     """``x @ w.T`` for x [M, K], w [N, K] -> new [M, N] in x's dtype. ``split_k=None`` picks the slices from
     the shapes (:func:`choose_split_k`). ``pdl``: launch as a programmatic dependent of the previous kernel
-    (Hopper; ``kernels.pdl``): the first weight tiles stream while that kernel finishes."""
-    return _launch(x, w, w.shape[0], False, split_k, block_n, block_k, num_warps, pdl=pdl)
+    (Hopper; ``kernels.pdl``): the first weight tiles stream while that kernel finishes. ``in_place``: a split K
+    is reduced by the product kernel's last programs (``_in_place_reduce_kernel``), one launch instead of two;
+    the same sums in the same order, so the same bits. Launches on one device must then run one after another
+    (one stream), as a decode step's do."""
+    return _launch(x, w, w.shape[0], False, split_k, block_n, block_k, num_warps, pdl=pdl, in_place=in_place)
 
 
 def skinny_linear_gelu_mul(x: torch.Tensor, w: torch.Tensor, mul: torch.Tensor, *, split_k: int | None = None,
-                           block_n: int = 64, block_k: int = 128, num_warps: int = 4,
-                           pdl: bool = False) -> torch.Tensor:
+                           block_n: int = 64, block_k: int = 128, num_warps: int = 4, pdl: bool = False,
+                           in_place: bool = False) -> torch.Tensor:
     """``gelu_tanh(x @ w.T) * mul`` (the per-layer-embedding gate) for x [M, K], w [N, K] and mul [M, N] (last
-    dim contiguous, rows may be strided) -> new [M, N] in x's dtype, rounded where the eager chain rounds."""
+    dim contiguous, rows may be strided) -> new [M, N] in x's dtype, rounded where the eager chain rounds.
+    ``in_place`` as for :func:`skinny_linear`."""
     if mul.shape != (x.shape[0], w.shape[0]) or (mul.numel() and mul.stride(1) != 1) or mul.dtype != x.dtype:
         raise ValueError(f"mul must be [{x.shape[0]}, {w.shape[0]}] in {x.dtype} with a contiguous last dim; got "
                          f"{tuple(mul.shape)} {mul.dtype}")
-    return _launch(x, w, w.shape[0], False, split_k, block_n, block_k, num_warps, pdl=pdl, mul=mul)
+    return _launch(x, w, w.shape[0], False, split_k, block_n, block_k, num_warps, pdl=pdl, mul=mul, in_place=in_place)
 
 
 def skinny_linear_residual_norm(
     x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, style: str, *,
     scale: torch.Tensor | None = None, next_weight: torch.Tensor | None = None, next_eps: float | None = None,
     split_k: int | None = None, block_n: int = 64, block_k: int = 128, num_warps: int = 4, pdl: bool = False,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``fused_ops.residual_norm(residual, x @ w.T, weight, eps, style, scale=, next_weight=, next_eps=)`` in two
     launches: the product into fp32 partials (K split as :func:`skinny_linear` splits it, one slice at least),
     then one program per row sums them and runs the residual chain (post-norm, residual add, scale, next norm).
+    ``in_place``: one launch, the chain run by the last program of each row block (as for :func:`skinny_linear`).
     x [M, K], w [N, K], residual [M, N] (last dim contiguous). Returns new (y [M, N], next [M, N] or None)."""
     _check_operands(x, w)
     m, n = x.shape[0], w.shape[0]
@@ -325,15 +458,19 @@ def skinny_linear_residual_norm(
     nxt = torch.empty_like(out) if next_weight is not None else None
     if m == 0 or n == 0:
         return out, nxt
+    block = triton.next_power_of_2(n)
+    chain = {"res_ptr": residual, "norm_ptr": weight, "scale_ptr": weight if scale is None else scale,
+             "next_norm_ptr": weight if next_weight is None else next_weight, "next_ptr": out if nxt is None else nxt,
+             "stride_r": residual.stride(0), "eps": float(eps), "eps_next": float(eps if next_eps is None else next_eps),
+             "ONE_PLUS": style == "one_plus_w", "HAS_SCALE": scale is not None, "HAS_NEXT": next_weight is not None}
+    if in_place:
+        _in_place(x, w, out, n, False, split_k, block_n, block_k, num_warps, pdl=pdl, chain={**chain, "BLOCK_ROW": block})
+        return out, nxt
     pending = _products(x, w, out, n, False, split_k, block_n, block_k, num_warps, pdl=pdl, always_split=True)
     assert pending is not None
     partials, slices = pending
-    block = triton.next_power_of_2(n)
-    _reduce_residual_norm_kernel[(m,)](
-        partials, residual, weight, weight if scale is None else scale, weight if next_weight is None else next_weight,
-        out, out if nxt is None else nxt, m, n, slices, residual.stride(0), float(eps),
-        float(eps if next_eps is None else next_eps), ONE_PLUS=style == "one_plus_w", HAS_SCALE=scale is not None,
-        HAS_NEXT=next_weight is not None, BLOCK=block, num_warps=residual_norm_warps(block), **launch_options(pdl))
+    _reduce_residual_norm_kernel[(m,)](partials, out_ptr=out, m=m, n_out=n, slices=slices, BLOCK=block,
+                                       num_warps=residual_norm_warps(block), **chain, **launch_options(pdl))
     return out, nxt
 
 
@@ -356,12 +493,14 @@ def skinny_linear_fp8(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
 
 
 def skinny_geglu(x: torch.Tensor, gate_up: torch.Tensor, *, split_k: int | None = None, block_n: int = 64,
-                 block_k: int = 128, num_warps: int = 4, pdl: bool = False) -> torch.Tensor:
+                 block_k: int = 128, num_warps: int = 4, pdl: bool = False, in_place: bool = False) -> torch.Tensor:
     """``gelu_tanh(x @ gate.T) * (x @ up.T)`` for x [M, K] and gate_up [2 * W, K] (gate rows first, as
-    ``fusion.fuse_projections`` lays them out) -> new [M, W] in x's dtype."""
+    ``fusion.fuse_projections`` lays them out) -> new [M, W] in x's dtype. ``in_place`` as for
+    :func:`skinny_linear`."""
     if gate_up.shape[0] % 2:
         raise ValueError(f"gate_up needs an even number of rows (gate then up); got {gate_up.shape[0]}")
-    return _launch(x, gate_up, gate_up.shape[0] // 2, True, split_k, block_n, block_k, num_warps, pdl=pdl)
+    return _launch(x, gate_up, gate_up.shape[0] // 2, True, split_k, block_n, block_k, num_warps, pdl=pdl,
+                   in_place=in_place)
 
 
 @triton.jit
