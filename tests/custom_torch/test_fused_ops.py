@@ -51,6 +51,17 @@ for dtype in (torch.float32, torch.float16):
                     note(f"qkv_norm_rope.v/{dtype}", v, v_norm(v_raw))
                 else:
                     assert torch.equal(v, v_raw)
+                # the K/V written to cache rows (a decode step's KV write in the same launch): the same bits
+                k_cache, v_cache = torch.zeros(20, kv_heads, dim).to(dtype), torch.zeros(20, kv_heads, dim).to(dtype)
+                slots = torch.tensor([7, 3, 19, 0, 12, 5])
+                none_q, none_k, none_v = qkv_norm_rope(qkv, q_heads, kv_heads, q_norm.weight, k_norm.weight, 1e-6, style,
+                                                       cos, sin, v_norm=with_v_norm, k_eq_v=k_eq_v,
+                                                       cache=(k_cache, v_cache, slots))
+                assert none_k is None and none_v is None and torch.equal(none_q, q)
+                assert torch.equal(k_cache[slots], k.reshape(6, kv_heads, dim))
+                assert torch.equal(v_cache[slots], v.reshape(6, kv_heads, dim))
+                untouched = [row for row in range(20) if row not in slots.tolist()]
+                assert not k_cache[untouched].any() and not v_cache[untouched].any()
         for hidden in (16, 40):
             post, nxt = RMSNorm(hidden, 1e-6, style, dtype=dtype), RMSNorm(hidden, 1e-5, style, dtype=dtype)
             post.weight.data, nxt.weight.data = torch.randn(hidden).to(dtype), torch.randn(hidden).to(dtype)
@@ -168,4 +179,54 @@ def test_fused_layers_carry_their_norms_through_the_narrowed_prefill(tiny_checkp
     from pathlib import Path
 
     result = run_interpreted(_NARROWED_SCRIPT, str(tiny_checkpoint("gemma4")), str(Path(__file__).parent))
+    assert result["max_diff"] < 1e-4 and result["argmax_equal"], result
+
+
+_DECODE_SCRIPT = r"""
+import json, sys, torch
+sys.path[:0] = [sys.argv[2]]  # tests/custom_torch: fixtures_backend
+from fixtures_backend import make_backend
+from gemmaserve_custom_torch.kv.decode_context import DecodeBatchContext
+from gemmaserve_custom_torch.models.fusion import fuse_elementwise, fuse_projections
+torch.set_num_threads(1)
+path = sys.argv[1]
+targets = []
+take = DecodeBatchContext.kv_cache_target
+DecodeBatchContext.kv_cache_target = lambda self, layer: targets.append(layer) or take(self, layer)
+
+def decode(backend):
+    with backend.lock:
+        batch, ids = None, []
+        for prompt in ([5, 6, 7, 8, 9], [10, 11, 12]):
+            state = backend.prefill(prompt)
+            batch = backend.splice_into_batched(batch, state.kv, backend.kv_length(state.kv))
+            ids.append(int(state.last_logits.argmax()))
+        steps = []
+        for _ in range(4):
+            logits = backend.decode_step_batched(batch, ids).clone()
+            steps.append(logits)
+            ids = logits.argmax(-1).tolist()
+    return torch.stack(steps)
+
+plain = make_backend(path)
+want = decode(plain)
+assert not targets
+fuse_projections(plain.model)  # the fixture's model is shared: the next backend runs it fused
+fuse_elementwise(plain.model)
+got = decode(make_backend(path))
+print(json.dumps({"max_diff": float((got - want).abs().max()), "argmax_equal": torch.equal(got.argmax(-1), want.argmax(-1)),
+                  "targets": sorted(set(targets)), "storing": [i for i in range(len(plain.model.layers))
+                                                               if plain.model.config.stores_kv(i)]}))
+"""
+
+
+@pytest.mark.parametrize("name", ["gemma4", "gemma3", "gemma4_k_eq_v"])
+def test_the_fused_qkv_kernel_writes_the_decode_steps_kv(tiny_checkpoint, name):
+    """Decode-only ticks of a fused model: every KV-storing layer's q/k/v kernel writes its K/V into the pools
+    (DecodeBatchContext.kv_cache_target, no separate scatter), and the logits are the unfused model's (fp32, up to
+    summation order): Gemma 4 (v normed), Gemma 3 (v copied), K=V layers."""
+    from pathlib import Path
+
+    result = run_interpreted(_DECODE_SCRIPT, str(tiny_checkpoint(name)), str(Path(__file__).parent))
+    assert result["targets"] == result["storing"], result
     assert result["max_diff"] < 1e-4 and result["argmax_equal"], result

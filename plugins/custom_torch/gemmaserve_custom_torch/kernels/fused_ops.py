@@ -42,16 +42,19 @@ def _weight(w_ptr, offs, mask, ONE_PLUS: tl.constexpr):
 
 @triton.jit
 def _norm_rope_head(src, w_ptr, cos_ptr, sin_ptr, dst, token, half, eps, HAS_WEIGHT: tl.constexpr,
-                    ONE_PLUS: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr):
-    """One head: ``dst[:2 * half] = rope(rms_norm(src[:2 * half]))`` (``ROPE`` False: the norm alone), fp32 math
-    with the eager chain's rounding points; ``token`` picks the cos/sin row."""
+                    ONE_PLUS: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr = True):
+    """One head: ``dst[:2 * half] = rope(rms_norm(src[:2 * half]))`` (``ROPE`` False: the norm alone; ``NORM``
+    False too: a copy), fp32 math with the eager chain's rounding points; ``token`` picks the cos/sin row."""
     offs = tl.arange(0, BLOCK)
     mask = offs < half
     x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + half + offs, mask=mask, other=0.0).to(tl.float32)
-    inv = _norm_factor(tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0), 2 * half, eps)
-    y1 = x1 * inv
-    y2 = x2 * inv
+    y1 = x1
+    y2 = x2
+    if NORM:
+        inv = _norm_factor(tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0), 2 * half, eps)
+        y1 = x1 * inv
+        y2 = x2 * inv
     if HAS_WEIGHT:
         y1 = y1 * _weight(w_ptr, offs, mask, ONE_PLUS)
         y2 = y2 * _weight(w_ptr + half, offs, mask, ONE_PLUS)
@@ -113,13 +116,14 @@ def _head_warps(block: int) -> int:
 
 
 @triton.jit
-def _qkv_norm_rope_kernel(x_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, q_heads, kv_heads,
-                          stride_xt, v_col, half, eps, ONE_PLUS: tl.constexpr, V_NORM: tl.constexpr,
-                          BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (token, head) over the q heads, then the k heads, then (V_NORM) the v heads of one fused q/k/v
-    projection row: q and k normed with their weights and rotated, v normed without a weight."""
+def _qkv_norm_rope_kernel(x_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slots_ptr, q_heads, kv_heads,
+                          stride_xt, v_col, half, eps, ONE_PLUS: tl.constexpr, V_MODE: tl.constexpr,
+                          TO_CACHE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (token, head) over the q heads, then the k heads, then (V_MODE 1: normed without a weight, 2: copied)
+    the v heads of one fused q/k/v projection row: q and k normed with their weights and rotated. TO_CACHE: k and v
+    go to row ``slots[token]`` of the caches k_ptr / v_ptr ([slots, kv_heads, dim]) instead of row ``token``."""
     await_previous(PDL)
-    heads = q_heads + kv_heads + (kv_heads if V_NORM else 0)
+    heads = q_heads + kv_heads + (kv_heads if V_MODE else 0)
     pid = tl.program_id(0)
     token = (pid // heads).to(tl.int64)
     head = (pid % heads).to(tl.int64)
@@ -128,48 +132,67 @@ def _qkv_norm_rope_kernel(x_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, q_ptr, k_pt
     if head < q_heads:
         _norm_rope_head(row + head * dim, q_w_ptr, cos_ptr, sin_ptr, q_ptr + (token * q_heads + head) * dim,
                         token, half, eps, True, ONE_PLUS, True, BLOCK)
-    elif head < q_heads + kv_heads:
-        kv = head - q_heads
-        _norm_rope_head(row + (q_heads + kv) * dim, k_w_ptr, cos_ptr, sin_ptr, k_ptr + (token * kv_heads + kv) * dim,
-                        token, half, eps, True, ONE_PLUS, True, BLOCK)
     else:
-        kv = head - q_heads - kv_heads
-        _norm_rope_head(row + v_col + kv * dim, k_w_ptr, cos_ptr, sin_ptr, v_ptr + (token * kv_heads + kv) * dim,
-                        token, half, eps, False, ONE_PLUS, False, BLOCK)
+        kv_row = token
+        if TO_CACHE:
+            kv_row = tl.load(slots_ptr + token).to(tl.int64)
+        if head < q_heads + kv_heads:
+            kv = head - q_heads
+            _norm_rope_head(row + (q_heads + kv) * dim, k_w_ptr, cos_ptr, sin_ptr,
+                            k_ptr + (kv_row * kv_heads + kv) * dim, token, half, eps, True, ONE_PLUS, True, BLOCK)
+        else:
+            kv = head - q_heads - kv_heads
+            _norm_rope_head(row + v_col + kv * dim, k_w_ptr, cos_ptr, sin_ptr, v_ptr + (kv_row * kv_heads + kv) * dim,
+                            token, half, eps, False, ONE_PLUS, False, BLOCK, V_MODE == 1)
 
 
 def qkv_norm_rope(qkv: torch.Tensor, q_heads: int, kv_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
                   eps: float, style: str, cos: torch.Tensor, sin: torch.Tensor, *, v_norm: bool, k_eq_v: bool = False,
-                  pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                  pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """A KV-storing layer's q, k, v from its fused projection ``qkv`` [B, S, (q_heads + kv_heads (+ kv_heads)) * D]
     (last dim contiguous; ``k_eq_v``: no v columns, v is the raw k) in one launch: ``norm_rope`` of the q heads
     (``q_weight``) and of the k heads (``k_weight``), and with ``v_norm`` the weightless RMSNorm of the v heads.
     cos/sin [B, S, D] as for :func:`norm_rope`. Returns new contiguous q [B, S, q_heads, D] and k [B, S, kv_heads,
-    D], and v: new [B, S, kv_heads, D] with ``v_norm``, else the view of the raw v (or k) columns of ``qkv``."""
+    D], and v: new [B, S, kv_heads, D] with ``v_norm``, else the view of the raw v (or k) columns of ``qkv``.
+    ``cache=(k_cache, v_cache, slots)``: k and v (v copied when not normed) are written to rows ``slots`` (int64
+    [B * S]) of the caches (contiguous, rows of [kv_heads, D]; a paged pool's ``view(-1, kv_heads, D)`` works
+    too) instead, and (q, None, None) is returned: the KV-cache write of a decode step in the same launch."""
     batch, seq, width = qkv.shape
     dim = width // (q_heads + kv_heads * (1 if k_eq_v else 2))
     if dim * (q_heads + kv_heads * (1 if k_eq_v else 2)) != width or dim % 2:
         raise ValueError(f"qkv width {width} is not {q_heads} q + {kv_heads} k (+ {kv_heads} v) heads of one even dim")
     v_col = (q_heads if k_eq_v else q_heads + kv_heads) * dim
     q = torch.empty((batch, seq, q_heads, dim), dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty((batch, seq, kv_heads, dim), dtype=qkv.dtype, device=qkv.device)
-    v = (torch.empty_like(k) if v_norm
-         else qkv[..., v_col : v_col + kv_heads * dim].view(batch, seq, kv_heads, dim))
+    if cache is not None:
+        k, v, slots = cache
+        if (k.shape[-2:] != (kv_heads, dim) or v.shape[-2:] != (kv_heads, dim) or not k.is_contiguous()
+                or not v.is_contiguous() or k.dtype != qkv.dtype or v.dtype != qkv.dtype
+                or slots.shape != (batch * seq,) or slots.dtype != torch.int64):
+            raise ValueError(f"cache needs contiguous k/v rows of [{kv_heads}, {dim}] in {qkv.dtype} and int64 slots "
+                             f"[{batch * seq}]; got {tuple(k.shape)}, {tuple(v.shape)}, {tuple(slots.shape)} "
+                             f"{slots.dtype}")
+    else:
+        k = torch.empty((batch, seq, kv_heads, dim), dtype=qkv.dtype, device=qkv.device)
+        v = (torch.empty_like(k) if v_norm
+             else qkv[..., v_col : v_col + kv_heads * dim].view(batch, seq, kv_heads, dim))
+        slots = k  # unread
     if qkv.numel() == 0:
-        return q, k, v
+        return (q, None, None) if cache is not None else (q, k, v)
     view = qkv.reshape(batch * seq, width)
     if view.stride(-1) != 1:
         view = view.contiguous()
     cos, sin = cos.reshape(batch * seq, dim).contiguous(), sin.reshape(batch * seq, dim).contiguous()
     half = dim // 2
     block = triton.next_power_of_2(half)
-    heads = q_heads + kv_heads * (2 if v_norm else 1)
+    v_mode = 1 if v_norm else (2 if cache is not None else 0)
+    heads = q_heads + kv_heads * (2 if v_mode else 1)
     _qkv_norm_rope_kernel[(batch * seq * heads,)](
-        view, q_weight, k_weight, cos, sin, q, k, v, q_heads, kv_heads, view.stride(0), v_col, half, float(eps),
-        ONE_PLUS=style == "one_plus_w", V_NORM=v_norm, BLOCK=block, num_warps=_head_warps(block),
-        **launch_options(pdl),
+        view, q_weight, k_weight, cos, sin, q, k, v, slots, q_heads, kv_heads, view.stride(0), v_col, half,
+        float(eps), ONE_PLUS=style == "one_plus_w", V_MODE=v_mode, TO_CACHE=cache is not None, BLOCK=block,
+        num_warps=_head_warps(block), **launch_options(pdl),
     )
-    return q, k, v
+    return (q, None, None) if cache is not None else (q, k, v)
 
 
 @triton.jit

@@ -2,7 +2,8 @@
 
 The model runs such a batch as ``[S, 1]`` (one row per sequence, as a decode step always did), so each layer
 gets ``q [S, 1, Hq, D]``. Storing layers scatter their new K/V into the pools (one indexed write per layer,
-through ``batch.write_slots``), then every layer attends over its group's paged KV:
+through ``batch.write_slots``; or the model's fused q/k/v kernel writes them, through :meth:`kv_cache_target`),
+then every layer attends over its group's paged KV:
 
 - ``triton``: the paged DECODE kernel (``paged_decode_attention``; at one query per sequence it measured faster
   than the ragged kernel) over ``batch.block_tables`` / ``batch.seq_lens``: no host sync, graph-capturable;
@@ -45,15 +46,28 @@ class DecodeBatchContext:
         self.attention = attention
         self._gathered: dict[int, tuple[Tensor, Tensor]] = {}
         self._gather_at: dict[str, tuple[Tensor, Tensor]] = {}
+        self._written: set[int] = set()  # storing layers whose K/V the model wrote (kv_cache_target)
         if attention == "triton" and kernel is None:
             from ..kernels.paged_attention import paged_decode_attention as kernel
         self._kernel = kernel
+
+    def kv_cache_target(self, layer_idx: int) -> tuple[Tensor, Tensor, Tensor] | None:
+        """(k pool, v pool as rows [Hkv, D], write slots) of a storing layer, whose caller then writes its new K/V
+        there and passes none to :meth:`attend` (the AttentionContext option); None for KV-shared layers."""
+        if self.config.kv_source_layer[layer_idx] != layer_idx:
+            return None
+        k_pool, v_pool = self.pools.k[layer_idx], self.pools.v[layer_idx]
+        self._written.add(layer_idx)
+        slots = self.batch.write_slots[self.pools.group_of_layer[layer_idx]]
+        return k_pool.view(-1, *k_pool.shape[2:]), v_pool.view(-1, *v_pool.shape[2:]), slots
 
     def attend(self, layer_idx: int, q: Tensor, k: Tensor | None, v: Tensor | None) -> Tensor:
         source = self.config.kv_source_layer[layer_idx]
         group = self.pools.group_of_layer[layer_idx]
         k_pool, v_pool = self.pools.k[source], self.pools.v[source]
-        if source == layer_idx:
+        if source == layer_idx and layer_idx in self._written:
+            assert k is None and v is None, "the caller wrote this layer's K/V (kv_cache_target): pass none"
+        elif source == layer_idx:
             assert k is not None and v is not None and k.shape[1] == 1
             slots = self.batch.write_slots[group]
             k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, slots, k[:, 0])

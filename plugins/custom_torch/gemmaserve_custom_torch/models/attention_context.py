@@ -7,6 +7,10 @@ positions, masks, padding, KV sharing. Contract of `attend(layer_idx, q, k, v)`:
   model dtype. For KV-shared layers (`config.kv_source_layer[layer_idx] != layer_idx`) k and v are None and
   the context must use the K/V of the source layer from the same forward (including its cached past).
 * Returns the attention output [B, S, Hq, D], contiguous, in q's dtype.
+* Optionally a context has ``kv_cache_target(layer_idx) -> (k_cache, v_cache, slots) | None``: where a storing
+  layer's new K/V go (caches of contiguous rows [Hkv, D], int64 slots [B * S], one per token in order). A caller
+  that takes a target must write that layer's k and v there itself before ``attend``, and then passes k = v =
+  None to it (the fused q/k/v kernel writes them in the launch that computes them).
 * Scale (`config.attention_scale`), sliding window, layer type and GQA ratio come from the config the
   context holds. Layers are called in increasing `layer_idx` order within one forward.
 

@@ -137,9 +137,11 @@ class GemmaAttention(nn.Module):
         if self.fused_ops is not None and self.fused_qkv is not None:  # a KV-storing layer: one kernel after the matmul
             assert self.k_norm is not None and self.q_norm.weight is not None and self.k_norm.weight is not None
             qkv = small_batch_project(x, self.fused_qkv, self.fused_qkv_scale, self.small_batch)
+            target = getattr(attn, "kv_cache_target", None)  # the context's option: K/V written by this kernel
             q, k, v = self.fused_ops.qkv_norm_rope(
                 qkv, self.num_heads, self.num_kv_heads, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                self.q_norm.style, cos, sin, v_norm=self.v_norm is not None, k_eq_v=self.k_eq_v)
+                self.q_norm.style, cos, sin, v_norm=self.v_norm is not None, k_eq_v=self.k_eq_v,
+                cache=None if target is None else target(self.layer_idx))
             return self._attend(q, k, v, attn)
         q_lin, k_lin, v_lin = self._project(x)
         q = self._norm_rope(self.q_norm, q_lin.view(batch, seq, self.num_heads, self.head_dim), cos, sin)
