@@ -12,7 +12,7 @@ few-row kernels launched normally, the same launched as programmatic dependents 
 program is read before ``gdc_wait``), and that with the folds the model makes on its few-row path (the residual
 chains run by the split-K reduce of o, down and the PLE projection, the gate in its projection's epilogue:
 ``skinny_linear_residual_norm``, ``skinny_linear_gelu_mul``), and that with every split K reduced in place by the
-product kernel's last programs (``in_place=True``, ``CUSTOM_BACKEND_SKINNY_IN_PLACE_REDUCE``: one launch per
+product kernel's last programs (``in_place=True``, ``CUSTOM_BACKEND_IN_PLACE_REDUCE``: one launch per
 product). Each layer has its own weights, so nothing is served from the L2 across layers. Reports ms per chain, kernels per chain, and the weight bandwidth against the copy
 bandwidth measured in the same run; the four Triton forms must give identical outputs (same products, same sums,
 same order).

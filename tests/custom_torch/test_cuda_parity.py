@@ -236,13 +236,13 @@ def test_small_batch_kernels_keep_greedy_tokens_in_bf16(e2b_like_dir, pdl):
 
 
 def test_the_in_place_reduction_changes_no_token_in_bf16(e2b_like_dir):
-    """CUSTOM_BACKEND_SKINNY_IN_PLACE_REDUCE: the few-row products' split K reduced by their own last programs (arrival
+    """CUSTOM_BACKEND_IN_PLACE_REDUCE: the few-row products' split K reduced by their own last programs (arrival
     counters, across concurrently running programs) gives the two-launch path's tokens exactly, solo and joining
     (the same sums in the same order: any difference is a race)."""
     from gemmaserve_custom_torch.kernels.pdl import pdl_supported
 
     pdl = pdl_supported("cuda")
-    in_place = cuda_backend(e2b_like_dir, fuse="on", skinny_max_rows=16, pdl=pdl, skinny_in_place_reduce=True)
+    in_place = cuda_backend(e2b_like_dir, fuse="on", skinny_max_rows=16, pdl=pdl, in_place_reduce=True)
     two_launches = cuda_backend(e2b_like_dir, fuse="on", skinny_max_rows=16, pdl=pdl)
     for prompt in PROMPTS:
         assert solo_greedy(in_place, prompt, 24) == solo_greedy(two_launches, prompt, 24), prompt

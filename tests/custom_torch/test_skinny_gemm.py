@@ -115,7 +115,7 @@ for out_dtype in (torch.float32, torch.float16):
             note(f"fp8/{out_dtype}", got, want.to(out_dtype))
             fp8["products"] += 1
 assert choose_split_k(1, 262144, 1536) == 1 and choose_split_k(1, 1536, 12288) > 1 and choose_split_k(64, 64, 64) == 1
-import gemmaserve_custom_torch.kernels.skinny_gemm as skinny_gemm
+import gemmaserve_custom_torch.kernels.counters as counters_module
 in_place = 0  # the in-place reduction (one launch) against the reduce launch: the same bits
 for dtype in (torch.float32, torch.float16):
     for m, n, k in ((1, 40, 96), (3, 16, 64), (17, 33, 100)):
@@ -136,7 +136,7 @@ for dtype in (torch.float32, torch.float16):
                 for a, b in zip(plain, folded):
                     assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), (dtype, m, n, k, split)
                 in_place += 1
-counters = skinny_gemm._COUNTERS[torch.device("cpu")]
+counters = counters_module._COUNTERS[torch.device("cpu")]
 assert int(counters.abs().sum()) == 0, "a counter was left non-zero"
 print(json.dumps({"errors": errors, "checks": checks, "ties": ties["checked"], "fp8": fp8, "in_place": in_place}))
 """

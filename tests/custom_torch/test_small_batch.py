@@ -84,7 +84,7 @@ def test_decode_rows_run_the_few_row_kernels_and_keep_the_tokens(tiny_checkpoint
 
 
 def test_the_in_place_reduction_gives_the_same_logits_bit_for_bit(tiny_checkpoint):
-    """CUSTOM_BACKEND_SKINNY_IN_PLACE_REDUCE: the decode steps' split products reduced by the product kernels' last
+    """CUSTOM_BACKEND_IN_PLACE_REDUCE: the decode steps' split products reduced by the product kernels' last
     programs give the two-launch path's logits exactly (same sums, same order)."""
     path = str(tiny_checkpoint("gemma4"))
     two_launches = run_interpreted(_MODEL_SCRIPT, path, "4", "2")
@@ -140,15 +140,22 @@ def test_the_elementwise_and_norm_kernels_compile_as_programmatic_dependents():
         builds.append((paged_attention._paged_decode_kernel, {
             "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
             "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "qk_scale": "fp32", "window": "i32",
-            "max_blocks": "i32", "num_splits": "i32", **{name: "i32" for name in (
+            "max_blocks": "i32", "num_splits": "i32", "count_ptr": "*i32", **{name: "i32" for name in (
                 "stride_qb", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs",
                 "stride_vh", "stride_btb", "stride_ob", "stride_oh")},
             **{name: "constexpr" for name in ("GROUP", "GROUP_PAD", "HEAD_DIM", "DIM_PAD", "BLOCK_SIZE", "TILE_N",
-                                              "SPLIT", "UPCAST", "DOT_PRECISION", "PDL")}},
+                                              "SPLIT", "UPCAST", "DOT_PRECISION", "PDL", "IN_PLACE", "BLOCK_D",
+                                              "SPLIT_PAD")}},
             {"GROUP": 8, "GROUP_PAD": 8, "HEAD_DIM": 256, "DIM_PAD": 256, "BLOCK_SIZE": 16, "TILE_N": 64,
-             "SPLIT": True, "UPCAST": False, "DOT_PRECISION": "tf32", "PDL": pdl}))
+             "SPLIT": True, "UPCAST": False, "DOT_PRECISION": "tf32", "PDL": pdl, "IN_PLACE": False, "BLOCK_D": 16,
+             "SPLIT_PAD": 1}))
+        decode_signature, decode_constexprs = builds[-1][1:]
+        builds.append((paged_attention._paged_decode_kernel,  # the splits combined by their last program
+                       decode_signature, {**decode_constexprs, "IN_PLACE": True, "BLOCK_D": 64, "SPLIT_PAD": 8}))
     for kernel, signature, constexprs in builds:
         ptx = compile_for_hopper(kernel, signature, constexprs)["ptx"]
+        if constexprs.get("IN_PLACE"):  # arrivals counted with GPU-scope acquire-release atomics
+            assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx, constexprs
         assert ("griddepcontrol.wait" in ptx) == constexprs["PDL"], (kernel, constexprs)
         assert ("griddepcontrol.launch_dependents" in ptx) == constexprs["PDL"], (kernel, constexprs)
 
@@ -177,11 +184,11 @@ def test_the_settings_are_refused_where_they_cannot_run(tiny_checkpoint):
                                core, load_custom_settings(kv_blocks=64, **custom))
         with pytest.raises(ConfigurationError, match="SKINNY_MAX_ROWS / CUSTOM_BACKEND_PDL"):
             check_tensor_parallel_settings(load_custom_settings(cuda_graph=False, **custom), "cpu")
-    with pytest.raises(ConfigurationError, match="SKINNY_IN_PLACE_REDUCE=1 changes how the few-row matmuls reduce"):
+    with pytest.raises(ConfigurationError, match="IN_PLACE_REDUCE=1 changes how the few-row matmuls and the Triton decode attention reduce"):
         CustomTorchBackend(GemmaForCausalLM.from_hf(path, "cpu", torch.float32), HFTokenizer.from_pretrained(path),
-                           core, load_custom_settings(kv_blocks=64, skinny_in_place_reduce=True))
-    with pytest.raises(ConfigurationError, match="SKINNY_IN_PLACE_REDUCE=1 .the worker ranks"):
-        check_tensor_parallel_settings(load_custom_settings(cuda_graph=False, skinny_in_place_reduce=True), "cpu")
+                           core, load_custom_settings(kv_blocks=64, in_place_reduce=True))
+    with pytest.raises(ConfigurationError, match="IN_PLACE_REDUCE=1 .the worker ranks"):
+        check_tensor_parallel_settings(load_custom_settings(cuda_graph=False, in_place_reduce=True), "cpu")
     with pytest.raises(ConfigurationError, match="SKINNY_MAX_ROWS"):
         load_custom_settings(skinny_max_rows=65)
     with pytest.raises(ConfigurationError, match="not supported under CUSTOM_BACKEND_COMPILE=1"):

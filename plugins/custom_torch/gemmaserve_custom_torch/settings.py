@@ -93,11 +93,12 @@ class CustomTorchSettings(BaseSettings):
         "programmatic dependents (each kernel's weight reads overlap the previous kernel's end). Unset: on where the "
         "load can (compute capability 9.0+, triton, fusion, no tensor parallel, no COMPILE); 1 is refused elsewhere."
     )
-    skinny_in_place_reduce: bool = Field(
-        False, description="Few-row matmuls whose K is split reduce it in the product kernel's last programs (arrival "
-        "counters) instead of a second launch, the residual chains after o / down / the PLE projection included: the "
-        "same bits, about half the few-row launches of a decode step. Needs the few-row kernels "
-        "(CUSTOM_BACKEND_SKINNY_MAX_ROWS above 0); not yet measured on a GPU, so off by default."
+    in_place_reduce: bool = Field(
+        False, description="Split work finished by the kernel that split it: few-row matmuls whose K is split (the "
+        "residual chains after o / down / the PLE projection included) and the Triton decode attention's split-KV "
+        "partials are reduced by the last program to arrive (arrival counters) instead of a second launch; the same "
+        "bits, fewer launches per decode step. Needs the few-row kernels or the Triton decode attention; not yet "
+        "measured on a GPU, so off by default."
     )
     fast_prefill: bool = Field(
         True, description="In the one-forward tick, run the trailing KV-shared layers (Gemma 4) only for tokens whose "

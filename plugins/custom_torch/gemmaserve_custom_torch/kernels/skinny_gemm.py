@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .counters import arrival_counters
 from .fused_ops import gelu_tanh, residual_norm_row, residual_norm_warps
 from .pdl import await_previous, launch_options
 
@@ -245,9 +246,8 @@ def _in_place_reduce_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, mul_ptr,
     slice order (what ``_reduce_kernel`` does) and applies the epilogue (GEGLU, GELU_MUL as ``_skinny_kernel``).
     RESIDUAL: the tile's rounded product goes back into slice 0 of the partials instead, the tile counts its
     arrival on its row block, and the row block's last tile runs ``fused_ops.residual_norm_row`` over its rows
-    (what ``_reduce_residual_norm_kernel`` does). The last arriver resets each counter it read to zero, so the
-    counters are zero between launches and one buffer serves every launch on a stream (a PDL dependent counts only
-    after its ``gdc_wait``, when this grid has finished)."""
+    (what ``_reduce_residual_norm_kernel`` does). The last arriver resets each counter it read to zero
+    (``kernels.counters``)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -310,26 +310,6 @@ def _in_place_reduce_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, mul_ptr,
             tl.store(out_ptr + offs_m[:, None] * n_out + offs_n[None, :], acc.to(dtype), mask=mask)
 
 
-#: Slots of the per-device arrival counters of the in-place reduction (``_in_place_reduce_kernel``): one per
-#: (row tile, column tile) plus one per row tile of a launch; zero between launches.
-COUNTER_SLOTS = 1 << 16
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, needed: int) -> torch.Tensor:
-    """The device's zeroed counter buffer, made on first use (which must not be inside a CUDA-graph capture: a
-    buffer made there would be zeroed on every replay by a node of its own)."""
-    counters = _COUNTERS.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the in-place split-K counters are made on the first eager call; run one before "
-                               "capturing a CUDA graph")
-        counters = _COUNTERS[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
-    if needed > counters.numel():
-        raise ValueError(f"a launch needs {needed} split-K counters; there are {counters.numel()}")
-    return counters
-
-
 _WIDEN = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -379,7 +359,7 @@ def _in_place(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n_out: int, g
     m, k = x.shape
     block_m, slices, k_per_split = _split_plan(m, n_out, k, geglu, split_k, block_n, block_k)
     grid = (triton.cdiv(n_out, block_n), triton.cdiv(m, block_m), slices)
-    counters = _counters(x.device, grid[0] * grid[1] + grid[1])
+    counters = arrival_counters(x.device, grid[0] * grid[1] + grid[1])
     partials = torch.empty(slices, m, n_out * (2 if geglu else 1), device=x.device, dtype=torch.float32)
     if chain is None:
         chain = {"res_ptr": out, "norm_ptr": out, "scale_ptr": out, "next_norm_ptr": out, "next_ptr": out,
