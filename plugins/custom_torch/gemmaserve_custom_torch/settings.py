@@ -96,8 +96,9 @@ class CustomTorchSettings(BaseSettings):
     in_place_reduce: bool = Field(
         False, description="Split work finished by the kernel that split it: few-row matmuls whose K is split (the "
         "residual chains after o / down / the PLE projection included) and the Triton decode attention's split-KV "
-        "partials are reduced by the last program to arrive (arrival counters) instead of a second launch; the same "
-        "bits, fewer launches per decode step. Needs the few-row kernels or the Triton decode attention; not yet "
+        "partials are reduced by the last program to arrive (arrival counters) instead of a second launch: the same "
+        "products (a row norm's or the combine's sums may round differently in the last bit), fewer launches per "
+        "decode step. Needs the few-row kernels or the Triton decode attention; not yet "
         "measured on a GPU, so off by default."
     )
     fast_prefill: bool = Field(

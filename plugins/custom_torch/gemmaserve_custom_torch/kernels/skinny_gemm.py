@@ -428,7 +428,9 @@ def skinny_linear_residual_norm(
     """``fused_ops.residual_norm(residual, x @ w.T, weight, eps, style, scale=, next_weight=, next_eps=)`` in two
     launches: the product into fp32 partials (K split as :func:`skinny_linear` splits it, one slice at least),
     then one program per row sums them and runs the residual chain (post-norm, residual add, scale, next norm).
-    ``in_place``: one launch, the chain run by the last program of each row block (as for :func:`skinny_linear`).
+    ``in_place``: one launch, the chain run by the last program of each row block (as for :func:`skinny_linear`;
+    the product is the same, the row norm's sum of squares may round differently in the last bit on the GPU, where
+    Triton's reduction tree follows each kernel's layout).
     x [M, K], w [N, K], residual [M, N] (last dim contiguous). Returns new (y [M, N], next [M, N] or None)."""
     _check_operands(x, w)
     m, n = x.shape[0], w.shape[0]

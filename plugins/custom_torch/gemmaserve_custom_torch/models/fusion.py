@@ -129,9 +129,9 @@ def fuse_small_batch(model: GemmaForCausalLM, max_rows: int, *, pdl: bool = Fals
     (Hopper) those kernels, the norms and the elementwise kernels launch as programmatic dependents
     (``kernels.pdl``): each kernel's weight reads start while the previous kernel finishes. Run after
     ``fuse_projections`` and ``fuse_norms`` / ``fuse_elementwise``. ``in_place``: a split K is reduced by the
-    product kernel's last programs instead of a second launch (``kernels.skinny_gemm``; same bits). ``max_rows`` 0
-    switches the few-row path off (the PDL launches stay as set). Returns how many layers were switched. Mutates
-    ``model``; idempotent."""
+    product kernel's last programs instead of a second launch (``kernels.skinny_gemm``; the same products).
+    ``max_rows`` 0 switches the few-row path off (the PDL launches stay as set). Returns how many layers were
+    switched. Mutates ``model``; idempotent."""
     from functools import partial
 
     from ..kernels import fused_ops
