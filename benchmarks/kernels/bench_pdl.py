@@ -13,11 +13,11 @@ program is read before ``gdc_wait``), and that with the folds the model makes on
 chains run by the split-K reduce of o, down and the PLE projection, the gate in its projection's epilogue:
 ``skinny_linear_residual_norm``, ``skinny_linear_gelu_mul``), and that with every split K reduced in place by the
 product kernel's last programs (``in_place=True``, ``CUSTOM_BACKEND_IN_PLACE_REDUCE``: one launch per
-product). Each layer has its own weights, so nothing is served from the L2 across layers. Reports ms per chain, kernels per chain, and the weight bandwidth against the copy
-bandwidth measured in the same run, and whether the Triton forms' outputs are identical: the products are the same
-sums in the same order (identical under the interpreter, tests/custom_torch/test_small_batch.py), while a folded
-residual norm's sum of squares may round differently in the last bit on the GPU (Triton's reduction tree follows
-each kernel's layout).
+product). Each layer has its own weights, so nothing is served from the L2 across layers. Reports ms per chain,
+kernels per chain, and the weight bandwidth against the copy bandwidth measured in the same run, and whether the
+Triton forms' outputs are identical: the products are the same sums in the same order (identical under the
+interpreter, tests/custom_torch/test_small_batch.py), while a folded residual norm's sum of squares may round
+differently in the last bit on the GPU (Triton's reduction tree follows each kernel's layout).
 
 RoPE and attention are not in it (the q columns of qkv stand in for the attention output), so the figure is what
 these changes can take off that part of the step, not a step time.

@@ -54,8 +54,8 @@ for dtype in (torch.float32, torch.float16):
                 # the K/V written to cache rows (a decode step's KV write in the same launch): the same bits
                 k_cache, v_cache = torch.zeros(20, kv_heads, dim).to(dtype), torch.zeros(20, kv_heads, dim).to(dtype)
                 slots = torch.tensor([7, 3, 19, 0, 12, 5])
-                none_q, none_k, none_v = qkv_norm_rope(qkv, q_heads, kv_heads, q_norm.weight, k_norm.weight, 1e-6, style,
-                                                       cos, sin, v_norm=with_v_norm, k_eq_v=k_eq_v,
+                none_q, none_k, none_v = qkv_norm_rope(qkv, q_heads, kv_heads, q_norm.weight, k_norm.weight, 1e-6,
+                                                       style, cos, sin, v_norm=with_v_norm, k_eq_v=k_eq_v,
                                                        cache=(k_cache, v_cache, slots))
                 assert none_k is None and none_v is None and torch.equal(none_q, q)
                 assert torch.equal(k_cache[slots], k.reshape(6, kv_heads, dim))
@@ -214,8 +214,8 @@ assert not targets
 fuse_projections(plain.model)  # the fixture's model is shared: the next backend runs it fused
 fuse_elementwise(plain.model)
 got = decode(make_backend(path))
-print(json.dumps({"max_diff": float((got - want).abs().max()), "argmax_equal": torch.equal(got.argmax(-1), want.argmax(-1)),
-                  "targets": sorted(set(targets)), "storing": [i for i in range(len(plain.model.layers))
+print(json.dumps({"max_diff": float((got - want).abs().max()),
+                  "argmax_equal": torch.equal(got.argmax(-1), want.argmax(-1)), "targets": sorted(set(targets)), "storing": [i for i in range(len(plain.model.layers))
                                                                if plain.model.config.stores_kv(i)]}))
 """
 

@@ -130,8 +130,9 @@ for dtype in (torch.float32, torch.float16):
             for style in ("w", "one_plus_w"):
                 pairs += [skinny_linear_residual_norm(x, w, residual, post, 1e-6, style, next_weight=nxt,
                                                       next_eps=1e-5, in_place=flag, **kw) for flag in (False, True)]
-                pairs += [skinny_linear_residual_norm(x, w, residual, post, 1e-6, style, scale=torch.ones(1).to(dtype) * 0.5,
-                                                      in_place=flag, **kw) for flag in (False, True)]
+                half = torch.ones(1).to(dtype) * 0.5
+                pairs += [skinny_linear_residual_norm(x, w, residual, post, 1e-6, style, scale=half, in_place=flag,
+                                                      **kw) for flag in (False, True)]
             for plain, folded in zip(pairs[0::2], pairs[1::2]):
                 for a, b in zip(plain, folded):
                     assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), (dtype, m, n, k, split)
@@ -172,10 +173,12 @@ def test_the_kernels_compile_for_hopper_without_a_gpu():
     """The real compiler path (Triton -> PTX -> cubin for sm_90 with Triton's bundled ptxas), which the
     interpreter never takes: bf16 at the decode row blocks 16 and 64 with and without split K and the GeGLU and
     gate (gelu times a tensor) epilogues, the reductions (incl. the one running the residual chain, and the
-    product kernel that reduces its own split K with acquire-release arrival counters), and the LM-head argmax with its softcap; fp32 with IEEE dots; FP8 operands widened to
-    bf16 with the scale epilogue, and the FP8 row quantization; the programmatic-dependent-launch forms (bf16)
-    carry the grid-dependency instructions and nothing else does. Pointers and sizes
-    carry the 16-divisibility E2B's shapes give the launcher, so the bf16 K loops become tensor-core dots."""
+    product kernel that reduces its own split K with acquire-release arrival counters), and the LM-head argmax
+    with its softcap; fp32 with IEEE dots; FP8 operands widened to bf16 or dotted as FP8 (e4m3 tensor cores from
+    64-row blocks, a hardware conversion below) with the scale epilogue, and the FP8 row quantization; the
+    programmatic-dependent-launch forms (bf16) carry the grid-dependency instructions and nothing else does.
+    Pointers and sizes carry the 16-divisibility E2B's shapes give the launcher, so the bf16 K loops become
+    tensor-core dots."""
     require_hopper_compiler()
     import triton.language as tl
 
@@ -228,20 +231,25 @@ def test_the_kernels_compile_for_hopper_without_a_gpu():
             {"GEGLU": geglu, "GELU_MUL": gelu_mul, "RESIDUAL": residual, "ONE_PLUS": False, "HAS_SCALE": True,
              "HAS_NEXT": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_ROW": 2048, "PRECISION": "tf32",
              "PDL": pdl}, "in_place"))
-    for block_m in (16, 64):  # FP8 operands widened to bf16, the scales in the epilogue
+    for block_m in (16, 64):  # FP8 operands, widened to bf16 in software or dotted as FP8; the scales in the epilogue
         for split in (False, True):
-            builds.append((sk._skinny_kernel, _skinny_signature("fp8e4nv", "bf16"),
-                           {"GEGLU": False, "GELU_MUL": False, "SPLIT": split, "SCALED": True, "BLOCK_M": block_m,
-                            "BLOCK_N": 64, "BLOCK_K": 128, "PRECISION": "tf32", "WIDEN": tl.bfloat16, "PDL": False},
-                           "fp8"))
+            for widen in (tl.bfloat16, None):
+                builds.append((sk._skinny_kernel, _skinny_signature("fp8e4nv", "bf16"),
+                               {"GEGLU": False, "GELU_MUL": False, "SPLIT": split, "SCALED": True, "BLOCK_M": block_m,
+                                "BLOCK_N": 64, "BLOCK_K": 128, "PRECISION": "tf32", "WIDEN": widen, "PDL": False},
+                               "fp8" if widen is not None else "fp8_native"))
     for dtype in ("bf16", "fp16", "fp32"):
         builds.append((quantize_rows_kernel, {"x_ptr": f"*{dtype}", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
                                               "k": "i32", "stride_xm": "i32", "BLOCK": "constexpr"},
                        {"BLOCK": 1024}, "quantize"))
     for kernel, signature, constexprs, dtype in builds:
         asm = compile_for_hopper(kernel, signature, constexprs, unaligned=("m", "slices"))
-        if dtype in ("bf16", "fp8", "in_place") and "BLOCK_K" in constexprs:
+        if dtype in ("bf16", "fp8", "fp8_native", "in_place") and "BLOCK_K" in constexprs:
             assert "mma" in asm["ptx"], (kernel, constexprs)  # tensor-core dots
+        if dtype == "fp8_native":  # e4m3 tensor cores from 64-row blocks, one hardware conversion to f16 below
+            wanted = ("mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3" if constexprs["BLOCK_M"] == 64
+                      else "cvt.rn.f16x2.e4m3x2")
+            assert wanted in asm["ptx"], constexprs
         if dtype == "in_place":  # arrivals counted with GPU-scope acquire-release atomics; partials read past L1
             assert "atom.global.gpu.acq_rel.add" in asm["ptx"] and "ld.global.cg" in asm["ptx"], constexprs
         if dtype == "quantize":  # the FP8 cast only narrows values already on the e4m3 grid

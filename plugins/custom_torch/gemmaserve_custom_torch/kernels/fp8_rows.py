@@ -12,13 +12,23 @@ row; nothing syncs the host (CUDA-graph capturable).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["quantize_rows"]
+__all__ = ["native_fp8_dot", "quantize_rows"]
 
 _MIN_SCALE = 1e-12  # an all-zero row's scale, as quantize_per_token
+
+
+@functools.cache
+def native_fp8_dot(device: torch.device) -> bool:
+    """True where ``tl.dot`` takes FP8 operands itself (CUDA, compute capability 8.9+: e4m3 tensor-core dots, or at
+    small row blocks a hardware e4m3 -> f16 conversion before the dot); elsewhere (the CPU interpreter) kernels
+    widen the FP8 values to the model dtype first: the same products, exact either way."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 @triton.jit

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_rows import quantize_rows
+from .fp8_rows import native_fp8_dot, quantize_rows
 from .fused_ops import gelu_tanh
 
 __all__ = ["ExpertGroups", "fused_experts", "group_by_expert", "max_blocks", "pick_block_m"]
@@ -287,12 +287,6 @@ def _sum_slots_kernel(pair_out_ptr, ids_ptr, out_ptr, hidden, num_experts, TOP_K
     tl.store(out_ptr + token * hidden + cols, acc.to(dtype), mask=ok)
 
 
-def _native_fp8_dot(device: torch.device) -> bool:
-    """True where ``tl.dot`` takes FP8 operands natively (CUDA, compute capability 8.9+); elsewhere (the CPU
-    interpreter) the FP8 values are widened to the model dtype first: the same products, exact either way."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
                   down_proj: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
                   down_scale: torch.Tensor | None = None, *, block_m: int | None = None, block_n: int | None = None,
@@ -350,7 +344,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gat
     groups = group_by_expert(ids, num_experts, block_m, grouping)
     num_blocks = groups.expert_of_block.shape[0]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models: no TF32 rounding of the inputs
-    fp8_dot = fp8 and _native_fp8_dot(x.device)
+    fp8_dot = fp8 and native_fp8_dot(x.device)
     x_in, x_scale = quantize_rows(x) if fp8 else (x, x)
     intermediate = torch.empty((num_blocks * block_m, width), dtype=x.dtype, device=x.device)
     _gate_up_geglu_kernel[(num_blocks, triton.cdiv(width, block_n))](

@@ -12,8 +12,9 @@ and applies the epilogue.
   program per row: the post-norm needs the whole row), so a projection and the residual chain after it are two
   launches, not three;
 - :func:`skinny_linear_fp8`: the ``torch._scaled_mm`` product ``(xq @ wq.T) * x_scale * w_scale`` of FP8 operands
-  with their row scales, the FP8 values widened exactly to the dot's dtype (bf16, fp32 for fp32 outputs) so the
-  weights stream as one byte each;
+  with their row scales, the weights streamed as one byte each and dotted as FP8 where the GPU takes FP8 dots
+  (compute capability 8.9+: e4m3 tensor cores from 64-row blocks, a hardware e4m3 -> f16 conversion below), else
+  widened exactly to the dot's dtype (bf16, fp32 for fp32 outputs; the CPU interpreter);
 - :func:`skinny_geglu`: ``gelu_tanh(x @ gate.T) * (x @ up.T)`` over a fused ``[gate; up]`` weight, the GeGLU
   MLP's first half, rounding where the eager chain rounds (the projections, gelu's output, the product);
 - :func:`lm_head_argmax`: the greedy token of ``softcap(x @ w.T)`` without writing the logits: each program
@@ -29,7 +30,8 @@ Nothing syncs the host; every launch grid depends on shapes only (CUDA-graph cap
 ``CUSTOM_BACKEND_SKINNY_MAX_ROWS`` rows (``fusion.fuse_small_batch``; 32 by default on CUDA), launched as programmatic
 dependents on Hopper (``pdl=True``, ``kernels.pdl``): per product they tie cuBLAS, chained with PDL they took 13 % off
 E2B's decode step at one row on an H100 (docs/benchmarks.md, run 28). The FP8 form (behind
-``quantization.FP8_SKINNY_MAX_ROWS``, default 0) lost against ``torch._scaled_mm`` on an H100, and ``lm_head_argmax``
+``quantization.FP8_SKINNY_MAX_ROWS``, default 0) lost against ``torch._scaled_mm`` on an H100 while it widened FP8
+to bf16 in software (its native FP8 dots came after and are unmeasured), and ``lm_head_argmax``
 is not wired (``benchmarks/kernels/bench_skinny_gemm.py``).
 """
 
@@ -40,6 +42,7 @@ import triton
 import triton.language as tl
 
 from .counters import arrival_counters
+from .fp8_rows import native_fp8_dot
 from .fused_ops import gelu_tanh, residual_norm_row, residual_norm_warps
 from .pdl import await_previous, launch_options
 
@@ -346,7 +349,8 @@ def _products(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n_out: int, g
                          x.stride(0), w.stride(0), 0 if mul is None else mul.stride(0), n_out, GEGLU=geglu,
                          GELU_MUL=mul is not None, SPLIT=split, SCALED=scales is not None, BLOCK_M=block_m,
                          BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(out),
-                         WIDEN=_WIDEN[out.dtype] if scales is not None else None, num_warps=num_warps,
+                         WIDEN=_WIDEN[out.dtype] if scales is not None and not native_fp8_dot(x.device) else None,
+                         num_warps=num_warps,
                          **launch_options(pdl))
     return (partials, slices) if split else None
 
@@ -443,10 +447,12 @@ def skinny_linear_residual_norm(
     block = triton.next_power_of_2(n)
     chain = {"res_ptr": residual, "norm_ptr": weight, "scale_ptr": weight if scale is None else scale,
              "next_norm_ptr": weight if next_weight is None else next_weight, "next_ptr": out if nxt is None else nxt,
-             "stride_r": residual.stride(0), "eps": float(eps), "eps_next": float(eps if next_eps is None else next_eps),
+             "stride_r": residual.stride(0), "eps": float(eps),
+             "eps_next": float(eps if next_eps is None else next_eps),
              "ONE_PLUS": style == "one_plus_w", "HAS_SCALE": scale is not None, "HAS_NEXT": next_weight is not None}
     if in_place:
-        _in_place(x, w, out, n, False, split_k, block_n, block_k, num_warps, pdl=pdl, chain={**chain, "BLOCK_ROW": block})
+        _in_place(x, w, out, n, False, split_k, block_n, block_k, num_warps, pdl=pdl,
+                  chain={**chain, "BLOCK_ROW": block})
         return out, nxt
     pending = _products(x, w, out, n, False, split_k, block_n, block_k, num_warps, pdl=pdl, always_split=True)
     assert pending is not None

@@ -48,7 +48,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 #: On CUDA, FP8 products of at most this many rows run ``kernels.skinny_gemm.skinny_linear_fp8`` (the weight read
 #: as one byte per value by split-K Triton programs) instead of ``torch._scaled_mm``; same arithmetic (FP8 x FP8 in
 #: fp32, then the scales), another summation order. 0 (the default): always ``_scaled_mm``, which was faster at
-#: every 31B projection shape and M = 1-64 on an H100 (run 26, ``bench_skinny_gemm.py --fp8``); kept for the A/B.
+#: every 31B projection shape and M = 1-64 on an H100 (run 26, ``bench_skinny_gemm.py --fp8``) while the kernel widened
+#: FP8 to bf16 in software; its native FP8 dots (``fp8_rows.native_fp8_dot``) are not measured yet. Kept for the A/B.
 FP8_SKINNY_MAX_ROWS = 0
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 _MIN_SCALE = 1e-12  # an all-zero row quantizes to zeros instead of dividing by zero
