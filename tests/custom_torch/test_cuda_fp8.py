@@ -119,3 +119,20 @@ def test_fp8_logits_stay_near_bf16(tiny_checkpoint, name: str) -> None:
     relative = ((fp8_logits - bf16_logits).norm() / bf16_logits.norm()).item()
     print(f"\n{name}: fp8 vs bf16 on CUDA, relative logit error {relative:.3f}")
     assert relative < 0.75  # tiny random models amplify weight noise (see test_fp8.py)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 32])
+def test_the_few_row_fp8_kernel_matches_scaled_mm(rows: int, monkeypatch) -> None:
+    """``quantization.linear`` with ``FP8_SKINNY_MAX_ROWS`` on (activations quantized inside the few-row kernel, FP8
+    dots on the tensor cores) against ``_scaled_mm`` of ``quantize_rows``: the same FP8 values and scales, so the
+    two differ only in fp32 summation order, far below one bf16 step of the output."""
+    from gemmaserve_custom_torch.models import quantization
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    weight, scale = quantization.quantize_weight(0.05 * torch.randn(5376, 2816, device="cuda", generator=gen))
+    x = torch.randn(rows, 2816, device="cuda", generator=gen).to(torch.bfloat16)
+    scaled_mm = quantization.linear(x, weight, scale).float()
+    monkeypatch.setattr(quantization, "FP8_SKINNY_MAX_ROWS", 64)
+    few_rows = quantization.linear(x, weight, scale).float()
+    bf16_step = scaled_mm.abs().max() * 2 ** -7
+    assert torch.isfinite(few_rows).all() and float((few_rows - scaled_mm).abs().max()) <= float(bf16_step)

@@ -27,7 +27,7 @@ _SCRIPT = r"""
 import json, torch
 import torch.nn.functional as F
 from gemmaserve_custom_torch.kernels.skinny_gemm import choose_split_k, lm_head_argmax, skinny_geglu, skinny_linear
-from gemmaserve_custom_torch.kernels.skinny_gemm import skinny_linear_fp8, skinny_linear_gelu_mul
+from gemmaserve_custom_torch.kernels.skinny_gemm import skinny_linear_fp8, skinny_linear_fp8_rows, skinny_linear_gelu_mul
 from gemmaserve_custom_torch.kernels.skinny_gemm import skinny_linear_residual_norm
 from gemmaserve_custom_torch.kernels.fp8_rows import quantize_rows
 from gemmaserve_custom_torch.models.quantization import quantize_per_token, quantize_weight
@@ -95,7 +95,7 @@ for dtype in (torch.float32, torch.float16):
                 assert gap < (1e-5 if dtype == torch.float32 else 2e-2), (dtype, row, int(got[row]), int(want[row]), gap)
         assert int(got[0]) == vocab // 2, (dtype, int(got[0]))
         ties["checked"] += 1
-fp8 = {"rows": 0, "products": 0}
+fp8 = {"rows": 0, "products": 0, "in_kernel": 0}
 for dtype in (torch.float32, torch.float16, torch.bfloat16):
     for m, k in ((1, 48), (4, 1000), (3, 2100), (2, 7)):
         x = (torch.randn(m, k) * torch.logspace(-5, 3, m)[:, None]).to(dtype)
@@ -104,7 +104,8 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16):
             x[2] = 0.0  # an all-zero row: the minimum scale, zeros
         q, scale = quantize_rows(x, block=256)
         want_q, want_scale = quantize_per_token(x)
-        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale), (dtype, m, k)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale), \
+            (dtype, m, k)
         fp8["rows"] += m
 for out_dtype in (torch.float32, torch.float16):
     for m, n, k in ((1, 40, 96), (5, 33, 200), (18, 16, 64)):
@@ -115,6 +116,13 @@ for out_dtype in (torch.float32, torch.float16):
             got = skinny_linear_fp8(xq, x_scale, wq, w_scale, out_dtype, split_k=split, **small)
             note(f"fp8/{out_dtype}", got, want.to(out_dtype))
             fp8["products"] += 1
+            # the quantization inside the product kernel: the same FP8 values and scales, so the same result
+            x = (torch.randn(m, k) * 3).to(out_dtype)
+            if m > 2:
+                x[2] = 0.0
+            assert torch.equal(skinny_linear_fp8_rows(x, wq, w_scale, split_k=split, **small),
+                               skinny_linear_fp8(*quantize_rows(x), wq, w_scale, out_dtype, split_k=split, **small))
+            fp8["in_kernel"] += 1
 assert choose_split_k(1, 262144, 1536) == 1 and choose_split_k(1, 1536, 12288) > 1 and choose_split_k(64, 64, 64) == 1
 import gemmaserve_custom_torch.kernels.counters as counters_module
 in_place = 0  # the in-place reduction (one launch) against the reduce launch: the same bits
@@ -150,7 +158,7 @@ def test_skinny_kernels_match_torch_under_interpreter():
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["checks"] == 2 * 4 * (4 + 2 + 1 + 3 + 2 * 3 * 3) + 18 and result["ties"] == 6, result
-    assert result["fp8"] == {"rows": 3 * 10, "products": 18}, result
+    assert result["fp8"] == {"rows": 3 * 10, "products": 18, "in_kernel": 18}, result
     assert result["in_place"] == 2 * 3 * 4 * (3 + 2 * 2), result
     for name, error in result["errors"].items():
         # fp32: summation order only; fp16: one rounding step of outputs of magnitude up to ~10 (the norm: its
@@ -195,7 +203,7 @@ def test_the_kernels_compile_for_hopper_without_a_gpu():
                         builds.append((sk._skinny_kernel, _skinny_signature(dtype, dtype),
                                        {"GEGLU": geglu, "GELU_MUL": gelu_mul, "SPLIT": split, "SCALED": False,
                                         "BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 128, "PRECISION": precision,
-                                        "WIDEN": None, "PDL": pdl}, dtype))
+                                        "WIDEN": None, "PDL": pdl, "QUANT": False}, dtype))
             builds.append((sk._argmax_kernel, {
                 "x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "best_ptr": "*fp32", "index_ptr": "*i32", "m": "i32",
                 "n": "i32", "k": "i32", "stride_xm": "i32", "stride_wn": "i32", "softcap": "fp32",
@@ -234,11 +242,11 @@ def test_the_kernels_compile_for_hopper_without_a_gpu():
              "PDL": pdl}, "in_place"))
     for block_m in (16, 64):  # FP8 operands, widened to bf16 in software or dotted as FP8; the scales in the epilogue
         for split in (False, True):
-            for widen in (tl.bfloat16, None):
-                builds.append((sk._skinny_kernel, _skinny_signature("fp8e4nv", "bf16"),
+            for widen, quant in ((tl.bfloat16, False), (None, False), (None, True)):  # quant: x quantized here
+                builds.append((sk._skinny_kernel, _skinny_signature("fp8e4nv", "bf16", "bf16" if quant else None),
                                {"GEGLU": False, "GELU_MUL": False, "SPLIT": split, "SCALED": True, "BLOCK_M": block_m,
-                                "BLOCK_N": 64, "BLOCK_K": 128, "PRECISION": "tf32", "WIDEN": widen, "PDL": False},
-                               "fp8" if widen is not None else "fp8_native"))
+                                "BLOCK_N": 64, "BLOCK_K": 128, "PRECISION": "tf32", "WIDEN": widen, "PDL": False,
+                                "QUANT": quant}, "fp8" if widen is not None else "fp8_native"))
     for dtype in ("bf16", "fp16", "fp32"):
         builds.append((quantize_rows_kernel, {"x_ptr": f"*{dtype}", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
                                               "k": "i32", "stride_xm": "i32", "BLOCK": "constexpr"},
@@ -260,13 +268,13 @@ def test_the_kernels_compile_for_hopper_without_a_gpu():
         assert ("griddepcontrol.launch_dependents" in asm["ptx"]) == bool(constexprs.get("PDL")), constexprs
 
 
-def _skinny_signature(operands: str, out: str) -> dict[str, str]:
-    return {"x_ptr": f"*{operands}", "w_ptr": f"*{operands}", "out_ptr": f"*{out}", "part_ptr": "*fp32",
+def _skinny_signature(operands: str, out: str, x: str | None = None) -> dict[str, str]:
+    return {"x_ptr": f"*{x or operands}", "w_ptr": f"*{operands}", "out_ptr": f"*{out}", "part_ptr": "*fp32",
             "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "mul_ptr": f"*{out}", "m": "i32", "n_out": "i32",
             "k": "i32", "k_per_split": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_mul": "i32",
             "up_offset": "i32", "GEGLU": "constexpr", "GELU_MUL": "constexpr", "SPLIT": "constexpr",
             "SCALED": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-            "PRECISION": "constexpr", "WIDEN": "constexpr", "PDL": "constexpr"}
+            "PRECISION": "constexpr", "WIDEN": "constexpr", "PDL": "constexpr", "QUANT": "constexpr"}
 
 
 _COUNTERS_SCRIPT = r"""

@@ -15,6 +15,8 @@ and applies the epilogue.
   with their row scales, the weights streamed as one byte each and dotted as FP8 where the GPU takes FP8 dots
   (compute capability 8.9+: e4m3 tensor cores from 64-row blocks, a hardware e4m3 -> f16 conversion below), else
   widened exactly to the dot's dtype (bf16, fp32 for fp32 outputs; the CPU interpreter);
+- :func:`skinny_linear_fp8_rows`: that product with the per-row activation quantization done in the kernel as it
+  reads x (no ``quantize_rows`` launch);
 - :func:`skinny_geglu`: ``gelu_tanh(x @ gate.T) * (x @ up.T)`` over a fused ``[gate; up]`` weight, the GeGLU
   MLP's first half, rounding where the eager chain rounds (the projections, gelu's output, the product);
 - :func:`lm_head_argmax`: the greedy token of ``softcap(x @ w.T)`` without writing the logits: each program
@@ -42,13 +44,13 @@ import triton
 import triton.language as tl
 
 from .counters import arrival_counters
-from .fp8_rows import native_fp8_dot
+from .fp8_rows import fp8_grid, fp8_scale, native_fp8_dot
 from .fused_ops import gelu_tanh, residual_norm_row, residual_norm_warps
 from .pdl import await_previous, launch_options
 
 __all__ = [
-    "choose_split_k", "lm_head_argmax", "skinny_geglu", "skinny_linear", "skinny_linear_fp8", "skinny_linear_gelu_mul",
-    "skinny_linear_residual_norm",
+    "choose_split_k", "lm_head_argmax", "skinny_geglu", "skinny_linear", "skinny_linear_fp8", "skinny_linear_fp8_rows",
+    "skinny_linear_gelu_mul", "skinny_linear_residual_norm",
 ]
 
 #: Programs to aim for when choosing ``split_k``: two waves of the H200's 132 SMs.
@@ -75,12 +77,28 @@ def choose_split_k(m: int, n: int, k: int, block_n: int = 64, block_k: int = 128
 
 
 @triton.jit
+def _row_fp8_scales(x_ptr, offs_m, m, k, stride_xm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 [BLOCK_M]: each row's dynamic FP8 scale over its whole K (``fp8_rows.fp8_scale`` of the row's largest
+    magnitude: the scale ``fp8_rows.quantize_rows`` gives it)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        ks = k0 + offs_k
+        xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :],
+                     mask=(offs_m[:, None] < m) & (ks < k)[None, :], other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(xs), axis=1))
+    return fp8_scale(amax)
+
+
+@triton.jit
 def _accumulate(acc, x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                WIDEN: tl.constexpr = None):
+                WIDEN: tl.constexpr = None, x_scale=None, QUANT: tl.constexpr = False):
     """fp32 ``acc`` [BLOCK_M, BLOCK_N] += x[offs_m, k_start:k_stop] @ w[offs_n, k_start:k_stop].T (masked), one
     BLOCK_K tile at a time in ascending K. ``WIDEN``: the dtype both tiles are converted to before the dot (FP8
-    operands; exact)."""
+    operands; exact). ``QUANT``: x is in a float dtype and each tile is put on the FP8 grid under the rows'
+    scales ``x_scale`` first (``fp8_rows.fp8_grid``: the bytes ``quantize_rows`` would give), then dotted as the
+    FP8 weights are (as FP8, or both widened)."""
     offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(k_start, k_stop, BLOCK_K):
         ks = k0 + offs_k
@@ -89,6 +107,10 @@ def _accumulate(acc, x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride
                      mask=(offs_m[:, None] < m) & k_mask[None, :], other=0.0)
         ws = tl.load(w_ptr + offs_n[:, None] * stride_wn + ks[None, :],
                      mask=(offs_n[:, None] < n) & k_mask[None, :], other=0.0)
+        if QUANT:
+            xs = fp8_grid(xs.to(tl.float32), x_scale[:, None])
+            if WIDEN is None:
+                xs = xs.to(ws.dtype)
         if WIDEN is not None:
             xs = xs.to(WIDEN)
             ws = ws.to(WIDEN)
@@ -99,11 +121,12 @@ def _accumulate(acc, x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride
 @triton.jit
 def _dot_slab(x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-              WIDEN: tl.constexpr = None):
-    """fp32 [BLOCK_M, BLOCK_N] = x[offs_m, k_start:k_stop] @ w[offs_n, k_start:k_stop].T (masked)."""
+              WIDEN: tl.constexpr = None, x_scale=None, QUANT: tl.constexpr = False):
+    """fp32 [BLOCK_M, BLOCK_N] = x[offs_m, k_start:k_stop] @ w[offs_n, k_start:k_stop].T (masked; ``QUANT`` as
+    :func:`_accumulate`)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     return _accumulate(acc, x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
-                       BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN)
+                       BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN, x_scale, QUANT)
 
 
 @triton.jit
@@ -142,11 +165,14 @@ def _gelu_times(acc, up, dtype):
 def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, x_scale_ptr, w_scale_ptr, mul_ptr, m, n_out, k, k_per_split,
                    stride_xm, stride_wn, stride_mul, up_offset, GEGLU: tl.constexpr, GELU_MUL: tl.constexpr,
                    SPLIT: tl.constexpr, SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr = False):
+                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr = False,
+                   QUANT: tl.constexpr = False):
     """Program (column tile, row tile, K slice). SPLIT: write fp32 partials [slices, m, n_out(x2 for GEGLU)];
     else write the rounded result with the epilogue: times the row scales (SCALED), ``gelu(gate) * up`` of the
     two products (GEGLU) or ``gelu(product) * mul`` (GELU_MUL). PDL: launched as a programmatic dependent (see
-    :func:`_dot_slab_after_wait`)."""
+    :func:`_dot_slab_after_wait`). QUANT (with SCALED, not PDL): x comes in a float dtype and is quantized per
+    row here (:func:`_row_fp8_scales`); the row scales are written to x_scale_ptr (by the first column tile and
+    K slice) for the reduce kernel."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start its own weight loads
     pid_n = tl.program_id(0)
@@ -156,12 +182,17 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, x_scale_ptr, w_scale_ptr, mu
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = pid_k * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, k)
+    x_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if QUANT:
+        x_scale = _row_fp8_scales(x_ptr, offs_m, m, k, stride_xm, BLOCK_M, BLOCK_K)
+        if SPLIT and pid_n == 0 and pid_k == 0:
+            tl.store(x_scale_ptr + offs_m, x_scale, mask=offs_m < m)
     if PDL:
         acc = _dot_slab_after_wait(x_ptr, w_ptr, offs_m, offs_n, m, n_out, k_start, k_stop, stride_xm, stride_wn,
                                    BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN)
     else:
         acc = _dot_slab(x_ptr, w_ptr, offs_m, offs_n, m, n_out, k_start, k_stop, stride_xm, stride_wn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN)
+                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN, x_scale, QUANT)
     mask = (offs_m[:, None] < m) & (offs_n[None, :] < n_out)
     if GEGLU:
         acc_up = _dot_slab(x_ptr, w_ptr + up_offset * stride_wn, offs_m, offs_n, m, n_out, k_start, k_stop,
@@ -175,7 +206,9 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, x_scale_ptr, w_scale_ptr, mu
     else:
         dtype = out_ptr.dtype.element_ty
         if SCALED:
-            acc = _scaled(acc, x_scale_ptr, w_scale_ptr, offs_m, offs_n, m, n_out)
+            if not QUANT:
+                x_scale = tl.load(x_scale_ptr + offs_m, mask=offs_m < m, other=0.0)
+            acc = _scaled(acc, x_scale, w_scale_ptr, offs_n, n_out)
         if GEGLU:
             acc = _gelu_times(acc, acc_up.to(dtype).to(tl.float32), dtype)
         if GELU_MUL:
@@ -185,9 +218,8 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, x_scale_ptr, w_scale_ptr, mu
 
 
 @triton.jit
-def _scaled(acc, x_scale_ptr, w_scale_ptr, offs_m, offs_n, m, n):
-    """fp32 ``acc`` [rows, cols] times x_scale[offs_m] (per row) and w_scale[offs_n] (per column)."""
-    x_scale = tl.load(x_scale_ptr + offs_m, mask=offs_m < m, other=0.0)
+def _scaled(acc, x_scale, w_scale_ptr, offs_n, n):
+    """fp32 ``acc`` [rows, cols] times ``x_scale`` [rows] (per row) and w_scale[offs_n] (per column)."""
     w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < n, other=0.0)
     return acc * x_scale[:, None] * w_scale[None, :]
 
@@ -333,11 +365,12 @@ def _split_plan(m: int, n_out: int, k: int, geglu: bool, split_k: int | None, bl
 
 def _products(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n_out: int, geglu: bool, split_k: int | None,
               block_n: int, block_k: int, num_warps: int, *, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-              mul: torch.Tensor | None = None, pdl: bool = False,
-              always_split: bool = False) -> tuple[torch.Tensor, int] | None:
+              mul: torch.Tensor | None = None, pdl: bool = False, always_split: bool = False,
+              quant: bool = False) -> tuple[torch.Tensor, int] | None:
     """Launch the product kernel for x [M, K] (M > 0) into ``out`` [M, n_out] with its epilogue, or, when K is split
     (or ``always_split``), into fp32 partials: then returns (partials [slices, M, width], slices) for a reduce
-    kernel to finish; else None."""
+    kernel to finish; else None. ``quant``: x is quantized per row in the kernel, its scales written to
+    ``scales[0]``."""
     m, k = x.shape
     block_m, slices, k_per_split = _split_plan(m, n_out, k, geglu, split_k, block_n, block_k)
     split = slices > 1 or always_split
@@ -350,8 +383,7 @@ def _products(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n_out: int, g
                          GELU_MUL=mul is not None, SPLIT=split, SCALED=scales is not None, BLOCK_M=block_m,
                          BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(out),
                          WIDEN=_WIDEN[out.dtype] if scales is not None and not native_fp8_dot(x.device) else None,
-                         num_warps=num_warps,
-                         **launch_options(pdl))
+                         num_warps=num_warps, **launch_options(pdl), **({"QUANT": True} if quant else {}))
     return (partials, slices) if split else None
 
 
@@ -379,7 +411,7 @@ def _in_place(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n_out: int, g
 def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, geglu: bool, split_k: int | None, block_n: int,
             block_k: int, num_warps: int, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
             out_dtype: torch.dtype | None = None, pdl: bool = False, mul: torch.Tensor | None = None,
-            in_place: bool = False) -> torch.Tensor:
+            in_place: bool = False, quant: bool = False) -> torch.Tensor:
     _check_operands(x, w)
     m = x.shape[0]
     out = torch.empty(m, n_out, device=x.device, dtype=out_dtype or x.dtype)
@@ -388,7 +420,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, geglu: bool, split_k: 
     if in_place and scales is None and _split_plan(m, n_out, x.shape[1], geglu, split_k, block_n, block_k)[1] > 1:
         _in_place(x, w, out, n_out, geglu, split_k, block_n, block_k, num_warps, mul=mul, pdl=pdl)
         return out
-    pending = _products(x, w, out, n_out, geglu, split_k, block_n, block_k, num_warps, scales=scales, mul=mul, pdl=pdl)
+    pending = _products(x, w, out, n_out, geglu, split_k, block_n, block_k, num_warps, scales=scales, mul=mul, pdl=pdl,
+                        quant=quant)
     if pending is not None:
         partials, slices = pending
         x_scale, w_scale = scales if scales is not None else (out, out)
@@ -478,6 +511,22 @@ def skinny_linear_fp8(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
         raise ValueError(f"need fp32 scales [{m}] and [{n}]; got {tuple(x_scale.shape)} {x_scale.dtype} and "
                          f"{tuple(w_scale.shape)} {w_scale.dtype}")
     return _launch(xq, wq, n, False, split_k, block_n, block_k, num_warps, (x_scale, w_scale), out_dtype)
+
+
+def skinny_linear_fp8_rows(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, *, split_k: int | None = None,
+                           block_n: int = 64, block_k: int = 128, num_warps: int = 4) -> torch.Tensor:
+    """:func:`skinny_linear_fp8` of ``fp8_rows.quantize_rows(x)`` in the product kernel itself: x [M, K] in a float
+    dtype, each program takes its rows' scales over the whole K and puts its x tiles on the FP8 grid as it reads
+    them (the same FP8 values and scales, so the same result), saving the quantization's launch. wq
+    float8_e4m3fn [N, K] with fp32 per-row scales ``w_scale`` [N] -> new [M, N] in x's dtype."""
+    if wq.dtype != torch.float8_e4m3fn or x.dtype not in _WIDEN:
+        raise ValueError(f"need float x and float8_e4m3fn weights; got {x.dtype}, {wq.dtype}")
+    m, n = x.shape[0], wq.shape[0]
+    w_scale = w_scale.reshape(-1).contiguous()
+    if w_scale.numel() != n or w_scale.dtype != torch.float32:
+        raise ValueError(f"need fp32 weight scales [{n}]; got {tuple(w_scale.shape)} {w_scale.dtype}")
+    x_scale = torch.empty(m, device=x.device, dtype=torch.float32)  # written by the kernel for its reduction
+    return _launch(x, wq, n, False, split_k, block_n, block_k, num_warps, (x_scale, w_scale), x.dtype, quant=True)
 
 
 def skinny_geglu(x: torch.Tensor, gate_up: torch.Tensor, *, split_k: int | None = None, block_n: int = 64,

@@ -18,8 +18,8 @@ weight (plain ``F.linear``) or an FP8 weight with its scales.
 Numerics: a weight row w is stored as ``q = fp8(w / s)`` with ``s = amax(|w|) / 448``; an activation row the same
 way per token; ``_scaled_mm`` accumulates in fp32 and rounds once to the output dtype. On CUDA the activations are
 quantized by one Triton kernel (``kernels.fp8_rows``: the same definition, divisions correctly rounded) and
-products of at most ``FP8_SKINNY_MAX_ROWS`` rows (default none) run ``kernels.skinny_gemm.skinny_linear_fp8`` (same
-arithmetic, another summation order). Nothing here syncs the host (CUDA-graph safe). On CUDA, FP8 matmuls need
+products of at most ``FP8_SKINNY_MAX_ROWS`` rows (default none) run ``kernels.skinny_gemm.skinny_linear_fp8_rows``
+(the same quantization inside the product kernel; same arithmetic, another summation order). Nothing here syncs the host (CUDA-graph safe). On CUDA, FP8 matmuls need
 compute capability 8.9 or newer (:func:`check_fp8_device`).
 """
 
@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
-#: On CUDA, FP8 products of at most this many rows run ``kernels.skinny_gemm.skinny_linear_fp8`` (the weight read
+#: On CUDA, FP8 products of at most this many rows run ``kernels.skinny_gemm.skinny_linear_fp8_rows`` (the weight read
 #: as one byte per value by split-K Triton programs) instead of ``torch._scaled_mm``; same arithmetic (FP8 x FP8 in
 #: fp32, then the scales), another summation order. 0 (the default): always ``_scaled_mm``, which was faster at
 #: every 31B projection shape and M = 1-64 on an H100 (run 26, ``bench_skinny_gemm.py --fp8``) while the kernel widened
@@ -94,26 +94,27 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
     kernels = _triton_fp8() if x.is_cuda else None
     if kernels is None:
         xq, x_scale = quantize_per_token(rows)
-    else:  # one Triton kernel for the ~9 torch ones (optionally few rows through skinny_gemm)
-        quantize_rows, skinny_linear_fp8 = kernels
-        xq, x_scale = quantize_rows(rows.contiguous())
+    else:  # one Triton kernel for the ~9 torch ones (few rows: quantized inside the skinny_gemm product instead)
+        quantize_rows, skinny_linear_fp8_rows = kernels
         if rows.shape[0] <= FP8_SKINNY_MAX_ROWS:
-            return skinny_linear_fp8(xq, x_scale, weight, scale, x.dtype).view(*lead, weight.shape[0])
+            return skinny_linear_fp8_rows(rows.contiguous(), weight, scale).view(*lead, weight.shape[0])
+        xq, x_scale = quantize_rows(rows.contiguous())
     out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)
     return out.view(*lead, weight.shape[0])
 
 
 @functools.cache
 def _triton_fp8() -> tuple[Any, Any] | None:
-    """(``quantize_rows``, ``skinny_linear_fp8``), or None where triton does not import (the torch ops then)."""
+    """(``quantize_rows``, ``skinny_linear_fp8_rows``), or None where triton does not import (the torch ops
+    then)."""
     from ..kernels import HAS_TRITON
 
     if not HAS_TRITON:
         return None
     from ..kernels.fp8_rows import quantize_rows
-    from ..kernels.skinny_gemm import skinny_linear_fp8
+    from ..kernels.skinny_gemm import skinny_linear_fp8_rows
 
-    return quantize_rows, skinny_linear_fp8
+    return quantize_rows, skinny_linear_fp8_rows
 
 
 class Fp8Linear(nn.Module):
