@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 
 _KERNELS_SCRIPT = r"""
 import json, torch
-from gemmaserve_custom_torch.kernels.fused_ops import gelu_mul, norm_rope, qkv_norm_rope, residual_norm
+from gemmaserve_custom_torch.kernels.fused_ops import gelu_mul, norm_rope, qkv_norm_rope, residual_norm, rope_tables
 from gemmaserve_custom_torch.models.config import RopeParams
 from gemmaserve_custom_torch.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, gelu_tanh
 torch.manual_seed(0)
@@ -73,6 +73,14 @@ for dtype in (torch.float32, torch.float16):
             y, none = residual_norm(residual, h, post.weight, post.eps, style, scale=scale)
             assert none is None
             note(f"residual_norm.scale/{dtype}", y, (residual + post(h)) * scale)
+    for rope_params, dim in ((RopeParams(rope_type="proportional", theta=1e6, partial_rotary_factor=0.25), 32),
+                             (RopeParams(rope_type="default", theta=10000.0), 24)):
+        rope = RotaryEmbedding(rope_params, dim)  # the eager tables (the kernel unset here)
+        positions = torch.tensor([[0, 1, 7, 4095], [131071, 100000, 3, 2]])
+        got_cos, got_sin = rope_tables(positions, rope.inv_freq(positions.device), dtype)
+        want_cos, want_sin = rope(positions, dtype)
+        note(f"rope_tables.cos/{dtype}", got_cos, want_cos)
+        note(f"rope_tables.sin/{dtype}", got_sin, want_sin)
     for width in (7, 16, 1500):
         both = (torch.randn(3, 2 * width) * 3).to(dtype)
         a, b = both.chunk(2, dim=-1)  # the halves of a fused gate/up output: strided rows
@@ -128,7 +136,7 @@ print(json.dumps(out))
 
 def test_fused_kernels_match_the_eager_chains_under_interpreter():
     errors = run_interpreted(_KERNELS_SCRIPT)
-    assert len(errors) == 16, errors  # 8 checks x 2 dtypes ran
+    assert len(errors) == 20, errors  # 10 checks x 2 dtypes ran
     for name, error in errors.items():
         # fp32: the kernels differ only in summation order / rsqrt / the tanh formula; fp16: at most about one
         # rounding step of the outputs (values up to ~10)
@@ -214,9 +222,10 @@ assert not targets
 fuse_projections(plain.model)  # the fixture's model is shared: the next backend runs it fused
 fuse_elementwise(plain.model)
 got = decode(make_backend(path))
+storing = [i for i in range(len(plain.model.layers)) if plain.model.config.stores_kv(i)]
 print(json.dumps({"max_diff": float((got - want).abs().max()),
-                  "argmax_equal": torch.equal(got.argmax(-1), want.argmax(-1)), "targets": sorted(set(targets)), "storing": [i for i in range(len(plain.model.layers))
-                                                               if plain.model.config.stores_kv(i)]}))
+                  "argmax_equal": torch.equal(got.argmax(-1), want.argmax(-1)), "targets": sorted(set(targets)),
+                  "storing": storing}))
 """
 
 

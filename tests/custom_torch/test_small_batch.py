@@ -117,6 +117,9 @@ def test_the_elementwise_and_norm_kernels_compile_as_programmatic_dependents():
             "heads": "i32", "stride_xt": "i32", "stride_xh": "i32", "half": "i32", "eps": "fp32",
             "HAS_WEIGHT": "constexpr", "ONE_PLUS": "constexpr", "BLOCK": "constexpr", "PDL": "constexpr"},
             {"HAS_WEIGHT": True, "ONE_PLUS": False, "BLOCK": 128, "PDL": pdl}))
+        builds.append((fused_ops._rope_tables_kernel, {
+            "pos_ptr": "*i64", "inv_ptr": "*fp32", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "half": "i32",
+            "BLOCK": "constexpr", "PDL": "constexpr"}, {"BLOCK": 128, "PDL": pdl}))
         builds.append((fused_ops._qkv_norm_rope_kernel, {
             "x_ptr": "*bf16", "q_w_ptr": "*bf16", "k_w_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
             "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "slots_ptr": "*i64", "q_heads": "i32",

@@ -5,6 +5,7 @@ residual adds, GeGLU and the PLE gate. Each kernel here replaces one chain and k
 rounding points (every intermediate the eager code holds in the model dtype is rounded to it here too), so
 results differ from eager only where fp32 math inside one step differs (rsqrt vs pow, tanh formula):
 
+- :func:`rope_tables`: the rotary cos/sin tables of a batch's positions;
 - :func:`norm_rope`: ``apply_rotary(rms_norm(x), cos, sin)`` (q/k norm + RoPE, half-split pairing);
 - :func:`qkv_norm_rope`: a KV-storing layer's q and k ``norm_rope`` and v norm in one launch, from the fused
   q/k/v projection;
@@ -25,7 +26,7 @@ import triton.language as tl
 
 from .pdl import await_previous, launch_options
 
-__all__ = ["gelu_mul", "norm_rope", "qkv_norm_rope", "residual_norm"]
+__all__ = ["gelu_mul", "norm_rope", "qkv_norm_rope", "residual_norm", "rope_tables"]
 
 @triton.jit
 def _norm_factor(sum_sq, n_cols, eps):
@@ -38,6 +39,42 @@ def _weight(w_ptr, offs, mask, ONE_PLUS: tl.constexpr):
     if ONE_PLUS:
         w = 1.0 + w
     return w
+
+
+@triton.jit
+def _rope_tables_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, half, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    await_previous(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < half
+    angle = tl.load(pos_ptr + token).to(tl.float32) * tl.load(inv_ptr + offs, mask=mask, other=0.0)
+    dtype = cos_ptr.dtype.element_ty
+    cos = tl.cos(angle).to(dtype)  # libdevice's correctly range-reduced cos / sin, as torch's
+    sin = tl.sin(angle).to(dtype)
+    row = token * 2 * half
+    tl.store(cos_ptr + row + offs, cos, mask=mask)
+    tl.store(cos_ptr + row + half + offs, cos, mask=mask)
+    tl.store(sin_ptr + row + offs, sin, mask=mask)
+    tl.store(sin_ptr + row + half + offs, sin, mask=mask)
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, *,
+                pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``models.layers.RotaryEmbedding``'s (cos, sin) in one launch instead of seven: positions [B, S] (any int
+    dtype), fp32 inverse frequencies [D / 2] on the same device -> new [B, S, D] each in ``dtype``, angles
+    ``float(position) * inv_freq`` in fp32 and the halves repeated (``cat((freqs, freqs))``)."""
+    batch, seq = positions.shape
+    half = inv_freq.shape[0]
+    cos = torch.empty((batch, seq, 2 * half), dtype=dtype, device=positions.device)
+    sin = torch.empty_like(cos)
+    if positions.numel():
+        flat = positions.reshape(-1)
+        if flat.stride(0) != 1:
+            flat = flat.contiguous()
+        block = triton.next_power_of_2(half)
+        _rope_tables_kernel[(flat.shape[0],)](flat, inv_freq, cos, sin, half, BLOCK=block,
+                                              num_warps=_head_warps(block), **launch_options(pdl))
+    return cos, sin
 
 
 @triton.jit

@@ -81,8 +81,8 @@ def fuse_norms(model: torch.nn.Module) -> int:
 
 
 def fuse_elementwise(model: GemmaForCausalLM) -> int:
-    """Run the elementwise chains of every layer through ``kernels.fused_ops`` (q/k norm + RoPE and the v norm
-    of a KV-storing layer in one launch, post-norm +
+    """Run the elementwise chains of every layer through ``kernels.fused_ops`` (the rotary tables, q/k norm + RoPE
+    and the v norm of a KV-storing layer in one launch, post-norm +
     residual (+ next pre-norm, + layer_scalar), GeGLU and PLE gates); on MoE layers the MoE block's router and
     norms stay eager ops (its experts are ``fuse_moe``'s). Returns how many layers were switched. Mutates
     ``model``; idempotent. Needs triton (the caller checks); the kernels run on the model's device (CUDA, or
@@ -91,6 +91,8 @@ def fuse_elementwise(model: GemmaForCausalLM) -> int:
     from .layers import FusedElementwise
 
     ops = FusedElementwise(fused_ops.norm_rope, fused_ops.qkv_norm_rope, fused_ops.residual_norm, fused_ops.gelu_mul)
+    for rope in model.rotary.values():
+        rope.kernel = fused_ops.rope_tables
     for layer in model.layers:
         layer.fused_ops = ops
         layer.self_attn.fused_ops = ops
@@ -148,6 +150,8 @@ def fuse_small_batch(model: GemmaForCausalLM, max_rows: int, *, pdl: bool = Fals
                                                                  fused_ops.residual_norm, fused_ops.gelu_mul)))
         for norm in (m for m in model.modules() if isinstance(m, RMSNorm) and m.kernel is not None):
             norm.kernel = partial(rms_norm, pdl=True)
+        for rope in (rope for rope in model.rotary.values() if rope.kernel is not None):
+            rope.kernel = partial(fused_ops.rope_tables, pdl=True)
     for layer in model.layers:
         layer.small_batch = layer.self_attn.small_batch = layer.mlp.small_batch = small
         if pdl and layer.fused_ops is not None:

@@ -87,13 +87,15 @@ def compute_inv_freq(rope: RopeParams, head_dim: int) -> Tensor:
 class RotaryEmbedding:
     """cos/sin tables for one layer type. Not an nn.Module on purpose: the fp32 inverse frequencies must not
     follow `model.to(dtype)` (casting them to bf16 changes logits); they follow the positions' device instead,
-    one cached copy per device."""
+    one cached copy per device. ``kernel`` (``kernels.fused_ops.rope_tables``, set by ``fusion.fuse_elementwise``)
+    computes the tables of CUDA positions in one launch (and of CPU ones under ``TRITON_INTERPRET=1``: the tests)."""
 
     def __init__(self, rope: RopeParams, head_dim: int) -> None:
         self.rope = rope
         self.head_dim = head_dim
         self._inv_freq_cpu = compute_inv_freq(rope, head_dim)
         self._inv_freq_by_device: dict[torch.device, Tensor] = {self._inv_freq_cpu.device: self._inv_freq_cpu}
+        self.kernel: Callable[[Tensor, Tensor, torch.dtype], tuple[Tensor, Tensor]] | None = None
 
     def inv_freq(self, device: torch.device) -> Tensor:
         cached = self._inv_freq_by_device.get(device)
@@ -104,6 +106,8 @@ class RotaryEmbedding:
 
     def __call__(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """positions [B, S] (any int dtype) -> (cos, sin), each [B, S, head_dim] in `dtype` (angles in fp32)."""
+        if self.kernel is not None and (positions.is_cuda or (_TRITON_INTERPRET and positions.device.type == "cpu")):
+            return self.kernel(positions, self.inv_freq(positions.device), dtype)
         freqs = positions[..., None].float() * self.inv_freq(positions.device)
         angles = torch.cat((freqs, freqs), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
