@@ -13,7 +13,8 @@ pytest.importorskip("triton")
 
 _KERNELS_SCRIPT = r"""
 import json, torch
-from gemmaserve_custom_torch.kernels.fused_ops import gelu_mul, norm_rope, qkv_norm_rope, residual_norm, rope_tables
+from gemmaserve_custom_torch.kernels.fused_ops import gelu_mul, norm_rope, ple_inputs, qkv_norm_rope, residual_norm
+from gemmaserve_custom_torch.kernels.fused_ops import rope_tables
 from gemmaserve_custom_torch.models.config import RopeParams
 from gemmaserve_custom_torch.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, gelu_tanh
 torch.manual_seed(0)
@@ -81,6 +82,14 @@ for dtype in (torch.float32, torch.float16):
         want_cos, want_sin = rope(positions, dtype)
         note(f"rope_tables.cos/{dtype}", got_cos, want_cos)
         note(f"rope_tables.sin/{dtype}", got_sin, want_sin)
+    for layers, dim in ((3, 16), (2, 24)):  # Gemma 4's per-layer inputs after their projection
+        norm = RMSNorm(dim, 1e-6, "w", dtype=dtype)
+        norm.weight.data = torch.randn(dim).to(dtype)
+        projection = (torch.randn(2, 3, layers * dim) * 4).to(dtype)
+        token_part = torch.randn(2, 3, layers, dim).to(dtype)
+        want = (norm((projection * 1536 ** -0.5).reshape(2, 3, layers, dim)) + token_part) * 2.0 ** -0.5
+        note(f"ple_inputs/{dtype}", ple_inputs(projection, token_part, norm.weight, 1e-6, "w", 1536 ** -0.5,
+                                               2.0 ** -0.5), want)
     for width in (7, 16, 1500):
         both = (torch.randn(3, 2 * width) * 3).to(dtype)
         a, b = both.chunk(2, dim=-1)  # the halves of a fused gate/up output: strided rows
@@ -112,6 +121,8 @@ for i, layer in enumerate(fused.layers):
     if layer.self_attn.v_norm is not None:  # a KV-storing layer's v norm runs in its q/k/v kernel
         layer.self_attn.v_norm.register_forward_pre_hook(lambda module, args, i=i: separate_norms.append(f"v{i}"))
 fused.norm.register_forward_pre_hook(lambda module, args: separate_norms.append("final"))
+if hasattr(fused, "per_layer_projection_norm"):  # Gemma 4's per-layer inputs: one kernel after their projection
+    fused.per_layer_projection_norm.register_forward_pre_hook(lambda module, args: separate_norms.append("ple"))
 prompt = torch.tensor([[(7 * i + 3) % 200 + 4 for i in range(13)]])
 with torch.inference_mode():
     logits = []
@@ -136,7 +147,7 @@ print(json.dumps(out))
 
 def test_fused_kernels_match_the_eager_chains_under_interpreter():
     errors = run_interpreted(_KERNELS_SCRIPT)
-    assert len(errors) == 20, errors  # 10 checks x 2 dtypes ran
+    assert len(errors) == 22, errors  # 11 checks x 2 dtypes ran
     for name, error in errors.items():
         # fp32: the kernels differ only in summation order / rsqrt / the tanh formula; fp16: at most about one
         # rounding step of the outputs (values up to ~10)

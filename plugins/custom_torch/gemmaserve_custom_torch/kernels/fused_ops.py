@@ -11,7 +11,8 @@ results differ from eager only where fp32 math inside one step differs (rsqrt vs
   q/k/v projection;
 - :func:`residual_norm`: ``y = (residual + rms_norm(h)) * scale`` and optionally ``next = rms_norm'(y)``
   (post-norm + residual add [+ layer_scalar] [+ the next pre-norm]);
-- :func:`gelu_mul`: ``gelu_tanh(a) * b`` (GeGLU over the fused gate/up output, and the PLE gate).
+- :func:`gelu_mul`: ``gelu_tanh(a) * b`` (GeGLU over the fused gate/up output, and the PLE gate);
+- :func:`ple_inputs`: Gemma 4's per-layer inputs after their projection (scale, norm, token part, scale).
 
 All take tensors whose last dim is contiguous (leading dims may be strided views, e.g. slices of a fused
 projection), return new contiguous tensors, never sync the host (CUDA-graph capturable) and run under
@@ -26,7 +27,7 @@ import triton.language as tl
 
 from .pdl import await_previous, launch_options
 
-__all__ = ["gelu_mul", "norm_rope", "qkv_norm_rope", "residual_norm", "rope_tables"]
+__all__ = ["gelu_mul", "norm_rope", "ple_inputs", "qkv_norm_rope", "residual_norm", "rope_tables"]
 
 @triton.jit
 def _norm_factor(sum_sq, n_cols, eps):
@@ -304,6 +305,40 @@ def gelu_tanh(a):
     inner = 0.7978845608028654 * (a + 0.044715 * a * a * a)  # sqrt(2 / pi); compiled Triton reads no globals
     tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)  # saturates to +-1 without overflow trouble
     return 0.5 * a * (1.0 + tanh)
+
+
+@triton.jit
+def _ple_inputs_kernel(proj_ptr, token_ptr, w_ptr, out_ptr, dim, eps, proj_scale, out_scale, ONE_PLUS: tl.constexpr,
+                       BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    await_previous(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < dim
+    dtype = out_ptr.dtype.element_ty
+    context = (tl.load(proj_ptr + row * dim + offs, mask=mask, other=0.0).to(tl.float32) * proj_scale)
+    context = context.to(dtype).to(tl.float32)  # eager rounds the scaled projection
+    normed = context * _norm_factor(tl.sum(context * context, axis=0), dim, eps) * _weight(w_ptr, offs, mask, ONE_PLUS)
+    token = tl.load(token_ptr + row * dim + offs, mask=mask, other=0.0).to(tl.float32)
+    total = (normed.to(dtype).to(tl.float32) + token).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * dim + offs, (total * out_scale).to(dtype), mask=mask)
+
+
+def ple_inputs(projection: torch.Tensor, token_part: torch.Tensor, weight: torch.Tensor, eps: float, style: str,
+               projection_scale: float, out_scale: float, *, pdl: bool = False) -> torch.Tensor:
+    """Gemma 4's per-layer inputs from the model projection [..., L * P] and the looked-up token part [..., L, P]
+    (both contiguous, the model dtype): ``(RMSNorm_w(projection * projection_scale) + token_part) * out_scale`` per
+    (token, layer) row of P, rounded where the eager chain rounds. Returns a new [..., L, P]."""
+    dim = token_part.shape[-1]
+    if projection.numel() != token_part.numel() or projection.shape[-1] % dim:
+        raise ValueError(f"projection {tuple(projection.shape)} does not match token part {tuple(token_part.shape)}")
+    out = torch.empty(token_part.shape, dtype=token_part.dtype, device=token_part.device)
+    if out.numel():
+        block = triton.next_power_of_2(dim)
+        _ple_inputs_kernel[(out.numel() // dim,)](
+            projection.contiguous(), token_part.contiguous(), weight, out, dim, float(eps), float(projection_scale),
+            float(out_scale), ONE_PLUS=style == "one_plus_w", BLOCK=block, num_warps=_head_warps(block),
+            **launch_options(pdl))
+    return out
 
 
 @triton.jit

@@ -81,9 +81,9 @@ def fuse_norms(model: torch.nn.Module) -> int:
 
 
 def fuse_elementwise(model: GemmaForCausalLM) -> int:
-    """Run the elementwise chains of every layer through ``kernels.fused_ops`` (the rotary tables, q/k norm + RoPE
-    and the v norm of a KV-storing layer in one launch, post-norm +
-    residual (+ next pre-norm, + layer_scalar), GeGLU and PLE gates); on MoE layers the MoE block's router and
+    """Run the elementwise chains of every layer through ``kernels.fused_ops`` (the rotary tables, the PLE inputs'
+    chain, q/k norm + RoPE and the v norm of a KV-storing layer in one launch, post-norm + residual (+ next
+    pre-norm, + layer_scalar), GeGLU and PLE gates); on MoE layers the MoE block's router and
     norms stay eager ops (its experts are ``fuse_moe``'s). Returns how many layers were switched. Mutates
     ``model``; idempotent. Needs triton (the caller checks); the kernels run on the model's device (CUDA, or
     CPU under ``TRITON_INTERPRET=1`` in tests)."""
@@ -93,6 +93,7 @@ def fuse_elementwise(model: GemmaForCausalLM) -> int:
     ops = FusedElementwise(fused_ops.norm_rope, fused_ops.qkv_norm_rope, fused_ops.residual_norm, fused_ops.gelu_mul)
     for rope in model.rotary.values():
         rope.kernel = fused_ops.rope_tables
+    model.ple_inputs_kernel = fused_ops.ple_inputs
     for layer in model.layers:
         layer.fused_ops = ops
         layer.self_attn.fused_ops = ops
@@ -152,6 +153,8 @@ def fuse_small_batch(model: GemmaForCausalLM, max_rows: int, *, pdl: bool = Fals
             norm.kernel = partial(rms_norm, pdl=True)
         for rope in (rope for rope in model.rotary.values() if rope.kernel is not None):
             rope.kernel = partial(fused_ops.rope_tables, pdl=True)
+        if model.ple_inputs_kernel is not None:
+            model.ple_inputs_kernel = partial(fused_ops.ple_inputs, pdl=True)
     for layer in model.layers:
         layer.small_batch = layer.self_attn.small_batch = layer.mlp.small_batch = small
         if pdl and layer.fused_ops is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from .layers import (
     gelu_tanh,
     small_batch_linear,
     small_batch_project,
+    triton_runs_on,
 )
 from .quantization import (
     FP8_DTYPE,
@@ -352,6 +354,8 @@ class GemmaForCausalLM(nn.Module):
             self.per_layer_projection_norm = RMSNorm(
                 config.ple_dim, config.rms_norm_eps, config.norm_style, device=device, dtype=dtype
             )
+        # ``kernels.fused_ops.ple_inputs`` (set by ``fusion.fuse_elementwise``): the PLE chain after its projection
+        self.ple_inputs_kernel: Callable[..., Tensor] | None = None
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
             rows = vocab_range(config.vocab_size, tp.rank, tp.world_size)[2]  # vocabulary-parallel, like the table
@@ -426,6 +430,11 @@ class GemmaForCausalLM(nn.Module):
         """Gemma 4 PLE vectors [B, S, L, P]: (norm(proj(x0)·H^-½) + table[ids]·√P) · 2^-½."""
         layers, dim = self.config.num_hidden_layers, self.config.ple_dim
         token_part = self.embed_tokens_per_layer(input_ids).reshape(*input_ids.shape, layers, dim)
+        kernel = self.ple_inputs_kernel
+        if kernel is not None and triton_runs_on(x0):
+            norm = self.per_layer_projection_norm
+            return kernel(self.per_layer_model_projection(x0), token_part, norm.weight, norm.eps, norm.style,
+                          self.config.hidden_size**-0.5, 2.0**-0.5)
         context = self.per_layer_model_projection(x0) * (self.config.hidden_size**-0.5)
         context = self.per_layer_projection_norm(context.reshape(*x0.shape[:-1], layers, dim))
         return (context + token_part) * (2.0**-0.5)

@@ -23,6 +23,12 @@ Device = torch.device | str | None
 _TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def triton_runs_on(tensor: Tensor) -> bool:
+    """Whether the Triton kernels a module holds take ``tensor``: CUDA tensors, and CPU ones under
+    ``TRITON_INTERPRET=1`` (the tests)."""
+    return tensor.is_cuda or (_TRITON_INTERPRET and tensor.device.type == "cpu")
+
+
 def gelu_tanh(x: Tensor) -> Tensor:
     """The `gelu_pytorch_tanh` activation."""
     return F.gelu(x, approximate="tanh")
@@ -106,7 +112,7 @@ class RotaryEmbedding:
 
     def __call__(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """positions [B, S] (any int dtype) -> (cos, sin), each [B, S, head_dim] in `dtype` (angles in fp32)."""
-        if self.kernel is not None and (positions.is_cuda or (_TRITON_INTERPRET and positions.device.type == "cpu")):
+        if self.kernel is not None and triton_runs_on(positions):
             return self.kernel(positions, self.inv_freq(positions.device), dtype)
         freqs = positions[..., None].float() * self.inv_freq(positions.device)
         angles = torch.cat((freqs, freqs), dim=-1)
@@ -283,7 +289,7 @@ class MoEExperts(nn.Module):
         self.fused: Callable[..., Tensor] | None = None
 
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
-        if self.fused is not None and (x.is_cuda or (_TRITON_INTERPRET and x.device.type == "cpu")):
+        if self.fused is not None and triton_runs_on(x):
             # local ids; the kernel skips pairs whose local id falls outside [0, num_experts)
             local = ids - self.first_expert if self.first_expert else ids
             return self.fused(x, weights, local, self.gate_up_proj, self.down_proj, self.gate_up_proj_scale,

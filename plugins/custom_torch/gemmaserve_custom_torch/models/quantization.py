@@ -19,8 +19,8 @@ Numerics: a weight row w is stored as ``q = fp8(w / s)`` with ``s = amax(|w|) / 
 way per token; ``_scaled_mm`` accumulates in fp32 and rounds once to the output dtype. On CUDA the activations are
 quantized by one Triton kernel (``kernels.fp8_rows``: the same definition, divisions correctly rounded) and
 products of at most ``FP8_SKINNY_MAX_ROWS`` rows (default none) run ``kernels.skinny_gemm.skinny_linear_fp8_rows``
-(the same quantization inside the product kernel; same arithmetic, another summation order). Nothing here syncs the host (CUDA-graph safe). On CUDA, FP8 matmuls need
-compute capability 8.9 or newer (:func:`check_fp8_device`).
+(the same quantization inside the product kernel; same arithmetic, another summation order). Nothing here syncs
+the host (CUDA-graph safe). On CUDA, FP8 matmuls need compute capability 8.9 or newer (:func:`check_fp8_device`).
 """
 
 from __future__ import annotations
