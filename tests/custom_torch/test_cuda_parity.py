@@ -220,18 +220,24 @@ def test_small_batch_kernels_keep_greedy_tokens_in_bf16(e2b_like_dir, pdl):
     small = cuda_backend(e2b_like_dir, fuse="on", skinny_max_rows=16, pdl=pdl)
     fused = cuda_backend(e2b_like_dir, fuse="on", skinny_max_rows=0, pdl=False)
     assert small.model.layers[0].mlp.small_batch is not None and fused.model.layers[0].mlp.small_batch is None
-    referee = Referee(e2b_like_dir)
+    _tokens_match_or_are_refereed(small, fused, e2b_like_dir, f"small-batch kernels (pdl={pdl}) vs cuBLAS")
+
+
+def _tokens_match_or_are_refereed(candidate, baseline, path, label: str) -> None:
+    """Greedy tokens of ``candidate`` against ``baseline`` for PROMPTS (a differing prompt refereed against
+    transformers) and for joining requests (reported); both backends leak nothing."""
+    referee = Referee(path)
     same = 0
     for prompt in PROMPTS:
-        tokens = solo_greedy(small, prompt, 24)
-        if tokens == solo_greedy(fused, prompt, 24):
+        tokens = solo_greedy(candidate, prompt, 24)
+        if tokens == solo_greedy(baseline, prompt, 24):
             same += 1
         else:
             referee.check_tokens(list(prompt), tokens)
-    batched = [run_scheduler(backend, joining_requests(3)) for backend in (small, fused)]
-    print(f"\nsmall-batch kernels (pdl={pdl}) vs cuBLAS: {same}/{len(PROMPTS)} prompts token-identical, joining "
-          f"requests identical: {batched[0] == batched[1]}")
-    for backend in (small, fused):
+    batched = [run_scheduler(backend, joining_requests(3)) for backend in (candidate, baseline)]
+    print(f"\n{label}: {same}/{len(PROMPTS)} prompts token-identical, joining requests identical: "
+          f"{batched[0] == batched[1]}")
+    for backend in (candidate, baseline):
         assert_no_leaks(backend)
 
 
@@ -246,16 +252,4 @@ def test_the_in_place_reduction_keeps_greedy_tokens_in_bf16(e2b_like_dir):
     pdl = pdl_supported("cuda")
     in_place = cuda_backend(e2b_like_dir, fuse="on", skinny_max_rows=16, pdl=pdl, in_place_reduce=True)
     two_launches = cuda_backend(e2b_like_dir, fuse="on", skinny_max_rows=16, pdl=pdl)
-    referee = Referee(e2b_like_dir)
-    same = 0
-    for prompt in PROMPTS:
-        tokens = solo_greedy(in_place, prompt, 24)
-        if tokens == solo_greedy(two_launches, prompt, 24):
-            same += 1
-        else:
-            referee.check_tokens(list(prompt), tokens)
-    batched = [run_scheduler(backend, joining_requests(3)) for backend in (in_place, two_launches)]
-    print(f"\nin-place reduction vs two launches: {same}/{len(PROMPTS)} prompts token-identical, joining requests "
-          f"identical: {batched[0] == batched[1]}")
-    for backend in (in_place, two_launches):
-        assert_no_leaks(backend)
+    _tokens_match_or_are_refereed(in_place, two_launches, e2b_like_dir, "in-place reduction vs two launches")

@@ -39,6 +39,8 @@ is not wired (``benchmarks/kernels/bench_skinny_gemm.py``).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -154,6 +156,30 @@ def _dot_slab_after_wait(x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, st
 
 
 @triton.jit
+def _program_tile(k_per_split, k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's (rows, columns, K start, K stop) of a grid (column tile, row tile, K slice)."""
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = tl.program_id(2) * k_per_split
+    return offs_m, offs_n, k_start, tl.minimum(k_start + k_per_split, k)
+
+
+@triton.jit
+def _slab_product(x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                  WIDEN: tl.constexpr, PDL: tl.constexpr, x_scale=None, QUANT: tl.constexpr = False):
+    """The program's first product: :func:`_dot_slab_after_wait` for a programmatic dependent (PDL; no QUANT),
+    else :func:`_dot_slab`."""
+    if PDL:
+        acc = _dot_slab_after_wait(x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
+                                   BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN)
+    else:
+        acc = _dot_slab(x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
+                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN, x_scale, QUANT)
+    return acc
+
+
+@triton.jit
 def _gelu_times(acc, up, dtype):
     """``gelu_tanh(round(acc)) * up`` rounded where the eager chain rounds (the projection, gelu's output); ``up``
     fp32 holding model-dtype values. Returns fp32 (the caller rounds once more when it stores)."""
@@ -175,24 +201,15 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, x_scale_ptr, w_scale_ptr, mu
     K slice) for the reduce kernel."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start its own weight loads
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_start = pid_k * k_per_split
-    k_stop = tl.minimum(k_start + k_per_split, k)
+    offs_m, offs_n, k_start, k_stop = _program_tile(k_per_split, k, BLOCK_M, BLOCK_N)
     x_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if QUANT:
         x_scale = _row_fp8_scales(x_ptr, offs_m, m, k, stride_xm, BLOCK_M, BLOCK_K)
-        if SPLIT and pid_n == 0 and pid_k == 0:
+        if SPLIT and tl.program_id(0) == 0 and pid_k == 0:
             tl.store(x_scale_ptr + offs_m, x_scale, mask=offs_m < m)
-    if PDL:
-        acc = _dot_slab_after_wait(x_ptr, w_ptr, offs_m, offs_n, m, n_out, k_start, k_stop, stride_xm, stride_wn,
-                                   BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN)
-    else:
-        acc = _dot_slab(x_ptr, w_ptr, offs_m, offs_n, m, n_out, k_start, k_stop, stride_xm, stride_wn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN, x_scale, QUANT)
+    acc = _slab_product(x_ptr, w_ptr, offs_m, offs_n, m, n_out, k_start, k_stop, stride_xm, stride_wn,
+                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN, PDL, x_scale, QUANT)
     mask = (offs_m[:, None] < m) & (offs_n[None, :] < n_out)
     if GEGLU:
         acc_up = _dot_slab(x_ptr, w_ptr + up_offset * stride_wn, offs_m, offs_n, m, n_out, k_start, k_stop,
@@ -290,16 +307,9 @@ def _in_place_reduce_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, mul_ptr,
     pid_k = tl.program_id(2)
     tiles = tl.num_programs(0)
     slices = tl.num_programs(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_start = pid_k * k_per_split
-    k_stop = tl.minimum(k_start + k_per_split, k)
-    if PDL:
-        acc = _dot_slab_after_wait(x_ptr, w_ptr, offs_m, offs_n, m, n_out, k_start, k_stop, stride_xm, stride_wn,
-                                   BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
-    else:
-        acc = _dot_slab(x_ptr, w_ptr, offs_m, offs_n, m, n_out, k_start, k_stop, stride_xm, stride_wn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    offs_m, offs_n, k_start, k_stop = _program_tile(k_per_split, k, BLOCK_M, BLOCK_N)
+    acc = _slab_product(x_ptr, w_ptr, offs_m, offs_n, m, n_out, k_start, k_stop, stride_xm, stride_wn,
+                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, None, PDL)
     width = n_out * 2 if GEGLU else n_out
     mask = (offs_m[:, None] < m) & (offs_n[None, :] < n_out)
     tile_offs = offs_m[:, None] * width + offs_n[None, :]
@@ -355,57 +365,60 @@ def _check_operands(x: torch.Tensor, w: torch.Tensor) -> None:
         raise ValueError("x and w need a contiguous last dimension")
 
 
-def _split_plan(m: int, n_out: int, k: int, geglu: bool, split_k: int | None, block_n: int,
-                block_k: int) -> tuple[int, int, int]:
-    """(row block, K slices, K per slice) of a product; shapes only."""
+class _Plan(NamedTuple):
+    """A product's row block, K slices and K per slice (shapes only), and its grid."""
+
+    block_m: int
+    slices: int
+    k_per_split: int
+    grid: tuple[int, int, int]
+
+
+def _split_plan(m: int, n_out: int, k: int, geglu: bool, split_k: int | None, block_n: int, block_k: int) -> _Plan:
     slices = split_k if split_k is not None else choose_split_k(m, n_out * (2 if geglu else 1), k, block_n, block_k)
     k_per_split = triton.cdiv(triton.cdiv(k, slices), block_k) * block_k
-    return _block_m(m), triton.cdiv(k, k_per_split), k_per_split
+    slices, block_m = triton.cdiv(k, k_per_split), _block_m(m)
+    return _Plan(block_m, slices, k_per_split, (triton.cdiv(n_out, block_n), triton.cdiv(m, block_m), slices))
 
 
-def _products(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n_out: int, geglu: bool, split_k: int | None,
+def _products(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n_out: int, geglu: bool, plan: _Plan,
               block_n: int, block_k: int, num_warps: int, *, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
               mul: torch.Tensor | None = None, pdl: bool = False, always_split: bool = False,
-              quant: bool = False) -> tuple[torch.Tensor, int] | None:
+              quant: bool = False) -> torch.Tensor | None:
     """Launch the product kernel for x [M, K] (M > 0) into ``out`` [M, n_out] with its epilogue, or, when K is split
-    (or ``always_split``), into fp32 partials: then returns (partials [slices, M, width], slices) for a reduce
-    kernel to finish; else None. ``quant``: x is quantized per row in the kernel, its scales written to
-    ``scales[0]``."""
+    (or ``always_split``), into fp32 partials: then returns them ([slices, M, width]) for a reduce kernel to
+    finish; else None. ``quant``: x is quantized per row in the kernel, its scales written to ``scales[0]``."""
     m, k = x.shape
-    block_m, slices, k_per_split = _split_plan(m, n_out, k, geglu, split_k, block_n, block_k)
-    split = slices > 1 or always_split
-    partials = (torch.empty(slices, m, n_out * (2 if geglu else 1), device=x.device, dtype=torch.float32)
+    split = plan.slices > 1 or always_split
+    partials = (torch.empty(plan.slices, m, n_out * (2 if geglu else 1), device=x.device, dtype=torch.float32)
                 if split else out)
     x_scale, w_scale = scales if scales is not None else (out, out)  # unread unless SCALED
-    grid = (triton.cdiv(n_out, block_n), triton.cdiv(m, block_m), slices)
-    _skinny_kernel[grid](x, w, out, partials, x_scale, w_scale, out if mul is None else mul, m, n_out, k, k_per_split,
-                         x.stride(0), w.stride(0), 0 if mul is None else mul.stride(0), n_out, GEGLU=geglu,
-                         GELU_MUL=mul is not None, SPLIT=split, SCALED=scales is not None, BLOCK_M=block_m,
-                         BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(out),
-                         WIDEN=_WIDEN[out.dtype] if scales is not None and not native_fp8_dot(x.device) else None,
-                         num_warps=num_warps, **launch_options(pdl), **({"QUANT": True} if quant else {}))
-    return (partials, slices) if split else None
+    _skinny_kernel[plan.grid](x, w, out, partials, x_scale, w_scale, out if mul is None else mul, m, n_out, k,
+                              plan.k_per_split, x.stride(0), w.stride(0), 0 if mul is None else mul.stride(0), n_out,
+                              GEGLU=geglu, GELU_MUL=mul is not None, SPLIT=split, SCALED=scales is not None,
+                              BLOCK_M=plan.block_m,
+                              BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(out),
+                              WIDEN=_WIDEN[out.dtype] if scales is not None and not native_fp8_dot(x.device) else None,
+                              num_warps=num_warps, **launch_options(pdl), **({"QUANT": True} if quant else {}))
+    return partials if split else None
 
 
-def _in_place(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n_out: int, geglu: bool, split_k: int | None,
+def _in_place(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n_out: int, geglu: bool, plan: _Plan,
               block_n: int, block_k: int, num_warps: int, *, mul: torch.Tensor | None = None, pdl: bool = False,
               chain: dict[str, object] | None = None) -> None:
     """The product of x [M, K] (M > 0) into ``out`` as ONE launch of ``_in_place_reduce_kernel`` (its last programs
     reduce; ``chain``: the residual-chain launch keywords, then ``out`` gets the chain's y)."""
     m, k = x.shape
-    block_m, slices, k_per_split = _split_plan(m, n_out, k, geglu, split_k, block_n, block_k)
-    grid = (triton.cdiv(n_out, block_n), triton.cdiv(m, block_m), slices)
-    counters = arrival_counters(x.device, grid[0] * grid[1] + grid[1])
+    tiles, row_blocks, slices = plan.grid
     partials = torch.empty(slices, m, n_out * (2 if geglu else 1), device=x.device, dtype=torch.float32)
-    if chain is None:
-        chain = {"res_ptr": out, "norm_ptr": out, "scale_ptr": out, "next_norm_ptr": out, "next_ptr": out,
-                 "stride_r": 0, "eps": 0.0, "eps_next": 0.0, "ONE_PLUS": False, "HAS_SCALE": False,
-                 "HAS_NEXT": False, "BLOCK_ROW": 16}
-    _in_place_reduce_kernel[grid](
-        x, w, out, partials, counters, out if mul is None else mul, m=m, n_out=n_out, k=k, k_per_split=k_per_split,
-        stride_xm=x.stride(0), stride_wn=w.stride(0), stride_mul=0 if mul is None else mul.stride(0), up_offset=n_out,
-        GEGLU=geglu, GELU_MUL=mul is not None, RESIDUAL=chain["res_ptr"] is not out, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, PRECISION=_precision(out), num_warps=num_warps, **chain, **launch_options(pdl))
+    unread = {"res_ptr": out, "norm_ptr": out, "scale_ptr": out, "next_norm_ptr": out, "next_ptr": out, "stride_r": 0,
+              "eps": 0.0, "eps_next": 0.0, "ONE_PLUS": False, "HAS_SCALE": False, "HAS_NEXT": False, "BLOCK_ROW": 16}
+    _in_place_reduce_kernel[plan.grid](
+        x, w, out, partials, arrival_counters(x.device, tiles * row_blocks + row_blocks),
+        out if mul is None else mul, m=m, n_out=n_out, k=k, k_per_split=plan.k_per_split, stride_xm=x.stride(0),
+        stride_wn=w.stride(0), stride_mul=0 if mul is None else mul.stride(0), up_offset=n_out, GEGLU=geglu,
+        GELU_MUL=mul is not None, RESIDUAL=chain is not None, BLOCK_M=plan.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        PRECISION=_precision(out), num_warps=num_warps, **(unread if chain is None else chain), **launch_options(pdl))
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, geglu: bool, split_k: int | None, block_n: int,
@@ -417,17 +430,17 @@ def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, geglu: bool, split_k: 
     out = torch.empty(m, n_out, device=x.device, dtype=out_dtype or x.dtype)
     if m == 0 or n_out == 0:
         return out
-    if in_place and scales is None and _split_plan(m, n_out, x.shape[1], geglu, split_k, block_n, block_k)[1] > 1:
-        _in_place(x, w, out, n_out, geglu, split_k, block_n, block_k, num_warps, mul=mul, pdl=pdl)
+    plan = _split_plan(m, n_out, x.shape[1], geglu, split_k, block_n, block_k)
+    if in_place and scales is None and plan.slices > 1:
+        _in_place(x, w, out, n_out, geglu, plan, block_n, block_k, num_warps, mul=mul, pdl=pdl)
         return out
-    pending = _products(x, w, out, n_out, geglu, split_k, block_n, block_k, num_warps, scales=scales, mul=mul, pdl=pdl,
-                        quant=quant)
-    if pending is not None:
-        partials, slices = pending
+    partials = _products(x, w, out, n_out, geglu, plan, block_n, block_k, num_warps, scales=scales, mul=mul, pdl=pdl,
+                         quant=quant)
+    if partials is not None:
         x_scale, w_scale = scales if scales is not None else (out, out)
         reduce_block = 256
         _reduce_kernel[(m, triton.cdiv(n_out, reduce_block))](
-            partials, out, x_scale, w_scale, out if mul is None else mul, m, n_out, slices,
+            partials, out, x_scale, w_scale, out if mul is None else mul, m, n_out, plan.slices,
             0 if mul is None else mul.stride(0), GEGLU=geglu, GELU_MUL=mul is not None, SCALED=scales is not None,
             BLOCK=reduce_block, num_warps=4, **launch_options(pdl))
     return out
@@ -483,14 +496,13 @@ def skinny_linear_residual_norm(
              "stride_r": residual.stride(0), "eps": float(eps),
              "eps_next": float(eps if next_eps is None else next_eps),
              "ONE_PLUS": style == "one_plus_w", "HAS_SCALE": scale is not None, "HAS_NEXT": next_weight is not None}
+    plan = _split_plan(m, n, x.shape[1], False, split_k, block_n, block_k)
     if in_place:
-        _in_place(x, w, out, n, False, split_k, block_n, block_k, num_warps, pdl=pdl,
-                  chain={**chain, "BLOCK_ROW": block})
+        _in_place(x, w, out, n, False, plan, block_n, block_k, num_warps, pdl=pdl, chain={**chain, "BLOCK_ROW": block})
         return out, nxt
-    pending = _products(x, w, out, n, False, split_k, block_n, block_k, num_warps, pdl=pdl, always_split=True)
-    assert pending is not None
-    partials, slices = pending
-    _reduce_residual_norm_kernel[(m,)](partials, out_ptr=out, m=m, n_out=n, slices=slices, BLOCK=block,
+    partials = _products(x, w, out, n, False, plan, block_n, block_k, num_warps, pdl=pdl, always_split=True)
+    assert partials is not None
+    _reduce_residual_norm_kernel[(m,)](partials, out_ptr=out, m=m, n_out=n, slices=plan.slices, BLOCK=block,
                                        num_warps=residual_norm_warps(block), **chain, **launch_options(pdl))
     return out, nxt
 

@@ -264,8 +264,6 @@ class GemmaDecoderLayer(nn.Module):
         (x, next_norm(x) or None)."""
         post_attn, pre_ff, post_ff = (self.post_attention_layernorm, self.pre_feedforward_layernorm,
                                       self.post_feedforward_layernorm)
-        if next_norm is not None and next_norm.style != post_attn.style:  # one kernel takes one style
-            raise ValueError(f"cannot fold a {next_norm.style!r} norm into a {post_attn.style!r} layer's last kernel")
         attention = self.self_attn.attention(self.input_layernorm(x) if normed is None else normed, cos, sin, attn)
         x, normed = self._residual(ops, self.self_attn.o_proj, attention, x, post_attn, next_norm=pre_ff)
         mlp_next = None if self.has_ple else next_norm
