@@ -123,14 +123,15 @@ def test_fp8_logits_stay_near_bf16(tiny_checkpoint, name: str) -> None:
 
 @pytest.mark.parametrize("rows", [1, 7, 32])
 def test_the_few_row_fp8_kernel_matches_scaled_mm(rows: int, monkeypatch) -> None:
-    """``quantization.linear`` with ``FP8_SKINNY_MAX_ROWS`` on (activations quantized inside the few-row kernel, FP8
-    dots on the tensor cores) against ``_scaled_mm`` of ``quantize_rows``: the same FP8 values and scales, so the
-    two differ only in fp32 summation order, far below one bf16 step of the output."""
+    """``quantization.linear`` with ``FP8_SKINNY_MAX_ROWS`` covering the rows (the few-row kernel, FP8 dots on the
+    tensor cores) against it at 0 (``_scaled_mm``), both on ``quantize_rows``' values and scales: they differ only in
+    fp32 summation order, far below one bf16 step of the output."""
     from gemmaserve_custom_torch.models import quantization
 
     gen = torch.Generator(device="cuda").manual_seed(rows)
     weight, scale = quantization.quantize_weight(0.05 * torch.randn(5376, 2816, device="cuda", generator=gen))
     x = torch.randn(rows, 2816, device="cuda", generator=gen).to(torch.bfloat16)
+    monkeypatch.setattr(quantization, "FP8_SKINNY_MAX_ROWS", 0)
     scaled_mm = quantization.linear(x, weight, scale).float()
     monkeypatch.setattr(quantization, "FP8_SKINNY_MAX_ROWS", 64)
     few_rows = quantization.linear(x, weight, scale).float()

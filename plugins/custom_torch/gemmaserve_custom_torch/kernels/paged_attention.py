@@ -221,7 +221,7 @@ def _paged_decode_kernel(
 
 @triton.jit
 def _combine_head(part_acc_ptr, part_ml_ptr, row0, num_splits, out_head_ptr, d0, HEAD_DIM: tl.constexpr,
-                  BLOCK_D: tl.constexpr, SPLIT_PAD: tl.constexpr, CACHE: tl.constexpr = ""):
+                  BLOCK_D: tl.constexpr, SPLIT_PAD: tl.constexpr, CACHE: tl.constexpr):
     """out[d0 : d0 + BLOCK_D] of one query head from its splits' partials (rows ``row0 + s``): sum_s w_s acc_s /
     sum_s w_s l_s with w_s = 2^(m_s - max m); all splits loaded at once. Empty splits have m = -inf, so w = 0.
     ``CACHE``: the partials' load cache modifier (".cg" when other programs of this grid wrote them)."""
@@ -264,7 +264,7 @@ def _combine_splits_kernel(
     num_q_heads = tl.num_programs(1)
     row0 = (b.to(tl.int64) * num_q_heads + h) * num_splits
     _combine_head(part_acc_ptr, part_ml_ptr, row0, num_splits, out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh,
-                  tl.program_id(2) * BLOCK_D, HEAD_DIM, BLOCK_D, SPLIT_PAD)
+                  tl.program_id(2) * BLOCK_D, HEAD_DIM, BLOCK_D, SPLIT_PAD, "")
 
 
 _INTERPRET = type(_paged_decode_kernel).__name__ == "InterpretedFunction"
