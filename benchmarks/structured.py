@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import random
 import statistics
 import sys
@@ -225,6 +226,21 @@ def decode_overhead(rows: int, tokens: int) -> dict[str, Any]:
     return result
 
 
+class _FallbackCounter(logging.Handler):
+    """Counts the engine's "computing them one by one" warnings (a batch of masks that failed to start)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.count = 0
+        self.first: str | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "one by one" in record.getMessage():
+            self.count += 1
+            if self.first is None:
+                self.first = f"{record.getMessage()}: {record.exc_info[1]!r}" if record.exc_info else record.getMessage()
+
+
 _SCHEMA_DIGITS = (lambda count: {"type": "object", "additionalProperties": False, "required": ["items"],
                                   "properties": {"items": {"type": "array", "minItems": count,
                                                            "items": {"type": "integer", "minimum": 0, "maximum": 9}}}})
@@ -267,10 +283,10 @@ def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool
     spent: list[float] = []  # per batch of masks: engine-thread time starting it plus time blocked waiting for it
     original_start, original_wait = request_module.grammar_start_masks, request_module.PendingMasks.wait
 
-    def timed_start(constraints: Any) -> Any:
+    def timed_start(*args: Any, **kwargs: Any) -> Any:  # the engine passes overlap=: forward every argument
         t0 = time.perf_counter()
         try:
-            return original_start(constraints)
+            return original_start(*args, **kwargs)
         finally:
             spent.append(time.perf_counter() - t0)
 
@@ -284,6 +300,8 @@ def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool
 
     request_module.grammar_start_masks = timed_start
     request_module.PendingMasks.wait = timed_wait  # type: ignore[method-assign]
+    fallbacks = _FallbackCounter()  # a batch of masks that failed is computed row by row: not what this measures
+    request_module.logger.addHandler(fallbacks)
     try:
         for label, constrained, temperature in (
                 ("warm-up", True, 1.0), ("greedy", False, 0.0), ("unconstrained", False, 1.0),
@@ -296,6 +314,10 @@ def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool
                 run = run_engine(backend, settings, prompts, tokens, params).summary()
             finally:
                 recorder.restore()
+            if fallbacks.count:
+                raise RuntimeError(f"{fallbacks.count} batches of masks failed and were computed row by row during "
+                                   f"the {label!r} pass (first: {fallbacks.first}); its figures would not measure the "
+                                   "engine's batched mask path")
             if label != "warm-up":
                 result[label] = {key: run[key] for key in ("tpot_median_ms", "ttft_median_ms", "output_tok_per_s",
                                                            "wall_s", "errors")}
@@ -314,6 +336,7 @@ def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool
                     backend, settings, lambda params=params: run_engine(backend, settings, prompts, tokens, params),
                     first=tokens // 2, ticks=8, trace_path=trace_dir / f"structured_trace_{label}.json")
     finally:
+        request_module.logger.removeHandler(fallbacks)
         request_module.grammar_start_masks = original_start
         request_module.PendingMasks.wait = original_wait  # type: ignore[method-assign]
         backend.close()

@@ -312,6 +312,34 @@ def test_the_host_path_benchmark_walks_constrained_requests_through_deferred_sam
         assert got[order]["total_ms_p50"] >= max(got[order][f"{name}_ms_p50"] for name in parts)
 
 
+def test_the_decode_benchmark_measures_the_batched_mask_path(tmp_path, monkeypatch) -> None:
+    """benchmarks/structured.py --e2b (toy shapes on the CPU): the constrained passes start their masks in batches
+    through the engine's own call (its timing wrapper forwards every argument: runs 28 and 29 measured the
+    row-by-row fallback because it did not), and a batch that fails makes the benchmark fail instead of timing
+    the fallback."""
+    pytest.importorskip("transformers")
+    import sys
+
+    from tiny_checkpoints import save_tiny_tokenizer
+
+    import gemmaserve.engine.request as request_module
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import structured
+
+    save_tiny_tokenizer(tmp_path)
+    got = structured.decode_overhead_e2b(3, 6, tmp_path, quick=True)
+    for label in ("constrained", "constrained_again"):
+        assert got[label]["errors"] == [] and got[label]["mask_calls"] > 0, got[label]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no pool")
+
+    monkeypatch.setattr(request_module, "grammar_start_masks", broken)
+    with pytest.raises(RuntimeError, match="computed row by row.*no pool"):
+        structured.decode_overhead_e2b(3, 6, tmp_path, quick=True)
+
+
 @pytest.mark.parametrize("spec", [{"regex": "((a{100}){100}){100}"},
                                   {"grammar": "root ::= " + " | ".join(f'"w{i}"' for i in range(3000))}],
                          ids=["nested-repeats", "3000-alternatives"])

@@ -6,18 +6,17 @@ kernel's weight loads overlap the previous kernel's tail (PDL, Hopper) and fewer
 by CUDA-graph replay, every layer of a Gemma 4 shape in model order: qkv (from the carried input norm), o, the
 post-attention residual chain (post-norm, residual add, the pre-MLP norm), gate/up + GeGLU, down, the post-MLP
 residual chain, the per-layer-embedding gate (gelu times the layer's PLE input) and projection, and its residual
-chain (post-norm, residual, layer scalar, the next layer's input norm). Five ways, for each row count M: cuBLAS
+chain (post-norm, residual, layer scalar, the next layer's input norm). Four ways, for each row count M: cuBLAS
 (``F.linear`` and the eager GeGLU; the residual chains and the gate on the Triton elementwise kernels), the Triton
 few-row kernels launched normally, the same launched as programmatic dependents (the first weight tile of every
 program is read before ``gdc_wait``), and that with the folds the model makes on its few-row path (the residual
 chains run by the split-K reduce of o, down and the PLE projection, the gate in its projection's epilogue:
-``skinny_linear_residual_norm``, ``skinny_linear_gelu_mul``), and that with every split K reduced in place by the
-product kernel's last programs (``in_place=True``, ``CUSTOM_BACKEND_IN_PLACE_REDUCE``: one launch per
-product). Each layer has its own weights, so nothing is served from the L2 across layers. Reports ms per chain,
-kernels per chain, and the weight bandwidth against the copy bandwidth measured in the same run, and whether the
-Triton forms' outputs are identical: the products are the same sums in the same order (identical under the
-interpreter, tests/custom_torch/test_small_batch.py), while a folded residual norm's sum of squares may round
-differently in the last bit on the GPU (Triton's reduction tree follows each kernel's layout).
+``skinny_linear_residual_norm``, ``skinny_linear_gelu_mul``). Each layer has its own weights, so nothing is served
+from the L2 across layers. Reports ms per chain, kernels per chain, and the weight bandwidth against the copy
+bandwidth measured in the same run, and whether the Triton forms' outputs are identical: the products are the same
+sums in the same order (identical under the interpreter, tests/custom_torch/test_small_batch.py), while a folded
+residual norm's sum of squares may round differently in the last bit on the GPU (Triton's reduction tree follows
+each kernel's layout).
 
 RoPE and attention are not in it (the q columns of qkv stand in for the attention output), so the figure is what
 these changes can take off that part of the step, not a step time.
@@ -84,7 +83,7 @@ def layer_weights(spec: dict[str, int], index: int, device: str, dtype: torch.dt
             "scale": torch.full((1,), 0.9, device=device, dtype=dtype)}
 
 
-KINDS = ("cublas", "triton", "triton_pdl", "triton_pdl_fused", "triton_pdl_fused_in_place")
+KINDS = ("cublas", "triton", "triton_pdl", "triton_pdl_fused")
 
 
 def chain(layers: list[dict[str, torch.Tensor]], x: torch.Tensor, ple: torch.Tensor,
@@ -94,24 +93,22 @@ def chain(layers: list[dict[str, torch.Tensor]], x: torch.Tensor, ple: torch.Ten
     previous one's output (the real data dependence), so PDL's waits are exercised. ``kind``: one of KINDS. Returns
     each layer's residual stream and the last carried norm."""
     pdl = kind.startswith("triton_pdl")
-    fused = kind.startswith("triton_pdl_fused")
-    in_place = kind.endswith("in_place")
+    fused = kind == "triton_pdl_fused"
     eps = 1e-6
 
     def linear(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return F.linear(a, w) if kind == "cublas" else skinny_linear(a, w, pdl=pdl, in_place=in_place)
+        return F.linear(a, w) if kind == "cublas" else skinny_linear(a, w, pdl=pdl)
 
     def geglu(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if kind == "cublas":
             gate, up = F.linear(a, w).chunk(2, dim=-1)
             return F.gelu(gate, approximate="tanh") * up
-        return skinny_geglu(a, w, pdl=pdl, in_place=in_place)
+        return skinny_geglu(a, w, pdl=pdl)
 
     def project_residual(a: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, norm: torch.Tensor,
                          **chain_args: object) -> tuple[torch.Tensor, torch.Tensor | None]:
         if fused:
-            return skinny_linear_residual_norm(a, w, residual, norm, eps, "w", pdl=pdl, in_place=in_place,
-                                               **chain_args)
+            return skinny_linear_residual_norm(a, w, residual, norm, eps, "w", pdl=pdl, **chain_args)
         return residual_norm(residual, linear(a, w), norm, eps, "w", pdl=pdl, **chain_args)
 
     def run() -> list[torch.Tensor]:
@@ -124,7 +121,7 @@ def chain(layers: list[dict[str, torch.Tensor]], x: torch.Tensor, ple: torch.Ten
                                                 next_weight=layer["pre_ff"], next_eps=eps)
             residual, _ = project_residual(geglu(normed, layer["gate_up"]), layer["down"], residual, layer["post_ff"])
             layer_ple = ple[:, index]
-            gated = (skinny_linear_gelu_mul(residual, layer["ple_gate"], layer_ple, pdl=pdl, in_place=in_place) if fused
+            gated = (skinny_linear_gelu_mul(residual, layer["ple_gate"], layer_ple, pdl=pdl) if fused
                      else gelu_mul(linear(residual, layer["ple_gate"]), layer_ple, pdl=pdl))
             residual, normed = project_residual(gated, layer["ple_proj"], residual, layer["ple_norm"],
                                                 scale=layer["scale"], next_weight=layer["input_norm"], next_eps=eps)

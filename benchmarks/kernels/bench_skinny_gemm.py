@@ -7,11 +7,10 @@ device-to-device copy bandwidth measured in the same run. GeGLU compares the fus
 ``F.linear`` over [gate; up] + the eager GeGLU chain; the LM head compares ``lm_head_argmax`` against
 ``F.linear`` + softcap + ``argmax``. Also sweeps ``split_k`` for one shape per kind with ``--sweep``.
 ``--fp8`` times the FP8 projections instead (every linear and gate/up shape as one product, as
-``QUANTIZATION=fp8`` runs them): Triton row quantization + ``skinny_linear_fp8``, ``skinny_linear_fp8_rows`` (the
-quantization inside the product kernel: the path behind ``quantization.FP8_SKINNY_MAX_ROWS``, off by default), Triton
-quantization + ``torch._scaled_mm`` (the default CUDA path
-of ``models.quantization.linear``), the torch row quantization + ``_scaled_mm`` it replaced, and bf16 ``F.linear``;
-the bandwidth column counts one byte per FP8 weight.
+``QUANTIZATION=fp8`` runs them): Triton row quantization + ``skinny_linear_fp8`` (the path of
+``models.quantization.linear`` for at most ``quantization.FP8_SKINNY_MAX_ROWS`` rows), Triton quantization +
+``torch._scaled_mm`` (its path for more rows), the torch row quantization + ``_scaled_mm`` it replaced, and bf16
+``F.linear``; the bandwidth column counts one byte per FP8 weight.
 
 Usage (repo root):
     PYTHONPATH=plugins/custom_torch python benchmarks/kernels/bench_skinny_gemm.py --json skinny.json
@@ -49,7 +48,6 @@ from gemmaserve_custom_torch.kernels.skinny_gemm import (  # noqa: E402
     skinny_geglu,
     skinny_linear,
     skinny_linear_fp8,
-    skinny_linear_fp8_rows,
 )
 from gemmaserve_custom_torch.models.quantization import quantize_per_token, quantize_weight  # noqa: E402
 
@@ -126,7 +124,6 @@ def _fp8_paths() -> dict[str, Callable[[torch.Tensor, tuple[torch.Tensor, torch.
 
     return {
         "skinny_us": lambda x, w: skinny_linear_fp8(*quantize_rows(x), w[0], w[1], x.dtype),
-        "skinny_quant_in_kernel_us": lambda x, w: skinny_linear_fp8_rows(x, w[0], w[1]),
         "torch_quant_scaled_mm_us": lambda x, w: scaled_mm(*quantize_per_token(x), w, x.dtype),
         "triton_quant_scaled_mm_us": lambda x, w: scaled_mm(*quantize_rows(x), w, x.dtype),
     }
