@@ -239,17 +239,3 @@ def _tokens_match_or_are_refereed(candidate, baseline, path, label: str) -> None
           f"{batched[0] == batched[1]}")
     for backend in (candidate, baseline):
         assert_no_leaks(backend)
-
-
-def test_the_in_place_reduction_keeps_greedy_tokens_in_bf16(e2b_like_dir):
-    """CUSTOM_BACKEND_IN_PLACE_REDUCE: the few-row products' split K and the decode attention's splits reduced by
-    their own last programs (arrival counters across concurrently running programs): the same products as the
-    two-launch path (only a residual norm's or the combine's sums may round differently in the last bit), so
-    tokens of solo and joining requests match it, a differing token refereed against transformers (a race would
-    give garbage)."""
-    from gemmaserve_custom_torch.kernels.pdl import pdl_supported
-
-    pdl = pdl_supported("cuda")
-    in_place = cuda_backend(e2b_like_dir, fuse="on", skinny_max_rows=16, pdl=pdl, in_place_reduce=True)
-    two_launches = cuda_backend(e2b_like_dir, fuse="on", skinny_max_rows=16, pdl=pdl)
-    _tokens_match_or_are_refereed(in_place, two_launches, e2b_like_dir, "in-place reduction vs two launches")

@@ -335,17 +335,9 @@ def _run_interpreter_case(params: dict[str, Any], seed: int) -> dict[str, Any]:
     )
     if out is not None:
         assert got is out
-    got = got.clone()
-    # the splits combined by their last program instead of a second launch: the same bits, counters back at zero
-    in_place = paged_decode_attention(query, k_pool, v_pool, tables, lens, scale=scale, window=window,
-                                      num_splits=params["splits"], config=config, in_place=True)
-    from gemmaserve_custom_torch.kernels import counters
-
-    left = [int(c.abs().sum()) for c in counters._COUNTERS.values()]
     want = paged_decode_attention_reference(query, k_pool, v_pool, tables, lens, scale=scale, window=window)
     err = (got.float() - want.float()).abs().max().item()
-    return {"finite": bool(torch.isfinite(got).all()), "max_err": err, "dtype": str(got.dtype),
-            "in_place_equal": bool(torch.equal(in_place, got)), "counters_left": sum(left)}
+    return {"finite": bool(torch.isfinite(got).all()), "max_err": err, "dtype": str(got.dtype)}
 
 
 def _interpreter_supports_runtime_loops() -> str | None:
@@ -421,7 +413,6 @@ def test_kernel_matches_reference_interpreter(interpreter_results: dict[str, Any
     assert res["finite"], "kernel output has NaN/inf: a sentinel, freed page or stale slot was read"
     assert res["dtype"] == f"torch.{params['dt']}"
     assert res["max_err"] <= _TOL[params["dt"]], res
-    assert res["in_place_equal"] and res["counters_left"] == 0, res
 
 
 # ----------------------------------------------------------------------------------------------

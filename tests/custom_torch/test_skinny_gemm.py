@@ -2,9 +2,8 @@
 fp16, tiny shapes, in a subprocess: the flag must be set before triton is imported): ``skinny_linear`` against
 ``F.linear``, ``skinny_geglu`` against the eager GeGLU chain, ``skinny_linear_gelu_mul`` against the eager gate
 (``gelu_tanh(linear) * mul``), ``skinny_linear_residual_norm`` against the product then the residual chain (post-norm,
-residual, scale, next norm), with and without split K, each also with its split K reduced in place by the product
-kernel's last programs (the same bits as the reduce launch, every arrival counter back at zero) (including slices that do
-not divide K and column counts that are not a multiple of the tile), and ``lm_head_argmax`` against
+residual, scale, next norm), with and without split K (including slices that do not divide K and column counts that
+are not a multiple of the tile), and ``lm_head_argmax`` against
 ``argmax(softcap(F.linear))`` including exact ties, which must go to the lowest token id; the FP8 path
 (``fp8_rows.quantize_rows``: the same bytes as ``quantization.quantize_per_token``; ``skinny_linear_fp8`` against
 the float64 product of the same FP8 values and scales)."""
@@ -21,13 +20,12 @@ import pytest
 pytest.importorskip("triton")
 
 from hopper_compile import compile_for_hopper, require_hopper_compiler  # noqa: E402
-from triton_interpret import run_interpreted  # noqa: E402
 
 _SCRIPT = r"""
 import json, torch
 import torch.nn.functional as F
 from gemmaserve_custom_torch.kernels.skinny_gemm import choose_split_k, lm_head_argmax, skinny_geglu, skinny_linear
-from gemmaserve_custom_torch.kernels.skinny_gemm import skinny_linear_fp8, skinny_linear_fp8_rows, skinny_linear_gelu_mul
+from gemmaserve_custom_torch.kernels.skinny_gemm import skinny_linear_fp8, skinny_linear_gelu_mul
 from gemmaserve_custom_torch.kernels.skinny_gemm import skinny_linear_residual_norm
 from gemmaserve_custom_torch.kernels.fp8_rows import quantize_rows
 from gemmaserve_custom_torch.models.quantization import quantize_per_token, quantize_weight
@@ -95,7 +93,7 @@ for dtype in (torch.float32, torch.float16):
                 assert gap < (1e-5 if dtype == torch.float32 else 2e-2), (dtype, row, int(got[row]), int(want[row]), gap)
         assert int(got[0]) == vocab // 2, (dtype, int(got[0]))
         ties["checked"] += 1
-fp8 = {"rows": 0, "products": 0, "in_kernel": 0}
+fp8 = {"rows": 0, "products": 0}
 for dtype in (torch.float32, torch.float16, torch.bfloat16):
     for m, k in ((1, 48), (4, 1000), (3, 2100), (2, 7)):
         x = (torch.randn(m, k) * torch.logspace(-5, 3, m)[:, None]).to(dtype)
@@ -116,39 +114,8 @@ for out_dtype in (torch.float32, torch.float16):
             got = skinny_linear_fp8(xq, x_scale, wq, w_scale, out_dtype, split_k=split, **small)
             note(f"fp8/{out_dtype}", got, want.to(out_dtype))
             fp8["products"] += 1
-            # the quantization inside the product kernel: the same FP8 values and scales, so the same result
-            x = (torch.randn(m, k) * 3).to(out_dtype)
-            if m > 2:
-                x[2] = 0.0
-            assert torch.equal(skinny_linear_fp8_rows(x, wq, w_scale, split_k=split, **small),
-                               skinny_linear_fp8(*quantize_rows(x), wq, w_scale, out_dtype, split_k=split, **small))
-            fp8["in_kernel"] += 1
 assert choose_split_k(1, 262144, 1536) == 1 and choose_split_k(1, 1536, 12288) > 1 and choose_split_k(64, 64, 64) == 1
-import gemmaserve_custom_torch.kernels.counters as counters_module
-in_place = 0  # the in-place reduction (one launch) against the reduce launch: the same bits
-for dtype in (torch.float32, torch.float16):
-    for m, n, k in ((1, 40, 96), (3, 16, 64), (17, 33, 100)):
-        x, w = torch.randn(m, k).to(dtype), (torch.randn(n, k) * 0.2).to(dtype)
-        gate_up, mul = (torch.randn(2 * n, k) * 0.2).to(dtype), torch.randn(m, n + 2).to(dtype)[:, 2:]
-        residual, post, nxt = torch.randn(m, n).to(dtype), torch.randn(n).to(dtype), torch.randn(n).to(dtype)
-        for split in (1, 2, 3, None):
-            kw = dict(split_k=split, **small)
-            pairs = [(skinny_linear(x, w, in_place=flag, **kw),) for flag in (False, True)]
-            pairs += [(skinny_geglu(x, gate_up, in_place=flag, **kw),) for flag in (False, True)]
-            pairs += [(skinny_linear_gelu_mul(x, w, mul, in_place=flag, **kw),) for flag in (False, True)]
-            for style in ("w", "one_plus_w"):
-                pairs += [skinny_linear_residual_norm(x, w, residual, post, 1e-6, style, next_weight=nxt,
-                                                      next_eps=1e-5, in_place=flag, **kw) for flag in (False, True)]
-                half = torch.ones(1).to(dtype) * 0.5
-                pairs += [skinny_linear_residual_norm(x, w, residual, post, 1e-6, style, scale=half, in_place=flag,
-                                                      **kw) for flag in (False, True)]
-            for plain, folded in zip(pairs[0::2], pairs[1::2]):
-                for a, b in zip(plain, folded):
-                    assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), (dtype, m, n, k, split)
-                in_place += 1
-counters = counters_module._COUNTERS[torch.device("cpu")]
-assert int(counters.abs().sum()) == 0, "a counter was left non-zero"
-print(json.dumps({"errors": errors, "checks": checks, "ties": ties["checked"], "fp8": fp8, "in_place": in_place}))
+print(json.dumps({"errors": errors, "checks": checks, "ties": ties["checked"], "fp8": fp8}))
 """
 
 
@@ -158,8 +125,7 @@ def test_skinny_kernels_match_torch_under_interpreter():
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["checks"] == 2 * 4 * (4 + 2 + 1 + 3 + 2 * 3 * 3) + 18 and result["ties"] == 6, result
-    assert result["fp8"] == {"rows": 3 * 10, "products": 18, "in_kernel": 18}, result
-    assert result["in_place"] == 2 * 3 * 4 * (3 + 2 * 2), result
+    assert result["fp8"] == {"rows": 3 * 10, "products": 18}, result
     for name, error in result["errors"].items():
         # fp32: summation order only; fp16: one rounding step of outputs of magnitude up to ~10 (the norm: its
         # rounded output may differ by one step where the two sums of squares differ in the last bit)
@@ -181,13 +147,12 @@ def test_the_kernel_benchmark_smoke_run_agrees_with_torch(tmp_path):
 def test_the_kernels_compile_for_hopper_without_a_gpu():
     """The real compiler path (Triton -> PTX -> cubin for sm_90 with Triton's bundled ptxas), which the
     interpreter never takes: bf16 at the decode row blocks 16 and 64 with and without split K and the GeGLU and
-    gate (gelu times a tensor) epilogues, the reductions (incl. the one running the residual chain, and the
-    product kernel that reduces its own split K with acquire-release arrival counters), and the LM-head argmax
-    with its softcap; fp32 with IEEE dots; FP8 operands widened to bf16 or dotted as FP8 (e4m3 tensor cores from
-    64-row blocks, a hardware conversion below) with the scale epilogue, and the FP8 row quantization; the
-    programmatic-dependent-launch forms (bf16) carry the grid-dependency instructions and nothing else does.
-    Pointers and sizes carry the 16-divisibility E2B's shapes give the launcher, so the bf16 K loops become
-    tensor-core dots."""
+    gate (gelu times a tensor) epilogues, the reductions (incl. the one running the residual chain), and the
+    LM-head argmax with its softcap; fp32 with IEEE dots; FP8 operands widened to bf16 or dotted as FP8 (e4m3
+    tensor cores from 64-row blocks, a hardware conversion below) with the scale epilogue, and the FP8 row
+    quantization; the programmatic-dependent-launch forms (bf16) carry the grid-dependency instructions and nothing
+    else does. Pointers and sizes carry the 16-divisibility E2B's shapes give the launcher, so the bf16 K loops
+    become tensor-core dots."""
     require_hopper_compiler()
     import triton.language as tl
 
@@ -203,7 +168,7 @@ def test_the_kernels_compile_for_hopper_without_a_gpu():
                         builds.append((sk._skinny_kernel, _skinny_signature(dtype, dtype),
                                        {"GEGLU": geglu, "GELU_MUL": gelu_mul, "SPLIT": split, "SCALED": False,
                                         "BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 128, "PRECISION": precision,
-                                        "WIDEN": None, "PDL": pdl, "QUANT": False}, dtype))
+                                        "WIDEN": None, "PDL": pdl}, dtype))
             builds.append((sk._argmax_kernel, {
                 "x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "best_ptr": "*fp32", "index_ptr": "*i32", "m": "i32",
                 "n": "i32", "k": "i32", "stride_xm": "i32", "stride_wn": "i32", "softcap": "fp32",
@@ -228,39 +193,25 @@ def test_the_kernels_compile_for_hopper_without_a_gpu():
                 "ONE_PLUS": "constexpr", "HAS_SCALE": "constexpr", "HAS_NEXT": "constexpr", "BLOCK": "constexpr",
                 "PDL": "constexpr"},
                 {"ONE_PLUS": False, "HAS_SCALE": True, "HAS_NEXT": True, "BLOCK": 2048, "PDL": pdl}, dtype))
-    for geglu, gelu_mul, residual, pdl in ((False, False, False, False), (True, False, False, True),
-                                           (False, True, False, True), (False, False, True, True)):
-        builds.append((sk._in_place_reduce_kernel, {  # the split K reduced by the product kernel's last programs
-            "x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
-            **{name: "*bf16" for name in ("mul_ptr", "res_ptr", "norm_ptr", "scale_ptr", "next_norm_ptr", "next_ptr")},
-            **{name: "i32" for name in ("m", "n_out", "k", "k_per_split", "stride_xm", "stride_wn", "stride_mul",
-                                        "stride_r", "up_offset")}, "eps": "fp32", "eps_next": "fp32",
-            **{name: "constexpr" for name in ("GEGLU", "GELU_MUL", "RESIDUAL", "ONE_PLUS", "HAS_SCALE", "HAS_NEXT",
-                                              "BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_ROW", "PRECISION", "PDL")}},
-            {"GEGLU": geglu, "GELU_MUL": gelu_mul, "RESIDUAL": residual, "ONE_PLUS": False, "HAS_SCALE": True,
-             "HAS_NEXT": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "BLOCK_ROW": 2048, "PRECISION": "tf32",
-             "PDL": pdl}, "in_place"))
     for block_m in (16, 64):  # FP8 operands, widened to bf16 in software or dotted as FP8; the scales in the epilogue
         for split in (False, True):
-            for widen, quant in ((tl.bfloat16, False), (None, False), (None, True)):  # quant: x quantized here
-                builds.append((sk._skinny_kernel, _skinny_signature("fp8e4nv", "bf16", "bf16" if quant else None),
+            for widen in (tl.bfloat16, None):
+                builds.append((sk._skinny_kernel, _skinny_signature("fp8e4nv", "bf16"),
                                {"GEGLU": False, "GELU_MUL": False, "SPLIT": split, "SCALED": True, "BLOCK_M": block_m,
-                                "BLOCK_N": 64, "BLOCK_K": 128, "PRECISION": "tf32", "WIDEN": widen, "PDL": False,
-                                "QUANT": quant}, "fp8" if widen is not None else "fp8_native"))
+                                "BLOCK_N": 64, "BLOCK_K": 128, "PRECISION": "tf32", "WIDEN": widen, "PDL": False},
+                               "fp8" if widen is not None else "fp8_native"))
     for dtype in ("bf16", "fp16", "fp32"):
         builds.append((quantize_rows_kernel, {"x_ptr": f"*{dtype}", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
                                               "k": "i32", "stride_xm": "i32", "BLOCK": "constexpr"},
                        {"BLOCK": 1024}, "quantize"))
     for kernel, signature, constexprs, dtype in builds:
         asm = compile_for_hopper(kernel, signature, constexprs, unaligned=("m", "slices"))
-        if dtype in ("bf16", "fp8", "fp8_native", "in_place") and "BLOCK_K" in constexprs:
+        if dtype in ("bf16", "fp8", "fp8_native") and "BLOCK_K" in constexprs:
             assert "mma" in asm["ptx"], (kernel, constexprs)  # tensor-core dots
         if dtype == "fp8_native":  # e4m3 tensor cores from 64-row blocks, one hardware conversion to f16 below
             wanted = ("mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3" if constexprs["BLOCK_M"] == 64
                       else "cvt.rn.f16x2.e4m3x2")
             assert wanted in asm["ptx"], constexprs
-        if dtype == "in_place":  # arrivals counted with GPU-scope acquire-release atomics; partials read past L1
-            assert "atom.global.gpu.acq_rel.add" in asm["ptx"] and "ld.global.cg" in asm["ptx"], constexprs
         if dtype == "quantize":  # the FP8 cast only narrows values already on the e4m3 grid
             assert "e4m3" in asm["ptx"], constexprs
         # a programmatic dependent waits for the previous grid and releases the next one; nothing else does
@@ -268,68 +219,11 @@ def test_the_kernels_compile_for_hopper_without_a_gpu():
         assert ("griddepcontrol.launch_dependents" in asm["ptx"]) == bool(constexprs.get("PDL")), constexprs
 
 
-def _skinny_signature(operands: str, out: str, x: str | None = None) -> dict[str, str]:
-    return {"x_ptr": f"*{x or operands}", "w_ptr": f"*{operands}", "out_ptr": f"*{out}", "part_ptr": "*fp32",
+def _skinny_signature(operands: str, out: str) -> dict[str, str]:
+    return {"x_ptr": f"*{operands}", "w_ptr": f"*{operands}", "out_ptr": f"*{out}", "part_ptr": "*fp32",
             "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "mul_ptr": f"*{out}", "m": "i32", "n_out": "i32",
             "k": "i32", "k_per_split": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_mul": "i32",
             "up_offset": "i32", "GEGLU": "constexpr", "GELU_MUL": "constexpr", "SPLIT": "constexpr",
             "SCALED": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-            "PRECISION": "constexpr", "WIDEN": "constexpr", "PDL": "constexpr", "QUANT": "constexpr"}
+            "PRECISION": "constexpr", "WIDEN": "constexpr", "PDL": "constexpr"}
 
-
-_COUNTERS_SCRIPT = r"""
-import json, torch
-from hypothesis import HealthCheck, given, settings, strategies as st
-import gemmaserve_custom_torch.kernels.counters as counters
-from gemmaserve_custom_torch.kernels.paged_attention import paged_decode_attention
-from gemmaserve_custom_torch.kernels.skinny_gemm import (skinny_geglu, skinny_linear, skinny_linear_gelu_mul,
-                                                         skinny_linear_residual_norm)
-torch.set_num_threads(1)
-KINDS = ("linear", "geglu", "gelu_mul", "residual", "attention")
-launch = st.tuples(st.sampled_from(KINDS), st.integers(1, 20), st.integers(1, 40), st.integers(1, 70),
-                   st.sampled_from([1, 2, 3, None]), st.integers(0, 2 ** 16))
-runs = {"launches": 0}
-
-def call(kind, m, n, k, split, seed, in_place):
-    g = torch.Generator().manual_seed(seed)
-    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) * 0.2
-    small = dict(split_k=split, block_n=16, block_k=32, in_place=in_place)
-    if kind == "linear":
-        return (skinny_linear(x, w, **small),)
-    if kind == "geglu":
-        return (skinny_geglu(x, torch.randn(2 * n, k, generator=g) * 0.2, **small),)
-    if kind == "gelu_mul":
-        return (skinny_linear_gelu_mul(x, w, torch.randn(m, n, generator=g), **small),)
-    if kind == "residual":
-        return skinny_linear_residual_norm(x, w, torch.randn(m, n, generator=g), torch.randn(n, generator=g), 1e-6,
-                                           "w", next_weight=torch.randn(n, generator=g), next_eps=1e-5, **small)
-    heads, dim, block = 2, 16, 4  # attention: m sequences of up to k keys over a paged pool
-    lens = torch.randint(0, k + 1, (m,), generator=g, dtype=torch.int32)
-    pages = -(-k // block)
-    pool_k = torch.randn(m * pages + 1, block, 1, dim, generator=g)
-    pool_v = torch.randn(m * pages + 1, block, 1, dim, generator=g)
-    tables = torch.arange(m * pages, dtype=torch.int32).view(m, pages)
-    q = torch.randn(m, heads, dim, generator=g)
-    return (paged_decode_attention(q, pool_k, pool_v, tables, lens, scale=0.3, num_splits=split or 3,
-                                   in_place=in_place),)
-
-@settings(max_examples=25, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(st.lists(launch, min_size=1, max_size=4))
-def check(launches):
-    for kind, m, n, k, split, seed in launches:  # one stream of mixed launches sharing the counters
-        plain, folded = call(kind, m, n, k, split, seed, False), call(kind, m, n, k, split, seed, True)
-        for a, b in zip(plain, folded):
-            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), (kind, m, n, k, split)
-        assert all(int(c.abs().sum()) == 0 for c in counters._COUNTERS.values()), "a counter was left non-zero"
-        runs["launches"] += 1
-
-check()
-print(json.dumps(runs))
-"""
-
-
-def test_arrival_counters_stay_zero_across_any_sequence_of_in_place_launches():
-    """Property (hypothesis, interpreter): any sequence of in-place launches of every kind (products, GeGLU, gate,
-    residual chain, decode attention) over random shapes and splits shares one counter buffer, leaves every counter
-    at zero after each launch and gives the two-launch path's outputs bit for bit."""
-    assert run_interpreted(_COUNTERS_SCRIPT)["launches"] >= 25

@@ -142,14 +142,14 @@ def small_batch_plan(custom: CustomTorchSettings, device: torch.device, fused: b
     return rows, pdl
 
 
-def decode_attention_kernel(pdl: bool, in_place: bool) -> Callable[..., torch.Tensor] | None:
-    """The paged decode attention kernel launched as a programmatic dependent (CUSTOM_BACKEND_PDL) and/or with its
-    splits combined in place (CUSTOM_BACKEND_IN_PLACE_REDUCE); None for the plain kernel."""
-    if not (pdl or in_place):
+def decode_attention_kernel(pdl: bool) -> Callable[..., torch.Tensor] | None:
+    """The paged decode attention kernel launched as a programmatic dependent (CUSTOM_BACKEND_PDL); None for the
+    plain kernel."""
+    if not pdl:
         return None
     from .kernels.paged_attention import paged_decode_attention
 
-    return functools.partial(paged_decode_attention, pdl=pdl, in_place=in_place)
+    return functools.partial(paged_decode_attention, pdl=True)
 
 
 def _read_config(model_path: str | Path) -> GemmaTextConfig:
@@ -179,9 +179,6 @@ def check_tensor_parallel_settings(custom: CustomTorchSettings, device: str) -> 
     if custom.skinny_max_rows or custom.pdl:
         refused.append("CUSTOM_BACKEND_SKINNY_MAX_ROWS / CUSTOM_BACKEND_PDL (the worker ranks run cuBLAS and plain "
                        "launches: unset them or set them to 0)")
-    if custom.in_place_reduce:
-        refused.append("CUSTOM_BACKEND_IN_PLACE_REDUCE=1 (the worker ranks run neither the few-row kernels nor the "
-                       "Triton decode attention: unset it)")
     if refused:
         raise ConfigurationError("TENSOR_PARALLEL_SIZE > 1 runs every tick as an eager forward and does not support "
                                  + "; ".join(refused))
@@ -231,13 +228,8 @@ class CustomTorchBackend(InferenceBackend):
         if fuse:
             fuse_model(model)
         skinny_rows, pdl = small_batch_plan(custom, self.device, fuse, tensor_parallel=workers is not None)
-        if custom.in_place_reduce and not (skinny_rows or self.attention == "triton"):
-            raise ConfigurationError("CUSTOM_BACKEND_IN_PLACE_REDUCE=1 changes how the few-row matmuls and the Triton "
-                                     "decode attention reduce their splits, and this load runs neither (the few-row "
-                                     "matmuls need CUDA, triton, fusion, no tensor parallel and no COMPILE; the "
-                                     "decode attention CUDA and triton): unset it")
         if skinny_rows or pdl:
-            fuse_small_batch(model, skinny_rows, pdl=pdl, in_place=custom.in_place_reduce)
+            fuse_small_batch(model, skinny_rows, pdl=pdl)
         width = -(-max_len // self.block_size)
         self.runner = PagedRunner(model, self.pools, self.prefill_attention)
         graphs, fixed = _fixed_buffer_options(model, custom, self.attention, on_cuda, workers is not None)
@@ -246,8 +238,7 @@ class CustomTorchBackend(InferenceBackend):
                                fixed_buffers=fixed, max_tokens=settings.max_num_batched_tokens,
                                max_seqs=settings.max_batch_size, width=width, mirror=workers,
                                compile=fixed and custom.compile, explain=fixed and custom.explain,
-                               decode_kernel=decode_attention_kernel(pdl, custom.in_place_reduce)
-                               if self.attention == "triton" else None)
+                               decode_kernel=decode_attention_kernel(pdl) if self.attention == "triton" else None)
         # asynchronous decode: the decode kernel's ticks on this process alone (as the fixed-buffer decoder had)
         self.async_decode = workers is None and self.attention == "triton"
         if workers is not None:

@@ -93,14 +93,6 @@ class CustomTorchSettings(BaseSettings):
         "programmatic dependents (each kernel's weight reads overlap the previous kernel's end). Unset: on where the "
         "load can (compute capability 9.0+, triton, fusion, no tensor parallel, no COMPILE); 1 is refused elsewhere."
     )
-    in_place_reduce: bool = Field(
-        False, description="Split work finished by the kernel that split it: few-row matmuls whose K is split (the "
-        "residual chains after o / down / the PLE projection included) and the Triton decode attention's split-KV "
-        "partials are reduced by the last program to arrive (arrival counters) instead of a second launch: the same "
-        "products (a row norm's or the combine's sums may round differently in the last bit), fewer launches per "
-        "decode step. Needs the few-row kernels or the Triton decode attention; not yet "
-        "measured on a GPU, so off by default."
-    )
     fast_prefill: bool = Field(
         True, description="In the one-forward tick, run the trailing KV-shared layers (Gemma 4) only for tokens whose "
         "logits are needed (stored K/V and sampled tokens unchanged); 0 computes every token through every layer."

@@ -20,8 +20,7 @@ Design:
   shared memory issued ahead of the tile being computed.
 - Split-KV (flash-decoding): with ``num_splits > 1`` the row's tiles are cut into ``num_splits``
   contiguous ranges; each program writes an unnormalised ``(m, l, acc)`` partial and a small
-  combine kernel merges them (``in_place``: the last split of each row and kv head to arrive merges
-  them, no second launch). Empty ranges write ``m = -inf, l = 0, acc = 0`` and drop out.
+  combine kernel merges them. Empty ranges write ``m = -inf, l = 0, acc = 0`` and drop out.
 - The grid and every launch argument derive from tensor shapes only (no ``.item()``, no sync), so
   the wrapper can be captured in a CUDA graph and replayed with new ``seq_lens``/``block_tables``.
 """
@@ -35,7 +34,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .counters import arrival_counters
 from .pdl import await_previous, launch_options
 from .reference import validate_paged_decode_inputs
 
@@ -132,14 +130,9 @@ def _paged_decode_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr = False,
-    count_ptr=None,
-    IN_PLACE: tl.constexpr = False,
-    BLOCK_D: tl.constexpr = 16,
-    SPLIT_PAD: tl.constexpr = 1,
 ):
-    """Program (sequence, KV head, split). SPLIT: unnormalised partials; with IN_PLACE the last split of each
-    (sequence, KV head) to arrive (``kernels.counters``) combines its query heads' partials into ``out`` as
-    ``_combine_splits_kernel`` does (no second launch)."""
+    """Program (sequence, KV head, split). SPLIT: unnormalised partials for ``_combine_splits_kernel``; else the
+    normalised output."""
     await_previous(PDL)  # q and the pools' new K/V are the previous kernels' output
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -197,18 +190,6 @@ def _paged_decode_kernel(
         )
         tl.store(part_ml_ptr + row * 2, m_i, mask=g_mask)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=g_mask)
-        if IN_PLACE:
-            tl.debug_barrier()  # every thread's partials are written before the arrival is counted (release below)
-            count = count_ptr + b * num_kv_heads + kvh
-            if tl.atomic_add(count, 1, sem="acq_rel") == num_splits - 1:
-                tl.atomic_xchg(count, 0)
-                for g in range(0, GROUP):
-                    head = kvh * GROUP + g
-                    row0 = (b64 * (num_kv_heads * GROUP) + head) * num_splits
-                    for d0 in range(0, HEAD_DIM, BLOCK_D):
-                        _combine_head(part_acc_ptr, part_ml_ptr, row0, num_splits,
-                                      out_ptr + b64 * stride_ob + head * stride_oh, d0, HEAD_DIM, BLOCK_D, SPLIT_PAD,
-                                      ".cg")
     else:
         # l == 0 only for an empty row (acc == 0 too): divide by 1 instead.
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -217,31 +198,6 @@ def _paged_decode_kernel(
             o.to(out_ptr.dtype.element_ty),
             mask=g_mask[:, None] & d_mask[None, :],
         )
-
-
-@triton.jit
-def _combine_head(part_acc_ptr, part_ml_ptr, row0, num_splits, out_head_ptr, d0, HEAD_DIM: tl.constexpr,
-                  BLOCK_D: tl.constexpr, SPLIT_PAD: tl.constexpr, CACHE: tl.constexpr):
-    """out[d0 : d0 + BLOCK_D] of one query head from its splits' partials (rows ``row0 + s``): sum_s w_s acc_s /
-    sum_s w_s l_s with w_s = 2^(m_s - max m); all splits loaded at once. Empty splits have m = -inf, so w = 0.
-    ``CACHE``: the partials' load cache modifier (".cg" when other programs of this grid wrote them)."""
-    offs_s = tl.arange(0, SPLIT_PAD)
-    s_mask = offs_s < num_splits
-    offs_d = d0 + tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    m = tl.load(part_ml_ptr + (row0 + offs_s) * 2, mask=s_mask, other=float("-inf"), cache_modifier=CACHE)
-    l = tl.load(part_ml_ptr + (row0 + offs_s) * 2 + 1, mask=s_mask, other=0.0, cache_modifier=CACHE)
-    acc = tl.load(
-        part_acc_ptr + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :],
-        other=0.0,
-        cache_modifier=CACHE,
-    )
-    m_max = tl.max(m, 0)
-    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
-    denom = tl.sum(w * l, 0)
-    o = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
-    tl.store(out_head_ptr + offs_d, o.to(out_head_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -257,14 +213,34 @@ def _combine_splits_kernel(
     SPLIT_PAD: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    """out[b, h, d-chunk] from the splits' partials (:func:`_combine_head`)."""
+    """out[b, h, d-chunk] = sum_s w_s acc_s / sum_s w_s l_s with w_s = 2^(m_s - max m); all splits
+    are loaded at once (one memory round trip). Empty splits have m = -inf, so w = 0."""
     await_previous(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     num_q_heads = tl.num_programs(1)
     row0 = (b.to(tl.int64) * num_q_heads + h) * num_splits
-    _combine_head(part_acc_ptr, part_ml_ptr, row0, num_splits, out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh,
-                  tl.program_id(2) * BLOCK_D, HEAD_DIM, BLOCK_D, SPLIT_PAD, "")
+    offs_s = tl.arange(0, SPLIT_PAD)
+    s_mask = offs_s < num_splits
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+
+    m = tl.load(part_ml_ptr + (row0 + offs_s) * 2, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_ml_ptr + (row0 + offs_s) * 2 + 1, mask=s_mask, other=0.0)
+    acc = tl.load(
+        part_acc_ptr + (row0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    m_max = tl.max(m, 0)
+    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    denom = tl.sum(w * l, 0)
+    o = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(
+        out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
+        o.to(out_ptr.dtype.element_ty),
+        mask=d_mask,
+    )
 
 
 _INTERPRET = type(_paged_decode_kernel).__name__ == "InterpretedFunction"
@@ -344,7 +320,6 @@ def paged_decode_attention(
     num_splits: int | None = None,
     config: DecodeKernelConfig | None = None,
     pdl: bool = False,
-    in_place: bool = False,
 ) -> torch.Tensor:
     """Decode attention over a paged KV cache (Triton).
 
@@ -362,8 +337,6 @@ def paged_decode_attention(
             (:func:`default_num_splits`).
         config: tile/warps/stages override (:func:`default_decode_config` if ``None``).
         pdl: launch as a programmatic dependent (``kernels.pdl``; Hopper).
-        in_place: with several splits, the last split of each (sequence, KV head) combines them (arrival
-            counters, ``kernels.counters``) instead of a second launch; launches on one stream only.
 
     Returns ``out`` (allocated if ``None``). No host sync; CUDA-graph capturable.
     """
@@ -415,10 +388,6 @@ def paged_decode_attention(
     upcast = _INTERPRET and query.dtype == torch.bfloat16  # interpreter bf16 math is broken
     dot_precision = "ieee" if query.dtype == torch.float32 else "tf32"
 
-    split_pad = triton.next_power_of_2(num_splits)
-    block_d = max(16, min(dim_pad, 4096 // split_pad))
-    in_place = in_place and split
-    counters = arrival_counters(query.device, batch * num_kv_heads) if in_place else None
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         query, k_pool, v_pool, block_tables, seq_lens, out, part_acc, part_ml,
         float(scale) * _LOG2E, int(window), max_blocks, num_splits,
@@ -431,10 +400,10 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size, TILE_N=cfg.tile_n, SPLIT=split, UPCAST=upcast,
         DOT_PRECISION=dot_precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
-        count_ptr=counters if in_place else seq_lens,  # an int32 tensor never read without IN_PLACE
-        **({"IN_PLACE": True, "BLOCK_D": block_d, "SPLIT_PAD": split_pad} if in_place else {}),
     )
-    if split and not in_place:
+    if split:
+        split_pad = triton.next_power_of_2(num_splits)
+        block_d = max(16, min(dim_pad, 4096 // split_pad))
         _combine_splits_kernel[(batch, num_q_heads, triton.cdiv(head_dim, block_d))](
             part_acc, part_ml, out, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT_PAD=split_pad, num_warps=4, **launch_options(pdl),

@@ -15,8 +15,6 @@ and applies the epilogue.
   with their row scales, the weights streamed as one byte each and dotted as FP8 where the GPU takes FP8 dots
   (compute capability 8.9+: e4m3 tensor cores from 64-row blocks, a hardware e4m3 -> f16 conversion below), else
   widened exactly to the dot's dtype (bf16, fp32 for fp32 outputs; the CPU interpreter);
-- :func:`skinny_linear_fp8_rows`: that product with the per-row activation quantization done in the kernel as it
-  reads x (no ``quantize_rows`` launch);
 - :func:`skinny_geglu`: ``gelu_tanh(x @ gate.T) * (x @ up.T)`` over a fused ``[gate; up]`` weight, the GeGLU
   MLP's first half, rounding where the eager chain rounds (the projections, gelu's output, the product);
 - :func:`lm_head_argmax`: the greedy token of ``softcap(x @ w.T)`` without writing the logits: each program
@@ -31,10 +29,10 @@ Nothing syncs the host; every launch grid depends on shapes only (CUDA-graph cap
 ``skinny_linear`` and ``skinny_geglu`` run decode's model-dtype projections of at most
 ``CUSTOM_BACKEND_SKINNY_MAX_ROWS`` rows (``fusion.fuse_small_batch``; 32 by default on CUDA), launched as programmatic
 dependents on Hopper (``pdl=True``, ``kernels.pdl``): per product they tie cuBLAS, chained with PDL they took 13 % off
-E2B's decode step at one row on an H100 (docs/benchmarks.md, run 28). The FP8 form (behind
-``quantization.FP8_SKINNY_MAX_ROWS``, default 0) lost against ``torch._scaled_mm`` on an H100 while it widened FP8
-to bf16 in software (its native FP8 dots came after and are unmeasured), and ``lm_head_argmax``
-is not wired (``benchmarks/kernels/bench_skinny_gemm.py``).
+E2B's decode step at one row on an H100 (docs/benchmarks.md, run 28). ``skinny_linear_fp8`` runs FP8 products of
+at most ``quantization.FP8_SKINNY_MAX_ROWS`` rows (32) on ``fp8_rows.quantize_rows``' output: with its native FP8
+dots it beat ``torch._scaled_mm`` in 31B FP8 decode on an H100 (run 29). ``lm_head_argmax`` is not wired
+(``benchmarks/kernels/bench_skinny_gemm.py``).
 """
 
 from __future__ import annotations
@@ -45,14 +43,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .counters import arrival_counters
-from .fp8_rows import fp8_grid, fp8_scale, native_fp8_dot
+from .fp8_rows import native_fp8_dot
 from .fused_ops import gelu_tanh, residual_norm_row, residual_norm_warps
 from .pdl import await_previous, launch_options
 
 __all__ = [
-    "choose_split_k", "lm_head_argmax", "skinny_geglu", "skinny_linear", "skinny_linear_fp8", "skinny_linear_fp8_rows",
-    "skinny_linear_gelu_mul", "skinny_linear_residual_norm",
+    "choose_split_k", "lm_head_argmax", "skinny_geglu", "skinny_linear", "skinny_linear_fp8", "skinny_linear_gelu_mul",
+    "skinny_linear_residual_norm",
 ]
 
 #: Programs to aim for when choosing ``split_k``: two waves of the H200's 132 SMs.
@@ -79,28 +76,12 @@ def choose_split_k(m: int, n: int, k: int, block_n: int = 64, block_k: int = 128
 
 
 @triton.jit
-def _row_fp8_scales(x_ptr, offs_m, m, k, stride_xm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp32 [BLOCK_M]: each row's dynamic FP8 scale over its whole K (``fp8_rows.fp8_scale`` of the row's largest
-    magnitude: the scale ``fp8_rows.quantize_rows`` gives it)."""
-    offs_k = tl.arange(0, BLOCK_K)
-    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in range(0, k, BLOCK_K):
-        ks = k0 + offs_k
-        xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :],
-                     mask=(offs_m[:, None] < m) & (ks < k)[None, :], other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(xs), axis=1))
-    return fp8_scale(amax)
-
-
-@triton.jit
 def _accumulate(acc, x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                WIDEN: tl.constexpr = None, x_scale=None, QUANT: tl.constexpr = False):
+                WIDEN: tl.constexpr = None):
     """fp32 ``acc`` [BLOCK_M, BLOCK_N] += x[offs_m, k_start:k_stop] @ w[offs_n, k_start:k_stop].T (masked), one
     BLOCK_K tile at a time in ascending K. ``WIDEN``: the dtype both tiles are converted to before the dot (FP8
-    operands; exact). ``QUANT``: x is in a float dtype and each tile is put on the FP8 grid under the rows'
-    scales ``x_scale`` first (``fp8_rows.fp8_grid``: the bytes ``quantize_rows`` would give), then dotted as the
-    FP8 weights are (as FP8, or both widened)."""
+    operands; exact)."""
     offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(k_start, k_stop, BLOCK_K):
         ks = k0 + offs_k
@@ -109,10 +90,6 @@ def _accumulate(acc, x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride
                      mask=(offs_m[:, None] < m) & k_mask[None, :], other=0.0)
         ws = tl.load(w_ptr + offs_n[:, None] * stride_wn + ks[None, :],
                      mask=(offs_n[:, None] < n) & k_mask[None, :], other=0.0)
-        if QUANT:
-            xs = fp8_grid(xs.to(tl.float32), x_scale[:, None])
-            if WIDEN is None:
-                xs = xs.to(ws.dtype)
         if WIDEN is not None:
             xs = xs.to(WIDEN)
             ws = ws.to(WIDEN)
@@ -123,12 +100,11 @@ def _accumulate(acc, x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride
 @triton.jit
 def _dot_slab(x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-              WIDEN: tl.constexpr = None, x_scale=None, QUANT: tl.constexpr = False):
-    """fp32 [BLOCK_M, BLOCK_N] = x[offs_m, k_start:k_stop] @ w[offs_n, k_start:k_stop].T (masked; ``QUANT`` as
-    :func:`_accumulate`)."""
+              WIDEN: tl.constexpr = None):
+    """fp32 [BLOCK_M, BLOCK_N] = x[offs_m, k_start:k_stop] @ w[offs_n, k_start:k_stop].T (masked)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     return _accumulate(acc, x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
-                       BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN, x_scale, QUANT)
+                       BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN)
 
 
 @triton.jit
@@ -167,15 +143,15 @@ def _program_tile(k_per_split, k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 @triton.jit
 def _slab_product(x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                  WIDEN: tl.constexpr, PDL: tl.constexpr, x_scale=None, QUANT: tl.constexpr = False):
-    """The program's first product: :func:`_dot_slab_after_wait` for a programmatic dependent (PDL; no QUANT),
-    else :func:`_dot_slab`."""
+                  WIDEN: tl.constexpr, PDL: tl.constexpr):
+    """The program's first product: :func:`_dot_slab_after_wait` for a programmatic dependent (PDL), else
+    :func:`_dot_slab`."""
     if PDL:
         acc = _dot_slab_after_wait(x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
                                    BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN)
     else:
         acc = _dot_slab(x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN, x_scale, QUANT)
+                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN)
     return acc
 
 
@@ -191,25 +167,17 @@ def _gelu_times(acc, up, dtype):
 def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, x_scale_ptr, w_scale_ptr, mul_ptr, m, n_out, k, k_per_split,
                    stride_xm, stride_wn, stride_mul, up_offset, GEGLU: tl.constexpr, GELU_MUL: tl.constexpr,
                    SPLIT: tl.constexpr, SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr = False,
-                   QUANT: tl.constexpr = False):
+                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr = False):
     """Program (column tile, row tile, K slice). SPLIT: write fp32 partials [slices, m, n_out(x2 for GEGLU)];
     else write the rounded result with the epilogue: times the row scales (SCALED), ``gelu(gate) * up`` of the
     two products (GEGLU) or ``gelu(product) * mul`` (GELU_MUL). PDL: launched as a programmatic dependent (see
-    :func:`_dot_slab_after_wait`). QUANT (with SCALED, not PDL): x comes in a float dtype and is quantized per
-    row here (:func:`_row_fp8_scales`); the row scales are written to x_scale_ptr (by the first column tile and
-    K slice) for the reduce kernel."""
+    :func:`_dot_slab_after_wait`)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start its own weight loads
     pid_k = tl.program_id(2)
     offs_m, offs_n, k_start, k_stop = _program_tile(k_per_split, k, BLOCK_M, BLOCK_N)
-    x_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if QUANT:
-        x_scale = _row_fp8_scales(x_ptr, offs_m, m, k, stride_xm, BLOCK_M, BLOCK_K)
-        if SPLIT and tl.program_id(0) == 0 and pid_k == 0:
-            tl.store(x_scale_ptr + offs_m, x_scale, mask=offs_m < m)
     acc = _slab_product(x_ptr, w_ptr, offs_m, offs_n, m, n_out, k_start, k_stop, stride_xm, stride_wn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN, PDL, x_scale, QUANT)
+                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN, PDL)
     mask = (offs_m[:, None] < m) & (offs_n[None, :] < n_out)
     if GEGLU:
         acc_up = _dot_slab(x_ptr, w_ptr + up_offset * stride_wn, offs_m, offs_n, m, n_out, k_start, k_stop,
@@ -223,8 +191,7 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, x_scale_ptr, w_scale_ptr, mu
     else:
         dtype = out_ptr.dtype.element_ty
         if SCALED:
-            if not QUANT:
-                x_scale = tl.load(x_scale_ptr + offs_m, mask=offs_m < m, other=0.0)
+            x_scale = tl.load(x_scale_ptr + offs_m, mask=offs_m < m, other=0.0)
             acc = _scaled(acc, x_scale, w_scale_ptr, offs_n, n_out)
         if GEGLU:
             acc = _gelu_times(acc, acc_up.to(dtype).to(tl.float32), dtype)
@@ -286,75 +253,6 @@ def _reduce_residual_norm_kernel(part_ptr, res_ptr, norm_ptr, scale_ptr, next_no
                       next_ptr + row * n_out, offs, mask, n_out, eps, eps_next, ONE_PLUS, HAS_SCALE, HAS_NEXT)
 
 
-@triton.jit
-def _in_place_reduce_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, mul_ptr, res_ptr, norm_ptr, scale_ptr,
-                            next_norm_ptr, next_ptr, m, n_out, k, k_per_split, stride_xm, stride_wn, stride_mul,
-                            stride_r, up_offset, eps, eps_next, GEGLU: tl.constexpr, GELU_MUL: tl.constexpr,
-                            RESIDUAL: tl.constexpr, ONE_PLUS: tl.constexpr, HAS_SCALE: tl.constexpr,
-                            HAS_NEXT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            BLOCK_ROW: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (column tile, row tile, K slice) of a split-K product that needs no reduce launch: each program
-    stores its fp32 partials and counts its arrival on its tile; the last to arrive sums the tile's partials in
-    slice order (what ``_reduce_kernel`` does) and applies the epilogue (GEGLU, GELU_MUL as ``_skinny_kernel``).
-    RESIDUAL: the tile's rounded product goes back into slice 0 of the partials instead, the tile counts its
-    arrival on its row block, and the row block's last tile runs ``fused_ops.residual_norm_row`` over its rows
-    (what ``_reduce_residual_norm_kernel`` does). The last arriver resets each counter it read to zero
-    (``kernels.counters``)."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    tiles = tl.num_programs(0)
-    slices = tl.num_programs(2)
-    offs_m, offs_n, k_start, k_stop = _program_tile(k_per_split, k, BLOCK_M, BLOCK_N)
-    acc = _slab_product(x_ptr, w_ptr, offs_m, offs_n, m, n_out, k_start, k_stop, stride_xm, stride_wn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, None, PDL)
-    width = n_out * 2 if GEGLU else n_out
-    mask = (offs_m[:, None] < m) & (offs_n[None, :] < n_out)
-    tile_offs = offs_m[:, None] * width + offs_n[None, :]
-    mine = part_ptr + pid_k.to(tl.int64) * m * width + tile_offs
-    tl.store(mine, acc, mask=mask)
-    if GEGLU:
-        acc_up = _dot_slab(x_ptr, w_ptr + up_offset * stride_wn, offs_m, offs_n, m, n_out, k_start, k_stop,
-                           stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
-        tl.store(mine + n_out, acc_up, mask=mask)
-    tl.debug_barrier()  # every thread's partials are written before the arrival is counted (release below)
-    tile_count = count_ptr + pid_m * tiles + pid_n
-    if tl.atomic_add(tile_count, 1, sem="acq_rel") == slices - 1:
-        tl.atomic_xchg(tile_count, 0)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for s in range(0, slices):
-            theirs = part_ptr + s * m * width + tile_offs
-            acc += tl.load(theirs, mask=mask, other=0.0, cache_modifier=".cg")  # not through L1: written elsewhere
-            if GEGLU:
-                acc_up += tl.load(theirs + n_out, mask=mask, other=0.0, cache_modifier=".cg")
-        dtype = out_ptr.dtype.element_ty
-        if GEGLU:
-            acc = _gelu_times(acc, acc_up.to(dtype).to(tl.float32), dtype)
-        if GELU_MUL:
-            up = tl.load(mul_ptr + offs_m[:, None].to(tl.int64) * stride_mul + offs_n[None, :], mask=mask, other=0.0)
-            acc = _gelu_times(acc, up.to(tl.float32), dtype)
-        if RESIDUAL:
-            tl.store(part_ptr + tile_offs, acc.to(dtype).to(tl.float32), mask=mask)  # h, as the eager linear rounds it
-            tl.debug_barrier()
-            rows_count = count_ptr + tiles * tl.num_programs(1) + pid_m
-            if tl.atomic_add(rows_count, 1, sem="acq_rel") == tiles - 1:
-                tl.atomic_xchg(rows_count, 0)
-                cols = tl.arange(0, BLOCK_ROW)
-                cols_mask = cols < n_out
-                for r in range(0, BLOCK_M):
-                    row = (pid_m * BLOCK_M + r).to(tl.int64)
-                    if row < m:
-                        h = tl.load(part_ptr + row * width + cols, mask=cols_mask, other=0.0, cache_modifier=".cg")
-                        residual_norm_row(h, res_ptr + row * stride_r, norm_ptr, scale_ptr, next_norm_ptr,
-                                          out_ptr + row * n_out, next_ptr + row * n_out, cols, cols_mask, n_out, eps,
-                                          eps_next, ONE_PLUS, HAS_SCALE, HAS_NEXT)
-        else:
-            tl.store(out_ptr + offs_m[:, None] * n_out + offs_n[None, :], acc.to(dtype), mask=mask)
-
-
 _WIDEN = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -383,11 +281,10 @@ def _split_plan(m: int, n_out: int, k: int, geglu: bool, split_k: int | None, bl
 
 def _products(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n_out: int, geglu: bool, plan: _Plan,
               block_n: int, block_k: int, num_warps: int, *, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-              mul: torch.Tensor | None = None, pdl: bool = False, always_split: bool = False,
-              quant: bool = False) -> torch.Tensor | None:
+              mul: torch.Tensor | None = None, pdl: bool = False, always_split: bool = False) -> torch.Tensor | None:
     """Launch the product kernel for x [M, K] (M > 0) into ``out`` [M, n_out] with its epilogue, or, when K is split
     (or ``always_split``), into fp32 partials: then returns them ([slices, M, width]) for a reduce kernel to
-    finish; else None. ``quant``: x is quantized per row in the kernel, its scales written to ``scales[0]``."""
+    finish; else None."""
     m, k = x.shape
     split = plan.slices > 1 or always_split
     partials = (torch.empty(plan.slices, m, n_out * (2 if geglu else 1), device=x.device, dtype=torch.float32)
@@ -399,43 +296,20 @@ def _products(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n_out: int, g
                               BLOCK_M=plan.block_m,
                               BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(out),
                               WIDEN=_WIDEN[out.dtype] if scales is not None and not native_fp8_dot(x.device) else None,
-                              num_warps=num_warps, **launch_options(pdl), **({"QUANT": True} if quant else {}))
+                              num_warps=num_warps, **launch_options(pdl))
     return partials if split else None
-
-
-def _in_place(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n_out: int, geglu: bool, plan: _Plan,
-              block_n: int, block_k: int, num_warps: int, *, mul: torch.Tensor | None = None, pdl: bool = False,
-              chain: dict[str, object] | None = None) -> None:
-    """The product of x [M, K] (M > 0) into ``out`` as ONE launch of ``_in_place_reduce_kernel`` (its last programs
-    reduce; ``chain``: the residual-chain launch keywords, then ``out`` gets the chain's y)."""
-    m, k = x.shape
-    tiles, row_blocks, slices = plan.grid
-    partials = torch.empty(slices, m, n_out * (2 if geglu else 1), device=x.device, dtype=torch.float32)
-    unread = {"res_ptr": out, "norm_ptr": out, "scale_ptr": out, "next_norm_ptr": out, "next_ptr": out, "stride_r": 0,
-              "eps": 0.0, "eps_next": 0.0, "ONE_PLUS": False, "HAS_SCALE": False, "HAS_NEXT": False, "BLOCK_ROW": 16}
-    _in_place_reduce_kernel[plan.grid](
-        x, w, out, partials, arrival_counters(x.device, tiles * row_blocks + row_blocks),
-        out if mul is None else mul, m=m, n_out=n_out, k=k, k_per_split=plan.k_per_split, stride_xm=x.stride(0),
-        stride_wn=w.stride(0), stride_mul=0 if mul is None else mul.stride(0), up_offset=n_out, GEGLU=geglu,
-        GELU_MUL=mul is not None, RESIDUAL=chain is not None, BLOCK_M=plan.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRECISION=_precision(out), num_warps=num_warps, **(unread if chain is None else chain), **launch_options(pdl))
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, geglu: bool, split_k: int | None, block_n: int,
             block_k: int, num_warps: int, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-            out_dtype: torch.dtype | None = None, pdl: bool = False, mul: torch.Tensor | None = None,
-            in_place: bool = False, quant: bool = False) -> torch.Tensor:
+            out_dtype: torch.dtype | None = None, pdl: bool = False, mul: torch.Tensor | None = None) -> torch.Tensor:
     _check_operands(x, w)
     m = x.shape[0]
     out = torch.empty(m, n_out, device=x.device, dtype=out_dtype or x.dtype)
     if m == 0 or n_out == 0:
         return out
     plan = _split_plan(m, n_out, x.shape[1], geglu, split_k, block_n, block_k)
-    if in_place and scales is None and plan.slices > 1:
-        _in_place(x, w, out, n_out, geglu, plan, block_n, block_k, num_warps, mul=mul, pdl=pdl)
-        return out
-    partials = _products(x, w, out, n_out, geglu, plan, block_n, block_k, num_warps, scales=scales, mul=mul, pdl=pdl,
-                         quant=quant)
+    partials = _products(x, w, out, n_out, geglu, plan, block_n, block_k, num_warps, scales=scales, mul=mul, pdl=pdl)
     if partials is not None:
         x_scale, w_scale = scales if scales is not None else (out, out)
         reduce_block = 256
@@ -447,40 +321,32 @@ def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, geglu: bool, split_k: 
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, *, split_k: int | None = None, block_n: int = 64,
-                  block_k: int = 128, num_warps: int = 4, pdl: bool = False, in_place: bool = False) -> torch.Tensor:
+                  block_k: int = 128, num_warps: int = 4, pdl: bool = False) -> torch.Tensor:
     """``x @ w.T`` for x [M, K], w [N, K] -> new [M, N] in x's dtype. ``split_k=None`` picks the slices from
     the shapes (:func:`choose_split_k`). ``pdl``: launch as a programmatic dependent of the previous kernel
-    (Hopper; ``kernels.pdl``): the first weight tiles stream while that kernel finishes. ``in_place``: a split K
-    is reduced by the product kernel's last programs (``_in_place_reduce_kernel``), one launch instead of two;
-    the same sums in the same order, so the same bits. Launches on one device must then run one after another
-    (one stream), as a decode step's do."""
-    return _launch(x, w, w.shape[0], False, split_k, block_n, block_k, num_warps, pdl=pdl, in_place=in_place)
+    (Hopper; ``kernels.pdl``): the first weight tiles stream while that kernel finishes."""
+    return _launch(x, w, w.shape[0], False, split_k, block_n, block_k, num_warps, pdl=pdl)
 
 
 def skinny_linear_gelu_mul(x: torch.Tensor, w: torch.Tensor, mul: torch.Tensor, *, split_k: int | None = None,
-                           block_n: int = 64, block_k: int = 128, num_warps: int = 4, pdl: bool = False,
-                           in_place: bool = False) -> torch.Tensor:
+                           block_n: int = 64, block_k: int = 128, num_warps: int = 4,
+                           pdl: bool = False) -> torch.Tensor:
     """``gelu_tanh(x @ w.T) * mul`` (the per-layer-embedding gate) for x [M, K], w [N, K] and mul [M, N] (last
-    dim contiguous, rows may be strided) -> new [M, N] in x's dtype, rounded where the eager chain rounds.
-    ``in_place`` as for :func:`skinny_linear`."""
+    dim contiguous, rows may be strided) -> new [M, N] in x's dtype, rounded where the eager chain rounds."""
     if mul.shape != (x.shape[0], w.shape[0]) or (mul.numel() and mul.stride(1) != 1) or mul.dtype != x.dtype:
         raise ValueError(f"mul must be [{x.shape[0]}, {w.shape[0]}] in {x.dtype} with a contiguous last dim; got "
                          f"{tuple(mul.shape)} {mul.dtype}")
-    return _launch(x, w, w.shape[0], False, split_k, block_n, block_k, num_warps, pdl=pdl, mul=mul, in_place=in_place)
+    return _launch(x, w, w.shape[0], False, split_k, block_n, block_k, num_warps, pdl=pdl, mul=mul)
 
 
 def skinny_linear_residual_norm(
     x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, style: str, *,
     scale: torch.Tensor | None = None, next_weight: torch.Tensor | None = None, next_eps: float | None = None,
     split_k: int | None = None, block_n: int = 64, block_k: int = 128, num_warps: int = 4, pdl: bool = False,
-    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``fused_ops.residual_norm(residual, x @ w.T, weight, eps, style, scale=, next_weight=, next_eps=)`` in two
     launches: the product into fp32 partials (K split as :func:`skinny_linear` splits it, one slice at least),
     then one program per row sums them and runs the residual chain (post-norm, residual add, scale, next norm).
-    ``in_place``: one launch, the chain run by the last program of each row block (as for :func:`skinny_linear`;
-    the product is the same, the row norm's sum of squares may round differently in the last bit on the GPU, where
-    Triton's reduction tree follows each kernel's layout).
     x [M, K], w [N, K], residual [M, N] (last dim contiguous). Returns new (y [M, N], next [M, N] or None)."""
     _check_operands(x, w)
     m, n = x.shape[0], w.shape[0]
@@ -497,9 +363,6 @@ def skinny_linear_residual_norm(
              "eps_next": float(eps if next_eps is None else next_eps),
              "ONE_PLUS": style == "one_plus_w", "HAS_SCALE": scale is not None, "HAS_NEXT": next_weight is not None}
     plan = _split_plan(m, n, x.shape[1], False, split_k, block_n, block_k)
-    if in_place:
-        _in_place(x, w, out, n, False, plan, block_n, block_k, num_warps, pdl=pdl, chain={**chain, "BLOCK_ROW": block})
-        return out, nxt
     partials = _products(x, w, out, n, False, plan, block_n, block_k, num_warps, pdl=pdl, always_split=True)
     assert partials is not None
     _reduce_residual_norm_kernel[(m,)](partials, out_ptr=out, m=m, n_out=n, slices=plan.slices, BLOCK=block,
@@ -525,31 +388,13 @@ def skinny_linear_fp8(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
     return _launch(xq, wq, n, False, split_k, block_n, block_k, num_warps, (x_scale, w_scale), out_dtype)
 
 
-def skinny_linear_fp8_rows(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, *, split_k: int | None = None,
-                           block_n: int = 64, block_k: int = 128, num_warps: int = 4) -> torch.Tensor:
-    """:func:`skinny_linear_fp8` of ``fp8_rows.quantize_rows(x)`` in the product kernel itself: x [M, K] in a float
-    dtype, each program takes its rows' scales over the whole K and puts its x tiles on the FP8 grid as it reads
-    them (the same FP8 values and scales, so the same result), saving the quantization's launch. wq
-    float8_e4m3fn [N, K] with fp32 per-row scales ``w_scale`` [N] -> new [M, N] in x's dtype."""
-    if wq.dtype != torch.float8_e4m3fn or x.dtype not in _WIDEN:
-        raise ValueError(f"need float x and float8_e4m3fn weights; got {x.dtype}, {wq.dtype}")
-    m, n = x.shape[0], wq.shape[0]
-    w_scale = w_scale.reshape(-1).contiguous()
-    if w_scale.numel() != n or w_scale.dtype != torch.float32:
-        raise ValueError(f"need fp32 weight scales [{n}]; got {tuple(w_scale.shape)} {w_scale.dtype}")
-    x_scale = torch.empty(m, device=x.device, dtype=torch.float32)  # written by the kernel for its reduction
-    return _launch(x, wq, n, False, split_k, block_n, block_k, num_warps, (x_scale, w_scale), x.dtype, quant=True)
-
-
 def skinny_geglu(x: torch.Tensor, gate_up: torch.Tensor, *, split_k: int | None = None, block_n: int = 64,
-                 block_k: int = 128, num_warps: int = 4, pdl: bool = False, in_place: bool = False) -> torch.Tensor:
+                 block_k: int = 128, num_warps: int = 4, pdl: bool = False) -> torch.Tensor:
     """``gelu_tanh(x @ gate.T) * (x @ up.T)`` for x [M, K] and gate_up [2 * W, K] (gate rows first, as
-    ``fusion.fuse_projections`` lays them out) -> new [M, W] in x's dtype. ``in_place`` as for
-    :func:`skinny_linear`."""
+    ``fusion.fuse_projections`` lays them out) -> new [M, W] in x's dtype."""
     if gate_up.shape[0] % 2:
         raise ValueError(f"gate_up needs an even number of rows (gate then up); got {gate_up.shape[0]}")
-    return _launch(x, gate_up, gate_up.shape[0] // 2, True, split_k, block_n, block_k, num_warps, pdl=pdl,
-                   in_place=in_place)
+    return _launch(x, gate_up, gate_up.shape[0] // 2, True, split_k, block_n, block_k, num_warps, pdl=pdl)
 
 
 @triton.jit

@@ -123,7 +123,7 @@ def moe_is_fused(model: torch.nn.Module) -> bool:
     return all(m.fused is not None for m in model.modules() if isinstance(m, MoEExperts))
 
 
-def fuse_small_batch(model: GemmaForCausalLM, max_rows: int, *, pdl: bool = False, in_place: bool = False) -> int:
+def fuse_small_batch(model: GemmaForCausalLM, max_rows: int, *, pdl: bool = False) -> int:
     """Run the model-dtype projections of at most ``max_rows`` rows (decode at small batch) through the few-row
     Triton kernels (``kernels.skinny_gemm``: q/k/v, o, gate/up with its GeGLU in one kernel, down, and the PLE
     projections) instead of cuBLAS, with the fused layers' folds: the residual chain after o, down and the PLE
@@ -131,10 +131,8 @@ def fuse_small_batch(model: GemmaForCausalLM, max_rows: int, *, pdl: bool = Fals
     blocks keep the separate kernels); larger products and FP8 weights keep ``quantization.linear``. With ``pdl``
     (Hopper) those kernels, the norms and the elementwise kernels launch as programmatic dependents
     (``kernels.pdl``): each kernel's weight reads start while the previous kernel finishes. Run after
-    ``fuse_projections`` and ``fuse_norms`` / ``fuse_elementwise``. ``in_place``: a split K is reduced by the
-    product kernel's last programs instead of a second launch (``kernels.skinny_gemm``; the same products).
-    ``max_rows`` 0 switches the few-row path off (the PDL launches stay as set). Returns how many layers were
-    switched. Mutates ``model``; idempotent."""
+    ``fuse_projections`` and ``fuse_norms`` / ``fuse_elementwise``. ``max_rows`` 0 switches the few-row path off
+    (the PDL launches stay as set). Returns how many layers were switched. Mutates ``model``; idempotent."""
     from functools import partial
 
     from ..kernels import fused_ops
@@ -144,7 +142,7 @@ def fuse_small_batch(model: GemmaForCausalLM, max_rows: int, *, pdl: bool = Fals
 
     if max_rows < 0:
         raise ValueError(f"max_rows must be >= 0, got {max_rows}")
-    small = (SmallBatchMatmuls(max_rows, *(partial(kernel, pdl=pdl, in_place=in_place) for kernel in (
+    small = (SmallBatchMatmuls(max_rows, *(partial(kernel, pdl=pdl) for kernel in (
         skinny_linear, skinny_geglu, skinny_linear_gelu_mul, skinny_linear_residual_norm))) if max_rows else None)
     if pdl:
         ops = FusedElementwise(*(partial(op, pdl=True) for op in (fused_ops.norm_rope, fused_ops.qkv_norm_rope,
