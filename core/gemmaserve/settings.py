@@ -276,6 +276,11 @@ def build_settings(
         check_prefixed_names(settings_class, env_prefix, title, given)
     check_spellings_agree(settings_class, title, given)
     clean = {key: value for key, value in overrides.items() if value is not None}
+    fields = settings_class.model_fields
+    known = {*fields, *(f.alias for f in fields.values() if f.alias)}
+    unknown = sorted(key for key in clean if key not in known)
+    if unknown:  # the class ignores extra keys (the environment holds other programs' variables): refuse them here
+        raise ConfigurationError(f"{title}: no setting named {', '.join(unknown)}; accepted: {', '.join(sorted(fields))}")
     try:
         return settings_class(**clean)
     except ValidationError as exc:

@@ -198,6 +198,15 @@ def test_a_misspelt_custom_backend_variable_is_refused_with_the_closest_name(mon
     assert load_custom_settings().kv_blocks == 12
 
 
+def test_an_override_that_names_no_setting_is_refused() -> None:
+    """``load_custom_settings(**overrides)`` (and every settings loader: one construction path) refuses a keyword
+    that names no field, listing the accepted ones, instead of the settings class dropping it (a removed setting
+    such as ``in_place_reduce`` passed from a script would do nothing)."""
+    with pytest.raises(ConfigurationError, match=r"no setting named in_place_reduce; accepted: .*pdl.*skinny_max_rows"):
+        load_custom_settings(in_place_reduce=True)
+    assert load_custom_settings(pdl=None, skinny_max_rows=4).skinny_max_rows == 4  # None: not given
+
+
 @pytest.mark.parametrize("field, value", [("vocab_size", 600), ("hidden_size", 40)])
 def test_a_config_that_disagrees_with_the_weights_is_a_load_error_naming_both(tiny_gemma4_dir, tmp_path, field, value):
     """config.json edited away from the weights (a size the tensors do not have): ModelLoadError naming the weight,
