@@ -98,8 +98,6 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quantization", choices=["fp8"], default=None, help="fp8: the custom model's projections and "
                    "experts quantized to FP8 at load (QUANTIZATION=fp8); the hf comparison stays in the model dtype")
-    p.add_argument("--fp8-skinny-max-rows", type=int, default=None, help="with --quantization fp8: FP8 products of "
-                   "at most this many rows use the Triton skinny kernel (default: the code's; 0 = torch._scaled_mm)")
     p.add_argument("--switch-interval", type=float, default=None, help="Python's thread switch interval in seconds "
                    "for the whole run (sys.setswitchinterval; default: Python's 0.005)")
     args = p.parse_args(argv)
@@ -111,8 +109,6 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--serving-max-rows must be at least 1, got {args.serving_max_rows}")
     if args.serving_repeats < 1:
         p.error(f"--serving-repeats must be at least 1, got {args.serving_repeats}")
-    if args.fp8_skinny_max_rows is not None and args.quantization != "fp8":
-        p.error("--fp8-skinny-max-rows applies to FP8 weights; add --quantization fp8")
     if args.serving_max_rows is None:
         args.serving_max_rows = 256
     if args.quick:
@@ -322,10 +318,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from gemmaserve_custom_torch.models import quantization
 
         quantization.check_fp8_device(device, dtype)
-        quantization.quantize_fp8(model)  # new FP8 tensors
-        if args.fp8_skinny_max_rows is not None:  # an A/B knob of this benchmark, not a user setting
-            quantization.FP8_SKINNY_MAX_ROWS = args.fp8_skinny_max_rows
-        results["meta"]["fp8_skinny_max_rows"] = quantization.FP8_SKINNY_MAX_ROWS
+        quantization.quantize_fp8(model)  # new FP8 tensors (few-row products: CUSTOM_BACKEND_SKINNY_MAX_ROWS)
     if device == "cuda":
         torch.cuda.empty_cache()
     results["meta"]["quantization"] = args.quantization

@@ -7,9 +7,9 @@ device-to-device copy bandwidth measured in the same run. GeGLU compares the fus
 ``F.linear`` over [gate; up] + the eager GeGLU chain; the LM head compares ``lm_head_argmax`` against
 ``F.linear`` + softcap + ``argmax``. Also sweeps ``split_k`` for one shape per kind with ``--sweep``.
 ``--fp8`` times the FP8 projections instead (every linear and gate/up shape as one product, as
-``QUANTIZATION=fp8`` runs them): Triton row quantization + ``skinny_linear_fp8`` (the path of
-``models.quantization.linear`` for at most ``quantization.FP8_SKINNY_MAX_ROWS`` rows), Triton quantization +
-``torch._scaled_mm`` (its path for more rows), the torch row quantization + ``_scaled_mm`` it replaced, and bf16
+``QUANTIZATION=fp8`` runs them): ``skinny_fp8_linear`` (Triton row quantization + ``skinny_linear_fp8``, decode's
+path for at most ``CUSTOM_BACKEND_SKINNY_MAX_ROWS`` rows), Triton quantization + ``torch._scaled_mm``
+(``models.quantization.linear``, the path for more rows), the torch row quantization + ``_scaled_mm``, and bf16
 ``F.linear``; the bandwidth column counts one byte per FP8 weight.
 
 Usage (repo root):

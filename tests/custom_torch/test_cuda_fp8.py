@@ -122,18 +122,22 @@ def test_fp8_logits_stay_near_bf16(tiny_checkpoint, name: str) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 7, 32])
-def test_the_few_row_fp8_kernel_matches_scaled_mm(rows: int, monkeypatch) -> None:
-    """``quantization.linear`` with ``FP8_SKINNY_MAX_ROWS`` covering the rows (the few-row kernel, FP8 dots on the
-    tensor cores) against it at 0 (``_scaled_mm``), both on ``quantize_rows``' values and scales: they differ only in
-    fp32 summation order, far below one bf16 step of the output."""
+@pytest.mark.parametrize("pdl", [False, True])
+def test_the_few_row_fp8_kernel_matches_scaled_mm(rows: int, pdl: bool) -> None:
+    """``skinny_gemm.skinny_fp8_linear`` (decode's few-row FP8 path: ``quantize_rows`` then FP8 dots on the tensor
+    cores, as programmatic dependents with ``pdl`` on Hopper) against ``quantization.linear`` (``quantize_rows``
+    then ``_scaled_mm``): the same FP8 values and scales, so the two differ only in fp32 summation order, far below
+    one bf16 step of the output."""
+    from gemmaserve_custom_torch.kernels.pdl import pdl_supported
+    from gemmaserve_custom_torch.kernels.skinny_gemm import skinny_fp8_linear
     from gemmaserve_custom_torch.models import quantization
 
+    if pdl and not pdl_supported("cuda"):
+        pytest.skip("programmatic dependent launch needs compute capability 9")
     gen = torch.Generator(device="cuda").manual_seed(rows)
     weight, scale = quantization.quantize_weight(0.05 * torch.randn(5376, 2816, device="cuda", generator=gen))
     x = torch.randn(rows, 2816, device="cuda", generator=gen).to(torch.bfloat16)
-    monkeypatch.setattr(quantization, "FP8_SKINNY_MAX_ROWS", 0)
     scaled_mm = quantization.linear(x, weight, scale).float()
-    monkeypatch.setattr(quantization, "FP8_SKINNY_MAX_ROWS", 64)
-    few_rows = quantization.linear(x, weight, scale).float()
+    few_rows = skinny_fp8_linear(x, weight, scale, pdl=pdl).float()
     bf16_step = scaled_mm.abs().max() * 2 ** -7
     assert torch.isfinite(few_rows).all() and float((few_rows - scaled_mm).abs().max()) <= float(bf16_step)

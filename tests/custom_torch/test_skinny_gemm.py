@@ -150,9 +150,9 @@ def test_the_kernels_compile_for_hopper_without_a_gpu():
     gate (gelu times a tensor) epilogues, the reductions (incl. the one running the residual chain), and the
     LM-head argmax with its softcap; fp32 with IEEE dots; FP8 operands widened to bf16 or dotted as FP8 (e4m3
     tensor cores from 64-row blocks, a hardware conversion below) with the scale epilogue, and the FP8 row
-    quantization; the programmatic-dependent-launch forms (bf16) carry the grid-dependency instructions and nothing
-    else does. Pointers and sizes carry the 16-divisibility E2B's shapes give the launcher, so the bf16 K loops
-    become tensor-core dots."""
+    quantization; the programmatic-dependent-launch forms (bf16, native FP8 and the row quantization) carry the
+    grid-dependency instructions and nothing else does. Pointers and sizes carry the 16-divisibility E2B's shapes
+    give the launcher, so the bf16 K loops become tensor-core dots."""
     require_hopper_compiler()
     import triton.language as tl
 
@@ -195,15 +195,15 @@ def test_the_kernels_compile_for_hopper_without_a_gpu():
                 {"ONE_PLUS": False, "HAS_SCALE": True, "HAS_NEXT": True, "BLOCK": 2048, "PDL": pdl}, dtype))
     for block_m in (16, 64):  # FP8 operands, widened to bf16 in software or dotted as FP8; the scales in the epilogue
         for split in (False, True):
-            for widen in (tl.bfloat16, None):
+            for widen, pdl in ((tl.bfloat16, False), (None, False), (None, True)):
                 builds.append((sk._skinny_kernel, _skinny_signature("fp8e4nv", "bf16"),
                                {"GEGLU": False, "GELU_MUL": False, "SPLIT": split, "SCALED": True, "BLOCK_M": block_m,
-                                "BLOCK_N": 64, "BLOCK_K": 128, "PRECISION": "tf32", "WIDEN": widen, "PDL": False},
+                                "BLOCK_N": 64, "BLOCK_K": 128, "PRECISION": "tf32", "WIDEN": widen, "PDL": pdl},
                                "fp8" if widen is not None else "fp8_native"))
-    for dtype in ("bf16", "fp16", "fp32"):
+    for dtype, pdl in (("bf16", False), ("fp16", False), ("fp32", False), ("bf16", True)):
         builds.append((quantize_rows_kernel, {"x_ptr": f"*{dtype}", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
-                                              "k": "i32", "stride_xm": "i32", "BLOCK": "constexpr"},
-                       {"BLOCK": 1024}, "quantize"))
+                                              "k": "i32", "stride_xm": "i32", "BLOCK": "constexpr", "PDL": "constexpr"},
+                       {"BLOCK": 1024, "PDL": pdl}, "quantize"))
     for kernel, signature, constexprs, dtype in builds:
         asm = compile_for_hopper(kernel, signature, constexprs, unaligned=("m", "slices"))
         if dtype in ("bf16", "fp8", "fp8_native") and "BLOCK_K" in constexprs:

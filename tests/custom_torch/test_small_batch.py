@@ -19,9 +19,11 @@ import json, sys, torch
 import gemmaserve_custom_torch.kernels.skinny_gemm as sk
 from gemmaserve_custom_torch.models import ContiguousKVContext, GemmaForCausalLM
 from gemmaserve_custom_torch.models.fusion import fuse_elementwise, fuse_projections, fuse_small_batch
+from gemmaserve_custom_torch.models.quantization import quantize_fp8
 path, max_rows, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+fp8 = len(sys.argv) > 4 and sys.argv[4] == "fp8"
 torch.set_num_threads(1)
-calls = {"linear": [], "geglu": [], "gelu_mul": [], "residual_norm": []}
+calls = {"linear": [], "geglu": [], "gelu_mul": [], "residual_norm": [], "fp8": []}
 def counted(name, kernel):
     def run(x, w, *args, **kw):
         calls[name].append(x.shape[0])
@@ -30,9 +32,12 @@ def counted(name, kernel):
 sk.skinny_linear, sk.skinny_geglu = counted("linear", sk.skinny_linear), counted("geglu", sk.skinny_geglu)
 sk.skinny_linear_gelu_mul = counted("gelu_mul", sk.skinny_linear_gelu_mul)
 sk.skinny_linear_residual_norm = counted("residual_norm", sk.skinny_linear_residual_norm)
+sk.skinny_fp8_linear = counted("fp8", sk.skinny_fp8_linear)
 fused = GemmaForCausalLM.from_hf(path, "cpu", torch.float32)
 small = GemmaForCausalLM.from_hf(path, "cpu", torch.float32)
 for model in (fused, small):
+    if fp8:
+        quantize_fp8(model)
     fuse_projections(model)
     fuse_elementwise(model)
 out = {"switched": fuse_small_batch(small, max_rows), "layers": len(small.layers)}
@@ -79,6 +84,22 @@ def test_decode_rows_run_the_few_row_kernels_and_keep_the_tokens(tiny_checkpoint
     assert result["gelu_mul_calls"] == (4 * layers if result["ple"] else 0), result
     assert result["linear_calls"] == 4 * (layers + result["moe_layers"]), result
     assert result["max_logit_diff"] < 1e-4, result
+    assert result["tokens_equal"], result
+
+
+def test_fp8_decode_rows_run_the_few_row_fp8_path_and_keep_the_tokens(tiny_checkpoint):
+    """With FP8 weights (``quantize_fp8``) every decode projection of a 2-row batch runs ``skinny_fp8_linear``
+    (rows quantized, then the FP8 product) instead of ``quantization.linear``'s ``_scaled_mm``, the model-dtype
+    kernels and folds none; the logits are the FP8 model's up to summation order (the same quantized values)."""
+    result = run_interpreted(_MODEL_SCRIPT, str(tiny_checkpoint("gemma4")), "4", "2", "fp8")
+    assert set(result["prompt_calls"].values()) == {0}, result
+    assert result["decode_rows"] == [2], result
+    layers = result["layers"]
+    # per layer per step: q(kv), o, gate/up, down, and with per-layer inputs their gate and projection
+    assert result["fp8_calls"] == 4 * layers * (6 if result["ple"] else 4), result
+    assert result["linear_calls"] == result["geglu_calls"] == result["residual_norm_calls"] == 0, result
+    assert result["gelu_mul_calls"] == 0, result
+    assert result["max_logit_diff"] < 1e-3, result
     assert result["tokens_equal"], result
 
 

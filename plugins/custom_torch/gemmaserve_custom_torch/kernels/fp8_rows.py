@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import await_previous, launch_options
+
 __all__ = ["native_fp8_dot", "quantize_rows"]
 
 _MIN_SCALE = 1e-12  # an all-zero row's scale, as quantize_per_token
@@ -57,7 +59,8 @@ def fp8_grid(v, scale):
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, k, stride_xm, BLOCK: tl.constexpr):
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, k, stride_xm, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    await_previous(PDL)  # reads only the previous kernel's output
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -72,9 +75,10 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, k, stride_xm, BLOCK: tl.const
         tl.store(q_ptr + row * k + k0 + offs, fp8_grid(x, scale).to(q_ptr.dtype.element_ty), mask=mask)
 
 
-def quantize_rows(x: torch.Tensor, block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, block: int = 1024, *, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (any float dtype, contiguous last dim) -> (float8_e4m3fn [M, K] contiguous, fp32 scales [M, 1]);
-    new tensors, x not mutated."""
+    new tensors, x not mutated. ``pdl``: launch as a programmatic dependent of the previous kernel
+    (``kernels.pdl``; Hopper)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"need x [M, K] with a contiguous last dim; got {tuple(x.shape)} strides {x.stride()}")
     m, k = x.shape
@@ -82,7 +86,7 @@ def quantize_rows(x: torch.Tensor, block: int = 1024) -> tuple[torch.Tensor, tor
     scale = torch.empty(m, 1, device=x.device, dtype=torch.float32)
     if m and k:
         _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), BLOCK=min(block, triton.next_power_of_2(k)),
-                                    num_warps=4)
+                                    num_warps=4, **launch_options(pdl))
     elif m:
         scale.fill_(_MIN_SCALE)
     return q, scale

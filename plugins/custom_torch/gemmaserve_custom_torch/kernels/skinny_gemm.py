@@ -15,6 +15,8 @@ and applies the epilogue.
   with their row scales, the weights streamed as one byte each and dotted as FP8 where the GPU takes FP8 dots
   (compute capability 8.9+: e4m3 tensor cores from 64-row blocks, a hardware e4m3 -> f16 conversion below), else
   widened exactly to the dot's dtype (bf16, fp32 for fp32 outputs; the CPU interpreter);
+- :func:`skinny_fp8_linear`: ``quantization.linear`` of model-dtype rows and an FP8 weight: the rows quantized
+  (``fp8_rows.quantize_rows``), then :func:`skinny_linear_fp8`;
 - :func:`skinny_geglu`: ``gelu_tanh(x @ gate.T) * (x @ up.T)`` over a fused ``[gate; up]`` weight, the GeGLU
   MLP's first half, rounding where the eager chain rounds (the projections, gelu's output, the product);
 - :func:`lm_head_argmax`: the greedy token of ``softcap(x @ w.T)`` without writing the logits: each program
@@ -29,10 +31,9 @@ Nothing syncs the host; every launch grid depends on shapes only (CUDA-graph cap
 ``skinny_linear`` and ``skinny_geglu`` run decode's model-dtype projections of at most
 ``CUSTOM_BACKEND_SKINNY_MAX_ROWS`` rows (``fusion.fuse_small_batch``; 32 by default on CUDA), launched as programmatic
 dependents on Hopper (``pdl=True``, ``kernels.pdl``): per product they tie cuBLAS, chained with PDL they took 13 % off
-E2B's decode step at one row on an H100 (docs/benchmarks.md, run 28). ``skinny_linear_fp8`` runs FP8 products of
-at most ``quantization.FP8_SKINNY_MAX_ROWS`` rows (32) on ``fp8_rows.quantize_rows``' output: with its native FP8
-dots it beat ``torch._scaled_mm`` in 31B FP8 decode on an H100 (run 29). ``lm_head_argmax`` is not wired
-(``benchmarks/kernels/bench_skinny_gemm.py``).
+E2B's decode step at one row on an H100 (docs/benchmarks.md, run 28). ``skinny_fp8_linear`` runs the FP8 products
+of as many rows, in the same chain: with its native FP8 dots the product beat ``torch._scaled_mm`` in 31B FP8
+decode on an H100 (run 29). ``lm_head_argmax`` is not wired (``benchmarks/kernels/bench_skinny_gemm.py``).
 """
 
 from __future__ import annotations
@@ -43,13 +44,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_rows import native_fp8_dot
+from .fp8_rows import native_fp8_dot, quantize_rows
 from .fused_ops import gelu_tanh, residual_norm_row, residual_norm_warps
 from .pdl import await_previous, launch_options
 
 __all__ = [
-    "choose_split_k", "lm_head_argmax", "skinny_geglu", "skinny_linear", "skinny_linear_fp8", "skinny_linear_gelu_mul",
-    "skinny_linear_residual_norm",
+    "choose_split_k", "lm_head_argmax", "skinny_fp8_linear", "skinny_geglu", "skinny_linear", "skinny_linear_fp8",
+    "skinny_linear_gelu_mul", "skinny_linear_residual_norm",
 ]
 
 #: Programs to aim for when choosing ``split_k``: two waves of the H200's 132 SMs.
@@ -372,11 +373,11 @@ def skinny_linear_residual_norm(
 
 def skinny_linear_fp8(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
                       out_dtype: torch.dtype, *, split_k: int | None = None, block_n: int = 64, block_k: int = 128,
-                      num_warps: int = 4) -> torch.Tensor:
+                      num_warps: int = 4, pdl: bool = False) -> torch.Tensor:
     """What ``torch._scaled_mm(xq, wq.T, scale_a=x_scale, scale_b=w_scale[None], out_dtype=out_dtype)`` computes,
     for few rows: xq float8_e4m3fn [M, K] with fp32 per-row scales ``x_scale`` [M, 1] (or [M]), wq float8_e4m3fn
     [N, K] with fp32 per-row scales ``w_scale`` [N] -> new [M, N] in ``out_dtype`` (fp32 accumulation, then the
-    scales, then one rounding)."""
+    scales, then one rounding). ``pdl`` as :func:`skinny_linear`."""
     fp8 = torch.float8_e4m3fn
     if xq.dtype != fp8 or wq.dtype != fp8 or out_dtype not in _WIDEN:
         raise ValueError(f"need float8_e4m3fn operands and a float out_dtype; got {xq.dtype}, {wq.dtype}, {out_dtype}")
@@ -385,7 +386,15 @@ def skinny_linear_fp8(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
     if x_scale.numel() != m or w_scale.numel() != n or x_scale.dtype != torch.float32 or w_scale.dtype != torch.float32:
         raise ValueError(f"need fp32 scales [{m}] and [{n}]; got {tuple(x_scale.shape)} {x_scale.dtype} and "
                          f"{tuple(w_scale.shape)} {w_scale.dtype}")
-    return _launch(xq, wq, n, False, split_k, block_n, block_k, num_warps, (x_scale, w_scale), out_dtype)
+    return _launch(xq, wq, n, False, split_k, block_n, block_k, num_warps, (x_scale, w_scale), out_dtype, pdl=pdl)
+
+
+def skinny_fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
+    """``quantization.linear(x, wq, w_scale)`` for few rows: x [M, K] in the model dtype quantized per row
+    (``fp8_rows.quantize_rows``), then :func:`skinny_linear_fp8` -> new [M, N] in x's dtype. Two launches, both
+    programmatic dependents with ``pdl``."""
+    xq, x_scale = quantize_rows(x, pdl=pdl)
+    return skinny_linear_fp8(xq, x_scale, wq, w_scale, x.dtype, pdl=pdl)
 
 
 def skinny_geglu(x: torch.Tensor, gate_up: torch.Tensor, *, split_k: int | None = None, block_n: int = 64,

@@ -126,9 +126,10 @@ def moe_is_fused(model: torch.nn.Module) -> bool:
 def fuse_small_batch(model: GemmaForCausalLM, max_rows: int, *, pdl: bool = False) -> int:
     """Run the model-dtype projections of at most ``max_rows`` rows (decode at small batch) through the few-row
     Triton kernels (``kernels.skinny_gemm``: q/k/v, o, gate/up with its GeGLU in one kernel, down, and the PLE
-    projections) instead of cuBLAS, with the fused layers' folds: the residual chain after o, down and the PLE
-    projection runs in their split-K reduce, the PLE gate in its projection's epilogue (tensor parallel and MoE
-    blocks keep the separate kernels); larger products and FP8 weights keep ``quantization.linear``. With ``pdl``
+    projections) instead of cuBLAS, and FP8 projections through ``skinny_fp8_linear`` instead of
+    ``torch._scaled_mm``, with the fused layers' folds (model-dtype weights): the residual chain after o, down and
+    the PLE projection runs in their split-K reduce, the PLE gate in its projection's epilogue (tensor parallel and
+    MoE blocks keep the separate kernels); larger products keep ``quantization.linear``. With ``pdl``
     (Hopper) those kernels, the norms and the elementwise kernels launch as programmatic dependents
     (``kernels.pdl``): each kernel's weight reads start while the previous kernel finishes. Run after
     ``fuse_projections`` and ``fuse_norms`` / ``fuse_elementwise``. ``max_rows`` 0 switches the few-row path off
@@ -137,13 +138,20 @@ def fuse_small_batch(model: GemmaForCausalLM, max_rows: int, *, pdl: bool = Fals
 
     from ..kernels import fused_ops
     from ..kernels.rms_norm import rms_norm
-    from ..kernels.skinny_gemm import skinny_geglu, skinny_linear, skinny_linear_gelu_mul, skinny_linear_residual_norm
+    from ..kernels.skinny_gemm import (
+        skinny_fp8_linear,
+        skinny_geglu,
+        skinny_linear,
+        skinny_linear_gelu_mul,
+        skinny_linear_residual_norm,
+    )
     from .layers import FusedElementwise, RMSNorm, SmallBatchMatmuls
 
     if max_rows < 0:
         raise ValueError(f"max_rows must be >= 0, got {max_rows}")
     small = (SmallBatchMatmuls(max_rows, *(partial(kernel, pdl=pdl) for kernel in (
-        skinny_linear, skinny_geglu, skinny_linear_gelu_mul, skinny_linear_residual_norm))) if max_rows else None)
+        skinny_linear, skinny_geglu, skinny_linear_gelu_mul, skinny_linear_residual_norm, skinny_fp8_linear)))
+             if max_rows else None)
     if pdl:
         ops = FusedElementwise(*(partial(op, pdl=True) for op in (fused_ops.norm_rope, fused_ops.qkv_norm_rope,
                                                                  fused_ops.residual_norm, fused_ops.gelu_mul)))

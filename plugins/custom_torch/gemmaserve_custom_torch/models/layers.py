@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import NormStyle, RopeParams
-from .quantization import linear
+from .quantization import Fp8Linear, linear
 
 Device = torch.device | str | None
 # Triton kernels run on CPU tensors in the interpreter (tests only; set before the process starts)
@@ -149,17 +149,20 @@ class FusedElementwise:
 @dataclass(frozen=True)
 class SmallBatchMatmuls:
     """Few-row matmul kernels (``kernels.skinny_gemm``, set by ``fusion.fuse_small_batch``) that replace cuBLAS
-    for products of at most ``max_rows`` rows (decode at small batch) with model-dtype weights; FP8 weights and
-    larger products keep ``quantization.linear``. Plain callables so the model package never imports triton.
+    and ``torch._scaled_mm`` for products of at most ``max_rows`` rows (decode at small batch); larger products
+    keep ``quantization.linear``. Plain callables so the model package never imports triton.
     ``linear(x [M, K], w [N, K])`` -> [M, N]; ``geglu(x [M, K], gate_up [2W, K])`` -> gelu_tanh(gate) * up [M, W];
     ``gelu_mul(x, w, mul [M, N])`` -> gelu_tanh(x @ w.T) * mul; ``residual_norm(x, w, residual [M, N], weight, eps,
-    style, scale=, next_weight=, next_eps=)`` -> ``kernels.fused_ops.residual_norm`` of ``x @ w.T`` (y, next)."""
+    style, scale=, next_weight=, next_eps=)`` -> ``kernels.fused_ops.residual_norm`` of ``x @ w.T`` (y, next);
+    ``fp8_linear(x [M, K], wq [N, K] FP8, w_scale [N])`` -> ``quantization.linear(x, wq, w_scale)`` [M, N]. All but
+    ``fp8_linear`` take model-dtype weights."""
 
     max_rows: int
     linear: Callable[[Tensor, Tensor], Tensor]
     geglu: Callable[[Tensor, Tensor], Tensor]
     gelu_mul: Callable[[Tensor, Tensor, Tensor], Tensor]
     residual_norm: Callable[..., tuple[Tensor, Tensor | None]]
+    fp8_linear: Callable[[Tensor, Tensor, Tensor], Tensor]
 
     def takes(self, x: Tensor) -> bool:
         """Whether a product with input ``x`` [..., K] runs here (its row count only: graph-capture safe)."""
@@ -169,24 +172,29 @@ class SmallBatchMatmuls:
         """Whether ``module(x)`` runs here: a plain model-dtype ``nn.Linear`` without bias, and :meth:`takes` x."""
         return type(module) is nn.Linear and module.bias is None and self.takes(x)
 
-    def project(self, x: Tensor, weight: Tensor) -> Tensor:
-        """``F.linear(x, weight)`` for x [..., K] through the few-row kernel."""
-        return self.linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+    def project(self, x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
+        """``quantization.linear(x, weight, scale)`` for x [..., K] through the few-row kernels (``scale`` None: a
+        model-dtype weight; else an FP8 weight with its row scales)."""
+        rows = x.reshape(-1, x.shape[-1])
+        out = self.linear(rows, weight) if scale is None else self.fp8_linear(rows, weight, scale)
+        return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def small_batch_project(x: Tensor, weight: Tensor, scale: Tensor | None, small: SmallBatchMatmuls | None) -> Tensor:
-    """``quantization.linear(x, weight, scale)``, through ``small`` when it takes ``x`` and the weight is in the
-    model dtype (``scale`` None)."""
-    if small is not None and scale is None and small.takes(x):
-        return small.project(x, weight)
+    """``quantization.linear(x, weight, scale)``, through ``small`` when it takes ``x``."""
+    if small is not None and small.takes(x):
+        return small.project(x, weight, scale)
     return linear(x, weight, scale)
 
 
 def small_batch_linear(module: nn.Module, x: Tensor, small: SmallBatchMatmuls | None) -> Tensor:
     """``module(x)`` for a projection module; through ``small`` when it takes ``x`` and the module is a plain
-    model-dtype ``nn.Linear`` without bias (FP8 and other layers run their own forward)."""
-    if small is not None and small.takes_linear(module, x):
-        return small.project(x, module.weight)
+    model-dtype ``nn.Linear`` without bias or an ``Fp8Linear`` (other layers run their own forward)."""
+    if small is not None and small.takes(x):
+        if small.takes_linear(module, x):
+            return small.project(x, module.weight)
+        if type(module) is Fp8Linear:
+            return small.project(x, module.weight, module.weight_scale)
     return module(x)
 
 
@@ -212,7 +220,7 @@ class GeGLUMLP(nn.Module):
         if small is not None and self.fused_gate_up is not None and self.fused_gate_up_scale is None and small.takes(x):
             return small.geglu(x.reshape(-1, x.shape[-1]), self.fused_gate_up).view(*x.shape[:-1], -1)
         if self.fused_gate_up is not None:
-            gate, up = linear(x, self.fused_gate_up, self.fused_gate_up_scale).chunk(2, dim=-1)
+            gate, up = small_batch_project(x, self.fused_gate_up, self.fused_gate_up_scale, small).chunk(2, dim=-1)
             return self.gelu_mul(gate, up) if self.gelu_mul is not None else gelu_tanh(gate) * up
         return gelu_tanh(self.gate_proj(x)) * self.up_proj(x)
 

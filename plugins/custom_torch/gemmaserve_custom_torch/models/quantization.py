@@ -17,9 +17,9 @@ weight (plain ``F.linear``) or an FP8 weight with its scales.
 
 Numerics: a weight row w is stored as ``q = fp8(w / s)`` with ``s = amax(|w|) / 448``; an activation row the same
 way per token; ``_scaled_mm`` accumulates in fp32 and rounds once to the output dtype. On CUDA the activations are
-quantized by one Triton kernel (``kernels.fp8_rows``: the same definition, divisions correctly rounded) and
-products of at most ``FP8_SKINNY_MAX_ROWS`` rows (default 32) run ``kernels.skinny_gemm.skinny_linear_fp8`` instead
-of ``_scaled_mm`` (same arithmetic, another summation order). Nothing here syncs
+quantized by one Triton kernel (``kernels.fp8_rows``: the same definition, divisions correctly rounded). Decode's
+few-row products skip this seam: ``fusion.fuse_small_batch`` routes them to ``kernels.skinny_gemm.skinny_fp8_linear``
+(same arithmetic, another summation order; ``layers.SmallBatchMatmuls``). Nothing here syncs
 the host (CUDA-graph safe). On CUDA, FP8 matmuls need compute capability 8.9 or newer (:func:`check_fp8_device`).
 """
 
@@ -45,13 +45,6 @@ __all__ = [
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
-#: On CUDA, FP8 products of at most this many rows run ``kernels.skinny_gemm.skinny_linear_fp8`` on the rows
-#: ``quantize_rows`` gave (the weight read as one byte per value by split-K Triton programs dotting FP8 natively)
-#: instead of ``torch._scaled_mm``; same arithmetic (FP8 x FP8 in fp32, then the scales), another summation order.
-#: 32: on an H100 (run 29, ``bench_skinny_gemm.py --fp8 --models 31b``) the kernel beat ``_scaled_mm`` at every 31B
-#: projection at M = 1-8 and at three of four at M = 32 (all four together 239 against 273 µs), and 31B FP8 decode
-#: took 15.7 / 17.3 / 28.0 ms per token at N = 1 / 8 / 32 against 19.4 / 20.8 / 29.7 ms with 0 (always _scaled_mm).
-FP8_SKINNY_MAX_ROWS = 32
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 _MIN_SCALE = 1e-12  # an all-zero row quantizes to zeros instead of dividing by zero
 SUPPORTED_CHECKPOINTS = ("compressed-tensors, format float-quantized: 8-bit float weights with channel or tensor "
@@ -92,29 +85,25 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
     if x.numel() == 0:  # a shape test, no sync; cuBLAS FP8 kernels are not asked for empty products
         return x.new_empty(*lead, weight.shape[0])
     rows = x.reshape(-1, x.shape[-1])
-    kernels = _triton_fp8() if x.is_cuda else None
-    if kernels is None:
+    quantize_rows = _triton_fp8() if x.is_cuda else None
+    if quantize_rows is None:
         xq, x_scale = quantize_per_token(rows)
-    else:  # one Triton kernel for the ~9 torch ones; few rows: the product in skinny_gemm's split-K kernel
-        quantize_rows, skinny_linear_fp8 = kernels
+    else:  # one Triton kernel for the ~9 torch ones
         xq, x_scale = quantize_rows(rows.contiguous())
-        if rows.shape[0] <= FP8_SKINNY_MAX_ROWS:
-            return skinny_linear_fp8(xq, x_scale, weight, scale, x.dtype).view(*lead, weight.shape[0])
     out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)
     return out.view(*lead, weight.shape[0])
 
 
 @functools.cache
-def _triton_fp8() -> tuple[Any, Any] | None:
-    """(``quantize_rows``, ``skinny_linear_fp8``), or None where triton does not import (the torch ops then)."""
+def _triton_fp8() -> Any:
+    """``kernels.fp8_rows.quantize_rows``, or None where triton does not import (the torch ops then)."""
     from ..kernels import HAS_TRITON
 
     if not HAS_TRITON:
         return None
     from ..kernels.fp8_rows import quantize_rows
-    from ..kernels.skinny_gemm import skinny_linear_fp8
 
-    return quantize_rows, skinny_linear_fp8
+    return quantize_rows
 
 
 class Fp8Linear(nn.Module):
