@@ -325,10 +325,10 @@ def test_a_moe_model_on_the_fused_experts_keeps_its_tokens(tiny_moe_dir, hf_refe
 
 
 def _hopper_kernels(dtype: str, blocks: tuple[int, int, int], fp8: bool = False,
-                    fp8_dot: bool = False) -> list[tuple[object, dict, dict]]:
+                    fp8_dot: bool = False, pdl: bool = False) -> list[tuple[object, dict, dict]]:
     """(kernel, signature, constexprs) of the four launches of ``fused_experts`` (26B-A4B's E 128, k 8) for one
     dtype / block shape; ``fp8``: float8_e4m3fn expert weights with fp32 scales and FP8 input rows (widened to
-    ``dtype`` for the dots, or FP8 tensor-core dots with ``fp8_dot``)."""
+    ``dtype`` for the dots, or FP8 tensor-core dots with ``fp8_dot``); ``pdl``: the programmatic-dependent forms."""
     from gemmaserve_custom_torch.kernels import moe
 
     block_m, block_n, block_k = blocks
@@ -340,7 +340,7 @@ def _hopper_kernels(dtype: str, blocks: tuple[int, int, int], fp8: bool = False,
     gemm = {"pair_of_row_ptr": "*i32", "expert_of_block_ptr": "*i32", "rows_of_block_ptr": "*i32"}
     sizes = {"hidden": "i32", "width": "i32", "num_experts": "i32"}
     constexpr = dict.fromkeys(tiles, "constexpr")
-    return [
+    launches = [
         (moe._group_pairs_kernel,
          {"ids_ptr": "*i64", **gemm, "num_pairs": "i32", "num_blocks": "i32", "num_experts": "i32",
           "BLOCK_M": "constexpr", "EXPERTS": "constexpr", "CHUNK": "constexpr"},
@@ -353,14 +353,18 @@ def _hopper_kernels(dtype: str, blocks: tuple[int, int, int], fp8: bool = False,
           **sizes, **constexpr}, tiles),
         (moe._sum_slots_kernel,
          {"pair_out_ptr": f"*{dtype}", "ids_ptr": "*i64", "out_ptr": f"*{dtype}", "hidden": "i32",
-          "num_experts": "i32", "TOP_K": "constexpr", "SLOTS": "constexpr", "BLOCK": "constexpr"}, {"TOP_K": 8, "SLOTS": 8, "BLOCK": 1024}),
+          "num_experts": "i32", "TOP_K": "constexpr", "SLOTS": "constexpr", "BLOCK": "constexpr"},
+         {"TOP_K": 8, "SLOTS": 8, "BLOCK": 1024}),
     ]
+    return [(kernel, {**signature, "PDL": "constexpr"}, {**constexprs, "PDL": pdl})
+            for kernel, signature, constexprs in launches]
 
 
 def test_the_kernels_compile_for_hopper_without_a_gpu():
     """The real compiler path (Triton -> PTX -> cubin for sm_90, with Triton's bundled ptxas), which the
     interpreter never takes: bf16 at the decode (16) and prefill (32, 64) row blocks, fp32 with IEEE dots, and
-    the FP8-weight variants (float8_e4m3fn weights, per-row FP8 inputs).
+    the FP8-weight variants (float8_e4m3fn weights, per-row FP8 inputs), and the programmatic-dependent forms
+    (``fused_experts(..., pdl=True)``), which alone wait for the previous grid and release the next one.
     Pointers and sizes carry the 16-divisibility the launcher sees at 26B-A4B shapes (H 2816, I 704); with it
     the bf16 GEMMs' K loops are software-pipelined (cp.async) into tensor-core dots."""
     require_hopper_compiler()
@@ -368,9 +372,13 @@ def test_the_kernels_compile_for_hopper_without_a_gpu():
               ("bf16", (64, 64, 64), False, False), ("fp32", (16, 32, 64), False, False),
               ("bf16", (16, 32, 64), True, False), ("fp32", (16, 32, 64), True, False),
               ("bf16", (16, 32, 64), True, True), ("bf16", (64, 64, 64), True, True), ("fp32", (16, 32, 64), True, True)]
-    for dtype, blocks, fp8, fp8_dot in builds:
-        for kernel, signature, constexprs in _hopper_kernels(dtype, blocks, fp8, fp8_dot):
+    builds = [(*build, False) for build in builds] + [("bf16", (16, 32, 64), False, False, True),
+                                                      ("bf16", (16, 32, 64), True, True, True)]
+    for dtype, blocks, fp8, fp8_dot, pdl in builds:
+        for kernel, signature, constexprs in _hopper_kernels(dtype, blocks, fp8, fp8_dot, pdl):
             ptx = compile_for_hopper(kernel, signature, constexprs, unaligned=("num_experts",))["ptx"]
+            assert ("griddepcontrol.wait" in ptx) == pdl, (kernel, pdl)
+            assert ("griddepcontrol.launch_dependents" in ptx) == pdl, (kernel, pdl)
             if (dtype == "bf16" or fp8_dot) and "BLOCK_K" in constexprs:
                 assert "mma" in ptx and "cp.async" in ptx, (kernel, blocks)  # pipelined tensor-core dots
                 if fp8_dot:
@@ -446,6 +454,39 @@ def test_gpu_bf16_fused_experts_within_bf16_noise(tokens):
     fused_err = float((fused - truth).abs().max())
     ulp = float(truth.abs().max()) * 2**-7
     assert fused_err <= 2 * eager_err + 2 * ulp, (fused_err, eager_err, ulp)
+
+
+@pytest.mark.gpu
+@_GPU
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_pdl_fused_experts_equal_the_plain_launches(fp8):
+    """``fused_experts(..., pdl=True)`` (each launch a programmatic dependent, Hopper) gives the plain launches'
+    output bit for bit, inside a CUDA graph too: every kernel waits for its predecessor before reading."""
+    from gemmaserve_custom_torch.kernels.moe import fused_experts
+    from gemmaserve_custom_torch.kernels.pdl import pdl_supported
+    from gemmaserve_custom_torch.models.quantization import quantize_weight
+
+    if not pdl_supported("cuda"):
+        pytest.skip("programmatic dependent launch needs compute capability 9")
+    experts, x, weights, ids = _gpu_case(32, 4, 512, 192, 7, seed=3)
+    gate_up, down, scales = experts.gate_up_proj, experts.down_proj, (None, None)
+    if fp8:
+        (gate_up, gate_up_scale), (down, down_scale) = quantize_weight(gate_up), quantize_weight(down)
+        scales = (gate_up_scale, down_scale)
+
+    def run(pdl: bool) -> torch.Tensor:
+        return fused_experts(x, weights, ids, gate_up, down, *scales, pdl=pdl)
+
+    with torch.inference_mode():
+        plain = run(False)
+        assert torch.equal(run(True), plain)
+        run(True)  # compiled before the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = run(True)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, plain)
 
 
 @pytest.mark.gpu

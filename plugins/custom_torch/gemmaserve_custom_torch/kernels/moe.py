@@ -40,6 +40,7 @@ import triton.language as tl
 
 from .fp8_rows import native_fp8_dot, quantize_rows
 from .fused_ops import gelu_tanh
+from .pdl import await_previous, launch_options
 
 __all__ = ["ExpertGroups", "fused_experts", "group_by_expert", "max_blocks", "pick_block_m"]
 
@@ -81,8 +82,10 @@ def pick_block_m(num_pairs: int, num_experts: int) -> int:
 
 @triton.jit
 def _group_pairs_kernel(ids_ptr, pair_of_row_ptr, expert_of_block_ptr, rows_of_block_ptr, num_pairs, num_blocks,
-                        num_experts, BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr, CHUNK: tl.constexpr):
+                        num_experts, BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr, CHUNK: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """One program: a counting sort of the pairs by expert ([CHUNK, EXPERTS] one-hot tiles), then the blocks."""
+    await_previous(PDL)
     experts = tl.arange(0, EXPERTS)
     real = (experts < num_experts)[None, :]  # padding columns count nothing: ids outside [0, E) stay ungrouped
     counts = tl.zeros((EXPERTS,), dtype=tl.int32)
@@ -119,12 +122,14 @@ def _group_pairs_kernel(ids_ptr, pair_of_row_ptr, expert_of_block_ptr, rows_of_b
         tl.store(rows_of_block_ptr + blocks, rows, mask=ok)
 
 
-def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, method: str = "auto") -> ExpertGroups:
+def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, method: str = "auto", *,
+                    pdl: bool = False) -> ExpertGroups:
     """Group the pairs of ``ids`` [T, k] by expert; see :class:`ExpertGroups`. Pairs with an id outside [0, E)
     are skipped (an expert-parallel rank passes every pair, other ranks' experts included). No host sync either
     way. ``method``: "kernel" (one single-program Triton launch), "torch" (sort, searchsorted, cumsum, scatter;
     ``torch.bincount`` would read the max id on the host on CUDA), or "auto" (the kernel up to
-    :data:`SMALL_GROUPING_PAIRS` pairs). Both give the same layout. ``ids`` is not mutated."""
+    :data:`SMALL_GROUPING_PAIRS` pairs). Both give the same layout. ``ids`` is not mutated. ``pdl``: the kernel
+    launched as a programmatic dependent (``kernels.pdl``; Hopper)."""
     flat = ids.reshape(-1)
     num_pairs, device = flat.numel(), flat.device
     num_blocks = max_blocks(num_pairs, num_experts, block_m)
@@ -138,6 +143,7 @@ def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, method: s
         _group_pairs_kernel[(1,)](
             flat.contiguous(), pair_of_row, expert_of_block, rows_of_block, num_pairs, num_blocks, num_experts,
             BLOCK_M=block_m, EXPERTS=experts_block, CHUNK=max(16, 4096 // experts_block), num_warps=4,
+            **launch_options(pdl),
         )
         return ExpertGroups(pair_of_row, expert_of_block, rows_of_block, block_m)
     if method != "torch":
@@ -179,7 +185,8 @@ def _block_pairs(block, pair_of_row_ptr, rows_of_block_ptr, BLOCK_M: tl.constexp
 def _gate_up_geglu_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, pair_of_row_ptr, expert_of_block_ptr,
                           rows_of_block_ptr, out_ptr, stride_x, hidden, width, num_experts, TOP_K: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                          FP8: tl.constexpr, FP8_DOT: tl.constexpr):
+                          FP8: tl.constexpr, FP8_DOT: tl.constexpr, PDL: tl.constexpr = False):
+    await_previous(PDL)
     block = tl.program_id(0)
     expert = tl.load(expert_of_block_ptr + block)
     if expert >= num_experts:
@@ -228,7 +235,8 @@ def _gate_up_geglu_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, pair_of_row_pt
 def _down_weighted_kernel(h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, pair_of_row_ptr, expert_of_block_ptr,
                           rows_of_block_ptr, routing_ptr, out_ptr, hidden, width, num_experts, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-                          FP8_DOT: tl.constexpr):
+                          FP8_DOT: tl.constexpr, PDL: tl.constexpr = False):
+    await_previous(PDL)
     block = tl.program_id(0)
     expert = tl.load(expert_of_block_ptr + block)
     if expert >= num_experts:
@@ -265,7 +273,8 @@ def _down_weighted_kernel(h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, pair_of_row_pt
 
 @triton.jit
 def _sum_slots_kernel(pair_out_ptr, ids_ptr, out_ptr, hidden, num_experts, TOP_K: tl.constexpr,
-                      SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+                      SLOTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    await_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < hidden
@@ -290,14 +299,15 @@ def _sum_slots_kernel(pair_out_ptr, ids_ptr, out_ptr, hidden, num_experts, TOP_K
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
                   down_proj: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
                   down_scale: torch.Tensor | None = None, *, block_m: int | None = None, block_n: int | None = None,
-                  block_k: int = 64, grouping: str = "auto") -> torch.Tensor:
+                  block_k: int = 64, grouping: str = "auto", pdl: bool = False) -> torch.Tensor:
     """``MoEExperts.forward`` fused: x [T, H] (last dim contiguous), weights [T, k] (fp32 routing weights),
     ids [T, k] (int; pairs with an id outside [0, E) are skipped: they add zero), gate_up_proj [E, 2I, H] (gate
     rows first), down_proj [E, H, I], both contiguous in x's dtype. Returns a new [T, H] in x's dtype; mutates nothing. No host sync, grids from shapes only
     (CUDA-graph capturable). ``block_m`` (rows per block; default :func:`pick_block_m`), ``block_n`` (output
     columns per program; default 32 with ``block_m`` 16, so a decode step's few blocks still spread over many
     programs, else 64), ``block_k``: powers of two >= 16. Defaults untuned (no GPU measurement yet).
-    ``grouping``: :func:`group_by_expert`'s method.
+    ``grouping``: :func:`group_by_expert`'s method. ``pdl``: every launch a programmatic dependent of the one
+    before (``kernels.pdl``; Hopper; each kernel waits before it reads anything).
 
     FP8 experts (``quantization.quantize_fp8``): both weights float8_e4m3fn with fp32 per-output-channel scales
     ``gate_up_scale`` [E, 2I] and ``down_scale`` [E, H]. x, then the GeGLU product, are quantized per row to FP8
@@ -341,29 +351,30 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gat
         if size < 16 or size & (size - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {size}")
     ids = ids.contiguous()
-    groups = group_by_expert(ids, num_experts, block_m, grouping)
+    groups = group_by_expert(ids, num_experts, block_m, grouping, pdl=pdl)
     num_blocks = groups.expert_of_block.shape[0]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models: no TF32 rounding of the inputs
     fp8_dot = fp8 and native_fp8_dot(x.device)
-    x_in, x_scale = quantize_rows(x) if fp8 else (x, x)
+    x_in, x_scale = quantize_rows(x, pdl=pdl) if fp8 else (x, x)
     intermediate = torch.empty((num_blocks * block_m, width), dtype=x.dtype, device=x.device)
     _gate_up_geglu_kernel[(num_blocks, triton.cdiv(width, block_n))](
         x_in, x_scale, gate_up_proj, gate_up_proj if gate_up_scale is None else gate_up_scale, groups.pair_of_row,
         groups.expert_of_block, groups.rows_of_block, intermediate, x_in.stride(0), hidden, width, num_experts,
         TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, FP8=fp8,
-        FP8_DOT=fp8_dot, num_warps=4,
+        FP8_DOT=fp8_dot, num_warps=4, **launch_options(pdl),
     )
-    h_in, h_scale = quantize_rows(intermediate) if fp8 else (intermediate, intermediate)
+    h_in, h_scale = quantize_rows(intermediate, pdl=pdl) if fp8 else (intermediate, intermediate)
     pair_out = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     routing = weights.reshape(-1).to(torch.float32).contiguous()
     _down_weighted_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
         h_in, h_scale, down_proj, down_proj if down_scale is None else down_scale, groups.pair_of_row,
         groups.expert_of_block, groups.rows_of_block, routing, pair_out, hidden, width, num_experts, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, FP8=fp8, FP8_DOT=fp8_dot, num_warps=4,
+        **launch_options(pdl),
     )
     sum_block = min(1024, triton.next_power_of_2(hidden))
     _sum_slots_kernel[(tokens, triton.cdiv(hidden, sum_block))](
         pair_out, ids, out, hidden, num_experts, TOP_K=top_k, SLOTS=max(2, triton.next_power_of_2(top_k)),
-        BLOCK=sum_block, num_warps=4 if sum_block >= 512 else 1,
+        BLOCK=sum_block, num_warps=4 if sum_block >= 512 else 1, **launch_options(pdl),
     )
     return out

@@ -130,8 +130,9 @@ def fuse_small_batch(model: GemmaForCausalLM, max_rows: int, *, pdl: bool = Fals
     ``torch._scaled_mm``, with the fused layers' folds (model-dtype weights): the residual chain after o, down and
     the PLE projection runs in their split-K reduce, the PLE gate in its projection's epilogue (tensor parallel and
     MoE blocks keep the separate kernels); larger products keep ``quantization.linear``. With ``pdl``
-    (Hopper) those kernels, the norms and the elementwise kernels launch as programmatic dependents
-    (``kernels.pdl``): each kernel's weight reads start while the previous kernel finishes. Run after
+    (Hopper) those kernels, the norms, the elementwise kernels and the fused MoE experts (``fuse_moe``) launch as
+    programmatic dependents (``kernels.pdl``): each kernel's weight reads start while the previous kernel finishes
+    (the expert kernels wait before they read anything). Run after
     ``fuse_projections`` and ``fuse_norms`` / ``fuse_elementwise``. ``max_rows`` 0 switches the few-row path off
     (the PDL launches stay as set). Returns how many layers were switched. Mutates ``model``; idempotent."""
     from functools import partial
@@ -145,7 +146,8 @@ def fuse_small_batch(model: GemmaForCausalLM, max_rows: int, *, pdl: bool = Fals
         skinny_linear_gelu_mul,
         skinny_linear_residual_norm,
     )
-    from .layers import FusedElementwise, RMSNorm, SmallBatchMatmuls
+    from ..kernels.moe import fused_experts
+    from .layers import FusedElementwise, MoEExperts, RMSNorm, SmallBatchMatmuls
 
     if max_rows < 0:
         raise ValueError(f"max_rows must be >= 0, got {max_rows}")
@@ -161,6 +163,8 @@ def fuse_small_batch(model: GemmaForCausalLM, max_rows: int, *, pdl: bool = Fals
             rope.kernel = partial(fused_ops.rope_tables, pdl=True)
         if model.ple_inputs_kernel is not None:
             model.ple_inputs_kernel = partial(fused_ops.ple_inputs, pdl=True)
+        for block in (m for m in model.modules() if isinstance(m, MoEExperts) and m.fused is not None):
+            block.fused = partial(fused_experts, pdl=True)  # the expert kernels (fuse_moe) join the chain
     for layer in model.layers:
         layer.small_batch = layer.self_attn.small_batch = layer.mlp.small_batch = small
         if pdl and layer.fused_ops is not None:
