@@ -97,7 +97,8 @@ class LLM:
         if settings is not None and given:
             raise TypeError(f"LLM(settings=...) takes no other settings, got {', '.join(given)}; put them in the "
                             "CoreSettings (settings.model_copy(update={...})) or drop settings=")
-        self.settings = settings or load_settings(model=model, backend=backend, device=device, **overrides)
+        chosen = {name: value for name, value in overrides.items() if name not in VLLM_OPTIONS_NOT_IMPLEMENTED}
+        self.settings = settings or load_settings(model=model, backend=backend, device=device, **chosen)
         template = read_chat_template(self.settings.chat_template) if self.settings.chat_template else None
         self.engine = engine if engine is not None else build_engine(self.settings)
         try:
@@ -348,7 +349,8 @@ VLLM_OPTIONS_NOT_IMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "hf_overrides": ((None,), "the checkpoint's config.json is used as is"),
 }
 """Options of vLLM's ``LLM(...)`` that gemmaserve does not implement: each accepted only at the value that means
-what gemmaserve does anyway; anything else is a ConfigurationError (never silently ignored)."""
+what gemmaserve does anyway (and then not passed on: no setting holds it); anything else is a ConfigurationError
+(never silently ignored)."""
 
 _LLM_PARAMETERS = ("model", "backend", "device", "settings", "engine")
 _SERVER_ONLY = ("api_key", "allowed_hosts", "allowed_origins", "enable_debug_endpoints", "host", "port",

@@ -242,7 +242,12 @@ def test_llm_refuses_vllm_options_it_does_not_implement(option: str, value: Any)
 
 def test_llm_accepts_vllm_options_at_the_value_that_changes_nothing() -> None:
     from gemmaserve import LLM
+    from gemmaserve.errors import BackendUnavailableError
 
     with LLM(settings=reference_settings(), engine=reference_engine(), pipeline_parallel_size=1,
              enable_prefix_caching=True) as llm:
         assert llm.generate("abc")[0].finish_reason in ("stop", "length")
+    # built from the keywords too: the vetted no-ops never reach the settings (which refuse names they lack), so
+    # the load fails on the missing checkpoint, not on them
+    with pytest.raises(BackendUnavailableError, match="has no config.json"):
+        LLM("/nonexistent", pipeline_parallel_size=1, enforce_eager=False, trust_remote_code=False)
