@@ -45,6 +45,7 @@ from gemmaserve_custom_torch.kernels.fp8_rows import quantize_rows  # noqa: E402
 from gemmaserve_custom_torch.kernels.skinny_gemm import (  # noqa: E402
     choose_split_k,
     lm_head_argmax,
+    skinny_fp8_linear,
     skinny_geglu,
     skinny_linear,
     skinny_linear_fp8,
@@ -123,7 +124,7 @@ def _fp8_paths() -> dict[str, Callable[[torch.Tensor, tuple[torch.Tensor, torch.
         return torch._scaled_mm(xq, w[0].t(), scale_a=xs, scale_b=w[1].view(1, -1), out_dtype=dtype)
 
     return {
-        "skinny_us": lambda x, w: skinny_linear_fp8(*quantize_rows(x), w[0], w[1], x.dtype),
+        "skinny_us": lambda x, w: skinny_fp8_linear(x, w[0], w[1]),
         "torch_quant_scaled_mm_us": lambda x, w: scaled_mm(*quantize_per_token(x), w, x.dtype),
         "triton_quant_scaled_mm_us": lambda x, w: scaled_mm(*quantize_rows(x), w, x.dtype),
     }

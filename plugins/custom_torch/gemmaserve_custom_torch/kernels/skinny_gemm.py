@@ -133,30 +133,6 @@ def _dot_slab_after_wait(x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, st
 
 
 @triton.jit
-def _program_tile(k_per_split, k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """This program's (rows, columns, K start, K stop) of a grid (column tile, row tile, K slice)."""
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_start = tl.program_id(2) * k_per_split
-    return offs_m, offs_n, k_start, tl.minimum(k_start + k_per_split, k)
-
-
-@triton.jit
-def _slab_product(x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                  WIDEN: tl.constexpr, PDL: tl.constexpr):
-    """The program's first product: :func:`_dot_slab_after_wait` for a programmatic dependent (PDL), else
-    :func:`_dot_slab`."""
-    if PDL:
-        acc = _dot_slab_after_wait(x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
-                                   BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN)
-    else:
-        acc = _dot_slab(x_ptr, w_ptr, offs_m, offs_n, m, n, k_start, k_stop, stride_xm, stride_wn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN)
-    return acc
-
-
-@triton.jit
 def _gelu_times(acc, up, dtype):
     """``gelu_tanh(round(acc)) * up`` rounded where the eager chain rounds (the projection, gelu's output); ``up``
     fp32 holding model-dtype values. Returns fp32 (the caller rounds once more when it stores)."""
@@ -175,10 +151,17 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, part_ptr, x_scale_ptr, w_scale_ptr, mu
     :func:`_dot_slab_after_wait`)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start its own weight loads
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     pid_k = tl.program_id(2)
-    offs_m, offs_n, k_start, k_stop = _program_tile(k_per_split, k, BLOCK_M, BLOCK_N)
-    acc = _slab_product(x_ptr, w_ptr, offs_m, offs_n, m, n_out, k_start, k_stop, stride_xm, stride_wn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN, PDL)
+    k_start = pid_k * k_per_split
+    k_stop = tl.minimum(k_start + k_per_split, k)
+    if PDL:
+        acc = _dot_slab_after_wait(x_ptr, w_ptr, offs_m, offs_n, m, n_out, k_start, k_stop, stride_xm, stride_wn,
+                                   BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN)
+    else:
+        acc = _dot_slab(x_ptr, w_ptr, offs_m, offs_n, m, n_out, k_start, k_stop, stride_xm, stride_wn,
+                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, WIDEN)
     mask = (offs_m[:, None] < m) & (offs_n[None, :] < n_out)
     if GEGLU:
         acc_up = _dot_slab(x_ptr, w_ptr + up_offset * stride_wn, offs_m, offs_n, m, n_out, k_start, k_stop,
@@ -294,8 +277,7 @@ def _products(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n_out: int, g
     _skinny_kernel[plan.grid](x, w, out, partials, x_scale, w_scale, out if mul is None else mul, m, n_out, k,
                               plan.k_per_split, x.stride(0), w.stride(0), 0 if mul is None else mul.stride(0), n_out,
                               GEGLU=geglu, GELU_MUL=mul is not None, SPLIT=split, SCALED=scales is not None,
-                              BLOCK_M=plan.block_m,
-                              BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(out),
+                              BLOCK_M=plan.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(out),
                               WIDEN=_WIDEN[out.dtype] if scales is not None and not native_fp8_dot(x.device) else None,
                               num_warps=num_warps, **launch_options(pdl))
     return partials if split else None

@@ -129,15 +129,16 @@ def fuse_small_batch(model: GemmaForCausalLM, max_rows: int, *, pdl: bool = Fals
     projections) instead of cuBLAS, and FP8 projections through ``skinny_fp8_linear`` instead of
     ``torch._scaled_mm``, with the fused layers' folds (model-dtype weights): the residual chain after o, down and
     the PLE projection runs in their split-K reduce, the PLE gate in its projection's epilogue (tensor parallel and
-    MoE blocks keep the separate kernels); larger products keep ``quantization.linear``. With ``pdl``
-    (Hopper) those kernels, the norms, the elementwise kernels and the fused MoE experts (``fuse_moe``) launch as
+    MoE blocks keep the separate kernels); larger products keep ``quantization.linear``. With ``pdl`` (Hopper)
+    those kernels, the norms, the elementwise kernels and the fused MoE experts (``fuse_moe``) launch as
     programmatic dependents (``kernels.pdl``): each kernel's weight reads start while the previous kernel finishes
-    (the expert kernels wait before they read anything). Run after
-    ``fuse_projections`` and ``fuse_norms`` / ``fuse_elementwise``. ``max_rows`` 0 switches the few-row path off
-    (the PDL launches stay as set). Returns how many layers were switched. Mutates ``model``; idempotent."""
+    (the expert kernels wait before they read anything). Run after ``fuse_projections``, ``fuse_norms`` /
+    ``fuse_elementwise`` and ``fuse_moe``. ``max_rows`` 0 switches the few-row path off (the PDL launches stay as
+    set). Returns how many layers were switched. Mutates ``model``; idempotent."""
     from functools import partial
 
     from ..kernels import fused_ops
+    from ..kernels.moe import fused_experts
     from ..kernels.rms_norm import rms_norm
     from ..kernels.skinny_gemm import (
         skinny_fp8_linear,
@@ -146,7 +147,6 @@ def fuse_small_batch(model: GemmaForCausalLM, max_rows: int, *, pdl: bool = Fals
         skinny_linear_gelu_mul,
         skinny_linear_residual_norm,
     )
-    from ..kernels.moe import fused_experts
     from .layers import FusedElementwise, MoEExperts, RMSNorm, SmallBatchMatmuls
 
     if max_rows < 0:

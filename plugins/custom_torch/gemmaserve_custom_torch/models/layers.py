@@ -190,10 +190,10 @@ def small_batch_project(x: Tensor, weight: Tensor, scale: Tensor | None, small: 
 def small_batch_linear(module: nn.Module, x: Tensor, small: SmallBatchMatmuls | None) -> Tensor:
     """``module(x)`` for a projection module; through ``small`` when it takes ``x`` and the module is a plain
     model-dtype ``nn.Linear`` without bias or an ``Fp8Linear`` (other layers run their own forward)."""
-    if small is not None and small.takes(x):
+    if small is not None:
         if small.takes_linear(module, x):
             return small.project(x, module.weight)
-        if type(module) is Fp8Linear:
+        if type(module) is Fp8Linear and small.takes(x):
             return small.project(x, module.weight, module.weight_scale)
     return module(x)
 

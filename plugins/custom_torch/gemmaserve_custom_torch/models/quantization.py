@@ -85,7 +85,7 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
     if x.numel() == 0:  # a shape test, no sync; cuBLAS FP8 kernels are not asked for empty products
         return x.new_empty(*lead, weight.shape[0])
     rows = x.reshape(-1, x.shape[-1])
-    quantize_rows = _triton_fp8() if x.is_cuda else None
+    quantize_rows = _triton_quantize_rows() if x.is_cuda else None
     if quantize_rows is None:
         xq, x_scale = quantize_per_token(rows)
     else:  # one Triton kernel for the ~9 torch ones
@@ -95,7 +95,7 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
 
 
 @functools.cache
-def _triton_fp8() -> Any:
+def _triton_quantize_rows() -> Any:
     """``kernels.fp8_rows.quantize_rows``, or None where triton does not import (the torch ops then)."""
     from ..kernels import HAS_TRITON
 
