@@ -247,7 +247,8 @@ _SCHEMA_DIGITS = (lambda count: {"type": "object", "additionalProperties": False
 
 
 def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool = False,
-                        trace_dir: Path | None = None) -> dict[str, Any]:
+                        trace_dir: Path | None = None, profile_engine: bool = False, profile_top: int = 40,
+                        ) -> dict[str, Any]:
     """Unconstrained vs constrained decode at E2B shapes on CUDA, every request sampled (temperature 1, seeded)
     so the only difference is the constraint; the constrained rows give up the launch-ahead of asynchronous
     decode (their next mask needs the token just sampled), which the TPOT ratio includes. ``quick``: the toy
@@ -260,7 +261,7 @@ def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import decode_model as dm
     from decode import _custom_backend, _settings
-    from decode_workloads import random_prompts, run_engine
+    from decode_workloads import profile_engine_thread, random_prompts, run_engine
     from tick_profile import TickRecorder, _summary, trace_ticks
 
     import gemmaserve.engine.request as request_module
@@ -335,6 +336,14 @@ def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool
                 result[f"trace_{label}"] = trace_ticks(
                     backend, settings, lambda params=params: run_engine(backend, settings, prompts, tokens, params),
                     first=tokens // 2, ticks=8, trace_path=trace_dir / f"structured_trace_{label}.json")
+        if profile_engine:
+            for label, constrained in (("unconstrained", False), ("constrained", True)):
+                params = SamplingParams(max_tokens=tokens, temperature=1.0, seed=1, ignore_eos=True,
+                                        structured_outputs={"json": _SCHEMA_DIGITS(4 * tokens)} if constrained else None)
+                run, profile = profile_engine_thread(
+                    lambda params=params: run_engine(backend, settings, prompts, tokens, params))
+                result[f"engine_profile_{label}"] = {"tpot_median_ms": run.summary()["tpot_median_ms"],
+                                                     **_top_functions(profile, tokens, profile_top)}
     finally:
         request_module.logger.removeHandler(fallbacks)
         request_module.grammar_start_masks = original_start
@@ -344,6 +353,21 @@ def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool
     masked = statistics.fmean([result["constrained"]["tpot_median_ms"], result["constrained_again"]["tpot_median_ms"]])
     result["tpot_overhead_pct"] = round(100 * (masked / base - 1), 1)
     return result
+
+
+def _top_functions(profile: Any, tokens: int, count: int = 40) -> dict[str, Any]:
+    """cProfile's top ``count`` functions by own and by cumulative time, in ms per decode tick (``tokens`` ticks)."""
+    import pstats
+
+    stats = pstats.Stats(profile).stats  # {(file, line, name): (calls, primitive calls, own s, cumulative s, ...)}
+
+    def table(column: int) -> list[list[Any]]:
+        ranked = sorted(stats.items(), key=lambda item: -item[1][column])[:count]
+        return [[f"{Path(key[0]).name}:{key[1]}({key[2]})", calls, round(own * 1e3 / tokens, 4),
+                 round(cumulative * 1e3 / tokens, 4)] for key, (_, calls, own, cumulative, _) in ranked]
+
+    return {"columns": ["function", "calls", "own_ms_per_tick", "cumulative_ms_per_tick"],
+            "by_own_time": table(2), "by_cumulative_time": table(3)}
 
 
 def main() -> None:
@@ -368,9 +392,12 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, default=None,
                         help="with --e2b: a folder for torch.profiler traces of steady decode ticks, "
                              "unconstrained and constrained")
+    parser.add_argument("--profile-engine", action="store_true",
+                        help="with --e2b: one more unconstrained and constrained run with cProfile on the engine "
+                             "thread (top functions in ms per tick)")
     args = parser.parse_args()
-    if (args.quick or args.e2b_only or args.trace) and not args.e2b:
-        parser.error("--quick, --e2b-only and --trace apply to the --e2b section; add --e2b")
+    if (args.quick or args.e2b_only or args.trace or args.profile_engine) and not args.e2b:
+        parser.error("--quick, --e2b-only, --trace and --profile-engine apply to the --e2b section; add --e2b")
     if (args.engine_mask_threads or args.serial_masks) and not args.e2b:
         parser.error("--engine-mask-threads and --serial-masks apply to the --e2b section; add --e2b")
     if args.engine_mask_threads < 0:
@@ -419,7 +446,7 @@ def main() -> None:
             scheduler_module.start_masks = functools.partial(scheduler_module.start_masks, overlap=False)
             results["serial_masks"] = True
         results["decode_e2b"] = decode_overhead_e2b(args.rows, args.tokens, args.tokenizer, quick=args.quick,
-                                                    trace_dir=args.trace)
+                                                    trace_dir=args.trace, profile_engine=args.profile_engine)
     print(json.dumps(results, indent=2))
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")

@@ -328,9 +328,18 @@ def test_the_decode_benchmark_measures_the_batched_mask_path(tmp_path, monkeypat
     import structured
 
     save_tiny_tokenizer(tmp_path)
-    got = structured.decode_overhead_e2b(3, 6, tmp_path, quick=True)
+    got = structured.decode_overhead_e2b(3, 6, tmp_path, quick=True, profile_engine=True,
+                                         profile_top=10_000)
     for label in ("constrained", "constrained_again"):
         assert got[label]["errors"] == [] and got[label]["mask_calls"] > 0, got[label]
+    # --profile-engine: the engine thread's functions, the constrained pass's including the mask calls
+    profiled = {label: [row[0] for row in got[f"engine_profile_{label}"]["by_cumulative_time"]]
+                for label in ("unconstrained", "constrained")}
+    assert any("(_tick)" in name for name in profiled["unconstrained"]), profiled
+    def advances(names: list[str]) -> bool:  # a constraint advanced by a sampled token (TokenConstraint.accept)
+        return any(name.startswith("grammar.py:") and name.endswith("(accept)") for name in names)
+
+    assert advances(profiled["constrained"]) and not advances(profiled["unconstrained"]), profiled
 
     def broken(*args, **kwargs):
         raise RuntimeError("no pool")

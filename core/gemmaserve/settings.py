@@ -80,11 +80,13 @@ class CoreSettings(BaseSettings):
         description="Max prompt tokens prefilled per request per scheduler tick (chunked prefill).",
     )
     mixed_prefill_chunk_tokens: int = Field(
-        0, ge=0, validation_alias=env_alias("MIXED_PREFILL_CHUNK_TOKENS"),
+        128, ge=0, validation_alias=env_alias("MIXED_PREFILL_CHUNK_TOKENS"),
         description="Prompt tokens a tick that also decodes spends at most: max(this, what the admitted prompts "
         "need to finish within 8 ticks of arriving) (0 = off: the whole MAX_NUM_BATCHED_TOKENS budget). "
         "Fewer prompt tokens beside decoding rows shorten those rows' inter-token gaps while steady arrivals are "
-        "spread over a few ticks; a burst, or a prompt that waited for admission, still gets the full budget.",
+        "spread over a few ticks; a burst, or a prompt that waited for admission, still gets the full budget. "
+        "128 measured best for the inter-token latency tail under Poisson arrivals (docs/benchmarks.md run 30); "
+        "it costs time to first token.",
     )
     max_num_batched_tokens: int = Field(
         8192, ge=1, validation_alias=env_alias("MAX_NUM_BATCHED_TOKENS"),
