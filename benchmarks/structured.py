@@ -338,8 +338,9 @@ def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool
                     first=tokens // 2, ticks=8, trace_path=trace_dir / f"structured_trace_{label}.json")
         if profile_engine:
             for label, constrained in (("unconstrained", False), ("constrained", True)):
+                spec = {"json": _SCHEMA_DIGITS(4 * tokens)} if constrained else None
                 params = SamplingParams(max_tokens=tokens, temperature=1.0, seed=1, ignore_eos=True,
-                                        structured_outputs={"json": _SCHEMA_DIGITS(4 * tokens)} if constrained else None)
+                                        structured_outputs=spec)
                 run, profile = profile_engine_thread(
                     lambda params=params: run_engine(backend, settings, prompts, tokens, params))
                 result[f"engine_profile_{label}"] = {"tpot_median_ms": run.summary()["tpot_median_ms"],

@@ -258,3 +258,36 @@ def test_copy_blocks_copies_every_layer_of_the_group_and_nothing_else(tiny_gemma
             pools.copy_blocks(group, [source], [])
         pools.decref(group, [source, target, other])
     pools.check_integrity()
+
+
+def test_copy_on_write_gives_the_row_a_private_copy_of_a_shared_block(tiny_gemma4_dir):
+    """Appending into a block another holder shares (the prefix cache after a full prompt hit) replaces it in the
+    row by a fresh block holding the same K/V in every layer; the shared block keeps its data and loses the row's
+    reference; blocks the append does not touch stay shared."""
+    from gemmaserve_custom_torch.kv import PagedKVCache
+
+    backend = make_backend(tiny_gemma4_dir, block_size=4)
+    pools = backend.pools
+    holder = PagedKVCache(pools)
+    holder.prepare_append(6)
+    holder.commit_append(6)  # blocks 0 and 1 (positions 0-5)
+    for group, spec in pools.groups.items():
+        for layer in spec.layers:
+            for pool in (pools.k[layer], pools.v[layer]):
+                pool[holder.tables[group]].normal_()
+    before = {group: [(pools.k[layer][holder.tables[group][1]].clone(), pools.v[layer][holder.tables[group][1]].clone())
+                      for layer in spec.layers] for group, spec in pools.groups.items()}
+    row = PagedKVCache(pools)
+    row.adopt({group: list(table) for group, table in holder.tables.items()}, 6)
+    row.prepare_append(1)  # position 6 lies in the shared block 1
+    for group, spec in pools.groups.items():
+        shared, fresh = holder.tables[group][1], row.tables[group][1]
+        assert fresh != shared and pools.refcount(group, fresh) == 1 and pools.refcount(group, shared) == 1
+        assert row.tables[group][0] == holder.tables[group][0] and pools.refcount(group, row.tables[group][0]) == 2
+        for layer, (k, v) in zip(spec.layers, before[group]):
+            for pool, expected in ((pools.k[layer], k), (pools.v[layer], v)):
+                assert torch.equal(pool[fresh], expected) and torch.equal(pool[shared], expected)
+    row.free_all()
+    holder.free_all()
+    pools.check_integrity()
+    assert_no_leaks(backend)

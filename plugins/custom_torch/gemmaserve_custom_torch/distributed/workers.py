@@ -325,7 +325,7 @@ def run_worker(rank: int, world_size: int, rendezvous_file: str, model_path: str
                     mixed.forward_tick(message[1])
                 elif message[0] == "copy":
                     _, group, sources, targets = message
-                    pools.write_blocks(group, targets, pools.read_blocks(group, sources), read_from=sources)
+                    pools.copy_blocks(group, sources, targets)
                 elif message[0] == "close":
                     break
                 else:

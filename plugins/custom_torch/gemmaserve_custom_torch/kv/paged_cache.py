@@ -141,14 +141,15 @@ class PagedKVCache:
             self.version += 1
 
     def _copy_on_write(self, group: str, logical: list[int]) -> None:
-        """Replace shared blocks by private copies. Data is read before the shared ids are released, so an
-        eviction triggered by the allocation cannot lose it."""
+        """Replace shared blocks by private copies: the fresh blocks are allocated while the shared ones are still
+        held (``prepare_append`` made room for both), filled by one multi-tensor copy queued on the device
+        (:meth:`KVPools.copy_blocks`: a full prompt hit copies its last block this way at its first step, once
+        per group), then the shared ones are released."""
         table = self.tables[group]
         old = [table[j] for j in logical]
-        data = self.pools.read_blocks(group, old)
-        self.pools.decref(group, old)
         fresh = self.pools.allocate(group, len(old))
-        self.pools.write_blocks(group, fresh, data, read_from=old)
+        self.pools.copy_blocks(group, old, fresh)
+        self.pools.decref(group, old)
         for j, block in zip(logical, fresh):
             table[j] = block
 

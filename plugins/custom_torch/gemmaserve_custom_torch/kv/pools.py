@@ -29,7 +29,6 @@ import torch
 
 from gemmaserve.errors import ConfigurationError, KVCapacityError
 from gemmaserve.kv.block_manager import BlockManager
-from gemmaserve.torch_sampling import to_device
 
 from ..models.config import FULL, SLIDING, GemmaTextConfig
 
@@ -293,24 +292,6 @@ class KVPools:
     def refcount(self, group: str, block_id: int) -> int:
         return self.managers[group].refcount(block_id)
 
-    def read_blocks(self, group: str, block_ids: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Copies of the K/V of ``block_ids`` in every layer of ``group`` (for copy-on-write). Queued on the
-        device in stream order; never waits for it."""
-        index = self._index(block_ids)
-        return [(self.k[layer][index], self.v[layer][index]) for layer in self.groups[group].layers]  # copies
-
-    def write_blocks(self, group: str, block_ids: Sequence[int], data: list[tuple[torch.Tensor, torch.Tensor]], *,
-                     read_from: Sequence[int]) -> None:
-        """Inverse of ``read_blocks``: store ``data``, which ``read_blocks(group, read_from)`` returned, into
-        ``block_ids`` (one indexed write per layer), and tell ``copy_listener`` (tensor-parallel workers repeat the
-        copy) like :meth:`copy_blocks` does."""
-        index = self._index(block_ids)
-        for layer, (k, v) in zip(self.groups[group].layers, data):
-            self.k[layer].index_copy_(0, index, k)
-            self.v[layer].index_copy_(0, index, v)
-        if self.copy_listener is not None:
-            self.copy_listener(group, read_from, block_ids)
-
     def copy_blocks(self, group: str, sources: Sequence[int], targets: Sequence[int]) -> None:
         """K/V of block ``sources[i]`` into block ``targets[i]`` in every layer of ``group``: one multi-tensor copy
         queued on the device (no index tensors, no host sync). Both sides must be held by the caller."""
@@ -328,15 +309,6 @@ class KVPools:
         torch._foreach_copy_(into, out_of)
         if self.copy_listener is not None:
             self.copy_listener(group, sources, targets)
-
-    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """``block_ids`` as an int64 device tensor, copied without a host sync (a plain ``torch.tensor(...,
-        device=cuda)`` waits for every queued kernel: the tick in flight)."""
-        return to_device(list(block_ids), torch.int64, self._device)
-
-    @property
-    def _device(self) -> torch.device:
-        return next(iter(self.k.values())).device
 
     def check_integrity(self) -> None:
         """Each block manager is consistent and every pool has its group's block count (+ the scratch block)."""
