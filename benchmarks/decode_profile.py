@@ -1,5 +1,6 @@
-"""Diagnostics of benchmarks/decode.py (CUDA only): a torch.profiler split of one decode step, which SDPA
-kernels accept the prefill shapes (head dims 256 and 512, explicit mask), and torch.compile on/off."""
+"""Diagnostics of benchmarks/decode.py (CUDA; the decode-step profile also runs on the CPU, without kernels):
+a torch.profiler split of one decode step, which SDPA kernels accept the prefill shapes (head dims 256 and 512,
+explicit mask), and torch.compile on/off."""
 
 from __future__ import annotations
 
@@ -55,9 +56,10 @@ def _kernel_summary(prof: Any) -> dict[str, Any]:
 
 def profile_decode_step(backend: Any, settings: Any, rows: int, prompt_len: int) -> dict[str, Any]:
     """Profile one decode tick of ``rows`` live requests run eagerly (the tick graphs switched off for it) and a
-    later one replaying its graph; returns kernel counts and time splits plus each tick's wall time. Ticks are
-    found by the engine's own tick boundaries (``tick_profile.TickRecorder``), so this follows whatever forward
-    the backend runs."""
+    later one replaying its graph; returns kernel counts and time splits plus each tick's wall time, decode rows
+    and prompt tokens (``tick_rows``, ``tick_prompt_tokens``: rows that finished early make a later tick smaller).
+    Ticks are found by the engine's own tick boundaries (``tick_profile.TickRecorder``), so this follows whatever
+    forward the backend runs."""
     from tick_profile import TickRecorder  # imports decode.py: not at module level
 
     mixed = backend.mixed
@@ -65,32 +67,38 @@ def profile_decode_step(backend: Any, settings: Any, rows: int, prompt_len: int)
     targets = {prefill_ticks + 4: "eager_step", prefill_ticks + 7: "graph_replay_step"}
     out: dict[str, Any] = {"rows": rows}
     live: dict[str, Any] = {}
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    cuda = torch.cuda.is_available()
+    acts = [torch.profiler.ProfilerActivity.CPU, *([torch.profiler.ProfilerActivity.CUDA] if cuda else [])]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def finish() -> None:
-        torch.cuda.synchronize()
+        sync()
         live["prof"].stop()
         wall = (time.perf_counter() - live["start"]) * 1e3
         if "graphs" in live:
             mixed.graphs = live["graphs"]
-        out[live["label"]] = {"wall_ms_under_profiler": round(wall, 3), **_kernel_summary(live["prof"])}
+        tick = rec.ticks[live["index"]]  # what the profiled tick launched: a step of fewer rows replays another graph
+        out[live["label"]] = {"wall_ms_under_profiler": round(wall, 3), "tick_rows": tick["rows"],
+                              "tick_prompt_tokens": tick["prompt_tokens"], **_kernel_summary(live["prof"])}
         live.clear()
 
     def on_tick(n: int) -> None:
         if live:
             finish()
         if n in targets:
-            live["label"] = targets[n]
+            live["label"], live["index"] = targets[n], n - 1
             if targets[n] == "eager_step":
                 live["graphs"], mixed.graphs = mixed.graphs, None
-            torch.cuda.synchronize()
+            sync()
             live["prof"] = torch.profiler.profile(activities=acts)
             live["prof"].start()
             live["start"] = time.perf_counter()
 
     rec = TickRecorder(backend, on_tick)
     try:
-        run_engine(backend, settings, random_prompts(rows, prompt_len, backend.model_info.vocab_size, seed=5), 12)
+        # every request outlives the profiled ticks: the first prompts prefilled decode from the first ticks on
+        run_engine(backend, settings, random_prompts(rows, prompt_len, backend.model_info.vocab_size, seed=5),
+                   max(targets) + 4)
     finally:
         rec.restore()
         if live:

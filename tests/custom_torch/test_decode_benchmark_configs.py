@@ -137,3 +137,19 @@ def test_workload_c_sizes_the_engine_beyond_the_workload_a_sizes(tmp_path):
     for repeat, serving in enumerate((first, second)):
         assert serving["requests"] == 6 and not serving["errors"] and serving["repeat"] == repeat, serving
         assert serving["itl_p99_over_p50"] == round(serving["itl_p99_ms"] / serving["itl_p50_ms"], 3), serving
+
+
+def test_the_decode_step_profile_holds_every_row(monkeypatch) -> None:
+    """``decode_profile.profile_decode_step`` profiles two decode ticks after the prompts are in; every request
+    lives past them (run 30's "256-row" profile ran 12 tokens per request, so the prompts prefilled first had
+    finished and the two ticks held different, smaller batches), and each profiled tick says what it launched."""
+    import decode_profile
+    from decode import _custom_backend, _settings
+
+    rows, prompt_len = 16, 16
+    model = dm.custom_from_hf(dm.build_hf_model({**dm.TINY, "max_position_embeddings": 128}, "cpu", torch.float32, 0))
+    settings = _settings("cpu", "float32", rows, 128, rows * 128, budget=32)  # the prompts take eight ticks
+    backend = _custom_backend(model, settings)
+    got = decode_profile.profile_decode_step(backend, settings, rows, prompt_len)
+    for label in ("eager_step", "graph_replay_step"):
+        assert (got[label]["tick_rows"], got[label]["tick_prompt_tokens"]) == (rows, 0), got[label]
