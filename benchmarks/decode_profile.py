@@ -56,17 +56,18 @@ def _kernel_summary(prof: Any) -> dict[str, Any]:
 
 def profile_decode_step(backend: Any, settings: Any, rows: int, prompt_len: int) -> dict[str, Any]:
     """Profile one decode tick of ``rows`` live requests run eagerly (the tick graphs switched off for it) and a
-    later one replaying its graph; returns kernel counts and time splits plus each tick's wall time, decode rows
-    and prompt tokens (``tick_rows``, ``tick_prompt_tokens``: rows that finished early make a later tick smaller).
-    Ticks are found by the engine's own tick boundaries (``tick_profile.TickRecorder``), so this follows whatever
-    forward the backend runs."""
+    later one replaying its graph: the 4th and 7th ticks after the first tick that launched no prompt tokens.
+    Returns kernel counts and time splits plus each tick's wall time, decode rows and prompt tokens (``tick_rows``,
+    ``tick_prompt_tokens``); raises RuntimeError if a profiled tick did not hold every row alone (run 30's
+    "256-row" profile, with too few output tokens, held fewer). Ticks are found by the engine's own tick
+    boundaries (``tick_profile.TickRecorder``), so this follows whatever forward the backend runs."""
     from tick_profile import TickRecorder  # imports decode.py: not at module level
 
     mixed = backend.mixed
-    prefill_ticks = -(-rows * prompt_len // settings.max_num_batched_tokens)
-    targets = {prefill_ticks + 4: "eager_step", prefill_ticks + 7: "graph_replay_step"}
+    labels = {3: "eager_step", 6: "graph_replay_step"}  # ticks after the first decode-only one
     out: dict[str, Any] = {"rows": rows}
     live: dict[str, Any] = {}
+    first_decode: list[int] = []  # the number of the first tick that launched decode rows and no prompt tokens
     cuda = torch.cuda.is_available()
     acts = [torch.profiler.ProfilerActivity.CPU, *([torch.profiler.ProfilerActivity.CUDA] if cuda else [])]
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -77,17 +78,20 @@ def profile_decode_step(backend: Any, settings: Any, rows: int, prompt_len: int)
         wall = (time.perf_counter() - live["start"]) * 1e3
         if "graphs" in live:
             mixed.graphs = live["graphs"]
-        tick = rec.ticks[live["index"]]  # what the profiled tick launched: a step of fewer rows replays another graph
+        tick = rec.ticks[live["index"]]
         out[live["label"]] = {"wall_ms_under_profiler": round(wall, 3), "tick_rows": tick["rows"],
                               "tick_prompt_tokens": tick["prompt_tokens"], **_kernel_summary(live["prof"])}
         live.clear()
 
-    def on_tick(n: int) -> None:
+    def on_tick(n: int) -> None:  # tick number n (from 1) starts; rec.ticks[n - 2] is the one that just ended
         if live:
             finish()
-        if n in targets:
-            live["label"], live["index"] = targets[n], n - 1
-            if targets[n] == "eager_step":
+        if not first_decode and n >= 2 and rec.ticks[n - 2]["rows"] and not rec.ticks[n - 2]["prompt_tokens"]:
+            first_decode.append(n - 1)
+        label = labels.get(n - first_decode[0]) if first_decode else None
+        if label is not None:
+            live["label"], live["index"] = label, n - 1
+            if label == "eager_step":
                 live["graphs"], mixed.graphs = mixed.graphs, None
             sync()
             live["prof"] = torch.profiler.profile(activities=acts)
@@ -95,17 +99,23 @@ def profile_decode_step(backend: Any, settings: Any, rows: int, prompt_len: int)
             live["start"] = time.perf_counter()
 
     rec = TickRecorder(backend, on_tick)
+    # every request outlives the profiled ticks: the first prompts prefilled decode from the second tick on
+    prompt_ticks = -(-rows * prompt_len // max(1, settings.max_num_batched_tokens - rows))
     try:
-        # every request outlives the profiled ticks: the first prompts prefilled decode from the first ticks on
         run_engine(backend, settings, random_prompts(rows, prompt_len, backend.model_info.vocab_size, seed=5),
-                   max(targets) + 4)
+                   2 * prompt_ticks + max(labels) + 8)
     finally:
         rec.restore()
         if live:
             finish()
-    missing = [label for label in targets.values() if label not in out]
+    missing = [label for label in labels.values() if label not in out]
     if missing:
         raise RuntimeError(f"profile_decode_step: no tick profiled for {missing} (the run had {len(rec.ticks)} ticks)")
+    for label in labels.values():
+        got = out[label]
+        if got["tick_rows"] != rows or got["tick_prompt_tokens"]:
+            raise RuntimeError(f"profile_decode_step: the {label} tick held {got['tick_rows']} of {rows} rows and "
+                               f"{got['tick_prompt_tokens']} prompt tokens; it would not profile a {rows}-row step")
     return out
 
 

@@ -360,7 +360,7 @@ def _top_functions(profile: Any, tokens: int, count: int = 40) -> dict[str, Any]
     """cProfile's top ``count`` functions by own and by cumulative time, in ms per decode tick (``tokens`` ticks)."""
     import pstats
 
-    stats = pstats.Stats(profile).stats  # {(file, line, name): (calls, primitive calls, own s, cumulative s, ...)}
+    stats = pstats.Stats(profile).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, ...)}
 
     def table(column: int) -> list[list[Any]]:
         ranked = sorted(stats.items(), key=lambda item: -item[1][column])[:count]

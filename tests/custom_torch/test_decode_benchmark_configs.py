@@ -153,3 +153,9 @@ def test_the_decode_step_profile_holds_every_row(monkeypatch) -> None:
     got = decode_profile.profile_decode_step(backend, settings, rows, prompt_len)
     for label in ("eager_step", "graph_replay_step"):
         assert (got[label]["tick_rows"], got[label]["tick_prompt_tokens"]) == (rows, 0), got[label]
+    # too few output tokens (run 30's mistake: 12): the profile refuses to report a smaller step as a 16-row one
+    # (a fresh backend: this one's prefix cache now holds the prompts, which would shorten the prompt ticks)
+    short = decode_profile.run_engine
+    monkeypatch.setattr(decode_profile, "run_engine", lambda b, s, prompts, n: short(b, s, prompts, 12))
+    with pytest.raises(RuntimeError, match=rf"held \d+ of {rows} rows"):
+        decode_profile.profile_decode_step(_custom_backend(model, settings), settings, rows, prompt_len)

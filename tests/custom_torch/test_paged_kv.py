@@ -274,9 +274,11 @@ def test_copy_on_write_gives_the_row_a_private_copy_of_a_shared_block(tiny_gemma
     for group, spec in pools.groups.items():
         for layer in spec.layers:
             for pool in (pools.k[layer], pools.v[layer]):
-                pool[holder.tables[group]].normal_()
+                for block in holder.tables[group]:
+                    pool[block].normal_()  # a basic index: in place (a list index would fill a copy)
     before = {group: [(pools.k[layer][holder.tables[group][1]].clone(), pools.v[layer][holder.tables[group][1]].clone())
                       for layer in spec.layers] for group, spec in pools.groups.items()}
+    assert all(bool(k.abs().sum() > 0) and bool(v.abs().sum() > 0) for pairs in before.values() for k, v in pairs)
     row = PagedKVCache(pools)
     row.adopt({group: list(table) for group, table in holder.tables.items()}, 6)
     row.prepare_append(1)  # position 6 lies in the shared block 1
@@ -287,6 +289,37 @@ def test_copy_on_write_gives_the_row_a_private_copy_of_a_shared_block(tiny_gemma
         for layer, (k, v) in zip(spec.layers, before[group]):
             for pool, expected in ((pools.k[layer], k), (pools.v[layer], v)):
                 assert torch.equal(pool[fresh], expected) and torch.equal(pool[shared], expected)
+    row.free_all()
+    holder.free_all()
+    pools.check_integrity()
+    assert_no_leaks(backend)
+
+
+def test_a_failed_copy_on_write_frees_the_fresh_blocks(tiny_gemma4_dir, monkeypatch):
+    """If the copy raises (e.g. telling a dead tensor-parallel worker), the row keeps its shared blocks and the
+    fresh ones go back to the pool: nothing leaks."""
+    from gemmaserve_custom_torch.kv import PagedKVCache
+
+    backend = make_backend(tiny_gemma4_dir, block_size=4)
+    pools = backend.pools
+    holder = PagedKVCache(pools)
+    holder.prepare_append(6)
+    holder.commit_append(6)
+    row = PagedKVCache(pools)
+    row.adopt({group: list(table) for group, table in holder.tables.items()}, 6)
+    free = {group: pools.managers[group].num_free for group in pools.groups}
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("worker gone")
+
+    monkeypatch.setattr(pools, "copy_blocks", broken)
+    with pytest.raises(RuntimeError, match="worker gone"):
+        row.prepare_append(1)
+    for group in pools.groups:
+        assert row.tables[group][:2] == holder.tables[group][:2]
+        assert pools.refcount(group, holder.tables[group][1]) == 2
+    assert {group: pools.managers[group].num_free for group in pools.groups} == free  # the fresh blocks went back
+    monkeypatch.undo()
     row.free_all()
     holder.free_all()
     pools.check_integrity()

@@ -144,11 +144,16 @@ class PagedKVCache:
         """Replace shared blocks by private copies: the fresh blocks are allocated while the shared ones are still
         held (``prepare_append`` made room for both), filled by one multi-tensor copy queued on the device
         (:meth:`KVPools.copy_blocks`: a full prompt hit copies its last block this way at its first step, once
-        per group), then the shared ones are released."""
+        per group), then the shared ones are released. If the copy raises, the fresh blocks are freed and the row
+        keeps the shared ones."""
         table = self.tables[group]
         old = [table[j] for j in logical]
         fresh = self.pools.allocate(group, len(old))
-        self.pools.copy_blocks(group, old, fresh)
+        try:
+            self.pools.copy_blocks(group, old, fresh)
+        except BaseException:
+            self.pools.decref(group, fresh)
+            raise
         self.pools.decref(group, old)
         for j, block in zip(logical, fresh):
             table[j] = block
