@@ -173,8 +173,8 @@ def prefill_ticks(args: argparse.Namespace) -> None:
     backend.mixed = mixed
     logits = torch.zeros(rows, model.config.vocab_size)
     logits[:, 7] = 1.0
-    mixed._bucket_forward = lambda key: (  # the stubbed forward: (bucket, decode_only) keys
-        (logits[: key[0]], logits[: key[0]].argmax(-1)) if key[1] else (logits[: mixed.buffers.seqs_of(key[0])],))
+    mixed._bucket_forward = lambda key: (  # the stubbed forward: (bucket, decode_only, logits rows) keys
+        (logits[: key[0]], logits[: key[0]].argmax(-1)) if key[1] else (logits[: key[2]],))
     freeze_startup_objects()  # as the engine does when it is built
     scheduler = ContinuousBatchScheduler(backend, core)
     params = SamplingParams(max_tokens=2, ignore_eos=True)

@@ -13,6 +13,7 @@ import torch
 from fixtures_backend import assert_no_leaks, run_scheduler
 from gemmaserve.settings import CoreSettings
 from gemmaserve_custom_torch.backend import CustomTorchBackend
+from gemmaserve_custom_torch.kv.forward_batch import logit_buckets
 from gemmaserve_custom_torch.models import GemmaForCausalLM
 from gemmaserve_custom_torch.settings import load_custom_settings
 from gemmaserve_custom_torch.tokenizer import HFTokenizer
@@ -129,8 +130,10 @@ def test_startup_capture_serves_the_same_tokens(e2b_like_dir):
     lazy = cuda_backend(e2b_like_dir)
     startup = cuda_backend(e2b_like_dir, graph_capture="startup")
     captured = set(startup.mixed.graphs.capture_seconds)
-    assert {key for key in captured if key[1]} == {(1, True), (2, True), (4, True), (8, True)}
-    assert {bucket for bucket, decode_only in captured if not decode_only} == set(startup.mixed.buffers.buckets)
+    assert {key for key in captured if key[1]} == {(1, True, 1), (2, True, 2), (4, True, 4), (8, True, 8)}
+    buffers = startup.mixed.buffers
+    assert {(bucket, rows) for bucket, decode_only, rows in captured if not decode_only} == {
+        (bucket, rows) for bucket in buffers.buckets for rows in logit_buckets(buffers.seqs_of(bucket))}
     got = [{rid: r.output_token_ids for rid, r in run_scheduler(b, requests).items()} for b in (lazy, startup)]
     assert got[0] == got[1]
     assert_no_leaks(startup)

@@ -149,3 +149,42 @@ def test_decode_only_batches_run_the_decode_kernel_under_the_interpreter(tiny_ge
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["decode_only"] == {"decode": out["layers"], "ragged": 0}, out  # every layer, the decode kernel
     assert out["mixed"]["ragged"] > 0, out  # a tick with prompt tokens: the ragged kernel
+
+
+def test_prompt_ticks_pad_their_logits_rows_only_to_a_logits_bucket(tiny_gemma4_dir):
+    """On buffers with room for many sequences, a tick of a few decode rows beside a chunk computes its logits rows
+    (and the narrowed KV-shared layers: the tiny Gemma 4 has three) padded to ``logit_rows_for``, fewer than the
+    bucket's sequence count, and gives the unpadded batch's logits, chunk logits included."""
+    from gemmaserve_custom_torch.kv.forward_batch import logit_buckets
+
+    eager, padded = make_backend(tiny_gemma4_dir), make_backend(tiny_gemma4_dir)
+    padded.mixed = MixedStep(padded.model, padded.pools, "reference", fixed_buffers=True, max_tokens=128,
+                             max_seqs=64, width=-(-padded.model_info.max_model_len // padded.block_size))
+    buffers = padded.mixed.buffers
+    views: list[tuple[int, int]] = []  # (bucket, logits rows) of each padded forward
+    view = buffers.view
+
+    def spy(bucket: int, logit_rows: int | None = None):
+        batch = view(bucket, logit_rows)
+        views.append((bucket, int(batch.logit_seqs.shape[0])))
+        return batch
+
+    buffers.view = spy
+    out = []
+    for backend in (eager, padded):
+        with backend.lock:
+            rows = [backend.prefill(p).kv for p in PROMPTS[:3]]
+            prompts = [PROMPTS[4][:14], PROMPTS[1][:14]]  # two chunks each (the window, 8, caps a chunk)
+            states = [backend.prefill_lookup(p) for p in prompts]
+            views.clear()  # the prompts' own ticks above
+            first, _, _ = backend.mixed.run(rows, [3, 4, 5], [(s.kv, p[:8], False) for s, p in zip(states, prompts)])
+            first = first.clone()  # 19 tokens: bucket 32, room for 32 sequences, 3 logits rows wanted
+            second, chunk_logits, _ = backend.mixed.run(rows, [6, 7, 8],
+                                                        [(s.kv, p[8:], True) for s, p in zip(states, prompts)])
+            out.append(torch.cat([first, second, *chunk_logits]))
+            for row in [*rows, *(s.kv for s in states)]:
+                row.free_all()
+        assert_no_leaks(backend)
+    assert views == [(32, 16), (16, 16)] and logit_buckets(buffers.seqs_of(32)) == (16, 32)
+    torch.testing.assert_close(out[1], out[0], rtol=0, atol=1e-4)
+    assert torch.equal(out[1].argmax(-1), out[0].argmax(-1))

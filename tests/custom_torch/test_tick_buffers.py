@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fixtures_backend import assert_no_leaks, make_backend, one_torch_thread  # noqa: F401
-from gemmaserve_custom_torch.kv.forward_batch import pack_tick, token_buckets
+from gemmaserve_custom_torch.kv.forward_batch import ForwardBuffers, logit_buckets, pack_tick, token_buckets
 
 
 @given(st.integers(1, 20000))
@@ -196,3 +197,26 @@ def test_default_pools_leave_room_for_a_burst_of_chunks(tiny_gemma4_dir):
     assert stats["mixed_steps"] > 0 and stats["mixed_step_shrunk_chunks"] == 0, stats
     assert stats["prefix_hits"] >= rows
     assert_no_leaks(backend)
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(seqs=st.integers(1, 2000), count=st.integers(0, 2000))
+def test_logit_buckets_cover_every_row_count(seqs, count) -> None:
+    """``logit_buckets(seqs)``: increasing, within ``seqs``, ending at it; the bucket picked for ``count`` wanted
+    rows (at most ``seqs`` of them) is the smallest that holds them."""
+    from gemmaserve_custom_torch.kv.decode_state import pick_bucket
+
+    buckets = logit_buckets(seqs)
+    assert list(buckets) == sorted(set(buckets)) and buckets[-1] == seqs and buckets[0] == min(16, seqs)
+    count = min(count, seqs)
+    rows = pick_bucket(buckets, max(count, 1))
+    assert rows >= count and all(b < max(count, 1) for b in buckets if b < rows)
+
+
+def test_a_bucket_picks_its_logits_rows_from_the_wanted_count(tiny_gemma4_dir) -> None:
+    backend = make_backend(tiny_gemma4_dir)
+    buffers = ForwardBuffers(backend.pools, max_tokens=512, max_seqs=256, width=8, block_ms=[16],
+                             device=torch.device("cpu"))
+    assert [buffers.logit_rows_for(512, n) for n in (0, 1, 16, 17, 64, 65, 256)] == [16, 16, 16, 64, 64, 256, 256]
+    assert [buffers.logit_rows_for(48, n) for n in (3, 17, 48)] == [16, 48, 48]  # room for 48 sequences
+    assert buffers.view(512, 64).logit_seqs.shape == (64,) and buffers.view(512).logit_seqs.shape == (256,)

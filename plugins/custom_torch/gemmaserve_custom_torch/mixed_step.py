@@ -24,9 +24,11 @@ Order of work in :meth:`MixedStep.run`:
 A decode-only tick (no chunk) is the same path with a decode-only batch (``decode_only``: the model runs it as
 ``[rows, 1]`` and the attention is the paged decode kernel, `DecodeBatchContext`). With fixed buffers its
 rows are staged by `DecodeStaging` (one H2D copy of ids / positions / sources plus the table entries that
-changed) padded to a row bucket of ``graph_buckets(max_seqs)``, and the graph of ``(bucket, True)`` replays;
-that forward also takes the greedy argmax on the device (:meth:`MixedStep.greedy_tokens`). Graph keys are
-``(bucket, decode_only)``: the kernel choice is static per captured graph.
+changed) padded to a row bucket of ``graph_buckets(max_seqs)``, and the graph of ``(bucket, True, bucket)``
+replays; that forward also takes the greedy argmax on the device (:meth:`MixedStep.greedy_tokens`). Graph keys
+are ``(bucket, decode_only, logits rows)``: the kernel choice is static per captured graph, and a tick with
+prompt tokens computes its logits rows (and, with fast prefill, its KV-shared layers) padded to
+``ForwardBuffers.logit_rows_for`` only, not to the bucket's sequence count.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from .kv.forward_batch import (
     PackedTick,
     RaggedAttention,
     build_forward_batch,
+    logit_buckets,
     pack_tick,
     paged_context,
 )
@@ -59,7 +62,7 @@ from .sampling import to_device
 __all__ = ["MixedStep", "TickMirror", "shared_tail_start"]
 
 logger = logging.getLogger(__name__)
-GraphKey = tuple[int, bool]  # (bucket, decode_only)
+GraphKey = tuple[int, bool, int]  # (token bucket, decode_only, logits rows)
 
 
 class TickMirror(Protocol):
@@ -222,7 +225,7 @@ class MixedStep:
                 buffers.decode.feed_previous(previous, bucket)
             if self._explain_pending:
                 self.run_explain(bucket)
-            key = (bucket, True)
+            key = (bucket, True, bucket)
             logits, tokens = self.graphs.run(key) if self.graphs is not None else self._bucket_forward(key)
             logits, tokens = logits[:count], tokens[:count]
         else:
@@ -252,20 +255,22 @@ class MixedStep:
         return self.explain
 
     def capture_all(self) -> dict[GraphKey, float]:
-        """Capture every decode-only row bucket's and every token bucket's graph now (all padding: only scratch
-        blocks are written); returns seconds per ``(bucket, decode_only)``. No-op without graphs."""
+        """Capture every decode-only row bucket's graph and every token bucket's at each of its logits-row counts
+        (``logit_buckets``) now (all padding: only scratch blocks are written); returns seconds per graph key. No-op
+        without graphs."""
         if self.graphs is None or self.buffers is None:
             return {}
         buffers = self.buffers
         with torch.inference_mode():
             for bucket in buffers.decode_buckets:
-                if not self.graphs.has((bucket, True)):
+                if not self.graphs.has((bucket, True, bucket)):
                     buffers.decode.load([], [], bucket)
-                    self.graphs.capture((bucket, True))
+                    self.graphs.capture((bucket, True, bucket))
             for bucket in buffers.buckets:
-                if not self.graphs.has((bucket, False)):
-                    buffers.load_padding(bucket)
-                    self.graphs.capture((bucket, False))
+                for rows in logit_buckets(buffers.seqs_of(bucket)):
+                    if not self.graphs.has((bucket, False, rows)):
+                        buffers.load_padding(bucket)
+                        self.graphs.capture((bucket, False, rows))
         return dict(self.graphs.capture_seconds)
 
     def _forward(self, tick: PackedTick, feed: tuple[Sequence[int], Tensor] | None = None) -> Tensor:
@@ -293,7 +298,7 @@ class MixedStep:
             bucket = buffers.load(tick, feed[0] if feed is not None else None)
             if feed is not None:
                 buffers.feed_previous(feed[1])
-            key = (bucket, False)
+            key = (bucket, False, buffers.logit_rows_for(bucket, len(tick.logit_seqs)))
             run = self.graphs.run if self.graphs is not None else self._bucket_forward
             return run(key)[0][: len(tick.logit_seqs)]
         if not tick.decode_only:
@@ -305,11 +310,11 @@ class MixedStep:
         return self.forward_batch(batch)
 
     def _bucket_forward(self, key: GraphKey) -> tuple[Tensor, ...]:
-        bucket, decode_only = key
+        bucket, decode_only, rows = key
         if decode_only:
             return self._decode_forward(bucket)
         assert self.buffers is not None
-        return (self.forward_batch(self.buffers.view(bucket)),)
+        return (self.forward_batch(self.buffers.view(bucket, rows)),)
 
     def _decode_forward_eager(self, bucket: int) -> tuple[Tensor, Tensor]:
         """The decode-only forward of ``bucket`` rows of the fixed buffers: (logits [b, V], argmax [b])."""

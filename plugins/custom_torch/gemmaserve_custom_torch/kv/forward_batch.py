@@ -18,7 +18,8 @@ tokens at positions ``row.length ...``; the tensors (on the pools' device) are:
 Padded batches (``ForwardBuffers.view``): tokens past ``T`` are padding (token 0, scratch write slot, in no
 sequence: attention gives them zeros), sequences past ``S`` are empty (``n_s = 0``, ``seq_len = 0``), and
 ``logit_seqs`` past ``R`` name an empty sequence when there is one (its attention is zero), else a real one
-(work thrown away). Every shape depends on the bucket only, so the forward can be captured once per bucket.
+(work thrown away); they are padded to ``logit_buckets`` rows, not to the bucket's sequence count. Every shape
+depends on the bucket and that row count only, so the forward can be captured once per pair.
 
 Every storing layer writes the batch's K/V with one indexed copy, then every layer attends through the block
 tables with the ragged kernel (Triton) or its plain-torch reference (the portable path); fresh keys are read
@@ -50,7 +51,7 @@ from .decode_state import DecodeStaging, feed_previous, graph_buckets, pick_buck
 from .paged_cache import PagedKVCache
 from .pools import KVPools
 
-__all__ = ["ForwardBatch", "ForwardBuffers", "PackedTick", "RaggedPagedContext", "build_forward_batch",
+__all__ = ["ForwardBatch", "ForwardBuffers", "PackedTick", "RaggedPagedContext", "build_forward_batch", "logit_buckets",
            "pack_tick", "paged_context"]
 
 RaggedAttention = Literal["triton", "reference"]
@@ -186,6 +187,21 @@ def token_buckets(max_tokens: int, smallest: int = 16) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
+def logit_buckets(seqs: int, smallest: int = 16) -> tuple[int, ...]:
+    """Logits-row counts of a token bucket whose forward has room for ``seqs`` sequences: powers of four from
+    ``smallest`` below ``seqs``, then ``seqs`` itself (up to 64 rows a projection streams its weights about as fast
+    at any count, so coarse steps waste little)."""
+    if seqs < 1:
+        raise ValueError(f"seqs must be >= 1, got {seqs}")
+    sizes = []
+    size = smallest
+    while size < seqs:
+        sizes.append(size)
+        size *= 4
+    sizes.append(seqs)
+    return tuple(sizes)
+
+
 class ForwardBuffers:
     """Fixed device buffers for ticks of at most ``max_tokens`` tokens and ``max_seqs`` sequences whose rows
     hold at most ``width`` blocks. :meth:`load` stages a tick and returns its bucket; :meth:`view` gives the
@@ -238,8 +254,15 @@ class ForwardBuffers:
         return next((b for b in self.buckets if b >= num_tokens), None)
 
     def seqs_of(self, bucket: int) -> int:
-        """Sequences (and logits rows) a bucket's forward has room for."""
+        """Sequences (and logits rows at most) a bucket's forward has room for."""
         return min(bucket, self.max_seqs)
+
+    def logit_rows_for(self, bucket: int, count: int) -> int:
+        """Logits rows a forward of token ``bucket`` computes for ``count`` wanted ones: the smallest of
+        :func:`logit_buckets` holding them. With fast prefill the KV-shared layers run at that many rows, so a
+        tick of a few decode rows beside a long chunk does not run them (and the LM head) at its padded sequence
+        count."""
+        return pick_bucket(logit_buckets(self.seqs_of(bucket)), max(count, 1))
 
     def load(self, tick: PackedTick, sources: Sequence[int] | None = None) -> int:
         """Stage ``tick`` into the buffers; returns its bucket. ``sources``: per decode row (the first
@@ -362,8 +385,10 @@ class ForwardBuffers:
         """int64 [3 + groups, bucket]: ids, positions, sources, write slots per group (a view)."""
         return self._i64[: self._rows64 * bucket].view(self._rows64, bucket)
 
-    def view(self, bucket: int) -> ForwardBatch:
-        """The padded batch of ``bucket`` (views of the buffers; shapes depend on the bucket only)."""
+    def view(self, bucket: int, logit_rows: int | None = None) -> ForwardBatch:
+        """The padded batch of ``bucket`` with ``logit_rows`` logits rows (default: the bucket's sequences; at least
+        the tick's wanted ones, see :meth:`logit_rows_for`): views of the buffers, shapes depending on these two
+        only."""
         seqs = self.seqs_of(bucket)
         meta = self._i32
         at = 0
@@ -374,7 +399,8 @@ class ForwardBuffers:
             at += n
             return out
 
-        query_start, seq_lens, logit_seqs = take(seqs + 1), take(seqs), take(seqs).to(torch.int64)
+        query_start, seq_lens = take(seqs + 1), take(seqs)
+        logit_seqs = take(seqs)[: seqs if logit_rows is None else logit_rows].to(torch.int64)
         tiles: dict[int, Tiles] = {}
         for bm in self.block_ms:
             room = self._tiles_of(bucket, bm)
