@@ -388,8 +388,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             backend = _custom_backend(model, settings, cuda_graph=False, name=f"{args.config}-random")
             graphed = False  # keep measuring, eagerly
         else:
-            results["graph_capture_s"] = {str(k[0]): v for k, v in captured.items() if k[1]}
-            results["tick_graph_capture_s"] = {str(k[0]): v for k, v in captured.items() if not k[1]}
+            keys = {str(k): k for k in mixed.graphs.capture_seconds}  # capture_all's keys, as strings
+            results["graph_capture_s"] = {str(keys[k][0]): v for k, v in captured.items() if keys[k][1]}
+            results["tick_graph_capture_s"] = {f"{keys[k][0]}x{keys[k][2]}": v for k, v in captured.items()
+                                               if not keys[k][1]}
     vocab = base["vocab_size"]
     run_engine(backend, settings, random_prompts(2, args.prompt_len, vocab, seed=99), 4)  # warm-up
     print(f"built in {results['meta']['build_s']} s; copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)

@@ -169,7 +169,7 @@ def compile_on_off(make_backend: Callable[..., Any], model: Any, settings: Any, 
         mixed.buffers.decode.load([], [], bucket)
         explain = mixed.run_explain(bucket)
         explain_s = time.perf_counter() - start
-        mixed.graphs.capture((bucket, True))
+        mixed.graphs.capture((bucket, True, bucket))
     compile_s = time.perf_counter() - start - explain_s
     on = workload(compiled, settings, [n], args, roof, bandwidth, 64, "custom+compile")
     compiled.close()

@@ -151,13 +151,16 @@ def test_decode_only_batches_run_the_decode_kernel_under_the_interpreter(tiny_ge
     assert out["mixed"]["ragged"] > 0, out  # a tick with prompt tokens: the ragged kernel
 
 
-def test_prompt_ticks_pad_their_logits_rows_only_to_a_logits_bucket(tiny_gemma4_dir):
+@pytest.mark.parametrize("name", ["gemma4", "gemma3"])
+def test_prompt_ticks_pad_their_logits_rows_only_to_a_logits_bucket(tiny_checkpoint, name):
     """On buffers with room for many sequences, a tick of a few decode rows beside a chunk computes its logits rows
-    (and the narrowed KV-shared layers: the tiny Gemma 4 has three) padded to ``logit_rows_for``, fewer than the
-    bucket's sequence count, and gives the unpadded batch's logits, chunk logits included."""
+    (and the narrowed KV-shared layers: the tiny Gemma 4 has three; Gemma 3 has none, its logits rows are picked
+    from the last layer) padded to ``logit_rows_for``, fewer than the bucket's sequence count, and gives the
+    unpadded batch's logits, chunk logits included."""
     from gemmaserve_custom_torch.kv.forward_batch import logit_buckets
 
-    eager, padded = make_backend(tiny_gemma4_dir), make_backend(tiny_gemma4_dir)
+    path = tiny_checkpoint(name)
+    eager, padded = make_backend(path), make_backend(path)
     padded.mixed = MixedStep(padded.model, padded.pools, "reference", fixed_buffers=True, max_tokens=128,
                              max_seqs=64, width=-(-padded.model_info.max_model_len // padded.block_size))
     buffers = padded.mixed.buffers
