@@ -125,6 +125,52 @@ def test_async_decode_gives_the_synchronous_tokens(e2b_like_dir, graphs):
     assert got[True] == got[False]
 
 
+def _two_row_counts(backend, make_fixed):
+    """Ticks A (3 decode rows + two 16-token chunks: 35 tokens, 3 logits wanted) and B (30 decode rows + a 10-token
+    chunk: 40 tokens, 30 wanted) fall in token bucket 48 at 16 and 48 logits rows; each runs twice (graphs: the
+    second use replays). Returns every tick's logits (CPU fp32)."""
+    if make_fixed:
+        backend.mixed = make_fixed(backend)
+    prompts = [[(7 * i + 3 * j) % 400 + 4 for i in range(12)] for j in range(34)]
+    out = []
+    with backend.lock:
+        rows = [backend.prefill(p).kv for p in prompts[:30]]
+        for rep in range(2):
+            states = [backend.prefill_lookup(p + [5 + rep] * 20) for p in prompts[30:32]]
+            logits, _, _ = backend.mixed.run(rows[:3], [3, 4, 5], [(s.kv, s.prompt_ids[:16], False) for s in states])
+            out.append(logits.float().cpu())
+            state = backend.prefill_lookup(prompts[32 + rep] + [9] * 20)
+            logits, _, _ = backend.mixed.run(rows, list(range(6, 36)), [(state.kv, state.prompt_ids[:10], False)])
+            out.append(logits.float().cpu())
+            for row in [*(s.kv for s in states), state.kv]:
+                row.free_all()
+        for row in rows:
+            row.free_all()
+    return out
+
+
+def test_one_bucket_replays_at_each_logits_row_count(e2b_like_dir):
+    """Token bucket 48 at 16 and at 48 logits rows (few decode rows wanted, then many; each tick twice, so the second
+    use replays): the graphs give the eager padded forwards' logits bit for bit."""
+    from gemmaserve_custom_torch.mixed_step import MixedStep
+
+    def fixed(backend):
+        width = -(-backend.model_info.max_model_len // backend.block_size)
+        return MixedStep(backend.model, backend.pools, "triton", fixed_buffers=True, max_tokens=8192, max_seqs=64,
+                         width=width)
+
+    runs = {}
+    for graphs in (False, True):
+        backend = cuda_backend(e2b_like_dir, block_size=4, max_batch_size=64, cuda_graph=graphs)
+        runs[graphs] = _two_row_counts(backend, None if graphs else fixed)
+        if graphs:
+            assert {(48, False, 16), (48, False, 48)} <= set(backend.mixed.graphs.capture_seconds)
+        assert_no_leaks(backend)
+    assert [t.shape[0] for t in runs[True]] == [3, 30, 3, 30]
+    for eager, replay in zip(runs[False], runs[True]):
+        assert torch.equal(eager, replay)
+
+
 def test_startup_capture_serves_the_same_tokens(e2b_like_dir):
     requests = joining_requests(seed=5, count=10)
     lazy = cuda_backend(e2b_like_dir)
