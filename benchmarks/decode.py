@@ -382,16 +382,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     mixed = getattr(backend, "mixed", None)
     graphed = mixed is not None and mixed.graphs is not None
     if graphed:  # one capture_all: decode-only row buckets (graph_capture_s) and token buckets (tick_...)
-        captured = section("graph_capture_s", lambda: {str(k): round(v, 3) for k, v in mixed.capture_all().items()})
+        def capture() -> dict[str, dict[str, float]]:  # seconds per decode row bucket, per tick bucket x logits rows
+            seconds = mixed.capture_all()
+            return {"decode": {str(b): round(v, 3) for (b, decode_only, _), v in seconds.items() if decode_only},
+                    "tick": {f"{b}x{rows}": round(v, 3) for (b, decode_only, rows), v in seconds.items()
+                             if not decode_only}}
+
+        captured = section("graph_capture_s", capture)
         if captured is None:
             backend.close()  # its pools go before the eager backend allocates its own
             backend = _custom_backend(model, settings, cuda_graph=False, name=f"{args.config}-random")
             graphed = False  # keep measuring, eagerly
         else:
-            keys = {str(k): k for k in mixed.graphs.capture_seconds}  # capture_all's keys, as strings
-            results["graph_capture_s"] = {str(keys[k][0]): v for k, v in captured.items() if keys[k][1]}
-            results["tick_graph_capture_s"] = {f"{keys[k][0]}x{keys[k][2]}": v for k, v in captured.items()
-                                               if not keys[k][1]}
+            results["graph_capture_s"], results["tick_graph_capture_s"] = captured["decode"], captured["tick"]
     vocab = base["vocab_size"]
     run_engine(backend, settings, random_prompts(2, args.prompt_len, vocab, seed=99), 4)  # warm-up
     print(f"built in {results['meta']['build_s']} s; copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)

@@ -267,10 +267,12 @@ class MixedStep:
                     buffers.decode.load([], [], bucket)
                     self.graphs.capture((bucket, True, bucket))
             for bucket in buffers.buckets:
-                for rows in logit_buckets(buffers.seqs_of(bucket)):
-                    if not self.graphs.has((bucket, False, rows)):
-                        buffers.load_padding(bucket)
-                        self.graphs.capture((bucket, False, rows))
+                keys = [(bucket, False, rows) for rows in logit_buckets(buffers.seqs_of(bucket))]
+                missing = [key for key in keys if not self.graphs.has(key)]
+                if missing:
+                    buffers.load_padding(bucket)  # one staging serves every logits-row count of the bucket
+                for key in missing:
+                    self.graphs.capture(key)
         return dict(self.graphs.capture_seconds)
 
     def _forward(self, tick: PackedTick, feed: tuple[Sequence[int], Tensor] | None = None) -> Tensor:

@@ -57,15 +57,16 @@ def feed_previous(ids: Tensor, sources: Tensor, previous: Tensor) -> None:
     ids.copy_(torch.where(sources >= 0, previous.index_select(0, sources.clamp(min=0)), ids))
 
 
-def graph_buckets(max_batch_size: int) -> tuple[int, ...]:
-    """Batch sizes to capture: powers of two below ``max_batch_size``, then ``max_batch_size`` itself."""
+def graph_buckets(max_batch_size: int, smallest: int = 1, factor: int = 2) -> tuple[int, ...]:
+    """Batch sizes to capture: ``smallest`` times the powers of ``factor`` below ``max_batch_size``, then
+    ``max_batch_size`` itself."""
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
     sizes = []
-    size = 1
+    size = smallest
     while size < max_batch_size:
         sizes.append(size)
-        size *= 2
+        size *= factor
     sizes.append(max_batch_size)
     return tuple(sizes)
 

@@ -187,19 +187,11 @@ def token_buckets(max_tokens: int, smallest: int = 16) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
-def logit_buckets(seqs: int, smallest: int = 16) -> tuple[int, ...]:
-    """Logits-row counts of a token bucket whose forward has room for ``seqs`` sequences: powers of four from
-    ``smallest`` below ``seqs``, then ``seqs`` itself (up to 64 rows a projection streams its weights about as fast
-    at any count, so coarse steps waste little)."""
-    if seqs < 1:
-        raise ValueError(f"seqs must be >= 1, got {seqs}")
-    sizes = []
-    size = smallest
-    while size < seqs:
-        sizes.append(size)
-        size *= 4
-    sizes.append(seqs)
-    return tuple(sizes)
+def logit_buckets(seqs: int) -> tuple[int, ...]:
+    """Logits-row counts of a token bucket whose forward has room for ``seqs`` sequences: 16 times the powers of four
+    below ``seqs``, then ``seqs`` itself (up to 64 rows a projection streams its weights about as fast at any count,
+    so coarse steps waste little)."""
+    return graph_buckets(seqs, smallest=16, factor=4)
 
 
 class ForwardBuffers:
