@@ -100,10 +100,11 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16):
         x[0, :5] = 0.0
         if m > 2:
             x[2] = 0.0  # an all-zero row: the minimum scale, zeros
-        q, scale = quantize_rows(x, block=256)
         want_q, want_scale = quantize_per_token(x)
-        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale), \
-            (dtype, m, k)
+        for block in (256, None):  # two passes over 256-value pieces; the whole row in one pass
+            q, scale = quantize_rows(x, block=block)
+            assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale), \
+                (dtype, m, k, block)
         fp8["rows"] += m
 for out_dtype in (torch.float32, torch.float16):
     for m, n, k in ((1, 40, 96), (5, 33, 200), (18, 16, 64)):
@@ -200,10 +201,12 @@ def test_the_kernels_compile_for_hopper_without_a_gpu():
                                {"GEGLU": False, "GELU_MUL": False, "SPLIT": split, "SCALED": True, "BLOCK_M": block_m,
                                 "BLOCK_N": 64, "BLOCK_K": 128, "PRECISION": "tf32", "WIDEN": widen, "PDL": pdl},
                                "fp8" if widen is not None else "fp8_native"))
-    for dtype, pdl in (("bf16", False), ("fp16", False), ("fp32", False), ("bf16", True)):
+    for dtype, pdl, one_pass in (("bf16", False, False), ("fp16", False, False), ("fp32", False, False),
+                                 ("bf16", True, False), ("bf16", True, True), ("fp32", False, True)):
         builds.append((quantize_rows_kernel, {"x_ptr": f"*{dtype}", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
-                                              "k": "i32", "stride_xm": "i32", "BLOCK": "constexpr", "PDL": "constexpr"},
-                       {"BLOCK": 1024, "PDL": pdl}, "quantize"))
+                                              "k": "i32", "stride_xm": "i32", "BLOCK": "constexpr",
+                                              "ONE_PASS": "constexpr", "PDL": "constexpr"},
+                       {"BLOCK": 8192 if one_pass else 1024, "ONE_PASS": one_pass, "PDL": pdl}, "quantize"))
     for kernel, signature, constexprs, dtype in builds:
         asm = compile_for_hopper(kernel, signature, constexprs, unaligned=("m", "slices"))
         if dtype in ("bf16", "fp8", "fp8_native") and "BLOCK_K" in constexprs:

@@ -7,7 +7,9 @@ on CUDA torch divides by the scalar 448 as a multiplication by fl(1/448), so its
 ``quantization.linear`` (FP8 projections on CUDA) and the fused MoE kernels (their input rows) both call it. The
 rounding to the e4m3 grid is done in fp32 bit arithmetic before the cast (the cast then only narrows an exact
 value): Triton's CPU interpreter rounds some fp32 -> fp8 casts wrongly at exponent boundaries. One program per
-row; nothing syncs the host (CUDA-graph capturable).
+row, which reads a row of up to ONE_PASS_MAX values once (a decode step's row quantizations are latency-bound: run
+31 measured ~7 µs per launch for two passes over 1,024-value pieces, 1.77 ms of 31B FP8's step at one row); nothing
+syncs the host (CUDA-graph capturable).
 """
 
 from __future__ import annotations
@@ -59,34 +61,61 @@ def fp8_grid(v, scale):
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, k, stride_xm, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, k, stride_xm, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr = False,
+                          PDL: tl.constexpr = False):
+    """One row. ONE_PASS (BLOCK >= k): the row is loaded once and kept in registers (one load latency per launch);
+    else two passes over BLOCK-wide pieces (the amax, then the values)."""
     await_previous(PDL)  # reads only the previous kernel's output
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k0 in range(0, k, BLOCK):
-        x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < k, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = fp8_scale(tl.max(amax, axis=0))
-    tl.store(scale_ptr + row, scale)
-    for k0 in range(0, k, BLOCK):
-        mask = k0 + offs < k
-        x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(q_ptr + row * k + k0 + offs, fp8_grid(x, scale).to(q_ptr.dtype.element_ty), mask=mask)
+    if ONE_PASS:
+        mask = offs < k
+        x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+        scale = fp8_scale(tl.max(tl.abs(x), axis=0))
+        tl.store(scale_ptr + row, scale)
+        tl.store(q_ptr + row * k + offs, fp8_grid(x, scale).to(q_ptr.dtype.element_ty), mask=mask)
+    else:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, k, BLOCK):
+            x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < k, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = fp8_scale(tl.max(amax, axis=0))
+        tl.store(scale_ptr + row, scale)
+        for k0 in range(0, k, BLOCK):
+            mask = k0 + offs < k
+            x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(q_ptr + row * k + k0 + offs, fp8_grid(x, scale).to(q_ptr.dtype.element_ty), mask=mask)
 
 
-def quantize_rows(x: torch.Tensor, block: int = 1024, *, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+#: Rows up to this many values are quantized in one pass (held in registers: up to 64 fp32 values per thread at 16
+#: warps); longer rows in two passes over 1,024-value pieces.
+ONE_PASS_MAX = 32768
+
+
+def _one_pass_warps(block: int) -> int:
+    return 4 if block <= 2048 else 8 if block <= 8192 else 16
+
+
+def quantize_rows(x: torch.Tensor, block: int | None = None, *, pdl: bool = False,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (any float dtype, contiguous last dim) -> (float8_e4m3fn [M, K] contiguous, fp32 scales [M, 1]);
-    new tensors, x not mutated. ``pdl``: launch as a programmatic dependent of the previous kernel
-    (``kernels.pdl``; Hopper)."""
+    new tensors, x not mutated. One program per row: rows of at most ONE_PASS_MAX values are read once (``block``
+    None), else (or with an explicit ``block``) in two passes over ``block``-wide pieces (default 1,024); the same
+    bytes either way. ``pdl``: launch as a programmatic dependent of the previous kernel (``kernels.pdl``;
+    Hopper)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"need x [M, K] with a contiguous last dim; got {tuple(x.shape)} strides {x.stride()}")
     m, k = x.shape
     q = torch.empty(m, k, device=x.device, dtype=torch.float8_e4m3fn)
     scale = torch.empty(m, 1, device=x.device, dtype=torch.float32)
     if m and k:
-        _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), BLOCK=min(block, triton.next_power_of_2(k)),
-                                    num_warps=4, **launch_options(pdl))
+        whole = triton.next_power_of_2(k)
+        if block is None and whole <= ONE_PASS_MAX:
+            _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), BLOCK=whole, ONE_PASS=True,
+                                        num_warps=_one_pass_warps(whole), **launch_options(pdl))
+        else:
+            _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), BLOCK=min(block or 1024, whole), num_warps=4,
+                                        **launch_options(pdl))
     elif m:
         scale.fill_(_MIN_SCALE)
     return q, scale
