@@ -8,9 +8,11 @@ device-to-device copy bandwidth measured in the same run. GeGLU compares the fus
 ``F.linear`` + softcap + ``argmax``. Also sweeps ``split_k`` for one shape per kind with ``--sweep``.
 ``--fp8`` times the FP8 projections instead (every linear and gate/up shape as one product, as
 ``QUANTIZATION=fp8`` runs them): ``skinny_fp8_linear`` (Triton row quantization + ``skinny_linear_fp8``, decode's
-path for at most ``CUSTOM_BACKEND_SKINNY_MAX_ROWS`` rows), Triton quantization + ``torch._scaled_mm``
-(``models.quantization.linear``, the path for more rows), the torch row quantization + ``_scaled_mm``, and bf16
-``F.linear``; the bandwidth column counts one byte per FP8 weight.
+path for at most ``CUSTOM_BACKEND_SKINNY_MAX_ROWS`` rows), the same launched as programmatic dependents on Hopper
+(``skinny_pdl_us``, as the decode chain runs it), Triton quantization + ``torch._scaled_mm``
+(``models.quantization.linear``, the path for more rows), the torch row quantization + ``_scaled_mm``, the Triton
+row quantization alone in one pass and in two, and bf16 ``F.linear``; the bandwidth column counts one byte per FP8
+weight.
 
 Usage (repo root):
     PYTHONPATH=plugins/custom_torch python benchmarks/kernels/bench_skinny_gemm.py --json skinny.json
@@ -42,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the
 from timing import copy_bandwidth, graph_replay_ms  # noqa: E402
 
 from gemmaserve_custom_torch.kernels.fp8_rows import quantize_rows  # noqa: E402
+from gemmaserve_custom_torch.kernels.pdl import pdl_supported  # noqa: E402
 from gemmaserve_custom_torch.kernels.skinny_gemm import (  # noqa: E402
     choose_split_k,
     lm_head_argmax,
@@ -123,11 +126,16 @@ def _fp8_paths() -> dict[str, Callable[[torch.Tensor, tuple[torch.Tensor, torch.
     def scaled_mm(xq: torch.Tensor, xs: torch.Tensor, w: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype):
         return torch._scaled_mm(xq, w[0].t(), scale_a=xs, scale_b=w[1].view(1, -1), out_dtype=dtype)
 
-    return {
+    paths = {
         "skinny_us": lambda x, w: skinny_fp8_linear(x, w[0], w[1]),
         "torch_quant_scaled_mm_us": lambda x, w: scaled_mm(*quantize_per_token(x), w, x.dtype),
         "triton_quant_scaled_mm_us": lambda x, w: scaled_mm(*quantize_rows(x), w, x.dtype),
+        "quantize_one_pass_us": lambda x, w: quantize_rows(x),
+        "quantize_two_pass_us": lambda x, w: quantize_rows(x, block=1024),
     }
+    if pdl_supported("cuda"):  # the decode chain's form: both kernels programmatic dependents
+        paths["skinny_pdl_us"] = lambda x, w: skinny_fp8_linear(x, w[0], w[1], pdl=True)
+    return paths
 
 
 def bench_fp8(models: list[str], rows: list[int]) -> dict[str, Any]:
