@@ -265,6 +265,7 @@ def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool
     from tick_profile import TickRecorder, _summary, trace_ticks
 
     import gemmaserve.engine.request as request_module
+    import gemmaserve.structured.grammar as grammar_module
     from gemmaserve.hf_tokenizer import HFTokenizerAdapter
     from gemmaserve.sampling_params import SamplingParams
 
@@ -281,15 +282,23 @@ def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool
     result: dict[str, Any] = {"rows": rows, "tokens": tokens, "prompt_len": 128, "async_scheduling":
                               settings.async_scheduling, "build_s": round(time.perf_counter() - start, 1)}
     prompts = random_prompts(rows, 128, base["vocab_size"], seed=5)
-    spent: list[float] = []  # per batch of masks: engine-thread time starting it plus time blocked waiting for it
+    # per batch of masks: engine-thread time starting it (grammar.start_masks: the buffer, the hand-over to the mask
+    # thread) and blocked waiting for it (PendingMasks.wait: the rest of the native call, the per-row checks), and
+    # the mask thread's own time (the native call)
+    spent: list[float] = []
+    started: list[float] = []
+    waited: list[float] = []
+    native: list[float] = []
     original_start, original_wait = request_module.grammar_start_masks, request_module.PendingMasks.wait
+    original_compute = grammar_module.MaskBatch._compute
 
     def timed_start(*args: Any, **kwargs: Any) -> Any:  # the engine passes overlap=: forward every argument
         t0 = time.perf_counter()
         try:
             return original_start(*args, **kwargs)
         finally:
-            spent.append(time.perf_counter() - t0)
+            started.append(time.perf_counter() - t0)
+            spent.append(started[-1])
 
     def timed_wait(self: Any) -> Any:
         t0 = time.perf_counter()
@@ -297,10 +306,19 @@ def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool
             return original_wait(self)
         finally:
             if self._todo:
-                spent[-1] += time.perf_counter() - t0
+                waited.append(time.perf_counter() - t0)
+                spent[-1] += waited[-1]
+
+    def timed_compute(self: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            original_compute(self)
+        finally:
+            native.append(time.perf_counter() - t0)
 
     request_module.grammar_start_masks = timed_start
     request_module.PendingMasks.wait = timed_wait  # type: ignore[method-assign]
+    grammar_module.MaskBatch._compute = timed_compute  # type: ignore[method-assign]
     fallbacks = _FallbackCounter()  # a batch of masks that failed is computed row by row: not what this measures
     request_module.logger.addHandler(fallbacks)
     try:
@@ -309,7 +327,8 @@ def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool
                 ("constrained", True, 1.0), ("unconstrained_again", False, 1.0), ("constrained_again", True, 1.0)):
             params = SamplingParams(max_tokens=tokens, temperature=temperature, seed=1, ignore_eos=True,
                                     structured_outputs={"json": _SCHEMA_DIGITS(4 * tokens)} if constrained else None)
-            spent.clear()
+            for times in (spent, started, waited, native):
+                times.clear()
             recorder = TickRecorder(backend)
             try:
                 run = run_engine(backend, settings, prompts, tokens, params).summary()
@@ -329,6 +348,9 @@ def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool
                 if constrained and spent:
                     result[label]["mask_calls"] = len(spent)
                     result[label]["mask_ms_median"] = round(statistics.median(spent) * 1e3, 3)
+                    for name, times in (("mask_start", started), ("mask_wait", waited), ("mask_native", native)):
+                        if times:
+                            result[label][f"{name}_ms_median"] = round(statistics.median(times) * 1e3, 3)
         if trace_dir is not None:
             for label, constrained in (("unconstrained", False), ("constrained", True)):
                 params = SamplingParams(max_tokens=tokens, temperature=1.0, seed=1, ignore_eos=True,
@@ -349,6 +371,7 @@ def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool
         request_module.logger.removeHandler(fallbacks)
         request_module.grammar_start_masks = original_start
         request_module.PendingMasks.wait = original_wait  # type: ignore[method-assign]
+        grammar_module.MaskBatch._compute = original_compute  # type: ignore[method-assign]
         backend.close()
     base = statistics.fmean([result["unconstrained"]["tpot_median_ms"], result["unconstrained_again"]["tpot_median_ms"]])
     masked = statistics.fmean([result["constrained"]["tpot_median_ms"], result["constrained_again"]["tpot_median_ms"]])

@@ -327,11 +327,17 @@ def test_the_decode_benchmark_measures_the_batched_mask_path(tmp_path, monkeypat
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import structured
 
+    import gemmaserve.structured.grammar as grammar_module
+
     save_tiny_tokenizer(tmp_path)
+    compute = grammar_module.MaskBatch._compute
     got = structured.decode_overhead_e2b(3, 6, tmp_path, quick=True, profile_engine=True,
                                          profile_top=10_000)
     for label in ("constrained", "constrained_again"):
         assert got[label]["errors"] == [] and got[label]["mask_calls"] > 0, got[label]
+        # the split of a batch's time: started and waited for on the engine thread, computed on the mask thread
+        assert all(got[label][f"mask_{part}_ms_median"] > 0 for part in ("start", "wait", "native")), got[label]
+    assert grammar_module.MaskBatch._compute is compute  # the benchmark's timing wrappers are gone
     # --profile-engine: the engine thread's functions, the constrained pass's including the mask calls
     profiled = {label: [row[0] for row in got[f"engine_profile_{label}"]["by_cumulative_time"]]
                 for label in ("unconstrained", "constrained")}
