@@ -1,8 +1,9 @@
 """One request's lifecycle: state machine, generated tokens, timing, and what the caller gets back.
 
 A :class:`Request` is owned by one thread at a time: the submitting thread until it is handed to the
-scheduler, then the engine thread. :class:`RequestOutput` and :class:`RequestEvent` are immutable
-snapshots that may cross threads freely.
+scheduler, then the engine thread. :class:`RequestOutput` and :class:`RequestEvent` are snapshots that may
+cross threads freely: nothing changes them once made (``RequestOutput`` is frozen; ``RequestEvent`` is read-only
+by contract).
 """
 
 from __future__ import annotations
@@ -117,10 +118,12 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestEvent:
     """What one scheduler tick produced for one request: new tokens, and the output once finished.
-    ``cached_tokens`` = prompt tokens served from the prefix cache (known once prefill started)."""
+    ``cached_tokens`` = prompt tokens served from the prefix cache (known once prefill started). Read-only once
+    made (by contract, not ``frozen``: one is built per request per tick, and a frozen dataclass's field-by-field
+    ``object.__setattr__`` took ~2.3 µs of it on the 2-core CPU; now ~0.4 µs)."""
 
     request_id: str
     new_token_ids: list[int]
