@@ -32,6 +32,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -282,9 +283,11 @@ def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool
     result: dict[str, Any] = {"rows": rows, "tokens": tokens, "prompt_len": 128, "async_scheduling":
                               settings.async_scheduling, "build_s": round(time.perf_counter() - start, 1)}
     prompts = random_prompts(rows, 128, base["vocab_size"], seed=5)
-    # per batch of masks: engine-thread time starting it (grammar.start_masks: the buffer, the hand-over to the mask
-    # thread) and blocked waiting for it (PendingMasks.wait: the rest of the native call, the per-row checks), and
-    # the mask thread's own time (the native call)
+    # per batch of masks: engine-thread time starting it plus time blocked waiting for it (``spent``, every batch);
+    # for the batches handed to the mask thread (the deferred decode tick's) also apart: starting (grammar.start_masks:
+    # the buffer, the hand-over), waiting (PendingMasks.wait: the rest of the native call, the per-row checks) and
+    # the mask thread's own time (the native call). Batches computed on the engine thread (overlap=False: a mixed
+    # tick's prepare_masks) count in ``spent`` only.
     spent: list[float] = []
     started: list[float] = []
     waited: list[float] = []
@@ -297,24 +300,35 @@ def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool
         try:
             return original_start(*args, **kwargs)
         finally:
-            started.append(time.perf_counter() - t0)
-            spent.append(started[-1])
+            spent.append(time.perf_counter() - t0)
+            if kwargs.get("overlap", True):
+                started.append(spent[-1])
 
     def timed_wait(self: Any) -> Any:
+        overlapped = self._batch is not None and self._batch in handed_over
+        handed_over.discard(self._batch)  # (a batch holds its masks' buffer)
         t0 = time.perf_counter()
         try:
             return original_wait(self)
         finally:
             if self._todo:
-                waited.append(time.perf_counter() - t0)
-                spent[-1] += waited[-1]
+                elapsed = time.perf_counter() - t0
+                spent[-1] += elapsed
+                if overlapped:
+                    waited.append(elapsed)
+
+    handed_over: set[Any] = set()  # the batches computed on the mask thread (held until their wait)
 
     def timed_compute(self: Any) -> None:
+        on_mask_thread = threading.current_thread().name == "gemmaserve-masks"
+        if on_mask_thread:
+            handed_over.add(self)
         t0 = time.perf_counter()
         try:
             original_compute(self)
         finally:
-            native.append(time.perf_counter() - t0)
+            if on_mask_thread:
+                native.append(time.perf_counter() - t0)
 
     request_module.grammar_start_masks = timed_start
     request_module.PendingMasks.wait = timed_wait  # type: ignore[method-assign]
@@ -327,7 +341,7 @@ def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool
                 ("constrained", True, 1.0), ("unconstrained_again", False, 1.0), ("constrained_again", True, 1.0)):
             params = SamplingParams(max_tokens=tokens, temperature=temperature, seed=1, ignore_eos=True,
                                     structured_outputs={"json": _SCHEMA_DIGITS(4 * tokens)} if constrained else None)
-            for times in (spent, started, waited, native):
+            for times in (spent, started, waited, native, handed_over):
                 times.clear()
             recorder = TickRecorder(backend)
             try:

@@ -335,8 +335,12 @@ def test_the_decode_benchmark_measures_the_batched_mask_path(tmp_path, monkeypat
                                          profile_top=10_000)
     for label in ("constrained", "constrained_again"):
         assert got[label]["errors"] == [] and got[label]["mask_calls"] > 0, got[label]
-        # the split of a batch's time: started and waited for on the engine thread, computed on the mask thread
-        assert all(got[label][f"mask_{part}_ms_median"] > 0 for part in ("start", "wait", "native")), got[label]
+        assert got[label]["mask_ms_median"] > 0, got[label]
+        # the split (started, waited for, computed on the mask thread) counts only the batches handed to the mask
+        # thread; this CPU pass decodes synchronously, so its batches are computed on the engine thread
+        # (prepare_masks, overlap=False) and none may be counted there (the GPU's deferred ticks hand them over)
+        split = [got[label].get(f"mask_{part}_ms_median") for part in ("start", "wait", "native")]
+        assert split == [None] * 3, got[label]
     assert grammar_module.MaskBatch._compute is compute  # the benchmark's timing wrappers are gone
     # --profile-engine: the engine thread's functions, the constrained pass's including the mask calls
     profiled = {label: [row[0] for row in got[f"engine_profile_{label}"]["by_cumulative_time"]]

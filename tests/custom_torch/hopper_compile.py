@@ -21,9 +21,10 @@ def require_hopper_compiler() -> None:
 
 
 def compile_for_hopper(kernel: Any, signature: dict[str, str], constexprs: dict[str, Any], *,
-                       unaligned: Collection[str] = ()) -> dict[str, Any]:
-    """The sm_90 build of ``kernel`` (its ``asm``: "ptx", "cubin", ...). Every pointer and integer argument not in
-    ``unaligned`` carries the 16-divisibility the launcher sees at model shapes (fp32 scalars never do)."""
+                       unaligned: Collection[str] = (), num_warps: int = 4) -> dict[str, Any]:
+    """The sm_90 build of ``kernel`` at ``num_warps`` (its ``asm``: "ptx", "cubin", ...). Every pointer and integer
+    argument not in ``unaligned`` carries the 16-divisibility the launcher sees at model shapes (fp32 scalars never
+    do)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -31,6 +32,6 @@ def compile_for_hopper(kernel: Any, signature: dict[str, str], constexprs: dict[
     aligned = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(signature.items())
                if kind not in ("constexpr", "fp32") and name not in unaligned}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     assert compiled.asm["cubin"], (kernel, constexprs)
     return compiled.asm

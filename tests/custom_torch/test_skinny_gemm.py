@@ -158,6 +158,7 @@ def test_the_kernels_compile_for_hopper_without_a_gpu():
     import triton.language as tl
 
     from gemmaserve_custom_torch.kernels import skinny_gemm as sk
+    from gemmaserve_custom_torch.kernels.fp8_rows import _one_pass_warps as one_pass_warps
     from gemmaserve_custom_torch.kernels.fp8_rows import _quantize_rows_kernel as quantize_rows_kernel
 
     builds = []
@@ -201,14 +202,18 @@ def test_the_kernels_compile_for_hopper_without_a_gpu():
                                {"GEGLU": False, "GELU_MUL": False, "SPLIT": split, "SCALED": True, "BLOCK_M": block_m,
                                 "BLOCK_N": 64, "BLOCK_K": 128, "PRECISION": "tf32", "WIDEN": widen, "PDL": pdl},
                                "fp8" if widen is not None else "fp8_native"))
-    for dtype, pdl, one_pass in (("bf16", False, False), ("fp16", False, False), ("fp32", False, False),
-                                 ("bf16", True, False), ("bf16", True, True), ("fp32", False, True)):
+    # the row quantization: two passes at 1,024; one pass at the widths and warps the launcher gives 31B's rows
+    # (5,376 -> 8,192 at 8 warps, 21,504 -> 32,768 at 16) and a short row (2,048 at 4)
+    for dtype, pdl, block in (("bf16", False, 0), ("fp16", False, 0), ("fp32", False, 0), ("bf16", True, 0),
+                              ("bf16", True, 32768), ("bf16", False, 8192), ("fp32", False, 2048)):
         builds.append((quantize_rows_kernel, {"x_ptr": f"*{dtype}", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
                                               "k": "i32", "stride_xm": "i32", "BLOCK": "constexpr",
                                               "ONE_PASS": "constexpr", "PDL": "constexpr"},
-                       {"BLOCK": 8192 if one_pass else 1024, "ONE_PASS": one_pass, "PDL": pdl}, "quantize"))
-    for kernel, signature, constexprs, dtype in builds:
-        asm = compile_for_hopper(kernel, signature, constexprs, unaligned=("m", "slices"))
+                       {"BLOCK": block or 1024, "ONE_PASS": bool(block), "PDL": pdl}, "quantize",
+                       one_pass_warps(block) if block else 4))
+    for kernel, signature, constexprs, dtype, *warps in builds:
+        asm = compile_for_hopper(kernel, signature, constexprs, unaligned=("m", "slices"),
+                                 num_warps=warps[0] if warps else 4)
         if dtype in ("bf16", "fp8", "fp8_native") and "BLOCK_K" in constexprs:
             assert "mma" in asm["ptx"], (kernel, constexprs)  # tensor-core dots
         if dtype == "fp8_native":  # e4m3 tensor cores from 64-row blocks, one hardware conversion to f16 below
