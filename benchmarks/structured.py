@@ -295,6 +295,8 @@ def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool
     original_start, original_wait = request_module.grammar_start_masks, request_module.PendingMasks.wait
     original_compute = grammar_module.MaskBatch._compute
 
+    handed_over: set[Any] = set()  # the batches computed on the mask thread (held until their wait)
+
     def timed_start(*args: Any, **kwargs: Any) -> Any:  # the engine passes overlap=: forward every argument
         t0 = time.perf_counter()
         try:
@@ -317,10 +319,8 @@ def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool
                 if overlapped:
                     waited.append(elapsed)
 
-    handed_over: set[Any] = set()  # the batches computed on the mask thread (held until their wait)
-
     def timed_compute(self: Any) -> None:
-        on_mask_thread = threading.current_thread().name == "gemmaserve-masks"
+        on_mask_thread = threading.current_thread().name == grammar_module.MASK_THREAD_NAME
         if on_mask_thread:
             handed_over.add(self)
         t0 = time.perf_counter()

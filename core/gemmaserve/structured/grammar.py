@@ -37,7 +37,8 @@ from gemmaserve.errors import InvalidRequestError
 
 from .spec import StructuredOutputs
 
-__all__ = ["ConstraintError", "GrammarCompiler", "MaskBatch", "TokenConstraint", "allowed_many", "start_masks"]
+__all__ = ["ConstraintError", "GrammarCompiler", "MASK_THREAD_NAME", "MaskBatch", "TokenConstraint", "allowed_many",
+           "start_masks"]
 
 _CACHE_SIZE = 256
 _executor: Any = None  # llguidance's executor; benchmarks swap it for one of another pool size
@@ -206,7 +207,7 @@ class _MaskThread:
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[MaskBatch] = queue.SimpleQueue()
         self.pid = os.getpid()
-        self.thread = threading.Thread(target=self._run, name="gemmaserve-masks", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=MASK_THREAD_NAME, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
@@ -224,6 +225,9 @@ class _MaskThread:
                 batch._abandoned = True
                 raise RuntimeError(f"the structured-output mask thread did not start within {_PICKUP_TIMEOUT_S} s")
 
+
+MASK_THREAD_NAME = "gemmaserve-masks"
+"""The name of the thread that makes :func:`start_masks`' native calls (what a profiler or log shows)."""
 
 _PICKUP_TIMEOUT_S = 5.0
 """How long :meth:`_MaskThread.submit` waits for the mask thread (microseconds when it is alive)."""

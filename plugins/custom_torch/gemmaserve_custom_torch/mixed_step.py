@@ -50,7 +50,6 @@ from .kv.forward_batch import (
     PackedTick,
     RaggedAttention,
     build_forward_batch,
-    logit_buckets,
     pack_tick,
     paged_context,
 )
@@ -256,7 +255,7 @@ class MixedStep:
 
     def capture_all(self) -> dict[GraphKey, float]:
         """Capture every decode-only row bucket's graph and every token bucket's at each of its logits-row counts
-        (``logit_buckets``) now (all padding: only scratch blocks are written); returns seconds per graph key. No-op
+        (``ForwardBuffers.logit_rows``) now (all padding: only scratch blocks are written); returns seconds per graph key. No-op
         without graphs."""
         if self.graphs is None or self.buffers is None:
             return {}
@@ -267,7 +266,7 @@ class MixedStep:
                     buffers.decode.load([], [], bucket)
                     self.graphs.capture((bucket, True, bucket))
             for bucket in buffers.buckets:
-                keys = [(bucket, False, rows) for rows in logit_buckets(buffers.seqs_of(bucket))]
+                keys = [(bucket, False, rows) for rows in buffers.logit_rows[bucket]]
                 missing = [key for key in keys if not self.graphs.has(key)]
                 if missing:
                     buffers.load_padding(bucket)  # one staging serves every logits-row count of the bucket

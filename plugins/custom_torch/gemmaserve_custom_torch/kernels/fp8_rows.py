@@ -110,12 +110,10 @@ def quantize_rows(x: torch.Tensor, block: int | None = None, *, pdl: bool = Fals
     scale = torch.empty(m, 1, device=x.device, dtype=torch.float32)
     if m and k:
         whole = triton.next_power_of_2(k)
-        if block is None and whole <= ONE_PASS_MAX:
-            _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), BLOCK=whole, ONE_PASS=True,
-                                        num_warps=_one_pass_warps(whole), **launch_options(pdl))
-        else:
-            _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), BLOCK=min(block or 1024, whole), num_warps=4,
-                                        **launch_options(pdl))
+        one_pass = block is None and whole <= ONE_PASS_MAX
+        width = whole if one_pass else min(block or 1024, whole)
+        _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), BLOCK=width, ONE_PASS=one_pass,
+                                    num_warps=_one_pass_warps(width) if one_pass else 4, **launch_options(pdl))
     elif m:
         scale.fill_(_MIN_SCALE)
     return q, scale

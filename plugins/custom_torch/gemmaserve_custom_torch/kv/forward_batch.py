@@ -214,6 +214,8 @@ class ForwardBuffers:
         self.groups = list(pools.groups)
         self.max_tokens, self.max_seqs, self.width = max_tokens, max_seqs, width
         self.buckets = token_buckets(max_tokens)
+        self.logit_rows = {bucket: logit_buckets(self.seqs_of(bucket)) for bucket in self.buckets}
+        """Per token bucket, the logits-row counts its forward is captured at (:meth:`logit_rows_for` picks one)."""
         self.block_ms = tuple(sorted(set(block_ms)))
         self.device = device
         self._rows64 = 3 + len(self.groups)  # ids, positions, sources, one write-slot row per group
@@ -251,10 +253,10 @@ class ForwardBuffers:
 
     def logit_rows_for(self, bucket: int, count: int) -> int:
         """Logits rows a forward of token ``bucket`` computes for ``count`` wanted ones: the smallest of
-        :func:`logit_buckets` holding them. With fast prefill the KV-shared layers run at that many rows, so a
+        ``logit_rows[bucket]`` holding them. With fast prefill the KV-shared layers run at that many rows, so a
         tick of a few decode rows beside a long chunk does not run them (and the LM head) at its padded sequence
         count."""
-        return pick_bucket(logit_buckets(self.seqs_of(bucket)), max(count, 1))
+        return pick_bucket(self.logit_rows[bucket], max(count, 1))
 
     def load(self, tick: PackedTick, sources: Sequence[int] | None = None) -> int:
         """Stage ``tick`` into the buffers; returns its bucket. ``sources``: per decode row (the first
