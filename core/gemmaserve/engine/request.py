@@ -123,7 +123,7 @@ class RequestEvent:
     """What one scheduler tick produced for one request: new tokens, and the output once finished.
     ``cached_tokens`` = prompt tokens served from the prefix cache (known once prefill started). Read-only once
     made (by contract, not ``frozen``: one is built per request per tick, and a frozen dataclass's field-by-field
-    ``object.__setattr__`` took ~2.3 µs of it on the 2-core CPU; now ~0.5 µs)."""
+    ``object.__setattr__`` made that 1.0 µs against 0.2 µs on the 2-core CPU)."""
 
     request_id: str
     new_token_ids: list[int]
