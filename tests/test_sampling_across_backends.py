@@ -295,33 +295,46 @@ def test_repetition_penalty_matches_transformers_generate(tmp_path) -> None:
 
 @settings(max_examples=120, deadline=None, database=None)
 @given(masks=st.lists(st.binary(max_size=20), min_size=1, max_size=5), vocab=st.integers(1, 150),
-       form=st.sampled_from(["bytes", "block", "block reversed", "read-only block", "span"]),
+       form=st.sampled_from(["bytes", "block", "block reversed", "read-only block", "span", "span in tensor",
+                             "span out of order"]),
        skip=st.integers(0, 2), extra=st.integers(0, 2))
 def test_masks_unpack_on_the_device_as_the_reference_unpacks_them(masks, vocab, form, skip, extra) -> None:
     """``allowed_on_device`` is ``allowed_tokens`` per row, for masks shorter than, exactly as long as, or longer
-    than the vocabulary's bytes (incl. empty ones), as bytes or as slices of one buffer (what ``allowed_many``
-    hands over), in order or not, writable or not; and for masks of exactly the vocabulary's bytes that are
-    consecutive rows of a larger buffer (``span``: ``skip`` rows before them, ``extra`` after), which
-    ``mask_span`` finds and which then go as one copy."""
+    than the vocabulary's bytes (incl. empty ones), as bytes or as slices of one buffer, in order or not, writable
+    or not; and for masks of exactly the vocabulary's bytes that are consecutive rows of one batched mask call
+    (``span``: ``skip`` rows before them, ``extra`` after; in a ``bytearray`` or in memory a tensor owns, as a
+    backend's ``mask_memory`` gives it), which ``mask_rows_span`` finds and which then go as one copy."""
     from gemmaserve.sampling_params import allowed_tokens
-    from gemmaserve.torch_sampling import allowed_on_device, mask_span
+    from gemmaserve.structured.grammar import mask_rows, mask_rows_span
+    from gemmaserve.torch_sampling import allowed_on_device
 
     vocab_bytes = -(-vocab // 8)
-    if form == "span":  # a deferred tick's constrained rows: a run of the batch's rows, each the vocabulary's width
+    if form.startswith("span"):  # a tick's constrained rows: a run of one batch's rows, each the vocabulary's width
         rows = [mask[:vocab_bytes].ljust(vocab_bytes, b"\0") for mask in masks]
-        block = bytearray(b"\x5a" * vocab_bytes * skip + b"".join(rows) + b"\xa5" * vocab_bytes * extra)
-        view = memoryview(block)
-        masks = [view[(skip + i) * vocab_bytes:(skip + i + 1) * vocab_bytes] for i in range(len(rows))]
-        assert mask_span(masks, vocab_bytes) == (block, skip * vocab_bytes)
-    elif form != "bytes":  # equal-width rows of one buffer, as allowed_many lays them out
-        width = max(len(mask) for mask in masks)
-        block = bytearray(b"".join(mask.ljust(width, b"\0") for mask in masks))
-        view = memoryview(block) if form != "read-only block" else memoryview(block).toreadonly()
-        masks = [view[i * width:(i + 1) * width] for i in range(len(masks))]
-        if form == "block reversed":
+        total = skip + len(rows) + extra
+        owner = torch.full((total * vocab_bytes,), 0x5A, dtype=torch.uint8) if form == "span in tensor" else None
+        memory = None if owner is None else (lambda nbytes: (owner.data_ptr(), owner))
+        views = mask_rows(total, vocab_bytes, memory)
+        for i, row in enumerate(rows):
+            views[skip + i][:] = row
+        masks = views[skip:skip + len(rows)]
+        expected = (owner if owner is not None else views[0].obj.owner, skip * vocab_bytes)
+        if form == "span out of order" and len(masks) > 1:
             masks.reverse()
-    if form in ("bytes", "read-only block") or (form == "block reversed" and len(masks) > 1 and masks[0].nbytes):
-        assert mask_span(masks, vocab_bytes) is None  # copied row by row
+            rows.reverse()
+            expected = None
+        assert mask_rows_span(masks, vocab_bytes) == expected
+        assert [bytes(mask) for mask in masks] == rows
+        assert mask_rows_span(masks, vocab_bytes + 1) is None  # another vocabulary's width
+    else:  # equal-width rows of one buffer made elsewhere: never taken for a batch's span
+        if form != "bytes":
+            width = max(len(mask) for mask in masks)
+            block = bytearray(b"".join(mask.ljust(width, b"\0") for mask in masks))
+            view = memoryview(block) if form != "read-only block" else memoryview(block).toreadonly()
+            masks = [view[i * width:(i + 1) * width] for i in range(len(masks))]
+            if form == "block reversed":
+                masks.reverse()
+        assert mask_rows_span(masks, vocab_bytes) is None  # copied row by row
     got = allowed_on_device(masks, vocab, torch.device("cpu"))
     assert got.shape == (len(masks), vocab)
     assert got.tolist() == [allowed_tokens(mask, vocab) for mask in masks]

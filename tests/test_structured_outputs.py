@@ -258,6 +258,38 @@ def test_a_batch_of_constrained_rows_with_stuck_ones_among_them() -> None:
     assert outs[4].finish_reason == FinishReason.LENGTH
 
 
+def test_masks_written_into_the_backends_memory_give_the_same_tokens() -> None:
+    """A backend's ``mask_memory`` (here: memory full of garbage, never zeroed) receives the batched masks, and a
+    constrained request's tokens are the ones it gets with the engine's own buffers."""
+    import ctypes
+
+    from gemmaserve.engine.engine import Engine
+    from gemmaserve.settings import CoreSettings
+    from gemmaserve.testing.reference_backend import ReferenceBackend
+
+    class BackendMemory(ReferenceBackend):
+        handed_out: list[int] = []
+
+        def mask_memory(self, nbytes: int) -> tuple[int, object]:
+            owner = (ctypes.c_char * nbytes)(*([b"\xa5"] * nbytes))
+            self.handed_out.append(nbytes)
+            return ctypes.addressof(owner), owner
+
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=seed, structured_outputs={"regex": "[a-c]{2,6}x"})
+              for seed in range(4)]
+    tokens = []
+    for backend in (ReferenceBackend(vocab_size=64), BackendMemory(vocab_size=64)):
+        engine = Engine(backend, CoreSettings(device="cpu"))
+        try:
+            outs = [h.result(timeout=60) for h in [engine.submit([5, 6, 7], p) for p in params]]
+        finally:
+            engine.shutdown(timeout=10)
+        assert all(out.finish_reason == FinishReason.STOP for out in outs), outs
+        tokens.append([out.token_ids for out in outs])
+    assert tokens[0] == tokens[1]
+    assert BackendMemory.handed_out and all(n % 4 == 0 for n in BackendMemory.handed_out)
+
+
 def test_compilers_on_one_vocabulary_share_its_llguidance_tokenizer() -> None:
     """A second engine on the same tokenizer reuses the vocabulary built for the first (seconds on Gemma's);
     another vocabulary size or end-of-sequence set gets its own, and both compile working constraints."""

@@ -524,6 +524,15 @@ class InferenceBackend(ABC):
             with self.lock:
                 self.remove_row_from_cache(batched, 0)
 
+    def mask_memory(self, nbytes: int) -> tuple[int, object] | None:
+        """Optional (with ``allowed_token_masks``): where the engine has a tick's structured-output masks written
+        (``nbytes`` of them, all rows of one batched mask call): ``(address, owner)``, writable memory at
+        ``address`` that stays valid while ``owner`` lives (the engine holds it while any row's mask is in use;
+        it need not be zeroed), e.g. pinned host memory that :meth:`sample` then copies to the device without
+        staging (``gemmaserve.torch_sampling.pinned_mask_memory``). None (the default): a fresh ``bytearray``.
+        Engine thread."""
+        return None
+
     def close(self) -> None:
         """Release device memory and threads. Idempotent."""
 

@@ -37,6 +37,7 @@ import torch
 from gemmaserve.backend import SampledTokens
 from gemmaserve.engine.sampling_cpu import SPLITMIX_GAMMA, SPLITMIX_MIX, penalty_offset, sampling_seed
 from gemmaserve.sampling_params import RowSampling
+from gemmaserve.structured.grammar import mask_rows_span
 
 __all__ = ["adjust_logits", "gumbel_noise", "host_to_device", "mask_logits", "noise_bits", "sample_on_device",
            "sample_tokens", "sampled_from_host", "to_device"]
@@ -240,15 +241,19 @@ def _ban(values: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
 def _packed_allowed(masks: Sequence[bytes | memoryview], vocab: int, device: torch.device) -> torch.Tensor:
     """uint8 [len(masks), ceil(vocab / 8)]: the ``RowSampling.allowed`` bitmasks on ``device``, each cut or
     zero-padded to the vocabulary (tokens past a mask's end are not allowed). Masks that are consecutive rows of
-    one buffer (:func:`mask_span`: a deferred tick's constrained rows, as the batched mask call laid them out) go
-    as one span: one copy into (pinned, on CUDA) host memory, then one non-blocking copy (64 masks of Gemma's
-    vocabulary: ~0.24 against ~0.62 ms of host time on the development CPU). Otherwise each mask is copied once,
-    straight from where it lies, into that host memory."""
+    one batch (``mask_rows_span``: a tick's constrained rows, as the batched mask call laid them out) go as one
+    span: from the backend's pinned :func:`pinned_mask_memory` straight to the device (one non-blocking copy), or
+    from a ``bytearray`` through one copy into pinned memory (64 masks of Gemma's vocabulary: ~0.24 against
+    ~0.62 ms of host time row by row on the development CPU). Otherwise each mask is copied once, straight from
+    where it lies, into that host memory."""
     width = -(-vocab // 8)
-    span = mask_span(masks, width)
+    span = mask_rows_span(masks, width)
     if span is not None:
-        block, offset = span
-        rows = torch.frombuffer(block, dtype=torch.uint8, count=len(masks) * width, offset=offset)
+        owner, offset = span
+        count = len(masks) * width
+        if isinstance(owner, torch.Tensor):  # pinned_mask_memory: the copy reads where llguidance wrote
+            return owner[offset:offset + count].view(len(masks), width).to(device, non_blocking=True, copy=True)
+        rows = torch.frombuffer(owner, dtype=torch.uint8, count=count, offset=offset)
         if device.type != "cuda":
             return rows.view(len(masks), width).to(device, copy=True)
         staged = torch.empty((len(masks), width), dtype=torch.uint8, pin_memory=True)
@@ -266,26 +271,12 @@ def _packed_allowed(masks: Sequence[bytes | memoryview], vocab: int, device: tor
     return packed.to(device)
 
 
-def mask_span(masks: Sequence[bytes | memoryview], width: int) -> tuple[bytearray, int] | None:
-    """(buffer, byte offset) when ``masks`` are consecutive ``width``-byte rows of one writable bytearray, in order
-    (``masks[i]`` starts at offset + i * width), else None. Reads addresses only (~2 µs a row)."""
-    if not masks or not isinstance(masks[0], memoryview):
-        return None
-    block = masks[0].obj
-    if not isinstance(block, bytearray):
-        return None
-    base = ctypes.addressof((ctypes.c_char * len(block)).from_buffer(block)) if block else 0
-    start = -1
-    for i, mask in enumerate(masks):
-        if (not isinstance(mask, memoryview) or mask.obj is not block or mask.nbytes != width or mask.readonly
-                or not mask.c_contiguous):
-            return None
-        at = ctypes.addressof(ctypes.c_char.from_buffer(mask)) - base
-        if i == 0:
-            start = at
-        elif at != start + i * width:
-            return None
-    return block, start
+def pinned_mask_memory(nbytes: int) -> tuple[int, torch.Tensor]:
+    """``InferenceBackend.mask_memory`` for a CUDA backend: ``nbytes`` of pinned host memory (not zeroed) from
+    torch's caching host allocator, which keeps a block from reuse until the copies recorded on it completed,
+    so a batch's masks need no staging copy (64 masks of Gemma's vocabulary: 2 MB) and no zero-fill."""
+    block = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    return block.data_ptr(), block
 
 
 def _address(mask: bytes | memoryview, length: int) -> int | bytes:

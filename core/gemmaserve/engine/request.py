@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from gemmaserve.sampling_params import RowSampling, SamplingParams
 from gemmaserve.structured.grammar import ConstraintError, MaskBatch, TokenConstraint
+from gemmaserve.structured.grammar import MaskMemory
 from gemmaserve.structured.grammar import start_masks as grammar_start_masks
 
 if TYPE_CHECKING:
@@ -413,15 +414,17 @@ def sampled_token(sampled: SampledTokens, index: int) -> tuple[int, float | None
     return sampled.token_ids[index], logprob, top
 
 
-def prepare_masks(requests: Iterable[Request]) -> None:
+def prepare_masks(requests: Iterable[Request], memory: MaskMemory | None = None) -> None:
     """Compute the next masks of the constrained requests among ``requests`` in one parallel call, for their
     next ``row_sampling()`` to pick up: the mask after the token :meth:`Request.take_ahead` gave a request
     (``row_sampling(ahead=1)``), else after its last appended token (:func:`start_masks`, waited for at once).
-    Engine thread only."""
-    start_masks(((request, int(request._ahead is not None)) for request in requests), overlap=False).wait()
+    ``memory``: the backend's ``mask_memory``. Engine thread only."""
+    start_masks(((request, int(request._ahead is not None)) for request in requests), overlap=False,
+                memory=memory).wait()
 
 
-def start_masks(rows: Iterable[tuple[Request, int]], *, overlap: bool = True) -> PendingMasks:
+def start_masks(rows: Iterable[tuple[Request, int]], *, overlap: bool = True,
+                memory: MaskMemory | None = None) -> PendingMasks:
     """Start computing, in one parallel call (:func:`~gemmaserve.structured.grammar.start_masks`), the masks that
     the constrained requests among ``rows`` = ``(request, ahead)`` will sample under with ``row_sampling(ahead)``
     (``ahead=1``: after the token :meth:`Request.take_ahead` gave it; ``ahead=0``: after its last appended token,
@@ -429,9 +432,9 @@ def start_masks(rows: Iterable[tuple[Request, int]], *, overlap: bool = True) ->
     mask's view at once, so its ``row_sampling(ahead)`` may be taken while the masks are computed (the point:
     that Python work overlaps the native work); such a sampling is valid only after :meth:`PendingMasks.wait`
     and only for the requests it does not return. Until then those requests must not advance, roll back or copy
-    their constraints (append no token, take none ahead). ``overlap=False``: computed before returning (see
-    :func:`~gemmaserve.structured.grammar.start_masks`). Mutates only the requests' mask caches and forgotten
-    tokens. Engine thread only."""
+    their constraints (append no token, take none ahead). ``overlap=False``: computed before returning, and
+    ``memory`` where they are written (see :func:`~gemmaserve.structured.grammar.start_masks`). Mutates only the
+    requests' mask caches and forgotten tokens. Engine thread only."""
     todo: list[tuple[Request, TokenConstraint, int, int]] = []
     for request, ahead in rows:
         if request.constraint is None or request.is_finished:  # the common case, per row per tick: cheap first
@@ -445,7 +448,7 @@ def start_masks(rows: Iterable[tuple[Request, int]], *, overlap: bool = True) ->
     if len(todo) < 2:  # one mask: its row_sampling() computes it (no thread hand-over for one row)
         return PendingMasks([], None)
     try:
-        batch = grammar_start_masks([constraint for _, constraint, _, _ in todo], overlap=overlap)
+        batch = grammar_start_masks([constraint for _, constraint, _, _ in todo], overlap=overlap, memory=memory)
     except Exception:
         logger.warning("starting %d structured-output masks at once failed; computing them one by one", len(todo),
                        exc_info=True)

@@ -58,7 +58,7 @@ class RowBatch:
     def sample(self, logits: Logits) -> SampledTokens:
         """One token per row from ``logits`` [rows, vocab] (each row's own seed and step). Raises
         RuntimeError if the backend returns the wrong row count."""
-        prepare_masks(self.rows)
+        prepare_masks(self.rows, self.backend.mask_memory)
         sampling = [request.row_sampling() for request in self.rows]
         want_logprobs = any(request.want_logprobs for request in self.rows)
         sampled = self.backend.sample(logits, sampling, want_logprobs=want_logprobs)

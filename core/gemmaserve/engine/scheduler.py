@@ -625,8 +625,7 @@ class ContinuousBatchScheduler:
         if launched is not None:
             self._apply_launched(launched, events)
 
-    @staticmethod
-    def _row_inputs(rows: list[Request], launched: _LaunchedStep | None, deferred: bool = False,
+    def _row_inputs(self, rows: list[Request], launched: _LaunchedStep | None, deferred: bool = False,
                     ) -> tuple[list[int], list[int], Sequence[RowSampling] | Callable[[], list[RowSampling]]]:
         """Per decode row: its host input id (0 when it feeds on the device), its row in ``launched`` (-1 = none)
         and its sampling (step one ahead when its previous token is not applied yet). ``deferred`` (a launched
@@ -636,6 +635,7 @@ class ContinuousBatchScheduler:
         their masks while the device runs the forward."""
         index = {id(request): i for i, request in enumerate(launched.requests)} if launched is not None else {}
         sources = [index.get(id(request), -1) for request in rows]
+        memory = self.backend.mask_memory
         input_ids = [request.output_token_ids[-1] if source < 0 else 0 for request, source in zip(rows, sources)]
 
         def samplings() -> list[RowSampling]:
@@ -645,8 +645,8 @@ class ContinuousBatchScheduler:
                 for request, source in zip(rows, sources):
                     if source >= 0 and request.needs_previous_token and not request.is_finished:
                         request.take_ahead(tokens[source])
-            pending = start_masks((request, int(source >= 0)) for request, source in zip(rows, sources)
-                                  if source < 0 or deferred)
+            pending = start_masks(((request, int(source >= 0)) for request, source in zip(rows, sources)
+                                   if source < 0 or deferred), memory=memory)
             try:  # the row samplings are built while the masks are computed
                 samplings = [request.row_sampling(ahead=int(source >= 0)) for request, source in zip(rows, sources)]
             finally:  # the native work reads the constraints: it ends before anything else may touch them
@@ -670,7 +670,8 @@ class ContinuousBatchScheduler:
             self._apply_launched(launched, events)  # their masks need the launched tokens
             launched = None
         rows = list(batch.rows)
-        prepare_masks([*(r for r, _, _ in pending), *rows])  # constrained rows never feed on the launched step
+        # constrained rows never feed on the launched step
+        prepare_masks([*(r for r, _, _ in pending), *rows], self.backend.mask_memory)
         input_ids, sources, sampling = self._row_inputs(rows, launched)
         states = [state for _, state, _ in pending]
         first_rows = [request.row_sampling() for request, _, _ in pending]

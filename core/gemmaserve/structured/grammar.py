@@ -29,16 +29,21 @@ import os
 import queue
 import re
 import threading
+import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gemmaserve.errors import InvalidRequestError
 
 from .spec import StructuredOutputs
 
-__all__ = ["ConstraintError", "GrammarCompiler", "MASK_THREAD_NAME", "MaskBatch", "TokenConstraint", "allowed_many",
-           "start_masks"]
+__all__ = ["ConstraintError", "GrammarCompiler", "MASK_THREAD_NAME", "MaskBatch", "MaskMemory", "TokenConstraint",
+           "allowed_many", "mask_rows", "mask_rows_span", "start_masks"]
+
+MaskMemory = Callable[[int], "tuple[int, object] | None"]
+"""Where a batch's masks are written (``InferenceBackend.mask_memory``): ``nbytes`` -> ``(address, owner)``, that
+many writable bytes at ``address`` that stay valid while ``owner`` lives (None: a fresh ``bytearray``)."""
 
 _CACHE_SIZE = 256
 _executor: Any = None  # llguidance's executor; benchmarks swap it for one of another pool size
@@ -64,15 +69,14 @@ class TokenConstraint:
         """Bitmask of the tokens that may come next (``RowSampling.allowed``'s layout). Raises ConstraintError
         when the grammar is in an error state or allows no token at all."""
         mask = self._matcher.compute_bitmask()[:self.mask_bytes]
-        if self._cannot_continue(mask, 0):
+        if self._cannot_continue(mask):
             raise self._stuck()
         return mask
 
-    def _cannot_continue(self, masks: bytes | bytearray, start: int) -> bool:
-        """True when the grammar is in an error state or the mask at ``masks[start:start + mask_bytes]`` allows
-        nothing (compared with memcmp: ~1 µs for Gemma's vocabulary)."""
-        return bool(self._matcher.is_error()) or masks.startswith(_zeros(self.mask_bytes), start,
-                                                                   start + self.mask_bytes)
+    def _cannot_continue(self, mask: bytes | memoryview) -> bool:
+        """True when the grammar is in an error state or ``mask`` (``mask_bytes`` long) allows nothing (compared
+        with memcmp, which stops at the first allowed token: at most ~1.3 µs for Gemma's vocabulary)."""
+        return bool(self._matcher.is_error()) or _zeros(self.mask_bytes).startswith(mask)
 
     def _stuck(self) -> ConstraintError:
         """Why no token can come next: the grammar's error, or (none recorded) a mask that allows nothing."""
@@ -132,20 +136,22 @@ def allowed_many(constraints: Sequence[TokenConstraint]) -> list[memoryview | Co
     return start_masks(constraints, overlap=False).result()
 
 
-def start_masks(constraints: Sequence[TokenConstraint], *, overlap: bool = True) -> MaskBatch:
+def start_masks(constraints: Sequence[TokenConstraint], *, overlap: bool = True,
+                memory: MaskMemory | None = None) -> MaskBatch:
     """Start computing the masks of ``constraints`` (all compiled against one vocabulary) on the mask thread,
     which hands them to llguidance's pool, and return at once: the calling thread runs Python meanwhile (the
     native work holds no GIL). Until :meth:`MaskBatch.result` returns, the constraints must not be advanced or
     copied (the pool reads them) and the masks' bytes are being written. ``overlap=False``: the native call is
     made on the calling thread before returning (for a caller with nothing to do meanwhile: the two thread
-    hand-overs cost ~0.2 ms on a 2-core machine). Engine thread only."""
+    hand-overs cost ~0.2 ms on a 2-core machine). ``memory``: where the masks are written (the backend's
+    ``mask_memory``, e.g. pinned host memory it copies to the device without staging); llguidance writes every
+    byte, so it need not be zeroed. Engine thread only."""
     if not constraints:
-        return MaskBatch(bytearray(), 0, [])
+        return MaskBatch(_mask_block(0, None), 0, [])
     width = constraints[0].mask_bytes
     if any(c.mask_bytes != width for c in constraints):
         raise ValueError("start_masks needs constraints compiled against one vocabulary")
-    block = bytearray(width * len(constraints))
-    batch = MaskBatch(block, width, constraints)
+    batch = MaskBatch(_mask_block(width * len(constraints), memory), width, constraints)
     if overlap:
         _mask_thread().submit(batch)
     else:
@@ -153,17 +159,70 @@ def start_masks(constraints: Sequence[TokenConstraint], *, overlap: bool = True)
     return batch
 
 
+def _mask_block(size: int, memory: MaskMemory | None) -> Any:
+    """A batch's buffer: a ctypes char array over ``size`` bytes of ``memory`` (or of a fresh ``bytearray``) that
+    carries ``owner``, what keeps that memory alive. Views hold the array, the array holds the owner (and, once
+    :class:`MaskBatch` set them, its rows' layout for :func:`mask_rows_span`: weak references, no cycle): the
+    memory is freed when the last view goes."""
+    placed = memory(size) if memory is not None and size else None
+    if placed is None:
+        owner: object = bytearray(size)
+        block = (ctypes.c_char * size).from_buffer(owner)
+    else:
+        address, owner = placed
+        block = (ctypes.c_char * size).from_address(address)
+    block.owner = owner
+    return block
+
+
+def _row_views(block: Any, width: int, count: int) -> list[memoryview]:
+    """The ``count`` rows of ``block`` (``_mask_block``) as writable views, their layout recorded on ``block`` for
+    :func:`mask_rows_span`."""
+    rows = memoryview(block).cast("B")
+    views = [rows[i * width:(i + 1) * width] for i in range(count)]
+    block.mask_width = width
+    block.mask_rows = [weakref.ref(view) for view in views]
+    block.mask_index = {id(view): i for i, view in enumerate(views)}
+    return views
+
+
+def mask_rows(count: int, width: int, memory: MaskMemory | None = None) -> list[memoryview]:
+    """``count`` writable rows of ``width`` bytes (not zeroed when ``memory`` gives them), laid out as a batched
+    mask call lays them out (:func:`start_masks`): what tests and the conformance kit hand to a backend's
+    sampling as the engine would."""
+    return _row_views(_mask_block(count * width, memory), width, count)
+
+
+def mask_rows_span(masks: Sequence[object], width: int) -> tuple[object, int] | None:
+    """(owner, byte offset) when ``masks`` are consecutive ``width``-byte rows of one :func:`start_masks` batch,
+    in order (``masks[i]`` starts at offset + i * width of the memory ``owner`` keeps alive: a ``bytearray``, or
+    the owner the backend's ``MaskMemory`` returned), else None. Reads no addresses (~0.1 µs a row)."""
+    first = masks[0] if masks else None
+    if not isinstance(first, memoryview):
+        return None
+    block = first.obj
+    rows = getattr(block, "mask_rows", None)
+    if rows is None or block.mask_width != width:
+        return None
+    start = block.mask_index.get(id(first), -1)
+    if start < 0 or start + len(masks) > len(rows):
+        return None
+    for i, mask in enumerate(masks):
+        if rows[start + i]() is not mask:
+            return None
+    return block.owner, start * width
+
+
 class MaskBatch:
     """The masks of a batch of constraints (:func:`start_masks`): one fresh buffer (a row's mask outlives the
     call) that llguidance writes once; ``views[i]`` is constraint ``i``'s slice of it, final once :meth:`result`
-    returned. Who frees: nobody; the buffer lives while a view of it does."""
+    returned. Who frees: nobody; the buffer (and its memory's owner) lives while a view of it does."""
 
-    def __init__(self, block: bytearray, width: int, constraints: Sequence[TokenConstraint]) -> None:
+    def __init__(self, block: Any, width: int, constraints: Sequence[TokenConstraint]) -> None:
         self._block = block
         self._width = width
         self._constraints = list(constraints)
-        rows = memoryview(block)
-        self.views = [rows[i * width:(i + 1) * width] for i in range(len(self._constraints))]
+        self.views = _row_views(block, width, len(self._constraints))
         self._started = threading.Event()
         self._done = threading.Event()
         self._claim = threading.Lock()  # the mask thread starts the batch, or the submitter gives it up: not both
@@ -178,10 +237,9 @@ class MaskBatch:
                 return
             self._started.set()
         try:
-            size = len(self._block)
-            address = ctypes.addressof((ctypes.c_char * size).from_buffer(self._block))
             _llguidance_executor().unsafe_compute_mask_ptr([(c._matcher, i) for i, c in enumerate(self._constraints)],
-                                                           address, self._width, len(self._constraints))
+                                                           ctypes.addressof(self._block), self._width,
+                                                           len(self._constraints))
         except BaseException as exc:  # handed to result()
             self._error = exc
         finally:
@@ -194,8 +252,8 @@ class MaskBatch:
             self._done.wait()
         if self._error is not None:
             raise self._error
-        return [constraint._stuck() if constraint._cannot_continue(self._block, i * self._width) else view
-                for i, (constraint, view) in enumerate(zip(self._constraints, self.views))]
+        return [constraint._stuck() if constraint._cannot_continue(view) else view
+                for constraint, view in zip(self._constraints, self.views)]
 
 
 class _MaskThread:

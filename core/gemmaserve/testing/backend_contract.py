@@ -25,6 +25,7 @@ from gemmaserve.backend import InferenceBackend
 from gemmaserve.errors import KVCapacityError
 from gemmaserve.kv.cache_manager import CacheManager
 from gemmaserve.sampling_params import RowSampling, SamplingParams
+from gemmaserve.structured.grammar import mask_rows
 from gemmaserve.testing.row_driver import RowPlan, drive_rows, greedy_rows, solo_greedy
 
 __all__ = ["BackendContractTests", "run_row_ops_property"]
@@ -307,8 +308,9 @@ class BackendContractTests:
 
     def test_allowed_token_masks_are_honoured(self, backend: InferenceBackend) -> None:
         """``capabilities.allowed_token_masks``: greedy and sampled rows only ever pick a token their
-        ``RowSampling.allowed`` bitmask sets (given as the engine gives them: memoryview slices of one buffer),
-        rows without a mask are unaffected, and a mask shorter than the vocabulary allows nothing past its end."""
+        ``RowSampling.allowed`` bitmask sets (given as the engine gives them: consecutive rows of one batched mask
+        call, in the backend's ``mask_memory`` if it offers one), rows without a mask are unaffected, and a mask
+        shorter than the vocabulary allows nothing past its end."""
         self._batched(backend)
         if not backend.capabilities.allowed_token_masks:
             pytest.skip("backend does not declare allowed_token_masks")
@@ -323,9 +325,10 @@ class BackendContractTests:
                 for token in allowed:
                     mask[token >> 3] |= 1 << (token & 7)
                 for temperature, seed in ((0.0, 0), (1.0, 5), (100.0, 9)):
-                    block = memoryview(bytes(mask) * 2)  # the engine's form: rows of one buffer, back to back
-                    rows = [RowSampling(temperature, 1.0, 0, seed + i, 2, allowed=block[i * len(mask):(i + 1) * len(mask)])
-                            for i in range(2)]
+                    views = mask_rows(2, len(mask), backend.mask_memory)  # the engine's form: a batch's rows
+                    for view in views:
+                        view[:] = mask
+                    rows = [RowSampling(temperature, 1.0, 0, seed + i, 2, allowed=views[i]) for i in range(2)]
                     picked = backend.sample(logits, [*rows, RowSampling(0.0, 1.0, 0, 1, 1)]).token_ids
                     assert picked[0] in allowed and picked[1] in allowed, (picked, allowed)
                     assert picked[2] == free[2], "a mask on one row changed another row's token"

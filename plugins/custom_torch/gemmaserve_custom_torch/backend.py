@@ -71,7 +71,7 @@ from .models.config import GemmaTextConfig
 from .models.gemma import GemmaForCausalLM
 from .models.quantization import uses_fp8
 from .runner import PagedRunner
-from .sampling import DeviceTokens, sample_on_device, sample_tokens
+from .sampling import DeviceTokens, pinned_mask_memory, sample_on_device, sample_tokens
 from .settings import CustomTorchSettings, load_custom_settings, resolve_attention, resolve_fast_paths
 from .tokenizer import HFTokenizer
 
@@ -533,6 +533,9 @@ class CustomTorchBackend(InferenceBackend):
         if greedy is not None:
             return SampledTokens(greedy.tolist())  # int64 tensor: tolist() gives ints
         return sample_tokens(logits, rows, want_logprobs=want_logprobs)
+
+    def mask_memory(self, nbytes: int) -> tuple[int, object] | None:
+        return pinned_mask_memory(nbytes) if self.device.type == "cuda" else None
 
     def free_row_kv(self, kv: PagedKVCache) -> None:
         kv.free_all()

@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from gemmaserve.backend import PendingTokens, SampledTokens  # noqa: F401 (SampledTokens: result type)
-from gemmaserve.torch_sampling import sample_on_device, sample_tokens, sampled_from_host, to_device
+from gemmaserve.torch_sampling import pinned_mask_memory, sample_on_device, sample_tokens, sampled_from_host, to_device
 
-__all__ = ["DeviceTokens", "sample_tokens", "sample_on_device", "to_device"]
+__all__ = ["DeviceTokens", "pinned_mask_memory", "sample_tokens", "sample_on_device", "to_device"]
 
 
 class DeviceTokens(PendingTokens):

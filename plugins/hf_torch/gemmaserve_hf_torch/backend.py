@@ -25,7 +25,7 @@ from gemmaserve.sampling_params import RowSampling
 from gemmaserve_hf_torch.cache_rows import BatchCache, RowCache
 from gemmaserve_hf_torch.kv_cache.hf_format import BlockPools, detect_layout
 from gemmaserve_hf_torch.loader import LoadedModel, ModelForward, load_model
-from gemmaserve_hf_torch.sampling import sample_tokens
+from gemmaserve_hf_torch.sampling import pinned_mask_memory, sample_tokens
 from gemmaserve_hf_torch.settings import load_hf_settings
 
 if TYPE_CHECKING:
@@ -235,6 +235,9 @@ class HFTorchBackend(InferenceBackend):
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: Sequence[RowSampling], *, want_logprobs: bool = False) -> SampledTokens:
         return sample_tokens(logits, rows, want_logprobs=want_logprobs)
+
+    def mask_memory(self, nbytes: int) -> tuple[int, object] | None:
+        return pinned_mask_memory(nbytes) if self.device.type == "cuda" else None
 
     def free_row_kv(self, kv: RowCache) -> None:
         kv.release()

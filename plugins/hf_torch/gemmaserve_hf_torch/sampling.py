@@ -3,6 +3,6 @@
 
 from __future__ import annotations
 
-from gemmaserve.torch_sampling import sample_tokens
+from gemmaserve.torch_sampling import pinned_mask_memory, sample_tokens
 
-__all__ = ["sample_tokens"]
+__all__ = ["pinned_mask_memory", "sample_tokens"]
