@@ -11,6 +11,7 @@ results differ from eager only where fp32 math inside one step differs (rsqrt vs
   q/k/v projection;
 - :func:`residual_norm`: ``y = (residual + rms_norm(h)) * scale`` and optionally ``next = rms_norm'(y)``
   (post-norm + residual add [+ layer_scalar] [+ the next pre-norm]);
+- :func:`moe_residual_norm`: a MoE layer's ``rms_norm(dense) + rms_norm(moe)`` before that (four launches as one);
 - :func:`gelu_mul`: ``gelu_tanh(a) * b`` (GeGLU over the fused gate/up output, and the PLE gate);
 - :func:`ple_inputs`: Gemma 4's per-layer inputs after their projection (scale, norm, token part, scale).
 
@@ -27,7 +28,8 @@ import triton.language as tl
 
 from .pdl import await_previous, launch_options
 
-__all__ = ["gelu_mul", "norm_rope", "ple_inputs", "qkv_norm_rope", "residual_norm", "rope_tables"]
+__all__ = ["gelu_mul", "moe_residual_norm", "norm_rope", "ple_inputs", "qkv_norm_rope", "residual_norm",
+           "rope_tables"]
 
 @triton.jit
 def _norm_factor(sum_sq, n_cols, eps):
@@ -295,6 +297,55 @@ def residual_norm(residual: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
         float(eps if next_eps is None else next_eps), ONE_PLUS=style == "one_plus_w", HAS_SCALE=scale is not None,
         HAS_NEXT=next_weight is not None, BLOCK=block, num_warps=residual_norm_warps(block),
         **launch_options(pdl),
+    )
+    return out, nxt
+
+
+@triton.jit
+def _moe_residual_norm_kernel(res_ptr, dense_ptr, moe_ptr, w_dense_ptr, w_moe_ptr, w_ptr, scale_ptr, w_next_ptr,
+                              out_ptr, next_ptr, stride_r, stride_d, stride_m, n_cols, eps_dense, eps_moe, eps,
+                              eps_next, ONE_PLUS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_NEXT: tl.constexpr,
+                              BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    await_previous(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    dtype = out_ptr.dtype.element_ty
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    dense = tl.load(dense_ptr + row * stride_d + offs, mask=mask, other=0.0).to(tl.float32)
+    moe = tl.load(moe_ptr + row * stride_m + offs, mask=mask, other=0.0).to(tl.float32)
+    dense = dense * _norm_factor(tl.sum(dense * dense, axis=0), n_cols, eps_dense) * _weight(w_dense_ptr, offs, mask,
+                                                                                            ONE_PLUS)
+    moe = moe * _norm_factor(tl.sum(moe * moe, axis=0), n_cols, eps_moe) * _weight(w_moe_ptr, offs, mask, ONE_PLUS)
+    h = (dense.to(dtype).to(tl.float32) + moe.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    residual_norm_row(h, res_ptr + row * stride_r, w_ptr, scale_ptr, w_next_ptr, out_ptr + row * n_cols,
+                      next_ptr + row * n_cols, offs, mask, n_cols, eps, eps_next, ONE_PLUS, HAS_SCALE, HAS_NEXT)
+
+
+def moe_residual_norm(residual: torch.Tensor, dense: torch.Tensor, moe: torch.Tensor, dense_weight: torch.Tensor,
+                      dense_eps: float, moe_weight: torch.Tensor, moe_eps: float, weight: torch.Tensor, eps: float,
+                      style: str, *, scale: torch.Tensor | None = None, next_weight: torch.Tensor | None = None,
+                      next_eps: float | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A Gemma 4 MoE layer's feed-forward end in one launch: ``h = RMSNorm_dense(dense) + RMSNorm_moe(moe)``
+    (each norm, and the sum, rounded to the model dtype as the eager ops round them), then
+    :func:`residual_norm` ``(residual, h, weight, ...)``; every norm of the one ``style``. residual, dense, moe
+    [..., H] of one shape. Returns (y, next or None), new contiguous tensors."""
+    if not residual.shape == dense.shape == moe.shape:
+        raise ValueError(f"residual {tuple(residual.shape)}, dense {tuple(dense.shape)} and moe {tuple(moe.shape)} "
+                         "differ")
+    n_cols = dense.shape[-1]
+    out = torch.empty(dense.shape, dtype=dense.dtype, device=dense.device)
+    nxt = torch.empty_like(out) if next_weight is not None else None
+    if dense.numel() == 0:
+        return out, nxt
+    rows = [t.reshape(-1, n_cols) for t in (residual, dense, moe)]
+    res2, dense2, moe2 = (t if t.stride(-1) == 1 else t.contiguous() for t in rows)
+    block = triton.next_power_of_2(n_cols)
+    _moe_residual_norm_kernel[(dense2.shape[0],)](
+        res2, dense2, moe2, dense_weight, moe_weight, weight, scale if scale is not None else weight,
+        next_weight if next_weight is not None else weight, out, nxt if nxt is not None else out, res2.stride(0),
+        dense2.stride(0), moe2.stride(0), n_cols, float(dense_eps), float(moe_eps), float(eps),
+        float(eps if next_eps is None else next_eps), ONE_PLUS=style == "one_plus_w", HAS_SCALE=scale is not None,
+        HAS_NEXT=next_weight is not None, BLOCK=block, num_warps=residual_norm_warps(block), **launch_options(pdl),
     )
     return out, nxt
 

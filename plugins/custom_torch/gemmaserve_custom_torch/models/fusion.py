@@ -83,14 +83,16 @@ def fuse_norms(model: torch.nn.Module) -> int:
 def fuse_elementwise(model: GemmaForCausalLM) -> int:
     """Run the elementwise chains of every layer through ``kernels.fused_ops`` (the rotary tables, the PLE inputs'
     chain, q/k norm + RoPE and the v norm of a KV-storing layer in one launch, post-norm + residual (+ next
-    pre-norm, + layer_scalar), GeGLU and PLE gates); on MoE layers the MoE block's router and
-    norms stay eager ops (its experts are ``fuse_moe``'s). Returns how many layers were switched. Mutates
+    pre-norm, + layer_scalar), GeGLU and PLE gates); on MoE layers the router with the experts' input norm
+    (decode-sized batches), and the two feed-forward norms' sum with the post-norm + residual (its experts are
+    ``fuse_moe``'s). Returns how many layers were switched. Mutates
     ``model``; idempotent. Needs triton (the caller checks); the kernels run on the model's device (CUDA, or
     CPU under ``TRITON_INTERPRET=1`` in tests)."""
-    from ..kernels import fused_ops
+    from ..kernels import fused_ops, moe_router
     from .layers import FusedElementwise
 
-    ops = FusedElementwise(fused_ops.norm_rope, fused_ops.qkv_norm_rope, fused_ops.residual_norm, fused_ops.gelu_mul)
+    ops = FusedElementwise(fused_ops.norm_rope, fused_ops.qkv_norm_rope, fused_ops.residual_norm, fused_ops.gelu_mul,
+                           fused_ops.moe_residual_norm, moe_router.route, moe_router.ROUTE_MAX_ROWS)
     for rope in model.rotary.values():
         rope.kernel = fused_ops.rope_tables
     model.ple_inputs_kernel = fused_ops.ple_inputs
@@ -137,7 +139,7 @@ def fuse_small_batch(model: GemmaForCausalLM, max_rows: int, *, pdl: bool = Fals
     set). Returns how many layers were switched. Mutates ``model``; idempotent."""
     from functools import partial
 
-    from ..kernels import fused_ops
+    from ..kernels import fused_ops, moe_router
     from ..kernels.moe import fused_experts
     from ..kernels.rms_norm import rms_norm
     from ..kernels.skinny_gemm import (
@@ -155,8 +157,9 @@ def fuse_small_batch(model: GemmaForCausalLM, max_rows: int, *, pdl: bool = Fals
         skinny_linear, skinny_geglu, skinny_linear_gelu_mul, skinny_linear_residual_norm, skinny_fp8_linear)))
              if max_rows else None)
     if pdl:
-        ops = FusedElementwise(*(partial(op, pdl=True) for op in (fused_ops.norm_rope, fused_ops.qkv_norm_rope,
-                                                                 fused_ops.residual_norm, fused_ops.gelu_mul)))
+        ops = FusedElementwise(*(partial(op, pdl=True) for op in (
+            fused_ops.norm_rope, fused_ops.qkv_norm_rope, fused_ops.residual_norm, fused_ops.gelu_mul,
+            fused_ops.moe_residual_norm, moe_router.route)), moe_router.ROUTE_MAX_ROWS)
         for norm in (m for m in model.modules() if isinstance(m, RMSNorm) and m.kernel is not None):
             norm.kernel = partial(rms_norm, pdl=True)
         for rope in (rope for rope in model.rotary.values() if rope.kernel is not None):

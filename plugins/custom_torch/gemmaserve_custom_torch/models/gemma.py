@@ -252,6 +252,19 @@ class GemmaDecoderLayer(nn.Module):
         moe = moe.reshape(residual.shape)
         return self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(moe)
 
+    def _experts_fused(self, ops: FusedElementwise, residual: Tensor) -> Tensor:
+        """The MoE experts' output (all-reduced over tensor-parallel ranks) for :meth:`forward_fused`: the router
+        and the experts' input norm as ``ops.route``'s two launches when the batch is small enough, else the
+        eager ops of :meth:`_with_moe`."""
+        flat = residual.reshape(-1, residual.shape[-1])
+        router, norm = self.router, self.pre_feedforward_layernorm_2
+        if flat.shape[0] <= ops.route_max_rows:
+            weights, ids, normed = ops.route(flat, router.scale, router.proj.weight, router.per_expert_scale,
+                                             router.top_k, router.norm.eps, norm.weight, norm.eps, norm.style)
+        else:
+            (weights, ids), normed = router(flat), norm(flat)
+        return self.tp.all_reduce(self.experts(normed, weights, ids)).reshape(residual.shape)
+
     def forward_fused(self, ops: FusedElementwise, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionContext,
                       ple: Tensor | None, *, normed: Tensor | None = None,
                       next_norm: RMSNorm | None = None) -> tuple[Tensor, Tensor | None]:
@@ -269,9 +282,11 @@ class GemmaDecoderLayer(nn.Module):
         mlp_next = None if self.has_ple else next_norm
         mlp_scale = None if self.has_ple else self.layer_scalar
         if self.has_moe:
-            h = self._with_moe(x, self.tp.all_reduce(self.mlp(normed)))
-            x, after = ops.residual_norm(x, h, post_ff.weight, post_ff.eps, post_ff.style, scale=mlp_scale,
-                                         **_next_norm_args(mlp_next))
+            dense, moe = self.tp.all_reduce(self.mlp(normed)), self._experts_fused(ops, x)
+            dense_norm, moe_norm = self.post_feedforward_layernorm_1, self.post_feedforward_layernorm_2
+            x, after = ops.moe_residual_norm(x, dense, moe, dense_norm.weight, dense_norm.eps, moe_norm.weight,
+                                             moe_norm.eps, post_ff.weight, post_ff.eps, post_ff.style,
+                                             scale=mlp_scale, **_next_norm_args(mlp_next))
         else:
             x, after = self._residual(ops, self.mlp.down_proj, self.mlp.activation(normed), x, post_ff,
                                       scale=mlp_scale, next_norm=mlp_next)

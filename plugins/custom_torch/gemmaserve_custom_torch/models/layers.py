@@ -144,6 +144,11 @@ class FusedElementwise:
     qkv_norm_rope: Callable[..., tuple[Tensor, Tensor, Tensor]]
     residual_norm: Callable[..., tuple[Tensor, Tensor | None]]
     gelu_mul: Callable[[Tensor, Tensor], Tensor]
+    moe_residual_norm: Callable[..., tuple[Tensor, Tensor | None]]
+    route: Callable[..., tuple[Tensor, Tensor, Tensor]]
+    """``kernels.moe_router.route``: the MoE router and the experts' input norm, for at most ``route_max_rows``
+    rows."""
+    route_max_rows: int
 
 
 @dataclass(frozen=True)
