@@ -113,12 +113,25 @@ def test_fp8_fused_moe_model_logits_stay_near_the_eager_fp8_loop(tiny_checkpoint
 
 @pytest.mark.parametrize("name", ["gemma4", "gemma4_moe"])
 def test_fp8_logits_stay_near_bf16(tiny_checkpoint, name: str) -> None:
+    """The 8-token prefill runs through the few-row FP8 kernels (8 rows <= CUSTOM_BACKEND_SKINNY_MAX_ROWS). Tiny
+    random models amplify FP8's weight noise (see test_fp8.py: up to ~0.75 relative against fp32), so the referee
+    for how far FP8 may sit from bf16 is the same FP8 model through ``torch._scaled_mm`` (few-row kernels off):
+    the two FP8 forms compute the same FP8 products and must sit much closer to each other than to bf16, and the
+    few-row form no further from bf16 than that one (up to rounding)."""
     path = tiny_checkpoint(name)
-    fp8_logits, _ = _run(path, "fp8")
+    few_row_logits, _ = _run(path, "fp8")
+    scaled_mm_logits, _ = _run(path, "fp8", skinny_max_rows=0)
     bf16_logits, _ = _run(path, None)
-    relative = ((fp8_logits - bf16_logits).norm() / bf16_logits.norm()).item()
-    print(f"\n{name}: fp8 vs bf16 on CUDA, relative logit error {relative:.3f}")
-    assert relative < 0.75  # tiny random models amplify weight noise (see test_fp8.py)
+
+    def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a - b).norm() / b.norm()).item()
+
+    few_row, scaled_mm = relative(few_row_logits, bf16_logits), relative(scaled_mm_logits, bf16_logits)
+    between = relative(few_row_logits, scaled_mm_logits)
+    print(f"\n{name}: relative logit error against bf16: few-row FP8 {few_row:.3f}, _scaled_mm FP8 {scaled_mm:.3f}; "
+          f"between the two FP8 forms {between:.3f}")
+    assert between < 0.25 * scaled_mm, (between, scaled_mm)
+    assert few_row < 1.05 * scaled_mm + 0.01 and scaled_mm < 1.0, (few_row, scaled_mm)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 32])

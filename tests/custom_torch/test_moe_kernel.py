@@ -294,14 +294,15 @@ def test_fused_experts_never_sync_the_host():
     assert _interpret(_NO_SYNC_SCRIPT) == {"ok": True}
 
 
-def test_fused_module_names_no_host_syncing_op():
-    """Structural backstop for the patched run: kernels/moe.py's code (not its docstrings) never names an op
+@pytest.mark.parametrize("module", ["moe.py", "moe_router.py"])
+def test_fused_module_names_no_host_syncing_op(module):
+    """Structural backstop for the patched run: the MoE kernels' code (not its docstrings) never names an op
     that reads device values on the host."""
     import ast
 
     import gemmaserve_custom_torch.kernels as kernels_pkg
 
-    source = (Path(kernels_pkg.__file__).parent / "moe.py").read_text()
+    source = (Path(kernels_pkg.__file__).parent / module).read_text()
     names = {node.attr for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Attribute)}
     names |= {node.id for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Name)}
     forbidden = {"tolist", "item", "nonzero", "bincount", "unique", "masked_select", "cpu", "numpy", "synchronize"}
