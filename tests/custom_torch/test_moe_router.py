@@ -29,6 +29,7 @@ torch.set_num_threads(1)
        style=st.sampled_from(["w", "one_plus_w"]), seed=st.integers(0, 2**16))
 def check_route(experts, hidden, tokens, data, style, seed):
     top_k = data.draw(st.integers(1, experts))
+    block_e, block_k = data.draw(st.sampled_from([1, 4, 8])), data.draw(st.sampled_from([16, 64, 1024]))
     g = torch.Generator().manual_seed(seed)
     router = MoERouter(hidden, experts, top_k, 1e-6)
     norm = RMSNorm(hidden, 1e-5, style)
@@ -42,7 +43,8 @@ def check_route(experts, hidden, tokens, data, style, seed):
         want_w, want_ids = router(x)
         want_normed = norm(x)
         got_w, got_ids, got_normed = route(x, router.scale, router.proj.weight, router.per_expert_scale, top_k,
-                                           router.norm.eps, norm.weight, norm.eps, style, block_e=8)
+                                           router.norm.eps, norm.weight, norm.eps, style, block_e=block_e,
+                                           block_k=block_k)
     assert got_ids.dtype == torch.int64 and got_w.dtype == torch.float32
     # the same experts in the same order (random logits: no near-ties), weights and norm to fp32 rounding
     assert torch.equal(got_ids, want_ids), (got_ids, want_ids)
@@ -132,7 +134,7 @@ def test_the_router_kernels_compile_for_hopper_without_a_gpu(pdl):
                 "HAS_SCALE": "constexpr", "HAS_NEXT": "constexpr", "BLOCK": "constexpr", **pdl_ops}
     builds = [
         (moe_router._router_logits_kernel, logits, {"ONE_PLUS": False, "HAS_NORM_W": True, "BLOCK": 4096,
-                                                    "BLOCK_E": 16, "BLOCK_K": 64}, 8),
+                                                    "BLOCK_E": 4, "BLOCK_K": 1024}, 8),
         (moe_router._router_top_k_kernel, top_k, {"TOP_K": 8, "EXPERTS": 128, "SLOTS": 8}, 1),
         (fused_ops._moe_residual_norm_kernel, combine, {"ONE_PLUS": False, "HAS_SCALE": True, "HAS_NEXT": True,
                                                         "BLOCK": 4096}, 8),

@@ -93,12 +93,16 @@ def _router_top_k_kernel(logits_ptr, expert_scale_ptr, weights_ptr, ids_ptr, num
 
 def route(x: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, expert_scale: torch.Tensor, top_k: int,
           eps: float, norm_weight: torch.Tensor | None, norm_eps: float, norm_style: str, *,
-          block_e: int = 16, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          block_e: int = 4, block_k: int = 1024, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``MoERouter.forward(x)`` and ``RMSNorm(x)`` (the experts' input norm: ``norm_weight``, ``norm_eps``,
     ``norm_style``) for x [T, H] (last dim contiguous): ``scale`` [H] and ``expert_scale`` [E] the router's
     parameters, ``weight`` [E, H] its projection (model dtype, contiguous), ``eps`` its norm's. Returns new
     tensors (routing weights [T, k] fp32, expert ids [T, k] int64, normed [T, H] in x's dtype); mutates nothing.
-    No host sync (CUDA-graph capturable). ``pdl``: both launches programmatic dependents (``kernels.pdl``)."""
+    No host sync (CUDA-graph capturable). ``pdl``: both launches programmatic dependents (``kernels.pdl``).
+    ``block_e`` experts and ``block_k`` columns per step of a logits program (powers of two): 4 and 1,024 took
+    26B-A4B bf16 decode on an H100 to 4.98 / 10.57 ms TPOT at N = 1 / 8, against 5.59 / 11.19 with 16 and 64
+    (few long steps beat many short ones: a decode step has few programs to hide load latency) and 5.39 / 11.69
+    with the eager ops (docs/benchmarks.md, run 32)."""
     tokens, hidden = x.shape
     num_experts = weight.shape[0]
     if tuple(weight.shape) != (num_experts, hidden) or not weight.is_contiguous():
@@ -117,7 +121,7 @@ def route(x: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, expert_sca
     _router_logits_kernel[(tokens, triton.cdiv(num_experts, block_e))](
         x, scale, weight, norm_weight if norm_weight is not None else scale, logits, normed, x.stride(0), hidden,
         num_experts, float(eps), float(norm_eps), hidden**-0.5, ONE_PLUS=norm_style == "one_plus_w",
-        HAS_NORM_W=norm_weight is not None, BLOCK=block, BLOCK_E=block_e, BLOCK_K=64,
+        HAS_NORM_W=norm_weight is not None, BLOCK=block, BLOCK_E=block_e, BLOCK_K=block_k,
         num_warps=8 if block >= 2048 else 4, **launch_options(pdl),
     )
     experts = triton.next_power_of_2(num_experts)
