@@ -318,7 +318,8 @@ def test_masks_unpack_on_the_device_as_the_reference_unpacks_them(masks, vocab, 
         for i, row in enumerate(rows):
             views[skip + i][:] = row
         masks = views[skip:skip + len(rows)]
-        expected = (owner if owner is not None else views[0].obj.owner, skip * vocab_bytes)
+        expected = (views[0].obj, skip * vocab_bytes)
+        assert views[0].obj.owner is (owner if owner is not None else views[0].obj.owner)
         if form == "span out of order" and len(masks) > 1:
             masks.reverse()
             rows.reverse()

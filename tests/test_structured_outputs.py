@@ -259,8 +259,10 @@ def test_a_batch_of_constrained_rows_with_stuck_ones_among_them() -> None:
 
 
 def test_masks_written_into_the_backends_memory_give_the_same_tokens() -> None:
-    """A backend's ``mask_memory`` (here: memory full of garbage, never zeroed) receives the batched masks, and a
-    constrained request's tokens are the ones it gets with the engine's own buffers."""
+    """A backend's ``mask_memory`` (here: memory full of garbage, never zeroed) receives the batched masks, which
+    reach its sampling there, and a constrained request's tokens are the ones it gets with the engine's own
+    buffers; memory too small for the batch is refused (the masks are then computed row by row), never written
+    past."""
     import ctypes
 
     from gemmaserve.engine.engine import Engine
@@ -268,17 +270,24 @@ def test_masks_written_into_the_backends_memory_give_the_same_tokens() -> None:
     from gemmaserve.testing.reference_backend import ReferenceBackend
 
     class BackendMemory(ReferenceBackend):
-        handed_out: list[int] = []
+        def __init__(self, *args, short: int = 0, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.short, self.owners, self.sampled_from = short, [], set()
 
         def mask_memory(self, nbytes: int) -> tuple[int, object]:
-            owner = (ctypes.c_char * nbytes)(*([b"\xa5"] * nbytes))
-            self.handed_out.append(nbytes)
+            owner = (ctypes.c_char * (nbytes - self.short))(*([b"\xa5"] * (nbytes - self.short)))
+            self.owners.append(owner)
             return ctypes.addressof(owner), owner
+
+        def sample(self, logits, rows, *, want_logprobs=False):
+            self.sampled_from |= {id(row.allowed.obj.owner) for row in rows if isinstance(row.allowed, memoryview)}
+            return super().sample(logits, rows, want_logprobs=want_logprobs)
 
     params = [SamplingParams(max_tokens=40, temperature=1.0, seed=seed, structured_outputs={"regex": "[a-c]{2,6}x"})
               for seed in range(4)]
     tokens = []
-    for backend in (ReferenceBackend(vocab_size=64), BackendMemory(vocab_size=64)):
+    backends = (ReferenceBackend(vocab_size=64), BackendMemory(vocab_size=64), BackendMemory(vocab_size=64, short=4))
+    for backend in backends:
         engine = Engine(backend, CoreSettings(device="cpu"))
         try:
             outs = [h.result(timeout=60) for h in [engine.submit([5, 6, 7], p) for p in params]]
@@ -286,8 +295,32 @@ def test_masks_written_into_the_backends_memory_give_the_same_tokens() -> None:
             engine.shutdown(timeout=10)
         assert all(out.finish_reason == FinishReason.STOP for out in outs), outs
         tokens.append([out.token_ids for out in outs])
-    assert tokens[0] == tokens[1]
-    assert BackendMemory.handed_out and all(n % 4 == 0 for n in BackendMemory.handed_out)
+    assert tokens[0] == tokens[1] == tokens[2]
+    good, short = backends[1], backends[2]
+    assert good.owners and good.sampled_from and good.sampled_from <= {id(owner) for owner in good.owners}
+    assert short.owners and not short.sampled_from & {id(owner) for owner in short.owners}
+
+
+def test_mask_memory_that_cannot_hold_the_batch_is_refused() -> None:
+    """``start_masks`` refuses memory that is misaligned or smaller than the batch (where its owner tells its
+    extent), naming the problem, before llguidance writes anything."""
+    import ctypes
+
+    import torch
+
+    from gemmaserve.structured.grammar import mask_rows
+
+    buffer = (ctypes.c_char * 64)()
+    tensor = torch.empty(64, dtype=torch.uint8)
+    for placed, problem in [((ctypes.addressof(buffer) + 2, buffer), "4-byte aligned"),
+                            ((ctypes.addressof(buffer) + 8, buffer), "outside its owner's 64 bytes"),
+                            ((tensor.data_ptr() + 4, tensor), "outside its owner's 64 bytes"),
+                            ((0, None), "positive")]:
+        with pytest.raises(ValueError, match=problem):
+            mask_rows(4, 16, lambda nbytes, placed=placed: placed)
+    views = mask_rows(4, 16, lambda nbytes: (tensor.data_ptr(), tensor))  # exactly its 64 bytes
+    views[3][:] = bytes(range(16))
+    assert tensor[48:].tolist() == list(range(16))
 
 
 def test_compilers_on_one_vocabulary_share_its_llguidance_tokenizer() -> None:

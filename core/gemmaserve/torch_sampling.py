@@ -249,11 +249,13 @@ def _packed_allowed(masks: Sequence[bytes | memoryview], vocab: int, device: tor
     width = -(-vocab // 8)
     span = mask_rows_span(masks, width)
     if span is not None:
-        owner, offset = span
+        block, offset = span
         count = len(masks) * width
-        if isinstance(owner, torch.Tensor):  # pinned_mask_memory: the copy reads where llguidance wrote
-            return owner[offset:offset + count].view(len(masks), width).to(device, non_blocking=True, copy=True)
-        rows = torch.frombuffer(owner, dtype=torch.uint8, count=count, offset=offset)
+        start = _offset_in_tensor(block, block.owner)
+        if start is not None:  # pinned_mask_memory: the copy reads where llguidance wrote
+            rows = block.owner[start + offset:start + offset + count]
+            return rows.view(len(masks), width).to(device, non_blocking=True, copy=True)
+        rows = torch.frombuffer(block, dtype=torch.uint8, count=count, offset=offset)
         if device.type != "cuda":
             return rows.view(len(masks), width).to(device, copy=True)
         staged = torch.empty((len(masks), width), dtype=torch.uint8, pin_memory=True)
@@ -269,6 +271,16 @@ def _packed_allowed(masks: Sequence[bytes | memoryview], vocab: int, device: tor
     if device.type == "cuda":
         return packed.to(device, non_blocking=True)
     return packed.to(device)
+
+
+def _offset_in_tensor(block: ctypes.Array, owner: object) -> int | None:
+    """Where ``block``'s memory starts in ``owner`` when ``owner`` is a contiguous 1-D uint8 CPU tensor holding all
+    of it (what :func:`pinned_mask_memory` gives), else None."""
+    if not (isinstance(owner, torch.Tensor) and owner.dtype == torch.uint8 and owner.dim() == 1
+            and owner.device.type == "cpu" and owner.is_contiguous()):
+        return None
+    start = ctypes.addressof(block) - owner.data_ptr()
+    return start if 0 <= start and start + len(block) <= owner.numel() else None
 
 
 def pinned_mask_memory(nbytes: int) -> tuple[int, torch.Tensor]:

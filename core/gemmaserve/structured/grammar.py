@@ -42,8 +42,9 @@ __all__ = ["ConstraintError", "GrammarCompiler", "MASK_THREAD_NAME", "MaskBatch"
            "allowed_many", "mask_rows", "mask_rows_span", "start_masks"]
 
 MaskMemory = Callable[[int], "tuple[int, object] | None"]
-"""Where a batch's masks are written (``InferenceBackend.mask_memory``): ``nbytes`` -> ``(address, owner)``, that
-many writable bytes at ``address`` that stay valid while ``owner`` lives (None: a fresh ``bytearray``)."""
+"""Where a batch's masks are written (``InferenceBackend.mask_memory``): ``nbytes`` -> ``(address, owner)``, at
+least that many writable bytes at ``address`` (4-byte aligned: llguidance writes 32-bit words) that stay valid
+while ``owner`` lives (None: a fresh ``bytearray``)."""
 
 _CACHE_SIZE = 256
 _executor: Any = None  # llguidance's executor; benchmarks swap it for one of another pool size
@@ -170,9 +171,27 @@ def _mask_block(size: int, memory: MaskMemory | None) -> Any:
         block = (ctypes.c_char * size).from_buffer(owner)
     else:
         address, owner = placed
+        _check_placement(address, owner, size)
         block = (ctypes.c_char * size).from_address(address)
     block.owner = owner
     return block
+
+
+def _check_placement(address: int, owner: object, size: int) -> None:
+    """Raise ValueError unless ``address`` is 4-byte aligned and, where ``owner`` tells its extent (a tensor-like
+    ``data_ptr()`` / ``nbytes``, a ctypes object), ``size`` bytes from ``address`` lie inside it: a
+    ``mask_memory`` that hands out too little would have llguidance write past its end."""
+    if not isinstance(address, int) or address <= 0 or address % 4:
+        raise ValueError(f"mask_memory gave address {address!r}: a positive, 4-byte aligned address is needed")
+    if callable(getattr(owner, "data_ptr", None)) and isinstance(getattr(owner, "nbytes", None), int):
+        start, extent = owner.data_ptr(), owner.nbytes  # type: ignore[attr-defined]
+    elif isinstance(owner, ctypes._SimpleCData | ctypes.Array | ctypes.Structure):
+        start, extent = ctypes.addressof(owner), ctypes.sizeof(owner)
+    else:
+        return  # an owner that does not tell its extent: the contract's word
+    if not start <= address <= address + size <= start + extent:
+        raise ValueError(f"mask_memory gave {size} bytes at {address:#x}, outside its owner's {extent} bytes at "
+                         f"{start:#x}")
 
 
 def _row_views(block: Any, width: int, count: int) -> list[memoryview]:
@@ -193,10 +212,11 @@ def mask_rows(count: int, width: int, memory: MaskMemory | None = None) -> list[
     return _row_views(_mask_block(count * width, memory), width, count)
 
 
-def mask_rows_span(masks: Sequence[object], width: int) -> tuple[object, int] | None:
-    """(owner, byte offset) when ``masks`` are consecutive ``width``-byte rows of one :func:`start_masks` batch,
-    in order (``masks[i]`` starts at offset + i * width of the memory ``owner`` keeps alive: a ``bytearray``, or
-    the owner the backend's ``MaskMemory`` returned), else None. Reads no addresses (~0.1 µs a row)."""
+def mask_rows_span(masks: Sequence[object], width: int) -> tuple[Any, int] | None:
+    """(block, byte offset) when ``masks`` are consecutive ``width``-byte rows of one :func:`start_masks` batch,
+    in order: ``masks[i]`` starts at offset + i * width of ``block``, a ctypes char array over the batch's memory
+    (a writable buffer; ``block.owner`` keeps the memory alive: a ``bytearray``, or the owner the backend's
+    ``MaskMemory`` returned), else None. Reads no addresses (~0.1 µs a row)."""
     first = masks[0] if masks else None
     if not isinstance(first, memoryview):
         return None
@@ -210,7 +230,7 @@ def mask_rows_span(masks: Sequence[object], width: int) -> tuple[object, int] | 
     for i, mask in enumerate(masks):
         if rows[start + i]() is not mask:
             return None
-    return block.owner, start * width
+    return block, start * width
 
 
 class MaskBatch:

@@ -80,7 +80,8 @@ def _router_top_k_kernel(logits_ptr, expert_scale_ptr, weights_ptr, ids_ptr, num
     ids = tl.zeros((SLOTS,), dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.max(probs, axis=0)
-        pick = tl.min(tl.where(probs == best, experts, EXPERTS), axis=0)
+        # a NaN row matches nothing: keep its ids in range (its NaN weights carry on, as the eager ops' would)
+        pick = tl.minimum(tl.min(tl.where(probs == best, experts, EXPERTS), axis=0), num_experts - 1)
         values = tl.where(slots == j, best, values)
         ids = tl.where(slots == j, pick, ids)
         probs = tl.where(experts == pick, -1.0, probs)
