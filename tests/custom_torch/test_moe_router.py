@@ -136,15 +136,16 @@ def test_the_router_kernels_compile_for_hopper_without_a_gpu(pdl):
              "num_experts": "i32", "TOP_K": "constexpr", "EXPERTS": "constexpr", "SLOTS": "constexpr", **pdl_ops}
     combine = {name: "*bf16" for name in ("res_ptr", "dense_ptr", "moe_ptr", "w_dense_ptr", "w_moe_ptr", "w_ptr",
                                           "scale_ptr", "w_next_ptr", "out_ptr", "next_ptr")}
-    combine |= {"stride_r": "i32", "stride_d": "i32", "stride_m": "i32", "n_cols": "i32", "eps_dense": "fp32",
-                "eps_moe": "fp32", "eps": "fp32", "eps_next": "fp32", "ONE_PLUS": "constexpr",
-                "HAS_SCALE": "constexpr", "HAS_NEXT": "constexpr", "BLOCK": "constexpr", **pdl_ops}
+    combine |= {"q_ptr": "*fp8e4nv", "q_scale_ptr": "*fp32", "stride_r": "i32", "stride_d": "i32", "stride_m": "i32",
+                "n_cols": "i32", "eps_dense": "fp32", "eps_moe": "fp32", "eps": "fp32", "eps_next": "fp32",
+                "ONE_PLUS": "constexpr", "HAS_SCALE": "constexpr", "HAS_NEXT": "constexpr", "NEXT_FP8": "constexpr",
+                "BLOCK": "constexpr", **pdl_ops}
     builds = [
         (moe_router._router_logits_kernel, logits, {"ONE_PLUS": False, "HAS_NORM_W": True, "BLOCK": 4096,
                                                     "BLOCK_E": 4, "BLOCK_K": 1024}, 8),
         (moe_router._router_top_k_kernel, top_k, {"TOP_K": 8, "EXPERTS": 128, "SLOTS": 8}, 1),
         (fused_ops._moe_residual_norm_kernel, combine, {"ONE_PLUS": False, "HAS_SCALE": True, "HAS_NEXT": True,
-                                                        "BLOCK": 4096}, 8),
+                                                        "NEXT_FP8": True, "BLOCK": 4096}, 8),
     ]
     for kernel, signature, constexprs, warps in builds:
         ptx = compile_for_hopper(kernel, signature, {**constexprs, "PDL": pdl}, num_warps=warps,

@@ -24,9 +24,15 @@ path, max_rows, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 fp8 = len(sys.argv) > 4 and sys.argv[4] == "fp8"
 torch.set_num_threads(1)
 calls = {"linear": [], "geglu": [], "gelu_mul": [], "residual_norm": [], "fp8": []}
+prequantized = []
 def counted(name, kernel):
     def run(x, w, *args, **kw):
         calls[name].append(x.shape[0])
+        if kw.get("quantized") is not None:
+            q, scale = kw["quantized"]
+            want = sk.quantize_rows(x)
+            assert torch.equal(q.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(scale, want[1])
+            prequantized.append(x.shape[0])
         return kernel(x, w, *args, **kw)
     return run
 sk.skinny_linear, sk.skinny_geglu = counted("linear", sk.skinny_linear), counted("geglu", sk.skinny_geglu)
@@ -60,6 +66,7 @@ out["tokens_equal"] = tokens[0] == tokens[1]
 out["prompt_calls"] = prompt_calls
 out["decode_rows"] = sorted(set(sum(calls.values(), [])))
 out.update({f"{name}_calls": len(rows) for name, rows in calls.items()})
+out["prequantized_calls"] = len(prequantized)
 out["ple"] = bool(small.config.ple_dim)
 out["moe_layers"] = sum(layer.has_moe for layer in small.layers)
 print(json.dumps(out))
@@ -87,16 +94,20 @@ def test_decode_rows_run_the_few_row_kernels_and_keep_the_tokens(tiny_checkpoint
     assert result["tokens_equal"], result
 
 
-def test_fp8_decode_rows_run_the_few_row_fp8_path_and_keep_the_tokens(tiny_checkpoint):
+@pytest.mark.parametrize("name", ["gemma4", "gemma4_moe"])
+def test_fp8_decode_rows_run_the_few_row_fp8_path_and_keep_the_tokens(tiny_checkpoint, name):
     """With FP8 weights (``quantize_fp8``) every decode projection of a 2-row batch runs ``skinny_fp8_linear``
     (rows quantized, then the FP8 product) instead of ``quantization.linear``'s ``_scaled_mm``, the model-dtype
     kernels and folds none; the logits are the FP8 model's up to summation order (the same quantized values)."""
-    result = run_interpreted(_MODEL_SCRIPT, str(tiny_checkpoint("gemma4")), "4", "2", "fp8")
+    result = run_interpreted(_MODEL_SCRIPT, str(tiny_checkpoint(name)), "4", "2", "fp8")
     assert set(result["prompt_calls"].values()) == {0}, result
     assert result["decode_rows"] == [2], result
     layers = result["layers"]
     # per layer per step: q(kv), o, gate/up, down, and with per-layer inputs their gate and projection
     assert result["fp8_calls"] == 4 * layers * (6 if result["ple"] else 4), result
+    # gate/up (the pre-FF norm) and every layer's q(kv) but the first (the previous layer's last norm) read rows the
+    # residual kernel quantized as it wrote them (the same bytes as quantize_rows: checked in the script)
+    assert result["prequantized_calls"] == 4 * (2 * layers - 1), result
     assert result["linear_calls"] == result["geglu_calls"] == result["residual_norm_calls"] == 0, result
     assert result["gelu_mul_calls"] == 0, result
     assert result["max_logit_diff"] < 1e-3, result
@@ -143,10 +154,11 @@ def test_the_elementwise_and_norm_kernels_compile_as_programmatic_dependents():
             {"ONE_PLUS": False, "V_MODE": 1 + pdl, "TO_CACHE": pdl, "BLOCK": 128, "PDL": pdl}))
         builds.append((fused_ops._residual_norm_kernel, {
             "res_ptr": "*bf16", "h_ptr": "*bf16", "w_ptr": "*bf16", "scale_ptr": "*bf16", "w_next_ptr": "*bf16",
-            "out_ptr": "*bf16", "next_ptr": "*bf16", "stride_r": "i32", "stride_h": "i32", "n_cols": "i32",
-            "eps": "fp32", "eps_next": "fp32", "ONE_PLUS": "constexpr", "HAS_SCALE": "constexpr",
-            "HAS_NEXT": "constexpr", "BLOCK": "constexpr", "PDL": "constexpr"},
-            {"ONE_PLUS": False, "HAS_SCALE": True, "HAS_NEXT": True, "BLOCK": 2048, "PDL": pdl}))
+            "out_ptr": "*bf16", "next_ptr": "*bf16", "q_ptr": "*fp8e4nv", "q_scale_ptr": "*fp32", "stride_r": "i32",
+            "stride_h": "i32", "n_cols": "i32", "eps": "fp32", "eps_next": "fp32", "ONE_PLUS": "constexpr",
+            "HAS_SCALE": "constexpr", "HAS_NEXT": "constexpr", "NEXT_FP8": "constexpr", "BLOCK": "constexpr",
+            "PDL": "constexpr"},
+            {"ONE_PLUS": False, "HAS_SCALE": True, "HAS_NEXT": True, "NEXT_FP8": pdl, "BLOCK": 2048, "PDL": pdl}))
         builds.append((fused_ops._gelu_mul_kernel, {
             "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "stride_a": "i32", "stride_b": "i32",
             "n_cols": "i32", "BLOCK": "constexpr", "PDL": "constexpr"}, {"BLOCK": 1024, "PDL": pdl}))

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8_rows import fp8_grid, fp8_scale
 from .pdl import await_previous, launch_options
 
 __all__ = ["gelu_mul", "moe_residual_norm", "norm_rope", "ple_inputs", "qkv_norm_rope", "residual_norm",
@@ -237,11 +238,13 @@ def qkv_norm_rope(qkv: torch.Tensor, q_heads: int, kv_heads: int, q_weight: torc
 
 @triton.jit
 def residual_norm_row(h, res_ptr, w_ptr, scale_ptr, w_next_ptr, out_ptr, next_ptr, offs, mask, n_cols, eps, eps_next,
-                      ONE_PLUS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_NEXT: tl.constexpr):
+                      ONE_PLUS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_NEXT: tl.constexpr, q_ptr=None,
+                      q_scale_ptr=None, NEXT_FP8: tl.constexpr = False):
     """One row of :func:`residual_norm` from ``h`` (fp32 [BLOCK], values of the model dtype): stores
     ``y = (residual + rms_norm_w(h)) (* scale)`` at ``out_ptr`` and, with HAS_NEXT, ``rms_norm_next(y)`` at
-    ``next_ptr`` (row pointers). The one copy of this math: the split-K reduce of ``kernels.skinny_gemm`` runs it
-    as its epilogue."""
+    ``next_ptr`` (row pointers), and with NEXT_FP8 also that row quantized as ``fp8_rows.quantize_rows`` would
+    quantize it (its FP8 values at ``q_ptr``, its scale at ``q_scale_ptr``: the same bytes). The one copy of this
+    math: the split-K reduce of ``kernels.skinny_gemm`` runs it as its epilogue."""
     dtype = out_ptr.dtype.element_ty
     normed = h * _norm_factor(tl.sum(h * h, axis=0), n_cols, eps) * _weight(w_ptr, offs, mask, ONE_PLUS)
     residual = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -252,19 +255,51 @@ def residual_norm_row(h, res_ptr, w_ptr, scale_ptr, w_next_ptr, out_ptr, next_pt
     if HAS_NEXT:
         z = y * _norm_factor(tl.sum(y * y, axis=0), n_cols, eps_next) * _weight(w_next_ptr, offs, mask, ONE_PLUS)
         tl.store(next_ptr + offs, z.to(dtype), mask=mask)
+        if NEXT_FP8:
+            stored = tl.where(mask, z.to(dtype).to(tl.float32), 0.0)
+            scale = fp8_scale(tl.max(tl.abs(stored), axis=0))
+            tl.store(q_scale_ptr, scale)
+            tl.store(q_ptr + offs, fp8_grid(stored, scale).to(q_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _residual_norm_kernel(res_ptr, h_ptr, w_ptr, scale_ptr, w_next_ptr, out_ptr, next_ptr, stride_r, stride_h,
-                          n_cols, eps, eps_next, ONE_PLUS: tl.constexpr, HAS_SCALE: tl.constexpr,
-                          HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _residual_norm_kernel(res_ptr, h_ptr, w_ptr, scale_ptr, w_next_ptr, out_ptr, next_ptr, q_ptr, q_scale_ptr,
+                          stride_r, stride_h, n_cols, eps, eps_next, ONE_PLUS: tl.constexpr, HAS_SCALE: tl.constexpr,
+                          HAS_NEXT: tl.constexpr, NEXT_FP8: tl.constexpr, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr = False):
     await_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
     h = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
     residual_norm_row(h, res_ptr + row * stride_r, w_ptr, scale_ptr, w_next_ptr, out_ptr + row * n_cols,
-                      next_ptr + row * n_cols, offs, mask, n_cols, eps, eps_next, ONE_PLUS, HAS_SCALE, HAS_NEXT)
+                      next_ptr + row * n_cols, offs, mask, n_cols, eps, eps_next, ONE_PLUS, HAS_SCALE, HAS_NEXT,
+                      q_ptr + row * n_cols, q_scale_ptr + row, NEXT_FP8)
+
+
+def _next_outputs(out: torch.Tensor, next_weight: torch.Tensor | None, next_fp8: bool,
+                  ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """(next, its FP8 values, their scales) for a residual-norm launch writing into ``out``'s shape: next is None
+    without ``next_weight``; without ``next_fp8`` the FP8 outputs are ``out`` itself (unwritten placeholders: the
+    kernel's NEXT_FP8 is ``q is not out``). With it, ``next`` carries them (:func:`with_fp8_rows`)."""
+    if next_weight is None:
+        return None, out, out
+    nxt = torch.empty_like(out)
+    if not next_fp8:
+        return nxt, out, out
+    rows, n_cols = nxt.numel() // max(nxt.shape[-1], 1), nxt.shape[-1]
+    q = torch.empty((rows, n_cols), dtype=torch.float8_e4m3fn, device=out.device)
+    q_scale = torch.empty((rows, 1), dtype=torch.float32, device=out.device)
+    return with_fp8_rows(nxt, q, q_scale), q, q_scale
+
+
+def with_fp8_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x`` with ``x.fp8_rows = (q, scale)``: its rows [M, K] as ``fp8_rows.quantize_rows(x.reshape(-1, K))``
+    gives them (written by the kernel that writes ``x``). FP8 projections of few rows read them instead of
+    quantizing ``x`` again (``SmallBatchMatmuls.project``); the attribute lives and dies with this tensor object
+    (a view or a copy does not carry it)."""
+    x.fp8_rows = (q, scale)
+    return x
 
 
 def residual_norm_warps(block: int) -> int:
@@ -274,15 +309,17 @@ def residual_norm_warps(block: int) -> int:
 
 def residual_norm(residual: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float, style: str, *,
                   scale: torch.Tensor | None = None, next_weight: torch.Tensor | None = None,
-                  next_eps: float | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  next_eps: float | None = None, next_fp8: bool = False,
+                  pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``y = residual + RMSNorm_w(h)`` (then ``* scale``, a one-element tensor, if given), and with
-    ``next_weight`` also ``RMSNorm_next(y)``. residual, h [..., H] of one shape. Returns (y, next or None),
-    new contiguous tensors."""
+    ``next_weight`` also ``RMSNorm_next(y)``; with ``next_fp8`` too, that next tensor carries itself quantized
+    (``next.fp8_rows``: :func:`with_fp8_rows`). residual, h [..., H] of one shape. Returns (y, next or None), new
+    contiguous tensors."""
     if residual.shape != h.shape:
         raise ValueError(f"residual {tuple(residual.shape)} and h {tuple(h.shape)} differ")
     n_cols = h.shape[-1]
     out = torch.empty(h.shape, dtype=h.dtype, device=h.device)
-    nxt = torch.empty_like(out) if next_weight is not None else None
+    nxt, q, q_scale = _next_outputs(out, next_weight, next_fp8)
     if h.numel() == 0:
         return out, nxt
     res2, h2 = residual.reshape(-1, n_cols), h.reshape(-1, n_cols)
@@ -293,9 +330,9 @@ def residual_norm(residual: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
     block = triton.next_power_of_2(n_cols)
     _residual_norm_kernel[(h2.shape[0],)](
         res2, h2, weight, scale if scale is not None else weight, next_weight if next_weight is not None else weight,
-        out, nxt if nxt is not None else out, res2.stride(0), h2.stride(0), n_cols, float(eps),
+        out, nxt if nxt is not None else out, q, q_scale, res2.stride(0), h2.stride(0), n_cols, float(eps),
         float(eps if next_eps is None else next_eps), ONE_PLUS=style == "one_plus_w", HAS_SCALE=scale is not None,
-        HAS_NEXT=next_weight is not None, BLOCK=block, num_warps=residual_norm_warps(block),
+        HAS_NEXT=next_weight is not None, NEXT_FP8=q is not out, BLOCK=block, num_warps=residual_norm_warps(block),
         **launch_options(pdl),
     )
     return out, nxt
@@ -303,9 +340,10 @@ def residual_norm(residual: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
 
 @triton.jit
 def _moe_residual_norm_kernel(res_ptr, dense_ptr, moe_ptr, w_dense_ptr, w_moe_ptr, w_ptr, scale_ptr, w_next_ptr,
-                              out_ptr, next_ptr, stride_r, stride_d, stride_m, n_cols, eps_dense, eps_moe, eps,
-                              eps_next, ONE_PLUS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_NEXT: tl.constexpr,
-                              BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                              out_ptr, next_ptr, q_ptr, q_scale_ptr, stride_r, stride_d, stride_m, n_cols, eps_dense,
+                              eps_moe, eps, eps_next, ONE_PLUS: tl.constexpr, HAS_SCALE: tl.constexpr,
+                              HAS_NEXT: tl.constexpr, NEXT_FP8: tl.constexpr, BLOCK: tl.constexpr,
+                              PDL: tl.constexpr = False):
     await_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     dtype = out_ptr.dtype.element_ty
@@ -318,23 +356,25 @@ def _moe_residual_norm_kernel(res_ptr, dense_ptr, moe_ptr, w_dense_ptr, w_moe_pt
     moe = moe * _norm_factor(tl.sum(moe * moe, axis=0), n_cols, eps_moe) * _weight(w_moe_ptr, offs, mask, ONE_PLUS)
     h = (dense.to(dtype).to(tl.float32) + moe.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     residual_norm_row(h, res_ptr + row * stride_r, w_ptr, scale_ptr, w_next_ptr, out_ptr + row * n_cols,
-                      next_ptr + row * n_cols, offs, mask, n_cols, eps, eps_next, ONE_PLUS, HAS_SCALE, HAS_NEXT)
+                      next_ptr + row * n_cols, offs, mask, n_cols, eps, eps_next, ONE_PLUS, HAS_SCALE, HAS_NEXT,
+                      q_ptr + row * n_cols, q_scale_ptr + row, NEXT_FP8)
 
 
 def moe_residual_norm(residual: torch.Tensor, dense: torch.Tensor, moe: torch.Tensor, dense_weight: torch.Tensor,
                       dense_eps: float, moe_weight: torch.Tensor, moe_eps: float, weight: torch.Tensor, eps: float,
                       style: str, *, scale: torch.Tensor | None = None, next_weight: torch.Tensor | None = None,
-                      next_eps: float | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      next_eps: float | None = None, next_fp8: bool = False,
+                      pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A Gemma 4 MoE layer's feed-forward end in one launch: ``h = RMSNorm_dense(dense) + RMSNorm_moe(moe)``
     (each norm, and the sum, rounded to the model dtype as the eager ops round them), then
-    :func:`residual_norm` ``(residual, h, weight, ...)``; every norm of the one ``style``. residual, dense, moe
-    [..., H] of one shape. Returns (y, next or None), new contiguous tensors."""
+    :func:`residual_norm` ``(residual, h, weight, ...)`` (``next_fp8`` as there); every norm of the one
+    ``style``. residual, dense, moe [..., H] of one shape. Returns (y, next or None), new contiguous tensors."""
     if not residual.shape == dense.shape == moe.shape:
         raise ValueError(f"residual {tuple(residual.shape)}, dense {tuple(dense.shape)} and moe {tuple(moe.shape)} "
                          "differ")
     n_cols = dense.shape[-1]
     out = torch.empty(dense.shape, dtype=dense.dtype, device=dense.device)
-    nxt = torch.empty_like(out) if next_weight is not None else None
+    nxt, q, q_scale = _next_outputs(out, next_weight, next_fp8)
     if dense.numel() == 0:
         return out, nxt
     rows = [t.reshape(-1, n_cols) for t in (residual, dense, moe)]
@@ -342,10 +382,11 @@ def moe_residual_norm(residual: torch.Tensor, dense: torch.Tensor, moe: torch.Te
     block = triton.next_power_of_2(n_cols)
     _moe_residual_norm_kernel[(dense2.shape[0],)](
         res2, dense2, moe2, dense_weight, moe_weight, weight, scale if scale is not None else weight,
-        next_weight if next_weight is not None else weight, out, nxt if nxt is not None else out, res2.stride(0),
-        dense2.stride(0), moe2.stride(0), n_cols, float(dense_eps), float(moe_eps), float(eps),
+        next_weight if next_weight is not None else weight, out, nxt if nxt is not None else out, q, q_scale,
+        res2.stride(0), dense2.stride(0), moe2.stride(0), n_cols, float(dense_eps), float(moe_eps), float(eps),
         float(eps if next_eps is None else next_eps), ONE_PLUS=style == "one_plus_w", HAS_SCALE=scale is not None,
-        HAS_NEXT=next_weight is not None, BLOCK=block, num_warps=residual_norm_warps(block), **launch_options(pdl),
+        HAS_NEXT=next_weight is not None, NEXT_FP8=q is not out, BLOCK=block, num_warps=residual_norm_warps(block),
+        **launch_options(pdl),
     )
     return out, nxt
 

@@ -371,11 +371,15 @@ def skinny_linear_fp8(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
     return _launch(xq, wq, n, False, split_k, block_n, block_k, num_warps, (x_scale, w_scale), out_dtype, pdl=pdl)
 
 
-def skinny_fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
+def skinny_fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, *,
+                      quantized: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = False) -> torch.Tensor:
     """``quantization.linear(x, wq, w_scale)`` for few rows: x [M, K] in the model dtype quantized per row
     (``fp8_rows.quantize_rows``), then :func:`skinny_linear_fp8` -> new [M, N] in x's dtype. Two launches, both
-    programmatic dependents with ``pdl``."""
-    xq, x_scale = quantize_rows(x, pdl=pdl)
+    programmatic dependents with ``pdl``; one when ``quantized`` gives x's rows already quantized that way (the
+    kernel that wrote x did it: ``fused_ops.with_fp8_rows``)."""
+    if quantized is not None and tuple(quantized[0].shape) != tuple(x.shape):
+        raise ValueError(f"quantized rows {tuple(quantized[0].shape)} are not x's {tuple(x.shape)}")
+    xq, x_scale = quantized if quantized is not None else quantize_rows(x, pdl=pdl)
     return skinny_linear_fp8(xq, x_scale, wq, w_scale, x.dtype, pdl=pdl)
 
 

@@ -150,12 +150,13 @@ def fuse_small_batch(model: GemmaForCausalLM, max_rows: int, *, pdl: bool = Fals
         skinny_linear_residual_norm,
     )
     from .layers import FusedElementwise, MoEExperts, RMSNorm, SmallBatchMatmuls
+    from .quantization import uses_fp8
 
     if max_rows < 0:
         raise ValueError(f"max_rows must be >= 0, got {max_rows}")
     small = (SmallBatchMatmuls(max_rows, *(partial(kernel, pdl=pdl) for kernel in (
-        skinny_linear, skinny_geglu, skinny_linear_gelu_mul, skinny_linear_residual_norm, skinny_fp8_linear)))
-             if max_rows else None)
+        skinny_linear, skinny_geglu, skinny_linear_gelu_mul, skinny_linear_residual_norm, skinny_fp8_linear)),
+        fp8_rows_ahead=uses_fp8(model)) if max_rows else None)
     if pdl:
         ops = FusedElementwise(*(partial(op, pdl=True) for op in (
             fused_ops.norm_rope, fused_ops.qkv_norm_rope, fused_ops.residual_norm, fused_ops.gelu_mul,

@@ -286,7 +286,7 @@ class GemmaDecoderLayer(nn.Module):
             dense_norm, moe_norm = self.post_feedforward_layernorm_1, self.post_feedforward_layernorm_2
             x, after = ops.moe_residual_norm(x, dense, moe, dense_norm.weight, dense_norm.eps, moe_norm.weight,
                                              moe_norm.eps, post_ff.weight, post_ff.eps, post_ff.style,
-                                             scale=mlp_scale, **_next_norm_args(mlp_next))
+                                             scale=mlp_scale, **self._next_norm_args(mlp_next, x))
         else:
             x, after = self._residual(ops, self.mlp.down_proj, self.mlp.activation(normed), x, post_ff,
                                       scale=mlp_scale, next_norm=mlp_next)
@@ -313,7 +313,17 @@ class GemmaDecoderLayer(nn.Module):
         if all_reduce:
             h = self.tp.all_reduce(h)
         return ops.residual_norm(residual, h, norm.weight, norm.eps, norm.style, scale=scale,
-                                 **_next_norm_args(next_norm))
+                                 **self._next_norm_args(next_norm, residual))
+
+    def _next_norm_args(self, norm: RMSNorm | None, x: Tensor) -> dict[str, Any]:
+        """:func:`_next_norm_args`, and on FP8 models whose few-row products take ``x``'s rows, the next norm's
+        output quantized by the same kernel (``next_fp8``): the FP8 projection reading it (the next layer's
+        q/k/v, this layer's gate/up) then skips its own quantization launch."""
+        args = _next_norm_args(norm)
+        small = self.small_batch
+        if args and small is not None and small.fp8_rows_ahead and small.takes(x):
+            args["next_fp8"] = True
+        return args
 
     def _ple_gate(self, ops: FusedElementwise, x: Tensor, ple: Tensor) -> Tensor:
         """``gelu_tanh(per_layer_input_gate(x)) * ple``: on the few-row path one kernel (the gate in the

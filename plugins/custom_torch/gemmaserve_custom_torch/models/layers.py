@@ -159,15 +159,18 @@ class SmallBatchMatmuls:
     ``linear(x [M, K], w [N, K])`` -> [M, N]; ``geglu(x [M, K], gate_up [2W, K])`` -> gelu_tanh(gate) * up [M, W];
     ``gelu_mul(x, w, mul [M, N])`` -> gelu_tanh(x @ w.T) * mul; ``residual_norm(x, w, residual [M, N], weight, eps,
     style, scale=, next_weight=, next_eps=)`` -> ``kernels.fused_ops.residual_norm`` of ``x @ w.T`` (y, next);
-    ``fp8_linear(x [M, K], wq [N, K] FP8, w_scale [N])`` -> ``quantization.linear(x, wq, w_scale)`` [M, N]. All but
-    ``fp8_linear`` take model-dtype weights."""
+    ``fp8_linear(x [M, K], wq [N, K] FP8, w_scale [N], quantized=)`` -> ``quantization.linear(x, wq, w_scale)``
+    [M, N] (``quantized``: x's rows already quantized, or None). All but ``fp8_linear`` take model-dtype weights.
+    ``fp8_rows_ahead``: the model's FP8 projections read activations through here, so the residual kernels that
+    write a norm's output for them also quantize it (``fused_ops.with_fp8_rows``)."""
 
     max_rows: int
     linear: Callable[[Tensor, Tensor], Tensor]
     geglu: Callable[[Tensor, Tensor], Tensor]
     gelu_mul: Callable[[Tensor, Tensor, Tensor], Tensor]
     residual_norm: Callable[..., tuple[Tensor, Tensor | None]]
-    fp8_linear: Callable[[Tensor, Tensor, Tensor], Tensor]
+    fp8_linear: Callable[..., Tensor]
+    fp8_rows_ahead: bool = False
 
     def takes(self, x: Tensor) -> bool:
         """Whether a product with input ``x`` [..., K] runs here (its row count only: graph-capture safe)."""
@@ -181,7 +184,10 @@ class SmallBatchMatmuls:
         """``quantization.linear(x, weight, scale)`` for x [..., K] through the few-row kernels (``scale`` None: a
         model-dtype weight; else an FP8 weight with its row scales)."""
         rows = x.reshape(-1, x.shape[-1])
-        out = self.linear(rows, weight) if scale is None else self.fp8_linear(rows, weight, scale)
+        if scale is None:
+            out = self.linear(rows, weight)
+        else:  # the kernel that wrote x may have quantized its rows too (a view of x does not carry them)
+            out = self.fp8_linear(rows, weight, scale, quantized=getattr(x, "fp8_rows", None))
         return out.view(*x.shape[:-1], weight.shape[0])
 
 
