@@ -151,3 +151,45 @@ def test_the_router_kernels_compile_for_hopper_without_a_gpu(pdl):
         ptx = compile_for_hopper(kernel, signature, {**constexprs, "PDL": pdl}, num_warps=warps,
                                  unaligned=("num_experts",))["ptx"]
         assert ("griddepcontrol.wait" in ptx) == pdl, kernel
+
+
+_MODEL_SCRIPT = r"""
+import dataclasses, json, sys, torch
+import gemmaserve_custom_torch.kernels.moe_router as moe_router
+from gemmaserve_custom_torch.models import ContiguousKVContext, GemmaForCausalLM
+from gemmaserve_custom_torch.models.fusion import fuse_elementwise, fuse_projections
+torch.set_num_threads(1)
+routed = []
+real_route = moe_router.route
+def counted(x, *args, **kwargs):
+    routed.append(x.shape[0])
+    return real_route(x, *args, **kwargs)
+plain = GemmaForCausalLM.from_hf(sys.argv[1], "cpu", torch.float32)
+fused = GemmaForCausalLM.from_hf(sys.argv[1], "cpu", torch.float32)
+fuse_projections(fused)
+fuse_elementwise(fused)
+for layer in fused.layers:  # a cap of 4 rows: the 11-token prompt takes the eager router, decode rows the kernels
+    layer.fused_ops = dataclasses.replace(layer.fused_ops, route=counted, route_max_rows=4)
+prompt = torch.tensor([[(5 * i + 7) % 300 + 4 for i in range(11)]])
+out = {}
+with torch.inference_mode():
+    for name, model in (("plain", plain), ("fused", fused)):
+        ctx, ids, logits = ContiguousKVContext(model.config), prompt, []
+        for _ in range(4):
+            step = model(ids, ctx.next_positions(1, ids.shape[1]), ctx, logits_to_keep=1)[:, -1]
+            logits.append(step)
+            ids = step.argmax(-1)[:, None]
+        out[name] = torch.stack(logits)
+print(json.dumps({"diff": float((out["plain"] - out["fused"]).abs().max()), "routed_rows": sorted(set(routed)),
+                  "routed": len(routed), "layers": len(fused.layers)}))
+"""
+
+
+def test_a_moe_model_routes_small_batches_in_the_kernels_and_larger_ones_eagerly(tiny_checkpoint):
+    """Rows up to ``route_max_rows`` take the two router kernels, more take the eager router (here a cap of 4: the
+    11-token prompt eagerly, the decode steps' single rows in the kernels); both give the eager model's logits."""
+    from triton_interpret import run_interpreted
+
+    result = run_interpreted(_MODEL_SCRIPT, str(tiny_checkpoint("gemma4_moe")))
+    assert result["routed_rows"] == [1] and result["routed"] == 3 * result["layers"], result
+    assert result["diff"] < 1e-4, result
