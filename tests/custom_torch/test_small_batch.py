@@ -275,3 +275,42 @@ def test_the_benchmark_chain_folds_change_no_bit():
     result = run_interpreted(_CHAIN_SCRIPT, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     assert all(result["identical"].values()), result
     assert result["vs_cublas"] < 1e-4, result
+
+
+_FP8_ROWS_SCRIPT = r"""
+import json, torch
+from gemmaserve_custom_torch.kernels.fp8_rows import quantize_rows
+from gemmaserve_custom_torch.kernels.fused_ops import moe_residual_norm, residual_norm
+torch.manual_seed(0)
+checked = 0
+for dtype in (torch.float32, torch.float16):
+    for shape in ((3, 48), (2, 3, 100), (1, 1, 64)):
+        k = shape[-1]
+        residual, h, moe = (4 * torch.randn(shape).to(dtype) for _ in range(3))
+        w, w_next, w_moe, w_dense = (torch.randn(k).to(dtype) for _ in range(4))
+        scale = torch.tensor([0.75]).to(dtype)
+        for style in ("w", "one_plus_w"):
+            runs = [lambda fp8: residual_norm(residual, h, w, 1e-6, style, scale=scale, next_weight=w_next,
+                                              next_eps=1e-5, next_fp8=fp8),
+                    lambda fp8: moe_residual_norm(residual, h, moe, w_dense, 1e-6, w_moe, 2e-6, w, 1e-6, style,
+                                                  next_weight=w_next, next_eps=1e-5, next_fp8=fp8)]
+            for run in runs:
+                out, nxt = run(True)
+                plain_out, plain_next = run(False)
+                assert torch.equal(out, plain_out) and torch.equal(nxt, plain_next)
+                assert not hasattr(plain_next, "fp8_rows")
+                q, q_scale = nxt.fp8_rows
+                want_q, want_scale = quantize_rows(nxt.reshape(-1, k))
+                assert q.dtype == torch.float8_e4m3fn and q.shape == want_q.shape, (q.dtype, q.shape)
+                assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), (dtype, shape, style)
+                assert q_scale.shape == want_scale.shape and torch.equal(q_scale, want_scale)
+                checked += 1
+print(json.dumps({"checked": checked}))
+"""
+
+
+def test_residual_kernels_quantize_their_next_norm_as_quantize_rows_does():
+    """``next_fp8``: the next norm's output carries FP8 rows with ``quantize_rows``' bytes and scales (fp32 and fp16,
+    widths that are not powers of two, leading dims), and nothing else the kernels write changes."""
+    result = run_interpreted(_FP8_ROWS_SCRIPT)
+    assert result == {"checked": 2 * 3 * 2 * 2}
