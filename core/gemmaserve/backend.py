@@ -526,11 +526,12 @@ class InferenceBackend(ABC):
 
     def mask_memory(self, nbytes: int) -> tuple[int, object] | None:
         """Optional (with ``allowed_token_masks``): where the engine has a tick's structured-output masks written
-        (``nbytes`` of them, all rows of one batched mask call): ``(address, owner)``, writable memory at
-        ``address`` that stays valid while ``owner`` lives (the engine holds it while any row's mask is in use;
-        it need not be zeroed), e.g. pinned host memory that :meth:`sample` then copies to the device without
-        staging (``gemmaserve.torch_sampling.pinned_mask_memory``). None (the default): a fresh ``bytearray``.
-        Engine thread."""
+        (``nbytes`` of them, all rows of one batched mask call): ``(address, owner)``, at least ``nbytes`` of
+        writable, 4-byte aligned memory at ``address`` that stays valid while ``owner`` lives (the engine holds it
+        while any row's mask is in use; it need not be zeroed), e.g. pinned host memory that :meth:`sample` then
+        copies to the device without staging (``gemmaserve.torch_sampling.pinned_mask_memory``). Memory that is
+        misaligned or, as far as ``owner`` tells, too small is refused (``structured.grammar.MaskMemory``): that
+        tick's masks are then computed row by row. None (the default): a fresh ``bytearray``. Engine thread."""
         return None
 
     def close(self) -> None:

@@ -39,8 +39,8 @@ from gemmaserve.engine.sampling_cpu import SPLITMIX_GAMMA, SPLITMIX_MIX, penalty
 from gemmaserve.sampling_params import RowSampling
 from gemmaserve.structured.grammar import mask_rows_span
 
-__all__ = ["adjust_logits", "gumbel_noise", "host_to_device", "mask_logits", "noise_bits", "sample_on_device",
-           "sample_tokens", "sampled_from_host", "to_device"]
+__all__ = ["adjust_logits", "gumbel_noise", "host_to_device", "mask_logits", "noise_bits", "pinned_mask_memory",
+           "sample_on_device", "sample_tokens", "sampled_from_host", "to_device"]
 
 
 def to_device(values: Sequence[float] | Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -251,7 +251,7 @@ def _packed_allowed(masks: Sequence[bytes | memoryview], vocab: int, device: tor
     if span is not None:
         block, offset = span
         count = len(masks) * width
-        start = _offset_in_tensor(block, block.owner)
+        start = _offset_in_owner(block)
         if start is not None:  # pinned_mask_memory: the copy reads where llguidance wrote
             rows = block.owner[start + offset:start + offset + count]
             return rows.view(len(masks), width).to(device, non_blocking=True, copy=True)
@@ -273,9 +273,10 @@ def _packed_allowed(masks: Sequence[bytes | memoryview], vocab: int, device: tor
     return packed.to(device)
 
 
-def _offset_in_tensor(block: ctypes.Array, owner: object) -> int | None:
-    """Where ``block``'s memory starts in ``owner`` when ``owner`` is a contiguous 1-D uint8 CPU tensor holding all
+def _offset_in_owner(block: ctypes.Array) -> int | None:
+    """Where ``block``'s memory starts in ``block.owner`` when that is a contiguous 1-D uint8 CPU tensor holding all
     of it (what :func:`pinned_mask_memory` gives), else None."""
+    owner = block.owner
     if not (isinstance(owner, torch.Tensor) and owner.dtype == torch.uint8 and owner.dim() == 1
             and owner.device.type == "cpu" and owner.is_contiguous()):
         return None
@@ -283,10 +284,13 @@ def _offset_in_tensor(block: ctypes.Array, owner: object) -> int | None:
     return start if 0 <= start and start + len(block) <= owner.numel() else None
 
 
-def pinned_mask_memory(nbytes: int) -> tuple[int, torch.Tensor]:
-    """``InferenceBackend.mask_memory`` for a CUDA backend: ``nbytes`` of pinned host memory (not zeroed) from
-    torch's caching host allocator, which keeps a block from reuse until the copies recorded on it completed,
-    so a batch's masks need no staging copy (64 masks of Gemma's vocabulary: 2 MB) and no zero-fill."""
+def pinned_mask_memory(nbytes: int, device: torch.device) -> tuple[int, torch.Tensor] | None:
+    """``InferenceBackend.mask_memory`` of a torch backend sampling on ``device``: on CUDA ``nbytes`` of pinned host
+    memory (not zeroed) from torch's caching host allocator, which keeps a block from reuse until the copies
+    recorded on it completed, so a batch's masks need no staging copy (64 masks of Gemma's vocabulary: 2 MB) and
+    no zero-fill; elsewhere None (the engine's ``bytearray``)."""
+    if device.type != "cuda":
+        return None
     block = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     return block.data_ptr(), block
 

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gemmaserve.sampling_params import RowSampling, SamplingParams
-from gemmaserve.structured.grammar import ConstraintError, MaskBatch, TokenConstraint
-from gemmaserve.structured.grammar import MaskMemory
+from gemmaserve.structured.grammar import ConstraintError, MaskBatch, MaskMemory, TokenConstraint
 from gemmaserve.structured.grammar import start_masks as grammar_start_masks
 
 if TYPE_CHECKING:

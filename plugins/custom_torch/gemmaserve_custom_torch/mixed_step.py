@@ -255,8 +255,8 @@ class MixedStep:
 
     def capture_all(self) -> dict[GraphKey, float]:
         """Capture every decode-only row bucket's graph and every token bucket's at each of its logits-row counts
-        (``ForwardBuffers.logit_rows``) now (all padding: only scratch blocks are written); returns seconds per graph key. No-op
-        without graphs."""
+        (``ForwardBuffers.logit_rows``) now (all padding: only scratch blocks are written); returns seconds per graph
+        key. No-op without graphs."""
         if self.graphs is None or self.buffers is None:
             return {}
         buffers = self.buffers

@@ -237,7 +237,7 @@ class HFTorchBackend(InferenceBackend):
         return sample_tokens(logits, rows, want_logprobs=want_logprobs)
 
     def mask_memory(self, nbytes: int) -> tuple[int, object] | None:
-        return pinned_mask_memory(nbytes) if self.device.type == "cuda" else None
+        return pinned_mask_memory(nbytes, self.device)
 
     def free_row_kv(self, kv: RowCache) -> None:
         kv.release()

@@ -277,6 +277,12 @@ def _residual_norm_kernel(res_ptr, h_ptr, w_ptr, scale_ptr, w_next_ptr, out_ptr,
                       q_ptr + row * n_cols, q_scale_ptr + row, NEXT_FP8)
 
 
+def _rows(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Each of ``tensors`` [..., H] as [rows, H] with a contiguous last dim (a view where it already has one)."""
+    rows = [t.reshape(-1, t.shape[-1]) for t in tensors]
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in rows]
+
+
 def _next_outputs(out: torch.Tensor, next_weight: torch.Tensor | None, next_fp8: bool,
                   ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """(next, its FP8 values, their scales) for a residual-norm launch writing into ``out``'s shape: next is None
@@ -322,11 +328,7 @@ def residual_norm(residual: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
     nxt, q, q_scale = _next_outputs(out, next_weight, next_fp8)
     if h.numel() == 0:
         return out, nxt
-    res2, h2 = residual.reshape(-1, n_cols), h.reshape(-1, n_cols)
-    if res2.stride(-1) != 1:
-        res2 = res2.contiguous()
-    if h2.stride(-1) != 1:
-        h2 = h2.contiguous()
+    res2, h2 = _rows(residual, h)
     block = triton.next_power_of_2(n_cols)
     _residual_norm_kernel[(h2.shape[0],)](
         res2, h2, weight, scale if scale is not None else weight, next_weight if next_weight is not None else weight,
@@ -377,8 +379,7 @@ def moe_residual_norm(residual: torch.Tensor, dense: torch.Tensor, moe: torch.Te
     nxt, q, q_scale = _next_outputs(out, next_weight, next_fp8)
     if dense.numel() == 0:
         return out, nxt
-    rows = [t.reshape(-1, n_cols) for t in (residual, dense, moe)]
-    res2, dense2, moe2 = (t if t.stride(-1) == 1 else t.contiguous() for t in rows)
+    res2, dense2, moe2 = _rows(residual, dense, moe)
     block = triton.next_power_of_2(n_cols)
     _moe_residual_norm_kernel[(dense2.shape[0],)](
         res2, dense2, moe2, dense_weight, moe_weight, weight, scale if scale is not None else weight,

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .gemma import GemmaForCausalLM
+from .layers import FusedElementwise
 from .quantization import Fp8Linear
 
 __all__ = [
@@ -88,11 +89,9 @@ def fuse_elementwise(model: GemmaForCausalLM) -> int:
     ``fuse_moe``'s). Returns how many layers were switched. Mutates
     ``model``; idempotent. Needs triton (the caller checks); the kernels run on the model's device (CUDA, or
     CPU under ``TRITON_INTERPRET=1`` in tests)."""
-    from ..kernels import fused_ops, moe_router
-    from .layers import FusedElementwise
+    from ..kernels import fused_ops
 
-    ops = FusedElementwise(fused_ops.norm_rope, fused_ops.qkv_norm_rope, fused_ops.residual_norm, fused_ops.gelu_mul,
-                           fused_ops.moe_residual_norm, moe_router.route, moe_router.ROUTE_MAX_ROWS)
+    ops = _fused_elementwise(pdl=False)
     for rope in model.rotary.values():
         rope.kernel = fused_ops.rope_tables
     model.ple_inputs_kernel = fused_ops.ple_inputs
@@ -101,6 +100,18 @@ def fuse_elementwise(model: GemmaForCausalLM) -> int:
         layer.self_attn.fused_ops = ops
         layer.mlp.gelu_mul = ops.gelu_mul
     return len(model.layers)
+
+
+def _fused_elementwise(*, pdl: bool) -> FusedElementwise:
+    """The fused elementwise kernels of a layer, each launched as a programmatic dependent with ``pdl``."""
+    from functools import partial
+
+    from ..kernels import fused_ops, moe_router
+
+    kernels = (fused_ops.norm_rope, fused_ops.qkv_norm_rope, fused_ops.residual_norm, fused_ops.gelu_mul,
+               fused_ops.moe_residual_norm, moe_router.route)
+    return FusedElementwise(*(partial(kernel, pdl=True) if pdl else kernel for kernel in kernels),
+                            route_max_rows=moe_router.ROUTE_MAX_ROWS)
 
 
 def fuse_moe(model: torch.nn.Module) -> int:
@@ -139,7 +150,7 @@ def fuse_small_batch(model: GemmaForCausalLM, max_rows: int, *, pdl: bool = Fals
     set). Returns how many layers were switched. Mutates ``model``; idempotent."""
     from functools import partial
 
-    from ..kernels import fused_ops, moe_router
+    from ..kernels import fused_ops
     from ..kernels.moe import fused_experts
     from ..kernels.rms_norm import rms_norm
     from ..kernels.skinny_gemm import (
@@ -149,7 +160,7 @@ def fuse_small_batch(model: GemmaForCausalLM, max_rows: int, *, pdl: bool = Fals
         skinny_linear_gelu_mul,
         skinny_linear_residual_norm,
     )
-    from .layers import FusedElementwise, MoEExperts, RMSNorm, SmallBatchMatmuls
+    from .layers import MoEExperts, RMSNorm, SmallBatchMatmuls
     from .quantization import uses_fp8
 
     if max_rows < 0:
@@ -158,9 +169,7 @@ def fuse_small_batch(model: GemmaForCausalLM, max_rows: int, *, pdl: bool = Fals
         skinny_linear, skinny_geglu, skinny_linear_gelu_mul, skinny_linear_residual_norm, skinny_fp8_linear)),
         fp8_rows_ahead=uses_fp8(model)) if max_rows else None)
     if pdl:
-        ops = FusedElementwise(*(partial(op, pdl=True) for op in (
-            fused_ops.norm_rope, fused_ops.qkv_norm_rope, fused_ops.residual_norm, fused_ops.gelu_mul,
-            fused_ops.moe_residual_norm, moe_router.route)), moe_router.ROUTE_MAX_ROWS)
+        ops = _fused_elementwise(pdl=True)
         for norm in (m for m in model.modules() if isinstance(m, RMSNorm) and m.kernel is not None):
             norm.kernel = partial(rms_norm, pdl=True)
         for rope in (rope for rope in model.rotary.values() if rope.kernel is not None):

@@ -243,22 +243,18 @@ class GemmaDecoderLayer(nn.Module):
         return x
 
     def _with_moe(self, residual: Tensor, h: Tensor) -> Tensor:
-        """The MoE block's sum with the dense MLP output ``h``: post_ff_1(h) + post_ff_2(experts(residual)), the
-        experts' output all-reduced over the tensor-parallel ranks (each holds a slice of every expert's width, or
-        under expert parallel whole experts: either way a partial sum)."""
-        flat = residual.reshape(-1, residual.shape[-1])  # router and experts read the pre-MLP residual
-        weights, ids = self.router(flat)
-        moe = self.tp.all_reduce(self.experts(self.pre_feedforward_layernorm_2(flat), weights, ids))
-        moe = moe.reshape(residual.shape)
+        """The MoE block's sum with the dense MLP output ``h``: post_ff_1(h) + post_ff_2(experts(residual))."""
+        moe = self._experts_out(residual)
         return self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(moe)
 
-    def _experts_fused(self, ops: FusedElementwise, residual: Tensor) -> Tensor:
-        """The MoE experts' output (all-reduced over tensor-parallel ranks) for :meth:`forward_fused`: the router
-        and the experts' input norm as ``ops.route``'s two launches when the batch is small enough, else the
-        eager ops of :meth:`_with_moe`."""
+    def _experts_out(self, residual: Tensor, ops: FusedElementwise | None = None) -> Tensor:
+        """The MoE experts' output for the pre-MLP ``residual``, all-reduced over the tensor-parallel ranks (each
+        holds a slice of every expert's width, or under expert parallel whole experts: either way a partial sum).
+        With ``ops`` (:meth:`forward_fused`) the router and the experts' input norm run as ``ops.route``'s two
+        launches for batches of at most ``ops.route_max_rows`` rows; else as the eager modules."""
         flat = residual.reshape(-1, residual.shape[-1])
         router, norm = self.router, self.pre_feedforward_layernorm_2
-        if flat.shape[0] <= ops.route_max_rows:
+        if ops is not None and flat.shape[0] <= ops.route_max_rows:
             weights, ids, normed = ops.route(flat, router.scale, router.proj.weight, router.per_expert_scale,
                                              router.top_k, router.norm.eps, norm.weight, norm.eps, norm.style)
         else:
@@ -282,11 +278,11 @@ class GemmaDecoderLayer(nn.Module):
         mlp_next = None if self.has_ple else next_norm
         mlp_scale = None if self.has_ple else self.layer_scalar
         if self.has_moe:
-            dense, moe = self.tp.all_reduce(self.mlp(normed)), self._experts_fused(ops, x)
+            dense, moe = self.tp.all_reduce(self.mlp(normed)), self._experts_out(x, ops)
             dense_norm, moe_norm = self.post_feedforward_layernorm_1, self.post_feedforward_layernorm_2
             x, after = ops.moe_residual_norm(x, dense, moe, dense_norm.weight, dense_norm.eps, moe_norm.weight,
                                              moe_norm.eps, post_ff.weight, post_ff.eps, post_ff.style,
-                                             scale=mlp_scale, **self._next_norm_args(mlp_next, x))
+                                             scale=mlp_scale, **_next_norm_args(mlp_next, self._fp8_rows_for(x)))
         else:
             x, after = self._residual(ops, self.mlp.down_proj, self.mlp.activation(normed), x, post_ff,
                                       scale=mlp_scale, next_norm=mlp_next)
@@ -313,17 +309,14 @@ class GemmaDecoderLayer(nn.Module):
         if all_reduce:
             h = self.tp.all_reduce(h)
         return ops.residual_norm(residual, h, norm.weight, norm.eps, norm.style, scale=scale,
-                                 **self._next_norm_args(next_norm, residual))
+                                 **_next_norm_args(next_norm, self._fp8_rows_for(residual)))
 
-    def _next_norm_args(self, norm: RMSNorm | None, x: Tensor) -> dict[str, Any]:
-        """:func:`_next_norm_args`, and on FP8 models whose few-row products take ``x``'s rows, the next norm's
-        output quantized by the same kernel (``next_fp8``): the FP8 projection reading it (the next layer's
-        q/k/v, this layer's gate/up) then skips its own quantization launch."""
-        args = _next_norm_args(norm)
+    def _fp8_rows_for(self, x: Tensor) -> bool:
+        """Whether the FP8 projection that reads a next norm's output of ``x``'s rows (the next layer's q/k/v, this
+        layer's gate/up) takes them through the few-row kernels, so the residual kernel writing that output should
+        quantize it too (``next_fp8``) and spare the projection its own quantization launch."""
         small = self.small_batch
-        if args and small is not None and small.fp8_rows_ahead and small.takes(x):
-            args["next_fp8"] = True
-        return args
+        return small is not None and small.fp8_rows_ahead and small.takes(x)
 
     def _ple_gate(self, ops: FusedElementwise, x: Tensor, ple: Tensor) -> Tensor:
         """``gelu_tanh(per_layer_input_gate(x)) * ple``: on the few-row path one kernel (the gate in the
@@ -335,9 +328,13 @@ class GemmaDecoderLayer(nn.Module):
         return ops.gelu_mul(small_batch_linear(gate, x, small), ple)
 
 
-def _next_norm_args(norm: RMSNorm | None) -> dict[str, Any]:
-    """The keywords that make a residual-norm kernel also write ``norm`` of its output (none for None)."""
-    return {} if norm is None else {"next_weight": norm.weight, "next_eps": norm.eps}
+def _next_norm_args(norm: RMSNorm | None, fp8: bool = False) -> dict[str, Any]:
+    """The keywords that make a residual-norm kernel also write ``norm`` of its output (none for None), quantized
+    for FP8 projections too with ``fp8``."""
+    args: dict[str, Any] = {} if norm is None else {"next_weight": norm.weight, "next_eps": norm.eps}
+    if args and fp8:
+        args["next_fp8"] = True
+    return args
 
 
 class GemmaForCausalLM(nn.Module):
