@@ -9,6 +9,8 @@ previous launch's tokens, event delivery, the decode rows and the prompt tokens 
 - ``decode_cprofile``: the same under cProfile on the engine thread (top functions by own time);
 - ``decode_trace``: torch.profiler over ``--trace-ticks`` decode ticks: GPU busy/idle in the window, the
   longest GPU-idle gaps, and the host ops by own CPU time;
+- ``prefill_trace`` / ``prefill_cprofile``: workload A's prompt ticks under torch.profiler (GPU idle between
+  them) and under cProfile (the host's share);
 - ``serving``: workload C (Poisson arrivals, ``--rate``) with the longest ticks broken down, to explain the
   inter-token latency tail, and the objects the garbage collector tracks afterwards;
 - ``prefix_hit``: workload B's prefix-hit requests, every tick (under cProfile);
@@ -212,10 +214,15 @@ def _decode(backend: Any, settings: Any, args: argparse.Namespace, vocab: int) -
         result = run_engine(backend, settings, prompts, args.output_len)
     finally:
         rec.restore()
-    steady = [t for t in rec.intervals() if t["prompt_tokens"] == 0 and t["rows"] >= args.rows]
+    ticks = rec.intervals()
+    steady = [t for t in ticks if t["prompt_tokens"] == 0 and t["rows"] >= args.rows]
     steady = steady[5:-5] if len(steady) > 20 else steady
+    prefill = [t for t in ticks if t["prompt_tokens"]]
     return {"rows": args.rows, "tpot_median_ms": round(statistics.median(result.tpot_ms), 3),
-            "steady_decode_ticks": _summary(steady)}
+            "ttft_median_ms": round(statistics.median(result.ttft_ms), 3),
+            "steady_decode_ticks": _summary(steady), "prefill_ticks": _summary(prefill),
+            "prefill_tick_list": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in t.items() if k != "start"}
+                                  for t in prefill[:24]]}
 
 
 def _profiled(work: Any) -> tuple[Any, str]:
@@ -291,6 +298,24 @@ def _decode_trace(backend: Any, settings: Any, args: argparse.Namespace, vocab: 
     prompts = random_prompts(args.rows, args.prompt_len, vocab, seed=3)
     return trace_ticks(backend, settings, lambda: run_engine(backend, settings, prompts, args.output_len), first,
                        args.trace_ticks, out_dir / "decode_trace.json")
+
+
+def _prefill_trace(backend: Any, settings: Any, args: argparse.Namespace, vocab: int, out_dir: Path) -> dict[str, Any]:
+    """Workload A's prompt ticks (every prompt queued at once: the first ``rows x prompt_len / budget`` ticks)
+    under torch.profiler: is the GPU idle between them while the host packs the next tick? The run decodes a
+    few more ticks so that the window closes on the engine thread."""
+    prompts = random_prompts(args.rows, args.prompt_len, vocab, seed=4)
+    ticks = -(-args.rows * args.prompt_len // settings.max_num_batched_tokens)
+    return trace_ticks(backend, settings, lambda: run_engine(backend, settings, prompts, ticks + 4), 1, ticks,
+                       out_dir / "prefill_trace.json")
+
+
+def _prefill_cprofile(backend: Any, settings: Any, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    """Workload A's prompts with two output tokens each under cProfile on the engine thread: the host's share of
+    the prompt ticks."""
+    prompts = random_prompts(args.rows, args.prompt_len, vocab, seed=5)
+    result, stats = _profiled(lambda: run_engine(backend, settings, prompts, 2))
+    return {"ttft_median_ms_under_cprofile": round(statistics.median(result.ttft_ms), 3), "stats": stats}
 
 
 def _prefix_hit(backend: Any, settings: Any, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
@@ -419,6 +444,8 @@ def main(argv: list[str] | None = None) -> None:
         "decode_cprofile": lambda: _decode_cprofile(backend, settings, args, vocab),
         "decode_trace": lambda: _decode_trace(backend, settings, args, vocab, args.json.parent),
         "serving": lambda: _serving(backend, settings, args, vocab),
+        "prefill_trace": lambda: _prefill_trace(backend, settings, args, vocab, args.json.parent),
+        "prefill_cprofile": lambda: _prefill_cprofile(backend, settings, args, vocab),
         "prefix_hit": lambda: _prefix_hit(backend, settings, args, vocab),
         "serving_cprofile": lambda: _serving_cprofile(backend, settings, args, vocab),
         "serving_sweep": lambda: _serving_sweep(backend, settings, args, vocab),
