@@ -24,6 +24,8 @@ Contract: :mod:`.ragged_reference` (its module docstring). Design:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -31,7 +33,8 @@ import triton.language as tl
 from .paged_attention import _tile_kv, _tile_pages
 from .ragged_reference import query_tiles
 
-__all__ = ["query_tiles", "ragged_block_m", "ragged_num_splits", "ragged_paged_attention"]
+__all__ = ["RaggedKernelConfig", "default_ragged_config", "query_tiles", "ragged_block_m", "ragged_num_splits",
+           "ragged_paged_attention"]
 
 _LOG2E = 1.4426950408889634
 
@@ -190,6 +193,24 @@ def ragged_block_m(head_dim: int, group: int) -> int:
     return max(1, rows // pad, -(-16 // pad))
 
 
+@dataclass(frozen=True)
+class RaggedKernelConfig:
+    """Launch parameters of :func:`ragged_paged_attention`. ``block_m``: queries per tile (the tile map must be
+    built with it); ``tile_n``: keys per loop step (a power of two, a multiple of the block size)."""
+
+    block_m: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+
+
+def default_ragged_config(head_dim: int, group: int, block_size: int) -> RaggedKernelConfig:
+    """The configuration a layer of these shapes runs with (:func:`ragged_block_m` queries per tile)."""
+    dim_pad = max(16, triton.next_power_of_2(head_dim))
+    tile_n = max(32 if dim_pad <= 256 else 16, triton.next_power_of_2(block_size))
+    return RaggedKernelConfig(ragged_block_m(head_dim, group), tile_n, 4 if dim_pad <= 256 else 8, 2)
+
+
 _SPLIT_MIN_KEYS = 256
 """Fewest keys a split walks: shorter ranges are not worth their partial's round trip through memory."""
 _MAX_SPLITS = 16
@@ -214,7 +235,7 @@ def ragged_paged_attention(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
     query_start: torch.Tensor, seq_lens: torch.Tensor, *, scale: float, window: int = 0,
     tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, out: torch.Tensor | None = None,
-    num_splits: int | None = None,
+    num_splits: int | None = None, config: RaggedKernelConfig | None = None,
 ) -> torch.Tensor:
     """Ragged paged attention (Triton); arguments as ``ragged_paged_attention_reference``. ``tiles``:
     ``(tile_seq int32 [N], tile_q0 int32 [N], num_valid int32 [1])`` from :func:`query_tiles` with
@@ -222,7 +243,8 @@ def ragged_paged_attention(
     None); ``N`` may exceed ``num_valid`` (padding programs exit at once). Rows of ``q`` that no tile covers
     (padding tokens) come out as zeros. ``num_splits``: most programs per tile's key range (None: from the
     shapes, :func:`ragged_num_splits`; 1 = no split and no combine). No host sync when ``tiles`` is given:
-    graph-capturable."""
+    graph-capturable. ``config``: launch parameters (default :func:`default_ragged_config`; ``tiles`` must be
+    built with its ``block_m``)."""
     if q.dim() != 3 or k_pool.dim() != 4 or k_pool.shape != v_pool.shape:
         raise ValueError(f"q must be [T, H, D] and pools [blocks, block_size, kv_heads, D]; got "
                          f"{tuple(q.shape)}, {tuple(k_pool.shape)}, {tuple(v_pool.shape)}")
@@ -236,7 +258,8 @@ def ragged_paged_attention(
         raise ValueError("block_tables must be int32 with contiguous rows")
     out = torch.zeros_like(q) if out is None else out
     group = num_q_heads // num_kv_heads
-    block_m = ragged_block_m(head_dim, group)
+    config = config or default_ragged_config(head_dim, group, block_size)
+    block_m, tile_n = config.block_m, config.tile_n
     if tiles is None:
         starts = query_start.tolist()
         seqs, firsts = query_tiles([b - a for a, b in zip(starts, starts[1:])], block_m)
@@ -247,7 +270,6 @@ def ragged_paged_attention(
     if num_tokens == 0 or tile_seq.numel() == 0:
         return out
     dim_pad = max(16, triton.next_power_of_2(head_dim))
-    tile_n = max(32 if dim_pad <= 256 else 16, triton.next_power_of_2(block_size))
     upcast = _INTERPRET and q.dtype == torch.bfloat16
     group_pad = _group_pad(num_q_heads, num_kv_heads)
     rows = block_m * group_pad
@@ -275,7 +297,7 @@ def ragged_paged_attention(
         GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, HEAD_DIM=head_dim,
         DIM_PAD=dim_pad, BLOCK_SIZE=block_size, TILE_N=tile_n, UPCAST=upcast,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=splits, SPLIT_TILES=split_tiles,
-        num_warps=4 if dim_pad <= 256 else 8, num_stages=2,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
         block_d = min(dim_pad, max(16, 4096 // rows))
