@@ -52,6 +52,11 @@ for dtype in (torch.float32, torch.float16):
                     note(f"qkv_norm_rope.v/{dtype}", v, v_norm(v_raw))
                 else:
                     assert torch.equal(v, v_raw)
+                # prompt-sized launches take several tokens a program: 4 of the 6 (a partial last block), all 8
+                for rows in (4, 8):
+                    got = qkv_norm_rope(qkv, q_heads, kv_heads, q_norm.weight, k_norm.weight, 1e-6, style, cos, sin,
+                                        v_norm=with_v_norm, k_eq_v=k_eq_v, rows_per_program=rows)
+                    assert all(torch.equal(a, b) for a, b in zip(got, (q, k, v))), rows
                 # the K/V written to cache rows (a decode step's KV write in the same launch): the same bits
                 k_cache, v_cache = torch.zeros(20, kv_heads, dim).to(dtype), torch.zeros(20, kv_heads, dim).to(dtype)
                 slots = torch.tensor([7, 3, 19, 0, 12, 5])
@@ -63,6 +68,11 @@ for dtype in (torch.float32, torch.float16):
                 assert torch.equal(v_cache[slots], v.reshape(6, kv_heads, dim))
                 untouched = [row for row in range(20) if row not in slots.tolist()]
                 assert not k_cache[untouched].any() and not v_cache[untouched].any()
+                k_rows, v_rows = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+                rows_q, _, _ = qkv_norm_rope(qkv, q_heads, kv_heads, q_norm.weight, k_norm.weight, 1e-6, style, cos,
+                                             sin, v_norm=with_v_norm, k_eq_v=k_eq_v, cache=(k_rows, v_rows, slots),
+                                             rows_per_program=4)
+                assert torch.equal(rows_q, q) and torch.equal(k_rows, k_cache) and torch.equal(v_rows, v_cache)
         for hidden in (16, 40):
             post, nxt = RMSNorm(hidden, 1e-6, style, dtype=dtype), RMSNorm(hidden, 1e-5, style, dtype=dtype)
             post.weight.data, nxt.weight.data = torch.randn(hidden).to(dtype), torch.randn(hidden).to(dtype)

@@ -148,10 +148,11 @@ def test_the_elementwise_and_norm_kernels_compile_as_programmatic_dependents():
         builds.append((fused_ops._qkv_norm_rope_kernel, {
             "x_ptr": "*bf16", "q_w_ptr": "*bf16", "k_w_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
             "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "slots_ptr": "*i64", "q_heads": "i32",
-            "kv_heads": "i32", "stride_xt": "i32", "v_col": "i32", "half": "i32", "eps": "fp32",
+            "kv_heads": "i32", "num_tokens": "i32", "stride_xt": "i32", "v_col": "i32", "half": "i32", "eps": "fp32",
             "ONE_PLUS": "constexpr", "V_MODE": "constexpr", "TO_CACHE": "constexpr", "BLOCK": "constexpr",
-            "PDL": "constexpr"},
-            {"ONE_PLUS": False, "V_MODE": 1 + pdl, "TO_CACHE": pdl, "BLOCK": 128, "PDL": pdl}))
+            "ROWS": "constexpr", "PDL": "constexpr"},
+            {"ONE_PLUS": False, "V_MODE": 1 + pdl, "TO_CACHE": pdl, "BLOCK": 128, "ROWS": 1 if pdl else 8,
+             "PDL": pdl}))
         builds.append((fused_ops._residual_norm_kernel, {
             "res_ptr": "*bf16", "h_ptr": "*bf16", "w_ptr": "*bf16", "scale_ptr": "*bf16", "w_next_ptr": "*bf16",
             "out_ptr": "*bf16", "next_ptr": "*bf16", "q_ptr": "*fp8e4nv", "q_scale_ptr": "*fp32", "stride_r": "i32",

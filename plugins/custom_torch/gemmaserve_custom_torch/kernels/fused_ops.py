@@ -82,28 +82,31 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dt
 
 
 @triton.jit
-def _norm_rope_head(src, w_ptr, cos_ptr, sin_ptr, dst, token, half, eps, HAS_WEIGHT: tl.constexpr,
+def _norm_rope_rows(src, w_ptr, cos_ptr, sin_ptr, dst, token, row_ok, half, eps, HAS_WEIGHT: tl.constexpr,
                     ONE_PLUS: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr = True):
-    """One head: ``dst[:2 * half] = rope(rms_norm(src[:2 * half]))`` (``ROPE`` False: the norm alone; ``NORM``
-    False too: a copy), fp32 math with the eager chain's rounding points; ``token`` picks the cos/sin row."""
-    offs = tl.arange(0, BLOCK)
-    mask = offs < half
-    x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + half + offs, mask=mask, other=0.0).to(tl.float32)
+    """Rows of one head each (``src`` / ``dst`` [R] row pointers, ``token`` [R] their cos/sin rows, ``row_ok`` [R]):
+    ``dst[:2 * half] = rope(rms_norm(src[:2 * half]))`` (``ROPE`` False: the norm alone; ``NORM`` False too: a
+    copy), fp32 math with the eager chain's rounding points. The one copy of this math (:func:`_norm_rope_head`
+    runs one row through it)."""
+    offs = tl.arange(0, BLOCK)[None, :]
+    col_ok = offs < half
+    mask = row_ok[:, None] & col_ok
+    x1 = tl.load(src[:, None] + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src[:, None] + half + offs, mask=mask, other=0.0).to(tl.float32)
     y1 = x1
     y2 = x2
     if NORM:
-        inv = _norm_factor(tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0), 2 * half, eps)
+        inv = _norm_factor(tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1), 2 * half, eps)[:, None]
         y1 = x1 * inv
         y2 = x2 * inv
     if HAS_WEIGHT:
-        y1 = y1 * _weight(w_ptr, offs, mask, ONE_PLUS)
-        y2 = y2 * _weight(w_ptr + half, offs, mask, ONE_PLUS)
+        y1 = y1 * _weight(w_ptr, offs, col_ok, ONE_PLUS)
+        y2 = y2 * _weight(w_ptr + half, offs, col_ok, ONE_PLUS)
     dtype = dst.dtype.element_ty
     if ROPE:
         y1 = y1.to(dtype).to(tl.float32)  # the eager norm's output rounding
         y2 = y2.to(dtype).to(tl.float32)
-        table = token * 2 * half
+        table = token[:, None] * 2 * half
         c1 = tl.load(cos_ptr + table + offs, mask=mask, other=0.0).to(tl.float32)
         c2 = tl.load(cos_ptr + table + half + offs, mask=mask, other=0.0).to(tl.float32)
         s1 = tl.load(sin_ptr + table + offs, mask=mask, other=0.0).to(tl.float32)
@@ -111,8 +114,17 @@ def _norm_rope_head(src, w_ptr, cos_ptr, sin_ptr, dst, token, half, eps, HAS_WEI
         # eager: (x * cos) + (rotate_half(x) * sin), each product rounded to the model dtype
         y1, y2 = ((y1 * c1).to(dtype).to(tl.float32) + (-y2 * s1).to(dtype).to(tl.float32),
                   (y2 * c2).to(dtype).to(tl.float32) + (y1 * s2).to(dtype).to(tl.float32))
-    tl.store(dst + offs, y1.to(dtype), mask=mask)
-    tl.store(dst + half + offs, y2.to(dtype), mask=mask)
+    tl.store(dst[:, None] + offs, y1.to(dtype), mask=mask)
+    tl.store(dst[:, None] + half + offs, y2.to(dtype), mask=mask)
+
+
+@triton.jit
+def _norm_rope_head(src, w_ptr, cos_ptr, sin_ptr, dst, token, half, eps, HAS_WEIGHT: tl.constexpr,
+                    ONE_PLUS: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr = True):
+    """One head (``src`` / ``dst`` pointers, ``token`` its cos/sin row): :func:`_norm_rope_rows` of one row."""
+    one = tl.zeros([1], dtype=tl.int64)
+    _norm_rope_rows(src + one, w_ptr, cos_ptr, sin_ptr, dst + one, token + one, one == 0, half, eps, HAS_WEIGHT,
+                    ONE_PLUS, ROPE, BLOCK, NORM)
 
 
 @triton.jit
@@ -158,39 +170,54 @@ def _head_warps(block: int) -> int:
 
 @triton.jit
 def _qkv_norm_rope_kernel(x_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slots_ptr, q_heads, kv_heads,
-                          stride_xt, v_col, half, eps, ONE_PLUS: tl.constexpr, V_MODE: tl.constexpr,
-                          TO_CACHE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (token, head) over the q heads, then the k heads, then (V_MODE 1: normed without a weight, 2: copied)
-    the v heads of one fused q/k/v projection row: q and k normed with their weights and rotated. TO_CACHE: k and v
-    go to row ``slots[token]`` of the caches k_ptr / v_ptr ([slots, kv_heads, dim]) instead of row ``token``."""
+                          num_tokens, stride_xt, v_col, half, eps, ONE_PLUS: tl.constexpr, V_MODE: tl.constexpr,
+                          TO_CACHE: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (block of ``ROWS`` tokens, head) over the q heads, then the k heads, then (V_MODE 1: normed without a
+    weight, 2: copied) the v heads of fused q/k/v projection rows: q and k normed with their weights and rotated.
+    TO_CACHE: k and v go to rows ``slots[token]`` of the caches k_ptr / v_ptr ([slots, kv_heads, dim]) instead of
+    row ``token``."""
     await_previous(PDL)
     heads = q_heads + kv_heads + (kv_heads if V_MODE else 0)
     pid = tl.program_id(0)
-    token = (pid // heads).to(tl.int64)
+    tokens = (pid // heads).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = tokens < num_tokens
     head = (pid % heads).to(tl.int64)
     dim = 2 * half
-    row = x_ptr + token * stride_xt
+    rows = x_ptr + tokens * stride_xt
     if head < q_heads:
-        _norm_rope_head(row + head * dim, q_w_ptr, cos_ptr, sin_ptr, q_ptr + (token * q_heads + head) * dim,
-                        token, half, eps, True, ONE_PLUS, True, BLOCK)
+        _norm_rope_rows(rows + head * dim, q_w_ptr, cos_ptr, sin_ptr, q_ptr + (tokens * q_heads + head) * dim,
+                        tokens, row_ok, half, eps, True, ONE_PLUS, True, BLOCK)
     else:
-        kv_row = token
+        kv_rows = tokens
         if TO_CACHE:
-            kv_row = tl.load(slots_ptr + token).to(tl.int64)
+            kv_rows = tl.load(slots_ptr + tokens, mask=row_ok, other=0).to(tl.int64)
         if head < q_heads + kv_heads:
             kv = head - q_heads
-            _norm_rope_head(row + (q_heads + kv) * dim, k_w_ptr, cos_ptr, sin_ptr,
-                            k_ptr + (kv_row * kv_heads + kv) * dim, token, half, eps, True, ONE_PLUS, True, BLOCK)
+            _norm_rope_rows(rows + (q_heads + kv) * dim, k_w_ptr, cos_ptr, sin_ptr,
+                            k_ptr + (kv_rows * kv_heads + kv) * dim, tokens, row_ok, half, eps, True, ONE_PLUS, True,
+                            BLOCK)
         else:
             kv = head - q_heads - kv_heads
-            _norm_rope_head(row + v_col + kv * dim, k_w_ptr, cos_ptr, sin_ptr, v_ptr + (kv_row * kv_heads + kv) * dim,
-                            token, half, eps, False, ONE_PLUS, False, BLOCK, V_MODE == 1)
+            _norm_rope_rows(rows + v_col + kv * dim, k_w_ptr, cos_ptr, sin_ptr, v_ptr + (kv_rows * kv_heads + kv) * dim,
+                            tokens, row_ok, half, eps, False, ONE_PLUS, False, BLOCK, V_MODE == 1)
+
+
+QKV_ROWS_FROM_TOKENS = 256
+"""From this many tokens on (prompt chunks), a :func:`qkv_norm_rope` program takes a head of several tokens
+(``qkv_rows_per_program``) instead of one: one head of one token is too little work per program (run 33: the
+8,192-token prompt tick spent ~99 µs a layer here, ~3x its bytes at the copy bandwidth)."""
+
+
+def qkv_rows_per_program(num_tokens: int) -> int:
+    """Tokens per :func:`qkv_norm_rope` program: 1 for decode-sized batches, 8 from QKV_ROWS_FROM_TOKENS on."""
+    return 1 if num_tokens < QKV_ROWS_FROM_TOKENS else 8
 
 
 def qkv_norm_rope(qkv: torch.Tensor, q_heads: int, kv_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
                   eps: float, style: str, cos: torch.Tensor, sin: torch.Tensor, *, v_norm: bool, k_eq_v: bool = False,
                   cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                  pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                  pdl: bool = False, rows_per_program: int | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """A KV-storing layer's q, k, v from its fused projection ``qkv`` [B, S, (q_heads + kv_heads (+ kv_heads)) * D]
     (last dim contiguous; ``k_eq_v``: no v columns, v is the raw k) in one launch: ``norm_rope`` of the q heads
     (``q_weight``) and of the k heads (``k_weight``), and with ``v_norm`` the weightless RMSNorm of the v heads.
@@ -198,7 +225,8 @@ def qkv_norm_rope(qkv: torch.Tensor, q_heads: int, kv_heads: int, q_weight: torc
     D], and v: new [B, S, kv_heads, D] with ``v_norm``, else the view of the raw v (or k) columns of ``qkv``.
     ``cache=(k_cache, v_cache, slots)``: k and v (v copied when not normed) are written to rows ``slots`` (int64
     [B * S]) of the caches (contiguous, rows of [kv_heads, D]; a paged pool's ``view(-1, kv_heads, D)`` works
-    too) instead, and (q, None, None) is returned: the KV-cache write of a decode step in the same launch."""
+    too) instead, and (q, None, None) is returned: the KV-cache write of a decode step in the same launch.
+    ``rows_per_program``: tokens a program takes (a power of two; default :func:`qkv_rows_per_program`)."""
     batch, seq, width = qkv.shape
     dim = width // (q_heads + kv_heads * (1 if k_eq_v else 2))
     if dim * (q_heads + kv_heads * (1 if k_eq_v else 2)) != width or dim % 2:
@@ -228,10 +256,14 @@ def qkv_norm_rope(qkv: torch.Tensor, q_heads: int, kv_heads: int, q_weight: torc
     block = triton.next_power_of_2(half)
     v_mode = 1 if v_norm else (2 if cache is not None else 0)
     heads = q_heads + kv_heads * (2 if v_mode else 1)
-    _qkv_norm_rope_kernel[(batch * seq * heads,)](
-        view, q_weight, k_weight, cos, sin, q, k, v, slots, q_heads, kv_heads, view.stride(0), v_col, half,
-        float(eps), ONE_PLUS=style == "one_plus_w", V_MODE=v_mode, TO_CACHE=cache is not None, BLOCK=block,
-        num_warps=_head_warps(block), **launch_options(pdl),
+    tokens = batch * seq
+    rows = qkv_rows_per_program(tokens) if rows_per_program is None else rows_per_program
+    if rows < 1 or rows & (rows - 1):
+        raise ValueError(f"rows_per_program must be a power of two, got {rows}")
+    _qkv_norm_rope_kernel[(triton.cdiv(tokens, rows) * heads,)](
+        view, q_weight, k_weight, cos, sin, q, k, v, slots, q_heads, kv_heads, tokens, view.stride(0), v_col, half,
+        float(eps), ONE_PLUS=style == "one_plus_w", V_MODE=v_mode, TO_CACHE=cache is not None, BLOCK=block, ROWS=rows,
+        num_warps=min(8, _head_warps(block) * rows), **launch_options(pdl),
     )
     return (q, None, None) if cache is not None else (q, k, v)
 
