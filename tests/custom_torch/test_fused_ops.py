@@ -98,8 +98,11 @@ for dtype in (torch.float32, torch.float16):
         projection = (torch.randn(2, 3, layers * dim) * 4).to(dtype)
         token_part = torch.randn(2, 3, layers, dim).to(dtype)
         want = (norm((projection * 1536 ** -0.5).reshape(2, 3, layers, dim)) + token_part) * 2.0 ** -0.5
-        note(f"ple_inputs/{dtype}", ple_inputs(projection, token_part, norm.weight, 1e-6, "w", 1536 ** -0.5,
-                                               2.0 ** -0.5), want)
+        got = ple_inputs(projection, token_part, norm.weight, 1e-6, "w", 1536 ** -0.5, 2.0 ** -0.5)
+        note(f"ple_inputs/{dtype}", got, want)
+        for rows in (4, 8):  # several rows a program (a partial last block at 4 x 3 / 2 x 6 rows): the same bits
+            assert torch.equal(ple_inputs(projection, token_part, norm.weight, 1e-6, "w", 1536 ** -0.5, 2.0 ** -0.5,
+                                          rows_per_program=rows), got), rows
     for width in (7, 16, 1500):
         both = (torch.randn(3, 2 * width) * 3).to(dtype)
         a, b = both.chunk(2, dim=-1)  # the halves of a fused gate/up output: strided rows

@@ -433,36 +433,47 @@ def gelu_tanh(a):
 
 
 @triton.jit
-def _ple_inputs_kernel(proj_ptr, token_ptr, w_ptr, out_ptr, dim, eps, proj_scale, out_scale, ONE_PLUS: tl.constexpr,
-                       BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _ple_inputs_kernel(proj_ptr, token_ptr, w_ptr, out_ptr, num_rows, dim, eps, proj_scale, out_scale,
+                       ONE_PLUS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False):
+    """``ROWS`` (token, layer) rows of ``dim`` per program."""
     await_previous(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < dim
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    offs = tl.arange(0, BLOCK)[None, :]
+    col_ok = offs < dim
+    mask = (rows < num_rows)[:, None] & col_ok
+    at = rows[:, None] * dim + offs
     dtype = out_ptr.dtype.element_ty
-    context = (tl.load(proj_ptr + row * dim + offs, mask=mask, other=0.0).to(tl.float32) * proj_scale)
+    context = tl.load(proj_ptr + at, mask=mask, other=0.0).to(tl.float32) * proj_scale
     context = context.to(dtype).to(tl.float32)  # eager rounds the scaled projection
-    normed = context * _norm_factor(tl.sum(context * context, axis=0), dim, eps) * _weight(w_ptr, offs, mask, ONE_PLUS)
-    token = tl.load(token_ptr + row * dim + offs, mask=mask, other=0.0).to(tl.float32)
+    factor = _norm_factor(tl.sum(context * context, axis=1), dim, eps)[:, None]
+    normed = context * factor * _weight(w_ptr, offs, col_ok, ONE_PLUS)
+    token = tl.load(token_ptr + at, mask=mask, other=0.0).to(tl.float32)
     total = (normed.to(dtype).to(tl.float32) + token).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * dim + offs, (total * out_scale).to(dtype), mask=mask)
+    tl.store(out_ptr + at, (total * out_scale).to(dtype), mask=mask)
 
 
 def ple_inputs(projection: torch.Tensor, token_part: torch.Tensor, weight: torch.Tensor, eps: float, style: str,
-               projection_scale: float, out_scale: float, *, pdl: bool = False) -> torch.Tensor:
+               projection_scale: float, out_scale: float, *, pdl: bool = False,
+               rows_per_program: int | None = None) -> torch.Tensor:
     """Gemma 4's per-layer inputs from the model projection [..., L * P] and the looked-up token part [..., L, P]
     (both contiguous, the model dtype): ``(RMSNorm_w(projection * projection_scale) + token_part) * out_scale`` per
-    (token, layer) row of P, rounded where the eager chain rounds. Returns a new [..., L, P]."""
+    (token, layer) row of P, rounded where the eager chain rounds. Returns a new [..., L, P].
+    ``rows_per_program``: (token, layer) rows a program takes (a power of two; default 1 below 2,048 rows, else 8:
+    one short row a program left a prompt tick's launch at ~2.3x its bytes' time, run 33)."""
     dim = token_part.shape[-1]
     if projection.numel() != token_part.numel() or projection.shape[-1] % dim:
         raise ValueError(f"projection {tuple(projection.shape)} does not match token part {tuple(token_part.shape)}")
     out = torch.empty(token_part.shape, dtype=token_part.dtype, device=token_part.device)
+    num_rows = out.numel() // dim if dim else 0
+    rows = rows_per_program or (1 if num_rows < 2048 else 8)
+    if rows < 1 or rows & (rows - 1):
+        raise ValueError(f"rows_per_program must be a power of two, got {rows}")
     if out.numel():
         block = triton.next_power_of_2(dim)
-        _ple_inputs_kernel[(out.numel() // dim,)](
-            projection.contiguous(), token_part.contiguous(), weight, out, dim, float(eps), float(projection_scale),
-            float(out_scale), ONE_PLUS=style == "one_plus_w", BLOCK=block, num_warps=_head_warps(block),
-            **launch_options(pdl))
+        _ple_inputs_kernel[(triton.cdiv(num_rows, rows),)](
+            projection.contiguous(), token_part.contiguous(), weight, out, num_rows, dim, float(eps),
+            float(projection_scale), float(out_scale), ONE_PLUS=style == "one_plus_w", BLOCK=block, ROWS=rows,
+            num_warps=min(8, _head_warps(block) * rows), **launch_options(pdl))
     return out
 
 
