@@ -65,7 +65,7 @@ def main() -> None:
                 us = time_call(tokens, dim, rows)
                 nbytes = 2 * tokens * (Q_HEADS + 2 * KV_HEADS) * dim * 2
                 row = {"dim": dim, "tokens": tokens, "rows_per_program": rows, "default": rows ==
-                       qkv_rows_per_program(tokens), "us": round(us, 2), "tbps": round(nbytes / us / 1e6, 3)}
+                       qkv_rows_per_program(tokens, dim), "us": round(us, 2), "tbps": round(nbytes / us / 1e6, 3)}
                 out.append(row)
                 print(json.dumps(row), flush=True)
     if args.json:

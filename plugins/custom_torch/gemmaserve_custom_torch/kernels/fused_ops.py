@@ -203,14 +203,15 @@ def _qkv_norm_rope_kernel(x_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, q_ptr, k_pt
 
 
 QKV_ROWS_FROM_TOKENS = 256
-"""From this many tokens on (prompt chunks), a :func:`qkv_norm_rope` program takes a head of several tokens
-(``qkv_rows_per_program``) instead of one: one head of one token is too little work per program (run 33: the
-8,192-token prompt tick spent ~99 µs a layer here, ~3x its bytes at the copy bandwidth)."""
+"""From this many tokens on, a :func:`qkv_norm_rope` program of head dim <= 256 takes a head of 8 tokens instead
+of one (``qkv_rows_per_program``): one head of one token is too little work per program. H100, run 33
+(``bench_qkv_norm_rope.py``), D = 256: 8,192 tokens 52.5 -> 34.7 µs, 1,024 8.8 -> 6.1, 256 4.0 -> 3.4, 32 alike;
+D = 512 gained nothing at any count (65-67 µs at 8,192) and lost 0.45 µs at 256, so it keeps one."""
 
 
-def qkv_rows_per_program(num_tokens: int) -> int:
-    """Tokens per :func:`qkv_norm_rope` program: 1 for decode-sized batches, 8 from QKV_ROWS_FROM_TOKENS on."""
-    return 1 if num_tokens < QKV_ROWS_FROM_TOKENS else 8
+def qkv_rows_per_program(num_tokens: int, head_dim: int) -> int:
+    """Tokens per :func:`qkv_norm_rope` program (see QKV_ROWS_FROM_TOKENS)."""
+    return 8 if num_tokens >= QKV_ROWS_FROM_TOKENS and head_dim <= 256 else 1
 
 
 def qkv_norm_rope(qkv: torch.Tensor, q_heads: int, kv_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
@@ -257,7 +258,7 @@ def qkv_norm_rope(qkv: torch.Tensor, q_heads: int, kv_heads: int, q_weight: torc
     v_mode = 1 if v_norm else (2 if cache is not None else 0)
     heads = q_heads + kv_heads * (2 if v_mode else 1)
     tokens = batch * seq
-    rows = qkv_rows_per_program(tokens) if rows_per_program is None else rows_per_program
+    rows = qkv_rows_per_program(tokens, dim) if rows_per_program is None else rows_per_program
     if rows < 1 or rows & (rows - 1):
         raise ValueError(f"rows_per_program must be a power of two, got {rows}")
     _qkv_norm_rope_kernel[(triton.cdiv(tokens, rows) * heads,)](
