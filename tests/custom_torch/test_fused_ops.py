@@ -219,21 +219,33 @@ import json, sys, torch
 sys.path[:0] = [sys.argv[2]]  # tests/custom_torch: fixtures_backend
 from fixtures_backend import make_backend
 from gemmaserve_custom_torch.kv.decode_context import DecodeBatchContext
+from gemmaserve_custom_torch.kv.forward_batch import RaggedPagedContext
 from gemmaserve_custom_torch.models.fusion import fuse_elementwise, fuse_projections
 torch.set_num_threads(1)
 path = sys.argv[1]
-targets = []
-take = DecodeBatchContext.kv_cache_target
-DecodeBatchContext.kv_cache_target = lambda self, layer: targets.append(layer) or take(self, layer)
+targets, prompt_targets = [], []
+
+def recording(context, into):  # the layers whose K/V the fused kernel wrote through the context's target
+    take = context.kv_cache_target
+    def target(self, layer):
+        got = take(self, layer)
+        if got is not None:
+            into.append(layer)
+        return got
+    context.kv_cache_target = target
+
+recording(DecodeBatchContext, targets)
+recording(RaggedPagedContext, prompt_targets)
 
 def decode(backend):
     with backend.lock:
         batch, ids = None, []
+        steps = []
         for prompt in ([5, 6, 7, 8, 9], [10, 11, 12]):
             state = backend.prefill(prompt)
             batch = backend.splice_into_batched(batch, state.kv, backend.kv_length(state.kv))
             ids.append(int(state.last_logits.argmax()))
-        steps = []
+            steps.append(state.last_logits.reshape(1, -1).expand(2, -1))
         for _ in range(4):
             logits = backend.decode_step_batched(batch, ids).clone()
             steps.append(logits)
@@ -242,24 +254,25 @@ def decode(backend):
 
 plain = make_backend(path)
 want = decode(plain)
-assert not targets
+assert not targets and not prompt_targets
 fuse_projections(plain.model)  # the fixture's model is shared: the next backend runs it fused
 fuse_elementwise(plain.model)
 got = decode(make_backend(path))
 storing = [i for i in range(len(plain.model.layers)) if plain.model.config.stores_kv(i)]
 print(json.dumps({"max_diff": float((got - want).abs().max()),
                   "argmax_equal": torch.equal(got.argmax(-1), want.argmax(-1)), "targets": sorted(set(targets)),
-                  "storing": storing}))
+                  "prompt_targets": sorted(set(prompt_targets)), "storing": storing}))
 """
 
 
 @pytest.mark.parametrize("name", ["gemma4", "gemma3", "gemma4_k_eq_v"])
-def test_the_fused_qkv_kernel_writes_the_decode_steps_kv(tiny_checkpoint, name):
-    """Decode-only ticks of a fused model: every KV-storing layer's q/k/v kernel writes its K/V into the pools
-    (DecodeBatchContext.kv_cache_target, no separate scatter), and the logits are the unfused model's (fp32, up to
+def test_the_fused_qkv_kernel_writes_the_prompt_and_decode_kv(tiny_checkpoint, name):
+    """Prompt ticks and decode-only ticks of a fused model: every KV-storing layer's q/k/v kernel writes its K/V
+    into the pools (RaggedPagedContext / DecodeBatchContext.kv_cache_target, no separate scatter), and the
+    prompts' last logits and the decode steps' logits, which read that K/V, are the unfused model's (fp32, up to
     summation order): Gemma 4 (v normed), Gemma 3 (v copied), K=V layers."""
     from pathlib import Path
 
     result = run_interpreted(_DECODE_SCRIPT, str(tiny_checkpoint(name)), str(Path(__file__).parent))
-    assert result["targets"] == result["storing"], result
+    assert result["targets"] == result["storing"] == result["prompt_targets"], result
     assert result["max_diff"] < 1e-4 and result["argmax_equal"], result

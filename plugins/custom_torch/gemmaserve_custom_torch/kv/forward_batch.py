@@ -21,7 +21,8 @@ sequence: attention gives them zeros), sequences past ``S`` are empty (``n_s = 0
 (work thrown away); they are padded to ``logit_buckets`` rows, not to the bucket's sequence count. Every shape
 depends on the bucket and that row count only, so the forward can be captured once per pair.
 
-Every storing layer writes the batch's K/V with one indexed copy, then every layer attends through the block
+Every storing layer writes the batch's K/V (its fused q/k/v kernel at the write slots, through
+:meth:`RaggedPagedContext.kv_cache_target`; unfused, one indexed copy each), then every layer attends through the block
 tables with the ragged kernel (Triton) or its plain-torch reference (the portable path); fresh keys are read
 back from the pools, so one kernel serves prefill and decode. From ``narrow_layer`` on (the KV-shared tail,
 fast prefill) only the last tokens of ``logit_seqs`` are computed: those layers attend as decode rows.
@@ -423,6 +424,7 @@ class RaggedPagedContext:
         if any(config.stores_kv(i) for i in range(self.narrow_layer, config.num_hidden_layers)):
             raise ValueError(f"layers from {narrow_layer} on store K/V: they cannot be narrowed")
         self._narrowed: tuple[Tensor, Tensor, dict[str, Tensor]] | None = None
+        self._written: set[int] = set()  # storing layers whose K/V the model wrote (kv_cache_target)
         self._ragged: Callable[..., Tensor] = ragged_paged_attention_reference
         self._decode: Callable[..., Tensor] | None = None
         self._block_m: Callable[[int, int], int] | None = None
@@ -442,11 +444,25 @@ class RaggedPagedContext:
                               {g: t[sel].contiguous() for g, t in batch.block_tables.items()})
         return self._narrowed
 
+    def kv_cache_target(self, layer_idx: int) -> tuple[Tensor, Tensor, Tensor] | None:
+        """(k pool, v pool as rows [Hkv, D], write slots [T]) of a storing layer, whose caller then writes the
+        batch's new K/V there (padding tokens and positions the group does not keep to its scratch block, as
+        the slots say) and passes none to :meth:`attend` (the AttentionContext option); None for KV-shared
+        layers."""
+        if self.config.kv_source_layer[layer_idx] != layer_idx:
+            return None
+        k_pool, v_pool = self.pools.k[layer_idx], self.pools.v[layer_idx]
+        self._written.add(layer_idx)
+        slots = self.batch.write_slots[self.pools.group_of_layer[layer_idx]]
+        return k_pool.view(-1, *k_pool.shape[2:]), v_pool.view(-1, *v_pool.shape[2:]), slots
+
     def attend(self, layer_idx: int, q: Tensor, k: Tensor | None, v: Tensor | None) -> Tensor:
         source = self.config.kv_source_layer[layer_idx]
         group = self.pools.group_of_layer[layer_idx]
         k_pool, v_pool = self.pools.k[source], self.pools.v[source]
-        if source == layer_idx:
+        if source == layer_idx and layer_idx in self._written:
+            assert k is None and v is None, "the caller wrote this layer's K/V (kv_cache_target): pass none"
+        elif source == layer_idx:
             assert k is not None and v is not None and k.shape[1] == self.batch.num_tokens
             slots = self.batch.write_slots[group]
             k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, slots, k[0])
