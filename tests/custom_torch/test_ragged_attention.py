@@ -94,12 +94,12 @@ def test_split_rule_spreads_few_long_tiles_and_leaves_big_ticks_alone() -> None:
     pytest.importorskip("triton")
     from gemmaserve_custom_torch.kernels.ragged_attention import ragged_num_splits
 
-    # E2B's full layers (D = 512, 8 q heads on 1 kv head: 32 rows a tile), 4,096-key tables
-    few, per = ragged_num_splits(num_tiles=200, num_kv_heads=1, rows=32, dim_pad=512, max_keys=4096, tile_n=16)
-    assert few > 1 and per * 16 >= 256
-    big, _ = ragged_num_splits(num_tiles=2200, num_kv_heads=1, rows=32, dim_pad=512, max_keys=4096, tile_n=16)
+    # E2B's full layers (D = 512, 8 q heads on 1 kv head: 32 rows a tile, 32-key steps), 4,096-key tables
+    few, per = ragged_num_splits(num_tiles=200, num_kv_heads=1, rows=32, dim_pad=512, max_keys=4096, tile_n=32)
+    assert few > 1 and per * 32 >= 256
+    big, _ = ragged_num_splits(num_tiles=2200, num_kv_heads=1, rows=32, dim_pad=512, max_keys=4096, tile_n=32)
     assert big == 1, "a big prefill tick fills the GPU without splits"
-    short, _ = ragged_num_splits(num_tiles=20, num_kv_heads=1, rows=32, dim_pad=512, max_keys=200, tile_n=16)
+    short, _ = ragged_num_splits(num_tiles=20, num_kv_heads=1, rows=32, dim_pad=512, max_keys=200, tile_n=32)
     assert short == 1, "ranges shorter than a split's minimum are not split"
 
 

@@ -466,7 +466,7 @@ def ple_inputs(projection: torch.Tensor, token_part: torch.Tensor, weight: torch
         raise ValueError(f"projection {tuple(projection.shape)} does not match token part {tuple(token_part.shape)}")
     out = torch.empty(token_part.shape, dtype=token_part.dtype, device=token_part.device)
     num_rows = out.numel() // dim if dim else 0
-    rows = rows_per_program or (1 if num_rows < 2048 else 8)
+    rows = (1 if num_rows < 2048 else 8) if rows_per_program is None else rows_per_program
     if rows < 1 or rows & (rows - 1):
         raise ValueError(f"rows_per_program must be a power of two, got {rows}")
     if out.numel():

@@ -205,11 +205,12 @@ class RaggedKernelConfig:
 
 
 def default_ragged_config(head_dim: int, group: int, block_size: int) -> RaggedKernelConfig:
-    """The configuration a layer of these shapes runs with: :func:`ragged_block_m` queries per tile, 32-key steps,
-    4 warps; 3 stages at D <= 256, 2 at D = 512. Chosen by ``benchmarks/kernels/bench_ragged_attention.py --sweep``
-    on an H100 at E2B shapes (run 33): at D = 512 the previous 16-key steps with 8 warps took 632 / 2,722 / 148 µs
-    on a 16 x 512-token prompt tick / 16 chunks at 1,024 context / 32 decode rows + a chunk, this 346 / 1,386 /
-    81 µs; at D = 256 the third stage gained ~3 %."""
+    """The configuration a layer of these shapes runs with: :func:`ragged_block_m` queries per tile, 32-key steps (the
+    block size when larger), 4 warps; 3 stages at D <= 256, 2 at D = 512. Chosen by
+    ``benchmarks/kernels/bench_ragged_attention.py --sweep`` on an H100 at E2B shapes in bf16 (run 33): at D = 512
+    the previous 16-key steps with 8 warps took 632 / 2,722 / 148 µs on a 16 x 512-token prompt tick / 16 chunks at
+    1,024 context / 32 decode rows + a chunk, this 346 / 1,386 / 81 µs; at D = 256 the third stage gained ~3 %.
+    fp32 at D = 512 runs too (the GPU parity tests' fp32 fast path, run 33), untimed."""
     dim_pad = max(16, triton.next_power_of_2(head_dim))
     tile_n = max(32, triton.next_power_of_2(block_size))
     return RaggedKernelConfig(ragged_block_m(head_dim, group), tile_n, 4, 3 if dim_pad <= 256 else 2)
