@@ -104,6 +104,14 @@ for dtype in (torch.float32, torch.float16):
         for rows in (4, 8):  # several rows a program (a partial last block): the same bits under the interpreter
             assert torch.equal(ple_inputs(projection, token_part, norm.weight, 1e-6, "w", 1536 ** -0.5, 2.0 ** -0.5,
                                           rows_per_program=rows), got), rows
+        # the token part looked up in the kernel: ScaledEmbedding's table[ids] * scale, rounded to the dtype
+        table, ids = torch.randn(11, layers * dim).to(dtype), torch.tensor([[3, 0, 10], [7, 7, 1]])
+        scale = torch.tensor(dim ** 0.5, dtype=torch.float64).to(dtype)
+        looked_up = (torch.nn.functional.embedding(ids, table) * scale).reshape(2, 3, layers, dim)
+        expected = ple_inputs(projection, looked_up, norm.weight, 1e-6, "w", 1536 ** -0.5, 2.0 ** -0.5)
+        for rows in (None, 4):
+            assert torch.equal(ple_inputs(projection, None, norm.weight, 1e-6, "w", 1536 ** -0.5, 2.0 ** -0.5,
+                                          lookup=(ids, table, scale), rows_per_program=rows), expected), rows
     for width in (7, 16, 1500):
         both = (torch.randn(3, 2 * width) * 3).to(dtype)
         a, b = both.chunk(2, dim=-1)  # the halves of a fused gate/up output: strided rows

@@ -142,10 +142,11 @@ def test_the_elementwise_and_norm_kernels_compile_as_programmatic_dependents():
             "pos_ptr": "*i64", "inv_ptr": "*fp32", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "half": "i32",
             "BLOCK": "constexpr", "PDL": "constexpr"}, {"BLOCK": 128, "PDL": pdl}))
         builds.append((fused_ops._ple_inputs_kernel, {
-            "proj_ptr": "*bf16", "token_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "num_rows": "i32",
-            "dim": "i32", "eps": "fp32", "proj_scale": "fp32", "out_scale": "fp32", "ONE_PLUS": "constexpr",
-            "BLOCK": "constexpr", "ROWS": "constexpr", "PDL": "constexpr"},
-            {"ONE_PLUS": False, "BLOCK": 256, "ROWS": 1 if pdl else 8, "PDL": pdl}))
+            "proj_ptr": "*bf16", "token_ptr": "*bf16", "ids_ptr": "*i64", "table_scale_ptr": "*bf16", "w_ptr": "*bf16",
+            "out_ptr": "*bf16", "num_rows": "i32", "layers": "i32", "dim": "i32", "eps": "fp32", "proj_scale": "fp32",
+            "out_scale": "fp32", "ONE_PLUS": "constexpr", "LOOKUP": "constexpr", "BLOCK": "constexpr",
+            "ROWS": "constexpr", "PDL": "constexpr"},
+            {"ONE_PLUS": False, "LOOKUP": pdl, "BLOCK": 256, "ROWS": 1 if pdl else 8, "PDL": pdl}))
         builds.append((fused_ops._qkv_norm_rope_kernel, {
             "x_ptr": "*bf16", "q_w_ptr": "*bf16", "k_w_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
             "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "slots_ptr": "*i64", "q_heads": "i32",

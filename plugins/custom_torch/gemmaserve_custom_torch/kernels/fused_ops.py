@@ -434,37 +434,66 @@ def gelu_tanh(a):
 
 
 @triton.jit
-def _ple_inputs_kernel(proj_ptr, token_ptr, w_ptr, out_ptr, num_rows, dim, eps, proj_scale, out_scale,
-                       ONE_PLUS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False):
-    """``ROWS`` (token, layer) rows of ``dim`` per program."""
+def _ple_inputs_kernel(proj_ptr, token_ptr, ids_ptr, table_scale_ptr, w_ptr, out_ptr, num_rows, layers, dim, eps,
+                       proj_scale, out_scale, ONE_PLUS: tl.constexpr, LOOKUP: tl.constexpr, BLOCK: tl.constexpr,
+                       ROWS: tl.constexpr, PDL: tl.constexpr = False):
+    """``ROWS`` (token, layer) rows of ``dim`` per program. LOOKUP: the token part is row ``ids[token]`` of the
+    table at ``token_ptr`` ([vocab, layers * dim]) times its scale, rounded as the eager lookup rounds."""
     await_previous(PDL)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < num_rows
     offs = tl.arange(0, BLOCK)[None, :]
     col_ok = offs < dim
-    mask = (rows < num_rows)[:, None] & col_ok
+    mask = row_ok[:, None] & col_ok
     at = rows[:, None] * dim + offs
     dtype = out_ptr.dtype.element_ty
     context = tl.load(proj_ptr + at, mask=mask, other=0.0).to(tl.float32) * proj_scale
     context = context.to(dtype).to(tl.float32)  # eager rounds the scaled projection
     factor = _norm_factor(tl.sum(context * context, axis=1), dim, eps)[:, None]
     normed = context * factor * _weight(w_ptr, offs, col_ok, ONE_PLUS)
-    token = tl.load(token_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    if LOOKUP:
+        ids = tl.load(ids_ptr + rows // layers, mask=row_ok, other=0).to(tl.int64)
+        entry = (ids * layers + rows % layers)[:, None] * dim + offs
+        token = tl.load(token_ptr + entry, mask=mask, other=0.0).to(tl.float32)
+        token = (token * tl.load(table_scale_ptr).to(tl.float32)).to(dtype).to(tl.float32)
+    else:
+        token = tl.load(token_ptr + at, mask=mask, other=0.0).to(tl.float32)
     total = (normed.to(dtype).to(tl.float32) + token).to(dtype).to(tl.float32)
     tl.store(out_ptr + at, (total * out_scale).to(dtype), mask=mask)
 
 
-def ple_inputs(projection: torch.Tensor, token_part: torch.Tensor, weight: torch.Tensor, eps: float, style: str,
-               projection_scale: float, out_scale: float, *, pdl: bool = False,
-               rows_per_program: int | None = None) -> torch.Tensor:
+def ple_inputs(projection: torch.Tensor, token_part: torch.Tensor | None, weight: torch.Tensor, eps: float, style: str,
+               projection_scale: float, out_scale: float, *, pdl: bool = False, rows_per_program: int | None = None,
+               lookup: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Gemma 4's per-layer inputs from the model projection [..., L * P] and the looked-up token part [..., L, P]
     (both contiguous, the model dtype): ``(RMSNorm_w(projection * projection_scale) + token_part) * out_scale`` per
     (token, layer) row of P, rounded where the eager chain rounds. Returns a new [..., L, P].
+    ``lookup=(ids [...], table [vocab, L * P], scale)`` instead of ``token_part`` (None): the token part is looked up
+    here, ``table[ids] * scale`` rounded to the model dtype (``ScaledEmbedding``'s arithmetic; ids must be valid rows,
+    as for ``F.embedding``), so the lookup and its scaling take no launches and no pass of their own.
     ``rows_per_program``: (token, layer) rows a program takes (a power of two; default 1 below 2,048 rows, else 8:
     one short row a program left a prompt tick's launch at ~2.3x its bytes' time, run 33)."""
-    dim = token_part.shape[-1]
-    if projection.numel() != token_part.numel() or projection.shape[-1] % dim:
-        raise ValueError(f"projection {tuple(projection.shape)} does not match token part {tuple(token_part.shape)}")
-    out = torch.empty(token_part.shape, dtype=token_part.dtype, device=token_part.device)
+    if (token_part is None) == (lookup is None):
+        raise ValueError("pass exactly one of token_part and lookup")
+    if lookup is not None:
+        ids, table, table_scale = lookup
+        layers_dim = table.shape[-1]
+        if projection.shape[-1] != layers_dim or ids.shape != projection.shape[:-1] or not table.is_contiguous():
+            raise ValueError(f"lookup table {tuple(table.shape)} / ids {tuple(ids.shape)} do not match projection "
+                             f"{tuple(projection.shape)}")
+        dim = weight.shape[0]
+        shape = (*ids.shape, layers_dim // dim, dim)
+        dtype, source = table.dtype, table
+        ids = ids.reshape(-1).contiguous()
+    else:
+        assert token_part is not None
+        dim = token_part.shape[-1]
+        if projection.numel() != token_part.numel() or projection.shape[-1] % dim:
+            raise ValueError(f"projection {tuple(projection.shape)} does not match token part "
+                             f"{tuple(token_part.shape)}")
+        shape, dtype, source = token_part.shape, token_part.dtype, token_part.contiguous()
+        ids = table_scale = source  # unread
+    out = torch.empty(shape, dtype=dtype, device=projection.device)
     num_rows = out.numel() // dim if dim else 0
     rows = (1 if num_rows < 2048 else 8) if rows_per_program is None else rows_per_program
     if rows < 1 or rows & (rows - 1):
@@ -472,9 +501,9 @@ def ple_inputs(projection: torch.Tensor, token_part: torch.Tensor, weight: torch
     if out.numel():
         block = triton.next_power_of_2(dim)
         _ple_inputs_kernel[(triton.cdiv(num_rows, rows),)](
-            projection.contiguous(), token_part.contiguous(), weight, out, num_rows, dim, float(eps),
-            float(projection_scale), float(out_scale), ONE_PLUS=style == "one_plus_w", BLOCK=block, ROWS=rows,
-            num_warps=min(8, _head_warps(block) * rows), **launch_options(pdl))
+            projection.contiguous(), source, ids, table_scale, weight, out, num_rows, shape[-2], dim, float(eps),
+            float(projection_scale), float(out_scale), ONE_PLUS=style == "one_plus_w", LOOKUP=lookup is not None,
+            BLOCK=block, ROWS=rows, num_warps=min(8, _head_warps(block) * rows), **launch_options(pdl))
     return out
 
 

@@ -69,7 +69,8 @@ class ScaledEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(rows, dim, device=device, dtype=dtype))
         self._scale_cache: dict[tuple[torch.dtype, torch.device], Tensor] = {}
 
-    def _scale_tensor(self) -> Tensor:
+    def scale_tensor(self) -> Tensor:
+        """The scale in the weight's dtype and device (cached): what the lookup multiplies by."""
         key = (self.weight.dtype, self.weight.device)
         cached = self._scale_cache.get(key)
         if cached is None:
@@ -79,11 +80,11 @@ class ScaledEmbedding(nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor:
         if not self.tp.enabled:
-            return F.embedding(ids, self.weight) * self._scale_tensor()
+            return F.embedding(ids, self.weight) * self.scale_tensor()
         local = ids - self.first_row
         outside = (local < 0) | (local >= self.weight.shape[0])
         rows = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill_(outside[..., None], 0)
-        return self.tp.all_reduce(rows * self._scale_tensor())
+        return self.tp.all_reduce(rows * self.scale_tensor())
 
 
 class GemmaAttention(nn.Module):
@@ -449,12 +450,17 @@ class GemmaForCausalLM(nn.Module):
     def _per_layer_inputs(self, input_ids: Tensor, x0: Tensor) -> Tensor:
         """Gemma 4 PLE vectors [B, S, L, P]: (norm(proj(x0)·H^-½) + table[ids]·√P) · 2^-½."""
         layers, dim = self.config.num_hidden_layers, self.config.ple_dim
-        token_part = self.embed_tokens_per_layer(input_ids).reshape(*input_ids.shape, layers, dim)
+        table = self.embed_tokens_per_layer
         kernel = self.ple_inputs_kernel
         if kernel is not None and triton_runs_on(x0):
             norm = self.per_layer_projection_norm
-            return kernel(self.per_layer_model_projection(x0), token_part, norm.weight, norm.eps, norm.style,
-                          self.config.hidden_size**-0.5, 2.0**-0.5)
+            args = (norm.weight, norm.eps, norm.style, self.config.hidden_size**-0.5, 2.0**-0.5)
+            if table.tp.enabled:  # vocabulary-parallel rows: the lookup all-reduces
+                token_part = table(input_ids).reshape(*input_ids.shape, layers, dim)
+                return kernel(self.per_layer_model_projection(x0), token_part, *args)
+            return kernel(self.per_layer_model_projection(x0), None, *args,
+                          lookup=(input_ids, table.weight, table.scale_tensor()))
+        token_part = table(input_ids).reshape(*input_ids.shape, layers, dim)
         context = self.per_layer_model_projection(x0) * (self.config.hidden_size**-0.5)
         context = self.per_layer_projection_norm(context.reshape(*x0.shape[:-1], layers, dim))
         return (context + token_part) * (2.0**-0.5)
