@@ -214,6 +214,14 @@ def qkv_rows_per_program(num_tokens: int, head_dim: int) -> int:
     return 8 if num_tokens >= QKV_ROWS_FROM_TOKENS and head_dim <= 256 else 1
 
 
+def _program_rows(requested: int | None, default: int) -> int:
+    """Rows a program of a row-vectorised kernel takes: ``requested`` (a power of two) or ``default``."""
+    rows = default if requested is None else requested
+    if rows < 1 or rows & (rows - 1):
+        raise ValueError(f"rows_per_program must be a power of two, got {rows}")
+    return rows
+
+
 def qkv_norm_rope(qkv: torch.Tensor, q_heads: int, kv_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
                   eps: float, style: str, cos: torch.Tensor, sin: torch.Tensor, *, v_norm: bool, k_eq_v: bool = False,
                   cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
@@ -258,9 +266,7 @@ def qkv_norm_rope(qkv: torch.Tensor, q_heads: int, kv_heads: int, q_weight: torc
     v_mode = 1 if v_norm else (2 if cache is not None else 0)
     heads = q_heads + kv_heads * (2 if v_mode else 1)
     tokens = batch * seq
-    rows = qkv_rows_per_program(tokens, dim) if rows_per_program is None else rows_per_program
-    if rows < 1 or rows & (rows - 1):
-        raise ValueError(f"rows_per_program must be a power of two, got {rows}")
+    rows = _program_rows(rows_per_program, qkv_rows_per_program(tokens, dim))
     _qkv_norm_rope_kernel[(triton.cdiv(tokens, rows) * heads,)](
         view, q_weight, k_weight, cos, sin, q, k, v, slots, q_heads, kv_heads, tokens, view.stride(0), v_col, half,
         float(eps), ONE_PLUS=style == "one_plus_w", V_MODE=v_mode, TO_CACHE=cache is not None, BLOCK=block, ROWS=rows,
@@ -495,9 +501,7 @@ def ple_inputs(projection: torch.Tensor, token_part: torch.Tensor | None, weight
         ids = table_scale = source  # unread
     out = torch.empty(shape, dtype=dtype, device=projection.device)
     num_rows = out.numel() // dim if dim else 0
-    rows = (1 if num_rows < 2048 else 8) if rows_per_program is None else rows_per_program
-    if rows < 1 or rows & (rows - 1):
-        raise ValueError(f"rows_per_program must be a power of two, got {rows}")
+    rows = _program_rows(rows_per_program, 1 if num_rows < 2048 else 8)
     if out.numel():
         block = triton.next_power_of_2(dim)
         _ple_inputs_kernel[(triton.cdiv(num_rows, rows),)](

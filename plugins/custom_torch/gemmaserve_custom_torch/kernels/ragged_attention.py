@@ -25,6 +25,7 @@ Contract: :mod:`.ragged_reference` (its module docstring). Design:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import triton
@@ -204,6 +205,7 @@ class RaggedKernelConfig:
     num_stages: int
 
 
+@cache
 def default_ragged_config(head_dim: int, group: int, block_size: int) -> RaggedKernelConfig:
     """The configuration a layer of these shapes runs with: :func:`ragged_block_m` queries per tile, 32-key steps (the
     block size when larger), 4 warps; 3 stages at D <= 256, 2 at D = 512. Chosen by

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..models.attention_context import eager_attention
 from ..models.config import GemmaTextConfig
-from .pools import KVPools
+from .pools import BatchKVWrites, KVPools
 
 if TYPE_CHECKING:
     from .forward_batch import ForwardBatch, RaggedAttention
@@ -46,32 +46,22 @@ class DecodeBatchContext:
         self.attention = attention
         self._gathered: dict[int, tuple[Tensor, Tensor]] = {}
         self._gather_at: dict[str, tuple[Tensor, Tensor]] = {}
-        self._written: set[int] = set()  # storing layers whose K/V the model wrote (kv_cache_target)
+        self._kv = BatchKVWrites(pools, batch.write_slots)
         if attention == "triton" and kernel is None:
             from ..kernels.paged_attention import paged_decode_attention as kernel
         self._kernel = kernel
 
     def kv_cache_target(self, layer_idx: int) -> tuple[Tensor, Tensor, Tensor] | None:
-        """(k pool, v pool as rows [Hkv, D], write slots) of a storing layer, whose caller then writes its new K/V
-        there and passes none to :meth:`attend` (the AttentionContext option); None for KV-shared layers."""
-        if self.config.kv_source_layer[layer_idx] != layer_idx:
-            return None
-        k_pool, v_pool = self.pools.k[layer_idx], self.pools.v[layer_idx]
-        self._written.add(layer_idx)
-        slots = self.batch.write_slots[self.pools.group_of_layer[layer_idx]]
-        return k_pool.view(-1, *k_pool.shape[2:]), v_pool.view(-1, *v_pool.shape[2:]), slots
+        """The AttentionContext option (:meth:`BatchKVWrites.target`): a storing layer's caller writes its new K/V
+        itself and passes none to :meth:`attend`."""
+        return self._kv.target(layer_idx)
 
     def attend(self, layer_idx: int, q: Tensor, k: Tensor | None, v: Tensor | None) -> Tensor:
         source = self.config.kv_source_layer[layer_idx]
         group = self.pools.group_of_layer[layer_idx]
         k_pool, v_pool = self.pools.k[source], self.pools.v[source]
-        if source == layer_idx and layer_idx in self._written:
-            assert k is None and v is None, "the caller wrote this layer's K/V (kv_cache_target): pass none"
-        elif source == layer_idx:
-            assert k is not None and v is not None and k.shape[1] == 1
-            slots = self.batch.write_slots[group]
-            k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, slots, k[:, 0])
-            v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, slots, v[:, 0])
+        assert k is None or k.shape[1] == 1, "a decode row brings one token"
+        self._kv.store(layer_idx, k, v)
         scale = self.config.attention_scale
         if self._kernel is not None:
             window = self.config.window_for_layer(layer_idx) or 0

@@ -50,7 +50,7 @@ from ..models.config import GemmaTextConfig
 from .decode_context import DecodeBatchContext
 from .decode_state import DecodeStaging, feed_previous, graph_buckets, pick_bucket
 from .paged_cache import PagedKVCache
-from .pools import KVPools
+from .pools import BatchKVWrites, KVPools
 
 __all__ = ["ForwardBatch", "ForwardBuffers", "PackedTick", "RaggedPagedContext", "build_forward_batch", "logit_buckets",
            "pack_tick", "paged_context"]
@@ -424,7 +424,7 @@ class RaggedPagedContext:
         if any(config.stores_kv(i) for i in range(self.narrow_layer, config.num_hidden_layers)):
             raise ValueError(f"layers from {narrow_layer} on store K/V: they cannot be narrowed")
         self._narrowed: tuple[Tensor, Tensor, dict[str, Tensor]] | None = None
-        self._written: set[int] = set()  # storing layers whose K/V the model wrote (kv_cache_target)
+        self._kv = BatchKVWrites(pools, batch.write_slots)
         self._ragged: Callable[..., Tensor] = ragged_paged_attention_reference
         self._decode: Callable[..., Tensor] | None = None
         self._block_m: Callable[[int, int], int] | None = None
@@ -445,28 +445,16 @@ class RaggedPagedContext:
         return self._narrowed
 
     def kv_cache_target(self, layer_idx: int) -> tuple[Tensor, Tensor, Tensor] | None:
-        """(k pool, v pool as rows [Hkv, D], write slots [T]) of a storing layer, whose caller then writes the
-        batch's new K/V there (padding tokens and positions the group does not keep to its scratch block, as
-        the slots say) and passes none to :meth:`attend` (the AttentionContext option); None for KV-shared
-        layers."""
-        if self.config.kv_source_layer[layer_idx] != layer_idx:
-            return None
-        k_pool, v_pool = self.pools.k[layer_idx], self.pools.v[layer_idx]
-        self._written.add(layer_idx)
-        slots = self.batch.write_slots[self.pools.group_of_layer[layer_idx]]
-        return k_pool.view(-1, *k_pool.shape[2:]), v_pool.view(-1, *v_pool.shape[2:]), slots
+        """The AttentionContext option (:meth:`BatchKVWrites.target`): a storing layer's fused q/k/v kernel writes
+        the batch's new K/V itself (padding tokens and positions a group does not keep to its scratch block, as
+        the slots say) and passes none to :meth:`attend`."""
+        return self._kv.target(layer_idx)
 
     def attend(self, layer_idx: int, q: Tensor, k: Tensor | None, v: Tensor | None) -> Tensor:
         source = self.config.kv_source_layer[layer_idx]
         group = self.pools.group_of_layer[layer_idx]
         k_pool, v_pool = self.pools.k[source], self.pools.v[source]
-        if source == layer_idx and layer_idx in self._written:
-            assert k is None and v is None, "the caller wrote this layer's K/V (kv_cache_target): pass none"
-        elif source == layer_idx:
-            assert k is not None and v is not None and k.shape[1] == self.batch.num_tokens
-            slots = self.batch.write_slots[group]
-            k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, slots, k[0])
-            v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, slots, v[0])
+        self._kv.store(layer_idx, k, v)
         window = self.config.window_for_layer(layer_idx) or 0
         scale = self.config.attention_scale
         query_start, seq_lens, tables = self.batch.query_start, self.batch.seq_lens, self.batch.block_tables

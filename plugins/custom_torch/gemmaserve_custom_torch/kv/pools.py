@@ -32,8 +32,8 @@ from gemmaserve.kv.block_manager import BlockManager
 
 from ..models.config import FULL, SLIDING, GemmaTextConfig
 
-__all__ = ["GroupGeometry", "KVGroupSpec", "KVPools", "kv_groups", "plan_pool_sizes", "plan_pools_for_settings",
-           "reference_tokens"]
+__all__ = ["BatchKVWrites", "GroupGeometry", "KVGroupSpec", "KVPools", "kv_groups", "plan_pool_sizes",
+           "plan_pools_for_settings", "reference_tokens"]
 
 Reclaimer = Callable[[str, int], None]
 """``reclaim(group, num_blocks)``: try to free that many blocks of ``group`` (the prefix cache evicts)."""
@@ -318,3 +318,42 @@ class KVPools:
             for layer in group.layers:
                 if self.k[layer].shape[0] != manager.num_blocks + 1 or self.v[layer].shape != self.k[layer].shape:
                     raise RuntimeError(f"KVPools: layer {layer} pools disagree with group {name!r}")
+
+
+class BatchKVWrites:
+    """Where one forward's storing layers put their new K/V: the pools at ``write_slots[group]`` (one flat slot
+    per token of the batch, in order; scratch slots for padding and positions a group does not keep). The
+    attention contexts of a forward (decode-only and ragged) hold one each, built per forward."""
+
+    def __init__(self, pools: KVPools, write_slots: dict[str, torch.Tensor]) -> None:
+        self.pools = pools
+        self.write_slots = write_slots
+        self._written: set[int] = set()  # storing layers whose K/V the model wrote through :meth:`target`
+
+    def target(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(k pool, v pool as rows [Hkv, D], write slots) of a storing layer, whose caller then writes its new K/V
+        there itself and passes none to :meth:`store` (the AttentionContext's ``kv_cache_target``); None for
+        KV-shared layers."""
+        if self.pools.config.kv_source_layer[layer_idx] != layer_idx:
+            return None
+        self._written.add(layer_idx)
+        return (*self._rows(layer_idx), self.write_slots[self.pools.group_of_layer[layer_idx]])
+
+    def store(self, layer_idx: int, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
+        """Write a storing layer's new ``k``, ``v`` [B, S, Hkv, D] (B * S = the batch's tokens) with one indexed
+        copy each; None for both when the layer's K/V went through :meth:`target`. Nothing for KV-shared
+        layers."""
+        if self.pools.config.kv_source_layer[layer_idx] != layer_idx:
+            return
+        if layer_idx in self._written:
+            assert k is None and v is None, "the caller wrote this layer's K/V (kv_cache_target): pass none"
+            return
+        slots = self.write_slots[self.pools.group_of_layer[layer_idx]]
+        assert k is not None and v is not None and k.shape[0] * k.shape[1] == slots.shape[0]
+        k_rows, v_rows = self._rows(layer_idx)
+        k_rows.index_copy_(0, slots, k.reshape(-1, *k.shape[2:]))
+        v_rows.index_copy_(0, slots, v.reshape(-1, *v.shape[2:]))
+
+    def _rows(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k_pool, v_pool = self.pools.k[layer_idx], self.pools.v[layer_idx]
+        return k_pool.view(-1, *k_pool.shape[2:]), v_pool.view(-1, *v_pool.shape[2:])

@@ -450,18 +450,16 @@ class GemmaForCausalLM(nn.Module):
     def _per_layer_inputs(self, input_ids: Tensor, x0: Tensor) -> Tensor:
         """Gemma 4 PLE vectors [B, S, L, P]: (norm(proj(x0)·H^-½) + table[ids]·√P) · 2^-½."""
         layers, dim = self.config.num_hidden_layers, self.config.ple_dim
-        table = self.embed_tokens_per_layer
+        table, projection = self.embed_tokens_per_layer, self.per_layer_model_projection(x0)
         kernel = self.ple_inputs_kernel
         if kernel is not None and triton_runs_on(x0):
             norm = self.per_layer_projection_norm
             args = (norm.weight, norm.eps, norm.style, self.config.hidden_size**-0.5, 2.0**-0.5)
-            if table.tp.enabled:  # vocabulary-parallel rows: the lookup all-reduces
-                token_part = table(input_ids).reshape(*input_ids.shape, layers, dim)
-                return kernel(self.per_layer_model_projection(x0), token_part, *args)
-            return kernel(self.per_layer_model_projection(x0), None, *args,
-                          lookup=(input_ids, table.weight, table.scale_tensor()))
+            if not table.tp.enabled:  # the kernel looks the token part up (vocabulary-parallel rows all-reduce)
+                return kernel(projection, None, *args, lookup=(input_ids, table.weight, table.scale_tensor()))
+            return kernel(projection, table(input_ids).reshape(*input_ids.shape, layers, dim), *args)
         token_part = table(input_ids).reshape(*input_ids.shape, layers, dim)
-        context = self.per_layer_model_projection(x0) * (self.config.hidden_size**-0.5)
+        context = projection * (self.config.hidden_size**-0.5)
         context = self.per_layer_projection_norm(context.reshape(*x0.shape[:-1], layers, dim))
         return (context + token_part) * (2.0**-0.5)
 
