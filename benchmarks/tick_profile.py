@@ -293,21 +293,21 @@ def trace_ticks(backend: Any, settings: Any, run: Any, first: int, ticks: int, t
     return out
 
 
-def _decode_trace(backend: Any, settings: Any, args: argparse.Namespace, vocab: int, out_dir: Path) -> dict[str, Any]:
+def _decode_trace(backend: Any, settings: Any, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     first = args.prompt_len // max(1, settings.max_num_batched_tokens // args.rows) + 20  # well into decode
     prompts = random_prompts(args.rows, args.prompt_len, vocab, seed=3)
     return trace_ticks(backend, settings, lambda: run_engine(backend, settings, prompts, args.output_len), first,
-                       args.trace_ticks, out_dir / "decode_trace.json")
+                       args.trace_ticks, args.json.parent / "decode_trace.json")
 
 
-def _prefill_trace(backend: Any, settings: Any, args: argparse.Namespace, vocab: int, out_dir: Path) -> dict[str, Any]:
+def _prefill_trace(backend: Any, settings: Any, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     """Workload A's prompt ticks (every prompt queued at once: the first ``rows x prompt_len / budget`` ticks)
     under torch.profiler: is the GPU idle between them while the host packs the next tick? The run decodes a
     few more ticks so that the window closes on the engine thread."""
     prompts = random_prompts(args.rows, args.prompt_len, vocab, seed=4)
     ticks = -(-args.rows * args.prompt_len // settings.max_num_batched_tokens)
     return trace_ticks(backend, settings, lambda: run_engine(backend, settings, prompts, ticks + 4), 1, ticks,
-                       out_dir / "prefill_trace.json")
+                       args.json.parent / "prefill_trace.json")
 
 
 def _prefill_cprofile(backend: Any, settings: Any, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
@@ -399,6 +399,14 @@ def _serving_sweep(backend: Any, settings: Any, args: argparse.Namespace, vocab:
     return {"rows": rows}
 
 
+SECTIONS: dict[str, Any] = {
+    "decode": _decode, "decode_cprofile": _decode_cprofile, "decode_trace": _decode_trace, "serving": _serving,
+    "prefill_trace": _prefill_trace, "prefill_cprofile": _prefill_cprofile, "prefix_hit": _prefix_hit,
+    "serving_cprofile": _serving_cprofile, "serving_sweep": _serving_sweep,
+}
+"""``--sections`` by name: each ``(backend, settings, args, vocab) -> results``."""
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", type=Path, default=Path("tick_profile.json"))
@@ -420,6 +428,9 @@ def main(argv: list[str] | None = None) -> None:
                    "(0 = PREFILL_CHUNK_TOKENS, 512, in every tick)")
     p.add_argument("--sections", default="decode,decode_cprofile,decode_trace,serving")
     args = p.parse_args(argv)
+    unknown = sorted(set(args.sections.split(",")) - set(SECTIONS))
+    if unknown:
+        p.error(f"unknown --sections {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
     if args.quick:
         args.rows, args.prompt_len, args.output_len, args.trace_ticks = 4, 24, 40, 4
         args.prefix_len, args.prefix_own = (1536, 64) if args.max_len >= 1600 else (32, 4)
@@ -439,20 +450,9 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, Any] = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv[1:],
                                         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                                         "torch": torch.__version__}}
-    sections = {
-        "decode": lambda: _decode(backend, settings, args, vocab),
-        "decode_cprofile": lambda: _decode_cprofile(backend, settings, args, vocab),
-        "decode_trace": lambda: _decode_trace(backend, settings, args, vocab, args.json.parent),
-        "serving": lambda: _serving(backend, settings, args, vocab),
-        "prefill_trace": lambda: _prefill_trace(backend, settings, args, vocab, args.json.parent),
-        "prefill_cprofile": lambda: _prefill_cprofile(backend, settings, args, vocab),
-        "prefix_hit": lambda: _prefix_hit(backend, settings, args, vocab),
-        "serving_cprofile": lambda: _serving_cprofile(backend, settings, args, vocab),
-        "serving_sweep": lambda: _serving_sweep(backend, settings, args, vocab),
-    }
     for name in args.sections.split(","):
         t0 = time.perf_counter()
-        results[name] = sections[name]()
+        results[name] = SECTIONS[name](backend, settings, args, vocab)
         text = results[name]
         print(f"{name} ({time.perf_counter() - t0:.1f} s):",
               json.dumps({k: v for k, v in text.items() if k not in ("host_ops", "device_ops", "stats")})[:3000], flush=True)

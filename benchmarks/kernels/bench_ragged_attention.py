@@ -134,6 +134,9 @@ def main() -> None:
     parser.add_argument("--batches", default=",".join(BATCHES))
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    unknown = sorted(set(args.batches.split(",")) - set(BATCHES))
+    if unknown:
+        parser.error(f"unknown --batches {', '.join(unknown)}; choose from {', '.join(BATCHES)}")
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     torch.manual_seed(0)
