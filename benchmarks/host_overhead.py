@@ -15,7 +15,7 @@ and the cache holds: workload B's prefix hits) (window 512, blocks of 16) throug
 one-forward tick under the default 8192-token budget, the tick staged into the fixed buffers the CUDA graphs
 replay, the forward itself stubbed: the host time each prompt-carrying tick adds before and after the GPU work.
 
-Usage (repo root):  TRITON_INTERPRET=1 PYTHONPATH=core:plugins/custom_torch:tests \\
+Usage (repo root):  PYTHONPATH=core:plugins/custom_torch:tests \\
                     .venv/bin/python benchmarks/host_overhead.py --rows 256 [--profile] [--prefill | --engine]
 """
 
@@ -27,6 +27,7 @@ import pstats
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,6 +36,36 @@ from gemmaserve.engine.request import Request
 from gemmaserve.engine.scheduler import ContinuousBatchScheduler
 from gemmaserve.sampling_params import SamplingParams
 from gemmaserve.settings import CoreSettings
+
+
+def stubbed_backend(rows: int, blocks_per_row: int, **checkpoint: int) -> tuple[Any, CoreSettings]:
+    """A custom_torch backend over a tiny random Gemma 4 checkpoint whose ticks stage the fixed buffers the CUDA
+    graphs replay (``rows`` sequences, 8192 tokens) and whose forward is stubbed: every tick's logits pick token 7.
+    Prompt ticks write no K/V (nothing reads it: every token comes from the stub)."""
+    from gemmaserve_custom_torch.backend import CustomTorchBackend
+    from gemmaserve_custom_torch.mixed_step import MixedStep
+    from gemmaserve_custom_torch.models import GemmaForCausalLM
+    from gemmaserve_custom_torch.settings import load_custom_settings
+    from gemmaserve_custom_torch.tokenizer import HFTokenizer
+    from tiny_checkpoints import build_tiny_gemma4
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_tiny_gemma4(Path(tmp) / "ckpt", **checkpoint)
+        model = GemmaForCausalLM.from_hf(path, "cpu", torch.float32)
+        core = CoreSettings(model=str(path), device="cpu", dtype="float32", kv_block_size=16, max_batch_size=rows,
+                            max_active_kv_tokens=10**7, prefill_chunk_tokens=512, max_waiting_requests=4096)
+        backend = CustomTorchBackend(model, HFTokenizer.from_pretrained(path), core,
+                                     load_custom_settings(kv_blocks=rows * blocks_per_row))
+    mixed = MixedStep(model, backend.pools, "reference", fixed_buffers=True, max_tokens=core.max_num_batched_tokens,
+                      max_seqs=rows, width=4096 // 16)
+    logits = torch.zeros(rows, model.config.vocab_size)
+    logits[:, 7] = 1.0
+    greedy = logits.argmax(-1)
+    mixed._bucket_forward = lambda key: (  # graph keys (bucket, decode_only, logits rows)
+        (logits[: key[0]], greedy[: key[0]]) if key[1] else (logits[: key[2]],))
+    backend.mixed = mixed
+    return backend, core
 
 
 def main() -> None:
@@ -54,47 +85,20 @@ def main() -> None:
         prefill_ticks(args)
         return
 
-    from gemmaserve_custom_torch.backend import CustomTorchBackend
-    from gemmaserve_custom_torch.models import GemmaForCausalLM
-    from gemmaserve_custom_torch.settings import load_custom_settings
-    from gemmaserve_custom_torch.tokenizer import HFTokenizer
-    from tiny_checkpoints import build_tiny_gemma4
-
-    torch.set_num_threads(1)
-    rows = args.rows
-    with tempfile.TemporaryDirectory() as tmp:
-        path = build_tiny_gemma4(Path(tmp) / "ckpt")
-        model = GemmaForCausalLM.from_hf(path, "cpu", torch.float32)
-        core = CoreSettings(model=str(path), device="cpu", dtype="float32", kv_block_size=16, max_batch_size=rows,
-                            max_active_kv_tokens=10**7, prefill_chunk_tokens=512, max_waiting_requests=4096)
-        backend = CustomTorchBackend(model, HFTokenizer.from_pretrained(path), core,
-                                     load_custom_settings(attention="triton", kv_blocks=rows * 24))
-    from gemmaserve_custom_torch.mixed_step import MixedStep
-
-    # decode-only ticks on the fixed buffers (what CUDA replays), their forward stubbed
-    backend.mixed = mixed = MixedStep(model, backend.pools, "triton", fixed_buffers=True,
-                                      max_tokens=core.max_num_batched_tokens, max_seqs=rows, width=4096 // 16)
-    stub: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def stubbed_forward(bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if bucket not in stub:
-            logits = torch.zeros(bucket, model.config.vocab_size)
-            logits[:, 7] = 1.0
-            stub[bucket] = (logits, logits.argmax(-1))
-        return stub[bucket]
-
-    mixed._decode_forward = stubbed_forward
+    backend, core = stubbed_backend(args.rows, blocks_per_row=24)
     if args.engine:
         engine_ticks(args, backend, core)
         return
     freeze_startup_objects()  # as the engine does when it is built
     scheduler = ContinuousBatchScheduler(backend, core)
+    rows = args.rows
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     prompts = [tuple((i * 7 + j) % 400 + 4 for j in range(20)) for i in range(rows)]
     for round_name in ("warm-up", "timed"):
         for i, prompt in enumerate(prompts):
             scheduler.add_request(Request(f"{round_name}{i}", prompt, params))
-        scheduler.step()  # admit and prefill every request
+        while not scheduler.stats().num_decoding or scheduler.stats().num_prefilling:  # prompts: 8192-token ticks
+            scheduler.step()
         profile = cProfile.Profile() if args.profile and round_name == "timed" else None
         ticks, start = 0, time.perf_counter()
         if profile is not None:
@@ -117,15 +121,12 @@ def engine_ticks(args: argparse.Namespace, backend: object, core: CoreSettings) 
     import statistics
 
     from decode_workloads import profile_engine_thread, run_engine
-    from gemmaserve_custom_torch.mixed_step import MixedStep
 
     rows = args.rows
     if args.no_gc_freeze:
         from gemmaserve.engine import engine as engine_module
 
         engine_module._frozen = True  # as if already frozen: nothing is
-    backend.mixed = MixedStep(backend.model, backend.pools, "reference", max_tokens=core.max_num_batched_tokens,
-                              max_seqs=rows, width=64)  # the 20-token prompts' prefill: eager, quick
     prompts = [[(i * 7 + j) % 400 + 4 for j in range(20)] for i in range(rows)]
     run_engine(backend, core, prompts, 8)  # warm-up; the first engine freezes the startup objects
     collecting = {"s": 0.0, "start": 0.0}
@@ -152,29 +153,10 @@ def engine_ticks(args: argparse.Namespace, backend: object, core: CoreSettings) 
 
 def prefill_ticks(args: argparse.Namespace) -> None:
     """Host time of the ticks that carry prompt tokens (see the module docstring)."""
-    from gemmaserve_custom_torch.backend import CustomTorchBackend
-    from gemmaserve_custom_torch.mixed_step import MixedStep
-    from gemmaserve_custom_torch.models import GemmaForCausalLM
-    from gemmaserve_custom_torch.settings import load_custom_settings
-    from gemmaserve_custom_torch.tokenizer import HFTokenizer
-    from tiny_checkpoints import build_tiny_gemma4
-
-    torch.set_num_threads(1)
     rows = args.rows
-    with tempfile.TemporaryDirectory() as tmp:
-        path = build_tiny_gemma4(Path(tmp) / "ckpt", sliding_window=512, max_position_embeddings=4096)
-        model = GemmaForCausalLM.from_hf(path, "cpu", torch.float32)
-        core = CoreSettings(model=str(path), device="cpu", dtype="float32", kv_block_size=16, max_batch_size=rows,
-                            max_active_kv_tokens=10**7, prefill_chunk_tokens=512, max_waiting_requests=4096)
-        backend = CustomTorchBackend(model, HFTokenizer.from_pretrained(path), core,
-                                     load_custom_settings(kv_blocks=rows * ((args.prompt_len + args.prefix_len) // 16 + 40)))
-    mixed = MixedStep(model, backend.pools, "reference", fixed_buffers=True, max_tokens=core.max_num_batched_tokens,
-                      max_seqs=rows, width=4096 // 16)
-    backend.mixed = mixed
-    logits = torch.zeros(rows, model.config.vocab_size)
-    logits[:, 7] = 1.0
-    mixed._bucket_forward = lambda key: (  # the stubbed forward: (bucket, decode_only, logits rows) keys
-        (logits[: key[0]], logits[: key[0]].argmax(-1)) if key[1] else (logits[: key[2]],))
+    backend, core = stubbed_backend(rows, (args.prompt_len + args.prefix_len) // 16 + 40, sliding_window=512,
+                                    max_position_embeddings=4096)
+    mixed = backend.mixed
     freeze_startup_objects()  # as the engine does when it is built
     scheduler = ContinuousBatchScheduler(backend, core)
     params = SamplingParams(max_tokens=2, ignore_eos=True)
