@@ -9,14 +9,16 @@ replaced by precomputed logits, so the time measured is host work only.
 ``--engine``: the same decode through the public `Engine` (its thread, the events delivered to a callback per
 request, as the benchmarks and the server receive them): the TPOT median is then the host time per decode
 tick of the whole path, and the time spent in garbage collections is reported with it.
+``--streams`` (with ``--engine``): every request read as an ``Engine.stream`` by one task on an asyncio loop in the
+main thread, as the server's generations are; also prints the engine thread's time handing a tick's events over.
 
 ``--prefill``: ``--rows`` cold prompts of ``--prompt-len`` tokens (after a ``--prefix-len`` prefix they all share
 and the cache holds: workload B's prefix hits) (window 512, blocks of 16) through the
 one-forward tick under the default 8192-token budget, the tick staged into the fixed buffers the CUDA graphs
 replay, the forward itself stubbed: the host time each prompt-carrying tick adds before and after the GPU work.
 
-Usage (repo root):  PYTHONPATH=core:plugins/custom_torch:tests \\
-                    .venv/bin/python benchmarks/host_overhead.py --rows 256 [--profile] [--prefill | --engine]
+Usage (repo root):  TRITON_INTERPRET=1 PYTHONPATH=core:plugins/custom_torch:tests \\
+                    .venv/bin/python benchmarks/host_overhead.py --rows 256 [--profile] [--prefill | --engine [--streams]]
 """
 
 from __future__ import annotations
@@ -38,10 +40,12 @@ from gemmaserve.sampling_params import SamplingParams
 from gemmaserve.settings import CoreSettings
 
 
-def stubbed_backend(rows: int, blocks_per_row: int, **checkpoint: int) -> tuple[Any, CoreSettings]:
+def stubbed_backend(rows: int, blocks_per_row: int, attention: str = "auto", **checkpoint: int,
+                    ) -> tuple[Any, CoreSettings]:
     """A custom_torch backend over a tiny random Gemma 4 checkpoint whose ticks stage the fixed buffers the CUDA
     graphs replay (``rows`` sequences, 8192 tokens) and whose forward is stubbed: every tick's logits pick token 7.
-    Prompt ticks write no K/V (nothing reads it: every token comes from the stub)."""
+    Prompt ticks write no K/V (nothing reads it: every token comes from the stub). ``attention="triton"`` (needs
+    TRITON_INTERPRET=1 on the CPU; nothing runs it) makes the backend declare asynchronous decode, as on CUDA."""
     from gemmaserve_custom_torch.backend import CustomTorchBackend
     from gemmaserve_custom_torch.mixed_step import MixedStep
     from gemmaserve_custom_torch.models import GemmaForCausalLM
@@ -56,7 +60,7 @@ def stubbed_backend(rows: int, blocks_per_row: int, **checkpoint: int) -> tuple[
         core = CoreSettings(model=str(path), device="cpu", dtype="float32", kv_block_size=16, max_batch_size=rows,
                             max_active_kv_tokens=10**7, prefill_chunk_tokens=512, max_waiting_requests=4096)
         backend = CustomTorchBackend(model, HFTokenizer.from_pretrained(path), core,
-                                     load_custom_settings(kv_blocks=rows * blocks_per_row))
+                                     load_custom_settings(attention=attention, kv_blocks=rows * blocks_per_row))
     mixed = MixedStep(model, backend.pools, "reference", fixed_buffers=True, max_tokens=core.max_num_batched_tokens,
                       max_seqs=rows, width=4096 // 16)
     logits = torch.zeros(rows, model.config.vocab_size)
@@ -78,6 +82,9 @@ def main() -> None:
     parser.add_argument("--prefix-len", type=int, default=0,
                         help="--prefill: a prefix every prompt shares before its own --prompt-len tokens (a cache hit)")
     parser.add_argument("--engine", action="store_true", help="decode through the Engine (events, callbacks)")
+    parser.add_argument("--streams", action="store_true",
+                        help="with --engine: every request an Engine.stream() read by an asyncio loop in the main "
+                        "thread, as the server's generations are (the events cross threads)")
     parser.add_argument("--no-gc-freeze", action="store_true",
                         help="with --engine: skip the engine's gc.freeze() of the startup objects (what it saves)")
     args = parser.parse_args()
@@ -85,7 +92,7 @@ def main() -> None:
         prefill_ticks(args)
         return
 
-    backend, core = stubbed_backend(args.rows, blocks_per_row=24)
+    backend, core = stubbed_backend(args.rows, blocks_per_row=24, attention="triton")  # async decode
     if args.engine:
         engine_ticks(args, backend, core)
         return
@@ -138,17 +145,61 @@ def engine_ticks(args: argparse.Namespace, backend: object, core: CoreSettings) 
             collecting["s"] += time.perf_counter() - collecting["start"]
 
     gc.callbacks.append(on_gc)
+    run = (lambda: run_streams(backend, core, prompts, args.tokens)) if args.streams else (
+        lambda: run_engine(backend, core, prompts, args.tokens).tpot_ms)
     if args.profile:  # the engine thread does the work
-        result, profile = profile_engine_thread(lambda: run_engine(backend, core, prompts, args.tokens))
+        tpot_ms, profile = profile_engine_thread(run)
     else:
-        result, profile = run_engine(backend, core, prompts, args.tokens), None
+        tpot_ms, profile = run(), None
     gc.callbacks.remove(on_gc)
-    print(f"rows={rows}: engine TPOT median {statistics.median(result.tpot_ms):.3f} ms (host only), "
+    print(f"rows={rows}: engine TPOT median {statistics.median(tpot_ms):.3f} ms (host only"
+          f"{', asyncio streams' if args.streams else ''}), "
           f"{collecting['s'] * 1e3 / args.tokens:.3f} ms per token in garbage collections"
           + (" (under cProfile)" if args.profile else ""))
     if profile is not None:
         pstats.Stats(profile).sort_stats("tottime").print_stats(25)
         pstats.Stats(profile).sort_stats("cumulative").print_stats(30)
+
+
+def run_streams(backend: Any, settings: CoreSettings, prompts: list[list[int]], output_len: int) -> list[float]:
+    """``--streams``: each prompt through ``Engine.stream`` (greedy, EOS ignored), every stream read by one task
+    on an asyncio loop in this thread; per request the mean gap between its tokens after the first (ms)."""
+    import asyncio
+
+    from gemmaserve.engine.engine import Engine
+
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    engine = Engine(backend, settings)
+    deliver, spent = engine._deliver, [0.0, 0]
+
+    def timed_deliver(events: list[Any]) -> None:  # the engine thread's hand-over of a tick's events
+        start = time.perf_counter()
+        deliver(events)
+        spent[0] += time.perf_counter() - start
+        spent[1] += bool(events)
+
+    engine._deliver = timed_deliver  # type: ignore[method-assign]
+
+    async def read(stream: Any) -> float:
+        first = last = None
+        count = 0
+        async for event in stream:
+            if event.new_token_ids:
+                last = time.perf_counter()
+                first = first if first is not None else last
+                count += len(event.new_token_ids)
+        assert first is not None and last is not None and count == output_len, count
+        return (last - first) * 1e3 / (count - 1)
+
+    async def main() -> list[float]:
+        streams = [engine.stream(prompt, params) for prompt in prompts]
+        return list(await asyncio.gather(*(read(stream) for stream in streams)))
+
+    try:
+        return asyncio.run(main())
+    finally:
+        engine.shutdown()
+        print(f"engine thread: {spent[0] * 1e3 / max(spent[1], 1):.3f} ms per delivery of a tick's events")
 
 
 def prefill_ticks(args: argparse.Namespace) -> None:

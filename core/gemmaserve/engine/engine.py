@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from gemmaserve.engine.delivery import batched_delivery
 from gemmaserve.engine.handles import EventCallback, RequestHandle, RequestStream
 from gemmaserve.engine.request import FinishReason, Request, RequestEvent, RequestOutput
 from gemmaserve.engine.scheduler import ContinuousBatchScheduler
@@ -360,9 +361,10 @@ class Engine:
                     self._handles.pop(event.request_id, None)
             if self._room_waiters:
                 self._cond.notify_all()
-        for handle, event in targets:
-            if handle is not None:
-                handle.deliver(event)
+        with batched_delivery():  # the streams' events reach each asyncio loop in one hand-over
+            for handle, event in targets:
+                if handle is not None:
+                    handle.deliver(event)
 
     def _close_backend(self) -> None:
         if self._owns_backend:

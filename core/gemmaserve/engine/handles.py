@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+from gemmaserve.engine.delivery import loop_delivery
 from gemmaserve.engine.request import FinishReason, RequestEvent, RequestOutput
 
 if TYPE_CHECKING:
@@ -81,22 +82,17 @@ class RequestHandle:
 
 class RequestStream:
     """``AsyncIterator[RequestEvent]`` over one request, made by :meth:`Engine.stream` (the request is
-    submitted when the stream is created). Events arrive through ``loop.call_soon_threadsafe``.
+    submitted when the stream is created). Events arrive through the loop's :class:`~gemmaserve.engine.delivery.LoopDelivery`.
     Leaving early cancels the request: ``aclose()``, the consumer task being cancelled while it
     waits, or the stream being garbage-collected before the final event."""
 
     def __init__(self, engine: Engine, handle_factory: Callable[[EventCallback], RequestHandle]) -> None:
         self._finished = False
-        loop = asyncio.get_running_loop()
         events: asyncio.Queue[RequestEvent] = asyncio.Queue()
         self._events = events
-
-        def on_event(event: RequestEvent) -> None:  # engine thread; holds no reference to the stream
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, event)
-            except RuntimeError:  # the loop is closed: nobody will read this request
-                engine.cancel(event.request_id)
-
+        # engine thread; holds no reference to the stream; a closed loop cancels the request
+        on_event = loop_delivery(asyncio.get_running_loop()).callback(
+            events.put_nowait, lambda event: engine.cancel(event.request_id))
         self.handle = handle_factory(on_event)
         self.request_id = self.handle.request_id
 

@@ -1,8 +1,8 @@
 """One HTTP generation: submit to the engine, turn engine events into text steps, cancel on demand.
 
 Threading: everything here runs on the server's event loop, except the engine's ``on_event``
-callback, which only hands events over with ``loop.call_soon_threadsafe``. A generation is driven
-by one coroutine at a time (the handler, or the SSE body iterator after it).
+callback, which only hands events over (``engine/delivery.py``: one loop wake-up per engine tick). A generation
+is driven by one coroutine at a time (the handler, or the SSE body iterator after it).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gemmaserve.detokenize import IncrementalDetokenizer
+from gemmaserve.engine.delivery import loop_delivery
 from gemmaserve.engine.request import FinishReason
 from gemmaserve.server.errors import APIError, ClientDisconnected, from_output_error
 
@@ -139,21 +140,14 @@ class Generation:
         self._pending: asyncio.Future[RequestEvent] | None = None
         self._engine_done = False
         self._client_gone = False
-        loop = asyncio.get_running_loop()
-        queue = self._queue
-
-        def on_event(event: RequestEvent) -> None:  # engine thread: hand over, nothing else
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, event)
-            except RuntimeError:  # the loop is closed: nobody will read this request any more
-                engine.cancel(event.request_id)
-
-        self._on_event = on_event
+        # engine thread: hand over, nothing else (one loop wake-up per engine tick); a closed loop cancels
+        self._on_event = loop_delivery(asyncio.get_running_loop()).callback(
+            self._queue.put_nowait, lambda event: engine.cancel(event.request_id))
         if not submit:  # submit_many queues it; until then there is no engine request to cancel
             self._engine_done = True
             return
         self._handle = engine.submit(
-            prepared.prompt_ids, prepared.params, self.request_id, on_event, logprobs=prepared.want_logprobs
+            prepared.prompt_ids, prepared.params, self.request_id, self._on_event, logprobs=prepared.want_logprobs
         )
 
     @property
