@@ -93,7 +93,10 @@ def test_benchmark_against_the_reference_backend() -> None:
     assert summary["completed"] == 12 and summary["failed"] == 0
     assert summary["total_output_tokens"] == 60 and summary["total_input_tokens"] == 12 * 16
     assert summary["config"]["model"] == "tiny-ref"
-    assert all(len(r["itl"]) == 4 and r["ttft"] > 0 for r in summary["per_request"])
+    # one gap per SSE chunk after the first (as vLLM's bench counts them); a server behind the engine sends a
+    # chunk with several tokens, so 5 tokens make at most 4 gaps
+    assert all(len(r["itl"]) <= 4 and r["ttft"] > 0 for r in summary["per_request"])
+    assert all(sum(r["itl"]) <= r["latency"] - r["ttft"] + 1e-6 for r in summary["per_request"])
     assert engine.stats().finished == {"length": 12}
     json.dumps(summary)  # the result file is plain JSON
 

@@ -132,6 +132,24 @@ class RequestEvent:
     new_logprobs: list[float] | None = None
     cached_tokens: int = 0
     new_top_logprobs: list[list[tuple[int, float]]] | None = None
+    produced_at: float = field(default_factory=time.monotonic)
+    """``time.monotonic()`` when the engine made it (its tokens' time, whenever a consumer reads them)."""
+
+    def then(self, later: RequestEvent) -> RequestEvent:
+        """One event saying what this one and ``later`` (the same request's next event) say: their tokens (and
+        logprobs) in order, ``later``'s finish, output, cached count and time. Makes a new event; neither
+        changes."""
+        if later.request_id != self.request_id:
+            raise ValueError(f"cannot merge events of {self.request_id!r} and {later.request_id!r}")
+        if self.finished:
+            raise ValueError(f"request {self.request_id!r} has no event after its final one")
+        return RequestEvent(self.request_id, self.new_token_ids + later.new_token_ids, later.finished, later.output,
+                            _joined(self.new_logprobs, later.new_logprobs), later.cached_tokens,
+                            _joined(self.new_top_logprobs, later.new_top_logprobs), later.produced_at)
+
+
+def _joined(first: list | None, second: list | None) -> list | None:
+    return None if first is None and second is None else [*(first or ()), *(second or ())]
 
 
 @dataclass(eq=False)

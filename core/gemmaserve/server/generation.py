@@ -69,7 +69,9 @@ class Step:
 
 @dataclass(slots=True)
 class Timing:
-    """Server-side latencies (``time.monotonic`` seconds) as a client sees them."""
+    """Server-side latencies (``time.monotonic`` seconds): from the request's arrival, the times the engine
+    produced its tokens (:attr:`RequestEvent.produced_at`, one per engine event: a busy event loop that sends
+    several events' tokens in one chunk changes none of them) and the response's end."""
 
     start: float = field(default_factory=time.monotonic)
     first_token: float | None = None
@@ -78,8 +80,8 @@ class Timing:
     gaps: list[float] = field(default_factory=list)
     """Seconds between successive token deliveries (inter-token latency)."""
 
-    def on_tokens(self) -> None:
-        now = time.monotonic()
+    def on_tokens(self, now: float) -> None:
+        """Tokens produced at ``now``."""
         if self.first_token is None:
             self.first_token = now
         elif self.last_token is not None:
@@ -173,9 +175,17 @@ class Generation:
         }
 
     async def next_step(self) -> Step | None:
-        """The next step with tokens or a finish reason; None once the generation is over."""
+        """The next step with tokens or a finish reason; None once the generation is over. Events that queued up
+        while the consumer was busy (the event loop behind the engine) make one step together: one SSE chunk
+        for several tokens, so a loaded server's per-chunk work does not grow with the token rate."""
         while not self.done:
-            step = self._consume(await self._next_event())
+            event = await self._next_event()
+            self._time_tokens(event)
+            while not event.finished and not self._queue.empty():
+                later = self._queue.get_nowait()
+                self._time_tokens(later)
+                event = event.then(later)
+            step = self._consume(event)
             if step.token_ids or step.finish_reason:
                 return step
         return None
@@ -209,6 +219,8 @@ class Generation:
 
     # -- internals ---------------------------------------------------------------------------------
     async def _next_event(self) -> RequestEvent:
+        if self._pending is None and not self._queue.empty():  # already here: no waiter task, no timer
+            return self._queue.get_nowait()
         while True:
             if self._pending is None:
                 self._pending = asyncio.ensure_future(self._queue.get())
@@ -219,6 +231,10 @@ class Generation:
             if not self._engine.is_alive():
                 self.close()
                 raise APIError(503, "the engine stopped while this request was running; retry later")
+
+    def _time_tokens(self, event: RequestEvent) -> None:
+        if event.new_token_ids:
+            self.timing.on_tokens(event.produced_at)
 
     def _consume(self, event: RequestEvent) -> Step:
         """Fold one engine event in; sets ``finish_reason`` when the generation is over."""
@@ -246,8 +262,6 @@ class Generation:
     def _take_tokens(self, token_ids: Sequence[int], logprobs: Sequence[float] | None,
                      top: Sequence[list[tuple[int, float]]] | None = None) -> Step:
         step = Step("", [], [] if self.prepared.want_logprobs else None)
-        if token_ids:
-            self.timing.on_tokens()
         shown, hidden_tail = token_ids, 0
         if self._hidden and token_ids and token_ids[-1] in self._hidden:  # a stop token ends the reply: no text
             shown, hidden_tail = token_ids[:-1], 1
