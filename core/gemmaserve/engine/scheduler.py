@@ -633,10 +633,13 @@ class ContinuousBatchScheduler:
         as a callable that the backend calls after launching the forward (``capabilities.deferred_sampling``);
         it reads ``launched``'s tokens, gives them to those rows (:meth:`Request.take_ahead`) and computes
         their masks while the device runs the forward."""
-        index = {id(request): i for i, request in enumerate(launched.requests)} if launched is not None else {}
-        sources = [index.get(id(request), -1) for request in rows]
+        if launched is not None and launched.requests == rows:  # the steady state (identity: eq=False requests)
+            sources, input_ids = list(range(len(rows))), [0] * len(rows)
+        else:
+            index = {id(request): i for i, request in enumerate(launched.requests)} if launched is not None else {}
+            sources = [index.get(id(request), -1) for request in rows]
+            input_ids = [request.output_token_ids[-1] if source < 0 else 0 for request, source in zip(rows, sources)]
         memory = self.backend.mask_memory
-        input_ids = [request.output_token_ids[-1] if source < 0 else 0 for request, source in zip(rows, sources)]
 
         def samplings() -> list[RowSampling]:
             if deferred:
