@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 
 import pytest
 from hypothesis import given, settings
@@ -116,6 +117,28 @@ def test_loop_delivery_is_one_per_loop() -> None:
     finally:
         first.close()
         second.close()
+
+
+def test_a_loop_without_weak_references_still_gets_a_delivery() -> None:
+    class SlotLoop:
+        __slots__ = ("calls",)  # no __weakref__
+
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def call_soon_threadsafe(self, callback, *args):  # type: ignore[no-untyped-def]
+            self.calls += 1
+            callback(*args)
+
+    loop = SlotLoop()
+    with pytest.raises(TypeError):
+        weakref.ref(loop)
+    got: list[int] = []
+    on_event = loop_delivery(loop).callback(lambda e: got.extend(e.new_token_ids), lambda e: None)  # type: ignore[arg-type]
+    with batched_delivery():
+        on_event(event("a", 1))
+        on_event(event("a", 2))
+    assert got == [1, 2] and loop.calls == 1
 
 
 @settings(max_examples=40, deadline=None)

@@ -52,11 +52,15 @@ def batched_delivery() -> Iterator[None]:
 
 
 def loop_delivery(loop: asyncio.AbstractEventLoop) -> LoopDelivery:
-    """The one :class:`LoopDelivery` of ``loop`` (made on first use; forgotten with the loop)."""
+    """The one :class:`LoopDelivery` of ``loop`` (made on first use; forgotten with the loop). A loop that takes
+    no weak reference gets a new one per call: still in order per caller, batched per caller only."""
     with _deliveries_lock:
-        delivery = _deliveries.get(loop)
-        if delivery is None:
-            delivery = _deliveries[loop] = LoopDelivery(loop)
+        try:
+            delivery = _deliveries.get(loop)
+            if delivery is None:
+                delivery = _deliveries[loop] = LoopDelivery(loop)
+        except TypeError:  # not weak-referenceable
+            return LoopDelivery(loop)
         return delivery
 
 
