@@ -753,20 +753,24 @@ class ContinuousBatchScheduler:
             logger.warning("reading a launched step failed; retrying each row alone", exc_info=True)
             self._retry_rows_alone(exc, events)
             return
-        live = [(i, request) for i, request in enumerate(launched.requests) if not request.is_finished]
+        live: list[Request] = []
+        ended: set[int] = set()
+        tokens, logprobs, tops, eos = sampled.token_ids, sampled.logprobs, sampled.top_logprobs, self._eos
+        for i, request in enumerate(launched.requests):  # per row per tick: one pass (what sampled_token reads)
+            if request.state is RequestState.FINISHED:
+                continue
+            live.append(request)
+            if request.append_token(tokens[i], logprobs[i] if logprobs else None, eos, tops[i] if tops else ()):
+                ended.add(id(request))
         self._counters["generated_tokens"] += len(live)
-        for i, request in live:
-            token, logprob, top = sampled_token(sampled, i)
-            request.append_token(token, logprob, self._eos, top)
         batch = self._q.rows
-        ended = {id(request) for _, request in live if request.is_finished}
         for index in reversed(range(len(batch.rows)) if ended else ()):
             request = batch.rows[index] if index < len(batch.rows) else None
             if request is not None and id(request) in ended:
                 self._q.remove_row(index, events)
                 if request.request_id in self._q.requests:  # else a failed removal retired the whole batch
                     self._q.retire(request, events)
-        events.extend(request.take_event() for _, request in live if not request.is_finished)
+        events.extend(request.take_event() for request in live if not request.is_finished)
         for j, request in enumerate(launched.completions, start=len(launched.requests)):
             self._awaiting_first.discard(request.request_id)
             if request.is_finished:  # cancelled or failed while its first token was in flight
