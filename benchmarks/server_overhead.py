@@ -6,8 +6,9 @@ checkpoint, every token 7); ``gemmaserve bench`` streams ``--rows`` requests at 
 (``/v1/completions``, ``--input-len`` prompt tokens, ``--tokens`` output tokens, EOS ignored), once to warm up and
 once timed. Everything measured is host work: the client's throughput and latencies, and per output token the CPU
 time of the engine thread (scheduling, the events' hand-over) and of the event-loop thread (HTTP, detokenizing,
-SSE chunks, the sockets). Both threads share one GIL (and here two cores with the client): what the loop spends
-delays the engine's next launch.
+SSE chunks, the sockets), and the timed run's garbage collections (count, total and longest pause by generation).
+Both threads share one GIL (and here two cores with the client): what the loop spends delays the engine's next
+launch.
 
 Usage (repo root):  TRITON_INTERPRET=1 PYTHONPATH=core:plugins/custom_torch:tests:benchmarks \\
                     .venv/bin/python benchmarks/server_overhead.py --rows 256 [--json out.json]
@@ -16,6 +17,7 @@ Usage (repo root):  TRITON_INTERPRET=1 PYTHONPATH=core:plugins/custom_torch:test
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import socket
 import subprocess
@@ -60,12 +62,26 @@ def main() -> None:
     loop_thread = threading.get_ident()
     engine_thread = engine._thread.ident  # type: ignore[attr-defined]
 
+    pauses: list[tuple[int, float]] = []  # (generation, seconds) of the timed run's collections, any thread
+    started: dict[int, float] = {}
+    timed = threading.Event()
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[threading.get_ident()] = time.perf_counter()
+        elif timed.is_set() and threading.get_ident() in started:
+            pauses.append((info["generation"], time.perf_counter() - started.pop(threading.get_ident())))
+
+    gc.callbacks.append(on_gc)
+
     def client() -> None:
         try:
             while not server.started:
                 time.sleep(0.05)
             with tempfile.TemporaryDirectory() as tmp:
                 for name in ("warm-up", "timed"):
+                    if name == "timed":
+                        timed.set()
                     steps, engine_cpu, loop_cpu = engine.stats().num_steps, thread_cpu_s(engine_thread), \
                         thread_cpu_s(loop_thread)
                     out = Path(tmp) / f"{name}.json"
@@ -83,6 +99,9 @@ def main() -> None:
                     engine_thread_cpu_us_per_token=round(engine_cpu * 1e6 / tokens, 1),
                     loop_thread_cpu_us_per_token=round(loop_cpu * 1e6 / tokens, 1),
                     **{key: summary[key] for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")},
+                    gc_pauses={str(gen): {"count": len(ms), "total_ms": round(sum(ms), 2),
+                                          "max_ms": round(max(ms), 2)}
+                               for gen in (0, 1, 2) if (ms := [p * 1e3 for g, p in pauses if g == gen])},
                 )
         finally:
             server.should_exit = True
@@ -110,7 +129,8 @@ def main() -> None:
     med = {key: round(result[key]["median"], 2) for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms") if key in result}
     print(f"rows={args.rows}: {result.get('completed')} completed, {result.get('output_throughput')} output tok/s, "
           f"medians {med}; CPU per output token: engine thread {result.get('engine_thread_cpu_us_per_token')} µs, "
-          f"event-loop thread {result.get('loop_thread_cpu_us_per_token')} µs")
+          f"event-loop thread {result.get('loop_thread_cpu_us_per_token')} µs; collections by generation "
+          f"{result.get('gc_pauses')}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 
