@@ -141,6 +141,48 @@ def test_a_loop_without_weak_references_still_gets_a_delivery() -> None:
     assert got == [1, 2] and loop.calls == 1
 
 
+def test_the_registry_forgets_a_loop_that_is_gone() -> None:
+    import gc
+
+    from gemmaserve.engine import delivery as module
+
+    async def use() -> weakref.ref:
+        loop = asyncio.get_running_loop()
+        loop_delivery(loop).callback(lambda e: None, lambda e: None)
+        return weakref.ref(loop)
+
+    ref = asyncio.run(use())
+    gc.collect()
+    assert ref() is None and all(loop is not None for loop in module._deliveries)
+
+
+def test_a_loop_gone_before_the_hand_over_counts_as_closed() -> None:
+    loop = RecordingLoop()
+    closed: list[int] = []
+    on_event = LoopDelivery(loop).callback(lambda e: None, lambda e: closed.extend(e.new_token_ids))  # type: ignore[arg-type]
+    with batched_delivery():
+        on_event(event("a", 1))
+        del loop
+    assert closed == [1]
+
+
+def test_one_failing_loop_does_not_strand_the_others() -> None:
+    class BrokenLoop(RecordingLoop):
+        def call_soon_threadsafe(self, callback, *args):  # type: ignore[no-untyped-def]
+            raise ValueError("not a loop")
+
+    broken, good = BrokenLoop(), RecordingLoop()
+    got: list[int] = []
+    first = LoopDelivery(broken).callback(lambda e: None, lambda e: None)  # type: ignore[arg-type]
+    second = LoopDelivery(good).callback(lambda e: got.extend(e.new_token_ids), lambda e: None)  # type: ignore[arg-type]
+    with batched_delivery():
+        first(event("a", 1))
+        second(event("b", 2))
+    assert got == [2]
+    second(event("b", 3))  # the good loop's delivery is not stuck
+    assert got == [2, 3]
+
+
 @settings(max_examples=40, deadline=None)
 @given(ticks=st.lists(st.lists(st.integers(0, 5), max_size=12), min_size=1, max_size=8),
        scoped=st.lists(st.booleans(), min_size=8, max_size=8))

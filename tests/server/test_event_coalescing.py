@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gemmaserve.engine.request import Request, RequestEvent, RequestState
+from gemmaserve.engine.request import FinishReason, Request, RequestEvent, RequestState
 from gemmaserve.sampling_params import SamplingParams
 from gemmaserve.server.generation import Generation, Prepared, Timing
 from gemmaserve.testing.reference_model import CharTokenizer
@@ -45,10 +45,87 @@ def events_of(request: Request, tokens: list[list[int]], start: float = 10.0) ->
     return events
 
 
-def generation(max_tokens: int, logprobs: bool = False) -> Generation:
-    prepared = Prepared(prompt_ids=[3, 4], params=SamplingParams(max_tokens=max_tokens, ignore_eos=True), stop=[],
-                        want_logprobs=logprobs)
+def generation(max_tokens: int, logprobs: bool = False, stop: list[str] | None = None,
+               hidden: tuple[int, ...] = ()) -> Generation:
+    prepared = Prepared(prompt_ids=[3, 4], params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                        stop=stop or [], want_logprobs=logprobs, hidden_token_ids=hidden)
     return Generation(DeadEngine(), CharTokenizer(64), prepared, timing=Timing(start=9.5), submit=False)  # type: ignore[arg-type]
+
+
+def letters(text: str) -> list[int]:
+    return CharTokenizer(64).encode(text, add_special_tokens=False)
+
+
+async def drain(g: Generation) -> tuple[list[str], list[int]]:
+    """Every step's text and all tokens until the generation is over (or nothing is queued)."""
+    texts: list[str] = []
+    while not g.done and (not g._queue.empty() or g._held is not None):
+        step = await g.next_step()
+        if step is None:
+            break
+        texts.append(step.text)
+    return texts, g.token_ids
+
+
+def test_no_step_runs_past_a_hidden_stop_token() -> None:
+    """Chat with a tool or reasoning parser: EOS is hidden (its text left out) but, with ignore_eos, does not
+    end the request; merged or not, the reply's text is the same."""
+    eos = 2
+    tokens = [[letters("a")[0]], [eos], [letters("b")[0]], [letters("c")[0]]]
+
+    async def one_at_a_time() -> str:
+        g = generation(8, hidden=(eos,))
+        text = ""
+        for event in events_of(decoding_request(8), tokens):
+            g._queue.put_nowait(event)
+            step = await g.next_step()
+            assert step is not None
+            text += step.text
+        return text
+
+    async def merged() -> str:
+        g = generation(8, hidden=(eos,))
+        for event in events_of(decoding_request(8), tokens):
+            g._queue.put_nowait(event)
+        texts, ids = await drain(g)
+        assert ids == [t for group in tokens for t in group]
+        return "".join(texts)
+
+    expected = asyncio.run(one_at_a_time())
+    assert "<eos>" not in expected
+    assert asyncio.run(merged()) == expected
+
+
+def test_tokens_before_a_failure_go_out_before_the_error() -> None:
+    from gemmaserve.server.errors import APIError
+
+    async def scenario() -> None:
+        g = generation(8)
+        request = decoding_request(8)
+        events = events_of(request, [[letters("a")[0]], [letters("b")[0]]])
+        request.finish(FinishReason.ERROR, RuntimeError("injected"))
+        events.append(request.take_event())
+        for event in events:
+            g._queue.put_nowait(event)
+        step = await g.next_step()
+        assert step is not None and step.token_ids == letters("ab") and step.text == "ab"
+        with pytest.raises(APIError):
+            await g.next_step()
+
+    asyncio.run(scenario())
+
+
+def test_tokens_after_a_stop_string_are_not_timed() -> None:
+    async def scenario() -> None:
+        g = generation(8, stop=["b"])
+        for event in events_of(decoding_request(8), [[letters("a")[0]], [letters("b")[0]], [letters("c")[0]]]):
+            g._queue.put_nowait(event)
+        step = await g.next_step()
+        assert step is not None and step.finish_reason == "stop" and step.text == "a"
+        assert g.token_ids == letters("ab")  # the stop string's token counts, what follows it does not
+        assert g.timing.gaps == [1.0] and g.timing.tpot(len(g.token_ids)) == pytest.approx(1.0)
+
+    asyncio.run(scenario())
 
 
 def test_queued_events_make_one_step_and_keep_their_times() -> None:

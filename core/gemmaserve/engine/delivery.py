@@ -48,7 +48,10 @@ def batched_delivery() -> Iterator[None]:
     finally:
         _scope.pending = None
         for delivery in pending:
-            delivery.flush()
+            try:
+                delivery.flush()
+            except Exception:  # one loop's failure must not strand the others' events
+                logger.exception("handing events to an event loop failed")
 
 
 def loop_delivery(loop: asyncio.AbstractEventLoop) -> LoopDelivery:
@@ -65,12 +68,18 @@ def loop_delivery(loop: asyncio.AbstractEventLoop) -> LoopDelivery:
 
 
 class LoopDelivery:
-    """Events bound for one asyncio loop (see the module docstring). Make it with :func:`loop_delivery`."""
+    """Events bound for one asyncio loop (see the module docstring). Make it with :func:`loop_delivery`. Holds
+    the loop weakly (a loop that is gone counts as closed), so the registry forgets both with the loop. Several
+    engine threads may feed one loop: an event then waits at most for the end of the tick delivery under way
+    in the thread that queued the loop's first pending event."""
 
-    __slots__ = ("loop", "_lock", "_pending", "__weakref__")
+    __slots__ = ("_loop", "_lock", "_pending", "__weakref__")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+        try:
+            self._loop: Callable[[], asyncio.AbstractEventLoop | None] = weakref.ref(loop)
+        except TypeError:  # not weak-referenceable: held strongly (such a delivery is not registered)
+            self._loop = lambda: loop
         self._lock = threading.Lock()
         self._pending: list[tuple[EventSink, EventSink, RequestEvent]] = []
 
@@ -104,9 +113,11 @@ class LoopDelivery:
             batch, self._pending = self._pending, []
             if not batch:
                 return
+            loop = self._loop()
             try:
-                self.loop.call_soon_threadsafe(_put_all, batch)
-                return
+                if loop is not None:
+                    loop.call_soon_threadsafe(_put_all, batch)
+                    return
             except RuntimeError:  # the loop is closed: nobody will read these requests any more
                 pass
         for _, on_closed, event in batch:

@@ -102,6 +102,11 @@ class Timing:
         return None if self.end is None else self.end - self.start
 
 
+def _failed(event: RequestEvent) -> bool:
+    output = event.output
+    return output is not None and output.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED)
+
+
 class Generation:
     """Submits ``prepared`` on construction (engine validation errors raise right here, as
     :class:`~gemmaserve.errors.GemmaserveError`), then :meth:`next_step` yields text steps until
@@ -140,6 +145,7 @@ class Generation:
         self._hidden = frozenset(prepared.hidden_token_ids)
         self._queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
         self._pending: asyncio.Future[RequestEvent] | None = None
+        self._held: RequestEvent | None = None  # a failed final event read while merging, for the next step
         self._engine_done = False
         self._client_gone = False
         # engine thread: hand over, nothing else (one loop wake-up per engine tick); a closed loop cancels
@@ -180,15 +186,23 @@ class Generation:
         for several tokens, so a loaded server's per-chunk work does not grow with the token rate."""
         while not self.done:
             event = await self._next_event()
-            self._time_tokens(event)
-            while not event.finished and not self._queue.empty():
+            times = [(event.produced_at, len(event.new_token_ids))]
+            while not event.finished and not self._queue.empty() and not self._ends_hidden(event):
                 later = self._queue.get_nowait()
-                self._time_tokens(later)
+                if later.finished and event.new_token_ids and _failed(later):
+                    self._held = later  # its tokens go out before the error or cancellation ends the stream
+                    break
+                times.append((later.produced_at, len(later.new_token_ids)))
                 event = event.then(later)
-            step = self._consume(event)
+            step = self._consume(event, times)
             if step.token_ids or step.finish_reason:
                 return step
         return None
+
+    def _ends_hidden(self, event: RequestEvent) -> bool:
+        """A stop token whose text is left out ends ``event``: only a step's last token can be one
+        (:meth:`_take_tokens`), so nothing is merged after it."""
+        return bool(self._hidden and event.new_token_ids and event.new_token_ids[-1] in self._hidden)
 
     def client_gone(self) -> None:
         """The HTTP client disconnected: cancel the engine request (its KV is freed). The consumer
@@ -219,6 +233,9 @@ class Generation:
 
     # -- internals ---------------------------------------------------------------------------------
     async def _next_event(self) -> RequestEvent:
+        if self._held is not None:
+            event, self._held = self._held, None
+            return event
         if self._pending is None and not self._queue.empty():  # already here: no waiter task, no timer
             return self._queue.get_nowait()
         while True:
@@ -232,12 +249,9 @@ class Generation:
                 self.close()
                 raise APIError(503, "the engine stopped while this request was running; retry later")
 
-    def _time_tokens(self, event: RequestEvent) -> None:
-        if event.new_token_ids:
-            self.timing.on_tokens(event.produced_at)
-
-    def _consume(self, event: RequestEvent) -> Step:
-        """Fold one engine event in; sets ``finish_reason`` when the generation is over."""
+    def _consume(self, event: RequestEvent, times: Sequence[tuple[float, int]] = ()) -> Step:
+        """Fold one engine event in (``times``: when each of the events merged into it was produced, and its
+        token count); sets ``finish_reason`` when the generation is over."""
         self.cached_tokens = event.cached_tokens
         reason = None
         if event.finished:
@@ -249,6 +263,11 @@ class Generation:
             if reason in ("cancelled", "error"):
                 self._fail(reason, output.error_type, output.error)
         step = self._take_tokens(event.new_token_ids, event.new_logprobs, event.new_top_logprobs)
+        before = 0
+        for produced_at, count in times or [(event.produced_at, len(event.new_token_ids))]:
+            if count and before < len(step.token_ids):  # an event a stop string cut off entirely is not timed
+                self.timing.on_tokens(produced_at)
+            before += count
         if self.done:  # a stop string matched: the engine request is no longer needed
             self.close()
         elif reason is not None:
