@@ -147,13 +147,16 @@ def engine_ticks(args: argparse.Namespace, backend: object, core: CoreSettings) 
     gc.callbacks.append(on_gc)
     run = (lambda: run_streams(backend, core, prompts, args.tokens)) if args.streams else (
         lambda: run_engine(backend, core, prompts, args.tokens).tpot_ms)
+    cpu = time.process_time()  # this thread waits; the engine thread (and, with --streams, the loop) work
     if args.profile:  # the engine thread does the work
         tpot_ms, profile = profile_engine_thread(run)
     else:
         tpot_ms, profile = run(), None
+    cpu = time.process_time() - cpu
     gc.callbacks.remove(on_gc)
     print(f"rows={rows}: engine TPOT median {statistics.median(tpot_ms):.3f} ms (host only"
-          f"{', asyncio streams' if args.streams else ''}), "
+          f"{', asyncio streams' if args.streams else ''}), process CPU {cpu * 1e3 / args.tokens:.3f} ms per "
+          "token step (robust to a noisy machine: the run's CPU time, not its wall time; includes the prompts), "
           f"{collecting['s'] * 1e3 / args.tokens:.3f} ms per token in garbage collections"
           + (" (under cProfile)" if args.profile else ""))
     if profile is not None:
