@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -32,6 +33,13 @@ class RecordingLoop:
         callback(*args)
 
 
+def collecting() -> tuple[RecordingLoop, list[int], Callable[[RequestEvent], None]]:
+    """A recording loop, the tokens its sink got, and an engine callback feeding that sink."""
+    loop = RecordingLoop()
+    got: list[int] = []
+    return loop, got, LoopDelivery(loop).callback(lambda e: got.extend(e.new_token_ids), lambda e: None)  # type: ignore[arg-type]
+
+
 def test_one_hand_over_per_scope_in_order() -> None:
     loop = RecordingLoop()
     delivery = LoopDelivery(loop)  # type: ignore[arg-type]
@@ -48,9 +56,7 @@ def test_one_hand_over_per_scope_in_order() -> None:
 
 
 def test_outside_a_scope_each_event_goes_at_once() -> None:
-    loop = RecordingLoop()
-    got: list[int] = []
-    on_event = LoopDelivery(loop).callback(lambda e: got.extend(e.new_token_ids), lambda e: None)  # type: ignore[arg-type]
+    loop, got, on_event = collecting()
     on_event(event("a", 1))
     assert got == [1] and loop.calls == 1
     on_event(event("a", 2))
@@ -58,9 +64,7 @@ def test_outside_a_scope_each_event_goes_at_once() -> None:
 
 
 def test_nested_scopes_flush_when_the_outer_one_ends() -> None:
-    loop = RecordingLoop()
-    got: list[int] = []
-    on_event = LoopDelivery(loop).callback(lambda e: got.extend(e.new_token_ids), lambda e: None)  # type: ignore[arg-type]
+    loop, got, on_event = collecting()
     with batched_delivery():
         with batched_delivery():
             on_event(event("a", 1))
@@ -70,9 +74,7 @@ def test_nested_scopes_flush_when_the_outer_one_ends() -> None:
 
 
 def test_scope_ending_by_an_exception_still_hands_over() -> None:
-    loop = RecordingLoop()
-    got: list[int] = []
-    on_event = LoopDelivery(loop).callback(lambda e: got.extend(e.new_token_ids), lambda e: None)  # type: ignore[arg-type]
+    loop, got, on_event = collecting()
     with pytest.raises(KeyError):
         with batched_delivery():
             on_event(event("a", 1))
@@ -171,10 +173,8 @@ def test_one_failing_loop_does_not_strand_the_others() -> None:
         def call_soon_threadsafe(self, callback, *args):  # type: ignore[no-untyped-def]
             raise ValueError("not a loop")
 
-    broken, good = BrokenLoop(), RecordingLoop()
-    got: list[int] = []
-    first = LoopDelivery(broken).callback(lambda e: None, lambda e: None)  # type: ignore[arg-type]
-    second = LoopDelivery(good).callback(lambda e: got.extend(e.new_token_ids), lambda e: None)  # type: ignore[arg-type]
+    first = LoopDelivery(BrokenLoop()).callback(lambda e: None, lambda e: None)  # type: ignore[arg-type]
+    _, got, second = collecting()
     with batched_delivery():
         first(event("a", 1))
         second(event("b", 2))

@@ -57,8 +57,6 @@ class FinishReason(str, enum.Enum):
 MAX_TOP_K = 2**31 - 1
 """Largest ``top_k`` handed to a backend; larger values mean the same (no vocabulary is that big)."""
 
-_NO_TOKENS: frozenset[int] = frozenset()
-
 _TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
     RequestState.WAITING: frozenset({RequestState.PREFILLING, RequestState.FINISHED}),
     RequestState.PREFILLING: frozenset({RequestState.DECODING, RequestState.FINISHED}),
@@ -240,13 +238,10 @@ class Request:
         params = self.params
         step = len(self.output_token_ids) + ahead
         if (self.constraint is None and not self.bad_word_ids and step >= params.min_tokens
-                and not params.has_penalties):  # per row per tick: what for_params would build, built directly
+                and not params.has_penalties):  # per row per tick: nothing but the params shapes it
             if not ahead:
                 self._ahead = None  # nothing to roll back without a constraint (_forget_ahead)
-            return RowSampling(params.temperature, params.top_p, min(params.top_k, MAX_TOP_K), self.seed, step,
-                               params.min_p, params.logit_bias, (), params.repetition_penalty,
-                               params.presence_penalty, params.frequency_penalty, _NO_TOKENS, (), None,
-                               params.logprobs or 0)
+            return RowSampling.for_params(params, self.seed, step, top_k=min(params.top_k, MAX_TOP_K))
         ready = self._ahead if ahead else None
         if not ahead:
             self._forget_ahead()  # a token taken ahead that was never appended (a failed step) is forgotten

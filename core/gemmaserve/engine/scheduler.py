@@ -755,12 +755,12 @@ class ContinuousBatchScheduler:
             return
         live: list[Request] = []
         ended: set[int] = set()
-        tokens, logprobs, tops, eos = sampled.token_ids, sampled.logprobs, sampled.top_logprobs, self._eos
-        for i, request in enumerate(launched.requests):  # per row per tick: one pass (what sampled_token reads)
+        for i, request in enumerate(launched.requests):  # per row per tick: one pass
             if request.state is RequestState.FINISHED:
                 continue
             live.append(request)
-            if request.append_token(tokens[i], logprobs[i] if logprobs else None, eos, tops[i] if tops else ()):
+            token, logprob, top = sampled_token(sampled, i)
+            if request.append_token(token, logprob, self._eos, top):
                 ended.add(id(request))
         self._counters["generated_tokens"] += len(live)
         batch = self._q.rows

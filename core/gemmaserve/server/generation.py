@@ -249,7 +249,7 @@ class Generation:
                 self.close()
                 raise APIError(503, "the engine stopped while this request was running; retry later")
 
-    def _consume(self, event: RequestEvent, times: Sequence[tuple[float, int]] = ()) -> Step:
+    def _consume(self, event: RequestEvent, times: Sequence[tuple[float, int]]) -> Step:
         """Fold one engine event in (``times``: when each of the events merged into it was produced, and its
         token count); sets ``finish_reason`` when the generation is over."""
         self.cached_tokens = event.cached_tokens
@@ -264,7 +264,7 @@ class Generation:
                 self._fail(reason, output.error_type, output.error)
         step = self._take_tokens(event.new_token_ids, event.new_logprobs, event.new_top_logprobs)
         before = 0
-        for produced_at, count in times or [(event.produced_at, len(event.new_token_ids))]:
+        for produced_at, count in times:
             if count and before < len(step.token_ids):  # an event a stop string cut off entirely is not timed
                 self.timing.on_tokens(produced_at)
             before += count
