@@ -18,9 +18,6 @@ from gemmaserve.testing.reference_model import CharTokenizer
 class DeadEngine:
     """Nothing is submitted (``submit=False``): the test feeds the generation's queue itself."""
 
-    def is_alive(self) -> bool:
-        return True
-
 
 def decoding_request(max_tokens: int, logprobs: bool = False) -> Request:
     request = Request("r", (3, 4), SamplingParams(max_tokens=max_tokens, ignore_eos=True), logprobs)

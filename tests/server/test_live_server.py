@@ -253,7 +253,9 @@ def test_bench_runs_end_to_end_and_writes_json(server: LiveServer, tmp_path: Pat
         stats = summary[key]
         assert 0 < stats["median"] <= stats["p99"], (key, stats)
         assert stats["mean"] > 0
-    assert all(len(record["itl"]) == 5 for record in summary["per_request"])
+    # one gap per SSE chunk after the first: tokens that queued up while the event loop was busy share a chunk
+    assert all(len(record["itl"]) <= 5 for record in summary["per_request"])
+    assert all(sum(r["itl"]) <= r["latency"] - r["ttft"] + 1e-6 for r in summary["per_request"])
     assert summary["config"]["max_concurrency"] == 4 and summary["config"]["request_rate"] == 50
     debug_kv(server)
 

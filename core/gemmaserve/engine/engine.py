@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from gemmaserve.engine.delivery import batched_delivery
 from gemmaserve.engine.handles import EventCallback, RequestHandle, RequestStream
-from gemmaserve.engine.request import FinishReason, Request, RequestEvent, RequestOutput
+from gemmaserve.engine.request import FinishReason, Request, RequestEvent, RequestMetrics, RequestOutput
 from gemmaserve.engine.scheduler import ContinuousBatchScheduler
 from gemmaserve.errors import EngineOverloadedError, InvalidRequestError
 from gemmaserve.sampling_params import SamplingParams
@@ -302,18 +303,49 @@ class Engine:
 
     # -- the engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not (self._inbox or self._cancels or self._stopping or self.scheduler.has_work):
-                    self._cond.wait()
-                inbox, self._inbox = self._inbox, []
-                cancels, self._cancels = self._cancels, []
-                stopping = self._stopping
-            self._guarded(lambda events: self._tick(inbox, cancels, stopping, events))
-            if stopping:
-                break
-            self._guarded(lambda events: events.extend(self.scheduler.step_decode()))
-        self._close_backend()
+        try:
+            while True:
+                with self._cond:
+                    while not (self._inbox or self._cancels or self._stopping or self.scheduler.has_work):
+                        self._cond.wait()
+                    inbox, self._inbox = self._inbox, []
+                    cancels, self._cancels = self._cancels, []
+                    stopping = self._stopping
+                self._guarded(lambda events: self._tick(inbox, cancels, stopping, events))
+                if stopping:
+                    break
+                self._guarded(lambda events: events.extend(self.scheduler.step_decode()))
+        except BaseException as exc:  # not a tick's failure (those are guarded): the thread itself is going
+            logger.critical("the engine thread is exiting on %s; failing every request", type(exc).__name__,
+                            exc_info=True)
+            self._fail_everything(exc)
+            raise
+        finally:
+            self._close_backend()
+
+    def _fail_everything(self, exc: BaseException) -> None:
+        """The engine thread is dying: refuse new requests and end every known one with an error, so no
+        caller waits forever (``RequestHandle.result``, streams, the server's generations)."""
+        with self._cond:
+            self._stopping = True
+            inbox, self._inbox = self._inbox, []
+            self._cancels.clear()
+        events: list[RequestEvent] = []
+        for request in inbox:
+            request.finish(FinishReason.ERROR, exc)
+            events.append(request.take_event())
+        try:
+            events += self._recover(exc)
+        except BaseException:
+            logger.exception("failing the scheduled requests raised")
+        self._deliver(events)
+        with self._cond:  # anything still registered had no final event: end it without the scheduler
+            leftover, self._handles = dict(self._handles), {}
+        now = time.monotonic()
+        for request_id, handle in leftover.items():
+            output = RequestOutput(request_id, [], [], FinishReason.ERROR, 0, RequestMetrics(now, None, now),
+                                   error=f"the engine thread stopped: {exc!r}", error_type=type(exc).__name__)
+            handle.deliver(RequestEvent(request_id, [], True, output))
 
     def _guarded(self, part: Callable[[list[RequestEvent]], None]) -> None:
         """Run one part of a tick under the step lock, then deliver its events (first tokens of the

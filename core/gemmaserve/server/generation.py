@@ -26,13 +26,9 @@ if TYPE_CHECKING:
     from gemmaserve.engine.request import RequestEvent
     from gemmaserve.sampling_params import SamplingParams
 
-__all__ = ["Prepared", "Step", "Generation", "LIVENESS_CHECK_S"]
+__all__ = ["Prepared", "Step", "Generation"]
 
 logger = logging.getLogger(__name__)
-
-LIVENESS_CHECK_S = 2.0
-"""How often a waiting request checks that the engine thread is still alive (no hang if it died)."""
-
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
@@ -144,7 +140,6 @@ class Generation:
                                              skip_special_tokens=not prepared.hidden_token_ids)
         self._hidden = frozenset(prepared.hidden_token_ids)
         self._queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
-        self._pending: asyncio.Future[RequestEvent] | None = None
         self._held: RequestEvent | None = None  # a failed final event read while merging, for the next step
         self._engine_done = False
         self._client_gone = False
@@ -215,9 +210,6 @@ class Generation:
 
     def close(self) -> None:
         """Consumer side, when it stops reading: cancel the engine request if it still runs. Idempotent."""
-        if self._pending is not None:
-            self._pending.cancel()
-            self._pending = None
         if not self._engine_done:
             self._engine_done = True
             # a stop string ended it: the engine records "stop", not a client cancellation
@@ -233,21 +225,12 @@ class Generation:
 
     # -- internals ---------------------------------------------------------------------------------
     async def _next_event(self) -> RequestEvent:
+        """The next event. No timeout: the engine ends every request with a final event, also when its thread
+        dies (``Engine._fail_everything``); a cancelled consumer task leaves the queue intact."""
         if self._held is not None:
             event, self._held = self._held, None
             return event
-        if self._pending is None and not self._queue.empty():  # already here: no waiter task, no timer
-            return self._queue.get_nowait()
-        while True:
-            if self._pending is None:
-                self._pending = asyncio.ensure_future(self._queue.get())
-            done, _ = await asyncio.wait({self._pending}, timeout=LIVENESS_CHECK_S)
-            if done:
-                event, self._pending = self._pending.result(), None
-                return event
-            if not self._engine.is_alive():
-                self.close()
-                raise APIError(503, "the engine stopped while this request was running; retry later")
+        return await self._queue.get()
 
     def _consume(self, event: RequestEvent, times: Sequence[tuple[float, int]]) -> Step:
         """Fold one engine event in (``times``: when each of the events merged into it was produced, and its
