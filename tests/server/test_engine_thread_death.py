@@ -139,6 +139,32 @@ def test_an_http_stream_ends_with_an_error_instead_of_hanging(thread_errors: lis
         engine.shutdown(timeout=10)
 
 
+def test_a_callback_that_kills_the_thread_does_not_strand_the_others(thread_errors: list[BaseException]) -> None:
+    """Three requests finish in the same tick; the middle one's callback raises a BaseException: the other two
+    still get their real final events, and the engine stops taking requests."""
+    engine, _ = dying_engine(max_batch_size=4)
+    seen: list[str] = []
+
+    def killer(event: Any) -> None:
+        if event.finished:
+            raise ThreadKiller("a callback ended the thread")
+
+    try:
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        handles = engine.submit_many([[1, 2, 3], [1, 2, 4], [1, 2, 5]], [params] * 3,
+                                     on_events=[lambda e: seen.append(e.request_id), killer, None])
+        outputs = [handle.result(timeout=10) for handle in handles]
+        assert [o.finish_reason for o in outputs] == [FinishReason.LENGTH] * 3
+        assert [len(o.token_ids) for o in outputs] == [3, 3, 3]
+        assert seen.count(handles[0].request_id) >= 2  # its callback saw its tokens and its final event
+        assert engine._thread is not None
+        engine._thread.join(timeout=10)
+        assert not engine.is_alive()
+        assert [type(exc) for exc in thread_errors] == [ThreadKiller]
+    finally:
+        engine.shutdown(timeout=10)
+
+
 @pytest.fixture(autouse=True)
 def _no_leftover_threads() -> Iterator[None]:
     yield

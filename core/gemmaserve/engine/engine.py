@@ -316,12 +316,12 @@ class Engine:
                     break
                 self._guarded(lambda events: events.extend(self.scheduler.step_decode()))
         except BaseException as exc:  # not a tick's failure (those are guarded): the thread itself is going
-            logger.critical("the engine thread is exiting on %s; failing every request", type(exc).__name__,
-                            exc_info=True)
+            logger.critical("the engine thread is exiting on %r; failing every request", exc)
             self._fail_everything(exc)
             raise
         finally:
-            self._close_backend()
+            with self._step_lock:  # /metrics and /debug read the backend under it
+                self._close_backend()
 
     def _fail_everything(self, exc: BaseException) -> None:
         """The engine thread is dying: refuse new requests and end every known one with an error, so no
@@ -331,33 +331,44 @@ class Engine:
             inbox, self._inbox = self._inbox, []
             self._cancels.clear()
         events: list[RequestEvent] = []
-        for request in inbox:
-            request.finish(FinishReason.ERROR, exc)
-            events.append(request.take_event())
         try:
-            events += self._recover(exc)
+            for request in inbox:
+                request.finish(FinishReason.ERROR, exc)
+                events.append(request.take_event())
+            with self._step_lock:
+                events += self._recover(exc)
         except BaseException:
-            logger.exception("failing the scheduled requests raised")
-        self._deliver(events)
+            logger.exception("failing the in-flight requests raised")
+        try:
+            self._deliver(events)
+        except BaseException:
+            logger.exception("delivering the final events raised")
         with self._cond:  # anything still registered had no final event: end it without the scheduler
             leftover, self._handles = dict(self._handles), {}
         now = time.monotonic()
         for request_id, handle in leftover.items():
             output = RequestOutput(request_id, [], [], FinishReason.ERROR, 0, RequestMetrics(now, None, now),
                                    error=f"the engine thread stopped: {exc!r}", error_type=type(exc).__name__)
-            handle.deliver(RequestEvent(request_id, [], True, output))
+            try:
+                handle.deliver(RequestEvent(request_id, [], True, output))
+            except BaseException:
+                logger.exception("delivering request %s's final event raised", request_id)
 
     def _guarded(self, part: Callable[[list[RequestEvent]], None]) -> None:
         """Run one part of a tick under the step lock, then deliver its events (first tokens of the
         prefill half go out before the decode half runs). A raise is a scheduler bug: fail what is in
         flight and keep serving."""
         events: list[RequestEvent] = []
-        with self._step_lock:
-            try:
-                part(events)
-            except Exception as exc:
-                logger.critical("engine tick raised; failing all in-flight requests", exc_info=True)
-                events += self._recover(exc)
+        try:
+            with self._step_lock:
+                try:
+                    part(events)
+                except Exception as exc:
+                    logger.critical("engine tick raised; failing all in-flight requests", exc_info=True)
+                    events += self._recover(exc)
+        except BaseException:  # the thread is going (see _run): what the tick made so far still goes out
+            self._deliver(events)
+            raise
         self._deliver(events)
 
     def _tick(self, inbox: list[Request], cancels: list[tuple[str, FinishReason]], stopping: bool, events: list[RequestEvent]) -> None:
@@ -393,10 +404,16 @@ class Engine:
                     self._handles.pop(event.request_id, None)
             if self._room_waiters:
                 self._cond.notify_all()
+        failure: BaseException | None = None
         with batched_delivery():  # the streams' events reach each asyncio loop in one hand-over
             for handle, event in targets:
                 if handle is not None:
-                    handle.deliver(event)
+                    try:
+                        handle.deliver(event)
+                    except BaseException as exc:  # ends the thread (see _run), after the others' events
+                        failure = failure or exc
+        if failure is not None:
+            raise failure
 
     def _close_backend(self) -> None:
         if self._owns_backend:
