@@ -461,6 +461,9 @@ class _Server:
             for index, (view, step) in enumerate(zip(views, firsts)):
                 if step is not None:
                     yield sse(_indexed(view.chunk(step), index))
+            if len(generations) == 1:  # one choice: read it directly (no task and no wait per step)
+                while not generations[0].done and (step := await generations[0].next_step()) is not None:
+                    yield sse(_indexed(views[0].chunk(step), 0))
             waiting = {asyncio.ensure_future(g.next_step()): i for i, g in enumerate(generations) if not g.done}
             try:
                 while waiting:
