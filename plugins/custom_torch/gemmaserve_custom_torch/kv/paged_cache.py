@@ -40,6 +40,7 @@ class PagedKVCache:
         self.uid = next(_UIDS)  # unique per row for the process lifetime (unlike id(), never reused)
         self.freed = False
         self._exclusive: tuple[int, int] = (-1, -1)  # (version, logical block) last seen held by this row alone
+        self._evicted: dict[str, int] = dict.fromkeys(self.tables, 0)  # per group: every entry before it is -1
         self.indexed: tuple[int, int] = (-1, 0)  # (version, full blocks) the prefix cache last indexed of this row
         self.indexed_last: object | None = None  # the prefix cache's value of a block on this row's indexed path
         pools.live_rows.add(self)
@@ -53,6 +54,7 @@ class PagedKVCache:
             assert len(table) == _cdiv(length, self.pools.block_size)
             self.pools.incref(group, [b for b in table if b >= 0])
             self.tables[group] = list(table)
+            self._evicted[group] = 0
         self.length = length
         self.version += 1
 
@@ -132,8 +134,15 @@ class PagedKVCache:
         self.length += num_new
 
     def _evict_before(self, group: str, position: int) -> None:
+        """Release the blocks wholly before ``position``; scans only past the group's eviction watermark (blocks
+        are never allocated below it: appends start at ``write_start``)."""
         table = self.tables[group]
-        dead = [j for j in range(min(position // self.pools.block_size, len(table))) if table[j] >= 0]
+        end = min(position // self.pools.block_size, len(table))
+        start = self._evicted[group]
+        if end <= start:
+            return
+        dead = [j for j in range(start, end) if table[j] >= 0]
+        self._evicted[group] = end
         if dead:
             self.pools.decref(group, [table[j] for j in dead])
             for j in dead:
@@ -178,6 +187,7 @@ class PagedKVCache:
         for group, table in self.tables.items():
             self.pools.decref(group, [b for b in table if b >= 0])
             self.tables[group] = []
+            self._evicted[group] = 0
         self.freed = True
         self.version += 1
         self.pools.live_rows.discard(self)
@@ -209,16 +219,41 @@ class PagedKVCache:
 def prepare_decode_rows(pools: KVPools, rows: Sequence[PagedKVCache]) -> int:
     """Give every row the block of its next position (the one decode step of all decode drivers): rows that
     need nothing (``decode_needs_nothing``) are skipped; the others free what leaves the window, then, once
-    every pool is known to supply the step's new blocks, allocate. Raises KVCapacityError before changing any
-    row's blocks. Returns how many rows needed bookkeeping."""
+    every pool is known to supply the step's new blocks, get them (one allocation per group for the whole step;
+    copy-on-write for a block shared with the prefix cache). The same effect as ``prepare_append(1)`` on each
+    row, in one pass per row. Raises KVCapacityError before changing any row's blocks. Returns how many rows
+    needed bookkeeping."""
     slow = [row for row in rows if not row.decode_needs_nothing()]
+    if not slow:
+        return 0
+    bs = pools.block_size
+    geometry = pools.geometry
+    fresh: dict[str, list[tuple[PagedKVCache, int]]] = {group: [] for group in pools.groups}  # (row, block j)
+    shared: list[tuple[PagedKVCache, str, int]] = []
     for row in slow:
-        row.release_out_of_window(1)
-    needs: Counter[str] = Counter()
-    for row in slow:
-        needs.update(row.append_needs(1))
+        assert not row.freed
+        position = row.length
+        j = position // bs
+        for group, table in row.tables.items():
+            row._evict_before(group, geometry[group].keep_from(position + 1))
+            if j >= len(table) or table[j] < 0:
+                fresh[group].append((row, j))
+            elif pools.refcount(group, table[j]) > 1:
+                shared.append((row, group, j))
+    needs = Counter({group: len(wanted) for group, wanted in fresh.items() if wanted})
+    needs.update(group for _, group, _ in shared)
     for group, num in needs.items():
         pools.ensure_free(group, num)
-    for row in slow:
-        row.prepare_append(1)
+    for group, wanted in fresh.items():
+        if not wanted:
+            continue
+        for (row, j), block in zip(wanted, pools.allocate(group, len(wanted))):
+            table = row.tables[group]
+            if j >= len(table):
+                table.extend([-1] * (j + 1 - len(table)))
+            table[j] = block
+            row.version += 1
+    for row, group, j in shared:
+        row._copy_on_write(group, [j])
+        row.version += 1
     return len(slow)
