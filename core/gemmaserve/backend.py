@@ -372,10 +372,15 @@ class InferenceBackend(ABC):
         prefix under memory pressure). Does not change ``state.kv``."""
 
     def prefill(self, prompt_ids: Sequence[int]) -> PrefillResult:
-        """One-shot prefill = lookup + one chunk over the rest + store."""
+        """One-shot prefill = lookup + one chunk over the rest + store. If the chunk or the store raises, the
+        row is freed before the exception propagates (the caller never got it)."""
         state = self.prefill_lookup(prompt_ids)
-        self.prefill_chunk(state, state.num_remaining)
-        self.prefill_store(state)
+        try:
+            self.prefill_chunk(state, state.num_remaining)
+            self.prefill_store(state)
+        except BaseException:
+            self.free_row_kv(state.kv)
+            raise
         assert state.is_complete
         return PrefillResult(state.kv, state.last_logits, len(state.prompt_ids), state.num_cached)
 

@@ -108,6 +108,17 @@ def test_fault_injection_and_free_after_failure() -> None:
     backend.check_integrity()
 
 
+def test_a_failed_one_shot_prefill_frees_its_row() -> None:
+    """``InferenceBackend.prefill`` (lookup + chunk + store): the caller never gets the row of a prefill that
+    raised, so the default frees it."""
+    backend = ReferenceBackend(fail_on_token=9)
+    with backend.lock:
+        with pytest.raises(InjectedFault):
+            backend.prefill([5, 6, 9, 7])
+        assert backend.num_live_rows == 0
+        backend.check_integrity()
+
+
 def test_kv_reservation_limits() -> None:
     backend = ReferenceBackend(kv_capacity_tokens=100)
     assert backend.kv_reserve("a", 60) and not backend.kv_reserve("b", 60)

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fixtures_backend import make_backend
+from gemmaserve.errors import KVCapacityError
 from fixtures_backend import one_torch_thread  # noqa: F401  (autouse)
 from gemmaserve_custom_torch.kv.paged_cache import PagedKVCache, prepare_decode_rows
 
@@ -44,13 +46,27 @@ def shape(row: PagedKVCache) -> dict[str, list[int]]:
 
 @settings(max_examples=25, deadline=None)
 @given(prompts=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 14)), min_size=1, max_size=5),
-       steps=st.integers(1, 20), pinned=st.booleans())
-def test_prepare_decode_rows_is_prepare_append_on_each_row(tiny_gemma4_dir, prompts, steps, pinned) -> None:
-    one_pass, per_row = make_backend(tiny_gemma4_dir), make_backend(tiny_gemma4_dir)  # blocks of 4, window 8
+       steps=st.integers(1, 20), pinned=st.booleans(), kv_blocks=st.integers(10, 48))
+def test_prepare_decode_rows_is_prepare_append_on_each_row(tiny_gemma4_dir, prompts, steps, pinned,
+                                                          kv_blocks) -> None:
+    """Small pools too: the prefix cache gives blocks back on both sides alike, and a step that cannot get its
+    blocks fails on both."""
+    one_pass = make_backend(tiny_gemma4_dir, kv_blocks=kv_blocks)  # blocks of 4, window 8
+    per_row = make_backend(tiny_gemma4_dir, kv_blocks=kv_blocks)
     prompts = [*prompts, prompts[0]]  # a whole-prompt hit: its first step writes into a shared tail block
     with one_pass.lock, per_row.lock:
-        rows = [one_pass.prefill(prompt_of(f, n)).kv for f, n in prompts]  # prefill stores: later ones hit
-        twins = [per_row.prefill(prompt_of(f, n)).kv for f, n in prompts]
+        rows, twins = [], []
+        for f, n in prompts:  # prefill stores: later ones hit
+            try:
+                row = one_pass.prefill(prompt_of(f, n)).kv
+            except KVCapacityError:
+                with pytest.raises(KVCapacityError):
+                    per_row.prefill(prompt_of(f, n))
+                continue
+            rows.append(row)
+            twins.append(per_row.prefill(prompt_of(f, n)).kv)
+        if not rows:
+            return
         held: list[tuple[object, str, int]] = []  # (pools, group, block) referenced by a third party
         if pinned:  # someone else holds the block the first row writes next: its step copies it on write
             for row in (rows[0], twins[0]):
@@ -60,7 +76,12 @@ def test_prepare_decode_rows_is_prepare_append_on_each_row(tiny_gemma4_dir, prom
                         row.pools.incref(group, [table[j]])
                         held.append((row.pools, group, table[j]))
         for _ in range(steps):
-            changed = prepare_decode_rows(one_pass.pools, rows)
+            try:
+                changed = prepare_decode_rows(one_pass.pools, rows)
+            except KVCapacityError:
+                with pytest.raises(KVCapacityError):
+                    per_row_decode_rows(per_row.pools, twins)
+                break
             per_row_decode_rows(per_row.pools, twins)
             assert changed <= len(rows)
             for row, twin in zip(rows, twins):
@@ -78,9 +99,9 @@ def test_prepare_decode_rows_is_prepare_append_on_each_row(tiny_gemma4_dir, prom
         per_row.pools.check_integrity()
 
 
-def test_a_row_re_adopted_after_free_scans_its_table_again(tiny_gemma4_dir) -> None:
-    """The eviction watermark restarts with the tables: a row freed and rebuilt from cached blocks still releases
-    the sliding blocks that leave its window."""
+def test_a_row_built_from_cached_blocks_releases_what_leaves_its_window(tiny_gemma4_dir) -> None:
+    """A prefix hit's row starts from adopted tables (its eviction watermark at 0) and, decoding, still releases
+    every sliding block that leaves its window; a row listed twice in a step is prepared once."""
     backend = make_backend(tiny_gemma4_dir)
     with backend.lock:
         row = backend.prefill(prompt_of(0, 14)).kv
@@ -91,7 +112,7 @@ def test_a_row_re_adopted_after_free_scans_its_table_again(tiny_gemma4_dir) -> N
         row.free_all()
         again = backend.prefill(prompt_of(0, 14)).kv  # a prefix hit: adopt() installs cached tables
         for _ in range(12):
-            prepare_decode_rows(backend.pools, [again])
+            prepare_decode_rows(backend.pools, [again, again])
             again.commit_append(1)
             again.check_integrity()  # raises if an out-of-window block is still held
         again.free_all()

@@ -143,3 +143,30 @@ def test_indexing_resumes_below_the_blocks_already_indexed(tiny_gemma4_dir, monk
     paths, references, knowns = run(resume=True)
     assert (paths, references) == run(resume=False)[:2]
     assert any(known is not None for known in knowns), "no insert resumed below a known block"
+
+
+def test_a_tail_copy_that_reclaims_the_prompts_own_path_is_given_back(tiny_gemma4_dir):
+    """A prompt whose path the cache already held (cache-only blocks) while its row computed its own: copying its
+    partial tail block can reclaim part of that path. The tail then has nothing to hang on: it is released (it
+    used to raise in the exact index, fail the request and leak both copies)."""
+    from gemmaserve.errors import KVCapacityError
+
+    backend = make_backend(tiny_gemma4_dir, kv_blocks=18, block_size=2)
+
+    def prompt_of(family: int, length: int) -> list[int]:
+        return [(family * 97 + 13 * i) % 400 + 4 for i in range(length)]
+
+    rows = []
+    with backend.lock:
+        for family, length in ((1, 4), (1, 17), (0, 23), (0, 9)):  # rows held: the pools are under pressure
+            try:
+                rows.append(backend.prefill(prompt_of(family, length)).kv)
+            except KVCapacityError:
+                continue
+            backend.check_integrity()
+        for row in rows:
+            backend.free_row_kv(row)
+    assert_no_leaks(backend)
+    with backend.lock:
+        backend.prefix_cache.clear()
+    assert all(m.num_used == 0 for m in backend.pools.managers.values())

@@ -106,6 +106,8 @@ class PagedKVCache:
             table.extend([-1] * (last - len(table)))
             for j, block in zip(missing, self.pools.allocate(group, len(missing))):
                 table[j] = block
+            if missing:  # an append after a release past it (n > window): the watermark must stay below
+                self._evicted[group] = min(self._evicted[group], missing[0])
         self.version += 1
 
     def decode_needs_nothing(self) -> bool:
@@ -223,7 +225,7 @@ def prepare_decode_rows(pools: KVPools, rows: Sequence[PagedKVCache]) -> int:
     copy-on-write for a block shared with the prefix cache). The same effect as ``prepare_append(1)`` on each
     row, in one pass per row. Raises KVCapacityError before changing any row's blocks. Returns how many rows
     needed bookkeeping."""
-    slow = [row for row in rows if not row.decode_needs_nothing()]
+    slow = list(dict.fromkeys(row for row in rows if not row.decode_needs_nothing()))  # a row listed twice: once
     if not slow:
         return 0
     bs = pools.block_size

@@ -168,7 +168,13 @@ class PrefixCache:
         if len(prompt) % self.block_size and prompt not in self.exact:
             tail = self._copy_tail(row, len(prompt) // self.block_size)
             if tail is not None:
-                self.exact.add(prompt, self.radix.match(prompt, touch=False).values, tail)
+                # the copies' allocation may have reclaimed blocks of this prompt's own path that only the cache
+                # held (the path was cached before, while this row computed its own): no path, no tail entry
+                path = self.radix.match(prompt, touch=False).values
+                if len(path) == len(prompt) // self.block_size:
+                    self.exact.add(prompt, path, tail)
+                else:
+                    self._release(tail)
         return stored
 
     def _value_of(self, row: PagedKVCache, j: int) -> CachedBlock:
