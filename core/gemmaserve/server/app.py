@@ -452,7 +452,7 @@ class _Server:
                                  media_type="text/event-stream", headers=_SSE_HEADERS)
 
     async def _stream_choices(self, views: list[_View], generations: list[Generation], firsts: list[Step | None],
-                              endpoint: str) -> AsyncIterator[str]:
+                              endpoint: str) -> AsyncIterator[bytes]:
         status = CLIENT_CLOSED
         try:
             for index, view in enumerate(views):
