@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 pytest.importorskip("transformers")
 
 
-def tiny_fast_tokenizer(clean_up: bool, cls: Any = None) -> Any:
+def tiny_fast_tokenizer(clean_up: bool | None, cls: Any = None) -> Any:
     import tiny_checkpoints
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
@@ -32,7 +32,9 @@ def tokenizers() -> dict[str, Any]:
         def _decode(self, token_ids: Any, **kwargs: Any) -> str:
             return str(super()._decode(token_ids, **kwargs)).upper()
 
-    return {"plain": tiny_fast_tokenizer(False), "clean-up": tiny_fast_tokenizer(True),
+    unset = tiny_fast_tokenizer(False)
+    unset.clean_up_tokenization_spaces = None  # transformers then cleans nothing up either
+    return {"plain": tiny_fast_tokenizer(False), "clean-up": tiny_fast_tokenizer(True), "unset": unset,
             "override": tiny_fast_tokenizer(False, Shouting)}
 
 
@@ -40,12 +42,13 @@ def test_the_direct_path_is_taken_only_where_it_is_exact(tokenizers: dict[str, A
     from gemmaserve.hf_tokenizer import HFTokenizerAdapter
 
     assert HFTokenizerAdapter(tokenizers["plain"])._rust_decode is not None
+    assert HFTokenizerAdapter(tokenizers["unset"])._rust_decode is not None
     assert HFTokenizerAdapter(tokenizers["clean-up"])._rust_decode is None
     assert HFTokenizerAdapter(tokenizers["override"])._rust_decode is None
 
 
 @settings(max_examples=200, deadline=None)
-@given(data=st.data(), skip=st.booleans(), which=st.sampled_from(["plain", "clean-up", "override"]))
+@given(data=st.data(), skip=st.booleans(), which=st.sampled_from(["plain", "clean-up", "unset", "override"]))
 def test_decode_is_transformers_decode(tokenizers: dict[str, Any], data: st.DataObject, skip: bool,
                                        which: str) -> None:
     from gemmaserve.hf_tokenizer import HFTokenizerAdapter

@@ -260,10 +260,10 @@ def load_hf_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> H
 def _stock_rust_decode(hf_tokenizer: Any) -> Any:
     """The Rust tokenizer's ``decode`` when transformers' ``decode`` would return exactly its text: a fast tokenizer
     whose ``decode`` / ``_decode`` are transformers' own (no model-specific override) and that runs no clean-up pass
-    (``clean_up_tokenization_spaces`` off). None otherwise (then the wrapper decodes). The streaming detokenizer
+    (``clean_up_tokenization_spaces`` off or None). None otherwise (then the wrapper decodes). The streaming detokenizer
     calls decode twice per token, on the server's event loop."""
     backend = getattr(hf_tokenizer, "backend_tokenizer", None)
-    if backend is None or getattr(hf_tokenizer, "clean_up_tokenization_spaces", True) is not False:
+    if backend is None or getattr(hf_tokenizer, "clean_up_tokenization_spaces", True):  # None cleans nothing up
         return None
     stock: list[type] = []
     try:
