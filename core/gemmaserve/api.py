@@ -183,7 +183,8 @@ class LLM:
                                  min_tokens=sample.min_tokens) for _, ids, sample in runs]
         handles = self.engine.submit_many([ids for _, ids, _ in runs], [sample for _, _, sample in runs],
                                           [watcher.request_id for watcher in watchers],
-                                          [watcher.on_event for watcher in watchers], wait_for_room=True)
+                                          [watcher.on_event for watcher in watchers], wait_for_room=True,
+                                          keep_events=False)
         for watcher, handle in zip(watchers, handles):
             watcher.handle = handle
         try:

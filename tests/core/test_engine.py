@@ -498,3 +498,18 @@ def test_submit_many_without_room_for_all_queues_none() -> None:
         assert_idle(engine)
     finally:
         engine.shutdown()
+
+def test_a_handle_that_keeps_no_events_is_fed_by_its_callback_alone(engine: Engine) -> None:
+    """``keep_events=False`` (the server's streams, ``Engine.stream``, the offline API's watchers): the events go to
+    the callback only, the handle holds no backlog (a long stream would grow one) and iterating it says why it
+    cannot; ``result()`` works."""
+    seen: list[RequestEvent] = []
+    handle = engine.submit([1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True), on_event=seen.append,
+                           keep_events=False)
+    output = handle.result(timeout=10)
+    assert len(output.token_ids) == 5 and seen[-1].finished
+    assert [t for e in seen for t in e.new_token_ids] == output.token_ids
+    assert handle._events.empty()
+    with pytest.raises(TypeError, match="keep_events=False"):
+        next(iter(handle))
+

@@ -161,12 +161,15 @@ class Engine:
         *,
         logprobs: bool = False,
         wait_for_room: bool = False,
+        keep_events: bool = True,
     ) -> RequestHandle:
         """Queue a request and return its handle. Validation errors (InvalidRequestError,
         PromptTooLongError) and EngineOverloadedError (queue full, or shut down) raise right here;
-        with ``wait_for_room`` a full queue blocks until there is room instead."""
+        with ``wait_for_room`` a full queue blocks until there is room instead. ``keep_events=False`` (with an
+        ``on_event`` callback): the handle keeps no events (not iterable; ``result()`` works), so a long stream read
+        through the callback holds no backlog."""
         request = Request(request_id or uuid.uuid4().hex, tuple(prompt_ids), params or SamplingParams(), logprobs)
-        return self._submit([request], [on_event], wait_for_room=wait_for_room)[0]
+        return self._submit([request], [on_event], wait_for_room=wait_for_room, keep_events=keep_events)[0]
 
     def compile_constraint(self, spec: StructuredOutputs) -> None:
         """Compile a structured-output constraint now, on the calling thread (pathological ones take up to about a
@@ -184,13 +187,14 @@ class Engine:
         *,
         logprobs: bool = False,
         wait_for_room: bool = False,
+        keep_events: bool = True,
     ) -> list[RequestHandle]:
         """Queue several requests at once (lists of equal length; ids and callbacks optional, as in
         :meth:`submit`) and return their handles in order. Every request is validated before any is queued (the
         first error raises and nothing is queued); they then enter the engine together, so its next tick plans
         them all (a loop of :meth:`submit` races the engine thread, which may start a tick after the first).
         Without ``wait_for_room`` a queue without room for all of them raises EngineOverloadedError and queues
-        none; with it, they are queued in order as room opens."""
+        none; with it, they are queued in order as room opens. ``keep_events``: as in :meth:`submit`."""
         count = len(prompts)
         ids = list(request_ids) if request_ids is not None else [None] * count
         callbacks = list(on_events) if on_events is not None else [None] * count
@@ -199,7 +203,7 @@ class Engine:
                                       f"ids and {len(callbacks)} callbacks: give one of each per prompt")
         requests = [Request(rid or uuid.uuid4().hex, tuple(prompt), sample or SamplingParams(), logprobs)
                     for prompt, sample, rid in zip(prompts, params, ids)]
-        return self._submit(requests, callbacks, wait_for_room=wait_for_room)
+        return self._submit(requests, callbacks, wait_for_room=wait_for_room, keep_events=keep_events)
 
     def stream(
         self,
@@ -213,7 +217,8 @@ class Engine:
         ``async for event in engine.stream(ids, params): ...``. Call from a coroutine. Stopping the
         iteration early (break, task cancelled, ``aclose``) cancels the request."""
         return RequestStream(
-            self, lambda on_event: self.submit(prompt_ids, params, request_id, on_event, logprobs=logprobs)
+            self, lambda on_event: self.submit(prompt_ids, params, request_id, on_event, logprobs=logprobs,
+                                               keep_events=False)
         )
 
     def generate(
@@ -253,7 +258,7 @@ class Engine:
             return True
 
     def _submit(self, requests: Sequence[Request], on_events: Sequence[EventCallback | None], *,
-                wait_for_room: bool) -> list[RequestHandle]:
+                wait_for_room: bool, keep_events: bool = True) -> list[RequestHandle]:
         """Validate every request, then queue them in order under the lock (see :meth:`submit_many`)."""
         for request in requests:
             self.scheduler.validate_request(request)
@@ -261,7 +266,8 @@ class Engine:
         repeated = sorted(rid for rid, count in Counter(ids).items() if count > 1)
         if repeated:
             raise InvalidRequestError(f"request ids {repeated} are given more than once; pick unique ids")
-        handles = [RequestHandle(self, request.request_id, on_event) for request, on_event in zip(requests, on_events)]
+        handles = [RequestHandle(self, request.request_id, on_event, keep_events=keep_events)
+                   for request, on_event in zip(requests, on_events)]
         with self._cond:
             self._start_locked()  # raises once the engine is shut down
             in_use = [rid for rid in ids if rid in self._handles]

@@ -27,12 +27,16 @@ Exceptions are logged and ignored. It may call ``Engine.cancel`` / ``Engine.subm
 
 class RequestHandle:
     """A submitted request. ``result()`` blocks for the final output; iterating yields every
-    :class:`RequestEvent` (the last has ``finished=True``) and may be done by one consumer only."""
+    :class:`RequestEvent` (the last has ``finished=True``) and may be done by one consumer only. A handle made with
+    ``keep_events=False`` (its events go to an ``on_event`` callback alone: the server's streams, ``Engine.stream``)
+    keeps none of them, so a long stream holds no growing backlog, and cannot be iterated."""
 
-    def __init__(self, engine: Engine, request_id: str, on_event: EventCallback | None = None) -> None:
+    def __init__(self, engine: Engine, request_id: str, on_event: EventCallback | None = None, *,
+                 keep_events: bool = True) -> None:
         self.request_id = request_id
         self._engine = engine
         self._on_event = on_event
+        self._keep_events = keep_events
         self._events: queue.SimpleQueue[RequestEvent] = queue.SimpleQueue()
         self._done = threading.Event()
         self._output: RequestOutput | None = None
@@ -56,6 +60,9 @@ class RequestHandle:
         return self._output
 
     def __iter__(self) -> Iterator[RequestEvent]:
+        if not self._keep_events:
+            raise TypeError(f"request {self.request_id} was submitted with keep_events=False: its events go to its "
+                            "on_event callback only")
         while True:
             event = self._events.get()
             yield event
@@ -69,7 +76,8 @@ class RequestHandle:
     def deliver(self, event: RequestEvent) -> None:
         """Engine thread only: record ``event`` and run the callback."""
         self._cached_tokens = event.cached_tokens
-        self._events.put(event)
+        if self._keep_events:
+            self._events.put(event)
         if event.finished:
             self._output = event.output
             self._done.set()

@@ -119,7 +119,8 @@ class Generation:
         generations = [cls(engine, tokenizer, p, timing=t, submit=False) for p, t in zip(prepared, timings)]
         handles = engine.submit_many([g.prepared.prompt_ids for g in generations],
                                      [g.prepared.params for g in generations], [g.request_id for g in generations],
-                                     [g._on_event for g in generations], logprobs=prepared[0].want_logprobs)
+                                     [g._on_event for g in generations], logprobs=prepared[0].want_logprobs,
+                                     keep_events=False)
         for generation, handle in zip(generations, handles):
             generation._handle, generation._engine_done = handle, False
         return generations
@@ -150,7 +151,8 @@ class Generation:
             self._engine_done = True
             return
         self._handle = engine.submit(
-            prepared.prompt_ids, prepared.params, self.request_id, self._on_event, logprobs=prepared.want_logprobs
+            prepared.prompt_ids, prepared.params, self.request_id, self._on_event, logprobs=prepared.want_logprobs,
+            keep_events=False,
         )
 
     @property
