@@ -7,6 +7,7 @@ this module never imports transformers; :func:`load_hf_tokenizer` imports it whe
 from __future__ import annotations
 
 import functools
+import importlib
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -265,17 +266,12 @@ def _stock_rust_decode(hf_tokenizer: Any) -> Any:
     backend = getattr(hf_tokenizer, "backend_tokenizer", None)
     if backend is None or getattr(hf_tokenizer, "clean_up_tokenization_spaces", True):  # None cleans nothing up
         return None
-    stock: list[type] = []
-    try:
-        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-
-        stock.append(PreTrainedTokenizerBase)
-    except ImportError:
-        return None
-    for module, name in (("transformers.tokenization_utils_tokenizers", "TokenizersBackend"),
+    stock: list[type] = []  # transformers' own classes (5.x and 4.x names); whichever this version has
+    for module, name in (("transformers.tokenization_utils_base", "PreTrainedTokenizerBase"),
+                         ("transformers.tokenization_utils_tokenizers", "TokenizersBackend"),
                          ("transformers.tokenization_utils_fast", "PreTrainedTokenizerFast")):
         try:
-            stock.append(getattr(__import__(module, fromlist=[name]), name))
+            stock.append(getattr(importlib.import_module(module), name))
         except (ImportError, AttributeError):
             continue
     for method in ("decode", "_decode"):

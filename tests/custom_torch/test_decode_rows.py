@@ -30,7 +30,7 @@ def per_row_decode_rows(pools, rows: list[PagedKVCache]) -> None:
         row.release_out_of_window(1)
     needs: Counter[str] = Counter()
     for row in slow:
-        needs.update(row.append_needs(1))
+        needs.update({group: len(missing) + len(shared) for group, (missing, shared) in row._plan(1).items()})
     for group, num in needs.items():
         pools.ensure_free(group, num)
     for row in slow:

@@ -258,7 +258,7 @@ class Engine:
             return True
 
     def _submit(self, requests: Sequence[Request], on_events: Sequence[EventCallback | None], *,
-                wait_for_room: bool, keep_events: bool = True) -> list[RequestHandle]:
+                wait_for_room: bool, keep_events: bool) -> list[RequestHandle]:
         """Validate every request, then queue them in order under the lock (see :meth:`submit_many`)."""
         for request in requests:
             self.scheduler.validate_request(request)

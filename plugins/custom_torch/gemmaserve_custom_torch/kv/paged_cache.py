@@ -54,7 +54,6 @@ class PagedKVCache:
             assert len(table) == _cdiv(length, self.pools.block_size)
             self.pools.incref(group, [b for b in table if b >= 0])
             self.tables[group] = list(table)
-            self._evicted[group] = 0
         self.length = length
         self.version += 1
 
@@ -69,10 +68,6 @@ class PagedKVCache:
         the coming append sees them. Callers that still need those keys gather them first."""
         for group in self.tables:
             self._evict_before(group, self.pools.geometry[group].keep_from(self.length + num_new))
-
-    def append_needs(self, num_new: int) -> dict[str, int]:
-        """Blocks per group ``prepare_append(num_new)`` will allocate (new ones + copies of shared ones)."""
-        return {group: len(missing) + len(shared) for group, (missing, shared) in self._plan(num_new).items()}
 
     def _plan(self, num_new: int) -> dict[str, tuple[list[int], list[int]]]:
         """Per group: logical blocks to allocate, and held blocks shared with others (to copy on write)."""
@@ -189,7 +184,6 @@ class PagedKVCache:
         for group, table in self.tables.items():
             self.pools.decref(group, [b for b in table if b >= 0])
             self.tables[group] = []
-            self._evicted[group] = 0
         self.freed = True
         self.version += 1
         self.pools.live_rows.discard(self)
