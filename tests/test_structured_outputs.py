@@ -28,7 +28,11 @@ def test_spec_takes_exactly_one_constraint_and_names_what_is_wrong() -> None:
     assert StructuredOutputs(regex="a+").kind == "regex"
     assert StructuredOutputs(json='{"type": "object"}').json == {"type": "object"}
     assert StructuredOutputs(choice=["a", "b"]).choice == ("a", "b")
-    assert StructuredOutputs(json={"b": 1, "a": 2}).key == StructuredOutputs(json={"a": 2, "b": 1}).key
+    # property order is part of a schema (the output writes them in it): schemas that differ in it compile apart
+    assert StructuredOutputs(json={"b": 1, "a": 2}).key != StructuredOutputs(json={"a": 2, "b": 1}).key
+    assert StructuredOutputs(json={"b": 1, "a": 2}).key == StructuredOutputs(json='{"b": 1, "a": 2}').key
+    with pytest.raises(InvalidRequestError, match="false, which no output satisfies"):
+        StructuredOutputs(json=False)
     for kwargs, words in [({}, "exactly one"), ({"regex": "a", "choice": ["x"]}, "regex, choice"),
                           ({"json": "{not json"}, "not valid JSON"), ({"json": [1]}, "schema object"),
                           ({"choice": []}, "1 to"), ({"choice": "ab"}, "list of strings"),

@@ -41,13 +41,17 @@ def vocabulary() -> _Vocabulary:
 
 _leaf = st.one_of(
     st.sampled_from([{"type": "boolean"}, {"type": "null"}, {"type": "integer"}, {"type": "number"},
-                     {"type": "string", "pattern": "^[a-z]{1,3}$"}, {"type": "string", "maxLength": 4}]),
+                     {"type": "string", "pattern": "^[a-z]{1,3}$"}, {"type": "string", "maxLength": 4},
+                     {"type": "string", "pattern": "^\\d<\\$$"}, {"type": "string", "pattern": "x"}]),
     st.lists(st.sampled_from(["a", "b c", "x_y", 3, 4.5, True, None]), min_size=1, max_size=3, unique=True)
     .map(lambda values: {"enum": values}),
 )
+_keys = st.one_of(st.from_regex(r"[a-z]{1,5}", fullmatch=True),  # identifiers, and keys Gemma 4 cannot write bare
+                  st.text(st.sampled_from('a Z9_$-.é:,{}[]<>|"'), min_size=1, max_size=6)
+                  .filter(lambda key: '<|"|>' not in key))
 _parameters = st.recursive(_leaf, lambda inner: st.one_of(
     st.builds(lambda item: {"type": "array", "items": item}, inner),
-    st.dictionaries(st.from_regex(r"[a-z]{1,5}", fullmatch=True), inner, min_size=1, max_size=3)
+    st.dictionaries(_keys, inner, min_size=1, max_size=3)
     .map(lambda props: {"type": "object", "properties": props, "additionalProperties": False}),
 ), max_leaves=5).filter(lambda schema: schema.get("type") == "object")
 
@@ -68,10 +72,11 @@ def _walk(vocabulary: _Vocabulary, constraint, seed: int) -> str:
 @settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
                                                                                      HealthCheck.function_scoped_fixture])
 @given(schemas=st.lists(_parameters, min_size=1, max_size=3), parser=st.sampled_from(["gemma4", "json"]),
-       named=st.booleans(), parallel=st.booleans(), seed=st.integers(0, 2**20))
-def test_forced_calls_parse_and_validate(vocabulary, schemas, parser, named, parallel, seed) -> None:
-    tools = [{"name": f"fn_{i}", "parameters": schema} for i, schema in enumerate(schemas)]
-    choice = tools[-1]["name"] if named else "required"
+       named=st.booleans(), parallel=st.booleans(), seed=st.integers(0, 2**20),
+       prefix=st.sampled_from(["fn_", "3d-", "auto", "required."]))
+def test_forced_calls_parse_and_validate(vocabulary, schemas, parser, named, parallel, seed, prefix) -> None:
+    tools = [{"name": f"{prefix}{i}", "parameters": schema} for i, schema in enumerate(schemas)]
+    choice = tools[-1]["name"] if named else None
     compiler = GrammarCompiler(vocabulary, 512, [1])
     constraint = compiler.compile(tool_call_constraint(tools, choice, parser, parallel))
     text = _walk(vocabulary, constraint, seed)

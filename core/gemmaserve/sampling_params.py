@@ -40,9 +40,10 @@ class SamplingParams:
     to a value in [-100, 100] added to their logits before anything else
     (OpenAI's definition; -100 in practice bans a token). ``structured_outputs`` (a
     :class:`~gemmaserve.structured.StructuredOutputs`, or vLLM's dict of it) constrains the text to a JSON schema,
-    regex, choice or grammar; the request stops when the constraint is complete. Penalties (vLLM's and OpenAI's
-    definitions, applied after ``logit_bias``): ``repetition_penalty`` divides the positive logits of tokens seen
-    in the prompt or the output so far by it and multiplies their negative ones (1 = off);
+    regex, choice or grammar; the request stops when the constraint is complete (so it takes no ``min_tokens``).
+    Penalties (vLLM's and OpenAI's definitions, applied after ``logit_bias``): ``repetition_penalty`` divides the
+    positive logits of tokens seen in the prompt or the output so far by it and multiplies their negative ones (1 =
+    off);
     ``frequency_penalty`` subtracts itself times a token's count in the output, ``presence_penalty`` itself once
     for every token the output holds (0 = off).
     ``bad_words`` (vLLM's meaning): words the output must not contain; each is tokenized as it is and with a
@@ -155,6 +156,11 @@ class SamplingParams:
                 0 <= self.min_tokens <= self.max_tokens):
             raise InvalidRequestError(
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if self.min_tokens and self.structured_outputs is not None:
+            raise InvalidRequestError(
+                f"min_tokens ({self.min_tokens}) cannot be combined with an output constraint (structured_outputs, "
+                "response_format, a forced tool call): the constraint ends the output when it is complete, which "
+                "may come before min_tokens; drop one of them")
         if not _is_real(self.repetition_penalty) or not (0.0 < self.repetition_penalty <= 100.0):
             raise InvalidRequestError(
                 f"repetition_penalty must be a number in (0, 100] (1 = off), got {self.repetition_penalty!r}")

@@ -81,6 +81,18 @@ def test_evict_skips_rejected_leaves_and_keeps_their_ancestors() -> None:
     assert index.evict(10, lambda v: v not in pinned) == ["b", "a"]
 
 
+def test_unreachable_names_evictable_blocks_above_pinned_ones() -> None:
+    index = RadixPrefixIndex(1)
+    index.insert([1, 2, 3], ["a", "b", "c"])
+    index.insert([1, 2, 4], ["a", "b", "d"])
+    index.insert([5, 6], ["e", "f"])
+    pinned = {"c", "e"}
+    assert sorted(index.unreachable(lambda v: v not in pinned)) == ["a", "b"]  # above c; e itself is pinned
+    evicted = index.clear(lambda v: v not in pinned)
+    assert sorted(evicted) == ["d", "f"] and sorted(index.unreachable(lambda v: v not in pinned)) == ["a", "b"]
+    assert index.unreachable(lambda v: True) == []
+
+
 def test_match_without_touch_leaves_lru_order_alone() -> None:
     index = RadixPrefixIndex(1)
     index.insert([1], ["old"])

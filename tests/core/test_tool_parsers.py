@@ -20,12 +20,13 @@ from gemmaserve.tools.parsers import (
 
 _text = st.lists(st.sampled_from(list("ab <|>_:{}\"'\n,") + ["<|", "<|tool", "tool_call|", "é"]),
                  max_size=12).map("".join)  # pieces that look like the start of a marker
-_key = st.from_regex(r"[a-z_][a-z0-9_]{0,6}", fullmatch=True)
+_key = st.one_of(st.from_regex(r"[a-z_][a-z0-9_]{0,6}", fullmatch=True),  # and keys Gemma 4 writes as strings
+                 st.text(st.sampled_from(list(' a9$é:,{}[]<|>"')), max_size=6).filter(lambda k: '<|"|>' not in k))
 _scalar = st.one_of(st.text(alphabet="abc xyz,:{}[]0123", max_size=8), st.integers(-10**6, 10**6), st.booleans(),
                     st.none(), st.floats(-1e3, 1e3, allow_nan=False, allow_infinity=False).map(lambda x: round(x, 3)))
 _value = st.recursive(_scalar, lambda inner: st.one_of(st.lists(inner, max_size=3),
                                                        st.dictionaries(_key, inner, max_size=3)), max_leaves=6)
-_call = st.tuples(st.from_regex(r"[a-z][a-z0-9_]{0,8}", fullmatch=True), st.dictionaries(_key, _value, max_size=4))
+_call = st.tuples(st.from_regex(r"[A-Za-z0-9_.\-]{1,9}", fullmatch=True), st.dictionaries(_key, _value, max_size=4))
 
 
 def _feed_in_pieces(parser, text: str, cuts: list[int]):
@@ -42,13 +43,15 @@ def _feed_in_pieces(parser, text: str, cuts: list[int]):
 
 
 @settings(max_examples=300, deadline=None)
-@given(parts=st.lists(st.tuples(_text, _call), max_size=4), tail=_text, cuts=st.lists(st.integers(0, 400), max_size=12))
+@given(parts=st.lists(st.tuples(_text, st.lists(_call, min_size=1, max_size=2)), max_size=4), tail=_text,
+       cuts=st.lists(st.integers(0, 400), max_size=12))
 def test_gemma4_calls_and_content_survive_any_chunking(parts, tail, cuts) -> None:
     text, want_content, want_calls = "", "", []
-    for before, (name, args) in parts:
-        text += before + GEMMA4_CALL_OPEN + f"call:{name}{format_gemma_value(args)}" + GEMMA4_CALL_CLOSE
+    for before, block in parts:  # a block of one call, or several back to back
+        body = "".join(f"call:{name}{format_gemma_value(args)}" for name, args in block)
+        text += before + GEMMA4_CALL_OPEN + body + GEMMA4_CALL_CLOSE
         want_content += before
-        want_calls.append((name, args))
+        want_calls += block
     text += tail
     want_content += tail
     content, calls = _feed_in_pieces(Gemma4ToolParser(), text, cuts)
@@ -69,6 +72,14 @@ def test_a_gemma4_block_that_does_not_parse_stays_content(body) -> None:
     for cuts in ([], [3, 9, 15, 21], list(range(len(text)))):
         content, calls = _feed_in_pieces(Gemma4ToolParser(), text, cuts)
         assert calls == [] and content == text
+
+
+def test_gemma4_reads_keys_and_names_as_its_template_writes_them() -> None:
+    text = (GEMMA4_CALL_OPEN + 'call:3d-render{first name:<|"|>Ann<|"|>,2fa:true,città:null,<|"|>a:b<|"|>:1}'
+            + GEMMA4_CALL_CLOSE)
+    content, calls = _feed_in_pieces(Gemma4ToolParser(), text, [])
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("3d-render", {"first name": "Ann", "2fa": True, "città": None, "a:b": 1})]
 
 
 def test_an_unterminated_gemma4_call_is_content_at_the_end() -> None:
@@ -138,3 +149,15 @@ def test_gemma4_reasoning_channel_in_any_chunking(parts, tail, open_end, cuts) -
         reasoning, content = reasoning + r, content + c
     r, c = parser.finish()
     assert (reasoning + r, content + c) == (want_reasoning, want_content)
+
+
+def test_a_label_only_reasoning_channel_is_empty_at_any_split() -> None:
+    from gemmaserve.tools.parsers import Gemma4ReasoningParser
+
+    text = "<|channel>thought<channel|>Hi"
+    for cuts in [[], *([i] for i in range(len(text))), list(range(len(text)))]:
+        parser = Gemma4ReasoningParser()
+        points = sorted(set(cuts))
+        pieces = [parser.feed(text[a:b]) for a, b in zip([0, *points], [*points, len(text)])]
+        pieces.append(parser.finish())
+        assert ("".join(r for r, _ in pieces), "".join(c for _, c in pieces)) == ("", "Hi"), cuts

@@ -138,6 +138,30 @@ def test_config_rejects_unsupported_model_type() -> None:
         GemmaTextConfig.from_dict({"model_type": "llama"})
 
 
+@pytest.mark.parametrize("case", ["unrotated-full-layers", "empty-per-layer-config"])
+def test_config_edge_values_read_as_transformers_reads_them(case: str, tmp_path: Path,
+                                                            hf_reference: HFLoader) -> None:
+    """``partial_rotary_factor: 0.0`` rotates nothing (it is not "unset"); a saved ``per_layer_config: {}`` (what
+    transformers writes when the full layers' head dim equals ``head_dim``) overrides nothing, whatever the
+    ``global_*`` defaults say. Prefill logits bitwise equal to transformers'."""
+    if case == "unrotated-full-layers":
+        rope = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+                FULL: {"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": 0.0}}
+        path = build_tiny_gemma4(tmp_path / case, rope_parameters=rope)
+        assert GemmaTextConfig.from_pretrained(path).rope[FULL].partial_rotary_factor == 0.0
+    else:
+        path = build_tiny_gemma4(tmp_path / case, hub_style=False, global_head_dim=16)
+        saved = json.loads((path / "config.json").read_text())
+        assert saved.get("per_layer_config") == {} and "global_head_dim" not in saved
+        assert set(GemmaTextConfig.from_pretrained(path).head_dims) == {16}
+    hf = hf_reference(path, torch.float32)
+    model = GemmaForCausalLM.from_hf(path, dtype=torch.float32)
+    ids = _prompt(2, SHORT, seed=3)
+    with torch.no_grad():
+        expected = hf(ids).logits
+    assert torch.equal(_prefill_logits(model, ids), expected)
+
+
 # ---- logits parity -----------------------------------------------------------------------------------------
 
 

@@ -170,3 +170,28 @@ def test_a_tail_copy_that_reclaims_the_prompts_own_path_is_given_back(tiny_gemma
     with backend.lock:
         backend.prefix_cache.clear()
     assert all(m.num_used == 0 for m in backend.pools.managers.values())
+
+
+def test_blocks_a_row_computes_again_replace_the_cached_ones(tmp_path):
+    """A cached prompt whose sliding blocks were trimmed is no valid hit for a longer prompt over it, so that row
+    computes its own blocks where the index already has cache-only ones. The index takes the row's blocks; kept,
+    the old ones would sit above the row's in the tree (never a leaf while it lives, so never reclaimable) while
+    admission counts them as free, and the request failed with KVCapacityError (pools: 2 sliding, 22 full)."""
+    from gemmaserve.engine.request import FinishReason
+    from gemmaserve_custom_torch.models import GemmaForCausalLM
+    from tiny_checkpoints import build_tiny_gemma3
+
+    from fixtures_backend import run_scheduler
+
+    path = build_tiny_gemma3(tmp_path / "g3", seed=3, num_hidden_layers=2, layer_types=[SLIDING, FULL],
+                             sliding_window=2, hidden_size=16, intermediate_size=16, num_attention_heads=2,
+                             num_key_value_heads=1, head_dim=8)
+    backend = make_backend(path, block_size=2, kv_blocks=12, max_batch_size=1, prefill_chunk_tokens=4)
+    prompt = list(range(10, 34))  # 12 blocks of 2
+    done = run_scheduler(backend, [(prompt, 0, 2), ([40, 41, 42, 43, 44, 45], 30, 2), ([*prompt, 7], 60, 8)],
+                         max_batch_size=1, prefill_chunk_tokens=4, max_num_batched_tokens=8)
+    assert [r.finish_reason for r in done.values()] == [FinishReason.LENGTH] * 3, [r.error for r in done.values()]
+    model = GemmaForCausalLM.from_hf(path, "cpu", torch.float32)
+    assert list(done["r2"].output_token_ids) == contiguous_greedy(model, [*prompt, 7], 8)
+    assert backend.prefix_cache.stats["replaced_blocks"] > 0
+    assert_no_leaks(backend)

@@ -117,7 +117,19 @@ CHAT_CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("tool-choice-no-tools", {"tool_choice": "required"}, 400, "tool_choice"),
     ("unknown-format", {"response_format": {"type": "yaml"}}, 400, "response_format"),
     ("bad-schema", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
-     400, "structured_outputs"),
+     400, "response_format"),
+    ("bad-guided-regex", {"guided_regex": "a(b"}, 400, "guided_regex"),
+    ("bad-guided-json", {"guided_json": {"type": "string", "minLength": 1.5}}, 400, "guided_json"),
+    ("guided-json-not-schema", {"guided_json": 5}, 400, "guided_json"),
+    ("min-tokens-with-constraint", {"min_tokens": 2, "response_format": {"type": "json_object"}}, 400, "min_tokens"),
+    ("tool-choice-extra-key", {"tools": [{"type": "function", "function": {"name": "f"}}],
+                               "tool_choice": {"type": "function", "function": {"name": "f"}, "strict": True}},
+     400, "tool_choice"),
+    ("tool-choice-function-extra-key", {
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": {"type": "function", "function": {"name": "f", "arguments": "{}"}}}, 400, "tool_choice"),
+    ("content-part-extra-key", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}]}, 400, "messages.0.content"),
     ("bad-regex", {"structured_outputs": {"regex": "a(b"}}, 400, "structured_outputs"),
     ("two-constraints", {"structured_outputs": {"regex": "a"}, "guided_choice": ["x"]}, 400, "structured_outputs"),
     ("unknown-constraint-field", {"structured_outputs": {"yaml": "x"}}, 400, "structured_outputs"),
@@ -310,3 +322,11 @@ def test_debug_kv_reports_are_fresh_shared_and_spaced(ref: Any) -> None:
         assert all(b - a >= 0.05 - 1e-3 for a, b in zip(made, made[1:]))  # spaced
     finally:
         debug.kv_report = original
+
+
+def test_null_include_usage_is_the_default(ref: Any) -> None:
+    client, _ = ref
+    response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True,
+                                                     "stream_options": {"include_usage": None}})
+    assert response.status_code == 200, response.text
+    assert '"usage"' not in response.text

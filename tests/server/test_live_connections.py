@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -93,8 +94,15 @@ def test_headers_trickled_past_the_header_timeout_get_408_and_close(live_server:
     assert HEADER_TIMEOUT - 0.3 <= closed - start < HEADER_TIMEOUT + 3, closed - start
 
 
+def _completions_by_status(live_server: LiveServer) -> dict[str, float]:
+    text = httpx.get(f"{live_server.base_url}/metrics", timeout=10).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'gemmaserve_requests_total\{endpoint="completions",status="(\d+)"\} (\S+)', text)}
+
+
 def test_a_body_trickled_past_the_body_timeout_gets_408_and_close(live_server: LiveServer) -> None:
     body = json.dumps({"prompt": "hello", "max_tokens": 1}).encode()
+    counted = _completions_by_status(live_server)
     with connect(live_server) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      + f"Content-Length: {len(body) + 100}\r\n\r\n".encode() + body)
@@ -106,6 +114,8 @@ def test_a_body_trickled_past_the_body_timeout_gets_408_and_close(live_server: L
     assert error["error"]["code"] == "request_timeout" and "body" in error["error"]["message"]
     assert BODY_TIMEOUT - 0.3 <= closed - start < BODY_TIMEOUT + 3, closed - start
     assert httpx.get(f"{live_server.base_url}/health", timeout=10).status_code == 200
+    after = _completions_by_status(live_server)  # counted as the 408 it was answered, not as a client gone (499)
+    assert after.get("408", 0) == counted.get("408", 0) + 1 and after.get("499", 0) == counted.get("499", 0), after
 
 
 def test_a_connection_past_the_bound_gets_a_clean_503(live_server: LiveServer) -> None:

@@ -40,6 +40,8 @@ def test_n_choices_equal_single_requests_with_successive_seeds(ref: Any) -> None
                     finished.append(choice["index"])
         assert per_choice == {i: text(c) for i, c in enumerate(body["choices"])}
         assert sorted(finished) == [0, 1, 2] and events[-1]["usage"]["completion_tokens"] == 18
+        assert len({event["id"] for event in events}) == 1  # one response: its chunks share one id
+        assert len({event["created"] for event in events}) == 1
 
 
 def test_n_is_bounded(ref: Any) -> None:

@@ -73,7 +73,9 @@ def test_bad_schema_is_a_400_naming_the_field(client) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=5,
                                        response_format=_schema_format({"type": "objectx"}))
-    assert caught.value.body["param"] == "structured_outputs" and "objectx" in caught.value.body["message"]
+    body = caught.value.body
+    assert body["param"] == "response_format" and "objectx" in body["message"], body
+    assert body["message"].startswith("response_format.json_schema.schema is invalid"), body
 
 
 def test_a_constraint_beyond_the_engines_limits_is_a_400_compiled_off_the_event_loop(client, monkeypatch) -> None:

@@ -198,3 +198,77 @@ def test_parallel_tool_calls_false_returns_at_most_one_call(client) -> None:
             else:
                 calls = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
             assert len(calls) == want and all(json.loads(c.function.arguments) == {"zone": "UTC"} for c in calls)
+
+
+AWKWARD = [  # names and keys Gemma 4 cannot write as identifiers, and names that spell tool_choice's modes
+    {"type": "function", "function": {"name": "3d-render", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["first name"], "properties": {
+            "first name": {"enum": ["Ann", "Bo"]}, "2fa": {"type": "boolean"}, "città": {"type": "null"},
+            "code": {"type": "string", "maxLength": 5}, "price": {"type": "string", "pattern": "^\\d\\$$"}}}}},
+    {"type": "function", "function": {"name": "auto", "parameters": {
+        "type": "object", "additionalProperties": False, "properties": {"x": {"type": "boolean"}}}}},
+    {"type": "function", "function": {"name": "required", "parameters": {
+        "type": "object", "additionalProperties": False, "properties": {"y": {"type": "null"}}}}},
+]
+
+
+def test_forced_calls_with_awkward_names_and_keys_parse(client) -> None:
+    """A function named ``auto`` or ``required`` forced by name is that function (not a mode); names starting with
+    a digit and keys with spaces, digits or non-ASCII letters come back as calls that parse and validate."""
+    client, _ = client
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in AWKWARD}
+    for name in schemas:
+        for seed, stream in ((0, False), (1, True)):
+            kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "go"}], tools=AWKWARD, max_tokens=200,
+                          tool_choice={"type": "function", "function": {"name": name}}, temperature=1.0, seed=seed)
+            if stream:
+                chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+                calls = [call.function for c in chunks for call in c.delta.tool_calls or []]
+                assert not "".join(c.delta.content or "" for c in chunks).strip()
+                assert chunks[-1].finish_reason == "tool_calls"
+            else:
+                choice = client.chat.completions.create(**kwargs).choices[0]
+                assert choice.finish_reason == "tool_calls" and not choice.message.content, choice
+                calls = [call.function for call in choice.message.tool_calls]
+            assert calls and all(call.name == name for call in calls), calls
+            for call in calls:
+                jsonschema.validate(json.loads(call.arguments), schemas[name])
+
+
+def test_a_model_eos_token_stays_out_of_the_reply(tmp_path) -> None:
+    """Gemma 4 ends a turn that made calls with ``<|tool_response>``, an EOS of its generation config: the engine
+    stops on it and, although the gemma4 parser decodes with special tokens, its text is not content."""
+    pytest.importorskip("gemmaserve_custom_torch")
+    from server_harness import custom_cpu_openai_client
+    from tiny_checkpoints import GEMMA4_TOOL_TOKENS, build_tiny_gemma4, save_tiny_tokenizer
+
+    path = build_tiny_gemma4(tmp_path / "ckpt")
+    save_tiny_tokenizer(path, (*GEMMA4_TOOL_TOKENS, "<|tool_response>"))
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TOOLS_TEMPLATE}))
+    added = json.loads((path / "tokenizer.json").read_text())["added_tokens"]
+    response = next(token["id"] for token in added if token["content"] == "<|tool_response>")
+    generation = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [1, response]}))
+    grammar = 'start: <|tool_call> "call:clock{}" <tool_call|> <|tool_response>'
+    with custom_cpu_openai_client(path, MODEL) as client:
+        kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "time?"}], tools=TOOLS, max_tokens=30,
+                      extra_body={"structured_outputs": {"grammar": grammar}})
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        assert choice.finish_reason == "tool_calls" and not choice.message.content, choice
+        assert [call.function.name for call in choice.message.tool_calls] == ["clock"]
+        chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+        assert "".join(c.delta.content or "" for c in chunks) == ""
+
+
+def test_a_tool_schema_the_constraint_engine_refuses_is_a_400_naming_tools(client) -> None:
+    client, parser = client
+    if parser != "json":
+        pytest.skip("the gemma4 call grammar accepts any value where a schema's type is not one it models")
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "go"}], max_tokens=5, tool_choice="required",
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}])
+    body = caught.value.body
+    assert body["param"] == "tools" and body["message"].startswith("tools:"), body
+    assert "structured_outputs" not in body["message"]

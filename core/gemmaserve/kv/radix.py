@@ -140,6 +140,27 @@ class RadixPrefixIndex:
                 stack.append((child, paths[-1]))
         return paths
 
+    def unreachable(self, can_evict: Callable[[BlockValue], bool]) -> list[BlockValue]:
+        """Values ``can_evict`` accepts that :meth:`evict` cannot reach as things stand: they lie above a block it
+        rejects (eviction takes leaves only). An owner that counts evictable blocks as free keeps this empty."""
+        order: list[_Node] = []
+        stack = [self._root]
+        while stack:  # parents before children; walked backwards, children are done before their parent
+            node = stack.pop()
+            order.append(node)
+            stack.extend(node.children.values())
+        pinned: set[_Node] = set()  # nodes that are, or lie above, a block can_evict rejects
+        out: list[BlockValue] = []
+        for node in reversed(order[1:]):
+            accepted = can_evict(node.value)
+            if any(child in pinned for child in node.children.values()):
+                if accepted:
+                    out.append(node.value)
+                pinned.add(node)
+            elif not accepted:
+                pinned.add(node)
+        return out
+
     @property
     def num_cached_blocks(self) -> int:
         return len(self._by_value)

@@ -25,12 +25,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from gemmaserve import __version__
-from gemmaserve.errors import GemmaserveError
+from gemmaserve.errors import GemmaserveError, InvalidRequestError
 from gemmaserve.hf_tokenizer import HFTokenizerAdapter
 from gemmaserve.render_pool import RenderPool
-from gemmaserve.server.connections import OVER_LIMIT_KEY
+from gemmaserve.server.connections import OVER_LIMIT_KEY, TIMED_OUT_KEY
 from gemmaserve.server.debug import KVReportCache
-from gemmaserve.server.errors import CLIENT_CLOSED, APIError, ClientDisconnected, from_engine_error
+from gemmaserve.server.errors import CLIENT_CLOSED, APIError, ClientDisconnected, constraint_error, from_engine_error
 from gemmaserve.server.generation import Generation, Prepared, Step, Timing
 from gemmaserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gemmaserve.server.metrics import ServerMetrics
@@ -380,7 +380,8 @@ class _Server:
             self.metrics.record_request(endpoint, exc.status)
             raise
         except (ClientDisconnected, ClientDisconnect):  # nobody is left to read a response
-            self.metrics.record_request(endpoint, CLIENT_CLOSED)
+            timed_out = request.scope.get(TIMED_OUT_KEY, False)  # the connection answered 408 and closed
+            self.metrics.record_request(endpoint, 408 if timed_out else CLIENT_CLOSED)
             return Response(status_code=CLIENT_CLOSED)
         if not isinstance(response, StreamingResponse):  # streams record their status when they end
             self.metrics.record_request(endpoint, response.status_code)
@@ -396,6 +397,8 @@ class _Server:
         if spec is not None:  # compiled here, off the event loop; the engine's submit then only copies it
             try:
                 await self.offload(self.engine.compile_constraint, spec)
+            except InvalidRequestError as exc:
+                raise constraint_error(str(exc), prepared.constraint_field) from None
             except GemmaserveError as exc:
                 raise from_engine_error(exc, engine_alive=self.engine.is_alive(), prompt_param=prepared.prompt_param,
                                         prompt_fits=True) from None
@@ -409,7 +412,8 @@ class _Server:
             self.check_n(chat.n)
             return chat, prepare_chat(chat, self.tokenizer, self.context_limit,
                                       self.engine.settings.default_max_tokens, self.engine.settings.tool_call_parser,
-                                      self.engine.settings.reasoning_parser, self.render_pool)
+                                      self.engine.settings.reasoning_parser, self.render_pool,
+                                      self.info.eos_token_ids)
         completion = parse_body(CompletionRequest, raw)
         self.check_model(completion.model)
         self.check_n(completion.n)
@@ -434,7 +438,9 @@ class _Server:
         every = dataclasses.replace(prepared.params, n=n)
         generations = self._submit([dataclasses.replace(prepared, params=every.for_sample(i)) for i in range(n)],
                                    [timing, *(Timing(start=timing.start) for _ in range(n - 1))])
-        views = [_View.create(endpoint, generation, body, self) for generation in generations]
+        prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
+        meta = ResponseMeta.new(prefix, generations[0].request_id, self.model_name)  # one id for every choice
+        views = [_View.create(endpoint, generation, body, self, meta) for generation in generations]
         group = _Choices(generations)
         try:
             async with _cancel_on_disconnect(request, group):
@@ -505,12 +511,12 @@ class _View:
     """Formats one generation as a completions or chat response (full body or SSE chunks)."""
 
     def __init__(self, chat: bool, generation: Generation, body: CompletionRequest | ChatCompletionRequest,
-                 server: _Server, echo: str) -> None:
+                 server: _Server, echo: str, meta: ResponseMeta) -> None:
         self.chat = chat
         self.generation = generation
         self.include_usage = body.include_usage
         self.tokenizer = server.tokenizer
-        self.meta = ResponseMeta.new("chatcmpl" if chat else "cmpl", generation.request_id, server.model_name)
+        self.meta = meta  # the response's id and time, shared by its choices
         self.echo = echo
         self._offset = len(echo)
         parser = generation.prepared.tool_parser if chat else None
@@ -521,14 +527,14 @@ class _View:
 
     @classmethod
     def create(cls, endpoint: str, generation: Generation, body: CompletionRequest | ChatCompletionRequest,
-               server: _Server) -> _View:
+               server: _Server, meta: ResponseMeta) -> _View:
         echo = ""
         if isinstance(body, CompletionRequest) and body.echo:
             prompt = body.prompt
             echo = prompt if isinstance(prompt, str) else server.tokenizer.decode(prompt)
         elif isinstance(body, ChatCompletionRequest):
             echo = body.echo_text
-        return cls(endpoint == "chat", generation, body, server, echo)
+        return cls(endpoint == "chat", generation, body, server, echo, meta)
 
     def full_body(self) -> dict[str, Any]:
         gen = self.generation

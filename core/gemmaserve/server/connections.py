@@ -32,6 +32,7 @@ __all__ = [
     "guarded_protocol_class",
     "AcceptErrorFilter",
     "OVER_LIMIT_KEY",
+    "TIMED_OUT_KEY",
     "raise_fd_limit",
     "effective_connection_limit",
 ]
@@ -40,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 OVER_LIMIT_KEY = "gemmaserve.over_connection_limit"
 """Set (True) in the ``state`` of every request scope of a connection accepted beyond the limit."""
+TIMED_OUT_KEY = "gemmaserve.timed_out"
+"""Set (True) in the scope of a request whose body did not arrive in time (answered 408 by the connection)."""
 FD_HEADROOM = 64
 """File descriptors kept free of client connections (model files, logs, pipes, the listening socket)."""
 _ACCEPT_OUT_OF_RESOURCES = "socket.accept() out of system resource"
@@ -137,6 +140,8 @@ def guarded_protocol_class(limits: ConnectionLimits) -> type[asyncio.Protocol]:
             cycle = self.cycle
             if cycle is None or not cycle.response_started:
                 self.transport.write(_timeout_response(kind, seconds))
+                if cycle is not None:
+                    cycle.scope[TIMED_OUT_KEY] = True  # the app counts 408, not a client that went away
             if cycle is not None and not cycle.response_complete:
                 cycle.disconnected = True  # the app reading the body sees http.disconnect
                 cycle.message_event.set()

@@ -12,7 +12,8 @@ from typing import Any
 
 from gemmaserve.errors import EngineOverloadedError, GemmaserveError, InvalidRequestError, PromptTooLongError
 
-__all__ = ["APIError", "ClientDisconnected", "error_body", "from_engine_error", "from_output_error", "RETRY_AFTER_S"]
+__all__ = ["APIError", "ClientDisconnected", "constraint_error", "error_body", "from_engine_error", "from_output_error",
+           "RETRY_AFTER_S"]
 
 RETRY_AFTER_S = 1
 CLIENT_CLOSED = 499
@@ -85,17 +86,42 @@ def from_engine_error(
     return APIError(500, f"{type(exc).__name__}: {exc}")
 
 
-def from_output_error(error_type: str | None, message: str | None, *, prompt_param: str = "prompt") -> APIError:
-    """The HTTP error for a request the engine finished with ``finish_reason="error"``."""
+def from_output_error(error_type: str | None, message: str | None, *, prompt_param: str = "prompt",
+                      constraint_field: str | None = None) -> APIError:
+    """The HTTP error for a request the engine finished with ``finish_reason="error"``. ``constraint_field``: the
+    request field its output constraint came from (see :func:`constraint_error`)."""
     text = message or "the backend failed on this request"
     if error_type in ("KVCapacityError", "PromptTooLongError", "InvalidRequestError"):
         code = {"KVCapacityError": "kv_capacity_exceeded", "PromptTooLongError": "context_length_exceeded"}
         return APIError(400, text, param=prompt_param, code=code.get(error_type, "invalid_value"))
     if error_type == "ConstraintError":  # the output constraint could not be continued
-        return APIError(400, text, param="structured_outputs", code="constraint_unsatisfiable")
+        return constraint_error(text, constraint_field, code="constraint_unsatisfiable")
     if error_type == "EngineOverloadedError":
         return APIError(429, f"server overloaded: {text}", code="engine_overloaded")
     return APIError(500, f"{error_type or 'BackendStepError'}: {text}", code="backend_error")
+
+
+_CONSTRAINT_TEXT = re.compile(r"\bstructured_outputs(?:\.(json_object|json|regex|choice|grammar))?\b")
+
+
+def constraint_error(message: str, field: str | None, code: str = "invalid_value") -> APIError:
+    """The 400 for an output constraint the request cannot have, naming the field it came from: ``field`` is
+    ``structured_outputs`` (or None), ``response_format``, one of vLLM's ``guided_*`` fields, or ``tools`` (the
+    call constraint of ``tool_choice`` ``"required"`` / a named function). ``message`` names
+    ``structured_outputs.<kind>`` (the engine's wording); it is rewritten to name ``field``."""
+    if field is None or field == "structured_outputs":
+        return APIError(400, message, param="structured_outputs", code=code)
+    if field == "tools":
+        detail = _CONSTRAINT_TEXT.sub("the call grammar", message)
+        return APIError(400, "tools: the tool-call constraint of tool_choice (made from the tools' parameter "
+                        f"schemas) cannot be served: {detail}", param="tools", code=code)
+
+    def rename(match: re.Match[str]) -> str:
+        if field == "response_format":
+            return "response_format.json_schema.schema" if match.group(1) == "json" else "response_format"
+        return field
+
+    return APIError(400, _CONSTRAINT_TEXT.sub(rename, message), param=field, code=code)
 
 
 def _guess_param(message: str, default: str) -> str | None:

@@ -49,6 +49,9 @@ class Prepared:
     hidden_token_ids: tuple[int, ...] = ()
     """Stop tokens whose text is left out when the reply is decoded with its special tokens (the gemma4 parsers
     need them: their markers are special tokens)."""
+    constraint_field: str | None = None
+    """The request field ``params.structured_outputs`` came from (``tools`` for a tool_choice call constraint):
+    what errors about the constraint name (:func:`~gemmaserve.server.errors.constraint_error`)."""
 
 
 @dataclass(slots=True)
@@ -289,7 +292,8 @@ class Generation:
     def _fail(self, reason: str, error_type: str | None, message: str | None) -> None:
         self.timing.end = time.monotonic()
         if reason == "error":
-            raise from_output_error(error_type, message, prompt_param=self.prepared.prompt_param)
+            raise from_output_error(error_type, message, prompt_param=self.prepared.prompt_param,
+                                    constraint_field=self.prepared.constraint_field)
         if self._client_gone:
             raise ClientDisconnected(self.request_id)
         raise APIError(503, "the request was cancelled because the server is shutting down; retry later")

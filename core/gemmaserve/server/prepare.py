@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from gemmaserve.engine.validation import check_text_can_fit
@@ -25,7 +26,7 @@ from gemmaserve.render_pool import RENDER_POOL_MIN_CHARS, RenderWorkerDied
 from gemmaserve.tools.constraints import tool_call_constraint
 from gemmaserve.tools.parsers import GEMMA4_CALL_OPEN
 from gemmaserve.sampling_params import SamplingParams
-from gemmaserve.server.errors import APIError
+from gemmaserve.server.errors import APIError, constraint_error
 from gemmaserve.server.generation import Prepared
 from gemmaserve.server.protocol import check_message_count
 
@@ -58,17 +59,19 @@ def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer, context_li
                        code="invalid_value")
     max_tokens = body.requested_max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
     params = dataclasses.replace(_sampling(body, max_tokens), logprobs=body.logprobs)
-    return Prepared(prompt_ids, params, body.stop_strings, body.logprobs is not None, "prompt")
+    return Prepared(prompt_ids, params, body.stop_strings, body.logprobs is not None, "prompt",
+                    constraint_field=body.constraint_field)
 
 
 def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limit: int,
                  default_max_tokens: int = 0, tool_call_parser: str = "auto", reasoning_parser: str = "",
-                 pool: RenderPool | None = None) -> Prepared:
+                 pool: RenderPool | None = None, eos_token_ids: Sequence[int] = ()) -> Prepared:
     """Render the messages with the model's chat template; without ``max_tokens`` the request may generate
     ``default_max_tokens`` tokens, or fewer if the rest of ``context_limit`` is smaller (0: the rest of it).
     With ``tools`` (and ``tool_choice`` other than ``"none"``) the template gets them, the reply is read with
     the tool-call parser, and ``"required"`` or a named function constrains the reply to a call. A long chat
-    is rendered in ``pool`` (see :func:`render_chat`)."""
+    is rendered in ``pool`` (see :func:`render_chat`). ``eos_token_ids``: the model's end tokens (the engine
+    stops on them; a reply read by the gemma4 parsers leaves their text out)."""
     body.check_generation_prompt()
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, f"top_logprobs={body.top_logprobs} needs logprobs: true (the alternatives come with the "
@@ -85,21 +88,29 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limi
                                                                       default_max_tokens)
     params = _sampling(body, max_tokens, () if body.ignore_eos else chat_stop_token_ids(tokenizer))
     params = dataclasses.replace(params, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
-    if mode not in (None, "auto"):
+    constraint_field = body.constraint_field
+    if mode in ("required", "function"):
+        name = body.tool_choice_function
         if params.structured_outputs is not None:
-            raise APIError(400, f'tool_choice "{mode}" constrains the reply to a tool call; it cannot be combined '
+            what = "required" if name is None else f"naming function {name!r}"
+            raise APIError(400, f"tool_choice {what} constrains the reply to a tool call; it cannot be combined "
                            "with response_format / structured_outputs", param="tool_choice", code="invalid_value")
         functions = [tool["function"] for tool in body.tool_functions]
         try:
-            constraint = tool_call_constraint(functions, mode, parser or "json", body.parallel_tool_calls is not False)
+            constraint = tool_call_constraint(functions, name, parser or "json", body.parallel_tool_calls is not False)
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), param="tools", code="invalid_value") from None
-        params = dataclasses.replace(params, structured_outputs=constraint)
+        try:
+            params = dataclasses.replace(params, structured_outputs=constraint)
+        except InvalidRequestError as exc:  # min_tokens
+            raise APIError(400, str(exc), param="min_tokens", code="invalid_value") from None
+        constraint_field = "tools"
     hidden: tuple[int, ...] = ()
     if parser == "gemma4" or reasoning_parser:  # markers are special tokens: decode with them, not the stops' text
-        hidden = tuple(dict.fromkeys([*params.stop_token_ids, *getattr(tokenizer, "eos_token_ids", ())]))
+        hidden = tuple(dict.fromkeys([*params.stop_token_ids, *getattr(tokenizer, "eos_token_ids", ()),
+                                      *(int(token) for token in eos_token_ids)]))
     return Prepared(prompt_ids, params, body.stop_strings, bool(body.logprobs), "messages", parser,
-                    body.parallel_tool_calls is not False, reasoning_parser or None, hidden)
+                    body.parallel_tool_calls is not False, reasoning_parser or None, hidden, constraint_field)
 
 
 def resolve_tool_parser(tokenizer: Tokenizer, setting: str) -> str:
@@ -256,8 +267,7 @@ def _sampling(body: SamplingFields, max_tokens: int, extra_stop_ids: tuple[int, 
     try:
         structured = body.structured
     except InvalidRequestError as exc:
-        named = [name for name in ("structured_outputs", "response_format") if name in str(exc)]
-        raise APIError(400, str(exc), param=named[0] if named else "structured_outputs", code="invalid_value") from None
+        raise constraint_error(str(exc), body.constraint_field) from None
     try:
         return SamplingParams(
             structured_outputs=structured,

@@ -66,7 +66,7 @@ _STOP_SCHEMA: dict[str, Any] = {
     "anyOf": [_TEXT, {"type": "array", "maxItems": MAX_STOP_STRINGS, "items": _TEXT}, _NULL]
 }
 _CONTENT_SCHEMA: dict[str, Any] = {"anyOf": [{"type": "string"}, _NULL, {"type": "array", "items": {
-    "type": "object", "required": ["type", "text"],
+    "type": "object", "required": ["type", "text"], "additionalProperties": False,
     "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
 }}]}
 
@@ -144,7 +144,7 @@ class _Closed(BaseModel):
 class StreamOptions(_Closed):
     """``{"include_usage": bool}``; vLLM's ``continuous_usage_stats`` is not implemented (refused as unknown)."""
 
-    include_usage: bool = False
+    include_usage: bool | None = False
 
 
 NEUTRAL_EXTRAS: dict[str, tuple[Any, ...]] = {
@@ -325,6 +325,17 @@ class SamplingFields(BaseModel):
         return formatted
 
     @property
+    def constraint_field(self) -> str | None:
+        """The request field the output constraint comes from (errors about it name this field), or None."""
+        if self.structured_outputs is not None:
+            return "structured_outputs"
+        guided = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                  if getattr(self, name) is not None]
+        if guided:
+            return guided[0]
+        return "response_format" if self.response_format is not None else None
+
+    @property
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` (newer OpenAI name) wins over ``max_tokens``."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -425,6 +436,7 @@ class ChatMessage(BaseModel):
             for part in value:
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise ValueError('only text content parts ({"type": "text", "text": "..."}) are supported')
+                _refuse_keys(part, ("type", "text"), "a text content part")
                 texts.append(part["text"])
             return "".join(texts)
         raise ValueError("content must be a string, a list of text parts, or null")
@@ -568,9 +580,10 @@ class ChatCompletionRequest(ChatTemplateOptions, SamplingFields):
     tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Any = Field(None, json_schema_extra=_only({"anyOf": [
         {"enum": ["none", "auto", "required"]},
-        {"type": "object", "required": ["type", "function"], "properties": {
-            "type": {"const": "function"}, "function": {"type": "object", "required": ["name"],
-                                                        "properties": {"name": {"type": "string"}}}}}]}))
+        {"type": "object", "required": ["type", "function"], "additionalProperties": False, "properties": {
+            "type": {"const": "function"},
+            "function": {"type": "object", "required": ["name"], "additionalProperties": False,
+                         "properties": {"name": {"type": "string"}}}}}]}))
     parallel_tool_calls: bool | None = None
 
     @field_validator("messages", mode="before")
@@ -580,8 +593,9 @@ class ChatCompletionRequest(ChatTemplateOptions, SamplingFields):
 
     @property
     def tool_mode(self) -> str | None:
-        """None (no tools, or ``tool_choice: "none"``), ``"auto"``, ``"required"``, or the one function's name
-        ``tool_choice`` names. Raises APIError naming ``tool_choice`` when it is malformed or names no tool."""
+        """None (no tools, or ``tool_choice: "none"``), ``"auto"``, ``"required"``, or ``"function"`` (``tool_choice``
+        names one: :attr:`tool_choice_function`). Raises APIError naming ``tool_choice`` when it is malformed or
+        names no tool."""
         choice = self.tool_choice
         names = [tool.function.name for tool in self.tools or ()]
         if choice is None:
@@ -592,12 +606,27 @@ class ChatCompletionRequest(ChatTemplateOptions, SamplingFields):
             if not names:
                 raise APIError(400, f'tool_choice "{choice}" needs tools', param="tool_choice", code="invalid_value")
             return str(choice)
-        if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
-            name = choice["function"].get("name")
-            if name in names:
-                return str(name)
-            raise APIError(400, f"tool_choice names function {name!r}, which is not among the tools "
-                           f"({', '.join(names) or 'none given'})", param="tool_choice", code="invalid_value")
+        name = self.tool_choice_function
+        if name in names:
+            return "function"
+        raise APIError(400, f"tool_choice names function {name!r}, which is not among the tools "
+                       f"({', '.join(names) or 'none given'})", param="tool_choice", code="invalid_value")
+
+    @property
+    def tool_choice_function(self) -> str | None:
+        """The function a ``{"type": "function", "function": {"name": ...}}`` ``tool_choice`` names (None for the
+        string modes). Raises APIError naming ``tool_choice`` when it is malformed."""
+        choice = self.tool_choice
+        if choice is None or isinstance(choice, str) and choice in ("none", "auto", "required"):
+            return None
+        if (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+                and isinstance(choice["function"].get("name"), str)):
+            try:
+                _refuse_keys(choice, ("type", "function"), "tool_choice")
+                _refuse_keys(choice["function"], ("name",), "tool_choice.function")
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="tool_choice", code="invalid_value") from None
+            return choice["function"]["name"]
         raise APIError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
                        '{"name": ...}}', param="tool_choice", code="invalid_value")
 

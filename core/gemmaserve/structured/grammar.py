@@ -91,7 +91,8 @@ class TokenConstraint:
         matcher = self._matcher
         if not matcher.consume_token(token_id):
             raise ConstraintError(f"token {token_id} does not continue the {self._what} constraint "
-                                  f"({_first_line(matcher.get_error()) or 'rejected'})")
+                                  f"({_first_line(matcher.get_error()) or 'rejected'}); the request's bad_words or "
+                                  "logit_bias may exclude every token the constraint allows at this point")
         return matcher.is_stopped()
 
     def advance_if_valid(self, token_id: int) -> bool | ConstraintError:

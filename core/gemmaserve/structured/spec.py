@@ -52,11 +52,14 @@ class StructuredOutputs:
             if isinstance(self.choice, str) or not isinstance(self.choice, Sequence):
                 raise InvalidRequestError("structured_outputs.choice must be a list of strings")
             object.__setattr__(self, "choice", tuple(self.choice))
-        given = [kind for kind in _KINDS if self._value(kind) not in (None, False)]
+        given = [kind for kind in _KINDS if self._given(kind)]
         if len(given) != 1:
             raise InvalidRequestError(
                 "structured_outputs takes exactly one of json, regex, choice, grammar, json_object; got "
                 + (", ".join(given) if given else "none"))
+        if self.json is False:
+            raise InvalidRequestError("structured_outputs.json is the schema false, which no output satisfies; give "
+                                      "a schema some value satisfies (true or {} accept any JSON value)")
         if self.json is not None:
             if not isinstance(self.json, (dict, bool)):
                 raise InvalidRequestError(
@@ -81,15 +84,20 @@ class StructuredOutputs:
     def _value(self, kind: str) -> Any:
         return getattr(self, kind)
 
+    def _given(self, kind: str) -> bool:
+        value = self._value(kind)
+        return value not in (None, False) if kind == "json_object" else value is not None
+
     @property
     def kind(self) -> str:
         """Which constraint: json, json_object, regex, choice or grammar."""
-        return next(kind for kind in _KINDS if self._value(kind) not in (None, False))
+        return next(kind for kind in _KINDS if self._given(kind))
 
     @property
     def key(self) -> str:
-        """A canonical text of the constraint (compiled grammars are cached by it)."""
-        return self.kind + ":" + json.dumps(self._value(self.kind), sort_keys=True, separators=(",", ":"))
+        """The constraint as text (compiled grammars are cached by it). Key order is kept: a schema's property
+        order is the order its output writes them in."""
+        return self.kind + ":" + json.dumps(self._value(self.kind), separators=(",", ":"))
 
     @classmethod
     def from_mapping(cls, fields: Mapping[str, Any]) -> StructuredOutputs:

@@ -5,28 +5,37 @@ parses, of a function the request offered.
   (a list of them for ``required`` with ``parallel_tool_calls``); the arguments validate against the schema
   as far as llguidance's JSON schema support goes.
 - ``gemma4`` parser: a Lark grammar of Gemma 4's call blocks (``<|tool_call>call:NAME{...}<tool_call|>``) whose
-  arguments follow the parameter schema's structure: every property of an object (in the schema's order), the
-  declared types, ``enum`` / ``const`` values, string ``pattern`` s and lengths; numeric bounds and item counts
-  are not enforced in this syntax, and parts of a schema it does not model (``anyOf``, ``$ref``, ...) accept any
-  value.
+  arguments follow the parameter schema's structure: every property of an object (in the schema's order; keys
+  bare where :data:`~gemmaserve.tools.parsers.GEMMA4_BARE_KEY` allows, else as strings), the declared types,
+  ``enum`` / ``const`` values, string ``pattern`` s (searched, as JSON Schema does: anchor with ``^`` / ``$``
+  for a whole-string match) and lengths; numeric bounds and item counts are not enforced in this syntax, and
+  parts of a schema it does not model (``anyOf``, ``$ref``, a pattern using look-around or back-references,
+  ...) accept any value. A string may hold any text but the string and call-closing markers.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gemmaserve.structured.spec import StructuredOutputs
 
-from .parsers import GEMMA4_CALL_CLOSE, GEMMA4_CALL_OPEN, GEMMA4_STRING
+from gemmaserve.errors import InvalidRequestError
+
+from .parsers import GEMMA4_BARE_KEY, GEMMA4_CALL_CLOSE, GEMMA4_CALL_OPEN, GEMMA4_STRING
 
 __all__ = ["tool_call_constraint"]
+
+_NO_MARKER = r'~/(?s:.*)(<\|"\|>|<tool_call\|>)(?s:.*)/'
+"""Lark: any text without the string marker or the call's closing marker in it (the parser would end the string or
+the call there), intersected with a string's own lexeme."""
 
 _GENERIC = f"""
 value: gstring | GNUMBER | "true" | "false" | "null" | gobject | glist
 gstring: {GEMMA4_STRING} GTEXT {GEMMA4_STRING}
-GTEXT: /[^<]*/
+GTEXT: /(?s:.*)/ & {_NO_MARKER}
 gobject: "{{" (gpair ("," gpair)*)? "}}"
 gpair: GKEY ":" value
 GKEY: /[A-Za-z_][A-Za-z0-9_]*/
@@ -36,12 +45,13 @@ GINTEGER: /-?(0|[1-9][0-9]*)/
 """
 
 
-def tool_call_constraint(tools: Sequence[Mapping[str, Any]], choice: str, parser: str,
+def tool_call_constraint(tools: Sequence[Mapping[str, Any]], name: str | None, parser: str,
                          parallel: bool) -> StructuredOutputs:
-    """The constraint for ``tool_choice`` ``"required"`` (any of ``tools``; several calls if ``parallel``) or
-    one function's name. ``tools``: ``{"name", "parameters"}`` each (OpenAI's ``function`` objects)."""
-    offered = [tool for tool in tools if choice == "required" or tool["name"] == choice]
-    many = parallel and choice == "required"
+    """The constraint for ``tool_choice: "required"`` (``name`` None: any of ``tools``; several calls if
+    ``parallel``) or the one function named ``name``. ``tools``: ``{"name", "parameters"}`` each (OpenAI's
+    ``function`` objects). Raises InvalidRequestError for a parameter name Gemma 4's syntax cannot write."""
+    offered = [tool for tool in tools if name is None or tool["name"] == name]
+    many = parallel and name is None
     if parser == "json":
         one = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"], "properties": {
             "name": {"const": tool["name"]}, "arguments": tool.get("parameters") or {"type": "object"}}}
@@ -68,7 +78,7 @@ def _object_rule(schema: Mapping[str, Any], prefix: str, rules: list[str]) -> st
     name = f"{prefix}obj"
     pairs = []
     for index, (key, sub) in enumerate(properties.items()):
-        pairs.append(f"{json.dumps(str(key))} \":\" {_value_rule(sub, f'{prefix}p{index}', rules)}")
+        pairs.append(f"{_key(str(key))} \":\" {_value_rule(sub, f'{prefix}p{index}', rules)}")
     comma = ' "," '
     rules.append(f'{name}: "{{" {comma.join(pairs)} "}}"')
     return name
@@ -94,23 +104,58 @@ def _value_rule(schema: Any, prefix: str, rules: list[str]) -> str:
         return prefix
     if kind == "string":
         pattern = schema.get("pattern")
-        if isinstance(pattern, str) and pattern and "/" not in pattern:
-            body = pattern.removeprefix("^").removesuffix("$")
-            rules.append(f"{prefix}: {GEMMA4_STRING} /{body}/ {GEMMA4_STRING}")
+        body = _pattern_body(pattern) if isinstance(pattern, str) else None
+        if body is not None:
+            rules.append(f"{prefix}: {GEMMA4_STRING} {prefix.upper()}S {GEMMA4_STRING}")
+            rules.append(f"{prefix.upper()}S: /{body}/ & {_NO_MARKER}")
             return prefix
         low, high = schema.get("minLength", 0), schema.get("maxLength")
         if isinstance(low, int) and isinstance(high, int) and 0 <= low <= high:
-            rules.append(f"{prefix}: {GEMMA4_STRING} /[^<]{{{low},{high}}}/ {GEMMA4_STRING}")
+            rules.append(f"{prefix}: {GEMMA4_STRING} {prefix.upper()}S {GEMMA4_STRING}")
+            rules.append(f"{prefix.upper()}S: /(?s:.){{{low},{high}}}/ & {_NO_MARKER}")
             return prefix
         return "gstring"
     return {"integer": "GINTEGER", "number": "GNUMBER", "boolean": "(\"true\" | \"false\")",
             "null": "\"null\""}.get(kind, "value") if isinstance(kind, str) else "value"
 
 
+_UNMODELLED_PATTERN = re.compile(r"\(\?<?[=!]|\\[1-9]|\\k<|\(\?>|[*+?}]\+")
+"""Look-around, back-references, atomic groups and possessive repeats: not in the constraint engine's regex syntax."""
+
+
+_ESCAPE = re.compile(r"\\(.)", re.DOTALL)
+_ECMA_CLASSES = {"d": "[0-9]", "D": "[^0-9]", "w": "[A-Za-z0-9_]", "W": "[^A-Za-z0-9_]"}
+"""JSON Schema's (ECMAScript's) ASCII ``\\d`` / ``\\w``, which the constraint engine's Unicode regex would widen."""
+
+
+def _pattern_body(pattern: str) -> str | None:
+    """A JSON Schema ``pattern`` as a whole-string regex body (unanchored ends match any text, as the schema's
+    search semantics say), or None where it is not modelled (empty, a ``/`` that would end the Lark regex, or
+    syntax the constraint engine lacks: the value is then any string)."""
+    if not pattern or "/" in pattern or _UNMODELLED_PATTERN.search(pattern):
+        return None
+    start = pattern.startswith("^")
+    body = pattern[1:] if start else pattern
+    escapes = len(body[:-1]) - len(body[:-1].rstrip("\\"))  # backslashes right before a final "$"
+    end = body.endswith("$") and escapes % 2 == 0
+    if end:
+        body = body[:-1]
+    body = _ESCAPE.sub(lambda m: _ECMA_CLASSES.get(m.group(1), m.group(0)), body)
+    return f"{'' if start else '(?s:.*)'}(?:{body}){'' if end else '(?s:.*)'}"
+
+
+def _key(key: str) -> str:
+    """A property key as Gemma 4 writes it (see :func:`~gemmaserve.tools.parsers.format_gemma_key`), as Lark."""
+    if GEMMA4_BARE_KEY.fullmatch(key):
+        return json.dumps(key)
+    if GEMMA4_STRING in key:
+        raise InvalidRequestError(f"tools: the parameter name {key!r} contains {GEMMA4_STRING}, which Gemma 4's "
+                                  "call syntax cannot write; rename the parameter")
+    return f"{GEMMA4_STRING} {json.dumps(key)} {GEMMA4_STRING}"
+
+
 def _literal(value: Any) -> str:
     """A fixed value as a Lark expression in Gemma 4's syntax."""
     if isinstance(value, str):
         return f"{GEMMA4_STRING} {json.dumps(value)} {GEMMA4_STRING}" if value else f"{GEMMA4_STRING} {GEMMA4_STRING}"
-    if value is True or value is False or value is None:
-        return json.dumps(json.dumps(value))
-    return json.dumps(json.dumps(value))
+    return json.dumps(json.dumps(value))  # true / false / null / a number, as a Lark string

@@ -1,9 +1,10 @@
 """Tool calls in a model's text: streaming parsers for Gemma 4's native format and for JSON.
 
-- ``gemma4``: ``<|tool_call>call:NAME{key:value,...}<tool_call|>``, one block per call; a value is a string
-  between ``<|"|>`` markers, a number, ``true`` / ``false`` / ``null``, an object ``{key:value,...}`` or a list
-  ``[value,...]``. The markers are special tokens: the text fed here must keep them (decoded with
-  ``skip_special_tokens=False``).
+- ``gemma4``: ``<|tool_call>call:NAME{key:value,...}<tool_call|>``, one block per call (a block holding several
+  ``call:`` entries is read as those calls); a value is a string between ``<|"|>`` markers, a number, ``true`` /
+  ``false`` / ``null``, an object ``{key:value,...}`` or a list ``[value,...]``; a key is written bare (any text
+  without ``:{}[],<`` and without surrounding whitespace: :data:`GEMMA4_BARE_KEY`) or as a string. The markers
+  are special tokens: the text fed here must keep them (decoded with ``skip_special_tokens=False``).
 - ``json``: the whole reply is one call ``{"name": ..., "arguments": {...}}`` (``parameters`` is accepted for
   ``arguments``) or a list of them, optionally in a Markdown code fence; anything else is content.
 
@@ -21,13 +22,15 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["GEMMA4_CALL_CLOSE", "GEMMA4_CALL_OPEN", "GEMMA4_CHANNEL_CLOSE", "GEMMA4_CHANNEL_OPEN", "GEMMA4_STRING",
-           "Gemma4ReasoningParser", "Gemma4ToolParser", "JsonToolParser",
-           "ParsedText", "ToolCall", "ToolParser", "format_gemma_value", "parse_gemma_arguments", "PARSERS"]
+__all__ = ["GEMMA4_BARE_KEY", "GEMMA4_CALL_CLOSE", "GEMMA4_CALL_OPEN", "GEMMA4_CHANNEL_CLOSE", "GEMMA4_CHANNEL_OPEN",
+           "GEMMA4_STRING", "Gemma4ReasoningParser", "Gemma4ToolParser", "JsonToolParser", "ParsedText", "ToolCall",
+           "ToolParser", "format_gemma_key", "format_gemma_value", "parse_gemma_arguments", "PARSERS"]
 
 GEMMA4_CALL_OPEN = "<|tool_call>"
 GEMMA4_CALL_CLOSE = "<tool_call|>"
 GEMMA4_STRING = '<|"|>'
+GEMMA4_BARE_KEY = re.compile(r"[^\s:{}\[\],<](?:[^:{}\[\],<]*[^\s:{}\[\],<])?")
+"""A key Gemma 4's syntax writes bare (its chat template writes every key so); any other key is written as a string."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,11 +101,11 @@ class Gemma4ToolParser(ToolParser):
                 return out
             body, self._buffer = self._buffer[:end], self._buffer[end + len(GEMMA4_CALL_CLOSE):]
             self._in_call = False
-            call = _parse_gemma_call(body)
-            if call is None:
+            calls = _parse_gemma_calls(body)
+            if calls is None:
                 out.content += GEMMA4_CALL_OPEN + body + GEMMA4_CALL_CLOSE
             else:
-                out.calls.append(call)
+                out.calls.extend(calls)
 
     def finish(self) -> ParsedText:
         """An unterminated call is shown as the text it was (with its opening marker)."""
@@ -111,23 +114,29 @@ class Gemma4ToolParser(ToolParser):
         return ParsedText(rest)
 
 
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
+_NAME = re.compile(r"[A-Za-z0-9_.\-]+")  # the characters the API accepts in a tool's name
 
 
-def _parse_gemma_call(body: str) -> ToolCall | None:
-    text = body.strip()
-    if not text.startswith("call:"):
-        return None
-    match = _NAME.match(text, 5)
-    if match is None:
-        return None
-    try:
-        value, end = _GemmaValues(text).value(match.end())
-    except ValueError:
-        return None
-    if not isinstance(value, dict) or text[end:].strip():
-        return None
-    return ToolCall(match.group(0), json.dumps(value, ensure_ascii=False))
+def _parse_gemma_calls(body: str) -> list[ToolCall] | None:
+    """The ``call:NAME{...}`` entries of one block (one, or several back to back), or None if it does not parse."""
+    calls: list[ToolCall] = []
+    values = _GemmaValues(body)
+    at = values.skip(0)
+    while at < len(body):
+        if not body.startswith("call:", at):
+            return None
+        match = _NAME.match(body, at + 5)
+        if match is None:
+            return None
+        try:
+            value, at = values.value(match.end())
+        except ValueError:
+            return None
+        if not isinstance(value, dict):
+            return None
+        calls.append(ToolCall(match.group(0), json.dumps(value, ensure_ascii=False)))
+        at = values.skip(at)
+    return calls or None
 
 
 def parse_gemma_arguments(text: str) -> Any:
@@ -144,19 +153,20 @@ class _GemmaValues:
     """Recursive-descent reader of Gemma 4 argument values."""
 
     _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
-    _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
+    _KEY = re.compile(r"[^:{}\[\],<]+")  # a bare key, its trailing whitespace stripped below
 
     def __init__(self, text: str) -> None:
         self.text = text
 
-    def _skip(self, at: int) -> int:
+    def skip(self, at: int) -> int:
+        """The first index at or after ``at`` that is not whitespace."""
         while at < len(self.text) and self.text[at] in " \t\n\r":
             at += 1
         return at
 
     def value(self, at: int) -> tuple[Any, int]:
         text = self.text
-        at = self._skip(at)
+        at = self.skip(at)
         if text.startswith(GEMMA4_STRING, at):
             end = text.find(GEMMA4_STRING, at + len(GEMMA4_STRING))
             if end < 0:
@@ -177,23 +187,23 @@ class _GemmaValues:
 
     def _object(self, at: int) -> tuple[dict[str, Any], int]:
         out: dict[str, Any] = {}
-        at = self._skip(at)
+        at = self.skip(at)
         if self.text.startswith("}", at):
             return out, at + 1
         while True:
-            at = self._skip(at)
+            at = self.skip(at)
             if self.text.startswith(GEMMA4_STRING, at):  # a quoted key
                 key, at = self.value(at)
             else:
                 match = self._KEY.match(self.text, at)
                 if match is None:
                     raise ValueError(f"no key at {at}")
-                key, at = match.group(0), match.end()
-            at = self._skip(at)
+                key, at = match.group(0).rstrip(), match.end()
+            at = self.skip(at)
             if not self.text.startswith(":", at):
                 raise ValueError(f"':' expected at {at}")
             out[key], at = self.value(at + 1)
-            at = self._skip(at)
+            at = self.skip(at)
             if self.text.startswith(",", at):
                 at += 1
                 continue
@@ -203,13 +213,13 @@ class _GemmaValues:
 
     def _list(self, at: int) -> tuple[list[Any], int]:
         out: list[Any] = []
-        at = self._skip(at)
+        at = self.skip(at)
         if self.text.startswith("]", at):
             return out, at + 1
         while True:
             item, at = self.value(at)
             out.append(item)
-            at = self._skip(at)
+            at = self.skip(at)
             if self.text.startswith(",", at):
                 at += 1
                 continue
@@ -231,10 +241,16 @@ def format_gemma_value(value: Any) -> str:
     if isinstance(value, (int, float)):
         return json.dumps(value)
     if isinstance(value, dict):
-        return "{" + ",".join(f"{key}:{format_gemma_value(item)}" for key, item in value.items()) + "}"
+        pairs = (f"{format_gemma_key(key)}:{format_gemma_value(item)}" for key, item in value.items())
+        return "{" + ",".join(pairs) + "}"
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(format_gemma_value(item) for item in value) + "]"
     raise TypeError(f"cannot write {type(value).__name__} in Gemma 4's argument syntax")
+
+
+def format_gemma_key(key: str) -> str:
+    """``key`` as an object key in Gemma 4's syntax: bare where :data:`GEMMA4_BARE_KEY` allows, else a string."""
+    return key if GEMMA4_BARE_KEY.fullmatch(key) else GEMMA4_STRING + key + GEMMA4_STRING
 
 
 _FENCE = re.compile(r"^\s*```[a-zA-Z_]*\s*\n?(.*?)\n?\s*```\s*$", re.DOTALL)
@@ -321,8 +337,10 @@ class Gemma4ReasoningParser:
             if self._in_channel and self._label_pending:
                 label = "thought\n"
                 head = self._buffer[: len(label)]
-                if label.startswith(head) and len(head) < len(label) and at < 0:
-                    return reasoning, content  # the label may still be arriving
+                after = self._buffer[len("thought"):] if self._buffer.startswith("thought") else None
+                if at < 0 and ((label.startswith(head) and len(head) < len(label))
+                               or (after is not None and GEMMA4_CHANNEL_CLOSE.startswith(after))):
+                    return reasoning, content  # the label (or a label-only channel's close) may still be arriving
                 if self._buffer.startswith(label):
                     self._buffer = self._buffer[len(label):]
                 elif self._buffer.startswith("thought") and (at == len("thought")):

@@ -97,7 +97,7 @@ def _sample_filtered(logits: mx.array, rows: Sequence[RowSampling]) -> mx.array:
     order = mx.argsort(-scaled, axis=-1)
     ordered = mx.take_along_axis(scaled, order, axis=-1)
     ranks = mx.arange(vocab)[None, :]
-    top_k = mx.array([row.top_k if row.top_k > 0 else vocab for row in rows])[:, None]
+    top_k = mx.array([min(row.top_k, vocab) if row.top_k > 0 else vocab for row in rows])[:, None]
     keep = ranks < top_k
     probs = mx.softmax(mx.where(keep, ordered, -mx.inf), axis=-1)
     top_p = mx.array([row.top_p for row in rows], dtype=mx.float32)[:, None]

@@ -344,7 +344,7 @@ def _parse_head_geometry(
     if family == "gemma3":
         return tuple(head_dims), tuple(kv_heads)
     per_layer = c.get("per_layer_config")
-    if per_layer:
+    if per_layer is not None:  # transformers' rule: when present (even empty) it replaces the global_* fields
         _require(isinstance(per_layer, dict), "per_layer_config must be an object keyed by layer index.")
         for key, overrides in per_layer.items():
             try:
@@ -389,7 +389,9 @@ def _rope_params(raw: dict[str, Any], where: str) -> RopeParams:
         f"{where}: rope_type {rope_type!r} is not supported (default, linear, proportional).",
     )
     _require("rope_theta" in raw, f"{where}: missing rope_theta.")
-    prf = float(raw.get("partial_rotary_factor", 1.0) or 1.0)
+    prf_raw = raw.get("partial_rotary_factor")
+    prf = 1.0 if prf_raw is None else float(prf_raw)  # 0.0 is a factor (nothing rotated), not "unset"
+    _require(0.0 <= prf <= 1.0, f"{where}: partial_rotary_factor={prf} must be in [0, 1].")
     if rope_type == "linear":
         _require(prf == 1.0, f"{where}: linear RoPE with partial_rotary_factor={prf} is not supported.")
     return RopeParams(
