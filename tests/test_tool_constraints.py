@@ -92,3 +92,42 @@ def test_forced_calls_parse_and_validate(vocabulary, schemas, parser, named, par
     for call in calls:
         assert call.name in offered and (not named or call.name == choice)
         jsonschema.validate(json.loads(call.arguments), offered[call.name])
+
+
+@pytest.mark.parametrize("pattern", [r"(^\d{5}$)|(^\d{5}-\d{4}$)", r"(^[a-z]+$)", r"a$|^b", r"(?i)^abc$", r"\bword\b",
+                                     r"[^]", r"\cJ", r"a\0", r"^(?!x)[a-z]+$", r"^[0-9]+\$$", r"a/b"])
+def test_patterns_the_grammar_cannot_model_accept_any_string(vocabulary, pattern) -> None:
+    """A JSON Schema pattern with anchors inside groups, zero-width escapes or syntax the constraint engine lacks
+    does not make a forced call a 400: the value is then any string (documented), and the call still parses."""
+    parameters = {"type": "object", "properties": {"p": {"type": "string", "pattern": pattern}}}
+    tools = [{"name": "f", "parameters": parameters}]
+    compiler = GrammarCompiler(vocabulary, 512, [1])
+    for seed in range(3):
+        constraint = compiler.compile(tool_call_constraint(tools, "f", "gemma4", False))
+        text = _walk(vocabulary, constraint, seed)
+        if constraint.is_complete:
+            reader = Gemma4ToolParser()
+            calls = reader.feed(text).calls + reader.finish().calls
+            assert [call.name for call in calls] == ["f"], text
+
+
+def test_forced_strings_cannot_spell_a_marker_with_plain_tokens(vocabulary) -> None:
+    """The parsers read markers out of the decoded text, so a string value may not spell one with ordinary tokens:
+    the string marker, the call's closing marker, or the reasoning channel's (which would hide the call)."""
+    tools = [{"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}]
+    compiler = GrammarCompiler(vocabulary, 512, [1])
+    tokenizer = vocabulary.tokenizer
+    for marker in ('<|"|>', "<tool_call|>", "<|channel>", "<channel|>"):
+        constraint = compiler.compile(tool_call_constraint(tools, "f", "gemma4", False))
+        for piece in ("<|tool_call>", "call:f{x:", '<|"|>', "a"):
+            for token in tokenizer.encode(piece, add_special_tokens=False).ids:
+                constraint.accept(token)
+        refused = False
+        for char in marker:  # one ordinary token per character
+            (token,) = tokenizer.encode(char, add_special_tokens=False).ids
+            mask = constraint.allowed()
+            if not mask[token >> 3] >> (token & 7) & 1:
+                refused = True
+                break
+            constraint.accept(token)
+        assert refused, marker

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from collections.abc import Iterator, Sequence
@@ -97,8 +98,16 @@ class LLM:
         if settings is not None and given:
             raise TypeError(f"LLM(settings=...) takes no other settings, got {', '.join(given)}; put them in the "
                             "CoreSettings (settings.model_copy(update={...})) or drop settings=")
+        if engine is not None and given:
+            raise TypeError(f"LLM(engine=...) serves that engine as it was built and takes no other settings, got "
+                            f"{', '.join(given)}; build the engine with them (gemmaserve.engine.factory.build_engine) "
+                            "or drop engine=")
         chosen = {name: value for name, value in overrides.items() if name not in VLLM_OPTIONS_NOT_IMPLEMENTED}
+        if settings is None and engine is not None:
+            settings = engine.settings
         self.settings = settings or load_settings(model=model, backend=backend, device=device, **chosen)
+        if "log_level" in self.settings.model_fields_set:  # given (keyword or LOG_LEVEL): gemmaserve's own loggers
+            logging.getLogger("gemmaserve").setLevel(self.settings.log_level.upper())
         template = read_chat_template(self.settings.chat_template) if self.settings.chat_template else None
         self.engine = engine if engine is not None else build_engine(self.settings)
         try:
@@ -343,7 +352,8 @@ VLLM_OPTIONS_NOT_IMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "enforce_eager": ((None, False), "CUDA graphs are a custom-cuda plugin setting"),
     "max_num_seqs": ((None,), "use max_batch_size"),
     "max_seq_len_to_capture": ((None,), "CUDA graph sizes are a custom-cuda plugin setting"),
-    "enable_prefix_caching": ((None, True), "prefix caching is always on"),
+    "enable_prefix_caching": ((None, True), "prefix caching is on by default; prefix_cache_blocks=0 "
+                              "(PREFIX_CACHE_BLOCKS) turns the core cache off for the hf and mlx backends"),
     "enable_lora": ((None, False), "LoRA adapters are not supported"),
     "speculative_config": ((None,), "speculative decoding is not supported"),
     "limit_mm_per_prompt": ((None,), "only text prompts are supported"),
@@ -356,7 +366,8 @@ what gemmaserve does anyway (and then not passed on: no setting holds it); anyth
 _LLM_PARAMETERS = ("model", "backend", "device", "settings", "engine")
 _SERVER_ONLY = ("api_key", "allowed_hosts", "allowed_origins", "enable_debug_endpoints", "host", "port",
                 "timeout_keep_alive", "client_header_timeout", "client_body_timeout", "limit_concurrency",
-                "shutdown_timeout", "served_model_name", "default_max_tokens", "tool_call_parser", "reasoning_parser")
+                "shutdown_timeout", "served_model_name", "default_max_tokens", "tool_call_parser", "reasoning_parser",
+                "render_processes")
 """Core settings only the HTTP server reads: an offline ``LLM(...)`` keyword for one of them would do nothing."""
 
 

@@ -64,6 +64,7 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)  # ...and its text up to here is already in _decoded
         self._decoded = ""  # output text up to _read_offset (may still contain a stop string)
         self._partial = ""  # text after _read_offset that precedes an unfinished character
+        self._min_floor = 0  # the output text before the min_tokens-th token: a stop string must end past it
 
     @property
     def text(self) -> str:
@@ -75,9 +76,15 @@ class IncrementalDetokenizer:
         return self._ids[self._num_context :]
 
     def add(self, new_token_ids: Sequence[int]) -> DetokenizedDelta:
-        """Append tokens and return the newly final text. After a stop match, adds nothing."""
+        """Append tokens and return the newly final text. After a stop match, adds nothing. With stop strings the
+        tokens are taken one at a time (the first stop string to complete wins, however the tokens are grouped;
+        the call's tokens after it are dropped)."""
         if self.stopped:
             return DetokenizedDelta("", True, self.stop_string)
+        if len(new_token_ids) > 1 and self.stop:  # the first stop string to complete wins, however tokens arrive
+            return self._add_each(new_token_ids)[1]
+        if len(self.token_ids) < self.min_tokens:
+            self._min_floor = len(self._decoded) + len(self._partial)  # a stop string must end after this
         self._ids.extend(new_token_ids)
         self._decode_window(final=False)
         return self._release(final=False)
@@ -90,6 +97,9 @@ class IncrementalDetokenizer:
             return 0, DetokenizedDelta("", True, self.stop_string)
         if not self.stop:
             return len(new_token_ids), self.add(new_token_ids)
+        return self._add_each(new_token_ids)
+
+    def _add_each(self, new_token_ids: Sequence[int]) -> tuple[int, DetokenizedDelta]:
         text = ""
         for count, token in enumerate(new_token_ids, 1):
             delta = self.add([token])
@@ -136,6 +146,8 @@ class IncrementalDetokenizer:
         matching = len(self._ids) - self._num_context >= self.min_tokens
         for stop in self.stop if matching else ():
             index = full.find(stop, start)
+            while index != -1 and index + len(stop) <= self._min_floor:  # ends before the min_tokens-th token
+                index = full.find(stop, index + 1)
             if index != -1 and (best is None or index < best[0]):
                 best = (index, stop)
         if best is not None:

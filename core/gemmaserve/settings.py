@@ -286,7 +286,23 @@ def build_settings(
     try:
         return settings_class(**clean)
     except ValidationError as exc:
-        raise ConfigurationError(format_validation_error(exc, title=title, env_prefix=env_prefix)) from None
+        names = _names_given(settings_class, given)
+        message = format_validation_error(exc, title=title, env_prefix=env_prefix, names=names)
+        raise ConfigurationError(message) from None
+
+
+def _names_given(settings_class: type[BaseSettings], given: dict[str, str]) -> dict[tuple[str, str], str]:
+    """(first spelling, value) -> the spelling of that setting set in ``given`` with that value, for the settings
+    read under several names (``MAX_BATCH_SIZE`` / ``GEMMASERVE_MAX_BATCH_SIZE``): an error names the one set."""
+    out: dict[tuple[str, str], str] = {}
+    for field in settings_class.model_fields.values():
+        alias = field.validation_alias
+        if isinstance(alias, AliasChoices):
+            names = [str(choice).upper() for choice in alias.choices if isinstance(choice, str)]
+            for name in names:
+                if name in given:
+                    out.setdefault((names[0], given[name]), name)
+    return out
 
 
 def _environment(settings_class: type[BaseSettings], title: str) -> dict[str, str]:
@@ -348,11 +364,14 @@ def load_settings(**overrides: Any) -> CoreSettings:
     return build_settings(CoreSettings, overrides)
 
 
-def format_validation_error(exc: ValidationError, *, title: str = "settings", env_prefix: str = "") -> str:
-    """One line per bad field: its env name, the value given, what is accepted."""
+def format_validation_error(exc: ValidationError, *, title: str = "settings", env_prefix: str = "",
+                            names: dict[tuple[str, str], str] | None = None) -> str:
+    """One line per bad field: its env name (``names``: the spelling set, by first spelling and value), the value
+    given, what is accepted."""
     lines = [f"invalid {title}:"]
     for error in exc.errors():
         location = ".".join(str(part) for part in error["loc"]).upper()
+        location = (names or {}).get((location, str(error.get("input"))), location)
         where = f"{env_prefix}{location}={error.get('input')!r}: " if location else ""
         lines.append(f"  {where}{error['msg']}")
     return "\n".join(lines)

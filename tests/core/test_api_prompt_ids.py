@@ -88,7 +88,7 @@ def test_ignore_eos_must_be_a_bool(llm: LLM, value: object) -> None:
 
 
 @pytest.mark.parametrize("name, value", [("port", 1), ("api_key", "secret"), ("host", "0.0.0.0"),
-                                         ("allowed_origins", "*"), ("limit_concurrency", 4)])
+                                         ("allowed_origins", "*"), ("limit_concurrency", 4), ("render_processes", 2)])
 def test_http_server_settings_are_refused_offline(name: str, value: object) -> None:
     """Keywords that only the HTTP server reads would do nothing in an offline LLM: refused, naming the server."""
     from gemmaserve.errors import ConfigurationError
@@ -100,3 +100,27 @@ def test_http_server_settings_are_refused_offline(name: str, value: object) -> N
 def test_settings_must_be_core_settings() -> None:
     with pytest.raises(TypeError, match="takes a gemmaserve.settings.CoreSettings, got dict"):
         LLM(settings={"max_batch_size": 2})  # type: ignore[arg-type]
+
+
+def test_an_engine_given_takes_no_other_settings() -> None:
+    """``LLM(engine=...)`` serves the engine as built: settings given beside it would do nothing, so they are
+    refused by name; without them the LLM reports the engine's own settings."""
+    settings = load_settings(device="cpu")
+    engine = Engine(ReferenceBackend(max_model_len=64), settings)
+    with pytest.raises(TypeError, match="takes no other settings, got max_model_len, model"):
+        LLM(engine=engine, max_model_len=8, model="/elsewhere")
+    with LLM(engine=engine) as llm:
+        assert llm.settings is engine.settings
+
+
+def test_log_level_given_offline_sets_gemmaserve_loggers() -> None:
+    import logging
+
+    logger = logging.getLogger("gemmaserve")
+    before = logger.level
+    try:
+        settings = load_settings(device="cpu", log_level="debug")
+        with LLM(settings=settings, engine=Engine(ReferenceBackend(max_model_len=64), settings)):
+            assert logger.level == logging.DEBUG
+    finally:
+        logger.setLevel(before)

@@ -72,19 +72,28 @@ def test_add_until_stop_consumes_up_to_the_token_completing_the_match():
     assert (consumed, delta.text, delta.stopped) == (6, "abcEND", False)
 
 
-@settings(max_examples=300, deadline=None)
-@given(text=st.text(alphabet="abc", max_size=30), stop=st.text(alphabet="abc", min_size=1, max_size=3),
-       min_tokens=st.integers(0, 32))
-def test_stop_strings_wait_for_min_tokens(text: str, stop: str, min_tokens: int) -> None:
+@settings(max_examples=400, deadline=None)
+@given(text=st.text(alphabet="abc", max_size=30),
+       stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), min_size=1, max_size=3),
+       min_tokens=st.integers(0, 32), cuts=st.lists(st.integers(0, 30), max_size=6))
+def test_stop_strings_wait_for_min_tokens(text: str, stops: list[str], min_tokens: int, cuts: list[int]) -> None:
     """vLLM's rule: a stop string ending before the ``min_tokens``-th token does not stop; the first one ending
-    at or after it does (one byte = one token here), and the text is cut right before it."""
+    at or after it does (one byte = one token here), and the text is cut right before it, also when one stop
+    string is a prefix of another (held back meanwhile) and when tokens arrive several at a time."""
     ids = TOKENIZER.encode(text)
-    detok = IncrementalDetokenizer(TOKENIZER, [stop], min_tokens=min_tokens)
+    matches = [(i + len(stop), i) for stop in stops for i in range(len(text))
+               if text.startswith(stop, i) and i + len(stop) >= min_tokens]
+    detok = IncrementalDetokenizer(TOKENIZER, stops, min_tokens=min_tokens)
     consumed, delta = detok.add_until_stop(ids)
     out = delta.text + ("" if delta.stopped else detok.flush())
-    ends = [i + len(stop) for i in range(len(text)) if text.startswith(stop, i) and i + len(stop) >= min_tokens]
-    if not ends:
+    if not matches:
         assert not delta.stopped and out == text and consumed == len(ids)
     else:
-        assert delta.stopped and consumed == ends[0]
-        assert out == text[:ends[0] - len(stop)]
+        end = min(matches)[0]
+        start = min(i for e, i in matches if e == end)
+        assert delta.stopped and consumed == end
+        assert out == text[:start]
+    chunked = IncrementalDetokenizer(TOKENIZER, stops, min_tokens=min_tokens)
+    points = sorted({min(len(ids), c) for c in cuts})
+    pieces = [chunked.add(ids[a:b]).text for a, b in zip([0, *points], [*points, len(ids)])]
+    assert "".join(pieces) + chunked.flush() == out and chunked.stopped == delta.stopped

@@ -28,6 +28,15 @@ def test_prefixed_alias_and_flag_override(monkeypatch: pytest.MonkeyPatch) -> No
     assert settings.port == 9100
 
 
+@pytest.mark.parametrize("name, value", [("GEMMASERVE_MAX_BATCH_SIZE", "abc"), ("VLLM_API_KEY", ""),
+                                         ("GEMMASERVE_DEVICE", "tpu"), ("MAX_BATCH_SIZE", "-3")])
+def test_a_bad_value_is_reported_under_the_name_it_was_set_as(monkeypatch: pytest.MonkeyPatch, name: str,
+                                                              value: str) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigurationError, match=rf"\n  {name}={value!r}: "):
+        load_settings()
+
+
 def test_dotenv_file_is_read(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / ".env").write_text("KV_BLOCK_SIZE=32\n")
     monkeypatch.chdir(tmp_path)

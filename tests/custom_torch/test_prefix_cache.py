@@ -172,11 +172,11 @@ def test_a_tail_copy_that_reclaims_the_prompts_own_path_is_given_back(tiny_gemma
     assert all(m.num_used == 0 for m in backend.pools.managers.values())
 
 
-def test_blocks_a_row_computes_again_replace_the_cached_ones(tmp_path):
+def test_cache_only_blocks_above_a_rows_own_blocks_are_reclaimed(tmp_path):
     """A cached prompt whose sliding blocks were trimmed is no valid hit for a longer prompt over it, so that row
-    computes its own blocks where the index already has cache-only ones. The index takes the row's blocks; kept,
-    the old ones would sit above the row's in the tree (never a leaf while it lives, so never reclaimable) while
-    admission counts them as free, and the request failed with KVCapacityError (pools: 2 sliding, 22 full)."""
+    computes its own blocks where the index already has cache-only ones, and indexes its next block below them:
+    they are never a leaf while it lives, yet admission counts them as free. Reclaim repairs them (the index takes
+    the row's copies); before, the request failed with KVCapacityError (pools: 2 sliding, 22 full)."""
     from gemmaserve.engine.request import FinishReason
     from gemmaserve_custom_torch.models import GemmaForCausalLM
     from tiny_checkpoints import build_tiny_gemma3
@@ -193,5 +193,36 @@ def test_blocks_a_row_computes_again_replace_the_cached_ones(tmp_path):
     assert [r.finish_reason for r in done.values()] == [FinishReason.LENGTH] * 3, [r.error for r in done.values()]
     model = GemmaForCausalLM.from_hf(path, "cpu", torch.float32)
     assert list(done["r2"].output_token_ids) == contiguous_greedy(model, [*prompt, 7], 8)
-    assert backend.prefix_cache.stats["replaced_blocks"] > 0
+    assert backend.prefix_cache.stats["repaired_blocks"] > 0
+    assert_no_leaks(backend)
+
+
+def test_cache_only_blocks_above_another_rows_blocks_are_repaired_when_reclaiming(tiny_gemma4_dir):
+    """Two rows miss on the same prefix and compute it each; the first one's copy is indexed and the second row
+    indexes its next block below it. Once the first row is freed its copy is cache-only (counted as free) above a
+    block a live row holds: reclaim gives the index the live row's copy and frees the other."""
+    backend = make_backend(tiny_gemma4_dir)
+    shared = [(13 * i + 7) % 500 + 4 for i in range(16)]  # 4 blocks of 4
+    first, second = [*shared, *range(300, 312)], [*shared, 400, 401, 402, 403, 404]
+    cache, bs = backend.prefix_cache, backend.pools.block_size
+    with backend.lock:
+        s0, s1 = backend.prefill_lookup(first), backend.prefill_lookup(second)
+        assert s0.num_cached == s1.num_cached == 0
+        backend.prefill_chunk(s0, 16)
+        backend.prefill_chunk(s1, 16)  # its own copy of the shared blocks: the index keeps s0's
+        backend.prefill_chunk(s0, 12)
+        backend.prefill_chunk(s1, 5)  # its fifth block goes below s0's four
+        backend.free_row_kv(s0.kv)
+        backend.check_integrity()  # stranded, but s1 holds its own copies: repairable
+        assert len([v for v in cache.radix.unreachable(cache._cache_only) if v.full is not None]) == 4
+        cache.reclaim(FULL, backend.pools.managers[FULL].num_blocks)
+        assert cache.stats["repaired_blocks"] == 4
+        assert [v for v in cache.radix.unreachable(cache._cache_only) if v.full is not None] == []
+        path = cache.radix.path_to(s1.kv.indexed_last)
+        assert [v.full for v in path] == s1.kv.tables[FULL][: len(second) // bs]
+        backend.check_integrity()
+        hit = backend.prefill_lookup([*shared, 1, 2])
+        assert hit.num_cached == 16  # the repaired blocks still serve the prefix
+        backend.free_row_kv(hit.kv)
+        backend.free_row_kv(s1.kv)
     assert_no_leaks(backend)

@@ -129,3 +129,56 @@ def test_a_truncated_weight_file_is_a_clear_model_load_error(llama_dir: Path, tm
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     with pytest.raises(ModelLoadError, match="truncated or corrupt"):
         create_backend(str(truncated), "cpu", cpu_settings())
+
+
+def _save_tiny(model: torch.nn.Module, path: Path) -> Path:
+    from tiny_checkpoints import save_tiny_tokenizer
+
+    model.save_pretrained(str(path))
+    save_tiny_tokenizer(path)
+    return path
+
+
+def test_a_model_that_counts_positions_itself_is_refused(tmp_path: Path) -> None:
+    """Bart-style causal LMs take no ``position_ids`` and count positions from the sequence, so a left-padded row
+    of a batch would decode at shifted positions (wrong tokens): refused at load, naming the reason. ALiBi models,
+    which take no ``position_ids`` either but read positions from the attention mask, still load."""
+    from transformers import BartConfig, BartForCausalLM, BloomConfig, BloomForCausalLM
+
+    torch.manual_seed(0)
+    bart = BartForCausalLM(BartConfig(vocab_size=512, d_model=32, decoder_layers=1, encoder_layers=1,
+                                      decoder_attention_heads=2, encoder_attention_heads=2, decoder_ffn_dim=64,
+                                      encoder_ffn_dim=64, max_position_embeddings=64, is_decoder=True,
+                                      is_encoder_decoder=False))
+    with torch.no_grad():  # large enough weights that a shifted position changes the logits
+        for tensor in bart.state_dict().values():
+            if tensor.is_floating_point() and tensor.dim() > 1:
+                tensor.normal_(0.0, 0.2)
+    with pytest.raises(ModelLoadError, match="takes no position_ids: it counts positions itself"):
+        load_model(str(_save_tiny(bart, tmp_path / "bart")), "cpu", cpu_settings(), hf_settings())
+    bloom = BloomForCausalLM(BloomConfig(vocab_size=512, hidden_size=32, n_layer=1, n_head=2))
+    loaded = load_model(str(_save_tiny(bloom, tmp_path / "bloom")), "cpu", cpu_settings(max_model_len=64),
+                        hf_settings(hf_attn_implementation="eager"))
+    assert type(loaded.model).__name__ == "BloomForCausalLM"
+
+
+def test_the_default_sdpa_falls_back_to_eager_where_an_architecture_lacks_it(tmp_path: Path) -> None:
+    """Gemma 2 has no sdpa attention in transformers: with the default setting it loads with eager attention; asked
+    for sdpa explicitly, the error says to set HF_ATTN_IMPLEMENTATION=eager."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    gemma2 = Gemma2ForCausalLM(Gemma2Config(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                            max_position_embeddings=64))
+    path = _save_tiny(gemma2, tmp_path / "gemma2")
+    try:
+        explicit = hf_settings(hf_attn_implementation="sdpa")
+        load_model(str(path), "cpu", cpu_settings(), explicit)
+    except ModelLoadError as exc:
+        assert "set HF_ATTN_IMPLEMENTATION=eager" in str(exc)
+    else:
+        pytest.skip("this transformers runs Gemma 2 with sdpa attention")
+    from gemmaserve_hf_torch.settings import HFTorchSettings
+
+    loaded = load_model(str(path), "cpu", cpu_settings(), HFTorchSettings(compile_model=False))  # the default
+    assert loaded.model.config._attn_implementation == "eager"

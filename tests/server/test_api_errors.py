@@ -112,6 +112,8 @@ CHAT_CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("top-logprobs-without-logprobs", {"top_logprobs": 3}, 400, "top_logprobs"),
     ("tool-not-function", {"tools": [{"type": "code", "function": {"name": "f"}}]}, 400, "tools.0.type"),
     ("tool-bad-name", {"tools": [{"type": "function", "function": {"name": "a b"}}]}, 400, "tools.0.function.name"),
+    ("tool-name-newline", {"tools": [{"type": "function", "function": {"name": "fn\n"}}]}, 400,
+     "tools.0.function.name"),
     ("tool-choice-unknown", {"tools": [{"type": "function", "function": {"name": "f"}}],
                              "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
     ("tool-choice-no-tools", {"tool_choice": "required"}, 400, "tool_choice"),

@@ -77,6 +77,9 @@ def test_bench_cli_reports_an_unreachable_server(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "gemmaserve", "bench", "--num-prompts", "0"],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert bad.returncode == 2 and "--num-prompts" in bad.stderr and ">= 1" in bad.stderr
+    lost = subprocess.run([sys.executable, "-m", "gemmaserve", "bench", "--base-url", url, "--save-detailed"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert lost.returncode == 2 and "give --result-file" in lost.stderr  # the records would go nowhere
 
 
 def test_benchmark_against_the_reference_backend() -> None:

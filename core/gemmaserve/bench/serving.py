@@ -195,6 +195,10 @@ def _ratio(value: str) -> float:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.save_detailed and not args.result_file:
+        print("gemmaserve bench: error: --save-detailed adds per-request records to the JSON of --result-file; "
+              "give --result-file FILE", file=sys.stderr)
+        return 2
     config = BenchConfig(
         base_url=args.base_url, model=args.model, num_prompts=args.num_prompts, input_len=args.input_len,
         output_len=args.output_len, range_ratio=args.random_range_ratio, request_rate=args.request_rate,
@@ -236,6 +240,7 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=_positive_float, default=600.0,
                    help="per-request timeout, s (default %(default)s)")
     p.add_argument("--result-file", default=None, help="write the summary as JSON here (default: not written)")
-    p.add_argument("--save-detailed", action="store_true", help="include per-request records in the JSON")
+    p.add_argument("--save-detailed", action="store_true",
+                   help="include per-request records in the JSON (needs --result-file)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_bench)

@@ -140,6 +140,15 @@ class RadixPrefixIndex:
                 stack.append((child, paths[-1]))
         return paths
 
+    def path_to(self, value: BlockValue) -> tuple[BlockValue, ...]:
+        """The values from the first block down to the cached block holding ``value`` (KeyError if none does)."""
+        node: _Node | None = self._by_value[value]
+        out: list[BlockValue] = []
+        while node is not None and node is not self._root:
+            out.append(node.value)
+            node = node.parent
+        return tuple(reversed(out))
+
     def unreachable(self, can_evict: Callable[[BlockValue], bool]) -> list[BlockValue]:
         """Values ``can_evict`` accepts that :meth:`evict` cannot reach as things stand: they lie above a block it
         rejects (eviction takes leaves only). An owner that counts evictable blocks as free keeps this empty."""

@@ -485,7 +485,7 @@ class MessageToolCall(_Closed):
 
 MAX_TOOLS = 128
 """Functions one request may offer."""
-_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
 class FunctionDefinition(_Closed):
@@ -497,7 +497,7 @@ class FunctionDefinition(_Closed):
     @field_validator("name")
     @classmethod
     def _check_name(cls, value: str) -> str:
-        if not _TOOL_NAME.match(value):
+        if not _TOOL_NAME.fullmatch(value):
             raise ValueError("function names are 1 to 64 letters, digits, '_', '.' or '-'")
         return value
 

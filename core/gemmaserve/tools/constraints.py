@@ -9,12 +9,14 @@ parses, of a function the request offered.
   bare where :data:`~gemmaserve.tools.parsers.GEMMA4_BARE_KEY` allows, else as strings), the declared types,
   ``enum`` / ``const`` values, string ``pattern`` s (searched, as JSON Schema does: anchor with ``^`` / ``$``
   for a whole-string match) and lengths; numeric bounds and item counts are not enforced in this syntax, and
-  parts of a schema it does not model (``anyOf``, ``$ref``, a pattern using look-around or back-references,
-  ...) accept any value. A string may hold any text but the string and call-closing markers.
+  parts of a schema it does not model (``anyOf``, ``$ref``, a pattern using look-around, word boundaries,
+  back-references or anchors inside groups, ...) accept any value. A string may hold any text but the string,
+  call-closing and reasoning-channel markers.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -28,9 +30,9 @@ from .parsers import GEMMA4_BARE_KEY, GEMMA4_CALL_CLOSE, GEMMA4_CALL_OPEN, GEMMA
 
 __all__ = ["tool_call_constraint"]
 
-_NO_MARKER = r'~/(?s:.*)(<\|"\|>|<tool_call\|>)(?s:.*)/'
-"""Lark: any text without the string marker or the call's closing marker in it (the parser would end the string or
-the call there), intersected with a string's own lexeme."""
+_NO_MARKER = r'~/(?s:.*)(<\|"\|>|<tool_call\|>|<\|channel>|<channel\|>)(?s:.*)/'
+"""Lark: any text without the string marker, the call's closing marker or the reasoning channel's markers in it (the
+parsers would end the string or the call there, or open a channel), intersected with a string's own lexeme."""
 
 _GENERIC = f"""
 value: gstring | GNUMBER | "true" | "false" | "null" | gobject | glist
@@ -119,8 +121,12 @@ def _value_rule(schema: Any, prefix: str, rules: list[str]) -> str:
             "null": "\"null\""}.get(kind, "value") if isinstance(kind, str) else "value"
 
 
-_UNMODELLED_PATTERN = re.compile(r"\(\?<?[=!]|\\[1-9]|\\k<|\(\?>|[*+?}]\+")
-"""Look-around, back-references, atomic groups and possessive repeats: not in the constraint engine's regex syntax."""
+_UNMODELLED_PATTERN = re.compile(r"\(\?<?[=!]|\\[1-9bBAzZGk]|\(\?>|[*+?}]\+")
+"""Look-around, word boundaries and other zero-width escapes, back-references, atomic groups and possessive repeats:
+not in the constraint engine's regex syntax."""
+_INNER_ANCHOR = re.compile(r"(?<!\\)(?:\\\\)*[\^$]")
+"""An unescaped ``^`` or ``$`` (outside character classes, where the caller strips them first)."""
+_CLASS = re.compile(r"\[(?:\\.|[^\]\\])*\]")
 
 
 _ESCAPE = re.compile(r"\\(.)", re.DOTALL)
@@ -128,6 +134,7 @@ _ECMA_CLASSES = {"d": "[0-9]", "D": "[^0-9]", "w": "[A-Za-z0-9_]", "W": "[^A-Za-
 """JSON Schema's (ECMAScript's) ASCII ``\\d`` / ``\\w``, which the constraint engine's Unicode regex would widen."""
 
 
+@functools.lru_cache(maxsize=1024)
 def _pattern_body(pattern: str) -> str | None:
     """A JSON Schema ``pattern`` as a whole-string regex body (unanchored ends match any text, as the schema's
     search semantics say), or None where it is not modelled (empty, a ``/`` that would end the Lark regex, or
@@ -140,8 +147,21 @@ def _pattern_body(pattern: str) -> str | None:
     end = body.endswith("$") and escapes % 2 == 0
     if end:
         body = body[:-1]
+    if _INNER_ANCHOR.search(_CLASS.sub("", body)):  # anchors inside groups or alternatives: not modelled
+        return None
     body = _ESCAPE.sub(lambda m: _ECMA_CLASSES.get(m.group(1), m.group(0)), body)
-    return f"{'' if start else '(?s:.*)'}(?:{body}){'' if end else '(?s:.*)'}"
+    body = f"{'' if start else '(?s:.*)'}(?:{body}){'' if end else '(?s:.*)'}"
+    return body if _regex_compiles(body) else None
+
+
+def _regex_compiles(body: str) -> bool:
+    """True if the constraint engine reads ``body`` as a regex (~1 ms; no vocabulary needed)."""
+    try:
+        import llguidance
+    except ImportError:  # nothing can compile the constraint then; the compile step says so
+        return True
+    grammar = llguidance.LLMatcher.grammar_from_lark(f"start: S\nS: /{body}/")
+    return not llguidance.LLMatcher.validate_grammar(grammar)
 
 
 def _key(key: str) -> str:

@@ -178,19 +178,35 @@ def load_model(model_path: str, device: str, settings: CoreSettings, hf_settings
     tokenizer = load_tokenizer(path, trust_remote_code=hf_settings.trust_remote_code)
     from transformers import AutoModelForCausalLM
 
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path),
-            dtype=dtype,
-            attn_implementation=hf_settings.hf_attn_implementation,
-            local_files_only=True,
-            trust_remote_code=hf_settings.trust_remote_code,
-        )
-    except Exception as exc:
-        hint = ("; a weight file is probably truncated or corrupt (an interrupted download or copy): fetch or "
-                "convert it again") if "safetensor" in type(exc).__name__.lower() else ""
-        raise ModelLoadError(f"transformers could not load {str(path)!r}: {type(exc).__name__}: {exc}{hint}") from None
+    attention = hf_settings.hf_attn_implementation
+    chosen = "hf_attn_implementation" in hf_settings.model_fields_set
+    while True:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(path),
+                dtype=dtype,
+                attn_implementation=attention,
+                local_files_only=True,
+                trust_remote_code=hf_settings.trust_remote_code,
+            )
+            break
+        except Exception as exc:
+            no_sdpa = attention == "sdpa" and "scaled_dot_product_attention" in str(exc)
+            if no_sdpa and not chosen:  # the default, not the user's choice: the architecture's own attention
+                logger.warning("hf: %s does not support sdpa attention; loading it with eager attention (set "
+                               "HF_ATTN_IMPLEMENTATION=eager to skip this attempt)", path.name)
+                attention = "eager"
+                continue
+            hint = ("; a weight file is probably truncated or corrupt (an interrupted download or copy): fetch or "
+                    "convert it again") if "safetensor" in type(exc).__name__.lower() else ""
+            if no_sdpa:
+                hint = "; set HF_ATTN_IMPLEMENTATION=eager"
+            raise ModelLoadError(
+                f"transformers could not load {str(path)!r}: {type(exc).__name__}: {exc}{hint}") from None
     model = model.to(torch_device).eval()
+    problem = _left_padding_problem(model, torch_device)
+    if problem is not None:
+        raise ModelLoadError(problem)
     if settings.quantization == "int8":
         from gemmaserve_hf_torch.int8 import int8_unavailable_reason, quantize_linears
 
@@ -211,6 +227,31 @@ def load_model(model_path: str, device: str, settings: CoreSettings, hf_settings
         max_model_len=_max_model_len(text_config, settings),
         eos_token_ids=_eos_token_ids(model, tokenizer),
     )
+
+
+def _left_padding_problem(model: torch.nn.Module, device: torch.device) -> str | None:
+    """Rows of a batch are left-padded and get their positions through ``position_ids``. A model whose forward
+    takes none (Bart, Marian, Pegasus... as causal LMs) counts positions itself from the sequence, so padding
+    would shift them; one that derives them from the attention mask (ALiBi: Bloom, MPT) is fine. Checked by
+    running two tokens with and without a padding token before them."""
+    if "position_ids" in inspect.signature(model.forward).parameters:
+        return None
+    vocab = int(model.config.get_text_config(decoder=True).vocab_size)
+    ids = torch.tensor([[3 % vocab, 5 % vocab]], device=device)
+    padded_ids = torch.tensor([[0, 3 % vocab, 5 % vocab]], device=device)
+    try:
+        with torch.inference_mode():
+            plain = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, -1].float()
+            padded = model(input_ids=padded_ids, attention_mask=torch.tensor([[0, 1, 1]], device=device)).logits
+    except Exception as exc:
+        return (f"{type(model).__name__} takes no position_ids and could not run a left-padded batch "
+                f"({type(exc).__name__}: {exc}); the hf backend batches rows with left padding, so it cannot serve it")
+    difference = float((padded[0, -1].float() - plain).abs().max())
+    if difference <= 1e-2 * float(plain.abs().max()) + 1e-3:
+        return None
+    return (f"{type(model).__name__} takes no position_ids: it counts positions itself, so the left padding of "
+            "a batch would shift them (its logits change by {:.3g} with one padding token); the hf backend batches "
+            "rows that way and cannot serve this architecture".format(difference))
 
 
 def _max_model_len(text_config: Any, settings: CoreSettings) -> int:

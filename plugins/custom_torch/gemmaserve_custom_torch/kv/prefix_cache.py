@@ -16,9 +16,11 @@ A hit of ``c`` computed tokens is valid only if the sliding blocks the next quer
 
 Refcounts: the cache holds one reference per id in its values and tails; a row holds its own. Everything
 the cache holds alone (refcount 1) is reclaimable (tails and LRU leaves, then LRU sliding trims) and nothing
-else is, which is what lets admission count cached blocks as free. For that, a row's indexed path holds the row's
-own blocks: where the row computed a block the index already had (its hit stopped short of it), ``cache_prefix``
-swaps the row's block into the cached value, so no cache-only block sits above a block a row holds.
+else is, which is what lets admission count cached blocks as free. Eviction takes leaves, so a cache-only full
+block can sit above a block a live row holds: the row then computed its own copy of that position (its hit stopped
+short of it, e.g. over trimmed sliding blocks, or another row's copy was indexed first). When eviction finds nothing
+it may take, ``reclaim`` repairs such blocks: the cached value takes the row's copy and the cache-only block is
+freed.
 
 KV-cache events (``set_event_observer``) follow the radix index: a block is stored while its radix node lives
 (its full-group KV), whatever happens to its sliding copy; exact-index tails are never announced.
@@ -147,19 +149,15 @@ class PrefixCache:
             self._values.add(value)
             if value.sliding is not None:
                 self._trimmable[value.sliding] = value
-        full_table, sliding_table = row.tables.get(FULL), row.tables.get(SLIDING)
         for j, held in enumerate(result.values[: result.num_existing]):
             assert isinstance(held, CachedBlock)
-            full = full_table[j] if full_table is not None else -1
-            sliding = sliding_table[j] if sliding_table is not None else -1
-            if full >= 0 and held.full != full:
-                # the row computed its own copy of a cached block (the hit was shorter: trimmed sliding blocks, or a
-                # recomputed last token): the cache takes the row's. Left as it was, a cache-only block would sit
-                # above the row's blocks in the index, never a leaf while the row lives, so never reclaimable
-                self._swap(held, FULL, full)
-                self.stats["replaced_blocks"] += 1
-            if sliding >= 0 and held.sliding != sliding and (held.sliding is None or held.full == full):
-                self._swap(held, SLIDING, sliding)  # re-attach a trimmed sliding block, or take the row's copy
+            if held.sliding is not None:
+                continue
+            mine = self._value_of(row, j)
+            if held.full == mine.full and mine.sliding is not None:
+                held.sliding = mine.sliding  # re-attach a trimmed sliding block this row still holds
+                self.pools.incref(SLIDING, [mine.sliding])
+                self._trimmable[mine.sliding] = held
         self.stats["stored_blocks"] += len(result.new_values)
         row.indexed = (row.version, num_full)
         row.indexed_last = result.values[-1] if result.values else None
@@ -182,21 +180,6 @@ class PrefixCache:
                 else:
                     self._release(tail)
         return stored
-
-    def _swap(self, value: CachedBlock, group: str, block: int) -> None:
-        """Make ``value`` hold ``block`` (a row's, which the cache now references too) in ``group``, releasing the
-        cache's reference to the block it held there (values hash by identity: the index is unchanged)."""
-        self.pools.incref(group, [block])
-        old = value.get(group)
-        if group == FULL:
-            value.full = block
-        else:
-            if old is not None:
-                self._trimmable.pop(old, None)
-            value.sliding = block
-            self._trimmable[block] = value
-        if old is not None:
-            self.pools.decref(group, [old])
 
     def _value_of(self, row: PagedKVCache, j: int) -> CachedBlock:
         full = row.tables[FULL][j] if FULL in row.tables else -1
@@ -240,11 +223,48 @@ class PrefixCache:
                 self.pools.decref(SLIDING, [block])
             self.stats["trimmed_sliding_blocks"] += len(victims)
             return
+        repaired = False
         while short() > 0:
             evicted = self.radix.evict(short(), self._cache_only)
             if not evicted:
-                break
+                if repaired or not self._repair_stranded():
+                    break
+                repaired = True
+                continue
             self._drop_evicted(evicted)
+
+    def _own_copies(self) -> list[tuple[CachedBlock, int]]:
+        """(cached value, a live row's own full block for the same position) for every indexed block a live row
+        computed itself instead of sharing it (its hit stopped short of it, or it missed while another row's blocks
+        were being indexed): walking up from the row's deepest indexed block."""
+        out: list[tuple[CachedBlock, int]] = []
+        for row in self.pools.live_rows:
+            assert isinstance(row, PagedKVCache)
+            last, table = row.indexed_last, row.tables.get(FULL)
+            if last is None or table is None or last not in self.radix:
+                continue
+            for j, value in enumerate(self.radix.path_to(last)):
+                assert isinstance(value, CachedBlock)
+                own = table[j] if j < len(table) else -1
+                if own >= 0 and value.full is not None and value.full != own:
+                    out.append((value, own))
+        return out
+
+    def _repair_stranded(self) -> bool:
+        """Make cache-only full blocks that sit above blocks a live row holds reclaimable: such a block's position
+        is one the row computed itself (a row that shared it would hold it), so the cached value takes the row's
+        copy and the cache-only block is freed. Runs when eviction finds no leaf it may take. True if it freed any."""
+        freed = 0
+        for value, own in self._own_copies():
+            old = value.full
+            if old is None or old == own or self.pools.refcount(FULL, old) != 1:
+                continue
+            self.pools.incref(FULL, [own])
+            value.full = own
+            self.pools.decref(FULL, [old])
+            freed += 1
+        self.stats["repaired_blocks"] += freed
+        return freed > 0
 
     def _drop_evicted(self, evicted: Sequence[object]) -> None:
         """Release radix values the index just dropped, with the exact entries over them."""
@@ -306,13 +326,15 @@ class PrefixCache:
         self.exact.check_integrity()
         if len(self._values) != len(self.radix) or any(v not in self.radix for v in self._values):
             raise RuntimeError("PrefixCache: value set disagrees with the radix index")
-        # a cache-only full block must be evictable (a leaf once the cache-only blocks below it go); cache-only
-        # sliding ids are trimmed wherever they are
-        unreachable = self.radix.unreachable(self._cache_only)
-        stranded = [value for value in unreachable if value.full is not None]  # type: ignore[union-attr]
+        # a cache-only full block is counted as free: eviction must reach it, or the repair must (a live row below
+        # it holds its own copy of that position); cache-only sliding ids are trimmed wherever they are
+        repairable = {id(value) for value, _ in self._own_copies()}
+        stranded = [value for value in self.radix.unreachable(self._cache_only)
+                    if value.full is not None and id(value) not in repairable]  # type: ignore[union-attr]
         if stranded:
-            raise RuntimeError(f"PrefixCache: {len(stranded)} cache-only blocks lie above blocks a row holds (never "
-                               f"reclaimable while it lives, yet counted as free), e.g. {stranded[0]}")
+            raise RuntimeError(f"PrefixCache: {len(stranded)} cache-only blocks lie above blocks a row holds and no "
+                               f"live row has its own copy of them (never reclaimable, yet counted as free), e.g. "
+                               f"{stranded[0]}")
         expected = {v.sliding: v for v in self._values if v.sliding is not None}
         if dict(self._trimmable) != expected:
             raise RuntimeError("PrefixCache: trimmable sliding ids disagree with the radix values")
