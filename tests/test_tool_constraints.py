@@ -95,6 +95,7 @@ def test_forced_calls_parse_and_validate(vocabulary, schemas, parser, named, par
 
 
 @pytest.mark.parametrize("pattern", [r"(^\d{5}$)|(^\d{5}-\d{4}$)", r"(^[a-z]+$)", r"a$|^b", r"(?i)^abc$", r"\bword\b",
+                                     r"^a|b$", r"^ab|cd$",
                                      r"[^]", r"\cJ", r"a\0", r"^(?!x)[a-z]+$", r"^[0-9]+\$$", r"a/b"])
 def test_patterns_the_grammar_cannot_model_accept_any_string(vocabulary, pattern) -> None:
     """A JSON Schema pattern with anchors inside groups, zero-width escapes or syntax the constraint engine lacks

@@ -107,7 +107,7 @@ class LLM:
             settings = engine.settings
         self.settings = settings or load_settings(model=model, backend=backend, device=device, **chosen)
         if "log_level" in self.settings.model_fields_set:  # given (keyword or LOG_LEVEL): gemmaserve's own loggers
-            logging.getLogger("gemmaserve").setLevel(self.settings.log_level.upper())
+            _apply_log_level(self.settings.log_level)
         template = read_chat_template(self.settings.chat_template) if self.settings.chat_template else None
         self.engine = engine if engine is not None else build_engine(self.settings)
         try:
@@ -369,6 +369,17 @@ _SERVER_ONLY = ("api_key", "allowed_hosts", "allowed_origins", "enable_debug_end
                 "shutdown_timeout", "served_model_name", "default_max_tokens", "tool_call_parser", "reasoning_parser",
                 "render_processes")
 """Core settings only the HTTP server reads: an offline ``LLM(...)`` keyword for one of them would do nothing."""
+
+
+def _apply_log_level(level: str) -> None:
+    """Set the ``gemmaserve`` loggers to ``level`` (for the process), with a stderr handler when logging is not
+    configured at all (Python's fallback handler would show warnings only)."""
+    logger = logging.getLogger("gemmaserve")
+    logger.setLevel(level.upper())
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
 
 
 def _check_options(options: dict[str, Any]) -> None:

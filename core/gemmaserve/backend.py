@@ -497,7 +497,9 @@ class InferenceBackend(ABC):
         """Release what ``kv_reserve`` reserved for ``request_id`` (idempotent)."""
 
     def kv_stats(self) -> dict[str, int]:
-        """KV block usage for metrics, e.g. {"blocks_total": .., "blocks_used": .., "blocks_free": ..}."""
+        """KV block usage for metrics, e.g. {"blocks_total": .., "blocks_used": .., "blocks_free": ..}; a backend with
+        its own prefix cache adds ``blocks_evictable`` (used blocks only the cache holds: ``vllm:kv_cache_usage_perc``
+        counts them as free, as vLLM does)."""
         return {}
 
     # -- streaming-only path ------------------------------------------------------------------

@@ -226,3 +226,47 @@ def test_cache_only_blocks_above_another_rows_blocks_are_repaired_when_reclaimin
         backend.free_row_kv(hit.kv)
         backend.free_row_kv(s1.kv)
     assert_no_leaks(backend)
+
+
+def test_the_repair_walks_from_a_block_the_row_holds(tiny_gemma4_dir):
+    """The walk that finds stranded blocks starts at the deepest indexed block the row holds (``cache_anchor``),
+    not at the last one it indexed: that one can be another row's copy, evicted once that row is gone, and the
+    blocks above it would be missed."""
+    backend = make_backend(tiny_gemma4_dir)
+    cache = backend.prefix_cache
+    prompt = [(13 * i + 7) % 500 + 4 for i in range(12)]
+    with backend.lock:
+        d, r = backend.prefill_lookup(prompt), backend.prefill_lookup([*prompt, 99])
+        backend.prefill_chunk(d, 4)  # block 0: d's
+        backend.prefill_chunk(r, 8)  # block 1: r's own, below d's block 0
+        backend.prefill_chunk(d, 8)  # block 2: d's
+        backend.prefill_chunk(r, 4)  # r's last indexed block is d's block 2
+        assert r.kv.indexed_last.full != r.kv.tables[FULL][2]
+        backend.free_row_kv(d.kv)
+        backend.check_integrity()
+        cache.reclaim(FULL, backend.pools.managers[FULL].num_blocks)
+        assert cache.stats["repaired_blocks"] == 1
+        assert [v for v in cache.radix.unreachable(cache._cache_only) if v.full is not None] == []
+        backend.check_integrity()
+        backend.free_row_kv(r.kv)
+    assert_no_leaks(backend)
+
+
+def test_a_recomputed_prefix_gives_its_sliding_blocks_back_to_the_cache(tiny_gemma4_dir):
+    """A prompt whose cached sliding blocks were trimmed is computed again by the next request over it; that
+    request's sliding blocks are attached to the cached path, so the one after it hits the whole prefix."""
+    backend = make_backend(tiny_gemma4_dir)
+    cache = backend.prefix_cache
+    base = [(13 * i + 7) % 500 + 4 for i in range(40)]
+    solo_greedy(backend, base, 2)
+    with backend.lock:
+        cache.reclaim(SLIDING, backend.pools.managers[SLIDING].num_blocks)  # trim every cache-only sliding block
+        state = backend.prefill_lookup([*base, 401, 402, 403])
+        assert state.num_cached == 0
+        backend.free_row_kv(state.kv)
+    solo_greedy(backend, [*base, 401, 402, 403], 2)
+    with backend.lock:
+        state = backend.prefill_lookup([*base, 501, 502, 503])
+        assert state.num_cached == 40
+        backend.free_row_kv(state.kv)
+    assert_no_leaks(backend)

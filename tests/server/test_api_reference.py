@@ -249,13 +249,15 @@ def test_metrics_are_prometheus_text_and_counters_move(make_client: Any) -> None
     assert total == 256 and used > 0 and used + free == total
     assert metric(after, "gemmaserve_prefix_cache_blocks", state="used") == used
     # vLLM's names, for routers and autoscalers: the same numbers, labelled with the served model name
-    vllm = {"model_name": MODEL}
+    vllm = {"model_name": MODEL, "engine": "0"}  # a single server is engine 0
     assert metric(after, "vllm:prompt_tokens_total", **vllm) == prompt_tokens
     assert metric(after, "vllm:generation_tokens_total", **vllm) == 10
     assert metric(after, "vllm:prefix_cache_queries_total", **vllm) == prompt_tokens
     assert metric(after, "vllm:prefix_cache_hits_total", **vllm) == cached
     assert metric(after, "vllm:num_requests_running", **vllm) == 0 == metric(after, "vllm:num_requests_waiting", **vllm)
-    assert metric(after, "vllm:kv_cache_usage_perc", **vllm) == pytest.approx(used / total)
+    evictable = metric(after, "gemmaserve_prefix_cache_blocks", state="evictable")
+    assert evictable == used  # idle: every used block is only cached, which vLLM counts as free
+    assert metric(after, "vllm:kv_cache_usage_perc", **vllm) == pytest.approx((used - evictable) / total) == 0
     for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
         assert metric(after, f"vllm:{name}_count", **vllm) == 2
         assert metric(after, f"vllm:{name}_sum", **vllm) == pytest.approx(metric(after, f"gemmaserve_{name}_sum"))

@@ -127,6 +127,23 @@ def test_cpu_replicas_share_the_cores() -> None:
     assert [replica.env for replica in pinned.replicas] == [{"DATA_PARALLEL_RANK": "0"}, {"DATA_PARALLEL_RANK": "1"}]
 
 
+def test_kv_event_endpoints_that_ranks_would_share_are_refused_before_launch() -> None:
+    def config(endpoint: str, replay: str | None) -> str:
+        return json.dumps({"enable_kv_cache_events": True, "endpoint": endpoint, "replay_endpoint": replay})
+
+    clash = load_settings(device="cpu", kv_events_config=config("tcp://*:5557", "tcp://*:5558"))
+    with pytest.raises(ConfigurationError, match="rank 1's endpoint is tcp://\\*:5558, which is also rank 0's "
+                                                 "replay_endpoint"):
+        plan_launch(clash, 2, "cache_aware", [], None, env={})
+    with pytest.raises(ConfigurationError, match="rank 1 its own endpoint"):  # ipc cannot be offset
+        plan_launch(load_settings(device="cpu", kv_events_config=config("ipc:///tmp/kv", None)), 2, "cache_aware",
+                    [], None, env={})
+    spaced = load_settings(device="cpu", kv_events_config=config("tcp://*:5557", "tcp://*:5657"))
+    assert len(plan_launch(spaced, 4, "cache_aware", [], None, env={}).replicas) == 4
+    router = plan_launch(spaced, 2, "cache_aware", [], None, env={}).router_command()
+    assert router[router.index("--health-check-timeout-secs") + 1] == "1"  # a hung replica is out within seconds
+
+
 def test_replica_flags_leave_out_the_launchers_own() -> None:
     from gemmaserve.cli import _replica_flags, build_parser
 

@@ -36,6 +36,7 @@ from gemmaserve.kv.radix import RadixObserver, StoredBlock
 __all__ = [
     "KVEventsConfig",
     "parse_kv_events_config",
+    "check_rank_endpoints",
     "VllmBlockHasher",
     "external_block_hash",
     "BlockStored",
@@ -309,6 +310,26 @@ def offset_endpoint(endpoint: str | None, data_parallel_rank: int) -> str | None
         f"{_SETTING}: cannot give data-parallel rank {data_parallel_rank} its own endpoint from {endpoint!r}; "
         "use tcp://HOST:PORT (rank r publishes on PORT + r) or inproc://NAME"
     )
+
+
+def check_rank_endpoints(config: KVEventsConfig | None, size: int) -> None:
+    """ConfigurationError unless ``size`` data-parallel ranks can each open their own sockets of ``config`` (as
+    :func:`offset_endpoint` gives them): every rank's transport must take an offset, and no two ranks' publish or
+    replay endpoints may be the same address (rank r's ``PORT + r`` must not land on another socket's port)."""
+    if config is None or not config.publishes:
+        return
+    seen: dict[str, str] = {}
+    for rank in range(size):
+        for name, base in (("endpoint", config.endpoint), ("replay_endpoint", config.replay_endpoint)):
+            endpoint = offset_endpoint(base, rank)
+            if endpoint is None or endpoint.endswith(":*"):
+                continue
+            if endpoint in seen:
+                raise ConfigurationError(
+                    f"{_SETTING}: with {size} data-parallel replicas, rank {rank}'s {name} is {endpoint}, which is "
+                    f"also {seen[endpoint]} (each rank adds its rank to the ports); space the endpoint and "
+                    f"replay_endpoint ports at least {size} apart")
+            seen[endpoint] = f"rank {rank}'s {name}"
 
 
 def _binds(endpoint: str) -> bool:

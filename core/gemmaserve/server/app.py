@@ -84,7 +84,7 @@ def create_app(
     ``RENDER_POOL_MIN_CHARS`` (4096) characters or more go there: their bodies exceed ``OFFLOAD_BODY_BYTES``, so
     they are prepared on a preparation thread, which waits for the worker; the event loop never does."""
     docs = {} if debug_endpoints else {"docs_url": None, "redoc_url": None}
-    metrics = ServerMetrics(model_name)
+    metrics = ServerMetrics(model_name, engine.settings.data_parallel_rank or 0)
     metrics.bind_engine(engine.stats)
     listed = (model_name, *(name for name in extra_model_names if name != model_name))
     server = _Server(engine, model_name, frozenset({*listed, *model_aliases}), metrics, listed)

@@ -39,6 +39,7 @@ from typing import Any
 from urllib.parse import quote
 
 from gemmaserve.errors import ConfigurationError, GemmaserveError
+from gemmaserve.kv.events import check_rank_endpoints
 from gemmaserve.settings import CoreSettings
 
 __all__ = [
@@ -77,6 +78,9 @@ REPLICA_KEEP_ALIVE_S = 120.0
 (reqwest's default is 90 s), so the router, not the replica, closes an idle connection (no reuse of a just-closed one)."""
 ROUTER_HEALTH_INTERVAL_S = 2
 ROUTER_HEALTH_FAILURES = 2
+ROUTER_HEALTH_TIMEOUT_S = 1
+"""A replica's /health answers in milliseconds (the event loop never waits on the engine); the router's default 5 s
+timeout made each failed check take 7 s, so a hung replica kept receiving requests for 8-12 s."""
 """The router's health checks: a replica failing ``/health`` this many times in a row, this often, is out."""
 STARTUP_TIMEOUT_S = 1800.0
 """How long a replica may take to answer ``/health`` after it was started (big checkpoints load slowly)."""
@@ -155,6 +159,7 @@ class LaunchPlan:
             "--policy", self.policy,
             "--prometheus-host", REPLICA_HOST, "--prometheus-port", str(self.router_metrics_port),
             "--health-check-interval-secs", str(ROUTER_HEALTH_INTERVAL_S),
+            "--health-check-timeout-secs", str(ROUTER_HEALTH_TIMEOUT_S),
             "--health-failure-threshold", str(ROUTER_HEALTH_FAILURES), "--health-success-threshold", "1",
             "--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", str(int(ROUTER_STARTUP_TIMEOUT_S)),
             "--log-level", _ROUTER_LOG_LEVEL[self.log_level],
@@ -235,6 +240,7 @@ def plan_launch(settings: CoreSettings, size: int, policy: str, replica_flags: S
     for name, why in _EDGE_SETTINGS.items():
         if getattr(settings, name) != CoreSettings.model_fields[name].default:
             raise ConfigurationError(f"{why}; unset it with --data-parallel-size {size}")
+    check_rank_endpoints(settings.kv_events_config, size)  # before any replica loads its model
     per_replica = _replica_envs(settings.device, size, env, gpu_probe)
     ports = _free_ports(size + 1)
     shared_env = {

@@ -42,20 +42,27 @@ PREFIX = "gemmaserve"
 CONTENT_TYPE = getattr(exposition, "CONTENT_TYPE_PLAIN_0_0_4", CONTENT_TYPE_LATEST)
 """Text format 0.0.4: what every Prometheus version and vLLM-era scraper reads (the library's newest is 1.0.0)."""
 TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    160.0, 640.0, 2560.0,
 )
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 ITL_BUCKETS = TPOT_BUCKETS + (5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 300.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 300.0,
+               600.0, 1200.0, 1800.0, 3600.0, 7680.0)  # up to vLLM's last bucket: long requests are not clamped
+
+
+VLLM_LABELS = ["model_name", "engine"]
+"""vLLM's labels on its series: the served model and the engine index (this process's data-parallel rank)."""
 
 
 class ServerMetrics:
     """The app's registry: HTTP counters and latency histograms observed here, the engine's numbers collected
     from ``stats()`` at each scrape (``bind_engine``)."""
 
-    def __init__(self, model_name: str = "") -> None:
+    def __init__(self, model_name: str = "", engine_index: int = 0) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
+        self.engine = str(engine_index)  # vLLM's ``engine`` label: the data-parallel rank
         self._requests = Counter(f"{PREFIX}_requests", "HTTP generation requests by endpoint and status code.",
                                  ["endpoint", "status"], registry=self.registry)
         self._ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Request arrival to first generated token.",
@@ -65,17 +72,17 @@ class ServerMetrics:
                                registry=self.registry)
         self._e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "Request arrival to last token.",
                               buckets=E2E_BUCKETS, registry=self.registry)
-        label = ["model_name"]
+        label, values = VLLM_LABELS, (model_name, self.engine)
         self._vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.", label,
-                                    buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
+                                    buckets=TTFT_BUCKETS, registry=self.registry).labels(*values)
         self._vllm_itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive token deliveries "
-                                   "in seconds.", label, buckets=ITL_BUCKETS, registry=self.registry).labels(model_name)
+                                   "in seconds.", label, buckets=ITL_BUCKETS, registry=self.registry).labels(*values)
         self._vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.",
-                                   label, buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+                                   label, buckets=E2E_BUCKETS, registry=self.registry).labels(*values)
 
     def bind_engine(self, stats: Callable[[], EngineStats]) -> None:
         """Collect the engine's numbers from ``stats()`` at every scrape."""
-        self.registry.register(_EngineCollector(stats, self.model_name))
+        self.registry.register(_EngineCollector(stats, self.model_name, self.engine))
 
     def record_request(self, endpoint: str, status: int) -> None:
         self._requests.labels(endpoint, str(status)).inc()
@@ -100,9 +107,10 @@ class ServerMetrics:
 class _EngineCollector(Collector):
     """The engine snapshot as metric families, under both names."""
 
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str, engine: str) -> None:
         self._stats = stats
         self._model = model_name
+        self._engine = engine
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # families are only known at collection time
@@ -110,7 +118,7 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
         yield from _gemmaserve_families(stats)
-        yield from _vllm_families(stats, self._model)
+        yield from _vllm_families(stats, self._model, self._engine)
 
 
 def _counter(name: str, help_text: str, value: float) -> CounterMetricFamily:
@@ -158,22 +166,23 @@ def _gemmaserve_families(stats: EngineStats) -> Iterator[Metric]:
     yield backend
 
 
-def _vllm_families(stats: EngineStats, model: str) -> Iterator[Metric]:
+def _vllm_families(stats: EngineStats, model: str, engine: str) -> Iterator[Metric]:
     """vLLM's names and meanings, for routers and autoscalers built against vLLM."""
     def gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
-        family = GaugeMetricFamily(f"vllm:{name}", help_text, labels=["model_name"])
-        family.add_metric([model], value)
+        family = GaugeMetricFamily(f"vllm:{name}", help_text, labels=VLLM_LABELS)
+        family.add_metric([model, engine], value)
         return family
 
     def counter(name: str, help_text: str, value: float) -> CounterMetricFamily:
-        family = CounterMetricFamily(f"vllm:{name}", help_text, labels=["model_name"])
-        family.add_metric([model], value)
+        family = CounterMetricFamily(f"vllm:{name}", help_text, labels=VLLM_LABELS)
+        family.add_metric([model, engine], value)
         return family
 
     yield gauge("num_requests_running", "Number of requests in model execution batches.", stats.running)
     yield gauge("num_requests_waiting", "Number of requests waiting to be processed.", stats.waiting)
     blocks = _kv_blocks(stats)
-    usage = blocks["used"] / blocks["total"] if blocks.get("total") else 0.0
+    busy = blocks.get("used", 0) - blocks.get("evictable", 0)  # vLLM counts cached blocks no request holds as free
+    usage = busy / blocks["total"] if blocks.get("total") else 0.0
     yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage)
     yield counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
                   stats.prompt_tokens)
@@ -183,10 +192,14 @@ def _vllm_families(stats: EngineStats, model: str) -> Iterator[Metric]:
 
 
 def _kv_blocks(stats: EngineStats) -> dict[str, int]:
-    """Block totals: the backend's ``blocks_*`` stats, else the core prefix-cache pool's."""
+    """Block totals: the backend's ``blocks_*`` stats (``blocks_evictable``, cached blocks no request holds: 0 when
+    not given), else the core prefix-cache pool's."""
     kv = stats.kv
     if all(f"blocks_{key}" in kv for key in ("total", "used", "free")):
-        return {key: int(kv[f"blocks_{key}"]) for key in ("total", "used", "free")}
+        blocks = {key: int(kv[f"blocks_{key}"]) for key in ("total", "used", "free")}
+        return {**blocks, "evictable": int(kv.get("blocks_evictable", 0))}
     if stats.cache is not None:
-        return {"total": stats.cache.num_blocks, "used": stats.cache.used_blocks, "free": stats.cache.free_blocks}
+        cache = stats.cache
+        return {"total": cache.num_blocks, "used": cache.used_blocks, "free": cache.free_blocks,
+                "evictable": cache.evictable_blocks}
     return {}

@@ -147,11 +147,29 @@ def _pattern_body(pattern: str) -> str | None:
     end = body.endswith("$") and escapes % 2 == 0
     if end:
         body = body[:-1]
-    if _INNER_ANCHOR.search(_CLASS.sub("", body)):  # anchors inside groups or alternatives: not modelled
-        return None
+    bare = _CLASS.sub("", body)
+    if _INNER_ANCHOR.search(bare) or ((start or end) and _top_level_alternation(bare)):
+        return None  # anchors inside groups or on some alternatives only (^a|b): not modelled
     body = _ESCAPE.sub(lambda m: _ECMA_CLASSES.get(m.group(1), m.group(0)), body)
     body = f"{'' if start else '(?s:.*)'}(?:{body}){'' if end else '(?s:.*)'}"
     return body if _regex_compiles(body) else None
+
+
+def _top_level_alternation(body: str) -> bool:
+    """True if ``body`` (character classes removed) has a ``|`` outside every group."""
+    depth, escaped = 0, False
+    for char in body:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char == "(":
+            depth += 1
+        elif char == ")":
+            depth -= 1
+        elif char == "|" and depth == 0:
+            return True
+    return False
 
 
 def _regex_compiles(body: str) -> bool:

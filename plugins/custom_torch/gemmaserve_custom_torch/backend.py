@@ -548,13 +548,16 @@ class CustomTorchBackend(InferenceBackend):
         self.admission.release(request_id)
 
     def kv_stats(self) -> dict[str, int]:
-        stats: dict[str, int] = {"blocks_total": 0, "blocks_used": 0, "blocks_free": 0}
-        cached = self.prefix_cache.num_cached_blocks()
+        stats: dict[str, int] = {"blocks_total": 0, "blocks_used": 0, "blocks_free": 0, "blocks_evictable": 0}
+        references = self.prefix_cache.references()
         for group, manager in self.pools.managers.items():
             short = "sliding" if group.startswith("sliding") else "full"
+            held = references[group]
             values = {
                 "blocks_total": manager.num_blocks, "blocks_used": manager.num_used, "blocks_free": manager.num_free,
-                "blocks_cached": cached[group], "blocks_reserved": self.admission.reserved[group],
+                "blocks_cached": len(held), "blocks_reserved": self.admission.reserved[group],
+                # held by the cache alone: reclaimable on demand, free as far as admission is concerned
+                "blocks_evictable": sum(1 for block in held if manager.refcount(block) == 1),
             }
             for key, value in values.items():
                 stats[f"{short}_{key}"] = value

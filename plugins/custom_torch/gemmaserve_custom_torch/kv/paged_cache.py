@@ -43,6 +43,7 @@ class PagedKVCache:
         self._evicted: dict[str, int] = dict.fromkeys(self.tables, 0)  # per group: every entry before it is -1
         self.indexed: tuple[int, int] = (-1, 0)  # (version, full blocks) the prefix cache last indexed of this row
         self.indexed_last: object | None = None  # the prefix cache's value of a block on this row's indexed path
+        self.cache_anchor: object | None = None  # the deepest such value holding a block this row holds
         pools.live_rows.add(self)
 
     # -- setup from the prefix cache ---------------------------------------------------------------

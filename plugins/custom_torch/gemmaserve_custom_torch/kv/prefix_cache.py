@@ -75,6 +75,7 @@ class PrefixCache:
         self._values: set[CachedBlock] = set()  # every value the radix index holds
         self._trimmable: OrderedDict[int, CachedBlock] = OrderedDict()  # sliding id -> value, LRU first
         self.stats: Counter[str] = Counter()
+        self._fruitless_repair: tuple[int, ...] | None = None  # the state in which the last repair freed nothing
         pools.reclaimer = self.reclaim
 
     # -- lookup ------------------------------------------------------------------------------------
@@ -98,7 +99,7 @@ class PrefixCache:
         if hit > 0:
             row.adopt(self._tables(values, hit), hit)
             if hit >= self.block_size:  # the next cache_prefix resumes below the hit's full blocks
-                row.indexed_last = values[hit // self.block_size - 1]
+                row.indexed_last = row.cache_anchor = values[hit // self.block_size - 1]  # adopted: held
             trimmable = self._trimmable  # sliding trims go least recently used first; a hit runs this per block
             held, to_end = trimmable.get, trimmable.move_to_end
             for value in values[: _cdiv(hit, self.block_size)]:
@@ -154,13 +155,21 @@ class PrefixCache:
             if held.sliding is not None:
                 continue
             mine = self._value_of(row, j)
-            if held.full == mine.full and mine.sliding is not None:
-                held.sliding = mine.sliding  # re-attach a trimmed sliding block this row still holds
+            if mine.sliding is not None:  # re-attach a trimmed sliding block: this row holds one for that block
+                held.sliding = mine.sliding  # (its own copy or the cached one: the same tokens at the same places)
                 self.pools.incref(SLIDING, [mine.sliding])
                 self._trimmable[mine.sliding] = held
         self.stats["stored_blocks"] += len(result.new_values)
         row.indexed = (row.version, num_full)
         row.indexed_last = result.values[-1] if result.values else None
+        for j in range(len(result.values) - 1, -1, -1):  # usually the last one: a block this row just computed
+            value = result.values[j]
+            assert isinstance(value, CachedBlock)
+            mine = self._value_of(row, j)
+            if (mine.full is not None and value.full == mine.full) or (
+                    mine.sliding is not None and value.sliding == mine.sliding):
+                row.cache_anchor = value  # holds a block of the row's: stays indexed while the row lives
+                break
         return len(result.new_values)
 
     def store(self, prompt_ids: Sequence[int], row: PagedKVCache) -> int:
@@ -233,17 +242,23 @@ class PrefixCache:
                 continue
             self._drop_evicted(evicted)
 
+    def _repair_state(self) -> tuple[int, ...]:
+        """What a repair depends on: unchanged since a repair that freed nothing, another would free nothing."""
+        return (len(self.pools.live_rows), self.stats["stored_blocks"], self.stats["evicted_blocks"], len(self.radix),
+                self.pools.num_free(FULL))
+
     def _own_copies(self) -> list[tuple[CachedBlock, int]]:
         """(cached value, a live row's own full block for the same position) for every indexed block a live row
         computed itself instead of sharing it (its hit stopped short of it, or it missed while another row's blocks
-        were being indexed): walking up from the row's deepest indexed block."""
+        were being indexed): walking up from the deepest indexed block the row holds (``cache_anchor``), which cannot
+        be evicted while the row lives, so every block above a block the row holds is on a walk."""
         out: list[tuple[CachedBlock, int]] = []
         for row in self.pools.live_rows:
             assert isinstance(row, PagedKVCache)
-            last, table = row.indexed_last, row.tables.get(FULL)
-            if last is None or table is None or last not in self.radix:
+            anchor, table = row.cache_anchor, row.tables.get(FULL)
+            if anchor is None or table is None or anchor not in self.radix:
                 continue
-            for j, value in enumerate(self.radix.path_to(last)):
+            for j, value in enumerate(self.radix.path_to(anchor)):
                 assert isinstance(value, CachedBlock)
                 own = table[j] if j < len(table) else -1
                 if own >= 0 and value.full is not None and value.full != own:
@@ -254,6 +269,8 @@ class PrefixCache:
         """Make cache-only full blocks that sit above blocks a live row holds reclaimable: such a block's position
         is one the row computed itself (a row that shared it would hold it), so the cached value takes the row's
         copy and the cache-only block is freed. Runs when eviction finds no leaf it may take. True if it freed any."""
+        if self._fruitless_repair == self._repair_state():  # nothing changed since one that freed nothing
+            return False
         freed = 0
         for value, own in self._own_copies():
             old = value.full
@@ -264,6 +281,7 @@ class PrefixCache:
             self.pools.decref(FULL, [old])
             freed += 1
         self.stats["repaired_blocks"] += freed
+        self._fruitless_repair = None if freed else self._repair_state()
         return freed > 0
 
     def _drop_evicted(self, evicted: Sequence[object]) -> None:
