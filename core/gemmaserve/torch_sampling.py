@@ -75,8 +75,8 @@ def sampled_from_host(token_ids: list[int], logprobs: torch.Tensor | None) -> Sa
         return SampledTokens(token_ids, [float(x) for x in logprobs.tolist()])
     k = (logprobs.shape[1] - 1) // 2
     table = logprobs.tolist()
-    top = [[(int(t), float(v)) for t, v in zip(line[1:1 + k], line[1 + k:]) if t >= 0 and v != -math.inf]
-           for line in table]
+    top = [[(int(t), float(v)) for t, v in zip(line[1:1 + k], line[1 + k:]) if t >= 0 and v != -math.inf
+            and not math.isnan(v)] for line in table]  # NaN: a row whose every token is masked has no alternatives
     return SampledTokens(token_ids, [float(line[0]) for line in table], top)
 
 
@@ -90,8 +90,9 @@ def sample_on_device(
     The full-vocabulary sort (only when a row uses top_k / top_p / min_p) runs on keys in the logits' own dtype
     unless a row's values change (``logit_bias``, penalties): bfloat16 / float16 / float32 values widen exactly
     to float64 and dividing by a positive temperature keeps distinct values distinct, so the order is the float64
-    definition's (a 16-bit sort of 64 x 262,144 keys takes ~0.8 ms on an H200, a float64 one ~2 ms). Masks
-    (``banned``, ``allowed``) are -inf in any dtype.
+    definition's (a 16-bit sort of 64 x 262,144 keys takes ~0.8 ms on an H200, a float64 one ~2 ms). Changed
+    values and float64 logits are float64 keys, which can meet once divided: those are sorted scaled (ties to the
+    lower id, as the definition's). Masks (``banned``, ``allowed``) are -inf in any dtype.
 
     ``fused`` (default): on CUDA, calls without logprobs where no row uses top_k / top_p / min_p go through
     :func:`_fused_tokens` (one Triton pass, same tokens) when triton imports; False keeps the torch ops."""
@@ -331,8 +332,12 @@ def _sample_filtered(keys: torch.Tensor, rows: Sequence[RowSampling], dtype: tor
     score += keys.to(dtype) / temps[:, None]  # -inf (banned) stays -inf
     if not any(kk < vocab for kk in top_k) and all(row.top_p >= 1.0 and row.min_p <= 0.0 for row in rows):
         return score.argmax(dim=-1)  # every finite token is kept (an all -inf row gives token 0): no sort
-    ordered, order = torch.sort(keys, dim=-1, descending=True, stable=True)
-    scaled = ordered.to(dtype) / temps[:, None]
+    if keys.dtype == torch.float64:  # changed values (logit_bias, penalties): two may meet once divided, so sort
+        ordered, order = torch.sort(keys.to(dtype) / temps[:, None], dim=-1, descending=True, stable=True)
+        scaled = ordered  # the scaled values themselves (ties go to the lower id, as the definition's)
+    else:  # widened 16/32-bit values stay distinct when divided: their own order is the scaled order
+        ordered, order = torch.sort(keys, dim=-1, descending=True, stable=True)
+        scaled = ordered.to(dtype) / temps[:, None]
     keep = scaled > float("-inf")  # banned (-inf) tokens can never be drawn
     if any(kk < vocab for kk in top_k):
         keep &= torch.arange(vocab, device=device)[None, :] < k[:, None]

@@ -56,5 +56,11 @@ def test_bad_words_are_checked_and_a_streaming_backend_refuses_them() -> None:
     try:
         with pytest.raises(InvalidRequestError, match="cannot ban bad_words"):
             streaming.submit([5], SamplingParams(bad_words=["ab"]))
+        # penalties need the tokens sampled so far at every step, which a whole-generation stream does not take
+        with pytest.raises(InvalidRequestError, match="^frequency_penalty: .* cannot apply penalties"):
+            streaming.submit([5], SamplingParams(frequency_penalty=1.0))
+        with pytest.raises(InvalidRequestError, match="^repetition_penalty and presence_penalty: "):
+            streaming.submit([5], SamplingParams(repetition_penalty=1.2, presence_penalty=-0.5))
+        assert streaming.submit([5], SamplingParams(max_tokens=2)).result().token_ids
     finally:
         streaming.shutdown(timeout=10)

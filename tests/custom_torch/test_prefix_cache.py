@@ -244,10 +244,17 @@ def test_the_repair_walks_from_a_block_the_row_holds(tiny_gemma4_dir):
         assert r.kv.indexed_last.full != r.kv.tables[FULL][2]
         backend.free_row_kv(d.kv)
         backend.check_integrity()
+        x = backend.prefill_lookup([*prompt[:4], 77])  # shares d's block 0: nothing to repair while it lives
+        assert x.num_cached == 4
         cache.reclaim(FULL, backend.pools.managers[FULL].num_blocks)
+        assert cache.stats["repaired_blocks"] == 0
+        backend.free_row_kv(x.kv)
+        y = backend.prefill_lookup([450, 451, 452])  # as many rows as before, but block 0 is cache-only now
+        cache.reclaim(FULL, backend.pools.managers[FULL].num_blocks)  # the fruitless repair is not remembered
         assert cache.stats["repaired_blocks"] == 1
         assert [v for v in cache.radix.unreachable(cache._cache_only) if v.full is not None] == []
         backend.check_integrity()
+        backend.free_row_kv(y.kv)
         backend.free_row_kv(r.kv)
     assert_no_leaks(backend)
 

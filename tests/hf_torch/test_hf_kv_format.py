@@ -53,7 +53,7 @@ def test_pools_follow_the_cache_adapter(any_backend: HFTorchBackend) -> None:
     assert pools is not None
     for shape, keys, values in zip(any_backend.layout.stored, pools.keys, pools.values):
         assert tuple(keys.shape) == tuple(values.shape) == (10, BLOCK, shape.kv_heads, shape.head_dim)
-    assert any_backend.kv_stats() == {"blocks_total": 10, "blocks_used": 0, "blocks_free": 10}
+    assert any_backend.kv_stats() == {"blocks_total": 10, "blocks_used": 0, "blocks_free": 10, "blocks_evictable": 0}
     any_backend.set_cache_adapter(None)
     assert any_backend.pools is None and any_backend.kv_stats() == {}
 

@@ -263,3 +263,17 @@ def test_metrics_are_prometheus_text_and_counters_move(make_client: Any) -> None
         assert metric(after, f"vllm:{name}_sum", **vllm) == pytest.approx(metric(after, f"gemmaserve_{name}_sum"))
     gaps = metric(after, "vllm:inter_token_latency_seconds_count", **vllm)
     assert 2 <= gaps <= 8 and metric(after, "vllm:inter_token_latency_seconds_bucket", le="+Inf", **vllm) == gaps
+
+
+def test_kv_cache_usage_counts_blocks_only_the_cache_holds_as_free() -> None:
+    """vLLM's meaning: blocks no request holds (free, or cached and evictable) are not usage. A backend reports its
+    cache-only blocks as ``blocks_evictable`` (custom_torch, hf and mlx do)."""
+    from gemmaserve.engine.engine import EngineStats
+    from gemmaserve.server.metrics import _vllm_families
+
+    kv = {"blocks_total": 100, "blocks_used": 40, "blocks_free": 60, "blocks_evictable": 30}
+    stats = EngineStats(running=0, waiting=0, finished={}, prompt_tokens=0, cached_tokens=0, generated_tokens=0,
+                        num_steps=0, decode_failures=0, cache=None, kv=kv)
+    families = {family.name: family.samples[0] for family in _vllm_families(stats, "m", "2")}
+    usage = families["vllm:kv_cache_usage_perc"]
+    assert usage.value == pytest.approx(0.1) and usage.labels == {"model_name": "m", "engine": "2"}

@@ -200,6 +200,15 @@ class ContinuousBatchScheduler:
             request.constraint = self.compile_constraint(spec)
         if request.params.bad_words and not request.bad_word_ids:
             request.bad_word_ids = self._bad_word_ids(request.params.bad_words)
+        if self._streaming and request.params.has_penalties:
+            params = request.params
+            given = [name for name, value, neutral in (("repetition_penalty", params.repetition_penalty, 1.0),
+                                                       ("presence_penalty", params.presence_penalty, 0.0),
+                                                       ("frequency_penalty", params.frequency_penalty, 0.0))
+                     if value != neutral]
+            raise InvalidRequestError(f"{' and '.join(given)}: backend {self.backend.model_info.name!r} streams whole "
+                                      "generations (no per-step sampling), so it cannot apply penalties; leave "
+                                      "repetition_penalty at 1 and presence_penalty / frequency_penalty at 0")
 
     def compile_constraint(self, spec: StructuredOutputs) -> TokenConstraint:
         """A fresh constraint for ``spec``, compiled on the calling thread once per distinct spec, then copied (a

@@ -127,7 +127,8 @@ def constraint_error(message: str, field: str | None, code: str = "invalid_value
 def _guess_param(message: str, default: str) -> str | None:
     """Engine validation messages start with the field they are about."""
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "logit_bias", "logprobs",
-                 "min_tokens", "bad_words", "structured_outputs"):
+                 "min_tokens", "bad_words", "structured_outputs", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty"):
         if re.search(rf"\b{name}\b", message):
             return name
     return default if "prompt" in message else None

@@ -247,7 +247,8 @@ class HFTorchBackend(InferenceBackend):
         if self.cache_manager is None:
             return {}
         stats = self.cache_manager.stats()
-        return {"blocks_total": stats.num_blocks, "blocks_used": stats.used_blocks, "blocks_free": stats.free_blocks}
+        return {"blocks_total": stats.num_blocks, "blocks_used": stats.used_blocks, "blocks_free": stats.free_blocks,
+                "blocks_evictable": stats.evictable_blocks}
 
     @property
     def num_live_rows(self) -> int:

@@ -209,7 +209,8 @@ class MlxBatchBackend(InferenceBackend):
         }
         if self._cache_manager is not None:
             cache = self._cache_manager.stats()
-            stats.update(blocks_total=cache.num_blocks, blocks_used=cache.used_blocks, blocks_free=cache.free_blocks)
+            stats.update(blocks_total=cache.num_blocks, blocks_used=cache.used_blocks, blocks_free=cache.free_blocks,
+                         blocks_evictable=cache.evictable_blocks)
         return stats
 
     def close(self) -> None:

@@ -248,6 +248,7 @@ class KVPools:
         # worker ranks repeat it on their pools). None = nobody listens.
         self.copy_listener: Callable[[str, Sequence[int], Sequence[int]], None] | None = None
         self.live_rows: set[object] = set()  # every PagedKVCache not yet freed (for leak checks)
+        self.releases = 0  # decref calls so far: a refcount may have dropped since a count was taken
 
     def first_visible(self, start: int) -> list[int]:
         """Per group (in ``groups`` order): the first key position a query at ``start`` sees, i.e. where the
@@ -288,6 +289,7 @@ class KVPools:
 
     def decref(self, group: str, block_ids: Sequence[int]) -> None:
         self.managers[group].decref(block_ids)
+        self.releases += 1
 
     def refcount(self, group: str, block_id: int) -> int:
         return self.managers[group].refcount(block_id)

@@ -75,7 +75,8 @@ class PrefixCache:
         self._values: set[CachedBlock] = set()  # every value the radix index holds
         self._trimmable: OrderedDict[int, CachedBlock] = OrderedDict()  # sliding id -> value, LRU first
         self.stats: Counter[str] = Counter()
-        self._fruitless_repair: tuple[int, ...] | None = None  # the state in which the last repair freed nothing
+        self._fruitless_repair: tuple[int, int] | None = None  # the state in which the last repair freed nothing
+        self._indexing = 0  # lookups with a hit and cache_prefix calls so far (rows' paths and anchors move)
         pools.reclaimer = self.reclaim
 
     # -- lookup ------------------------------------------------------------------------------------
@@ -97,6 +98,7 @@ class PrefixCache:
                     values, hit = matched, c  # type: ignore[assignment]
                     break
         if hit > 0:
+            self._indexing += 1
             row.adopt(self._tables(values, hit), hit)
             if hit >= self.block_size:  # the next cache_prefix resumes below the hit's full blocks
                 row.indexed_last = row.cache_anchor = values[hit // self.block_size - 1]  # adopted: held
@@ -139,6 +141,7 @@ class PrefixCache:
         num_full = row.length // self.block_size
         if row.indexed == (row.version, num_full):  # indexed already and unchanged since (store() after a chunk)
             return 0
+        self._indexing += 1
         # the row's values only for the blocks the index lacks (a prefix hit's row shares the others); the walk
         # resumes at the last block indexed for this row (or its hit's), not at the root
         result = self.radix.insert(tuple(prompt_ids[: num_full * self.block_size]), lambda j: self._value_of(row, j),
@@ -242,10 +245,11 @@ class PrefixCache:
                 continue
             self._drop_evicted(evicted)
 
-    def _repair_state(self) -> tuple[int, ...]:
-        """What a repair depends on: unchanged since a repair that freed nothing, another would free nothing."""
-        return (len(self.pools.live_rows), self.stats["stored_blocks"], self.stats["evicted_blocks"], len(self.radix),
-                self.pools.num_free(FULL))
+    def _repair_state(self) -> tuple[int, int]:
+        """What a repair depends on (refcounts, which only drop through ``decref``; rows' indexed paths and anchors,
+        which change only in ``lookup`` / ``cache_prefix``): unchanged since a repair that freed nothing, another
+        would free nothing."""
+        return self.pools.releases, self._indexing
 
     def _own_copies(self) -> list[tuple[CachedBlock, int]]:
         """(cached value, a live row's own full block for the same position) for every indexed block a live row
