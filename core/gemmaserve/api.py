@@ -344,7 +344,7 @@ VLLM_OPTIONS_NOT_IMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "revision": ((None,), "`model` is a local folder; nothing is downloaded"),
     "tokenizer_revision": ((None,), "`model` is a local folder; nothing is downloaded"),
     "download_dir": ((None,), "`model` is a local folder; nothing is downloaded"),
-    "trust_remote_code": ((False,), "set HF_TRUST_REMOTE_CODE for the hf backend"),
+    "trust_remote_code": ((False,), "set TRUST_REMOTE_CODE for the hf backend"),
     "seed": ((None,), "seed each request with SamplingParams(seed=...)"),
     "gpu_memory_utilization": ((None,), "KV memory is sized by max_active_kv_tokens"),
     "swap_space": ((None, 0), "the KV cache is not swapped to the host"),

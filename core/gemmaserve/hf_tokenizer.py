@@ -111,14 +111,9 @@ class HFTokenizerAdapter:
         is empty or not valid Jinja."""
         if not isinstance(template, str) or not template.strip():
             raise ValueError("the chat template is empty")
-        try:
-            import jinja2.sandbox
-
-            jinja2.sandbox.ImmutableSandboxedEnvironment().parse(template)
-        except ImportError:  # transformers needs jinja2 to render; it then reports the problem itself
-            pass
-        except Exception as exc:  # jinja2.TemplateSyntaxError
-            raise ValueError(f"the chat template is not valid Jinja: {exc}") from None
+        problem = jinja_problem(template)
+        if problem is not None:
+            raise ValueError(f"the chat template is not valid Jinja: {problem}")
         self._use_template(template, "configured")
 
     def _use_template(self, template: Any, source: str) -> None:
@@ -199,10 +194,24 @@ class HFTokenizerAdapter:
         return [int(token) for token in rendered]
 
 
+def jinja_problem(template: str) -> str | None:
+    """Why ``template`` does not parse as Jinja (transformers' sandboxed environment), or None (also when jinja2 is
+    not installed: transformers needs it to render and reports that itself)."""
+    try:
+        import jinja2.sandbox
+
+        jinja2.sandbox.ImmutableSandboxedEnvironment().parse(template)
+    except ImportError:
+        return None
+    except Exception as exc:  # jinja2.TemplateSyntaxError
+        return str(exc)
+    return None
+
+
 def read_chat_template(value: str) -> str:
     """The template text of ``CHAT_TEMPLATE`` / ``--chat-template``, as vLLM's flag takes it: the path of a template
     file, or the template itself (text holding ``{`` or a newline). Raises ConfigurationError for a path that
-    cannot be read and for text that is neither."""
+    cannot be read, for text that is neither, and for a template that is not valid Jinja (before any model loads)."""
     try:
         path = Path(value).expanduser()
         is_file = path.is_file()
@@ -215,13 +224,20 @@ def read_chat_template(value: str) -> str:
             raise ConfigurationError(f"CHAT_TEMPLATE: cannot read the template file {value!r} ({exc})") from None
         if not text.strip():
             raise ConfigurationError(f"CHAT_TEMPLATE: the template file {value!r} is empty")
-        return text
+        return _valid_jinja(text, f"the template file {value!r}")
     if "{" in value or "\n" in value:
-        return value
+        return _valid_jinja(value, "the template")
     raise ConfigurationError(
         f"CHAT_TEMPLATE / --chat-template {value!r} is neither a readable file nor a Jinja template; give the path "
         "of a template file, or the template itself (it holds {{ ... }} / {% ... %})"
     )
+
+
+def _valid_jinja(text: str, what: str) -> str:
+    problem = jinja_problem(text)
+    if problem is not None:
+        raise ConfigurationError(f"CHAT_TEMPLATE: {what} is not valid Jinja: {problem}")
+    return text
 
 
 def configure_chat_template(tokenizer: Any, template: str) -> None:

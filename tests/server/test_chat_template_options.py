@@ -169,6 +169,12 @@ def test_read_chat_template_takes_a_file_or_the_template_itself(tmp_path: Path) 
     (tmp_path / "empty.jinja").write_text("  \n")
     with pytest.raises(ConfigurationError, match="empty"):
         read_chat_template(str(tmp_path / "empty.jinja"))
+    # invalid Jinja is refused here, before any model loads (inline or in a file)
+    with pytest.raises(ConfigurationError, match="the template is not valid Jinja"):
+        read_chat_template("{% if %}broken")
+    (tmp_path / "broken.jinja").write_text("{% for m in messages %}")
+    with pytest.raises(ConfigurationError, match="broken.jinja' is not valid Jinja"):
+        read_chat_template(str(tmp_path / "broken.jinja"))
 
 
 def test_configure_chat_template_replaces_the_checkpoints_and_refuses_what_cannot_work() -> None:
