@@ -195,14 +195,27 @@ class HFTokenizerAdapter:
 
 
 def jinja_problem(template: str) -> str | None:
-    """Why ``template`` does not parse as Jinja (transformers' sandboxed environment), or None (also when jinja2 is
-    not installed: transformers needs it to render and reports that itself)."""
+    """Why ``template`` does not parse as Jinja in the syntax transformers renders chat templates with (a sandboxed
+    environment with ``{% break %}`` / ``{% continue %}`` and ``{% generation %}`` blocks), or None (also when jinja2
+    is not installed: transformers needs it to render and reports that itself)."""
     try:
+        import jinja2.ext
+        import jinja2.nodes
         import jinja2.sandbox
-
-        jinja2.sandbox.ImmutableSandboxedEnvironment().parse(template)
     except ImportError:
         return None
+
+    class GenerationBlock(jinja2.ext.Extension):  # transformers' {% generation %}...{% endgeneration %} marks
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+    try:
+        extensions = [GenerationBlock, jinja2.ext.loopcontrols]
+        jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=extensions).parse(template)
     except Exception as exc:  # jinja2.TemplateSyntaxError
         return str(exc)
     return None

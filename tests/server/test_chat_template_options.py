@@ -169,6 +169,10 @@ def test_read_chat_template_takes_a_file_or_the_template_itself(tmp_path: Path) 
     (tmp_path / "empty.jinja").write_text("  \n")
     with pytest.raises(ConfigurationError, match="empty"):
         read_chat_template(str(tmp_path / "empty.jinja"))
+    # transformers' own syntax is Jinja too: loop controls and {% generation %} blocks
+    looping = ("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
+               "{% generation %}{{ m }}{% endgeneration %}{% endfor %}")
+    assert read_chat_template(looping) == looping
     # invalid Jinja is refused here, before any model loads (inline or in a file)
     with pytest.raises(ConfigurationError, match="the template is not valid Jinja"):
         read_chat_template("{% if %}broken")
