@@ -22,15 +22,16 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gemmaserve.errors import InvalidRequestError
 from gemmaserve.structured.spec import StructuredOutputs
 
-from gemmaserve.errors import InvalidRequestError
-
-from .parsers import GEMMA4_BARE_KEY, GEMMA4_CALL_CLOSE, GEMMA4_CALL_OPEN, GEMMA4_STRING
+from .parsers import (GEMMA4_BARE_KEY, GEMMA4_CALL_CLOSE, GEMMA4_CALL_OPEN, GEMMA4_CHANNEL_CLOSE, GEMMA4_CHANNEL_OPEN,
+                      GEMMA4_STRING)
 
 __all__ = ["tool_call_constraint"]
 
-_NO_MARKER = r'~/(?s:.*)(<\|"\|>|<tool_call\|>|<\|channel>|<channel\|>)(?s:.*)/'
+_MARKERS = "|".join(re.escape(m) for m in (GEMMA4_STRING, GEMMA4_CALL_CLOSE, GEMMA4_CHANNEL_OPEN, GEMMA4_CHANNEL_CLOSE))
+_NO_MARKER = f"~/(?s:.*)({_MARKERS})(?s:.*)/"
 """Lark: any text without the string marker, the call's closing marker or the reasoning channel's markers in it (the
 parsers would end the string or the call there, or open a channel), intersected with a string's own lexeme."""
 
@@ -107,16 +108,14 @@ def _value_rule(schema: Any, prefix: str, rules: list[str]) -> str:
     if kind == "string":
         pattern = schema.get("pattern")
         body = _pattern_body(pattern) if isinstance(pattern, str) else None
-        if body is not None:
-            rules.append(f"{prefix}: {GEMMA4_STRING} {prefix.upper()}S {GEMMA4_STRING}")
-            rules.append(f"{prefix.upper()}S: /{body}/ & {_NO_MARKER}")
-            return prefix
         low, high = schema.get("minLength", 0), schema.get("maxLength")
-        if isinstance(low, int) and isinstance(high, int) and 0 <= low <= high:
-            rules.append(f"{prefix}: {GEMMA4_STRING} {prefix.upper()}S {GEMMA4_STRING}")
-            rules.append(f"{prefix.upper()}S: /(?s:.){{{low},{high}}}/ & {_NO_MARKER}")
-            return prefix
-        return "gstring"
+        if body is None and isinstance(low, int) and isinstance(high, int) and 0 <= low <= high:
+            body = f"(?s:.){{{low},{high}}}"
+        if body is None:
+            return "gstring"
+        rules.append(f"{prefix}: {GEMMA4_STRING} {prefix.upper()}S {GEMMA4_STRING}")
+        rules.append(f"{prefix.upper()}S: /{body}/ & {_NO_MARKER}")  # the string's text, free of markers
+        return prefix
     return {"integer": "GINTEGER", "number": "GNUMBER", "boolean": "(\"true\" | \"false\")",
             "null": "\"null\""}.get(kind, "value") if isinstance(kind, str) else "value"
 

@@ -250,8 +250,8 @@ def _left_padding_problem(model: torch.nn.Module, device: torch.device) -> str |
     if difference <= 1e-2 * float(plain.abs().max()) + 1e-3:
         return None
     return (f"{type(model).__name__} takes no position_ids: it counts positions itself, so the left padding of "
-            "a batch would shift them (its logits change by {:.3g} with one padding token); the hf backend batches "
-            "rows that way and cannot serve this architecture".format(difference))
+            f"a batch would shift them (its logits change by {difference:.3g} with one padding token); the hf backend "
+            "batches rows that way and cannot serve this architecture")
 
 
 def _max_model_len(text_config: Any, settings: CoreSettings) -> int:

@@ -276,9 +276,10 @@ class PrefixCache:
         if self._fruitless_repair == self._repair_state():  # nothing changed since one that freed nothing
             return False
         freed = 0
-        for value, own in self._own_copies():
+        for value, own in self._own_copies():  # value.full is set and differs from own
             old = value.full
-            if old is None or old == own or self.pools.refcount(FULL, old) != 1:
+            assert old is not None
+            if self.pools.refcount(FULL, old) != 1:  # another row still reads it: not the cache's alone
                 continue
             self.pools.incref(FULL, [own])
             value.full = own
