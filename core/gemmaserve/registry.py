@@ -45,6 +45,9 @@ class BackendSpec:
       tensor-parallel ranks); for any other backend ``build_engine`` refuses it.
     - ``quantization``: the ``QUANTIZATION`` values the factory honours (e.g. ``("fp8",)``); selection passes
       the backend over for any other (``BACKEND=auto`` picks another, an explicit ``BACKEND`` is refused).
+    - ``settings``: dotted path of the plugin's pydantic-settings class, if it has one (imported when an engine
+      is built; keep its module light). The ``GEMMASERVE_*`` names it reads count as known: ``build_engine``
+      refuses any other ``GEMMASERVE_*`` variable as a misspelling.
     """
 
     name: str
@@ -59,6 +62,7 @@ class BackendSpec:
     tensor_parallel: bool = False
     expert_parallel: bool = False
     quantization: tuple[str, ...] = ()
+    settings: str | None = None
 
     def __post_init__(self) -> None:
         for key in (self.name, *self.aliases):
@@ -68,8 +72,9 @@ class BackendSpec:
                     "'-' (BACKEND is normalised to lower case with '_' turned into '-'), e.g. "
                     f"{re.sub('[^a-z0-9-]+', '-', key.lower()).strip('-') or 'my-backend'!r}"
                 )
-        if ":" not in self.factory:
-            raise ValueError(f"factory must be a 'module:attribute' path, got {self.factory!r}")
+        for role, path in (("factory", self.factory), ("settings", self.settings)):
+            if path is not None and ":" not in path:
+                raise ValueError(f"{role} must be a 'module:attribute' path, got {path!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ defines its own settings class for its own variables (``CUSTOM_BACKEND_*``, ``CO
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AliasChoices, Field, ValidationError, field_serializer, field_validator, model_validator
@@ -329,9 +330,41 @@ def check_prefixed_names(settings_class: type[BaseSettings], env_prefix: str, ti
     ``env_prefix`` but names no setting of ``settings_class`` (a misspelt variable would otherwise be ignored:
     ``CUSTOM_BACKEND_CUDA_GRAPHS=0`` leaves the graphs on), with the closest accepted name. ``given``: the
     variables, :func:`_environment`."""
+    _refuse_unknown(env_prefix, {f"{env_prefix}{name}".upper() for name in settings_class.model_fields}, title, given)
+
+
+OTHER_GEMMASERVE_VARIABLES = ("GEMMASERVE_CACHE_DIR", "GEMMASERVE_HYPOTHESIS_RANDOM")
+"""``GEMMASERVE_*`` variables read outside the settings classes: the model cache root
+(``gemmaserve.models.default_model``) and the test suite's switch to fresh hypothesis examples (tests/conftest.py)."""
+
+
+def env_names(settings_class: type[BaseSettings]) -> set[str]:
+    """Every environment name (upper case) ``settings_class`` reads: each field's alias choices, else its name
+    under the class's ``env_prefix``."""
+    prefix = str(settings_class.model_config.get("env_prefix") or "")
+    names: set[str] = set()
+    for name, field in settings_class.model_fields.items():
+        alias = field.validation_alias
+        choices = alias.choices if isinstance(alias, AliasChoices) else [alias or f"{prefix}{name}"]
+        names.update(str(choice).upper() for choice in choices if isinstance(choice, str))
+    return names
+
+
+def check_gemmaserve_variables(settings_classes: Iterable[type[BaseSettings]]) -> None:
+    """Raise ConfigurationError for every ``GEMMASERVE_*`` variable of the environment or the ``.env`` file that
+    no class of ``settings_classes`` (the core's and the installed backends' declared ones) reads and that is not
+    one of :data:`OTHER_GEMMASERVE_VARIABLES`: ``GEMMASERVE_MAX_BATCH_SIZ=8`` would otherwise be ignored."""
+    accepted = set(OTHER_GEMMASERVE_VARIABLES)
+    for settings_class in settings_classes:
+        accepted.update(name for name in env_names(settings_class) if name.startswith("GEMMASERVE_"))
+    _refuse_unknown("GEMMASERVE_", accepted, "settings", _environment(CoreSettings, "settings"))
+
+
+def _refuse_unknown(env_prefix: str, accepted: set[str], title: str, given: dict[str, str]) -> None:
+    """ConfigurationError naming each variable of ``given`` under ``env_prefix`` outside ``accepted``, with the
+    closest accepted name."""
     import difflib
 
-    accepted = {f"{env_prefix}{name}".upper() for name in settings_class.model_fields}
     unknown = sorted(key for key in given if key.startswith(env_prefix.upper()) and key not in accepted)
     if unknown:
         lines = [f"invalid {title}: unknown variable(s); accepted: {', '.join(sorted(accepted))}"]

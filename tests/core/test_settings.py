@@ -112,3 +112,34 @@ def test_two_spellings_of_one_setting_must_agree(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(ConfigurationError, match="API_KEY and VLLM_API_KEY") as refused:
         load_settings()
     assert "secret" not in str(refused.value)
+
+
+def test_a_misspelt_gemmaserve_variable_stops_build_engine(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GEMMASERVE_* names no installed settings class reads are refused before any model loads, from the
+    environment and from .env, with the closest accepted name; the plugins' own GEMMASERVE_ names are accepted."""
+    from gemmaserve.engine.factory import build_engine
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GEMMASERVE_COMPILE_MODEL", "0")  # hf_torch's setting: known through its BackendSpec
+    monkeypatch.setenv("GEMMASERVE_MAX_BATCH_SIZ", "8")
+    with pytest.raises(ConfigurationError, match=r"GEMMASERVE_MAX_BATCH_SIZ is not a setting \(did you mean "
+                                                 r"GEMMASERVE_MAX_BATCH_SIZE\?\)") as caught:
+        build_engine(load_settings(backend="custom-cpu", model=str(tmp_path / "absent")))
+    assert "GEMMASERVE_COMPILE_MODEL is not" not in str(caught.value)
+    monkeypatch.delenv("GEMMASERVE_MAX_BATCH_SIZ")
+    (tmp_path / ".env").write_text("GEMMASERVE_DEVISE=cpu\n")
+    with pytest.raises(ConfigurationError, match="GEMMASERVE_DEVISE is not a setting"):
+        build_engine(load_settings(backend="custom-cpu", model=str(tmp_path / "absent")))
+
+
+def test_every_settings_field_is_accepted_under_its_gemmaserve_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gemmaserve.engine.factory import _settings_classes
+    from gemmaserve.plugins import load_registry
+    from gemmaserve.settings import check_gemmaserve_variables, env_names
+
+    classes = _settings_classes(load_registry())
+    names = {name for cls in classes for name in env_names(cls) if name.startswith("GEMMASERVE_")}
+    assert {"GEMMASERVE_BACKEND", "GEMMASERVE_COMPILE_MODEL", "GEMMASERVE_HF_ATTN_IMPLEMENTATION"} <= names
+    for name in names:
+        monkeypatch.setenv(name, "x")
+    check_gemmaserve_variables(classes)  # the values are not checked here, only the names

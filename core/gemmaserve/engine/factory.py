@@ -13,17 +13,32 @@ from gemmaserve.engine.engine import Engine
 from gemmaserve.errors import BackendUnavailableError, ConfigurationError
 from gemmaserve.kv.cache_manager import CacheManager
 from gemmaserve.kv.events import KVEventSource, ZmqEventPublisher
+from gemmaserve.plugins import load_registry
 from gemmaserve.registry import resolve_dotted
 from gemmaserve.selection import select_backend
-from gemmaserve.settings import CoreSettings, load_settings
+from gemmaserve.settings import CoreSettings, check_gemmaserve_variables, load_settings
 
 if TYPE_CHECKING:
+    from pydantic_settings import BaseSettings
+
     from gemmaserve.backend import InferenceBackend
     from gemmaserve.registry import BackendRegistry
 
 __all__ = ["build_engine"]
 
 logger = logging.getLogger(__name__)
+
+
+def _settings_classes(registry: BackendRegistry) -> list[type[BaseSettings]]:
+    """The core's settings class and each registered backend's declared one (``BackendSpec.settings``); a class
+    that fails to import is left out (the backend's own selection reports its plugin's import errors)."""
+    classes: list[type[BaseSettings]] = [CoreSettings]
+    for path in sorted({spec.settings for spec in registry.specs.values() if spec.settings}):
+        try:
+            classes.append(resolve_dotted(path))
+        except ImportError as exc:
+            logger.debug("settings class %s not importable: %s", path, exc)
+    return classes
 
 
 def build_engine(settings: CoreSettings | None = None, registry: BackendRegistry | None = None) -> Engine:
@@ -34,7 +49,8 @@ def build_engine(settings: CoreSettings | None = None, registry: BackendRegistry
     With ``KV_EVENTS_CONFIG`` enabling events, the prefix cache's changes are published in vLLM's format
     (``gemmaserve.kv.events``) by ``engine.kv_events``, which the engine closes at shutdown.
 
-    Raises ConfigurationError / BackendUnavailableError from selection (which also rejects a backend that does
+    Raises ConfigurationError for a ``GEMMASERVE_*`` variable no settings class reads (a misspelling),
+    ConfigurationError / BackendUnavailableError from selection (which also rejects a backend that does
     not declare the ``QUANTIZATION`` asked for), ConfigurationError for ``TENSOR_PARALLEL_SIZE`` > 1 on a
     backend without tensor parallel or ``ENABLE_EXPERT_PARALLEL`` on one without expert parallel,
     BackendUnavailableError if
@@ -43,6 +59,8 @@ def build_engine(settings: CoreSettings | None = None, registry: BackendRegistry
     or their sockets cannot be opened.
     """
     settings = settings or load_settings()
+    registry = registry or load_registry()
+    check_gemmaserve_variables(_settings_classes(registry))
     selection = select_backend(settings, registry)
     spec = selection.spec
     if settings.tensor_parallel_size > 1 and not spec.tensor_parallel:

@@ -19,6 +19,7 @@ HF_BACKEND_SPEC = BackendSpec(
     probe="gemmaserve_hf_torch.probe:unavailable_reason",
     priority=50,
     quantization=("int8",),
+    settings="gemmaserve_hf_torch.settings:HFTorchSettings",
     description="any Hugging Face causal LM via transformers (DynamicCache in-flight KV, core prefix cache)",
 )
 

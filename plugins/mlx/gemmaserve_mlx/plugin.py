@@ -17,6 +17,7 @@ BATCH_SPEC = BackendSpec(
     devices=("mps", "cpu"),
     probe="gemmaserve_mlx.probe:probe_batch",
     priority=20,
+    settings="gemmaserve_mlx.settings:MlxSettings",
     description="MLX continuous batching: batched decode over left-padded KV, core prefix cache.",
 )
 
@@ -26,6 +27,7 @@ STREAM_SPEC = BackendSpec(
     devices=("mps", "cpu"),
     probe="gemmaserve_mlx.probe:probe_stream",
     priority=80,
+    settings="gemmaserve_mlx.settings:MlxSettings",
     description="MLX streaming-only (mlx_lm generate_step), one request at a time, per-session KV reuse.",
 )
 
