@@ -412,6 +412,33 @@ def test_recovery_delivers_every_final_event_when_one_abort_fails() -> None:
         engine.shutdown()
 
 
+def test_a_scheduler_rebuilt_after_a_failed_abort_keeps_the_counters_going_up() -> None:
+    """When even abort_all fails, the engine starts a fresh scheduler: its counters continue the old one's (the
+    metrics' counters never go back within a process) and the requests failed then count as errors."""
+    engine = make_engine()
+    try:
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        engine.generate([[5, 6, 7]] * 3, params)
+        before = engine.stats()
+        broken = engine.scheduler
+
+        def boom(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("injected failure")
+
+        broken.step_prefill = boom  # type: ignore[method-assign]
+        broken.abort_all = boom  # type: ignore[method-assign]
+        failed = engine.generate([[5, 8]], SamplingParams(max_tokens=2))[0]
+        assert failed.finish_reason == "error" and engine.scheduler is not broken
+        engine.generate([[5, 9]], params)
+        after = engine.stats()
+        assert after.finished == {"length": before.finished["length"] + 1, "error": 1}
+        assert after.prompt_tokens >= before.prompt_tokens + 2 and after.generated_tokens == before.generated_tokens + 4
+        assert after.num_steps > before.num_steps
+        assert_idle(engine)
+    finally:
+        engine.shutdown()
+
+
 def test_the_first_engine_freezes_the_startup_objects_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The objects alive when the first engine is built (the backend, the libraries) leave the cyclic GC's scans
     (gc.freeze after one collection); later engines do not collect or freeze again."""

@@ -308,9 +308,10 @@ def test_a_full_queue_drops_and_counts_instead_of_blocking_the_engine(monkeypatc
             release.wait(10)
         real(changes)
 
-    monkeypatch.setattr(publisher, "_publish", stalled)
     index = RadixPrefixIndex(1)
     publisher.attach(_IndexSource(index))
+    assert publisher.flush() and publisher.events_sent == 1  # the attach's AllBlocksCleared
+    monkeypatch.setattr(publisher, "_publish", stalled)
     try:
         index.insert([1], ["a"])
         assert entered.wait(10)  # the thread holds that change: the queue is empty again
@@ -321,7 +322,7 @@ def test_a_full_queue_drops_and_counts_instead_of_blocking_the_engine(monkeypatc
         assert publisher.dropped_changes == 2
         release.set()
         assert publisher.flush()
-        assert publisher.events_sent == 3 and publisher.orphaned_changes == 0
+        assert publisher.events_sent == 1 + 3 and publisher.orphaned_changes == 0
     finally:
         release.set()
         publisher.close()
@@ -445,6 +446,64 @@ def test_a_subscriber_follows_the_engines_prefix_cache(reference_backends, monke
         engine.shutdown()
         subscriber.close()
     engine.shutdown()  # idempotent: the publisher was closed once
+
+
+def test_a_restarted_engine_clears_first_and_a_closing_one_clears_last(reference_backends, monkeypatch) -> None:
+    """A replica killed without a word and started again on the same endpoints numbers its batches from 0 again:
+    its batch 0 begins with AllBlocksCleared, so a subscriber that held the old process's blocks drops them; a
+    core-cache engine that shuts down says AllBlocksCleared last (custom_torch clears its own cache then)."""
+    monkeypatch.setenv("PYTHONHASHSEED", "99")
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    first = build_engine(_settings(kv_events_config=LOOPBACK))
+    publisher = first.kv_events
+    assert publisher is not None
+    subscriber = EventSubscriber(publisher.endpoint, publisher.replay_endpoint or "")
+    try:
+        with first:
+            subscriber.wait_joined(lambda k: first.generate([[2, 3, 4, 5 + k]], SamplingParams(max_tokens=1)))
+            first.generate([PREAMBLE + [40, 41, 42, 43, 44]], params)
+            first.stats()
+            assert publisher.flush()
+            held = subscriber.block_set(publisher.batches_sent - 1)  # from the replay socket
+            assert held.hashes and held.counts["AllBlocksCleared"] == 1
+            first_events = [event_type(e) for e in msgpack.unpackb(subscriber.stream(0)[0][1])[1]]
+            assert first_events[0] == "AllBlocksCleared"
+            sent = publisher.batches_sent
+            subscriber.receive_until(sent - 1)
+        first.shutdown()
+        subscriber.receive_until(sent)
+        assert [event_type(e) for e in msgpack.unpackb(subscriber.live[sent])[1]] == ["AllBlocksCleared"]
+    finally:
+        first.shutdown()
+        subscriber.close()
+
+
+def test_a_replica_that_restarts_tells_subscribers_to_forget_its_old_blocks() -> None:
+    """The old process's blocks held by a router (the process died before saying anything: the router read only
+    its batches up to then) are cleared by the new publisher's batch 0, before the new cache's own blocks, one of
+    them the same as an old one, are announced."""
+    config = parse_kv_events_config(LOOPBACK)
+    assert config is not None
+    old_cache, new_cache = CacheManager(num_blocks=6, block_size=2), CacheManager(num_blocks=6, block_size=2)
+    _store(new_cache, [1, 2])  # cached before the new publisher attaches: announced after the clear
+    router = BlockSet()
+    publishers: list[ZmqEventPublisher] = []
+    context = zmq.Context()
+    try:
+        for cache, tokens in ((old_cache, [1, 2, 3, 4]), (new_cache, [7, 8])):
+            publisher = ZmqEventPublisher(config, hasher=VllmBlockHasher(seed="7"))
+            publishers.append(publisher)
+            publisher.attach(cache)
+            _store(cache, tokens)
+            assert publisher.flush()
+            for _, payload in replay(context, publisher.replay_endpoint or "", 0):
+                router.apply(msgpack.unpackb(payload))  # BlockSet refuses a block stored twice
+            assert router.hashes == spec_block_hashes(cache.block_paths(), "7")
+        assert router.counts["AllBlocksCleared"] == 2
+    finally:
+        for publisher in publishers:
+            publisher.close()
+        context.term()
 
 
 def test_events_for_a_backend_without_a_prefix_cache_are_refused(reference_backends) -> None:

@@ -4,6 +4,7 @@ never streamed, seeds reproduce, usage/cached tokens/logprobs/metrics are right.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -277,3 +278,42 @@ def test_kv_cache_usage_counts_blocks_only_the_cache_holds_as_free() -> None:
     families = {family.name: family.samples[0] for family in _vllm_families(stats, "m", "2")}
     usage = families["vllm:kv_cache_usage_perc"]
     assert usage.value == pytest.approx(0.1) and usage.labels == {"model_name": "m", "engine": "2"}
+
+
+@pytest.mark.parametrize("reserved, blocks_used, expected", [(0, 40, 0.1), (500, 40, 0.5), (1000, 0, 1.0),
+                                                             (50, 100, 0.7)])
+def test_kv_cache_usage_is_the_fuller_of_the_pool_and_the_admission_budget(reserved: int, blocks_used: int,
+                                                                           expected: float) -> None:
+    """Backends whose running rows keep their KV outside the block pool (hf, mlx: the pool is the prefix cache's)
+    report a pool of cached blocks only: the admission budget (reserved KV tokens / MAX_ACTIVE_KV_TOKENS) is what
+    fills up as requests run."""
+    from gemmaserve.engine.engine import EngineStats
+    from gemmaserve.server.metrics import kv_usage
+
+    kv = {"blocks_total": 100, "blocks_used": blocks_used, "blocks_free": 100 - blocks_used, "blocks_evictable": 30}
+    stats = EngineStats(running=1, waiting=0, finished={}, prompt_tokens=0, cached_tokens=0, generated_tokens=0,
+                        num_steps=0, decode_failures=0, kv=kv, reserved_kv_tokens=reserved, kv_token_budget=1000)
+    assert kv_usage(stats) == pytest.approx(expected)
+
+
+def test_kv_cache_usage_rises_while_a_core_cache_backend_runs_requests() -> None:
+    """The reference backend (core prefix cache, rows' KV outside it): every block it caches is evictable, yet
+    four running requests fill the admission budget."""
+    from gemmaserve.server.metrics import kv_usage
+    from gemmaserve.settings import CoreSettings
+
+    settings = CoreSettings(max_batch_size=4, max_active_kv_tokens=400, kv_block_size=4, prefix_cache_blocks=32)
+    engine = Engine(ReferenceBackend(), settings)
+    try:
+        with engine._cond:  # all four admitted before the first tick
+            handles = [engine.submit([i + 2] * 30, SamplingParams(max_tokens=70, ignore_eos=True)) for i in range(4)]
+        deadline = time.monotonic() + 10
+        while (stats := engine.stats()).running < 4 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert stats.running == 4 and stats.reserved_kv_tokens == 400 and kv_usage(stats) == 1.0
+        for handle in handles:
+            handle.cancel()
+            handle.result(timeout=10)
+        assert kv_usage(engine.stats()) == 0.0
+    finally:
+        engine.shutdown()

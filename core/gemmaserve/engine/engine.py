@@ -77,6 +77,10 @@ class EngineStats:
     decode_rows_retried: int = 0
     prefix_waits: int = 0
     """Ticks in which a request waited for an earlier prompt's shared prefix blocks (``engine/shared_prefix.py``)."""
+    reserved_kv_tokens: int = 0
+    """KV tokens the admitted requests reserve (prompt + max_tokens each, capped), out of ``kv_token_budget``."""
+    kv_token_budget: int = 0
+    """The admission budget, ``MAX_ACTIVE_KV_TOKENS``."""
 
 
 class Engine:
@@ -397,7 +401,9 @@ class Engine:
             logger.critical("could not abort in-flight requests; starting a fresh scheduler", exc_info=True)
             events = list(getattr(abort_exc, "events", []))  # requests aborted before the failure
             orphans = self.scheduler.release_all_best_effort(events)
-            self.scheduler = ContinuousBatchScheduler(self.backend, self.settings, self.cache_manager)
+            fresh = ContinuousBatchScheduler(self.backend, self.settings, self.cache_manager)
+            fresh.continue_counts(self.scheduler, orphans=len(orphans))
+            self.scheduler = fresh
             for request in orphans:
                 request.finish(FinishReason.ERROR, exc)
             return events + [request.take_event() for request in orphans]
@@ -455,6 +461,8 @@ class Engine:
             kv=kv,
             decode_rows_retried=sched.decode_rows_retried,
             prefix_waits=sched.prefix_waits,
+            reserved_kv_tokens=sched.reserved_kv_tokens,
+            kv_token_budget=self.settings.max_active_kv_tokens,
         )
 
     def check_integrity(self) -> None:

@@ -312,6 +312,14 @@ class ContinuousBatchScheduler:
             raise AbortIncompleteError(events) from failure
         return events
 
+    def continue_counts(self, old: ContinuousBatchScheduler, orphans: int = 0) -> None:
+        """Carry ``old``'s counters and finish counts into this (fresh) scheduler, plus ``orphans`` requests that
+        ``old`` left unfinished and the caller fails: a scheduler rebuilt after a failure keeps the process's
+        counters going up (metrics scrapers treat a drop as a restart)."""
+        self._counters.update(old._counters)
+        self._q.finished.update(old._q.finished)
+        self._q.finished[FinishReason.ERROR.value] += orphans
+
     def release_all_best_effort(self, events: list[RequestEvent]) -> list[Request]:
         """Last resort after :meth:`abort_all` raised: free whatever each live request holds (KV,
         reservations; every failure logged and skipped), appending the final events of requests that

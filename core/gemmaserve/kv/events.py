@@ -377,6 +377,7 @@ class ZmqEventPublisher:
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=config.buffer_steps)
         self._digests: dict[int, bytes] = {}  # node id -> digest of every block announced and not removed
         self._next_seq = 0
+        self._cleared_last = False  # the last change queued was a clear (the engine's thread, then close())
         self._last_drop_log = 0.0
         self._topic = config.topic.encode()
         self._stopping = threading.Event()
@@ -411,11 +412,14 @@ class ZmqEventPublisher:
 
     # -- wiring ---------------------------------------------------------------------------------------------------
     def attach(self, source: KVEventSource) -> None:
-        """Publish ``source``'s changes (one source per publisher); its cached blocks are announced at once."""
+        """Publish ``source``'s changes (one source per publisher). The first batch begins with AllBlocksCleared
+        (a subscriber that followed an earlier process on these endpoints, one killed before it could say so,
+        forgets that process's blocks), then announces the blocks ``source`` caches already."""
         if self._source is not None:
             raise RuntimeError("ZmqEventPublisher: already attached to a cache")
         self._source = source
         self.block_size = source.block_size
+        self._put(_Cleared())
         source.set_event_observer(self)
 
     # -- RadixObserver: the engine's thread, under the cache's serialization -----------------------------------
@@ -431,6 +435,7 @@ class ZmqEventPublisher:
     def _put(self, change: _Change) -> None:
         try:
             self._changes.put_nowait(change)
+            self._cleared_last = isinstance(change, _Cleared)
         except queue.Full:
             self.dropped_changes += 1
             now = time.monotonic()
@@ -458,11 +463,14 @@ class ZmqEventPublisher:
         return self._stopping.is_set() and not self._thread.is_alive()
 
     def close(self, timeout: float = 2.0) -> None:
-        """Detach from the cache, publish what is queued (up to ``timeout`` seconds), stop the thread and close
-        the sockets. Idempotent."""
+        """Detach from the cache, publish what is queued and a last AllBlocksCleared (the engine's blocks go with
+        it; none is added when the cache's own last change was a clear) within ``timeout`` seconds, stop the thread
+        and close the sockets. Idempotent."""
         if self._source is not None:
             self._source.set_event_observer(None)
             self._source = None
+            if not self._cleared_last:
+                self._put(_Cleared())
         self._stopping.set()
         self._thread.join(timeout)
         if self._thread.is_alive():

@@ -180,15 +180,24 @@ def _vllm_families(stats: EngineStats, model: str, engine: str) -> Iterator[Metr
 
     yield gauge("num_requests_running", "Number of requests in model execution batches.", stats.running)
     yield gauge("num_requests_waiting", "Number of requests waiting to be processed.", stats.waiting)
-    blocks = _kv_blocks(stats)
-    busy = blocks.get("used", 0) - blocks.get("evictable", 0)  # vLLM counts cached blocks no request holds as free
-    usage = busy / blocks["total"] if blocks.get("total") else 0.0
-    yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage)
+    yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv_usage(stats))
     yield counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
                   stats.prompt_tokens)
     yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", stats.cached_tokens)
     yield counter("prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens)
     yield counter("generation_tokens", "Number of generation tokens processed.", stats.generated_tokens)
+
+
+def kv_usage(stats: EngineStats) -> float:
+    """``vllm:kv_cache_usage_perc``: the fuller of the KV block pool (blocks requests hold over all blocks; cached
+    blocks no request holds count as free, as vLLM counts them) and the admission budget (KV tokens the admitted
+    requests reserve over ``MAX_ACTIVE_KV_TOKENS``). Backends whose running rows keep their KV outside a block pool
+    (hf, mlx: their pool is the prefix cache's) are measured by the budget alone; 1 means nothing more fits."""
+    blocks = _kv_blocks(stats)
+    busy = blocks.get("used", 0) - blocks.get("evictable", 0)
+    pool = busy / blocks["total"] if blocks.get("total") else 0.0
+    budget = stats.reserved_kv_tokens / stats.kv_token_budget if stats.kv_token_budget else 0.0
+    return min(1.0, max(pool, budget))
 
 
 def _kv_blocks(stats: EngineStats) -> dict[str, int]:
