@@ -540,3 +540,32 @@ def test_a_handle_that_keeps_no_events_is_fed_by_its_callback_alone(engine: Engi
     with pytest.raises(TypeError, match="keep_events=False"):
         next(iter(handle))
 
+
+
+def test_a_stuck_tick_shows_in_busy_for_and_a_timed_snapshot_gives_up() -> None:
+    """A backend call that never returns: ``busy_for`` keeps growing (``/health`` reads it) and ``stats(timeout)``
+    raises TimeoutError instead of waiting with it; once the call returns both are back to normal."""
+    engine = make_engine()
+    gate, entered = threading.Event(), threading.Event()
+    step = engine.scheduler.step_decode
+
+    def stuck():  # type: ignore[no-untyped-def]
+        entered.set()
+        gate.wait(10)
+        return step()
+
+    engine.scheduler.step_decode = stuck  # type: ignore[method-assign]
+    try:
+        assert engine.busy_for() == 0.0
+        handle = engine.submit([5, 6], SamplingParams(max_tokens=2, ignore_eos=True))
+        assert entered.wait(10)
+        time.sleep(0.05)
+        assert engine.busy_for() >= 0.05
+        with pytest.raises(TimeoutError, match="tick has run for"):
+            engine.stats(timeout=0.01)
+        gate.set()
+        assert handle.result(timeout=10).finish_reason == "length"
+        assert engine.stats(timeout=5).running == 0 and engine.busy_for() < 1
+    finally:
+        gate.set()
+        engine.shutdown()

@@ -117,6 +117,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._step_lock = threading.Lock()  # held by the engine thread while it uses the scheduler
+        self._part_started: float | None = None  # when the running part of a tick began (busy_for)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -142,6 +143,12 @@ class Engine:
             self._close_backend()
         elif thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
+
+    def busy_for(self) -> float:
+        """Seconds the engine thread has spent in the part of a tick it is running now (0.0 between parts): a
+        value that keeps growing means a stuck backend call (``/health`` reports it). Lock-free."""
+        started = self._part_started
+        return 0.0 if started is None else max(0.0, time.monotonic() - started)
 
     def is_alive(self) -> bool:
         """True while the engine thread runs and no shutdown was requested."""
@@ -371,11 +378,14 @@ class Engine:
         events: list[RequestEvent] = []
         try:
             with self._step_lock:
+                self._part_started = time.monotonic()
                 try:
                     part(events)
                 except Exception as exc:
                     logger.critical("engine tick raised; failing all in-flight requests", exc_info=True)
                     events += self._recover(exc)
+                finally:
+                    self._part_started = None
         except BaseException:  # the thread is going (see _run): what the tick made so far still goes out
             self._deliver(events)
             raise
@@ -440,12 +450,19 @@ class Engine:
                 logger.exception("closing the KV-event publisher failed")
 
     # -- observability ------------------------------------------------------------------------------
-    def stats(self) -> EngineStats:
-        with self._step_lock:
+    def stats(self, timeout: float | None = None) -> EngineStats:
+        """A snapshot, taken between ticks' parts (it waits for the one running). ``timeout``: seconds to wait at
+        most, then TimeoutError (a scraper must not hang on a stuck tick); None waits as long as it takes."""
+        if not self._step_lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise TimeoutError(f"the engine's tick has run for {self.busy_for():.1f} s: no snapshot within "
+                               f"{timeout} s")
+        try:
             sched = self.scheduler.stats()
             cache = self.cache_manager.stats() if self.cache_manager is not None else None
             with self.backend.lock:
                 kv = dict(self.backend.kv_stats())
+        finally:
+            self._step_lock.release()
         with self._cond:
             inbox = len(self._inbox)
         return EngineStats(
