@@ -181,6 +181,93 @@ def test_a_poisoned_row_fails_alone_with_its_own_error_and_keeps_its_tokens() ->
     assert_idle(sched)
 
 
+class WholeCallChunkFault(ReferenceBackend):
+    """A whole-tick forward that raises as a real one does (custom_torch's mixed step) when any prompt chunk in it
+    holds ``POISON``, instead of reporting the chunk's error alone; the chunk run alone raises too."""
+
+    POISON = 13
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(mixed_step=True, fail_on_token=self.POISON, **kw)
+
+    def forward_step(self, states: Any, num_tokens: Any, batched: Any, input_ids: Any) -> Any:
+        for state, num in zip(states, num_tokens):
+            if self.POISON in state.prompt_ids[state.num_computed: state.num_computed + num]:
+                raise InjectedFault("a poisoned prompt chunk failed the whole forward")
+        return super().forward_step(states, num_tokens, batched, input_ids)
+
+
+@pytest.mark.parametrize("async_decode", [False, True])
+def test_other_requests_failing_chunks_never_use_up_a_decoding_rows_retries(async_decode: bool) -> None:
+    """More whole-forward failures than MAX_ROW_RETRIES, each caused by another request's prompt chunk (which
+    fails alone, so it is the cause): the decoding row is retried alone each time, never charged, and finishes
+    with exactly its tokens; each poisoned request fails with its own error."""
+    backend = WholeCallChunkFault(async_decode=async_decode)
+    sched = make(backend, max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    sched.add_request(Request("victim", (5, 6, 7), params))
+    outputs: dict[str, RequestOutput] = {}
+    poisoned = 0
+    for tick in range(300):
+        if tick % 3 == 2 and poisoned <= MAX_ROW_RETRIES:
+            sched.add_request(Request(f"poison{poisoned}", (8, WholeCallChunkFault.POISON, 9),
+                                      SamplingParams(max_tokens=3)))
+            poisoned += 1
+        for event in sched.step():
+            if event.finished:
+                assert event.output is not None
+                outputs[event.request_id] = event.output
+        sched.check_integrity()
+        if not sched.has_work and poisoned > MAX_ROW_RETRIES:
+            break
+    assert outputs["victim"].finish_reason == "length"
+    assert outputs["victim"].token_ids == backend.reference_generate([5, 6, 7], params)
+    for i in range(poisoned):
+        assert outputs[f"poison{i}"].finish_reason == "error"
+        assert "injected prefill failure" in (outputs[f"poison{i}"].error or "")
+    assert sched.stats().decode_failures == poisoned > MAX_ROW_RETRIES
+    assert_idle(sched)
+
+
+def test_one_unreadable_launched_step_charges_each_row_one_retry() -> None:
+    """Asynchronous decode with rows that need their previous token (a penalty): the third launched step's tokens
+    cannot be read, which the next launch finds. One fault is one failure and one retry charged per row, not
+    two (the applied step's solo retry and the failed launch's own); the tokens stay exact."""
+    from gemmaserve.backend import PendingTokens
+
+    class Unreadable(PendingTokens):
+        def result(self) -> Any:
+            raise InjectedFault("the device lost the launched step's tokens")
+
+    class LosesOneStep(ReferenceBackend):
+        launches = 0
+
+        def decode_step_async(self, *args: Any, **kwargs: Any) -> PendingTokens:
+            pending = super().decode_step_async(*args, **kwargs)
+            self.launches += 1
+            return Unreadable() if self.launches == 3 else pending
+
+    backend = LosesOneStep(async_decode=True)
+    sched = make(backend)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, presence_penalty=0.5)
+    sched.add_request(Request("a", (5, 6, 7), params))
+    sched.add_request(Request("b", (8, 9), params))
+    retries: dict[str, int] = {}
+    outputs: dict[str, RequestOutput] = {}
+    for _ in range(100):
+        for event in sched.step():
+            if event.finished:
+                assert event.output is not None
+                outputs[event.request_id] = event.output
+        retries.update({r.request_id: r.decode_retries for r in sched.live_requests()})
+        if not sched.has_work:
+            break
+    assert sched.stats().decode_failures == 1 and retries == {"a": 1, "b": 1}
+    for rid, prompt in (("a", [5, 6, 7]), ("b", [8, 9])):
+        assert outputs[rid].token_ids == backend.reference_generate(prompt, params), rid
+    assert_idle(sched)
+
+
 @pytest.mark.timeout(60)
 def test_engine_cancels_queued_requests_before_they_run() -> None:
     """Through the threaded Engine: requests cancelled while WAITING end as ``cancelled`` with no

@@ -496,18 +496,31 @@ class ContinuousBatchScheduler:
         """After the tick's chunk call: fail requests whose chunk raised, run alone (``prefill_chunk``) those
         that did not advance, and complete those whose prompt is done. A chunk's failure stays with its
         request."""
-        for request, state, num, before in work:
+        errors = self._run_chunks_alone(work, errors)
+        for request, state, _, _ in work:
             try:
                 if request.request_id in errors:
                     raise errors[request.request_id]
-                if not state.is_complete and state.num_computed == before and num > 0:
-                    self.backend.prefill_chunk(state, num)
-                    if state.num_computed <= before and not state.is_complete:
-                        raise RuntimeError(f"prefill made no progress at {before}/{len(state.prompt_ids)} tokens")
                 if state.is_complete:
                     self._complete_prefill(request, events)
             except Exception as exc:
                 self._q.fail(request, exc, events, phase="prefill")
+
+    def _run_chunks_alone(self, work: list[tuple[Request, PrefillState, int, int]],
+                          errors: dict[str, Exception]) -> dict[str, Exception]:
+        """Run alone (``prefill_chunk``) each planned chunk that did not advance and has no error in ``errors``;
+        returns ``errors`` with those that raised (or made no progress) added. Running it again does nothing."""
+        errors = dict(errors)
+        for request, state, num, before in work:
+            if request.request_id in errors or state.is_complete or state.num_computed != before or num <= 0:
+                continue
+            try:
+                self.backend.prefill_chunk(state, num)
+                if state.num_computed <= before and not state.is_complete:
+                    raise RuntimeError(f"prefill made no progress at {before}/{len(state.prompt_ids)} tokens")
+            except Exception as exc:
+                errors[request.request_id] = exc
+        return errors
 
     def _mixed_tick(self, events: list[RequestEvent]) -> None:
         """The whole tick as one ``forward_step``: the decoding rows (one token each) and the planned chunks.
@@ -551,8 +564,9 @@ class ContinuousBatchScheduler:
                 self._apply_decode(sampled, events)
             else:
                 assert failure is not None
+                errors = self._run_chunks_alone(work, errors)  # a chunk that fails alone was the cause
                 self._counters["decode_failures"] += 1
-                self._retry_rows_alone(failure, events)
+                self._retry_rows_alone(failure, events, charge=not errors)
         self._finish_chunks(work, errors, events)
 
     def _complete_prefill(self, request: Request, events: list[RequestEvent],
@@ -704,8 +718,7 @@ class ContinuousBatchScheduler:
         except Exception as exc:
             logger.warning("mixed step over %d rows and %d chunks failed; retrying each alone", len(rows),
                            len(pending), exc_info=True)
-            self._launch_failed(launched, exc, events)
-            self._finish_chunks(work, {}, events)
+            self._finish_chunks(work, self._launch_failed(launched, exc, events, work), events)
             return
         completions = []
         befores = {id(request): before for request, _, _, before in work}
@@ -723,13 +736,18 @@ class ContinuousBatchScheduler:
             self._apply_launched(launched, events)
         self._finish_chunks([w for w in work if w[2] == 0], {}, events)  # prompts complete with nothing to run
 
-    def _launch_failed(self, launched: _LaunchedStep | None, exc: Exception, events: list[RequestEvent]) -> None:
-        """A launch raised (nothing ran): apply the step launched before it, then retry the rows alone."""
-        if launched is not None:
-            self._apply_launched(launched, events)
+    def _launch_failed(self, launched: _LaunchedStep | None, exc: Exception, events: list[RequestEvent],
+                       work: list[tuple[Request, PrefillState, int, int]] | None = None) -> dict[str, Exception]:
+        """A launch raised (nothing ran): apply the step launched before it, run the tick's chunks (``work``)
+        alone, then retry the rows alone. The rows are charged a retry only when neither the applied step
+        already retried them (its tokens could not be read: that is this failure) nor a chunk failed alone (that
+        chunk was the cause). Returns the chunks' errors."""
+        retried = launched is not None and not self._apply_launched(launched, events)
+        errors = self._run_chunks_alone(work or [], {})
         if self._q.rows.rows:
-            self._counters["decode_failures"] += 1
-            self._retry_rows_alone(exc, events)
+            self._counters["decode_failures"] += 0 if retried else 1
+            self._retry_rows_alone(exc, events, charge=not (retried or errors))
+        return errors
 
     @staticmethod
     def _launched_ends_every_row(launched: _LaunchedStep) -> bool:
@@ -749,11 +767,12 @@ class ContinuousBatchScheduler:
         if launched is not None:
             self._apply_launched(launched, events)
 
-    def _apply_launched(self, launched: _LaunchedStep, events: list[RequestEvent]) -> None:
+    def _apply_launched(self, launched: _LaunchedStep, events: list[RequestEvent]) -> bool:
         """Wait for ``launched``'s tokens and append them to its rows that are still live (a row cancelled or
         failed meanwhile gets nothing); finished rows leave the batch; prompts that completed get their first
         token and join the batch. If reading them raises, the step launched after it (which fed on them) is
-        dropped too, the rows are retried alone and the completed prompts sample their first token again."""
+        dropped too, the rows are retried alone and the completed prompts sample their first token again: then
+        False is returned."""
         count = len(launched.requests) + len(launched.completions)
         want_logprobs = any(r.want_logprobs for r in (*launched.requests, *launched.completions))
         try:
@@ -769,7 +788,7 @@ class ContinuousBatchScheduler:
             self._counters["decode_failures"] += 1
             logger.warning("reading a launched step failed; retrying each row alone", exc_info=True)
             self._retry_rows_alone(exc, events)
-            return
+            return False
         live: list[Request] = []
         ended: set[int] = set()
         for i, request in enumerate(launched.requests):  # per row per tick: one pass
@@ -796,16 +815,20 @@ class ContinuousBatchScheduler:
                 self._complete_prefill(request, events, sampled_token(sampled, j))
             except Exception as exc:
                 self._q.fail(request, exc, events, phase="prefill")
+        return True
 
-    def _retry_rows_alone(self, exc: Exception, events: list[RequestEvent]) -> None:
+    def _retry_rows_alone(self, exc: Exception, events: list[RequestEvent], *, charge: bool = True) -> None:
         """The batched step raised ``exc``: drop the batch (freeing its KV), then redo the step for
-        each row alone. Rows whose solo step raises, or that used up MAX_ROW_RETRIES, fail; the
-        others get their token and form a fresh batch, in the same order."""
+        each row alone. Rows whose solo step raises fail; so do rows that used up MAX_ROW_RETRIES when ``charge``
+        (the failure is not known to be another request's: each row is charged one retry). The others get their
+        token and form a fresh batch, in the same order."""
         for request in self._q.rows.drop_all():
-            if request.decode_retries >= MAX_ROW_RETRIES:
-                self._q.fail(request, exc, events, phase=f"decode (after {MAX_ROW_RETRIES} retries of this request)")
-                continue
-            request.decode_retries += 1
+            if charge:
+                if request.decode_retries >= MAX_ROW_RETRIES:
+                    self._q.fail(request, exc, events,
+                                 phase=f"decode (after {MAX_ROW_RETRIES} retries of this request)")
+                    continue
+                request.decode_retries += 1
             self._counters["decode_rows_retried"] += 1
             try:
                 retry = retry_row_alone(self.backend, request, self.settings.prefill_chunk_tokens)
