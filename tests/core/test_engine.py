@@ -6,6 +6,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from gemmaserve.engine import Engine, RequestEvent, RequestStream, build_engine
@@ -568,4 +569,42 @@ def test_a_stuck_tick_shows_in_busy_for_and_a_timed_snapshot_gives_up() -> None:
         assert engine.stats(timeout=5).running == 0 and engine.busy_for() < 1
     finally:
         gate.set()
+        engine.shutdown()
+
+
+def test_a_cancel_meant_for_a_finished_request_spares_the_next_one_with_its_id() -> None:
+    """``cancel("x")`` while "x" finishes in the same tick; a new request then takes the free id "x": the late
+    cancel was for the old one and is void, the new one runs to completion."""
+    engine = make_engine()
+    second: dict[str, Any] = {}
+    done = threading.Event()
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+
+    def on_first(event: RequestEvent) -> None:
+        if not event.finished and event.new_token_ids:
+            assert engine.cancel("x")  # queued for the next tick; "x" finishes in this one (max_tokens=2)
+        if event.finished:
+            second["handle"] = engine.submit([9, 9, 9], params, request_id="x",
+                                             on_event=lambda e: done.set() if e.finished else None)
+
+    try:
+        engine.submit([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True), request_id="x", on_event=on_first)
+        assert done.wait(10)
+        output = second["handle"].result(timeout=10)
+        assert output.finish_reason == "length" and len(output.token_ids) == 5
+        assert_idle(engine)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("params", [{"max_tokens": 3}, "greedy", 3])
+def test_params_that_are_not_sampling_params_are_refused_by_name(params: Any) -> None:
+    engine = make_engine()
+    try:
+        with pytest.raises(InvalidRequestError, match=f"must be a gemmaserve.SamplingParams .* got "
+                                                      f"{type(params).__name__}"):
+            engine.submit([5, 6], params)
+        with pytest.raises(InvalidRequestError, match="must be a gemmaserve.SamplingParams"):
+            engine.submit_many([[5, 6]], [params])
+    finally:
         engine.shutdown()

@@ -83,6 +83,16 @@ class EngineStats:
     """The admission budget, ``MAX_ACTIVE_KV_TOKENS``."""
 
 
+def _checked_params(params: object) -> SamplingParams:
+    """``params``, or the defaults for None; InvalidRequestError naming the type for anything else."""
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError(f"sampling params must be a gemmaserve.SamplingParams (e.g. "
+                                  f"SamplingParams(max_tokens=16)) or None, got {type(params).__name__}")
+    return params
+
+
 class Engine:
     """Continuous-batching engine over one backend. ``start`` is implicit on the first submit;
     ``shutdown`` cancels what is pending. With ``owns_backend`` the backend is closed at shutdown
@@ -111,7 +121,7 @@ class Engine:
         self.kv_events = kv_events
         self._cond = threading.Condition()  # guards everything below
         self._inbox: list[Request] = []
-        self._cancels: list[tuple[str, FinishReason]] = []
+        self._cancels: list[tuple[str, FinishReason, RequestHandle]] = []  # the handle the cancel was meant for
         self._handles: dict[str, RequestHandle] = {}
         self._room_waiters = 0
         self._thread: threading.Thread | None = None
@@ -179,7 +189,7 @@ class Engine:
         with ``wait_for_room`` a full queue blocks until there is room instead. ``keep_events=False`` (with an
         ``on_event`` callback): the handle keeps no events (not iterable; ``result()`` works), so a long stream read
         through the callback holds no backlog."""
-        request = Request(request_id or uuid.uuid4().hex, tuple(prompt_ids), params or SamplingParams(), logprobs)
+        request = Request(request_id or uuid.uuid4().hex, tuple(prompt_ids), _checked_params(params), logprobs)
         return self._submit([request], [on_event], wait_for_room=wait_for_room, keep_events=keep_events)[0]
 
     def compile_constraint(self, spec: StructuredOutputs) -> None:
@@ -212,7 +222,7 @@ class Engine:
         if not (len(params) == len(ids) == len(callbacks) == count):
             raise InvalidRequestError(f"submit_many got {count} prompts, {len(params)} params, {len(ids)} request "
                                       f"ids and {len(callbacks)} callbacks: give one of each per prompt")
-        requests = [Request(rid or uuid.uuid4().hex, tuple(prompt), sample or SamplingParams(), logprobs)
+        requests = [Request(rid or uuid.uuid4().hex, tuple(prompt), _checked_params(sample), logprobs)
                     for prompt, sample, rid in zip(prompts, params, ids)]
         return self._submit(requests, callbacks, wait_for_room=wait_for_room, keep_events=keep_events)
 
@@ -262,9 +272,10 @@ class Engine:
         if reason not in (FinishReason.CANCELLED, FinishReason.STOP):
             raise ValueError(f"cancel reason must be 'cancelled' or 'stop', got {reason!r}")
         with self._cond:
-            if request_id not in self._handles:
+            handle = self._handles.get(request_id)
+            if handle is None:
                 return False
-            self._cancels.append((request_id, reason))
+            self._cancels.append((request_id, reason, handle))
             self._cond.notify_all()
             return True
 
@@ -312,7 +323,8 @@ class Engine:
                     queued += 1
             except BaseException:
                 # the caller gets no handles: what this call queued already is cancelled, not left running
-                self._cancels.extend((request.request_id, FinishReason.CANCELLED) for request in requests[:queued])
+                self._cancels.extend((request.request_id, FinishReason.CANCELLED, handle)
+                                     for request, handle in zip(requests[:queued], handles))
                 raise
             finally:
                 self._cond.notify_all()
@@ -326,7 +338,9 @@ class Engine:
                     while not (self._inbox or self._cancels or self._stopping or self.scheduler.has_work):
                         self._cond.wait()
                     inbox, self._inbox = self._inbox, []
-                    cancels, self._cancels = self._cancels, []
+                    # a cancel whose request finished meanwhile is void, also when a new request took its id
+                    cancels = [(rid, reason) for rid, reason, handle in self._cancels if self._handles.get(rid) is handle]
+                    self._cancels = []
                     stopping = self._stopping
                 self._guarded(lambda events: self._tick(inbox, cancels, stopping, events))
                 if stopping:
