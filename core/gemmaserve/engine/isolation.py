@@ -51,8 +51,9 @@ class RowRetry:
 
 
 def prefill_kv(backend: InferenceBackend, token_ids: Sequence[int], chunk_tokens: int) -> RowKV:
-    """A fresh row KV holding ``token_ids`` (prefilled in chunks of ``chunk_tokens``; nothing is
-    stored in the prefix cache). On an exception nothing stays allocated."""
+    """A fresh row KV holding ``token_ids`` (prefilled in chunks of ``chunk_tokens``, hitting the prefix cache;
+    no ``prefill_store`` is called, though a backend whose cache indexes blocks as they are computed, such as
+    custom_torch's, caches them anyway). On an exception nothing stays allocated."""
     state = backend.prefill_lookup(token_ids)
     try:
         while not state.is_complete:
