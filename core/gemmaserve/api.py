@@ -364,11 +364,10 @@ what gemmaserve does anyway (and then not passed on: no setting holds it); anyth
 (never silently ignored)."""
 
 _LLM_PARAMETERS = ("model", "backend", "device", "settings", "engine")
-_SERVER_ONLY = ("api_key", "allowed_hosts", "allowed_origins", "enable_debug_endpoints", "host", "port",
-                "timeout_keep_alive", "client_header_timeout", "client_body_timeout", "limit_concurrency",
-                "shutdown_timeout", "served_model_name", "default_max_tokens", "tool_call_parser", "reasoning_parser",
-                "render_processes")
-"""Core settings only the HTTP server reads: an offline ``LLM(...)`` keyword for one of them would do nothing."""
+_SERVER_ONLY = tuple(name for name, field in CoreSettings.model_fields.items()
+                     if (field.description or "").startswith("HTTP server"))
+"""Core settings only the HTTP server reads (their descriptions begin "HTTP server"): an offline ``LLM(...)`` keyword
+for one of them would do nothing."""
 
 
 def _apply_log_level(level: str) -> None:

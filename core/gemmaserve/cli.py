@@ -265,6 +265,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.router_policy is not None and not data_parallel:
         raise ConfigurationError(f"--router-policy {args.router_policy} chooses how the router spreads requests over "
                                  "replicas: it needs --data-parallel-size 2 or more")
+    cors_flags = [flag for flag, value in (("--allowed-headers", args.allowed_headers),
+                                           ("--allowed-methods", args.allowed_methods),
+                                           ("--allow-credentials", args.allow_credentials)) if value is not None]
+    if data_parallel and cors_flags:
+        raise ConfigurationError(f"{', '.join(cors_flags)} with --data-parallel-size: the router answers CORS "
+                                 "(its --cors-allowed-origins, from --allowed-origins) with its own header, method "
+                                 "and credential rules; drop these flags")
     if data_parallel:
         from gemmaserve.server.data_parallel import require_router
 
@@ -275,7 +282,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
         quantization=args.quantization, log_level=args.log_level, host=args.host, port=args.port, api_key=args.api_key,
-        allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
+        allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins, allowed_headers=args.allowed_headers,
+        allowed_methods=args.allowed_methods, allow_credentials=args.allow_credentials,
+        max_buffered_body_bytes=args.max_buffered_body_bytes, stream_stall_timeout_s=args.stream_stall_timeout_s,
         enable_debug_endpoints=args.enable_debug_endpoints, timeout_keep_alive=args.timeout_keep_alive,
         client_header_timeout=args.client_header_timeout, client_body_timeout=args.client_body_timeout,
         limit_concurrency=args.limit_concurrency, shutdown_timeout=args.shutdown_timeout,
@@ -301,9 +310,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-_LAUNCHER_ONLY = frozenset({"host", "port", "api_key", "allowed_origins", "data_parallel_size", "router_policy"})
+_LAUNCHER_ONLY = frozenset({"host", "port", "api_key", "allowed_origins", "allowed_headers", "allowed_methods",
+                            "allow_credentials", "data_parallel_size", "router_policy"})
 """``serve`` flags the launcher answers for itself instead of passing them to every replica: the public address
-and CORS are the router's, the API key reaches the replicas through their env (not their command line)."""
+and CORS are the router's (with its own header, method and credential rules: the replicas answer no CORS), the
+API key reaches the replicas through their env (not their command line)."""
 
 
 def _replica_flags(args: argparse.Namespace) -> list[str]:
@@ -348,6 +359,10 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     _env_flag(g, "--allowed-hosts", "comma-separated Host names accepted besides the loopback ones; empty: on "
               "loopback only those, elsewhere any")
     _env_flag(g, "--allowed-origins", "comma-separated CORS origins ('*' = any); empty = CORS off")
+    _env_flag(g, "--allowed-headers", "comma-separated request headers CORS allows ('*' = any, vLLM's default)")
+    _env_flag(g, "--allowed-methods", "comma-separated methods CORS allows ('*' = any)")
+    _env_flag(g, "--allow-credentials", "CORS lets pages send cookies and HTTP auth; refused with "
+              "--allowed-origins '*'", action="store_true", default=None)
     _env_flag(g, "--enable-debug-endpoints", "serve /debug/kv, /docs and /redoc", action="store_true", default=None)
     _env_flag(g, "--served-model-name", "model names to serve under (comma-separated in the env): /v1/models lists "
               "them, requests may name any, responses name the first; empty = the checkpoint folder's name",
@@ -371,6 +386,10 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     _env_flag(g, "--client-body-timeout", "seconds a request may take to send its body after its headers; 408 and "
               "close after", type=float)
     _env_flag(g, "--limit-concurrency", "most connections served at once; requests on others get 503", type=int)
+    _env_flag(g, "--max-buffered-body-bytes", "request-body bytes all connections may be receiving at once; "
+              "bodies beyond get 503", type=int, metavar="BYTES")
+    _env_flag(g, "--stream-stall-timeout-s", "seconds a stream may wait on a client that reads nothing; then the "
+              "request is cancelled and the connection closed", type=float, metavar="S")
     _env_flag(g, "--shutdown-timeout", "on SIGTERM/SIGINT, seconds running requests get to finish while new ones "
               "are refused; then the rest are cancelled", type=float)
     _add_engine_flags(p)

@@ -145,6 +145,36 @@ class CoreSettings(BaseSettings):
         description="HTTP server: most connections served at once; a request on one beyond is answered 503 "
         "(uvicorn's limit_concurrency). Lowered to fit the file-descriptor limit.",
     )
+    engine_iteration_timeout_s: float = Field(
+        60.0, gt=0, validation_alias=AliasChoices("ENGINE_ITERATION_TIMEOUT_S", "GEMMASERVE_ENGINE_ITERATION_TIMEOUT_S",
+                                                  "VLLM_ENGINE_ITERATION_TIMEOUT_S"),
+        description="HTTP server: seconds one part of an engine tick (a backend call) may run before /health answers "
+        "503 engine_unavailable (a hung backend call); the step itself is not interrupted.",
+    )
+    max_buffered_body_bytes: int = Field(
+        256 * 2**20, ge=1, validation_alias=env_alias("MAX_BUFFERED_BODY_BYTES"),
+        description="HTTP server: request-body bytes all connections together may be receiving at once (each body "
+        "reserves its Content-Length, a chunked one grows chunk by chunk); a body beyond it gets 503 "
+        "body_budget_exhausted with Retry-After.",
+    )
+    stream_stall_timeout_s: float = Field(
+        60.0, gt=0, validation_alias=env_alias("STREAM_STALL_TIMEOUT_S"),
+        description="HTTP server: seconds a streaming response may wait on a client that reads nothing; then its "
+        "request is cancelled (its KV freed) and the connection closed.",
+    )
+    allowed_headers: str = Field(
+        "*", validation_alias=env_alias("ALLOWED_HEADERS"),
+        description="HTTP server: comma-separated request headers CORS allows ('*' = any); only with ALLOWED_ORIGINS.",
+    )
+    allowed_methods: str = Field(
+        "GET,POST", validation_alias=env_alias("ALLOWED_METHODS"),
+        description="HTTP server: comma-separated methods CORS allows ('*' = any); only with ALLOWED_ORIGINS.",
+    )
+    allow_credentials: bool = Field(
+        False, validation_alias=env_alias("ALLOW_CREDENTIALS"),
+        description="HTTP server: CORS lets pages send cookies / HTTP auth (Access-Control-Allow-Credentials); "
+        "refused with ALLOWED_ORIGINS='*'.",
+    )
     shutdown_timeout: float = Field(
         10.0, ge=0, validation_alias=env_alias("SHUTDOWN_TIMEOUT"),
         description="HTTP server: on SIGTERM/SIGINT, seconds running requests get to finish (new ones are refused) "
@@ -260,6 +290,14 @@ class CoreSettings(BaseSettings):
                 "a tick of full decoding rows would leave no token for prefill; raise MAX_NUM_BATCHED_TOKENS or "
                 "lower MAX_BATCH_SIZE"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _no_credentials_for_any_origin(self) -> CoreSettings:
+        """Credentials with every origin allowed would let any site act as the browser's user."""
+        if self.allow_credentials and "*" in (part.strip() for part in self.allowed_origins.split(",")):
+            raise ValueError("ALLOW_CREDENTIALS=1 with ALLOWED_ORIGINS='*' would let every web site send requests "
+                             "with the user's cookies and read the answers; list the trusted origins instead of '*'")
         return self
 
 

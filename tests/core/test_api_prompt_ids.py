@@ -88,7 +88,9 @@ def test_ignore_eos_must_be_a_bool(llm: LLM, value: object) -> None:
 
 
 @pytest.mark.parametrize("name, value", [("port", 1), ("api_key", "secret"), ("host", "0.0.0.0"),
-                                         ("allowed_origins", "*"), ("limit_concurrency", 4), ("render_processes", 2)])
+                                         ("allowed_origins", "*"), ("limit_concurrency", 4), ("render_processes", 2),
+                                         ("stream_stall_timeout_s", 3), ("engine_iteration_timeout_s", 5),
+                                         ("max_buffered_body_bytes", 1024), ("allow_credentials", True)])
 def test_http_server_settings_are_refused_offline(name: str, value: object) -> None:
     """Keywords that only the HTTP server reads would do nothing in an offline LLM: refused, naming the server."""
     from gemmaserve.errors import ConfigurationError

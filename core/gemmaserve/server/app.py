@@ -15,6 +15,8 @@ import dataclasses
 import functools
 import hmac
 import logging
+import queue
+import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -28,7 +30,7 @@ from gemmaserve import __version__
 from gemmaserve.errors import GemmaserveError, InvalidRequestError
 from gemmaserve.hf_tokenizer import HFTokenizerAdapter
 from gemmaserve.render_pool import RenderPool
-from gemmaserve.server.connections import OVER_LIMIT_KEY, TIMED_OUT_KEY
+from gemmaserve.server.connections import ABORT_KEY, OVER_LIMIT_KEY, TIMED_OUT_KEY
 from gemmaserve.server.debug import KVReportCache
 from gemmaserve.server.errors import CLIENT_CLOSED, APIError, ClientDisconnected, constraint_error, from_engine_error
 from gemmaserve.server.generation import Generation, Prepared, Step, Timing
@@ -38,6 +40,7 @@ from gemmaserve.server.openapi import install_openapi
 from gemmaserve.server.prepare import prepare_chat, prepare_completion, render_chat, tokenize_text
 from gemmaserve.tools.parsers import PARSERS, Gemma4ReasoningParser, ParsedText, ToolParser
 from gemmaserve.server.protocol import (
+    BodyBudget,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -64,11 +67,25 @@ PREPARE_THREADS = 2
 Python) without preparing faster. With a render pool there are as many as it has processes, if more: they hand
 the rendering to the workers and wait."""
 
+METRICS_STATS_TIMEOUT_S = 1.0
+"""How long a ``/metrics`` scrape waits for the engine's tick to let it take a snapshot; past it the scrape shows
+the last snapshot (a stuck backend call must not hang scrapers, nor pile them up on the worker threads)."""
+DEBUG_KV_TIMEOUT_S = 10.0
+"""How long ``/debug/kv`` waits for its report (it takes the engine's step lock) before answering 503."""
+
+
+def server_setting(engine: Engine, name: str) -> Any:
+    """``engine.settings.<name>``, or CoreSettings' default where the engine's settings lack it."""
+    from gemmaserve.settings import CoreSettings
+
+    return getattr(engine.settings, name, CoreSettings.model_fields[name].default)
+
 
 def create_app(
     engine: Engine, model_name: str, *, model_aliases: Sequence[str] = (), api_key: str | None = None,
     allowed_hosts: Sequence[str] | None = None, allowed_origins: Sequence[str] = (), debug_endpoints: bool = True,
-    extra_model_names: Sequence[str] = (),
+    extra_model_names: Sequence[str] = (), allowed_headers: Sequence[str] = ("*",),
+    allowed_methods: Sequence[str] = ("GET", "POST"), allow_credentials: bool = False,
 ) -> FastAPI:
     """The app around ``engine`` (started, or started on first request). The caller owns the
     engine's lifetime. ``model`` in requests must be ``model_name``, one of ``extra_model_names`` (listed by
@@ -76,7 +93,11 @@ def create_app(
     listed), or absent; anything else is a 404. Responses name ``model_name``. ``api_key``: every endpoint but ``/health`` and ``/metrics`` needs
     ``Authorization: Bearer <api_key>`` (401 otherwise, OpenAI's error body). ``allowed_hosts``: the Host
     header names accepted (None = any; 400 ``invalid_host`` otherwise). ``allowed_origins``: CORS origins
-    (none = no CORS headers). ``debug_endpoints``: serve ``/debug/kv``, ``/docs`` and ``/redoc``.
+    (none = no CORS headers); ``allowed_headers``, ``allowed_methods``, ``allow_credentials``: what CORS allows them
+    (vLLM's ``--allowed-headers``, ``--allowed-methods``, ``--allow-credentials``; ``*`` = any); a refused
+    preflight gets a JSON 400 ``cors_refused``. ``debug_endpoints``: serve ``/debug/kv``, ``/docs`` and ``/redoc``.
+    ``engine.settings`` gives ``ENGINE_ITERATION_TIMEOUT_S`` (``/health``), ``MAX_BUFFERED_BODY_BYTES`` (request
+    bodies) and ``STREAM_STALL_TIMEOUT_S`` (streams), CoreSettings' defaults where it lacks them.
 
     The app owns its chat-template render pool (``RENDER_PROCESSES`` worker processes, for a Hugging Face
     tokenizer): its lifespan spawns the workers at start-up and stops them at shutdown (served without the
@@ -84,8 +105,9 @@ def create_app(
     ``RENDER_POOL_MIN_CHARS`` (4096) characters or more go there: their bodies exceed ``OFFLOAD_BODY_BYTES``, so
     they are prepared on a preparation thread, which waits for the worker; the event loop never does."""
     docs = {} if debug_endpoints else {"docs_url": None, "redoc_url": None}
+    _JSONCORSMiddleware = _cors_middleware_class()
     metrics = ServerMetrics(model_name, engine.settings.data_parallel_rank or 0)
-    metrics.bind_engine(engine.stats)
+    metrics.bind_engine(functools.partial(engine.stats, timeout=METRICS_STATS_TIMEOUT_S))
     listed = (model_name, *(name for name in extra_model_names if name != model_name))
     server = _Server(engine, model_name, frozenset({*listed, *model_aliases}), metrics, listed)
 
@@ -99,7 +121,7 @@ def create_app(
             await asyncio.to_thread(server.close)
 
     app = FastAPI(title="gemmaserve", version=__version__, description="OpenAI-compatible Gemma inference server",
-                  lifespan=lifespan, **docs)
+                  lifespan=lifespan, redirect_slashes=False, **docs)  # /v1/completions/ is a JSON 404, not a 307
     app.state.render_pool = server.render_pool
     app.state.engine = engine
     app.state.metrics = metrics
@@ -107,10 +129,9 @@ def create_app(
     _add_error_handlers(app)
     _add_guards(app, api_key, allowed_hosts, drain)
     if allowed_origins:
-        from starlette.middleware.cors import CORSMiddleware
-
-        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
+        app.add_middleware(_JSONCORSMiddleware, allow_origins=list(allowed_origins),
+                           allow_methods=list(allowed_methods), allow_headers=list(allowed_headers),
+                           allow_credentials=allow_credentials)
     install_openapi(app, server.context_limit)
 
     @app.post("/v1/completions", response_model=None)
@@ -142,6 +163,8 @@ def create_app(
         server.check_model(model_id)
         return server.model_card(model_id if model_id in server.listed else server.model_name)
 
+    iteration_timeout = float(server_setting(engine, "engine_iteration_timeout_s"))
+
     @app.get("/health", response_model=None)
     async def health() -> Response:
         if drain.active:
@@ -151,18 +174,29 @@ def create_app(
         failure = engine.backend.failure()
         if failure is not None:
             raise APIError(503, f"the backend cannot serve: {failure}", code="engine_unavailable")
+        busy = engine.busy_for()
+        if busy > iteration_timeout:
+            raise APIError(503, f"the engine has been in one step for {busy:.0f} s, longer than "
+                           f"ENGINE_ITERATION_TIMEOUT_S={iteration_timeout:g} s: a backend call looks hung",
+                           code="engine_unavailable")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics", response_model=None)
-    def prometheus_metrics() -> Response:  # sync: engine.stats() may wait for the current tick
+    def prometheus_metrics() -> Response:  # sync: engine.stats() waits up to METRICS_STATS_TIMEOUT_S for a tick
         return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     if debug_endpoints:
         reports = KVReportCache(engine)
+        report_thread = _DaemonWorker("gemmaserve-debug-kv")  # a stuck engine holds it, not anyio's shared pool
 
         @app.get("/debug/kv", response_model=None)
-        def debug_kv() -> Response:  # sync: takes the engine and backend locks (at most once per interval)
-            report = reports.get()
+        async def debug_kv() -> Response:  # the report takes the engine and backend locks (once per interval)
+            try:
+                report = await asyncio.wait_for(asyncio.wrap_future(report_thread.submit(reports.get)),
+                                                DEBUG_KV_TIMEOUT_S)
+            except TimeoutError:
+                raise APIError(503, f"no KV report within {DEBUG_KV_TIMEOUT_S:g} s: the engine has been in one step "
+                               f"for {engine.busy_for():.0f} s; retry later", code="engine_unavailable") from None
             return JSONResponse(report, status_code=200 if report["integrity"] == "ok" else 500)
 
     return app
@@ -187,6 +221,66 @@ def _bearer_token(header: str) -> bytes:
     b"" for any other scheme or none)."""
     scheme, _, token = header.strip().partition(" ")
     return token.strip().encode() if scheme.lower() == "bearer" else b""
+
+
+class _DaemonWorker:
+    """Runs submitted calls one at a time on one daemon thread (started on first use): a call that never returns
+    holds that thread only, and does not keep the process from exiting. A call cancelled before it starts is
+    skipped."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._jobs: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[[], Any]]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    def submit(self, call: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._jobs.put((future, call))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            future, call = self._jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(call())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+
+def _cors_middleware_class() -> type:
+    from starlette.datastructures import Headers
+    from starlette.middleware.cors import CORSMiddleware
+
+    class JSONCORSMiddleware(CORSMiddleware):  # type: ignore[misc]
+        """Starlette's CORS, with a refused preflight answered in OpenAI's error JSON instead of plain text."""
+
+        def preflight_response(self, request_headers: Headers) -> Response:
+            response = super().preflight_response(request_headers)
+            if response.status_code != 400:
+                return response
+            refused = bytes(response.body).decode().removeprefix("Disallowed CORS ")
+            error = APIError(400, f"CORS preflight refused (not allowed: {refused}); the server allows the origins, "
+                             "methods and headers of --allowed-origins, --allowed-methods and --allowed-headers",
+                             code="cors_refused")
+            headers = {k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")}
+            return JSONResponse(error.body(), status_code=400, headers=headers)
+
+    return JSONCORSMiddleware
+
+
+def _sent_by_a_web_page(request: Request) -> bool:
+    """A browser sent it for a page: it has an ``Origin`` header, or ``Sec-Fetch-Site`` says another site. A page
+    on another site can POST a Blob body without a Content-Type and without a CORS preflight, so such a body must
+    declare itself JSON; clients that are not browsers (curl, SDKs, http.client) send neither header."""
+    site = request.headers.get("sec-fetch-site", "").strip().lower()
+    return "origin" in request.headers or site in ("cross-site", "same-site")
 
 
 class Drain:
@@ -249,6 +343,11 @@ class _Guard:
                 error = APIError(415, f"the body must be JSON (Content-Type: application/json), got {kind!r}",
                                  code="unsupported_media_type")
                 return JSONResponse(error.body(), status_code=415)
+            if not kind and _sent_by_a_web_page(request):
+                error = APIError(415, "a request from a web page (it has an Origin or a cross-site Sec-Fetch-Site "
+                                 "header) must declare its JSON body: send Content-Type: application/json",
+                                 code="unsupported_media_type")
+                return JSONResponse(error.body(), status_code=415)
         return None
 
 
@@ -279,6 +378,8 @@ class _Server:
         self.accepted = accepted
         self.listed = tuple(listed) or (model_name,)
         self.metrics = metrics
+        self.body_budget = BodyBudget(int(server_setting(engine, "max_buffered_body_bytes")))
+        self.stream_stall_s = float(server_setting(engine, "stream_stall_timeout_s"))
         self.tokenizer = engine.backend.tokenizer
         self.info = engine.backend.model_info
         processes = getattr(engine.settings, "render_processes", -1)
@@ -328,7 +429,7 @@ class _Server:
     # -- /tokenize, /detokenize ----------------------------------------------------------------------------
     async def run_json(self, request: Request, work: Callable[[bytes], dict[str, Any]]) -> dict[str, Any]:
         """Read the body and run ``work`` on it: on a worker thread for large bodies (tokenizing)."""
-        raw = await read_body(request)
+        raw = await read_body(request, budget=self.body_budget)
         if len(raw) > OFFLOAD_BODY_BYTES:
             return await self.offload(work, raw)
         return work(raw)
@@ -388,7 +489,7 @@ class _Server:
         return response
 
     async def _handle(self, request: Request, endpoint: str, timing: Timing) -> Response:
-        raw = await read_body(request)
+        raw = await read_body(request, budget=self.body_budget)
         if len(raw) > OFFLOAD_BODY_BYTES:  # tokenizing a long prompt must not stall every other stream
             body, prepared = await self.offload(self._prepare, raw, endpoint)
         else:
@@ -454,8 +555,9 @@ class _Server:
             for generation in generations:
                 self._observe(generation)
             return JSONResponse(_merge_bodies([view.full_body() for view in views]))
-        return StreamingResponse(self._stream_choices(views, generations, firsts, endpoint),
-                                 media_type="text/event-stream", headers=_SSE_HEADERS)
+        abort = request.scope.get("state", {}).get(ABORT_KEY)
+        return _StallGuardedStream(self._stream_choices(views, generations, firsts, endpoint), self.stream_stall_s,
+                                   abort, meta.id, media_type="text/event-stream", headers=_SSE_HEADERS)
 
     async def _stream_choices(self, views: list[_View], generations: list[Generation], firsts: list[Step | None],
                               endpoint: str) -> AsyncIterator[bytes]:
@@ -505,6 +607,41 @@ class _Server:
     def _observe(self, generation: Generation) -> None:
         timing = generation.timing
         self.metrics.observe(timing.ttft, timing.tpot(len(generation.token_ids)), timing.e2e, timing.gaps)
+
+
+class _Stalled(Exception):
+    """Sending to a streaming client made no progress for STREAM_STALL_TIMEOUT_S."""
+
+
+class _StallGuardedStream(StreamingResponse):
+    """An SSE response that gives up on a client that stops reading: when sending one message makes no progress
+    for ``stall_s`` seconds (the client's socket and the server's buffers are full), the body iterator is closed
+    (its generations' engine requests are cancelled, their KV freed; counted as status 499) and the connection is
+    dropped through ``abort`` (the connection guards' :data:`ABORT_KEY`; without it the response just ends)."""
+
+    def __init__(self, content: AsyncIterator[bytes], stall_s: float, abort: Callable[[], None] | None,
+                 request_id: str, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.stall_s, self.abort, self.request_id = stall_s, abort, request_id
+
+    async def stream_response(self, send: Callable[[Any], Any]) -> None:
+        async def bounded(message: Any) -> None:
+            try:
+                async with asyncio.timeout(self.stall_s):
+                    await send(message)
+            except TimeoutError:
+                raise _Stalled from None
+
+        try:
+            await super().stream_response(bounded)
+        except _Stalled:
+            logger.warning("stream %s: the client read nothing for %g s (STREAM_STALL_TIMEOUT_S); cancelling the "
+                           "request and closing the connection", self.request_id, self.stall_s)
+            body = self.body_iterator
+            if hasattr(body, "aclose"):
+                await body.aclose()
+            if self.abort is not None:
+                self.abort()
 
 
 class _View:

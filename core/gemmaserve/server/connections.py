@@ -9,6 +9,7 @@ idle sockets sit open. :func:`guarded_protocol_class` builds an h11 protocol tha
 - gives a request ``header_timeout`` seconds from its first byte to finish its request line and headers,
   and ``body_timeout`` seconds from the end of its headers to finish its body; past either it answers
   408 (OpenAI error body) if no response has started, and closes the connection,
+- lets the app drop a connection at once (:data:`ABORT_KEY`: a stream whose client stopped reading),
 - admits at most ``limit_concurrency`` connections at a time: a request on a connection beyond that gets
   a 503 (``code: "too_many_connections"``, ``Retry-After``, ``Connection: close``) from the app's guard,
   which sees :data:`OVER_LIMIT_KEY` in the request scope's state.
@@ -32,6 +33,7 @@ __all__ = [
     "guarded_protocol_class",
     "AcceptErrorFilter",
     "OVER_LIMIT_KEY",
+    "ABORT_KEY",
     "TIMED_OUT_KEY",
     "raise_fd_limit",
     "effective_connection_limit",
@@ -41,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 OVER_LIMIT_KEY = "gemmaserve.over_connection_limit"
 """Set (True) in the ``state`` of every request scope of a connection accepted beyond the limit."""
+ABORT_KEY = "gemmaserve.abort_connection"
+"""In the ``state`` of every request scope: a callable that drops the connection at once, unsent data included (a
+stream whose client stopped reading: closing would wait for the data to be read first)."""
 TIMED_OUT_KEY = "gemmaserve.timed_out"
 """Set (True) in the scope of a request whose body did not arrive in time (answered 408 by the connection)."""
 FD_HEADROOM = 64
@@ -82,10 +87,12 @@ def guarded_protocol_class(limits: ConnectionLimits) -> type[asyncio.Protocol]:
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            state = {**self.app_state, ABORT_KEY: transport.abort}  # this connection's own copy
             if limits.limit_concurrency is not None and len(admitted) >= limits.limit_concurrency:
-                self.app_state = {**self.app_state, OVER_LIMIT_KEY: True}
+                state[OVER_LIMIT_KEY] = True
             else:
                 admitted.add(self)
+            self.app_state = state
             # uvicorn arms its keep-alive timer only after a response: a connection that never sends a byte
             # would otherwise hold its file descriptor forever
             self._unset_keepalive_if_required()
@@ -137,7 +144,9 @@ def guarded_protocol_class(limits: ConnectionLimits) -> type[asyncio.Protocol]:
                 return
             logger.debug("closing a connection from %s: request %s not received within %g s", self.client, kind,
                          seconds)
-            cycle = self.cycle
+            # headers: no cycle exists for the request being received (``self.cycle`` is a previous, finished one on
+            # a keep-alive connection), so the 408 goes out whatever that one did; body: the cycle is this request's
+            cycle = self.cycle if kind == "body" else None
             if cycle is None or not cycle.response_started:
                 self.transport.write(_timeout_response(kind, seconds))
                 if cycle is not None:

@@ -16,6 +16,7 @@ Thread-safe: observed on the event loop, rendered in a worker thread.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,8 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from gemmaserve.engine.engine import EngineStats
+
+logger = logging.getLogger(__name__)
 
 disable_created_metrics()  # no ``*_created`` series (process-wide): scrapers read the values, not creation times
 
@@ -81,7 +84,9 @@ class ServerMetrics:
                                    label, buckets=E2E_BUCKETS, registry=self.registry).labels(*values)
 
     def bind_engine(self, stats: Callable[[], EngineStats]) -> None:
-        """Collect the engine's numbers from ``stats()`` at every scrape."""
+        """Collect the engine's numbers from ``stats()`` at every scrape. ``stats`` may raise TimeoutError (a tick
+        that does not end, ``Engine.stats(timeout=...)``): the scrape then shows the last snapshot taken, or no
+        engine families before the first one, instead of waiting."""
         self.registry.register(_EngineCollector(stats, self.model_name, self.engine))
 
     def record_request(self, endpoint: str, status: int) -> None:
@@ -111,12 +116,19 @@ class _EngineCollector(Collector):
         self._stats = stats
         self._model = model_name
         self._engine = engine
+        self._last: EngineStats | None = None  # the latest snapshot taken (served while the engine is stuck)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # families are only known at collection time
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._stats()
+        try:
+            stats = self._last = self._stats()
+        except TimeoutError as exc:
+            logger.warning("/metrics: %s; serving the last engine snapshot", exc)
+            if self._last is None:
+                return
+            stats = self._last
         yield from _gemmaserve_families(stats)
         yield from _vllm_families(stats, self._model, self._engine)
 

@@ -39,6 +39,7 @@ __all__ = [
     "DetokenizeRequest",
     "parse_body",
     "read_body",
+    "BodyBudget",
     "check_message_count",
     "MAX_STOP_STRINGS",
     "MAX_BODY_BYTES",
@@ -739,20 +740,56 @@ class DetokenizeRequest(BaseModel):
         return value
 
 
-async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+class BodyBudget:
+    """Request-body bytes all requests together may be receiving at once (``MAX_BUFFERED_BODY_BYTES``): without it,
+    clients that send most of a large body and then stall make the server hold ``MAX_BODY_BYTES`` per connection.
+    Used on the event loop only (no lock)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.used = 0
+
+    def reserve(self, size: int) -> None:
+        """Take ``size`` more bytes; APIError(503, ``body_budget_exhausted``, Retry-After) when they do not fit."""
+        if self.used + size > self.total:
+            raise APIError(503, f"the server is receiving too many request bodies at once (MAX_BUFFERED_BODY_BYTES="
+                           f"{self.total} bytes in all); retry later", code="body_budget_exhausted",
+                           headers={"Connection": "close"})
+        self.used += size
+
+    def release(self, size: int) -> None:
+        self.used -= size
+
+
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES, budget: BodyBudget | None = None) -> bytes:
     """The whole request body; raises APIError(413) as soon as it is known to exceed ``limit``
-    bytes (from Content-Length, or while reading), without buffering the rest."""
+    bytes (from Content-Length, or while reading), without buffering the rest. ``budget``: the body reserves its
+    declared Content-Length there before reading (a chunked one, each chunk as it comes) and gives it back when
+    this returns or raises; APIError(503) when it does not fit."""
     declared = request.headers.get("content-length", "")
+    if budget is not None:
+        limit = min(limit, budget.total)  # a body over the whole budget could never be accepted: 413, not 503
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(size, limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
+    reserved = 0
+    try:
+        if budget is not None and declared.isdigit():
+            budget.reserve(int(declared))
+            reserved = int(declared)
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit)
+            if budget is not None and size > reserved:
+                budget.reserve(size - reserved)
+                reserved = size
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        if budget is not None:
+            budget.release(reserved)
 
 
 def _too_large(size: int, limit: int) -> APIError:

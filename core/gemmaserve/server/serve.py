@@ -230,6 +230,9 @@ def _serve_on(settings: CoreSettings, listeners: list[socket.socket], template: 
                          model_aliases=[] if settings.served_model_name else model_aliases(settings),
                          api_key=settings.api_key,
                          allowed_hosts=allowed_hosts(settings), allowed_origins=_split(settings.allowed_origins),
+                         allowed_headers=_split(settings.allowed_headers),
+                         allowed_methods=_split(settings.allowed_methods),
+                         allow_credentials=settings.allow_credentials,
                          debug_endpoints=settings.enable_debug_endpoints)
         port = listeners[0].getsockname()[1] if listeners else settings.port  # the port bound for PORT=0
         logger.info("serving %s (backend %s) on http://%s:%d", name, engine.backend_name, settings.host, port)
