@@ -39,10 +39,10 @@ class BackendSpec:
     - ``priority``: lower wins when ``BACKEND=auto``.
     - ``requires_model``: False for backends that load no checkpoint (toy/test backends); then no
       default model is prepared for them.
-    - ``tensor_parallel``: the factory honours ``TENSOR_PARALLEL_SIZE`` > 1; for any other backend
-      ``build_engine`` refuses it.
+    - ``tensor_parallel``: the factory honours ``TENSOR_PARALLEL_SIZE`` > 1; selection passes any other backend
+      over for it (``BACKEND=auto``) or refuses it (an explicit ``BACKEND``).
     - ``expert_parallel``: the factory honours ``ENABLE_EXPERT_PARALLEL`` (MoE experts split whole over the
-      tensor-parallel ranks); for any other backend ``build_engine`` refuses it.
+      tensor-parallel ranks); selection treats any other backend as for ``tensor_parallel``.
     - ``quantization``: the ``QUANTIZATION`` values the factory honours (e.g. ``("fp8",)``); selection passes
       the backend over for any other (``BACKEND=auto`` picks another, an explicit ``BACKEND`` is refused).
     - ``settings``: dotted path of the plugin's pydantic-settings class, if it has one (imported when an engine

@@ -23,7 +23,7 @@ from gemmaserve.registry import (
 )
 from gemmaserve.settings import CoreSettings
 
-__all__ = ["Selection", "backend_statuses", "factory_problem", "probe_backend", "quantization_problem",
+__all__ = ["Selection", "backend_statuses", "factory_problem", "probe_backend", "capability_problem",
            "select_backend"]
 
 logger = logging.getLogger(__name__)
@@ -39,16 +39,27 @@ class Selection:
     rejected: dict[str, str] = field(default_factory=dict)
 
 
-def quantization_problem(spec: BackendSpec, settings: CoreSettings, registry: BackendRegistry) -> str | None:
-    """Why ``spec`` cannot run ``settings.quantization`` (it does not declare the value: ``BackendSpec.quantization``),
-    naming the backends of ``registry`` that do; None when it can."""
+def capability_problem(spec: BackendSpec, settings: CoreSettings, registry: BackendRegistry) -> str | None:
+    """Why ``spec`` cannot honour the settings that need a declared capability (``BackendSpec.quantization``,
+    ``tensor_parallel``, ``expert_parallel``): ``QUANTIZATION``, ``TENSOR_PARALLEL_SIZE`` > 1,
+    ``ENABLE_EXPERT_PARALLEL``; names the backends of ``registry`` that can. None when it can."""
     wanted = settings.quantization
-    if wanted is None or wanted in spec.quantization:
-        return None
-    runners = sorted(other.name for other in registry.specs.values() if wanted in other.quantization)
-    alternative = f"use {' / '.join(runners)} (BACKEND), which run it" if runners else "no installed backend runs it"
-    return (f"QUANTIZATION={wanted}: backend {spec.name!r} does not support it (it supports "
-            f"{', '.join(spec.quantization) or 'none'}); unset QUANTIZATION, or {alternative}")
+    if wanted is not None and wanted not in spec.quantization:
+        runners = sorted(other.name for other in registry.specs.values() if wanted in other.quantization)
+        alternative = f"use {' / '.join(runners)} (BACKEND), which run it" if runners else "no installed backend runs it"
+        return (f"QUANTIZATION={wanted}: backend {spec.name!r} does not support it (it supports "
+                f"{', '.join(spec.quantization) or 'none'}); unset QUANTIZATION, or {alternative}")
+    if settings.tensor_parallel_size > 1 and not spec.tensor_parallel:
+        runners = sorted(other.name for other in registry.specs.values() if other.tensor_parallel)
+        return (f"TENSOR_PARALLEL_SIZE={settings.tensor_parallel_size}: backend {spec.name!r} does not support tensor "
+                f"parallel; set TENSOR_PARALLEL_SIZE=1, or use {' / '.join(runners) or 'a backend that does'} "
+                "(BACKEND), which split the model over torch.distributed ranks")
+    if settings.enable_expert_parallel and not spec.expert_parallel:
+        runners = sorted(other.name for other in registry.specs.values() if other.expert_parallel)
+        return (f"ENABLE_EXPERT_PARALLEL: backend {spec.name!r} does not support expert parallel; unset it, or use "
+                f"{' / '.join(runners) or 'a backend that does'} (BACKEND), which split MoE experts over "
+                "torch.distributed ranks")
+    return None
 
 
 def probe_backend(spec: BackendSpec, settings: CoreSettings, device: str, *, strict: bool = False,
@@ -56,10 +67,11 @@ def probe_backend(spec: BackendSpec, settings: CoreSettings, device: str, *, str
     """Why ``spec`` cannot run on ``device`` with these settings, or None if it can. ``strict`` (choosing the
     backend to start): an invalid setting of the plugin (``ConfigurationError`` from its probe) is raised, since
     invalid values stop startup, instead of counting as "unavailable" and letting another backend be chosen.
-    ``registry`` (default: the installed one) names the backends that run a ``QUANTIZATION`` this one lacks."""
+    ``registry`` (default: the installed one) names the backends that have a capability this one lacks
+    (:func:`capability_problem`)."""
     if device not in spec.devices:
         return f"does not run on {device} (runs on: {', '.join(spec.devices)})"
-    problem = quantization_problem(spec, settings, registry if registry is not None else load_registry())
+    problem = capability_problem(spec, settings, registry if registry is not None else load_registry())
     if problem is not None:
         return problem
     report = detect_devices()
@@ -175,7 +187,7 @@ def _select_explicit(settings: CoreSettings, registry: BackendRegistry) -> Selec
             f"unknown BACKEND={settings.backend!r}; accepted: auto, {', '.join(registry.known_names())}"
             f"{_plugin_errors(registry)}"
         )
-    problem = quantization_problem(spec, settings, registry)
+    problem = capability_problem(spec, settings, registry)
     if problem is not None:  # a setting the named backend cannot honour: a configuration error, not availability
         raise ConfigurationError(problem)
     device = settings.device if settings.device != "auto" else _device_for(spec, settings)

@@ -423,3 +423,14 @@ def test_a_terminal_interrupt_reaching_a_worker_does_not_kill_it(checkpoint) -> 
         backend.close()
     assert victim.exitcode == 0
     _no_children_left()
+
+
+@pytest.mark.parametrize("overrides", [{"tensor_parallel_size": 2}, {"enable_expert_parallel": True}])
+def test_auto_selection_passes_over_backends_without_the_parallelism_asked_for(overrides: dict) -> None:
+    """BACKEND=auto with tensor or expert parallel on the CPU: hf (first by priority) cannot split the model, so
+    selection takes custom-cpu instead of choosing hf and refusing."""
+    from gemmaserve.selection import select_backend
+
+    chosen = select_backend(CoreSettings(device="cpu", backend="auto", **overrides))
+    assert chosen.spec.name == "custom-cpu"
+    assert "does not support" in chosen.rejected["hf"] and "custom-cpu" in chosen.rejected["hf"]

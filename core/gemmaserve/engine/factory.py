@@ -50,9 +50,8 @@ def build_engine(settings: CoreSettings | None = None, registry: BackendRegistry
     (``gemmaserve.kv.events``) by ``engine.kv_events``, which the engine closes at shutdown.
 
     Raises ConfigurationError for a ``GEMMASERVE_*`` variable no settings class reads (a misspelling),
-    ConfigurationError / BackendUnavailableError from selection (which also rejects a backend that does
-    not declare the ``QUANTIZATION`` asked for), ConfigurationError for ``TENSOR_PARALLEL_SIZE`` > 1 on a
-    backend without tensor parallel or ``ENABLE_EXPERT_PARALLEL`` on one without expert parallel,
+    ConfigurationError / BackendUnavailableError from selection (which passes over, or refuses when named, a
+    backend that does not declare the ``QUANTIZATION``, tensor parallel or expert parallel asked for),
     BackendUnavailableError if
     the backend's factory cannot be imported, whatever the factory raises (ModelLoadError...), and
     ConfigurationError (the backend closed again) if KV events are enabled for a backend without a prefix cache
@@ -63,17 +62,6 @@ def build_engine(settings: CoreSettings | None = None, registry: BackendRegistry
     check_gemmaserve_variables(_settings_classes(registry))
     selection = select_backend(settings, registry)
     spec = selection.spec
-    if settings.tensor_parallel_size > 1 and not spec.tensor_parallel:
-        raise ConfigurationError(
-            f"TENSOR_PARALLEL_SIZE={settings.tensor_parallel_size}: backend {spec.name!r} does not support tensor "
-            "parallel; set TENSOR_PARALLEL_SIZE=1, or use custom-cpu / custom-cuda (BACKEND), which split the model "
-            "over torch.distributed ranks"
-        )
-    if settings.enable_expert_parallel and not spec.expert_parallel:
-        raise ConfigurationError(
-            f"ENABLE_EXPERT_PARALLEL: backend {spec.name!r} does not support expert parallel; unset it, or use "
-            "custom-cpu / custom-cuda (BACKEND), which split MoE experts over torch.distributed ranks"
-        )
     model_path = settings.model
     if model_path is None and spec.requires_model:
         from gemmaserve.models.default_model import ensure_default_model
