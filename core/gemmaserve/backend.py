@@ -549,5 +549,11 @@ class InferenceBackend(ABC):
         from any thread (the HTTP server's /health answers 503 with it); must not block or take ``self.lock``."""
         return None
 
+    def interrupt(self) -> None:
+        """The engine is shutting down and a backend call has not returned within ``Engine.INTERRUPT_AFTER_S``:
+        make the call in progress raise soon (e.g. stop the helper processes it waits on), so the engine thread can
+        end. Called from another thread, while that call holds ``self.lock``: must not take it. The backend need
+        not serve afterwards (``close`` follows). Default: nothing (the engine waits for the call)."""
+
     def check_integrity(self) -> None:
         """Raise RuntimeError if internal KV bookkeeping is inconsistent (leaks, double frees)."""

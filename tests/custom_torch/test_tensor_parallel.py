@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -195,7 +196,7 @@ if __name__ == "__main__":
     path = sys.argv[1]
     core = CoreSettings(model=path, device="cpu", dtype="float32", tensor_parallel_size=2)
     backend = CustomTorchBackend.from_checkpoint(path, "cpu", core, load_custom_settings(kv_blocks=32))
-    print(backend.workers.processes[0].pid, flush=True)
+    print(backend.workers.processes[0].pid, backend.workers.rendezvous_file, flush=True)
     time.sleep(120)
 """
 
@@ -211,7 +212,8 @@ def _running(pid: int) -> bool:
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
 def test_a_killed_engine_process_leaves_no_worker_behind(checkpoint, tmp_path) -> None:
-    """SIGKILL of the engine process (no close): the worker sees its pipe close and exits by itself."""
+    """SIGKILL of the engine process (no close): the worker sees its pipe close and exits by itself, removing the
+    rendezvous file the engine's close would have removed."""
     import subprocess
     import sys
 
@@ -221,9 +223,10 @@ def test_a_killed_engine_process_leaves_no_worker_behind(checkpoint, tmp_path) -
                               text=True)
     try:
         line = engine.stdout.readline() if engine.stdout else ""
-        assert line.strip().isdigit(), f"engine script printed {line!r}"
-        worker = int(line)
-        assert _running(worker)
+        pid, _, rendezvous = line.strip().partition(" ")
+        assert pid.isdigit(), f"engine script printed {line!r}"
+        worker = int(pid)
+        assert _running(worker) and Path(rendezvous).exists()
     finally:
         engine.kill()
         engine.wait(10)
@@ -231,6 +234,7 @@ def test_a_killed_engine_process_leaves_no_worker_behind(checkpoint, tmp_path) -
     while _running(worker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _running(worker), f"worker {worker} outlived its engine process"
+    assert not Path(rendezvous).exists(), "the rendezvous file outlived the engine and its worker"
 
 
 _ENGINE_DIES_AT_RENDEZVOUS = """
@@ -434,3 +438,71 @@ def test_auto_selection_passes_over_backends_without_the_parallelism_asked_for(o
     chosen = select_backend(CoreSettings(device="cpu", backend="auto", **overrides))
     assert chosen.spec.name == "custom-cpu"
     assert "does not support" in chosen.rejected["hf"] and "custom-cpu" in chosen.rejected["hf"]
+
+
+class _GoneProcess:
+    def __init__(self, exitcode: int) -> None:
+        self.exitcode = exitcode
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+class _Pipe:
+    def __init__(self, *messages: tuple[Any, ...]) -> None:
+        self.messages = list(messages)
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return bool(self.messages)
+
+    def recv(self) -> tuple[Any, ...]:
+        return self.messages.pop(0)
+
+
+def test_a_failed_forward_names_the_killed_rank_not_the_ones_its_death_broke() -> None:
+    """Rank 2 was killed; rank 1's collective broke with it and rank 1 exited with its own (gloo) error first in
+    rank order: the record names rank 2 and lists rank 1 after it (at world size 3 it named rank 1, or no rank)."""
+    from gemmaserve_custom_torch.distributed.workers import TensorParallelWorkers
+
+    reset = ("error", "RuntimeError: gloo pair.cc: Connection reset by peer")
+    processes: list[Any] = [_GoneProcess(1), _GoneProcess(-9)]
+    workers = TensorParallelWorkers(None, processes, [_Pipe(reset), _Pipe()], "/nonexistent")  # type: ignore[arg-type]
+    workers.forward_failed(RuntimeError("rank 0's collective: Connection reset by peer"))
+    assert workers.failure is not None
+    assert workers.failure.startswith("tensor-parallel worker rank 2 exited with code -9 (after it: rank 1 exited "
+                                      "with code 1)")
+    processes = [_GoneProcess(1)]
+    pipes = [_Pipe(("error", "ValueError: bad shard"))]
+    workers = TensorParallelWorkers(None, processes, pipes, "/nonexistent")  # type: ignore[arg-type]
+    workers.forward_failed(RuntimeError("broken pipe"))
+    assert "rank 1 exited with code 1; its error: ValueError: bad shard" in (workers.failure or "")
+
+
+def test_closing_with_a_hung_worker_interrupts_it_instead_of_waiting_out_the_collective(checkpoint,
+                                                                                     monkeypatch) -> None:
+    """A worker that stops (SIGSTOP) mid-run holds rank 0 in a collective until its 300 s timeout: close waits
+    ``Engine.INTERRUPT_AFTER_S`` (1 s here), then the backend kills the workers, the collective breaks and the
+    engine ends; the running request ends with an error, no process is left."""
+    from gemmaserve import LLM, SamplingParams
+    from gemmaserve.engine.engine import Engine
+
+    monkeypatch.setattr(Engine, "INTERRUPT_AFTER_S", 1.0)
+    llm = LLM(str(checkpoint("k_eq_v")), backend="custom-cpu", device="cpu", dtype="float32", tensor_parallel_size=2,
+              kv_block_size=4, prefill_chunk_tokens=8)
+    worker = llm.engine.backend.workers.processes[0]
+    try:
+        decoding = threading.Event()
+        handle = llm.engine.submit(_PROMPT, SamplingParams(max_tokens=400, ignore_eos=True),
+                                   on_event=lambda event: decoding.set() if event.new_token_ids else None)
+        assert decoding.wait(30)
+        os.kill(worker.pid, signal.SIGSTOP)
+        time.sleep(0.5)  # rank 0 now waits in a collective
+        started = time.monotonic()
+        llm.close()
+        assert time.monotonic() - started < 8
+        assert handle.result(timeout=5).finish_reason in ("error", "cancelled")
+    finally:
+        if worker.exitcode is None:
+            os.kill(worker.pid, signal.SIGKILL)
+        llm.close()
+    _no_children_left()

@@ -142,9 +142,14 @@ class Engine:
             self._thread = threading.Thread(target=self._run, name="gemmaserve-engine", daemon=True)
             self._thread.start()
 
+    INTERRUPT_AFTER_S = 10.0
+    """Seconds :meth:`shutdown` waits for a backend call in progress before it asks the backend to interrupt it."""
+
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine: pending and running requests finish as ``cancelled``; then the engine
-        thread exits (joined unless called from it). Idempotent."""
+        thread exits (joined, up to ``timeout`` seconds, unless called from it). A backend call still running
+        ``INTERRUPT_AFTER_S`` into the wait is interrupted (``InferenceBackend.interrupt``: a hung worker must not
+        hold the shutdown). Idempotent."""
         with self._cond:
             already, self._stopping = self._stopping, True
             thread = self._thread
@@ -152,7 +157,15 @@ class Engine:
         if thread is None and not already:
             self._close_backend()
         elif thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            thread.join(self.INTERRUPT_AFTER_S if timeout is None else min(timeout, self.INTERRUPT_AFTER_S))
+            if thread.is_alive() and self.busy_for() >= self.INTERRUPT_AFTER_S:
+                logger.warning("shutdown: a backend call has run for %.0f s; interrupting it", self.busy_for())
+                try:
+                    self.backend.interrupt()
+                except Exception:
+                    logger.exception("interrupting the backend failed")
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def busy_for(self) -> float:
         """Seconds the engine thread has spent in the part of a tick it is running now (0.0 between parts): a

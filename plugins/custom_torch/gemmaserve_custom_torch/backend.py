@@ -585,6 +585,12 @@ class CustomTorchBackend(InferenceBackend):
         """A lost tensor-parallel worker (every later forward raises it), else None."""
         return None if self.workers is None or self.workers.closed else self.workers.failure_reason()
 
+    def interrupt(self) -> None:
+        """Shutdown with a forward stuck (a hung tensor-parallel worker holds rank 0 in a collective): kill the
+        workers, which breaks rank 0's collective."""
+        if self.workers is not None:
+            self.workers.kill()
+
     def close(self) -> None:
         if getattr(self, "_closed", False):
             return

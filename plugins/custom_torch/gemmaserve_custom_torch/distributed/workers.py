@@ -62,6 +62,8 @@ LOAD_TIMEOUT_S = 3600.0
 CLOSE_TIMEOUT_S = 10.0
 """Seconds a worker gets to exit after ``close`` before it is terminated (then killed); 1 s after a failure (a
 worker may then be stuck in a collective rank 0 will never join)."""
+FAILURE_SETTLE_S = 1.0
+"""How long a failed forward waits for the other ranks' failures to show before naming the cause."""
 
 
 class TensorParallelWorkerError(BackendStepError):
@@ -157,18 +159,34 @@ class TensorParallelWorkers:
         self._send(("forward", tick))
 
     def forward_failed(self, error: BaseException) -> None:
-        """Rank 0's forward of the tick last sent raised: a dead worker explains it (recorded as such); otherwise
-        the workers may be waiting in a collective rank 0 never reached, so the ranks are out of step and every
-        later forward is refused (a later collective would pair with the wrong one)."""
+        """Rank 0's forward of the tick last sent raised: a dead or failed worker explains it (recorded as such);
+        otherwise the workers may be waiting in a collective rank 0 never reached, so the ranks are out of step and
+        every later forward is refused (a later collective would pair with the wrong one).
+
+        One rank's death breaks the others' collectives too, and they fail a moment later: the failures get
+        ``FAILURE_SETTLE_S`` to show, then the record names the rank most likely the cause (killed by a signal,
+        else exited, else the first that reported an error) and lists every rank found dead."""
         if self.failure is not None:
             return
-        for rank, (process, pipe) in enumerate(zip(self.processes, self.pipes), start=1):
-            if process.exitcode is not None or pipe.poll():  # after "ready" a worker only ever sends its error
-                process.join(1.0)
-                self._fail(rank, "failed" if process.exitcode is None else f"exited with code {process.exitcode}")
-                return
-        self.failure = (f"rank 0's forward of a tick raised after the workers started it ({type(error).__name__}: "
-                        f"{error}); the ranks are out of step: restart the engine")
+        deadline = time.monotonic() + FAILURE_SETTLE_S
+        while True:
+            pending = [w for p, pipe in zip(self.processes, self.pipes) if p.exitcode is None and not pipe.poll()
+                       for w in (p.sentinel, pipe)]
+            remaining = deadline - time.monotonic()
+            if not pending or remaining <= 0 or not mp_connection.wait(pending, remaining):
+                break
+        dead = [(rank, p.exitcode) for rank, p in enumerate(self.processes, start=1) if p.exitcode is not None]
+        reported = [rank for rank, pipe in enumerate(self.pipes, start=1) if pipe.poll()]
+        killed = [rank for rank, code in dead if code is not None and code < 0]
+        culprit = (killed or [rank for rank, _ in dead] or reported or [None])[0]
+        if culprit is None:
+            self.failure = (f"rank 0's forward of a tick raised after the workers started it ({type(error).__name__}: "
+                            f"{error}); the ranks are out of step: restart the engine")
+            return
+        code = self.processes[culprit - 1].exitcode
+        others = ", ".join(f"rank {rank} exited with code {c}" for rank, c in dead if rank != culprit)
+        self._fail(culprit, ("failed" if code is None else f"exited with code {code}")
+                   + (f" (after it: {others})" if others else ""))
 
     def send_copy(self, group: str, sources: Sequence[int], targets: Sequence[int]) -> None:
         """Copy blocks ``sources[i]`` -> ``targets[i]`` of ``group`` on every worker, as rank 0 just did."""
@@ -193,6 +211,13 @@ class TensorParallelWorkers:
             if process.exitcode is not None:
                 return f"tensor-parallel worker rank {rank} exited with code {process.exitcode}"
         return None
+
+    def kill(self) -> None:
+        """Kill every worker now (any thread; the backend lock not needed): a collective rank 0 waits in then
+        fails, and the next forward reports the dead ranks. :meth:`close` still owes the cleanup."""
+        for process in self.processes:
+            if process.exitcode is None:
+                process.kill()
 
     def close(self) -> None:
         """Tell every worker to exit, wait for them (terminate, then kill, stragglers), leave the group and
@@ -291,7 +316,7 @@ def run_worker(rank: int, world_size: int, rendezvous_file: str, model_path: str
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = multiprocessing.parent_process()
     if parent is not None:
-        threading.Thread(target=_exit_with, args=(parent.sentinel,), name="gemmaserve-tp-parent-watch",
+        threading.Thread(target=_exit_with, args=(parent.sentinel, rendezvous_file), name="gemmaserve-tp-parent-watch",
                          daemon=True).start()
     from ..kv.pools import KVPools
     from ..mixed_step import MixedStep
@@ -344,8 +369,13 @@ def run_worker(rank: int, world_size: int, rendezvous_file: str, model_path: str
         raise SystemExit(code)
 
 
-def _exit_with(parent_sentinel: int) -> None:
+def _exit_with(parent_sentinel: int, rendezvous_file: str) -> None:
     """A worker's watchdog thread: exit the process at once when rank 0's process ends (no cleanup is owed to a
-    group whose rank 0 is gone; the OS releases the device memory)."""
+    group whose rank 0 is gone; the OS releases the device memory), removing the rendezvous file rank 0's
+    ``close`` would have removed (every worker tries; the first wins)."""
     mp_connection.wait([parent_sentinel])
+    try:
+        os.unlink(rendezvous_file)
+    except OSError:
+        pass
     os._exit(1)
