@@ -123,12 +123,17 @@ def test_a_connection_past_the_bound_gets_a_clean_503(live_server: LiveServer) -
     try:
         time.sleep(0.2)  # let the server accept them
         with connect(live_server) as extra:
-            extra.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            extra.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             raw, _ = read_until_closed(extra)
         status, headers, body = response_json(raw)
         assert status == 503 and headers["connection"] == "close" and int(headers["retry-after"]) >= 1
         assert body["error"]["code"] == "too_many_connections"
         assert "LIMIT_CONCURRENCY" in body["error"]["message"]
+        with connect(live_server) as extra:  # a liveness probe still gets its answer, on a connection then closed
+            extra.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            raw, _ = read_until_closed(extra)
+        status, headers, body = response_json(raw)
+        assert status == 200 and headers["connection"] == "close" and body == {"status": "ok"}
     finally:
         for sock in held:
             sock.close()

@@ -283,6 +283,16 @@ def _sent_by_a_web_page(request: Request) -> bool:
     return "origin" in request.headers or site in ("cross-site", "same-site")
 
 
+def _closing(send: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``send`` with ``Connection: close`` added to the response's headers."""
+    async def closing_send(message: Any) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+        await send(message)
+
+    return closing_send
+
+
 class Drain:
     """Set (``active``) once shutdown began: new generation requests get 503 ``server_shutting_down`` while
     the running ones finish (``gemmaserve serve``'s ``--shutdown-timeout``)."""
@@ -313,14 +323,18 @@ class _Guard:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         refusal = self._refusal(Request(scope)) if scope["type"] == "http" else None
-        if refusal is None:
-            await self.app(scope, receive, send)
-        else:
+        if refusal is not None:
             await refusal(scope, receive, send)
+        elif scope["type"] == "http" and scope.get("state", {}).get(OVER_LIMIT_KEY):
+            await self.app(scope, receive, _closing(send))  # /health or /metrics past the bound: then close
+        else:
+            await self.app(scope, receive, send)
 
     def _refusal(self, request: Request) -> Response | None:
         path = request.url.path
-        if request.scope.get("state", {}).get(OVER_LIMIT_KEY):
+        # /health and /metrics are answered past the connection bound (a liveness probe must not fail because the
+        # server is busy), on a connection then closed
+        if request.scope.get("state", {}).get(OVER_LIMIT_KEY) and path not in _OPEN_PATHS:
             error = APIError(503, "too many connections are open (LIMIT_CONCURRENCY); retry later",
                              code="too_many_connections", headers={"Connection": "close"})
             return JSONResponse(error.body(), status_code=503, headers=error.headers)
