@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -505,4 +506,24 @@ def test_closing_with_a_hung_worker_interrupts_it_instead_of_waiting_out_the_col
         if worker.exitcode is None:
             os.kill(worker.pid, signal.SIGKILL)
         llm.close()
+    _no_children_left()
+
+
+def test_a_second_tensor_parallel_engine_in_one_process_is_refused_before_spawning(checkpoint) -> None:
+    """One torch.distributed group per process: a second tensor-parallel backend is a ConfigurationError at once
+    (no worker spawned, no rendezvous file), and the first keeps serving."""
+    path = checkpoint("k_eq_v")
+    first = _backend(path, 2)
+    try:
+        children = set(multiprocessing.active_children())
+        files = set(Path(tempfile.gettempdir()).glob("gemmaserve-tp-*.rendezvous"))
+        started = time.monotonic()
+        with pytest.raises(ConfigurationError, match="already belongs to a torch.distributed group"):
+            _backend(path, 2)
+        assert time.monotonic() - started < 5
+        assert set(multiprocessing.active_children()) == children
+        assert set(Path(tempfile.gettempdir()).glob("gemmaserve-tp-*.rendezvous")) == files
+        _prefill_logits(first, [2, 3, 4, 5])
+    finally:
+        first.close()
     _no_children_left()

@@ -106,6 +106,10 @@ class TensorParallelWorkers:
             raise ConfigurationError(f"DEVICE={engine_device} with TENSOR_PARALLEL_SIZE={world_size}: the ranks run on "
                                      f"cuda:0..cuda:{world_size - 1}; set DEVICE=cuda and choose the GPUs with "
                                      "CUDA_VISIBLE_DEVICES")
+        if torch.distributed.is_available() and torch.distributed.is_initialized():  # before any worker is spawned
+            raise ConfigurationError("this process already belongs to a torch.distributed group (another "
+                                     "tensor-parallel engine is open here): close it first, or run this one in "
+                                     "another process")
         if engine_device.type == "cuda" and torch.cuda.device_count() < world_size:
             raise ConfigurationError(f"TENSOR_PARALLEL_SIZE={world_size} needs {world_size} visible GPUs, "
                                      f"{torch.cuda.device_count()} are visible (CUDA_VISIBLE_DEVICES)")
