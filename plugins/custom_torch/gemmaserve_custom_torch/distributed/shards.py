@@ -92,10 +92,12 @@ def check_shardable(config: GemmaTextConfig, world_size: int, expert_parallel: b
     if problems:
         fitting = [size for size in range(1, 9) if not _shard_problems(config, size, expert_parallel)]
         mode = " with ENABLE_EXPERT_PARALLEL" if expert_parallel else ""
-        experts = ", the MLP widths and the expert count" if expert_parallel else " and the MLP widths"
+        hint = ""
+        if config.moe_num_experts and not expert_parallel and not _shard_problems(config, world_size, True):
+            hint = f"; or set ENABLE_EXPERT_PARALLEL (--enable-expert-parallel), which gives each rank whole experts"
         raise ConfigurationError(
             f"TENSOR_PARALLEL_SIZE={world_size}{mode} cannot shard this model: {'; '.join(problems)}; choose a size "
-            f"that divides the attention heads{experts} (this model: {', '.join(map(str, fitting))})"
+            f"that splits every dimension named (this model: {', '.join(map(str, fitting))}){hint}"
         )
 
 
