@@ -94,7 +94,7 @@ def check_shardable(config: GemmaTextConfig, world_size: int, expert_parallel: b
         mode = " with ENABLE_EXPERT_PARALLEL" if expert_parallel else ""
         hint = ""
         if config.moe_num_experts and not expert_parallel and not _shard_problems(config, world_size, True):
-            hint = f"; or set ENABLE_EXPERT_PARALLEL (--enable-expert-parallel), which gives each rank whole experts"
+            hint = "; or set ENABLE_EXPERT_PARALLEL (--enable-expert-parallel), which gives each rank whole experts"
         raise ConfigurationError(
             f"TENSOR_PARALLEL_SIZE={world_size}{mode} cannot shard this model: {'; '.join(problems)}; choose a size "
             f"that splits every dimension named (this model: {', '.join(map(str, fitting))}){hint}"
