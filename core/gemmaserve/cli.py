@@ -6,10 +6,14 @@ Settings come from env / ``.env``; flags given here override them.
 from __future__ import annotations
 
 import argparse
+import decimal
+import difflib
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 from gemmaserve import __version__
 from gemmaserve.errors import ConfigurationError, GemmaserveError
@@ -33,11 +37,12 @@ def _default(field: str) -> str:
     return "unset" if value is None else "empty" if value == "" else str(value)
 
 
-def _env_flag(group: argparse._ArgumentGroup, flag: str, help_text: str, **kwargs: object) -> None:
+def _env_flag(group: argparse._ArgumentGroup, flag: str, help_text: str, *aliases: str, **kwargs: Any) -> None:
     """A flag backed by a setting: the help names its env var and its default (the flag's own default is None:
-    unset flags leave env / .env in charge)."""
+    unset flags leave env / .env in charge). ``aliases``: other spellings of the same flag (vLLM's)."""
     field = flag.lstrip("-").replace("-", "_")
-    group.add_argument(flag, help=f"{help_text} (env {field.upper()}; default: {_default(field)})", **kwargs)
+    group.add_argument(flag, *aliases, dest=field, help=f"{help_text} (env {field.upper()}; default: "
+                       f"{_default(field)})", **kwargs)
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -46,18 +51,51 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     _env_flag(group, "--backend", "backend name or 'auto'; see `gemmaserve backends`")
     _env_flag(group, "--device", "auto, cpu, cuda or mps")
     _env_flag(group, "--dtype", "auto, float32, bfloat16 or float16")
-    _env_flag(group, "--max-batch-size", "max concurrent decoding rows", type=int)
+    _env_flag(group, "--max-batch-size", "max concurrent decoding rows (--max-num-seqs: vLLM's name)", "--max-num-seqs",
+              type=int)
     _env_flag(group, "--max-active-kv-tokens", "KV token budget of all admitted requests", type=int)
-    _env_flag(group, "--max-model-len", "max prompt+output tokens per request; unset = the model's own", type=int)
+    _env_flag(group, "--max-model-len", "max prompt+output tokens per request, e.g. 8192, 8k (8000) or 8K (8192) as "
+              "vLLM's; unset = the model's own", type=_token_count)
     _env_flag(group, "--max-num-batched-tokens", "token budget of one scheduler tick, decode rows first", type=int)
     _env_flag(group, "--tensor-parallel-size", "split the model over N devices with the custom backends: this "
-              "process and N minus 1 workers over torch.distributed (docs/scaling.md)", type=int, metavar="N")
+              "process and N minus 1 workers over torch.distributed (docs/scaling.md)", "-tp", type=int, metavar="N")
     _env_flag(group, "--enable-expert-parallel", "with --tensor-parallel-size N: each rank holds E/N whole MoE "
               "experts instead of a slice of every expert (custom backends, MoE models)", action="store_true",
               default=None)
     _env_flag(group, "--quantization", "fp8: FP8 weights quantized at load (custom backends; compressed-tensors FP8 "
               "checkpoints load as FP8 without it); int8: int8 weights x int8 activations on the CPU (hf)")
     _env_flag(group, "--log-level", "debug, info, warning or error")
+    group.add_argument("--trust-remote-code", action="store_true", default=None, help="let the hf backend run "
+                       "model code shipped in the checkpoint folder (vLLM's flag; env TRUST_REMOTE_CODE; default: "
+                       "off); the custom backends run no checkpoint code")
+
+
+_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def _token_count(value: str) -> int:
+    """A token count as vLLM's ``--max-model-len`` takes it: ``8192``, ``8k`` (8000), ``25.6k`` (25600), ``8K``
+    (8192); decimals only with the decimal suffixes k, m, g."""
+    text = value.strip()
+    scale = _SUFFIXES.get(text[-1:], 1)
+    number = text[:-1] if scale != 1 else text
+    count = int(number) * scale if number.isascii() and number.isdigit() else None
+    whole, dot, fraction = number.partition(".")
+    if count is None and dot and scale in (10**3, 10**6, 10**9) and all(
+            part.isascii() and part.isdigit() for part in (whole, fraction)):
+        exact = decimal.Decimal(number) * scale  # exact: 1.1k is 1100, not float's 1100.0000000000002
+        count = int(exact) if exact == exact.to_integral_value() else None
+    if count is None:
+        raise argparse.ArgumentTypeError(f"expected a whole number of tokens such as 8192, 8k (8000), 25.6k or 8K "
+                                         f"(8192), got {value!r}")
+    return count
+
+
+def _apply_trust_remote_code(args: argparse.Namespace) -> None:
+    """``--trust-remote-code`` as the hf plugin reads it: ``TRUST_REMOTE_CODE=1`` in this process's environment
+    (inherited by tensor-parallel workers and data-parallel replicas)."""
+    if getattr(args, "trust_remote_code", None):
+        os.environ["TRUST_REMOTE_CODE"] = "1"
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser, default_max_tokens: int) -> None:
@@ -73,6 +111,7 @@ def _add_sampling_flags(parser: argparse.ArgumentParser, default_max_tokens: int
 
 
 def settings_from_args(args: argparse.Namespace) -> CoreSettings:
+    _apply_trust_remote_code(args)
     return load_settings(
         model=args.model,
         backend=args.backend,
@@ -185,9 +224,10 @@ def _parse_token_ids(text: str) -> list[int]:
     from gemmaserve.errors import InvalidRequestError
 
     parts = text.strip().strip("[]").replace(",", " ").split()
-    if not parts or not all(part.isdigit() for part in parts):
+    if not parts or not all(part.isascii() and part.isdigit() for part in parts):  # '²'.isdigit(), int('²') fails
         raise InvalidRequestError(
-            f"--token-ids expects non-negative integers separated by commas or spaces (e.g. '2,651,6037'), got {text!r}"
+            f"--token-ids expects non-negative integers written with the digits 0-9, separated by commas or spaces "
+            f"(e.g. '2,651,6037'), got {text!r}"
         )
     return [int(part) for part in parts]
 
@@ -261,6 +301,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     N of them behind vllm-router (gemmaserve.server.data_parallel)."""
     from gemmaserve.server.serve import serve
 
+    _check_vllm_serve_flags(args)
+    args.model = _model_argument(args.model_tag, args.model)
+    args.allowed_origins, args.allowed_headers, args.allowed_methods = (
+        _comma_list(flag, value) for flag, value in (("--allowed-origins", args.allowed_origins),
+                                                     ("--allowed-headers", args.allowed_headers),
+                                                     ("--allowed-methods", args.allowed_methods)))
+    _apply_trust_remote_code(args)
     data_parallel = args.data_parallel_size > 1
     if args.router_policy is not None and not data_parallel:
         raise ConfigurationError(f"--router-policy {args.router_policy} chooses how the router spreads requests over "
@@ -292,6 +339,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, kv_events_config=args.kv_events_config,
     )
+    settings = _comma_lists(settings)
     _setup_logging(settings)
     if data_parallel and settings.tensor_parallel_size > 1:
         raise ConfigurationError(f"--data-parallel-size {args.data_parallel_size} with --tensor-parallel-size "
@@ -322,7 +370,8 @@ def _replica_flags(args: argparse.Namespace) -> list[str]:
     are left to the env / .env, which the replicas inherit)."""
     flags: list[str] = []
     for action in args.serve_parser._actions:
-        if not action.option_strings or action.dest in _LAUNCHER_ONLY or action.dest == "help":
+        if (not action.option_strings or action.dest in _LAUNCHER_ONLY or action.dest in _VLLM_SERVE_FLAGS
+                or action.dest == "help"):
             continue
         value = getattr(args, action.dest, None)
         if value is None:
@@ -349,8 +398,80 @@ def _served_names(names: Sequence[str] | None) -> str | None:
     return ",".join(name.strip() for name in names)
 
 
+_PREFIX_CACHE_REASON = ("prefix caching is always on with the custom backends; PREFIX_CACHE_BLOCKS=0 turns the core "
+                        "prefix cache off for the hf and mlx backends")
+_VLLM_SERVE_FLAGS: dict[str, tuple[str, dict[str, Any], tuple[Any, ...], str]] = {
+    "enable_prefix_caching": ("--enable-prefix-caching", {"action": argparse.BooleanOptionalAction}, (True,),
+                              _PREFIX_CACHE_REASON),
+    "enable_auto_tool_choice": ("--enable-auto-tool-choice", {"action": "store_true"}, (True,),
+                                "tool calls are always parsed when a request sends tools (docs/api.md#tool-calling)"),
+    "generation_config": ("--generation-config", {"metavar": "auto|vllm|FOLDER"}, ("vllm",),
+                          "generation_config.json's sampling defaults are not applied (only its EOS ids are read): "
+                          "requests get the API's defaults, as with vLLM's value vllm"),
+    "gpu_memory_utilization": ("--gpu-memory-utilization", {"type": float, "metavar": "FRACTION"}, (),
+                               "KV memory is sized by --max-active-kv-tokens (MAX_ACTIVE_KV_TOKENS), or "
+                               "CUSTOM_BACKEND_KV_MEMORY_GB on the custom backends"),
+    "seed": ("--seed", {"type": int}, (), "there is no engine-wide seed: send `seed` in each request to make its "
+             "sampling reproducible"),
+    "enforce_eager": ("--enforce-eager", {"action": "store_true"}, (),
+                      "CUDA graphs are a custom-cuda setting: CUSTOM_BACKEND_CUDA_GRAPH=0 runs eager"),
+    "tokenizer": ("--tokenizer", {}, (), "the tokenizer is the checkpoint's own: point --model at a folder "
+                  "holding both"),
+    "kv_cache_dtype": ("--kv-cache-dtype", {}, ("auto",), "the KV cache is kept in the model's dtype"),
+    "pipeline_parallel_size": ("--pipeline-parallel-size", {"type": int, "metavar": "N"}, (1,),
+                               "pipeline parallelism is not implemented: use --tensor-parallel-size N"),
+}
+"""``vllm serve`` flags gemmaserve has no setting for: dest -> (flag, argparse keywords, the values accepted because
+they mean what gemmaserve does anyway, why anything else is refused and what to use instead). As ``LLM(...)``'s
+VLLM_OPTIONS_NOT_IMPLEMENTED: accepted values change nothing, others are a ConfigurationError, never ignored."""
+
+
+def _check_vllm_serve_flags(args: argparse.Namespace) -> None:
+    """Raise ConfigurationError for a ``vllm serve`` flag of _VLLM_SERVE_FLAGS given at a value gemmaserve does not
+    implement, naming the reason and the gemmaserve equivalent."""
+    for dest, (flag, _, accepted, reason) in _VLLM_SERVE_FLAGS.items():
+        value = getattr(args, dest, None)
+        if value is None or value in accepted:
+            continue
+        if value is False:  # --no-enable-prefix-caching
+            given = "--no-" + flag[2:]
+        else:
+            given = flag if value is True else f"{flag} {value}"
+        allowed = f" (accepted: {', '.join(map(str, accepted))}, which changes nothing)" if accepted else ""
+        raise ConfigurationError(f"{given}: vLLM's flag is not implemented: {reason}{allowed}")
+
+
+def _comma_lists(settings: CoreSettings) -> CoreSettings:
+    """``settings`` with ALLOWED_HOSTS / ALLOWED_ORIGINS / ALLOWED_HEADERS / ALLOWED_METHODS from the env given as
+    vLLM's JSON lists rewritten comma-separated, the form the data-parallel router's launcher reads."""
+    from gemmaserve.settings import split_list
+
+    names = ("allowed_hosts", "allowed_origins", "allowed_headers", "allowed_methods")
+    return settings.model_copy(update={name: ",".join(split_list(getattr(settings, name), name.upper()))
+                                       for name in names})
+
+
+def _model_argument(positional: str | None, flag: str | None) -> str | None:
+    """The model of ``serve MODEL`` (vLLM's form) or ``--model``; both naming different models is refused."""
+    if positional is not None and flag is not None and positional != flag:
+        raise ConfigurationError(f"serve {positional} and --model {flag} name two models: give one of them")
+    return positional if positional is not None else flag
+
+
+def _comma_list(flag: str, value: str | None) -> str | None:
+    """A CORS list flag given as vLLM's JSON list (``'["https://a.com"]'``) or comma-separated, in the setting's
+    comma-separated form (ConfigurationError naming ``flag`` for a malformed JSON list)."""
+    if value is None:
+        return None
+    from gemmaserve.settings import split_list
+
+    return ",".join(split_list(value, flag))
+
+
 def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="checkpoint directory, as `vllm serve MODEL` takes it (same as --model)")
     g = p.add_argument_group("server (override env settings)")
     _env_flag(g, "--host", "bind address")
     _env_flag(g, "--port", "port", type=int)
@@ -358,9 +479,11 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
                    "/health and /metrics (env API_KEY or VLLM_API_KEY; default: unset, no key)")
     _env_flag(g, "--allowed-hosts", "comma-separated Host names accepted besides the loopback ones; empty: on "
               "loopback only those, elsewhere any")
-    _env_flag(g, "--allowed-origins", "comma-separated CORS origins ('*' = any); empty = CORS off")
-    _env_flag(g, "--allowed-headers", "comma-separated request headers CORS allows ('*' = any, vLLM's default)")
-    _env_flag(g, "--allowed-methods", "comma-separated methods CORS allows ('*' = any)")
+    _env_flag(g, "--allowed-origins", "CORS origins, comma-separated or a JSON list as vLLM's ('*' = any); empty = "
+              "CORS off")
+    _env_flag(g, "--allowed-headers", "request headers CORS allows, comma-separated or a JSON list ('*' = any, "
+              "vLLM's default)")
+    _env_flag(g, "--allowed-methods", "methods CORS allows, comma-separated or a JSON list ('*' = any)")
     _env_flag(g, "--allow-credentials", "CORS lets pages send cookies and HTTP auth; refused with "
               "--allowed-origins '*'", action="store_true", default=None)
     _env_flag(g, "--enable-debug-endpoints", "serve /debug/kv, /docs and /redoc", action="store_true", default=None)
@@ -395,6 +518,11 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     _add_engine_flags(p)
     from gemmaserve.server.data_parallel import ROUTER_POLICIES
 
+    vllm = p.add_argument_group("vLLM flags without a gemmaserve setting: accepted at the value that changes "
+                                "nothing, refused otherwise with the reason")
+    for dest, (flag, kwargs, accepted, reason) in _VLLM_SERVE_FLAGS.items():
+        shown = f"only {', '.join(map(str, accepted))}" if accepted else "refused"
+        vllm.add_argument(flag, dest=dest, default=None, help=f"{shown}: {reason} (default: unset)", **kwargs)
     dp = p.add_argument_group("data parallel: replicas behind vllm-router (pip install 'gemmaserve[router]'; "
                               "docs/scaling.md)")
     dp.add_argument("--data-parallel-size", "-dp", type=_data_parallel_size, default=1, metavar="N",
@@ -426,8 +554,40 @@ def _add_bench_command(sub: argparse._SubParsersAction) -> None:
 EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_serve_command, _add_bench_command]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose "unrecognized arguments" error names the closest flag of the command given."""
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self._command_parser(getattr(parsed, "command", None)).error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+    def _command_parser(self, command: str | None) -> argparse.ArgumentParser:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+                return action.choices[command]
+        return self
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments:") and "did you mean" not in message:
+            message = _unrecognized(message.split(":", 1)[1].split(), self)
+        super().error(message)
+
+
+def _unrecognized(extras: Sequence[str], parser: argparse.ArgumentParser) -> str:
+    """argparse's "unrecognized arguments" message, with the closest flag of ``parser`` for each unknown one."""
+    options = [option for action in parser._actions for option in action.option_strings]
+    hints = []
+    for extra in extras:
+        name = extra.split("=", 1)[0]
+        close = difflib.get_close_matches(name, options, n=1, cutoff=0.7) if name.startswith("--") else []
+        hints.append(f"{extra} (did you mean {close[0]}?)" if close else extra)
+    return f"unrecognized arguments: {' '.join(hints)}"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gemmaserve", description="Serve Gemma models fast.")
+    parser = _Parser(prog="gemmaserve", description="Serve Gemma models fast.")
     parser.add_argument("--version", action="version", version=f"gemmaserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

@@ -7,6 +7,7 @@ defines its own settings class for its own variables (``CUSTOM_BACKEND_*``, ``CO
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterable
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -16,7 +17,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from gemmaserve.errors import ConfigurationError
 from gemmaserve.kv.events import KVEventsConfig, parse_kv_events_config
 
-__all__ = ["CoreSettings", "build_settings", "env_alias", "load_settings", "format_validation_error", "DEVICE_CHOICES", "DTYPE_CHOICES"]
+__all__ = ["CoreSettings", "split_list", "build_settings", "env_alias", "load_settings", "format_validation_error",
+           "DEVICE_CHOICES", "DTYPE_CHOICES"]
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "mps")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -110,12 +112,14 @@ class CoreSettings(BaseSettings):
     )
     allowed_hosts: str = Field(
         "", validation_alias=env_alias("ALLOWED_HOSTS"),
-        description="HTTP server: comma-separated Host names accepted besides the loopback names (which are the only "
+        description="HTTP server: Host names (comma-separated or a JSON list) accepted besides the loopback names "
+        "(which are the only "
         "ones accepted when bound to a loopback address: no DNS rebinding); empty and not on loopback = any host.",
     )
     allowed_origins: str = Field(
         "", validation_alias=env_alias("ALLOWED_ORIGINS"),
-        description="HTTP server: comma-separated browser origins allowed by CORS ('*' = any); empty = CORS off.",
+        description="HTTP server: browser origins (comma-separated or a JSON list) allowed by CORS ('*' = any); "
+        "empty = CORS off.",
     )
     enable_debug_endpoints: bool = Field(
         False, validation_alias=env_alias("ENABLE_DEBUG_ENDPOINTS"),
@@ -164,11 +168,13 @@ class CoreSettings(BaseSettings):
     )
     allowed_headers: str = Field(
         "*", validation_alias=env_alias("ALLOWED_HEADERS"),
-        description="HTTP server: comma-separated request headers CORS allows ('*' = any); only with ALLOWED_ORIGINS.",
+        description="HTTP server: request headers (comma-separated or a JSON list) CORS allows ('*' = any); only "
+        "with ALLOWED_ORIGINS.",
     )
     allowed_methods: str = Field(
         "GET,POST", validation_alias=env_alias("ALLOWED_METHODS"),
-        description="HTTP server: comma-separated methods CORS allows ('*' = any); only with ALLOWED_ORIGINS.",
+        description="HTTP server: methods (comma-separated or a JSON list) CORS allows ('*' = any); only with "
+        "ALLOWED_ORIGINS.",
     )
     allow_credentials: bool = Field(
         False, validation_alias=env_alias("ALLOW_CREDENTIALS"),
@@ -295,10 +301,33 @@ class CoreSettings(BaseSettings):
     @model_validator(mode="after")
     def _no_credentials_for_any_origin(self) -> CoreSettings:
         """Credentials with every origin allowed would let any site act as the browser's user."""
-        if self.allow_credentials and "*" in (part.strip() for part in self.allowed_origins.split(",")):
+        try:
+            origins = split_list(self.allowed_origins, "ALLOWED_ORIGINS")
+        except ConfigurationError as exc:
+            raise ValueError(str(exc)) from None
+        if self.allow_credentials and "*" in origins:
             raise ValueError("ALLOW_CREDENTIALS=1 with ALLOWED_ORIGINS='*' would let every web site send requests "
                              "with the user's cookies and read the answers; list the trusted origins instead of '*'")
         return self
+
+
+def split_list(value: str, name: str = "the value") -> list[str]:
+    """The entries of a list setting, given comma-separated (``a,b``) or as vLLM's JSON list (``["a", "b"]``):
+    stripped, empty ones dropped. A value starting with '[' that is not a JSON list of strings without commas is a
+    ConfigurationError naming ``name`` (it would otherwise be one bogus entry)."""
+    text = value.strip()
+    if not text.startswith("["):
+        return [part.strip() for part in text.split(",") if part.strip()]
+    try:
+        items = json.loads(text)
+    except ValueError:
+        items = None
+    if not isinstance(items, list) or not all(isinstance(item, str) and "," not in item for item in items):
+        raise ConfigurationError(
+            f"{name}={value!r} starts with '[' but is not a JSON list of strings without commas; give vLLM's JSON "
+            "list, e.g. '[\"https://a.com\", \"https://b.com\"]', or comma-separated values, e.g. "
+            "'https://a.com,https://b.com'")
+    return [item.strip() for item in items if item.strip()]
 
 
 SettingsT = TypeVar("SettingsT", bound=BaseSettings)

@@ -58,7 +58,8 @@ def test_summary_counts_throughput_and_latencies() -> None:
         RequestRecord(ok=False, status=429, error="HTTP 429: busy"),
     ]
     summary = summarize(records, 2.0, {"num_prompts": 3})
-    assert (summary["completed"], summary["failed"], summary["errors"]) == (2, 1, {"HTTP 429: busy": 1})
+    assert (summary["completed"], summary["failed"], summary["error_counts"]) == (2, 1, {"HTTP 429: busy": 1})
+    assert summary["errors"] == ["", "", "HTTP 429: busy"]  # vLLM's: one string per request
     assert summary["request_throughput"] == 1.0 and summary["output_throughput"] == 4.0
     assert summary["total_token_throughput"] == 14.0 and summary["cached_prompt_tokens"] == 4
     assert summary["ttft_ms"]["mean"] == pytest.approx(200.0) and summary["ttft_ms"]["median"] == pytest.approx(200.0)

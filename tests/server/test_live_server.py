@@ -246,7 +246,7 @@ def test_bench_runs_end_to_end_and_writes_json(server: LiveServer, tmp_path: Pat
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Serving Benchmark Result" in done.stdout and "Output token throughput" in done.stdout
     summary = json.loads(result.read_text())
-    assert summary["completed"] == 8 and summary["failed"] == 0 and summary["errors"] == {}
+    assert summary["completed"] == 8 and summary["failed"] == 0 and summary["error_counts"] == {}
     assert summary["total_output_tokens"] == 48 and summary["total_input_tokens"] == 8 * 24
     assert summary["request_throughput"] > 0 and summary["output_throughput"] > 0
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):

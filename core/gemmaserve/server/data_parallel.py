@@ -40,7 +40,7 @@ from urllib.parse import quote
 
 from gemmaserve.errors import ConfigurationError, GemmaserveError
 from gemmaserve.kv.events import check_rank_endpoints
-from gemmaserve.settings import CoreSettings
+from gemmaserve.settings import CoreSettings, split_list
 
 __all__ = [
     "REPLICA_LOG_LINE",
@@ -250,7 +250,7 @@ def plan_launch(settings: CoreSettings, size: int, policy: str, replica_flags: S
     flags = (*replica_flags, "--timeout-keep-alive", str(REPLICA_KEEP_ALIVE_S))
     replicas = tuple(ReplicaPlan(index, port, {**extra, "DATA_PARALLEL_RANK": str(index)})
                      for index, (port, extra) in enumerate(zip(ports, per_replica)))
-    origins = tuple(origin.strip() for origin in settings.allowed_origins.split(",") if origin.strip())
+    origins = tuple(split_list(settings.allowed_origins, "ALLOWED_ORIGINS"))
     return LaunchPlan(host=settings.host, port=settings.port, policy=policy, replica_argv=flags, replica_env=shared_env,
                       replicas=replicas, router_metrics_port=ports[-1], allowed_origins=origins,
                       log_level=settings.log_level, shutdown_timeout=settings.shutdown_timeout)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import json
 import logging
 import socket
 import threading
@@ -20,7 +21,7 @@ from gemmaserve.server.connections import (
     guarded_protocol_class,
     raise_fd_limit,
 )
-from gemmaserve.settings import CoreSettings
+from gemmaserve.settings import CoreSettings, split_list
 
 __all__ = ["serve", "served_model_name", "model_names", "model_aliases", "bind_listeners"]
 
@@ -126,14 +127,17 @@ def _draining_server(config: Any, engine: Any, drain: Any, shutdown_timeout: flo
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
-def _split(value: str) -> list[str]:
-    return [part.strip() for part in value.split(",") if part.strip()]
+def _cors_lists(settings: CoreSettings) -> dict[str, list[str]]:
+    """``allowed_origins``, ``allowed_headers`` and ``allowed_methods`` of ``settings`` as lists
+    (:func:`~gemmaserve.settings.split_list`; ConfigurationError naming the setting for a malformed JSON list)."""
+    return {name: split_list(getattr(settings, name), name.upper())
+            for name in ("allowed_origins", "allowed_headers", "allowed_methods")}
 
 
 def allowed_hosts(settings: CoreSettings) -> list[str] | None:
     """Host names the server answers: on a loopback address only the loopback names plus ``ALLOWED_HOSTS`` (a
     web page's rebinding of its own name to 127.0.0.1 is refused); elsewhere ``ALLOWED_HOSTS``, or any (None)."""
-    extra = _split(settings.allowed_hosts)
+    extra = split_list(settings.allowed_hosts, "ALLOWED_HOSTS")
     if settings.host in LOOPBACK_HOSTS or settings.host.startswith("127."):
         return [*LOOPBACK_HOSTS, settings.host, *extra]
     return extra or None
@@ -197,6 +201,8 @@ def serve(settings: CoreSettings) -> None:
     from gemmaserve.hf_tokenizer import read_chat_template
 
     _served_names(settings)  # before the load, as everything below
+    _cors_lists(settings)  # a malformed JSON list (vLLM's form) is refused before the load too
+    allowed_hosts(settings)
     template = read_chat_template(settings.chat_template) if settings.chat_template else None
     listeners = bind_listeners(settings.host, settings.port)  # the load takes seconds to minutes
     try:
@@ -229,9 +235,7 @@ def _serve_on(settings: CoreSettings, listeners: list[socket.socket], template: 
         app = create_app(engine, name, extra_model_names=names[1:],
                          model_aliases=[] if settings.served_model_name else model_aliases(settings),
                          api_key=settings.api_key,
-                         allowed_hosts=allowed_hosts(settings), allowed_origins=_split(settings.allowed_origins),
-                         allowed_headers=_split(settings.allowed_headers),
-                         allowed_methods=_split(settings.allowed_methods),
+                         allowed_hosts=allowed_hosts(settings), **_cors_lists(settings),
                          allow_credentials=settings.allow_credentials,
                          debug_endpoints=settings.enable_debug_endpoints)
         port = listeners[0].getsockname()[1] if listeners else settings.port  # the port bound for PORT=0
