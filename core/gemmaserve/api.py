@@ -5,7 +5,9 @@
     for out in llm.generate(["The capital of France is"], SamplingParams(max_tokens=16)):
         print(out.text, out.cached_tokens)
 
-``LLM`` owns an engine (scheduler thread + backend); prompts given together are batched.
+``LLM`` owns an engine (scheduler thread + backend); prompts given together are batched. ``LLM.chat`` renders
+messages with the model's chat template first. The output of one prompt is vLLM's ``RequestOutput`` and its
+first ``CompletionOutput`` in one object (``out.text`` or ``out.outputs[0].text``).
 """
 
 from __future__ import annotations
@@ -13,14 +15,14 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, TypedDict, Union
 
-from gemmaserve.detokenize import IncrementalDetokenizer
+from gemmaserve.detokenize import IncrementalDetokenizer, hides_stop_token
 from gemmaserve.engine.request import FinishReason
 from gemmaserve.engine.validation import check_text_can_fit
-from gemmaserve.errors import ConfigurationError, InvalidRequestError
+from gemmaserve.errors import ConfigurationError, InvalidRequestError, LLMClosedError, PromptTooLongError
 from gemmaserve.sampling_params import SamplingParams
 from gemmaserve.settings import CoreSettings, load_settings
 
@@ -28,15 +30,47 @@ if TYPE_CHECKING:
     from gemmaserve.engine.engine import Engine
     from gemmaserve.engine.request import RequestEvent, RequestMetrics, RequestOutput
 
-__all__ = ["LLM", "CompletionOutput", "StreamChunk", "PromptInput"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "StreamChunk", "PromptInput", "TextPrompt", "TokensPrompt",
+           "LLMClosedError"]
 
-PromptInput = Union[str, Sequence[int]]
-"""A prompt: text (tokenized with the model's tokenizer) or a list of token IDs."""
+
+class TextPrompt(TypedDict):
+    """vLLM's text prompt: ``{"prompt": "..."}``."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's token prompt: ``{"prompt_token_ids": [...]}``."""
+
+    prompt_token_ids: list[int]
+
+
+PromptInput = Union[str, Sequence[int], TextPrompt, TokensPrompt]
+"""A prompt: text (tokenized with the model's tokenizer), a list of token IDs, or vLLM's ``{"prompt": text}`` /
+``{"prompt_token_ids": [...]}``."""
+
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+_MULTIMODAL_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids")
+
+
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """vLLM's ``Logprob``: a token's log-probability, its 1-based rank by log-probability among the step's
+    alternatives (None for a sampled token outside the returned top-k: full-vocabulary ranks are not computed),
+    and its text (the token decoded alone, special tokens shown)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class CompletionOutput:
-    """One prompt's result. ``cached_tokens`` = the backend's ``last_cache_hit_tokens``."""
+    """One prompt's result: vLLM's ``RequestOutput`` (``prompt``, ``prompt_token_ids``, ``outputs``, ``finished``,
+    ``num_cached_tokens``) and its first ``CompletionOutput`` (``text``, ``token_ids``, ``finish_reason``,
+    ``stop_reason``, ``logprobs``, ``cumulative_logprob``, ``index``) in one object. ``cached_tokens`` = the
+    backend's ``last_cache_hit_tokens``."""
 
     request_id: str
     prompt: str | None
@@ -47,10 +81,18 @@ class CompletionOutput:
     cached_tokens: int
     metrics: RequestMetrics | None = None
     error: str | None = None
-    logprobs: list[float] | None = None
-    """With ``SamplingParams(logprobs=k)``: each generated token's log-probability."""
+    logprobs: list[dict[int, Logprob]] | None = None
+    """vLLM's shape, with ``SamplingParams(logprobs=k)``: per generated token, ``{token id: Logprob}`` holding the
+    sampled token and the k most likely ones (``out.logprobs[i][token_ids[i]].logprob``)."""
+    token_logprobs: list[float] | None = None
+    """With ``SamplingParams(logprobs=k)``: each generated token's log-probability (the flat list)."""
     top_logprobs: list[list[tuple[int, float]]] | None = None
     """With ``logprobs`` = k > 0: per token, the k most likely ``(token id, logprob)`` pairs, most likely first."""
+    cumulative_logprob: float | None = None
+    """With ``SamplingParams(logprobs=k)``: the sum of the generated tokens' log-probabilities (vLLM's); else None."""
+    stop_reason: int | str | None = None
+    """vLLM's: the stop string that matched, or the ``stop_token_ids`` token that ended the output; None for EOS,
+    ``length`` and the rest."""
     index: int = 0
     """This sample's index among the prompt's ``n`` samples."""
     samples: tuple[CompletionOutput, ...] = ()
@@ -60,6 +102,22 @@ class CompletionOutput:
     def outputs(self) -> list[CompletionOutput]:
         """The prompt's samples in index order, as vLLM's ``RequestOutput.outputs``: ``[self]`` when n = 1."""
         return list(self.samples) if self.samples else [self]
+
+    @property
+    def finished(self) -> bool:
+        """vLLM's ``RequestOutput.finished``: always True (``generate`` returns finished outputs)."""
+        return True
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """vLLM's name for :attr:`cached_tokens`."""
+        return self.cached_tokens
+
+    @property
+    def prompt_logprobs(self) -> None:
+        """vLLM's ``RequestOutput.prompt_logprobs``: always None (``SamplingParams(prompt_logprobs=...)`` is
+        refused)."""
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +146,8 @@ class LLM:
         from gemmaserve.engine.factory import build_engine
         from gemmaserve.hf_tokenizer import configure_chat_template, read_chat_template
 
+        self._closed = False
+        overrides = _vllm_aliases(overrides)
         _check_options(overrides)
         if settings is not None and not isinstance(settings, CoreSettings):
             raise TypeError(f"LLM(settings=...) takes a gemmaserve.settings.CoreSettings, got "
@@ -121,11 +181,19 @@ class LLM:
         self.tokenizer = self.engine.backend.tokenizer
 
     # -- prompts ------------------------------------------------------------------------------
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (vLLM's ``LLM.get_tokenizer()``): ``encode``, ``decode``, ``apply_chat_template``."""
+        return self.tokenizer
+
     def encode_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        """Text is tokenized; a list of ints is taken as token IDs. Raises InvalidRequestError for
+        """Text is tokenized; a list of ints is taken as token IDs; vLLM's ``{"prompt": text}`` and
+        ``{"prompt_token_ids": [...]}`` are read as those. Raises InvalidRequestError for
         empty text, text that is not valid Unicode (lone surrogates), a list holding a non-int or an id outside
-        the vocabulary, and
+        the vocabulary, a prompt dict with other keys (multimodal data: only text prompts are supported), and
         PromptTooLongError, before tokenizing, for text that cannot fit the model's context."""
+        self._check_open()
+        if isinstance(prompt, Mapping):
+            return self._encode_prompt_dict(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty")
@@ -155,15 +223,41 @@ class LLM:
             f"a prompt must be a string or a list of token IDs (ints), got {type(prompt).__name__}"
         )
 
+    def _encode_prompt_dict(self, prompt: Mapping[str, Any]) -> tuple[str | None, list[int]]:
+        """vLLM's TextPrompt / TokensPrompt: ``prompt`` (text) or ``prompt_token_ids`` (when both are given, the
+        ids are the prompt and the text names it, as vLLM); any other key is refused by name."""
+        for key, value in prompt.items():
+            if key in _MULTIMODAL_KEYS and value is not None:
+                raise InvalidRequestError(f"prompt key {key!r}: only text prompts are supported (a prompt dict "
+                                          "holds 'prompt' or 'prompt_token_ids')")
+            if key == "cache_salt" and value is not None:
+                raise InvalidRequestError("prompt key 'cache_salt' is not supported: the prefix cache is shared by "
+                                          "every request; drop it")
+            if key not in (*_PROMPT_KEYS, *_MULTIMODAL_KEYS, "cache_salt"):
+                raise InvalidRequestError(f"unknown prompt key {key!r}; a prompt dict holds 'prompt' (text) or "
+                                          "'prompt_token_ids' (a list of ints)")
+        if "prompt_token_ids" in prompt:
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise InvalidRequestError(f"prompt dict: 'prompt' must be a string, got {type(text).__name__}")
+            ids = prompt["prompt_token_ids"]
+            if isinstance(ids, (str, Mapping)) or not isinstance(ids, Sequence):
+                raise InvalidRequestError(f"prompt dict: 'prompt_token_ids' must be a list of ints, got "
+                                          f"{type(ids).__name__}")
+            return text, self.encode_prompt(list(ids))[1]
+        if "prompt" not in prompt:
+            raise InvalidRequestError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids' (a list of ints)")
+        if not isinstance(prompt["prompt"], str):
+            raise InvalidRequestError(f"prompt dict: 'prompt' must be a string, got {type(prompt['prompt']).__name__}"
+                                      "; use 'prompt_token_ids' for token IDs")
+        return self.encode_prompt(prompt["prompt"])
+
     def _normalize(self, prompts: PromptInput | Sequence[PromptInput]) -> list[tuple[str | None, list[int]]]:
-        if isinstance(prompts, (bytes, bytearray, memoryview)):
-            return [self.encode_prompt(prompts)]  # type: ignore[arg-type]  # refused there, with the reason
-        if isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts)
-        ):
-            return [self.encode_prompt(prompts)]  # type: ignore[arg-type]
+        if _is_one_prompt(prompts):
+            return [self.encode_prompt(prompts)]  # type: ignore[arg-type]  # refused there if it is no prompt
         if not isinstance(prompts, Sequence) or not prompts:
-            raise InvalidRequestError("prompts must be a string, a token-ID list, or a non-empty list of them")
+            raise InvalidRequestError("prompts must be a string, a token-ID list, a prompt dict, or a non-empty list "
+                                      "of them")
         return [self.encode_prompt(p) for p in prompts]  # type: ignore[arg-type]
 
     # -- generation ---------------------------------------------------------------------------
@@ -171,25 +265,119 @@ class LLM:
         self,
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[CompletionOutput]:
         """Generate for every prompt (batched together); outputs are in prompt order. A prompt whose params have
         ``n`` > 1 runs n samples (``SamplingParams.for_sample``; they share its prefill through the prefix cache);
-        its output is sample 0 and holds all of them in ``outputs``."""
-        encoded = self._normalize(prompts)
+        its output is sample 0 and holds all of them in ``outputs``. ``use_tqdm`` (vLLM's) is accepted, a bool or
+        a callable; no progress bar is shown."""
+        _check_use_tqdm(use_tqdm)
+        return self._generate(self._normalize(prompts), sampling_params)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: None = None,
+        chat_template_content_format: str = "auto",
+        mm_processor_kwargs: None = None,
+    ) -> list[CompletionOutput]:
+        """vLLM's ``LLM.chat``: render each conversation (a list of ``{"role", "content"}`` messages; a list of
+        conversations gives one output each) with the chat template (``chat_template`` for this call, a file path
+        or the template text; else ``LLM(chat_template=...)`` / ``CHAT_TEMPLATE``; else the tokenizer's own), then
+        :meth:`generate`. ``tools`` and ``chat_template_kwargs`` reach the template; the reply also ends at the
+        template's end-of-turn token (unless ``ignore_eos``), as on the HTTP server. The reply is not parsed (no
+        tool calls or reasoning split out). Raises InvalidRequestError (PromptTooLongError) naming the problem."""
+        from gemmaserve.server.prepare import chat_stop_token_ids
+
+        self._check_open()
+        _check_use_tqdm(use_tqdm)
+        for name, value, neutral, why in (
+                ("lora_request", lora_request, None, "LoRA adapters are not supported"),
+                ("chat_template_content_format", chat_template_content_format, "auto",
+                 "the template gets each message's content as given"),
+                ("mm_processor_kwargs", mm_processor_kwargs, None, "only text prompts are supported")):
+            if value != neutral:
+                raise InvalidRequestError(f"LLM.chat({name}={value!r}) is not implemented by gemmaserve ({why}); "
+                                          f"leave it unset or {neutral!r}")
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError("LLM.chat: continue_final_message=True continues the last message, so it takes "
+                                      "add_generation_prompt=False")
+        conversations = _conversations(messages)
+        tokenizer = self.tokenizer if chat_template is None else self._tokenizer_with_template(chat_template)
+        options: dict[str, Any] = {}
+        if not add_generation_prompt:
+            options["add_generation_prompt"] = False
+        if continue_final_message:
+            options["continue_final_message"] = True
+        kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools is not None else {})}
+        if kwargs:
+            options["template_kwargs"] = kwargs
+        encoded = [self._render(conversation, tokenizer, options) for conversation in conversations]
+        ends = chat_stop_token_ids(tokenizer)
+        params = SamplingParams() if sampling_params is None else sampling_params
+        many = isinstance(params, Sequence)
+        params_list = list(params) if many else [params] * len(encoded)  # type: ignore[arg-type,list-item]
+        for item in params_list:
+            _check_params(item)
+        with_ends = [item if item.ignore_eos or not ends else replace(
+            item, stop_token_ids=(*item.stop_token_ids, *(t for t in ends if t not in item.stop_token_ids)))
+            for item in params_list]
+        return self._generate(encoded, with_ends if many else with_ends[0] if with_ends else params)
+
+    def _tokenizer_with_template(self, template: str) -> Any:
+        """A copy of the tokenizer rendering chats with ``template`` (a file path or the template text, as
+        ``CHAT_TEMPLATE``); ConfigurationError from the tokenizer becomes InvalidRequestError."""
+        import copy
+
+        from gemmaserve.hf_tokenizer import configure_chat_template, read_chat_template
+
+        try:
+            text = read_chat_template(template)
+            tokenizer = copy.copy(self.tokenizer)
+            configure_chat_template(tokenizer, text)
+        except ConfigurationError as exc:
+            raise InvalidRequestError(f"LLM.chat(chat_template=...): {exc}") from None
+        return tokenizer
+
+    def _render(self, conversation: list[Mapping[str, Any]], tokenizer: Any,
+                options: dict[str, Any]) -> tuple[str, list[int]]:
+        """(the rendered prompt's text, its token ids), through the server's :func:`render_chat` (same checks);
+        its HTTP errors become InvalidRequestError / PromptTooLongError."""
+        from gemmaserve.server.errors import APIError
+        from gemmaserve.server.prepare import render_chat
+
+        try:
+            ids = render_chat([dict(message) for message in conversation], tokenizer,
+                              self.engine.scheduler.max_model_len, options)
+        except APIError as exc:
+            error = PromptTooLongError if exc.code == "context_length_exceeded" else InvalidRequestError
+            raise error(exc.message.replace("use /v1/completions with", "use LLM.generate with")) from None
+        return tokenizer.decode(ids, skip_special_tokens=False), ids
+
+    def _generate(self, encoded: list[tuple[str | None, list[int]]],
+                  sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[CompletionOutput]:
+        self._check_open()
         params = SamplingParams() if sampling_params is None else sampling_params
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(encoded)
         if len(params_list) != len(encoded):
             raise InvalidRequestError(f"{len(params_list)} SamplingParams given for {len(encoded)} prompts")
         for item in params_list:
             _check_params(item)
-        runs = [(text, ids, item.for_sample(i)) for (text, ids), item in zip(encoded, params_list)
-                for i in range(item.n)]
-        if not any(item.stop for item in params_list):
+        runs = [(text, ids, self._up_to_context(item.for_sample(i), ids)) for (text, ids), item
+                in zip(encoded, params_list) for i in range(item.n)]
+        if not any(item.stop for item in params_list):  # decoded once at the end, on this thread
             outputs = self.engine.generate([ids for _, ids, _ in runs], [sample for _, _, sample in runs])
-            results = [self._to_completion(text, out) for (text, _, _), out in zip(runs, outputs)]
+            results = [self._to_completion(text, out, sample) for (text, _, sample), out in zip(runs, outputs)]
             return _by_prompt(results, [item.n for item in params_list])
-        watchers = [_StopWatcher(self.engine, self.tokenizer, ids, sample.stop, callbacks=True,
-                                 min_tokens=sample.min_tokens) for _, ids, sample in runs]
+        watchers = [_StopWatcher(self.engine, self.tokenizer, ids, sample, callbacks=True) for _, ids, sample in runs]
         handles = self.engine.submit_many([ids for _, ids, _ in runs], [sample for _, _, sample in runs],
                                           [watcher.request_id for watcher in watchers],
                                           [watcher.on_event for watcher in watchers], wait_for_room=True,
@@ -197,8 +385,8 @@ class LLM:
         for watcher, handle in zip(watchers, handles):
             watcher.handle = handle
         try:
-            results = [self._to_completion(text, watcher.result(), watcher)
-                       for (text, _, _), watcher in zip(runs, watchers)]
+            results = [self._to_completion(text, watcher.result(), sample, watcher)
+                       for (text, _, sample), watcher in zip(runs, watchers)]
             return _by_prompt(results, [item.n for item in params_list])
         except BaseException:
             for watcher in watchers:
@@ -207,61 +395,116 @@ class LLM:
 
     def stream(self, prompt: PromptInput, sampling_params: SamplingParams | None = None) -> Iterator[StreamChunk]:
         """Yield text as it is generated. Stopping the iteration early cancels the request."""
+        if not _is_one_prompt(prompt) and isinstance(prompt, Sequence):
+            raise InvalidRequestError(f"stream() takes one prompt (a string, a token-ID list or a prompt dict), got "
+                                      f"a list of {len(prompt)} prompts: call stream() for each, or generate() for "
+                                      "all of them")
         text, prompt_ids = self.encode_prompt(prompt)
         params = SamplingParams() if sampling_params is None else sampling_params
         _check_params(params)
         if params.n != 1:
             raise InvalidRequestError(f"stream() yields one sample; got n={params.n}: use generate() for n > 1, "
                                       "or stream each params.for_sample(i)")
-        watcher = _StopWatcher(self.engine, self.tokenizer, prompt_ids, params.stop, min_tokens=params.min_tokens)
+        params = self._up_to_context(params, prompt_ids)
+        watcher = _StopWatcher(self.engine, self.tokenizer, prompt_ids, params)
         handle = watcher.handle = self.engine.submit(prompt_ids, params, watcher.request_id)
         finished = False
         try:
             for event in handle:
-                new_ids, delta = watcher.on_tokens(event.new_token_ids)
+                new_ids, delta = watcher.on_tokens(event.new_token_ids, hides_stop_token(event.output, params))
                 if watcher.stopped:  # a stop string matched: end here; the engine request is cancelled
                     finished = True
                     output = watcher.result()
-                    yield StreamChunk(new_ids, delta, True, self._to_completion(text, output, watcher))
+                    yield StreamChunk(new_ids, delta, True, self._to_completion(text, output, params, watcher))
                     return
                 if event.finished:
                     delta += watcher.flush()
                     finished = True
-                    yield StreamChunk(new_ids, delta, True, self._to_completion(text, event.output, watcher))
+                    yield StreamChunk(new_ids, delta, True,
+                                      self._to_completion(text, event.output, params, watcher))
                     return
                 yield StreamChunk(new_ids, delta, False)
         finally:
             if not finished:
                 handle.cancel()
 
-    def _to_completion(
-        self, prompt_text: str | None, out: RequestOutput, watcher: _StopWatcher | None = None
-    ) -> CompletionOutput:
-        token_ids, text, reason = list(out.token_ids), None, str(out.finish_reason)
-        logprobs, top = out.logprobs, out.top_logprobs
-        if watcher is not None and watcher.stop:
+    def _to_completion(self, prompt_text: str | None, out: RequestOutput, params: SamplingParams,
+                       watcher: _StopWatcher | None = None) -> CompletionOutput:
+        """One engine request's output: with stop strings as ``watcher`` saw it, cut after the token that completed
+        a match (``finish_reason`` ``stop``, ``stop_reason`` the string); the text of the EOS / stop token that
+        ended it left out unless ``include_stop_str_in_output`` (vLLM's rules)."""
+        token_ids, reason, metrics = list(out.token_ids), str(out.finish_reason), out.metrics
+        flat, top = out.logprobs, out.top_logprobs
+        stop_reason: int | str | None = None
+        if watcher is not None and watcher.stop_string is not None and reason != "error":
+            token_ids, reason, stop_reason = watcher.token_ids, "stop", watcher.stop_string
+            flat = None if flat is None else flat[: len(token_ids)]
+            top = None if top is None else top[: len(token_ids)]
+            metrics = replace(metrics, num_output_tokens=len(token_ids))
+        elif out.stop_token_id is not None and out.stop_token_id in params.stop_token_ids:
+            stop_reason = out.stop_token_id
+        if watcher is not None:
             text = watcher.text
-            if watcher.stopped and reason != "error":  # cut after the token that completed the stop string
-                token_ids, reason = watcher.token_ids, "stop"
-                logprobs = None if logprobs is None else logprobs[: len(token_ids)]
-                top = None if top is None else top[: len(token_ids)]
+        else:
+            shown = token_ids[:-1] if hides_stop_token(out, params) else token_ids
+            text = self.tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens)
         return CompletionOutput(
             request_id=out.request_id,
             prompt=prompt_text,
             prompt_token_ids=list(out.prompt_token_ids),
             token_ids=token_ids,
-            text=self.tokenizer.decode(token_ids) if text is None else text,
+            text=text,
             finish_reason=reason,
             cached_tokens=out.cached_tokens,
-            metrics=out.metrics,
+            metrics=metrics,
             error=out.error,
-            logprobs=logprobs,
+            logprobs=None if flat is None else self._logprob_dicts(token_ids, flat, top),
+            token_logprobs=flat,
             top_logprobs=top,
+            cumulative_logprob=None if flat is None else float(sum(flat)),
+            stop_reason=stop_reason,
         )
+
+    def _logprob_dicts(self, token_ids: Sequence[int], flat: Sequence[float],
+                       top: Sequence[Sequence[tuple[int, float]]] | None) -> list[dict[int, Logprob]]:
+        """vLLM's ``logprobs``: per position, the sampled token then the top-k alternatives (rank 1 = most likely;
+        the sampled token takes its rank among them, None when it is not one of them)."""
+        texts: dict[int, str] = {}
+
+        def text(token_id: int) -> str:
+            if token_id not in texts:
+                texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            return texts[token_id]
+
+        dicts = []
+        for position, (token_id, logprob) in enumerate(zip(token_ids, flat)):
+            alternatives = list(top[position]) if top is not None and position < len(top) else []
+            ranks = {alt: rank for rank, (alt, _) in enumerate(alternatives, 1)}
+            entry = {token_id: Logprob(logprob, ranks.get(token_id), text(token_id))}
+            for rank, (alt, value) in enumerate(alternatives, 1):
+                if alt != token_id:
+                    entry[alt] = Logprob(value, rank, text(alt))
+            dicts.append(entry)
+        return dicts
+
+    def _up_to_context(self, params: SamplingParams, prompt_ids: Sequence[int]) -> SamplingParams:
+        """``max_tokens=None`` (vLLM's offline meaning) as the rest of the context after the prompt (within
+        ``max_active_kv_tokens``), at least 1: a prompt that fills the context is then refused as too long."""
+        if params.max_tokens is not None:
+            return params
+        limit = min(self.engine.scheduler.max_model_len, self.engine.settings.max_active_kv_tokens)
+        return replace(params, max_tokens=max(1, limit - len(prompt_ids), params.min_tokens))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LLMClosedError("this LLM was closed (close() or the end of its `with` block); create a new LLM to "
+                                 "generate again")
 
     # -- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the engine thread and release the backend (and the KV-event publisher it owns). Idempotent."""
+        """Stop the engine thread and release the backend (and the KV-event publisher it owns). Idempotent; later
+        calls to generate, chat or stream raise :class:`LLMClosedError`."""
+        self._closed = True
         self.engine.shutdown()
         self.engine.backend.close()  # idempotent; the engine closes a backend it owns as well
 
@@ -276,16 +519,20 @@ class _StopWatcher:
     """Stop strings of one request: detokenizes its tokens as they arrive (on the engine thread via
     :meth:`on_event`, or on the caller's via :meth:`on_tokens`) and cancels the engine request with reason
     ``stop`` at the first match. ``token_ids`` / ``text`` are the output up to the match (the text without
-    the stop string)."""
+    the stop string unless ``include_stop_str_in_output``; without the text of an EOS / stop token that ended
+    the request, likewise)."""
 
-    def __init__(self, engine: Engine, tokenizer: Any, prompt_ids: Sequence[int], stop: Sequence[str], *,
-                 callbacks: bool = False, min_tokens: int = 0) -> None:
+    def __init__(self, engine: Engine, tokenizer: Any, prompt_ids: Sequence[int], params: SamplingParams, *,
+                 callbacks: bool = False) -> None:
         self.engine = engine
-        self.stop = tuple(stop)
+        self.params = params
         self.request_id = uuid.uuid4().hex  # known before submit: the first event may beat submit's return
         self.callbacks = callbacks
         self.handle: Any = None
-        self.detok = IncrementalDetokenizer(tokenizer, self.stop, prompt_ids=prompt_ids, min_tokens=min_tokens)
+        self.detok = IncrementalDetokenizer(tokenizer, params.stop, prompt_ids=prompt_ids,
+                                            min_tokens=params.min_tokens,
+                                            skip_special_tokens=params.skip_special_tokens,
+                                            include_stop_str=params.include_stop_str_in_output)
         self.token_ids: list[int] = []
         self.stopped = False
         self._flushed = ""
@@ -295,11 +542,18 @@ class _StopWatcher:
     def text(self) -> str:
         return self.detok.text
 
-    def on_tokens(self, new_token_ids: Sequence[int]) -> tuple[list[int], str]:
-        """Feed tokens; returns (the tokens kept, the new final text). Cancels the request on a match."""
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that matched, if one did."""
+        return self.detok.stop_string
+
+    def on_tokens(self, new_token_ids: Sequence[int], hide_last: bool = False) -> tuple[list[int], str]:
+        """Feed tokens; returns (the tokens kept, the new final text). Cancels the request on a match.
+        ``hide_last``: the last token is the EOS / stop token that ended the request: kept, its text not fed."""
         was_stopped = self.stopped
-        consumed, delta = self.detok.add_until_stop(new_token_ids)
-        kept = list(new_token_ids[:consumed])
+        fed = new_token_ids[:-1] if hide_last and new_token_ids else new_token_ids
+        consumed, delta = self.detok.add_until_stop(fed)
+        kept = list(new_token_ids[:consumed + (1 if hide_last and not delta.stopped and new_token_ids else 0)])
         self.token_ids += kept
         self.stopped = delta.stopped
         if self.stopped and not was_stopped:
@@ -317,7 +571,7 @@ class _StopWatcher:
         """Engine-thread callback (``Engine.submit(on_event=...)``). The final event always releases
         :meth:`result`, even if detokenizing raised (the engine logs callback exceptions)."""
         try:
-            self.on_tokens(event.new_token_ids)
+            self.on_tokens(event.new_token_ids, hides_stop_token(event.output, self.params))
             if event.finished:
                 self.flush()
         finally:
@@ -350,7 +604,6 @@ VLLM_OPTIONS_NOT_IMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "swap_space": ((None, 0), "the KV cache is not swapped to the host"),
     "cpu_offload_gb": ((None, 0), "weights stay on the device"),
     "enforce_eager": ((None, False), "CUDA graphs are a custom-cuda plugin setting"),
-    "max_num_seqs": ((None,), "use max_batch_size"),
     "max_seq_len_to_capture": ((None,), "CUDA graph sizes are a custom-cuda plugin setting"),
     "enable_prefix_caching": ((None, True), "prefix caching is on by default; prefix_cache_blocks=0 "
                               "(PREFIX_CACHE_BLOCKS) turns the core cache off for the hf and mlx backends"),
@@ -379,6 +632,25 @@ def _apply_log_level(level: str) -> None:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         logger.addHandler(handler)
+
+
+_VLLM_ALIASES = {"max_num_seqs": "max_batch_size"}
+"""vLLM's names of ``LLM(...)`` keywords for core settings with the same meaning (as ``gemmaserve serve`` takes
+``--max-num-seqs``)."""
+
+
+def _vllm_aliases(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with vLLM's names (:data:`_VLLM_ALIASES`) renamed to gemmaserve's; both names given with
+    different values is a ConfigurationError."""
+    out = dict(options)
+    for alias, name in _VLLM_ALIASES.items():
+        if alias in out:
+            value = out.pop(alias)
+            if name in out and out[name] != value:
+                raise ConfigurationError(f"LLM({alias}={value!r}, {name}={out[name]!r}): {alias} is vLLM's name for "
+                                         f"{name}; give one of them")
+            out[name] = value
+    return out
 
 
 def _check_options(options: dict[str, Any]) -> None:
@@ -437,3 +709,36 @@ def _by_prompt(results: list[CompletionOutput], counts: list[int]) -> list[Compl
 def _check_params(params: object) -> None:
     if not isinstance(params, SamplingParams):
         raise InvalidRequestError(f"sampling_params must be SamplingParams objects, got {type(params).__name__}")
+
+
+def _check_use_tqdm(use_tqdm: object) -> None:
+    """vLLM's ``use_tqdm``: a bool or a callable making the bar (accepted; no bar is shown)."""
+    if not isinstance(use_tqdm, bool) and not callable(use_tqdm):
+        raise InvalidRequestError(f"use_tqdm must be a bool or a callable, got {type(use_tqdm).__name__}")
+
+
+def _is_one_prompt(value: object) -> bool:
+    """True for a single prompt (text, a prompt dict, a non-empty list of ints, or bytes, refused later), False
+    for a list of prompts or anything else."""
+    if isinstance(value, (str, Mapping, bytes, bytearray, memoryview)):
+        return True
+    return isinstance(value, Sequence) and bool(value) and all(isinstance(t, int) for t in value)
+
+
+def _conversations(messages: object) -> list[list[Mapping[str, Any]]]:
+    """``LLM.chat``'s ``messages``: one conversation (a non-empty list of message dicts) or a non-empty list of
+    them; anything else is an InvalidRequestError saying what is accepted."""
+    accepted = "a list of messages ({'role': ..., 'content': ...}) or a list of such lists"
+    if isinstance(messages, (str, Mapping)) or not isinstance(messages, Sequence) or not messages:
+        raise InvalidRequestError(f"LLM.chat: messages must be {accepted}, got {type(messages).__name__}"
+                                  + (" (empty)" if isinstance(messages, Sequence) and not messages else ""))
+    if all(isinstance(message, Mapping) for message in messages):
+        return [list(messages)]  # type: ignore[arg-type]
+    conversations = []
+    for index, conversation in enumerate(messages):
+        if (isinstance(conversation, (str, Mapping)) or not isinstance(conversation, Sequence) or not conversation
+                or not all(isinstance(message, Mapping) for message in conversation)):
+            raise InvalidRequestError(f"LLM.chat: messages must be {accepted}; item {index} is not a non-empty list "
+                                      "of message dicts")
+        conversations.append(list(conversation))
+    return conversations

@@ -8,20 +8,33 @@ trailing U+FFFD (an unfinished character) waits for the next token, the text bef
 Cost per token is constant.
 
 With stop strings it holds back any tail that could still become a stop string, so a stop string
-is never emitted; the earliest match over all stop strings wins.
+is never emitted (unless ``include_stop_str``: then it is, and nothing is held back); the earliest match over all
+stop strings wins.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gemmaserve.backend import Tokenizer
 
-__all__ = ["IncrementalDetokenizer", "DetokenizedDelta"]
+if TYPE_CHECKING:
+    from gemmaserve.engine.request import RequestOutput
+    from gemmaserve.sampling_params import SamplingParams
+
+__all__ = ["IncrementalDetokenizer", "DetokenizedDelta", "hides_stop_token"]
 
 _REPLACEMENT = "\ufffd"
 _PROMPT_CONTEXT_TOKENS = 5
+
+
+def hides_stop_token(output: RequestOutput | None, params: SamplingParams) -> bool:
+    """True when ``output`` (a final one; None while the request runs) ends with an EOS or ``stop_token_ids``
+    token whose text is left out of the output text: always, unless ``include_stop_str_in_output`` (vLLM's rule;
+    the token itself stays in ``token_ids``). The one definition the offline API and the HTTP server use."""
+    return output is not None and output.stop_token_id is not None and not params.include_stop_str_in_output
 
 
 @dataclass(slots=True)
@@ -48,9 +61,13 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int] | None = None,
         skip_special_tokens: bool = True,
         min_tokens: int = 0,
+        include_stop_str: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
+        self.include_stop_str = include_stop_str
+        """vLLM's ``include_stop_str_in_output``: a matched stop string stays in the text (what follows it in
+        the same token is still cut), and nothing is held back (vLLM's rule)."""
         self.min_tokens = min_tokens
         """Stop strings are looked for only once this many tokens were fed (vLLM's ``min_tokens``): one that
         ends earlier does not stop the request; one that ends at or after that token does."""
@@ -141,17 +158,18 @@ class IncrementalDetokenizer:
 
     def _release(self, *, final: bool) -> DetokenizedDelta:
         full = self._decoded + self._partial
-        start = len(self.emitted)  # a stop string can only begin in text not emitted yet
+        start = len(self.emitted)  # a stop string ends in text not emitted yet (begins there, unless included)
         best: tuple[int, str] | None = None
         matching = len(self._ids) - self._num_context >= self.min_tokens
         for stop in self.stop if matching else ():
-            index = full.find(stop, start)
-            while index != -1 and index + len(stop) <= self._min_floor:  # ends before the min_tokens-th token
+            floor = max(self._min_floor, start) if self.include_stop_str else self._min_floor
+            index = full.find(stop, max(0, start - len(stop) + 1) if self.include_stop_str else start)
+            while index != -1 and index + len(stop) <= floor:  # ends before the min_tokens-th token (or emitted)
                 index = full.find(stop, index + 1)
             if index != -1 and (best is None or index < best[0]):
                 best = (index, stop)
         if best is not None:
-            delta = full[start : best[0]]
+            delta = full[start : best[0] + (len(best[1]) if self.include_stop_str else 0)]
             self.emitted += delta
             self.stopped, self.stop_string = True, best[1]
             return DetokenizedDelta(delta, True, best[1])
@@ -161,7 +179,10 @@ class IncrementalDetokenizer:
         return DetokenizedDelta(delta)
 
     def _held_back(self, full: str, start: int) -> int:
-        """Length of the longest suffix of ``full[start:]`` that is a proper prefix of a stop string."""
+        """Length of the longest suffix of ``full[start:]`` that is a proper prefix of a stop string (0 with
+        ``include_stop_str``: the text goes out as it comes)."""
+        if self.include_stop_str:
+            return 0
         longest = 0
         for stop in self.stop:
             for size in range(min(len(stop) - 1, len(full) - start), longest, -1):

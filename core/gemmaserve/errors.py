@@ -17,6 +17,7 @@ __all__ = [
     "EngineOverloadedError",
     "RequestCancelledError",
     "BackendStepError",
+    "LLMClosedError",
 ]
 
 
@@ -58,3 +59,8 @@ class RequestCancelledError(GemmaserveError):
 
 class BackendStepError(GemmaserveError):
     """The backend raised while processing this request; other requests are unaffected."""
+
+
+class LLMClosedError(GemmaserveError, RuntimeError):
+    """The :class:`gemmaserve.LLM` was closed (``close()`` or the end of its ``with`` block): it generates nothing
+    more."""

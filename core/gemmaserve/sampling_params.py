@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from gemmaserve.errors import InvalidRequestError
 from gemmaserve.structured.spec import StructuredOutputs
 
-__all__ = ["MAX_BAD_WORDS", "MAX_LOGPROBS", "SamplingParams", "RowSampling", "allowed_tokens", "MIN_TEMPERATURE",
+__all__ = ["VLLM_SAMPLING_OPTIONS_NOT_IMPLEMENTED", "MAX_BAD_WORDS", "MAX_LOGPROBS", "SamplingParams", "RowSampling",
+           "allowed_tokens", "MIN_TEMPERATURE",
            "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "MAX_LOGIT_BIAS", "MAX_N"]
 
 MIN_TEMPERATURE = 1e-5
@@ -28,7 +32,7 @@ MAX_N = 64
 """Samples (``n``) per request: each is its own engine request."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
     """How to pick tokens for one request.
 
@@ -56,13 +60,20 @@ class SamplingParams:
     own engine request (:meth:`for_sample`: sample ``i`` draws with ``seed + i`` when a seed is given), which share
     the prompt's prefill through the prefix cache; an engine request itself is one sample (``n`` = 1).
     ``seed`` makes sampling reproducible: the same seed, prompt and parameters give the same tokens,
-    whatever else is in the batch. ``stop_token_ids`` end the request (the stop token is kept in the
-    output, like EOS); ``ignore_eos`` keeps generating past EOS (benchmarks). ``stop`` strings end the
-    request at the first match, which is cut from the text (like vLLM and OpenAI); they are a text-level
-    feature applied by :class:`gemmaserve.LLM` and the HTTP server (the engine itself sees token ids only).
+    whatever else is in the batch. ``stop_token_ids`` end the request like EOS: the token stays in
+    ``token_ids``, its text is left out of the output text (vLLM's rule); ``ignore_eos`` keeps generating past
+    EOS (benchmarks). ``stop`` strings end the request at the first match, which is cut from the text (like
+    vLLM and OpenAI); they are a text-level feature applied by :class:`gemmaserve.LLM` and the HTTP server (the
+    engine itself sees token ids only). ``include_stop_str_in_output`` (vLLM's): keep the matched stop string
+    and the text of the EOS / stop token that ended the request. ``skip_special_tokens`` (vLLM's): False shows
+    special tokens in the text.
+    Keyword-only (vLLM's first positional parameter is ``n``). vLLM options gemmaserve does not implement
+    (:data:`VLLM_SAMPLING_OPTIONS_NOT_IMPLEMENTED`) are accepted only at the value that changes nothing.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
+    """Tokens to generate at most; None (vLLM's offline meaning): up to the end of the context, resolved per prompt
+    by :class:`gemmaserve.LLM` (an engine request takes an int)."""
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -80,26 +91,14 @@ class SamplingParams:
     logprobs: int | None = None
     bad_words: tuple[str, ...] = field(default_factory=tuple)
     n: int = 1
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         spec = self.structured_outputs
         if spec is not None and not isinstance(spec, StructuredOutputs):
             object.__setattr__(self, "structured_outputs", StructuredOutputs.from_mapping(spec))
-        bias = self.logit_bias
-        if bias is None:
-            bias = ()
-        elif isinstance(bias, (dict, list, tuple)) and len(bias) > MAX_LOGIT_BIAS:  # before converting them all
-            raise InvalidRequestError(f"logit_bias accepts at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
-        elif isinstance(bias, dict):
-            try:
-                bias = tuple(sorted((int(k), v) for k, v in bias.items()))  # JSON object keys are strings
-            except (TypeError, ValueError):
-                raise InvalidRequestError("logit_bias keys must be token ids (integers)") from None
-        elif isinstance(bias, (list, tuple)):
-            bias = tuple(tuple(pair) for pair in bias)
-        else:
-            raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {type(bias).__name__}")
-        object.__setattr__(self, "logit_bias", bias)
+        object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
         for name, single, accepted in (("stop", str, "a string or a list of strings"),
                                        ("bad_words", str, "a list of strings"),
                                        ("stop_token_ids", int, "a list of token IDs")):
@@ -112,10 +111,13 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise :class:`InvalidRequestError` naming the first bad field and the accepted range."""
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidRequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
+                                            or self.max_tokens < 1):
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1 or None (up to the end of the context), "
+                                      f"got {self.max_tokens!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             raise InvalidRequestError(f"n must be an integer in [1, {MAX_N}] (samples of the prompt), got {self.n!r}")
         if not _is_real(self.temperature) or not (0.0 <= self.temperature <= 100.0):
@@ -153,7 +155,7 @@ class SamplingParams:
         if not _is_real(self.min_p) or not (0.0 <= self.min_p <= 1.0):
             raise InvalidRequestError(f"min_p must be a number in [0, 1] (0 = off), got {self.min_p!r}")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or not (
-                0 <= self.min_tokens <= self.max_tokens):
+                0 <= self.min_tokens <= (math.inf if self.max_tokens is None else self.max_tokens)):
             raise InvalidRequestError(
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         if self.min_tokens and self.structured_outputs is not None:
@@ -199,6 +201,46 @@ def _is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+_DECIMAL_ID = re.compile(r"0|[1-9][0-9]{0,9}")
+"""A token id written as a string (JSON object keys): ASCII digits, no sign, spaces or leading zeros."""
+
+
+def _logit_bias_key(key: object) -> int:
+    """A ``logit_bias`` key as a token id: an int (not a bool) or a canonical decimal string (``"42"``); anything
+    else (``5.7``, ``True``, ``" 5 "``, ``"05"``, ``"٥"``) is an InvalidRequestError naming it."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    if isinstance(key, str) and key.isascii() and _DECIMAL_ID.fullmatch(key):
+        return int(key)
+    raise InvalidRequestError(f"logit_bias key {key!r} is not a token id: keys are non-negative ints or their "
+                              "decimal strings without sign, spaces or leading zeros (5 or \"5\")")
+
+
+def _logit_bias_pairs(bias: object) -> tuple[tuple[Any, ...], ...]:
+    """``logit_bias`` (a dict, a list of ``(token id, bias)`` pairs, or None) as sorted pairs; at most
+    ``MAX_LOGIT_BIAS`` entries and one per token (a second key naming the same token is refused)."""
+    if bias is None:
+        return ()
+    if isinstance(bias, dict):
+        items: list[tuple[Any, ...]] = list(bias.items())
+    elif isinstance(bias, (list, tuple)):
+        items = [tuple(pair) if isinstance(pair, (list, tuple)) else (pair,) for pair in bias]
+    else:
+        raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {type(bias).__name__}")
+    if len(items) > MAX_LOGIT_BIAS:  # before converting them all
+        raise InvalidRequestError(f"logit_bias accepts at most {MAX_LOGIT_BIAS} entries, got {len(items)}")
+    pairs: dict[int, tuple[Any, Any]] = {}  # token id -> (key as given, bias)
+    for item in items:
+        if len(item) != 2:
+            raise InvalidRequestError(f"logit_bias entries are (token id, bias) pairs, got {item!r}")
+        token_id = _logit_bias_key(item[0])
+        if token_id in pairs:
+            raise InvalidRequestError(f"logit_bias names token {token_id} twice ({pairs[token_id][0]!r} and "
+                                      f"{item[0]!r}); give each token one entry")
+        pairs[token_id] = (item[0], item[1])
+    return tuple((token_id, pairs[token_id][1]) for token_id in sorted(pairs))
+
+
 
 def _as_tuple(value: object, name: str, single: type, accepted: str) -> tuple:
     """A list field as a tuple: None is empty, one ``single`` value (not a bool) is a one-item tuple, a list or
@@ -210,6 +252,73 @@ def _as_tuple(value: object, name: str, single: type, accepted: str) -> tuple:
     if not isinstance(value, (list, tuple)):
         raise InvalidRequestError(f"{name} must be {accepted}, got {type(value).__name__}")
     return tuple(value)
+
+VLLM_SAMPLING_OPTIONS_NOT_IMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "best_of": ((None,), "every sample is returned; ask for them with n (best_of may equal n)"),
+    "spaces_between_special_tokens": ((True,), "special tokens are decoded the tokenizer's way"),
+    "detokenize": ((True,), "the text is always decoded, next to token_ids"),
+    "prompt_logprobs": ((None,), "the engine computes no prompt logprobs"),
+    "allowed_token_ids": ((None,), "restrict the output with structured_outputs (e.g. {'choice': [...]} or a "
+                          "regex), or logit_bias / bad_words"),
+    "truncate_prompt_tokens": ((None,), "prompts are never truncated: shorten the prompt"),
+    "output_kind": ((None,), "LLM.generate returns final outputs; LLM.stream yields deltas"),
+    "guided_decoding": ((None,), "use structured_outputs=StructuredOutputs(...) or its dict (vLLM's new name)"),
+    "logits_processors": ((None, [], ()), "custom logits processors are not supported; use logit_bias, bad_words "
+                          "or structured_outputs"),
+    "extra_args": ((None, {}), "no plugin reads extra sampling arguments"),
+}
+"""Options of vLLM's ``SamplingParams(...)`` that gemmaserve does not implement: each accepted only at the value
+that means what gemmaserve does anyway (and then dropped: no field holds it), anything else an InvalidRequestError
+naming it and why (never silently ignored). ``best_of`` may also equal ``n``; ``output_kind`` may also be vLLM's
+``RequestOutputKind.CUMULATIVE`` or ``FINAL_ONLY``."""
+
+
+def _neutral(name: str, value: Any, options: dict[str, Any]) -> bool:
+    """True when vLLM option ``name`` has a value that changes nothing here."""
+    accepted = VLLM_SAMPLING_OPTIONS_NOT_IMPLEMENTED[name][0]
+    if any(value is ok or (type(value) is type(ok) and value == ok) for ok in accepted):
+        return True
+    if name == "best_of":
+        return isinstance(value, int) and not isinstance(value, bool) and value == options.get("n", 1)
+    if name == "output_kind":  # vLLM's RequestOutputKind (an IntEnum): the final output is what generate returns
+        return getattr(value, "name", None) in ("CUMULATIVE", "FINAL_ONLY")
+    return False
+
+
+def _keyword_only_init(init: Any) -> Any:
+    """Wrap the dataclass ``__init__``: keywords only (vLLM's first positional is ``n``, so ``SamplingParams(2)``
+    is refused rather than read as ``max_tokens=2``); vLLM options gemmaserve does not implement are dropped at
+    their neutral value and refused by name otherwise; an unknown keyword is a TypeError naming close matches."""
+
+    @functools.wraps(init)
+    def __init__(self: SamplingParams, *args: Any, **options: Any) -> None:
+        if args:
+            raise TypeError(f"SamplingParams takes keyword arguments only, got {len(args)} positional "
+                            f"({', '.join(repr(a) for a in args)}); name them, e.g. SamplingParams(max_tokens=16) "
+                            "(vLLM's first positional is n)")
+        for name in [name for name in options if name in VLLM_SAMPLING_OPTIONS_NOT_IMPLEMENTED]:
+            value = options.pop(name)
+            if not _neutral(name, value, options):
+                accepted, why = VLLM_SAMPLING_OPTIONS_NOT_IMPLEMENTED[name]
+                shown = " or ".join(repr(a) for a in accepted if not isinstance(a, tuple))
+                raise InvalidRequestError(f"SamplingParams({name}={value!r}) is not implemented by gemmaserve "
+                                          f"({why}); leave it unset or {shown}")
+        unknown = [name for name in options if name not in SamplingParams.__dataclass_fields__]
+        if unknown:
+            from difflib import get_close_matches
+
+            close = get_close_matches(unknown[0], [*SamplingParams.__dataclass_fields__,
+                                                   *VLLM_SAMPLING_OPTIONS_NOT_IMPLEMENTED], n=3, cutoff=0.6)
+            hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else (
+                "; see the SamplingParams docstring or docs/api.md for the accepted fields")
+            raise TypeError(f"SamplingParams() got an unexpected keyword argument {unknown[0]!r}{hint}")
+        init(self, **options)
+
+    return __init__
+
+
+SamplingParams.__init__ = _keyword_only_init(SamplingParams.__init__)  # type: ignore[method-assign]
+
 
 @dataclass(slots=True)
 class RowSampling:

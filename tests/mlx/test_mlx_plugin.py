@@ -101,7 +101,7 @@ def test_llm_top_logprobs_on_the_batched_backend(gemma4_dir: Path) -> None:
     params = SamplingParams(max_tokens=5, ignore_eos=True, logprobs=3)
     with LLM(model=str(gemma4_dir), backend="mlx", device="cpu", dtype="float32", kv_block_size=4) as llm:
         (out,) = llm.generate(["the quick brown fox"], params)
-    assert out.top_logprobs is not None and out.logprobs is not None and len(out.top_logprobs) == 5
-    for token, logprob, top in zip(out.token_ids, out.logprobs, out.top_logprobs):
+    assert out.top_logprobs is not None and out.token_logprobs is not None and len(out.top_logprobs) == 5
+    for token, logprob, top in zip(out.token_ids, out.token_logprobs, out.top_logprobs):
         assert len(top) == 3 and [v for _, v in top] == sorted((v for _, v in top), reverse=True)
         assert top[0][0] == token and top[0][1] == pytest.approx(logprob, abs=1e-6)

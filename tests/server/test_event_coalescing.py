@@ -43,9 +43,9 @@ def events_of(request: Request, tokens: list[list[int]], start: float = 10.0) ->
 
 
 def generation(max_tokens: int, logprobs: bool = False, stop: list[str] | None = None,
-               hidden: tuple[int, ...] = ()) -> Generation:
-    prepared = Prepared(prompt_ids=[3, 4], params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                        stop=stop or [], want_logprobs=logprobs, hidden_token_ids=hidden)
+               special: bool = False) -> Generation:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, skip_special_tokens=not special)
+    prepared = Prepared(prompt_ids=[3, 4], params=params, stop=stop or [], want_logprobs=logprobs)
     return Generation(DeadEngine(), CharTokenizer(64), prepared, timing=Timing(start=9.5), submit=False)  # type: ignore[arg-type]
 
 
@@ -64,14 +64,15 @@ async def drain(g: Generation) -> tuple[list[str], list[int]]:
     return texts, g.token_ids
 
 
-def test_no_step_runs_past_a_hidden_stop_token() -> None:
-    """Chat with a tool or reasoning parser: EOS is hidden (its text left out) but, with ignore_eos, does not
-    end the request; merged or not, the reply's text is the same."""
+def test_special_tokens_shown_merge_like_one_at_a_time() -> None:
+    """Chat with a tool or reasoning parser decodes with the special tokens: an EOS that does not end the request
+    (ignore_eos) is an ordinary token, its text kept (vLLM's rule: only the token that ends a request loses its
+    text); merged or not, the reply's text is the same."""
     eos = 2
     tokens = [[letters("a")[0]], [eos], [letters("b")[0]], [letters("c")[0]]]
 
     async def one_at_a_time() -> str:
-        g = generation(8, hidden=(eos,))
+        g = generation(8, special=True)
         text = ""
         for event in events_of(decoding_request(8), tokens):
             g._queue.put_nowait(event)
@@ -81,7 +82,7 @@ def test_no_step_runs_past_a_hidden_stop_token() -> None:
         return text
 
     async def merged() -> str:
-        g = generation(8, hidden=(eos,))
+        g = generation(8, special=True)
         for event in events_of(decoding_request(8), tokens):
             g._queue.put_nowait(event)
         texts, ids = await drain(g)
@@ -89,7 +90,7 @@ def test_no_step_runs_past_a_hidden_stop_token() -> None:
         return "".join(texts)
 
     expected = asyncio.run(one_at_a_time())
-    assert "<eos>" not in expected
+    assert expected == "a<eos>bc"
     assert asyncio.run(merged()) == expected
 
 

@@ -103,7 +103,7 @@ def test_offline_logprobs_k_agree_between_custom_cpu_and_hf(chat_checkpoint) -> 
         finally:
             llm.close()
     for mine, theirs, p in zip(runs["custom-cpu"], runs["hf"], params):
-        assert mine.token_ids == theirs.token_ids and len(mine.logprobs) == 6
+        assert mine.token_ids == theirs.token_ids and len(mine.token_logprobs) == len(mine.logprobs) == 6
         if not p.logprobs:
             assert mine.top_logprobs is None
             continue

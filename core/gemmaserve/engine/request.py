@@ -42,7 +42,8 @@ class RequestState(str, enum.Enum):
 
 
 class FinishReason(str, enum.Enum):
-    """Why a request ended: ``stop`` (EOS or a stop token, kept in the output), ``length``
+    """Why a request ended: ``stop`` (EOS or a stop token, kept in ``token_ids``; see
+    ``RequestOutput.stop_token_id``), ``length``
     (``max_tokens``), ``cancelled`` (cancel/abort/shutdown) or ``error`` (see ``RequestOutput.error``)."""
 
     STOP = "stop"
@@ -112,6 +113,10 @@ class RequestOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     """With ``SamplingParams.logprobs`` = k > 0: per token, the k most likely ``(token, logprob)`` pairs."""
+    stop_token_id: int | None = None
+    """The last token of ``token_ids`` when it ended the request as EOS (not ``ignore_eos``) or one of
+    ``stop_token_ids``; else None (``length``, a complete constraint, a stop string, a cancellation). Its text is
+    left out of the output text unless ``include_stop_str_in_output`` (vLLM's rule)."""
 
     @property
     def finished(self) -> bool:
@@ -173,6 +178,8 @@ class Request:
     cached_tokens: int = 0
     seed: int | None = None
     finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+    """The EOS or stop token that ended the request (see :attr:`RequestOutput.stop_token_id`)."""
     error: str | None = None
     error_type: str | None = None
     first_token_time: float | None = None
@@ -380,7 +387,10 @@ class Request:
             if self.params.logprobs:
                 self.output_top_logprobs.append(list(top))
         params = self.params
-        if complete or token_id in self._ends or (not params.ignore_eos and token_id in eos_token_ids):
+        if token_id in self._ends or (not params.ignore_eos and token_id in eos_token_ids):
+            self.stop_token_id = token_id
+            self.finish(FinishReason.STOP)
+        elif complete:
             self.finish(FinishReason.STOP)
         elif len(self.output_token_ids) >= params.max_tokens:
             self.finish(FinishReason.LENGTH)
@@ -414,6 +424,7 @@ class Request:
             error_type=self.error_type,
             logprobs=list(self.output_logprobs) if self.want_logprobs else None,
             top_logprobs=list(self.output_top_logprobs) if self.params.logprobs else None,
+            stop_token_id=self.stop_token_id,
         )
 
     def take_event(self) -> RequestEvent:

@@ -36,6 +36,9 @@ def validate_request(
     """Raise :class:`InvalidRequestError` (or :class:`PromptTooLongError`) if ``request`` can never run:
     empty prompt, token ids (prompt, ``logit_bias``, ``stop_token_ids``) outside ``[0, vocab_size)``, logprobs the
     backend cannot give, or prompt + max_tokens over the model length or over MAX_ACTIVE_KV_TOKENS."""
+    if request.params.max_tokens is None:
+        raise InvalidRequestError("max_tokens=None (up to the end of the context) is resolved by gemmaserve.LLM; an "
+                                  "engine request takes an integer max_tokens >= 1")
     prompt = request.prompt_token_ids
     num_prompt = len(prompt)
     if num_prompt == 0:

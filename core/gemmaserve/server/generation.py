@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gemmaserve.detokenize import IncrementalDetokenizer
+from gemmaserve.detokenize import IncrementalDetokenizer, hides_stop_token
 from gemmaserve.engine.delivery import loop_delivery
 from gemmaserve.engine.request import FinishReason
 from gemmaserve.server.errors import APIError, ClientDisconnected, from_output_error
@@ -46,9 +46,6 @@ class Prepared:
     """False: at most one tool call is returned (later ones are dropped, as OpenAI's flag promises)."""
     reasoning_parser: str | None = None
     """Chat: ``gemma4`` reads the reasoning channel out of the reply (``message.reasoning_content``)."""
-    hidden_token_ids: tuple[int, ...] = ()
-    """Stop tokens whose text is left out when the reply is decoded with its special tokens (the gemma4 parsers
-    need them: their markers are special tokens)."""
     constraint_field: str | None = None
     """The request field ``params.structured_outputs`` came from (``tools`` for a tool_choice call constraint):
     what errors about the constraint name (:func:`~gemmaserve.server.errors.constraint_error`)."""
@@ -139,10 +136,11 @@ class Generation:
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] | None = [] if prepared.params.logprobs else None
         self._engine = engine
+        params = prepared.params
         self._detok = IncrementalDetokenizer(tokenizer, prepared.stop, prompt_ids=prepared.prompt_ids,
-                                             min_tokens=prepared.params.min_tokens,
-                                             skip_special_tokens=not prepared.hidden_token_ids)
-        self._hidden = frozenset(prepared.hidden_token_ids)
+                                             min_tokens=params.min_tokens,
+                                             skip_special_tokens=params.skip_special_tokens,
+                                             include_stop_str=params.include_stop_str_in_output)
         self._queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
         self._held: RequestEvent | None = None  # a failed final event read while merging, for the next step
         self._engine_done = False
@@ -187,7 +185,7 @@ class Generation:
         while not self.done:
             event = await self._next_event()
             times = [(event.produced_at, len(event.new_token_ids))]
-            while not event.finished and not self._queue.empty() and not self._ends_hidden(event):
+            while not event.finished and not self._queue.empty():
                 later = self._queue.get_nowait()
                 if later.finished and event.new_token_ids and _failed(later):
                     self._held = later  # its tokens go out before the error or cancellation ends the stream
@@ -198,11 +196,6 @@ class Generation:
             if step.token_ids or step.finish_reason:
                 return step
         return None
-
-    def _ends_hidden(self, event: RequestEvent) -> bool:
-        """A stop token whose text is left out ends ``event``: only a step's last token can be one
-        (:meth:`_take_tokens`), so nothing is merged after it."""
-        return bool(self._hidden and event.new_token_ids and event.new_token_ids[-1] in self._hidden)
 
     def client_gone(self) -> None:
         """The HTTP client disconnected: cancel the engine request (its KV is freed). The consumer
@@ -250,7 +243,8 @@ class Generation:
             reason = output.finish_reason.value
             if reason in ("cancelled", "error"):
                 self._fail(reason, output.error_type, output.error)
-        step = self._take_tokens(event.new_token_ids, event.new_logprobs, event.new_top_logprobs)
+        step = self._take_tokens(event.new_token_ids, event.new_logprobs, event.new_top_logprobs,
+                                 hides_stop_token(event.output, self.prepared.params))
         before = 0
         for produced_at, count in times:
             if count and before < len(step.token_ids):  # an event a stop string cut off entirely is not timed
@@ -267,10 +261,12 @@ class Generation:
         return step
 
     def _take_tokens(self, token_ids: Sequence[int], logprobs: Sequence[float] | None,
-                     top: Sequence[list[tuple[int, float]]] | None = None) -> Step:
+                     top: Sequence[list[tuple[int, float]]] | None = None, hide_last: bool = False) -> Step:
+        """Feed ``token_ids`` to the detokenizer, up to a stop string; ``hide_last``: the last one is the EOS / stop
+        token that ended the request (counted, its text left out: :func:`hides_stop_token`)."""
         step = Step("", [], [] if self.prepared.want_logprobs else None)
         shown, hidden_tail = token_ids, 0
-        if self._hidden and token_ids and token_ids[-1] in self._hidden:  # a stop token ends the reply: no text
+        if hide_last and token_ids:
             shown, hidden_tail = token_ids[:-1], 1
         consumed, delta = self._detok.add_until_stop(shown)
         if not delta.stopped:

@@ -70,8 +70,8 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limi
     ``default_max_tokens`` tokens, or fewer if the rest of ``context_limit`` is smaller (0: the rest of it).
     With ``tools`` (and ``tool_choice`` other than ``"none"``) the template gets them, the reply is read with
     the tool-call parser, and ``"required"`` or a named function constrains the reply to a call. A long chat
-    is rendered in ``pool`` (see :func:`render_chat`). ``eos_token_ids``: the model's end tokens (the engine
-    stops on them; a reply read by the gemma4 parsers leaves their text out)."""
+    is rendered in ``pool`` (see :func:`render_chat`). ``eos_token_ids``: unused (kept for callers; the text of
+    the EOS or stop token that ends a reply is left out of it by :func:`~gemmaserve.detokenize.hides_stop_token`)."""
     body.check_generation_prompt()
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, f"top_logprobs={body.top_logprobs} needs logprobs: true (the alternatives come with the "
@@ -105,12 +105,10 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limi
         except InvalidRequestError as exc:  # min_tokens
             raise APIError(400, str(exc), param="min_tokens", code="invalid_value") from None
         constraint_field = "tools"
-    hidden: tuple[int, ...] = ()
-    if parser == "gemma4" or reasoning_parser:  # markers are special tokens: decode with them, not the stops' text
-        hidden = tuple(dict.fromkeys([*params.stop_token_ids, *getattr(tokenizer, "eos_token_ids", ()),
-                                      *(int(token) for token in eos_token_ids)]))
+    if parser == "gemma4" or reasoning_parser:  # their markers are special tokens: the parsers read them
+        params = dataclasses.replace(params, skip_special_tokens=False)
     return Prepared(prompt_ids, params, body.stop_strings, bool(body.logprobs), "messages", parser,
-                    body.parallel_tool_calls is not False, reasoning_parser or None, hidden, constraint_field)
+                    body.parallel_tool_calls is not False, reasoning_parser or None, constraint_field)
 
 
 def resolve_tool_parser(tokenizer: Tokenizer, setting: str) -> str:
@@ -285,6 +283,9 @@ def _sampling(body: SamplingFields, max_tokens: int, extra_stop_ids: tuple[int, 
             presence_penalty=0.0 if body.presence_penalty is None else body.presence_penalty,
             frequency_penalty=0.0 if body.frequency_penalty is None else body.frequency_penalty,
             bad_words=tuple(body.bad_words or ()),
+            # vLLM's fields; the request model holds them once protocol.py accepts values other than the default
+            include_stop_str_in_output=bool(getattr(body, "include_stop_str_in_output", None)),
+            skip_special_tokens=getattr(body, "skip_special_tokens", None) is not False,
         )
     except InvalidRequestError as exc:  # the protocol checks ranges first; this is a backstop
         raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0].split(".", 1)[0], code="invalid_value") from None

@@ -152,8 +152,8 @@ NEUTRAL_EXTRAS: dict[str, tuple[Any, ...]] = {
     # OpenAI fields with nothing to do here: accepted at these values only
     "store": (None, False), "metadata": (None,), "service_tier": (None, "auto", "default"),
     # vLLM's extra sampling fields, accepted at their defaults (which is what gemmaserve does)
-    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
-    "include_stop_str_in_output": (None, False), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
+    "spaces_between_special_tokens": (None, True),
+    "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
     "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,),
     "allowed_token_ids": (None,), "priority": (None, 0), "add_special_tokens": (None,),
     "return_tokens_as_token_ids": (None, False), "detokenize": (None, True),
@@ -208,6 +208,8 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = Field(
         None, json_schema_extra=_only({**_TOKEN_IDS, "maxItems": MAX_STOP_TOKEN_IDS}))
     ignore_eos: bool | None = False
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
     n: int | None = Field(None, ge=1, json_schema_extra=_only({"type": "integer", "minimum": 1, "maximum": 64}))
     stream: bool | None = False
     stream_options: StreamOptions | None = None
