@@ -163,8 +163,8 @@ class CoreSettings(BaseSettings):
     )
     stream_stall_timeout_s: float = Field(
         60.0, gt=0, validation_alias=env_alias("STREAM_STALL_TIMEOUT_S"),
-        description="HTTP server: seconds a streaming response may wait on a client that reads nothing; then its "
-        "request is cancelled (its KV freed) and the connection closed.",
+        description="HTTP server: seconds a streaming response may wait on a client that takes no byte of what is "
+        "buffered for it; then its request is cancelled (its KV freed) and the connection closed.",
     )
     allowed_headers: str = Field(
         "*", validation_alias=env_alias("ALLOWED_HEADERS"),

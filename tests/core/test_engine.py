@@ -608,3 +608,26 @@ def test_params_that_are_not_sampling_params_are_refused_by_name(params: Any) ->
             engine.submit_many([[5, 6]], [params])
     finally:
         engine.shutdown()
+
+
+def test_an_old_handles_cancel_spares_the_new_request_with_its_id() -> None:
+    """``old_handle.cancel()`` after "x" finished and a new "x" started: False, and the new one runs on."""
+    engine = make_engine()
+    try:
+        old = engine.submit([5, 6], SamplingParams(max_tokens=2, ignore_eos=True), request_id="x")
+        old.result(timeout=10)
+        new = engine.submit([5, 7], SamplingParams(max_tokens=5, ignore_eos=True), request_id="x")
+        assert old.cancel() is False
+        assert new.result(timeout=10).finish_reason == "length"
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("params", [{"max_tokens": 3}, {}])
+def test_generate_refuses_a_dict_for_params_by_its_type(params: Any) -> None:
+    engine = make_engine()
+    try:
+        with pytest.raises(InvalidRequestError, match="must be a gemmaserve.SamplingParams .* got dict"):
+            engine.generate([[5, 6]], params)
+    finally:
+        engine.shutdown()

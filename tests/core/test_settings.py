@@ -138,6 +138,7 @@ def test_every_settings_field_is_accepted_under_its_gemmaserve_name(monkeypatch:
     from gemmaserve.settings import check_gemmaserve_variables, env_names
 
     classes = _settings_classes(load_registry())
+    assert classes is not None
     names = {name for cls in classes for name in env_names(cls) if name.startswith("GEMMASERVE_")}
     assert {"GEMMASERVE_BACKEND", "GEMMASERVE_COMPILE_MODEL", "GEMMASERVE_HF_ATTN_IMPLEMENTATION"} <= names
     for name in names:

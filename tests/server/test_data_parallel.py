@@ -100,6 +100,17 @@ def test_client_facing_settings_are_refused(capsys: pytest.CaptureFixture[str]) 
     assert "--port 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name, value", [("ALLOWED_HEADERS", "x-a"), ("ALLOWED_METHODS", "GET"),
+                                         ("ALLOW_CREDENTIALS", "1")])
+def test_cors_allowances_from_the_environment_are_refused_too(monkeypatch: pytest.MonkeyPatch, name: str,
+                                                              value: str) -> None:
+    """The router answers CORS: what only a replica would allow is refused, from the environment as from flags."""
+    monkeypatch.setenv("ALLOWED_ORIGINS", "https://a.example")
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigurationError, match=rf"\({name}\): the router answers CORS"):
+        plan_launch(load_settings(device="cpu"), 2, "cache_aware", [], None, env={})
+
+
 def test_replicas_are_pinned_one_gpu_each() -> None:
     settings = load_settings(device="cuda")
     plan = plan_launch(settings, 2, "cache_aware", ["--model=/m"], None, env={"CUDA_VISIBLE_DEVICES": "3,GPU-ab,7"})

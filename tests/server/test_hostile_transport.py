@@ -201,12 +201,16 @@ def test_withheld_bodies_exhaust_the_body_budget_and_give_it_back(budget_server:
     base = budget_server.base_url
     assert not _refused_for_budget(base)
     body = _padded_completion(800)
-    with socket.create_connection(("127.0.0.1", budget_server.port)) as sock:
-        sock.sendall(_post_head("/v1/completions", len(body)) + body[:10])  # declares 800 bytes, withholds them
-        wait_until(lambda: _refused_for_budget(base), 10, "the withheld body to hold its 800 bytes")
-        sock.sendall(body[10:])
-        status, _, answer = _read_response(sock)
-        assert status == 200, answer
+    with socket.create_connection(("127.0.0.1", budget_server.port)) as idle:
+        idle.sendall(_post_head("/v1/completions", len(body)))  # declares 800 bytes, sends none: reserves nothing
+        time.sleep(0.3)
+        assert not _refused_for_budget(base)  # headers alone cannot lock others out
+        with socket.create_connection(("127.0.0.1", budget_server.port)) as sock:
+            sock.sendall(_post_head("/v1/completions", len(body)) + body[:790])  # 790 bytes held, 10 withheld
+            wait_until(lambda: _refused_for_budget(base), 10, "the withheld body to hold its 790 bytes")
+            sock.sendall(body[790:])
+            status, _, answer = _read_response(sock)
+            assert status == 200, answer
     assert not _refused_for_budget(base)  # released once read
     too_big = httpx.post(base + "/v1/completions", content=_padded_completion(1001),
                          headers={"Content-Type": "application/json"})
@@ -402,3 +406,50 @@ def test_a_trailing_slash_is_a_json_404_not_an_empty_redirect(client: tuple[Any,
     response = test_client.post("/v1/completions/", json={"prompt": [1], "max_tokens": 1}, follow_redirects=False)
     assert response.status_code == 404 and response.json()["error"]["type"] == "not_found_error", response.text
     assert engine.stats().finished == {}
+
+
+def test_a_slow_reader_that_keeps_taking_bytes_is_not_cut() -> None:
+    """Each send waits 1.5 s, three times STREAM_STALL_TIMEOUT_S, but the client keeps taking bytes (the unsent
+    count shrinks): the stream runs to its end, nothing is aborted."""
+    from gemmaserve.server.connections import ABORT_KEY, UNSENT_KEY
+
+    engine = reference_engine(_Slow(max_model_len=512), stream_stall_timeout_s=0.5)
+    app = create_app(engine, REFERENCE_MODEL)
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 3, "stream": True, "ignore_eos": True}).encode()
+
+    async def serve_one() -> tuple[bool, list[dict[str, Any]]]:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        aborted = asyncio.Event()
+        sent: list[dict[str, Any]] = []
+        inbox = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict[str, Any]:
+            if inbox:
+                return inbox.pop()
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+            if message["type"] == "http.response.body" and message.get("body"):
+                await asyncio.sleep(1.5)  # a slow reader: the buffer drains, slowly
+
+        def unsent() -> int:  # a byte taken every millisecond
+            return max(0, 10**7 - int((loop.time() - started) * 1000))
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "root_path": "", "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000),
+                 "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"),
+                             (b"content-length", str(len(body)).encode())],
+                 "state": {ABORT_KEY: aborted.set, UNSENT_KEY: unsent}}
+        await asyncio.wait_for(app(scope, receive, send), 30)
+        return aborted.is_set(), sent
+
+    try:
+        aborted, sent = asyncio.run(serve_one())
+        assert not aborted and sent[0]["status"] == 200
+        assert b"[DONE]" in b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    finally:
+        engine.shutdown(timeout=5)

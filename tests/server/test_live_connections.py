@@ -134,6 +134,11 @@ def test_a_connection_past_the_bound_gets_a_clean_503(live_server: LiveServer) -
             raw, _ = read_until_closed(extra)
         status, headers, body = response_json(raw)
         assert status == 200 and headers["connection"] == "close" and body == {"status": "ok"}
+        with connect(live_server) as extra:  # refused there for another reason: still closed after the answer
+            extra.sendall(b"GET /health HTTP/1.1\r\nHost: evil.example\r\n\r\n")
+            raw, _ = read_until_closed(extra)
+        status, headers, body = response_json(raw)
+        assert status == 400 and headers["connection"] == "close" and body["error"]["code"] == "invalid_host"
     finally:
         for sock in held:
             sock.close()

@@ -157,15 +157,27 @@ class Engine:
         if thread is None and not already:
             self._close_backend()
         elif thread is not None and thread is not threading.current_thread():
-            deadline = None if timeout is None else time.monotonic() + timeout
-            thread.join(self.INTERRUPT_AFTER_S if timeout is None else min(timeout, self.INTERRUPT_AFTER_S))
-            if thread.is_alive() and self.busy_for() >= self.INTERRUPT_AFTER_S:
+            self._join_interrupting(thread, timeout)
+
+    def _join_interrupting(self, thread: threading.Thread, timeout: float | None) -> None:
+        """Join the stopping engine thread (up to ``timeout`` seconds), asking the backend once to interrupt a call
+        that has run ``INTERRUPT_AFTER_S`` and started at least that long into the wait or before it."""
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
+        interrupted = False
+        while thread.is_alive():
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return
+            hung = now - started >= self.INTERRUPT_AFTER_S and self.busy_for() >= self.INTERRUPT_AFTER_S
+            if hung and not interrupted:
+                interrupted = True
                 logger.warning("shutdown: a backend call has run for %.0f s; interrupting it", self.busy_for())
                 try:
                     self.backend.interrupt()
                 except Exception:
                     logger.exception("interrupting the backend failed")
-            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            thread.join(0.5 if deadline is None else max(0.0, min(0.5, deadline - now)))
 
     def busy_for(self) -> float:
         """Seconds the engine thread has spent in the part of a tick it is running now (0.0 between parts): a
@@ -264,12 +276,12 @@ class Engine:
     ) -> list[RequestOutput]:
         """Run every prompt (batched together) and return their outputs in order. Blocks; waits for
         queue room instead of failing when there are more prompts than MAX_WAITING_REQUESTS."""
-        if params is None or isinstance(params, SamplingParams):
-            per_prompt = [params or SamplingParams()] * len(prompts)
-        else:
+        if isinstance(params, (list, tuple)):
             per_prompt = list(params)
             if len(per_prompt) != len(prompts):
                 raise InvalidRequestError(f"got {len(prompts)} prompts but {len(per_prompt)} sampling params")
+        else:
+            per_prompt = [_checked_params(params)] * len(prompts)
         handles = self.submit_many(prompts, per_prompt, logprobs=logprobs, wait_for_room=True)
         try:
             return [handle.result() for handle in handles]
@@ -278,16 +290,20 @@ class Engine:
                 handle.cancel()
             raise
 
-    def cancel(self, request_id: str, *, reason: FinishReason = FinishReason.CANCELLED) -> bool:
+    def cancel(self, request_id: str, *, reason: FinishReason = FinishReason.CANCELLED,
+               handle: RequestHandle | None = None) -> bool:
         """Cancel a request in any phase; True if it was still pending. Its final event/output has
         ``finish_reason=reason`` (applied at the start of the next tick): ``cancelled`` by default,
-        ``stop`` when the caller ended it on a stop string the engine does not see."""
+        ``stop`` when the caller ended it on a stop string the engine does not see. ``handle``: cancel only the
+        request of that handle (``RequestHandle.cancel``: a request that finished and whose id a new request took
+        is not the new one)."""
         if reason not in (FinishReason.CANCELLED, FinishReason.STOP):
             raise ValueError(f"cancel reason must be 'cancelled' or 'stop', got {reason!r}")
         with self._cond:
-            handle = self._handles.get(request_id)
-            if handle is None:
+            current = self._handles.get(request_id)
+            if current is None or (handle is not None and current is not handle):
                 return False
+            handle = current
             self._cancels.append((request_id, reason, handle))
             self._cond.notify_all()
             return True

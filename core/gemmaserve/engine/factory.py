@@ -29,15 +29,18 @@ __all__ = ["build_engine"]
 logger = logging.getLogger(__name__)
 
 
-def _settings_classes(registry: BackendRegistry) -> list[type[BaseSettings]]:
-    """The core's settings class and each registered backend's declared one (``BackendSpec.settings``); a class
-    that fails to import is left out (the backend's own selection reports its plugin's import errors)."""
+def _settings_classes(registry: BackendRegistry) -> list[type[BaseSettings]] | None:
+    """The core's settings class and each registered backend's declared one (``BackendSpec.settings``); None when
+    one fails to import (its names are unknown, so no ``GEMMASERVE_*`` variable can be called a misspelling; the
+    backend's own selection reports its plugin's import error)."""
     classes: list[type[BaseSettings]] = [CoreSettings]
     for path in sorted({spec.settings for spec in registry.specs.values() if spec.settings}):
         try:
             classes.append(resolve_dotted(path))
         except ImportError as exc:
-            logger.debug("settings class %s not importable: %s", path, exc)
+            logger.warning("settings class %s cannot be imported (%s): GEMMASERVE_* variables are not checked", path,
+                           exc)
+            return None
     return classes
 
 
@@ -59,7 +62,9 @@ def build_engine(settings: CoreSettings | None = None, registry: BackendRegistry
     """
     settings = settings or load_settings()
     registry = registry or load_registry()
-    check_gemmaserve_variables(_settings_classes(registry))
+    classes = _settings_classes(registry)
+    if classes is not None:
+        check_gemmaserve_variables(classes)
     selection = select_backend(settings, registry)
     spec = selection.spec
     model_path = settings.model

@@ -71,7 +71,7 @@ class RequestHandle:
 
     def cancel(self, *, reason: FinishReason = FinishReason.CANCELLED) -> bool:
         """Ask the engine to cancel (``reason`` = cancelled or stop); False if it already finished."""
-        return self._engine.cancel(self.request_id, reason=reason)
+        return self._engine.cancel(self.request_id, reason=reason, handle=self)
 
     def deliver(self, event: RequestEvent) -> None:
         """Engine thread only: record ``event`` and run the callback."""

@@ -30,7 +30,7 @@ from gemmaserve import __version__
 from gemmaserve.errors import GemmaserveError, InvalidRequestError
 from gemmaserve.hf_tokenizer import HFTokenizerAdapter
 from gemmaserve.render_pool import RenderPool
-from gemmaserve.server.connections import ABORT_KEY, OVER_LIMIT_KEY, TIMED_OUT_KEY
+from gemmaserve.server.connections import ABORT_KEY, OVER_LIMIT_KEY, TIMED_OUT_KEY, UNSENT_KEY
 from gemmaserve.server.debug import KVReportCache
 from gemmaserve.server.errors import CLIENT_CLOSED, APIError, ClientDisconnected, constraint_error, from_engine_error
 from gemmaserve.server.generation import Generation, Prepared, Step, Timing
@@ -322,13 +322,13 @@ class _Guard:
         self.app, self.expected, self.hosts, self.drain = app, expected, hosts, drain
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        refusal = self._refusal(Request(scope)) if scope["type"] == "http" else None
-        if refusal is not None:
-            await refusal(scope, receive, send)
-        elif scope["type"] == "http" and scope.get("state", {}).get(OVER_LIMIT_KEY):
-            await self.app(scope, receive, _closing(send))  # /health or /metrics past the bound: then close
-        else:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        refusal = self._refusal(Request(scope))
+        if scope.get("state", {}).get(OVER_LIMIT_KEY):  # past the bound: whatever the answer, the connection closes
+            send = _closing(send)
+        await (refusal or self.app)(scope, receive, send)
 
     def _refusal(self, request: Request) -> Response | None:
         path = request.url.path
@@ -569,9 +569,10 @@ class _Server:
             for generation in generations:
                 self._observe(generation)
             return JSONResponse(_merge_bodies([view.full_body() for view in views]))
-        abort = request.scope.get("state", {}).get(ABORT_KEY)
+        state = request.scope.get("state", {})
         return _StallGuardedStream(self._stream_choices(views, generations, firsts, endpoint), self.stream_stall_s,
-                                   abort, meta.id, media_type="text/event-stream", headers=_SSE_HEADERS)
+                                   state.get(ABORT_KEY), state.get(UNSENT_KEY), meta.id,
+                                   media_type="text/event-stream", headers=_SSE_HEADERS)
 
     async def _stream_choices(self, views: list[_View], generations: list[Generation], firsts: list[Step | None],
                               endpoint: str) -> AsyncIterator[bytes]:
@@ -628,28 +629,46 @@ class _Stalled(Exception):
 
 
 class _StallGuardedStream(StreamingResponse):
-    """An SSE response that gives up on a client that stops reading: when sending one message makes no progress
-    for ``stall_s`` seconds (the client's socket and the server's buffers are full), the body iterator is closed
-    (its generations' engine requests are cancelled, their KV freed; counted as status 499) and the connection is
-    dropped through ``abort`` (the connection guards' :data:`ABORT_KEY`; without it the response just ends)."""
+    """An SSE response that gives up on a client that stops reading: when a send has waited ``stall_s`` seconds
+    with no byte taken by the client (``unsent``, the connection guards' :data:`UNSENT_KEY`, did not shrink; without
+    it, any wait that long counts), the body iterator is closed (its generations' engine requests are cancelled,
+    their KV freed; counted as status 499) and the connection is dropped through ``abort`` (:data:`ABORT_KEY`;
+    without it the response just ends). A slow reader that keeps taking bytes is never cut."""
 
     def __init__(self, content: AsyncIterator[bytes], stall_s: float, abort: Callable[[], None] | None,
-                 request_id: str, **kwargs: Any) -> None:
+                 unsent: Callable[[], int] | None, request_id: str, **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
-        self.stall_s, self.abort, self.request_id = stall_s, abort, request_id
+        self.stall_s, self.abort, self.unsent, self.request_id = stall_s, abort, unsent, request_id
 
     async def stream_response(self, send: Callable[[Any], Any]) -> None:
+        loop = asyncio.get_running_loop()
+        unsent, stall_s = self.unsent, self.stall_s
+
         async def bounded(message: Any) -> None:
+            left = [unsent() if unsent is not None else 0]
             try:
-                async with asyncio.timeout(self.stall_s):
-                    await send(message)
+                async with asyncio.timeout(None) as deadline:
+
+                    def check() -> None:  # every stall_s while the send waits: progress re-arms, none fires
+                        now = unsent() if unsent is not None else left[0]
+                        if now < left[0]:
+                            left[0] = now
+                            timer[0] = loop.call_later(stall_s, check)
+                        else:
+                            deadline.reschedule(loop.time())
+
+                    timer = [loop.call_later(stall_s, check)]
+                    try:
+                        await send(message)
+                    finally:
+                        timer[0].cancel()
             except TimeoutError:
                 raise _Stalled from None
 
         try:
             await super().stream_response(bounded)
         except _Stalled:
-            logger.warning("stream %s: the client read nothing for %g s (STREAM_STALL_TIMEOUT_S); cancelling the "
+            logger.warning("stream %s: the client took no byte for %g s (STREAM_STALL_TIMEOUT_S); cancelling the "
                            "request and closing the connection", self.request_id, self.stall_s)
             body = self.body_iterator
             if hasattr(body, "aclose"):

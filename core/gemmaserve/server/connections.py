@@ -9,7 +9,8 @@ idle sockets sit open. :func:`guarded_protocol_class` builds an h11 protocol tha
 - gives a request ``header_timeout`` seconds from its first byte to finish its request line and headers,
   and ``body_timeout`` seconds from the end of its headers to finish its body; past either it answers
   408 (OpenAI error body) if no response has started, and closes the connection,
-- lets the app drop a connection at once (:data:`ABORT_KEY`: a stream whose client stopped reading),
+- lets the app drop a connection at once (:data:`ABORT_KEY`: a stream whose client stopped reading) and see
+  what its client has not read yet (:data:`UNSENT_KEY`),
 - admits at most ``limit_concurrency`` connections at a time: a request on a connection beyond that gets
   a 503 (``code: "too_many_connections"``, ``Retry-After``, ``Connection: close``) from the app's guard,
   which sees :data:`OVER_LIMIT_KEY` in the request scope's state.
@@ -34,6 +35,7 @@ __all__ = [
     "AcceptErrorFilter",
     "OVER_LIMIT_KEY",
     "ABORT_KEY",
+    "UNSENT_KEY",
     "TIMED_OUT_KEY",
     "raise_fd_limit",
     "effective_connection_limit",
@@ -46,6 +48,9 @@ OVER_LIMIT_KEY = "gemmaserve.over_connection_limit"
 ABORT_KEY = "gemmaserve.abort_connection"
 """In the ``state`` of every request scope: a callable that drops the connection at once, unsent data included (a
 stream whose client stopped reading: closing would wait for the data to be read first)."""
+UNSENT_KEY = "gemmaserve.unsent_bytes"
+"""In the ``state`` of every request scope: a callable giving the bytes written but not yet taken by the client's
+socket (the transport's write buffer): a stream sees a slow reader's progress by it shrinking."""
 TIMED_OUT_KEY = "gemmaserve.timed_out"
 """Set (True) in the scope of a request whose body did not arrive in time (answered 408 by the connection)."""
 FD_HEADROOM = 64
@@ -87,7 +92,8 @@ def guarded_protocol_class(limits: ConnectionLimits) -> type[asyncio.Protocol]:
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            state = {**self.app_state, ABORT_KEY: transport.abort}  # this connection's own copy
+            state = {**self.app_state, ABORT_KEY: transport.abort,  # this connection's own copy
+                     UNSENT_KEY: transport.get_write_buffer_size}
             if limits.limit_concurrency is not None and len(admitted) >= limits.limit_concurrency:
                 state[OVER_LIMIT_KEY] = True
             else:

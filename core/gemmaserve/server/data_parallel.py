@@ -218,6 +218,12 @@ _EDGE_SETTINGS = {
                              "router, not to the replicas",
     "client_body_timeout": "--client-body-timeout (CLIENT_BODY_TIMEOUT): clients send their requests to the router, "
                            "not to the replicas",
+    "allowed_headers": "--allowed-headers (ALLOWED_HEADERS): the router answers CORS with its own allowances (only "
+                       "--allowed-origins reaches it)",
+    "allowed_methods": "--allowed-methods (ALLOWED_METHODS): the router answers CORS with its own allowances (only "
+                       "--allowed-origins reaches it)",
+    "allow_credentials": "--allow-credentials (ALLOW_CREDENTIALS): the router answers CORS with its own allowances "
+                         "(only --allowed-origins reaches it)",
 }
 """Client-facing settings of one server that mean nothing behind the router: refused when set."""
 

@@ -765,9 +765,9 @@ class BodyBudget:
 
 async def read_body(request: Request, limit: int = MAX_BODY_BYTES, budget: BodyBudget | None = None) -> bytes:
     """The whole request body; raises APIError(413) as soon as it is known to exceed ``limit``
-    bytes (from Content-Length, or while reading), without buffering the rest. ``budget``: the body reserves its
-    declared Content-Length there before reading (a chunked one, each chunk as it comes) and gives it back when
-    this returns or raises; APIError(503) when it does not fit."""
+    bytes (from Content-Length, or while reading), without buffering the rest. ``budget``: the bytes received are
+    reserved there as they arrive (what is buffered, not what a header declares: headers alone reserve nothing)
+    and given back when this returns or raises; APIError(503) when a chunk does not fit."""
     declared = request.headers.get("content-length", "")
     if budget is not None:
         limit = min(limit, budget.total)  # a body over the whole budget could never be accepted: 413, not 503
@@ -775,9 +775,6 @@ async def read_body(request: Request, limit: int = MAX_BODY_BYTES, budget: BodyB
         raise _too_large(int(declared), limit)
     reserved = 0
     try:
-        if budget is not None and declared.isdigit():
-            budget.reserve(int(declared))
-            reserved = int(declared)
         chunks: list[bytes] = []
         size = 0
         async for chunk in request.stream():
