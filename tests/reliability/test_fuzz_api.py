@@ -47,8 +47,10 @@ def llm(request: pytest.FixtureRequest) -> Iterator[tuple[str, LLM]]:
 
 
 def _cap(fields: dict[str, Any]) -> dict[str, Any]:
-    value = fields.get("max_tokens")
-    if isinstance(value, int) and not isinstance(value, bool) and MAX_TOKENS_CAP < value < 400:
+    """Generations kept short: a large max_tokens, and None (up to the end of the context; tested in
+    tests/core/test_api_vllm_parity.py), become MAX_TOKENS_CAP."""
+    value = fields.get("max_tokens", 0)
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and MAX_TOKENS_CAP < value < 400):
         fields = {**fields, "max_tokens": MAX_TOKENS_CAP}
     return fields
 
