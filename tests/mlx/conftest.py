@@ -20,13 +20,13 @@ from mlx_checkpoints import BUILDERS, shared_builders
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """``checkpoint(name)`` -> folder of a tiny checkpoint (``mlx_checkpoints.BUILDERS`` or
-    ``gemma4_multimodal``), built on first use."""
+    ``gemma4_multimodal`` / ``gemma3_multimodal``), built on first use."""
     root = tmp_path_factory.mktemp("mlx_ckpts")
 
     @functools.cache
     def get(name: str) -> Path:
-        if name == "gemma4_multimodal":
-            return shared_builders().wrap_as_multimodal(get("gemma4"), root / name)
+        if name in ("gemma4_multimodal", "gemma3_multimodal"):  # transformers 5's names: model.language_model.*
+            return shared_builders().wrap_as_multimodal(get(name.removesuffix("_multimodal")), root / name)
         return BUILDERS[name](root / name)
 
     return get

@@ -33,6 +33,7 @@ def _prompts(backend: object) -> list[tuple[int, ...]]:
         ("gemma4", "gemma4"),
         ("gemma4_per_layer_config", "gemma4"),  # mlx_lm cannot read this config.json by itself
         ("gemma4_multimodal", "gemma4"),  # same weights as gemma4, wrapped as Gemma4ForConditionalGeneration
+        ("gemma3_multimodal", "gemma3"),  # gemma3's weights under transformers 5's names, which mlx_lm cannot read
         ("gemma4_k_eq_v", "gemma4_k_eq_v"),
         ("gemma3", "gemma3"),
         ("llama", "llama"),
@@ -47,7 +48,7 @@ def test_greedy_matches_mlx_lm_and_transformers(
     arrivals = [Arrival(i, f"r{i}", prompt, GREEDY) for i, prompt in enumerate(prompts)]
     # prompts of 3..25 tokens, prefilled in chunks of 5, decoded together; sliding window is 8
     outputs = run_scheduled(backend, arrivals, settings=settings_for(prefill_chunk_tokens=5))
-    hf_dir = checkpoint("gemma4") if name == "gemma4_multimodal" else model_dir
+    hf_dir = checkpoint(name.removesuffix("_multimodal")) if name.endswith("_multimodal") else model_dir
     for i, prompt in enumerate(prompts):
         got = outputs[f"r{i}"].token_ids
         assert got == mlx_lm_greedy(checkpoint(mlx_lm_reference), prompt, GREEDY.max_tokens), f"prompt {i}"

@@ -28,6 +28,23 @@ def test_read_model_dir_names_what_is_missing(tmp_path: Path) -> None:
         read_model_dir(tmp_path)
 
 
+@pytest.mark.parametrize("extra, refused", [({"sliding_window": 4}, True), ({"sliding_window": None}, False),
+                                           ({"sliding_window": 4096}, False),  # the window covers the context
+                                           ({"sliding_window": 4, "layer_types": ["sliding_attention"] * 2
+                                             + ["full_attention"]}, False)])
+def test_a_mistral_window_mlx_lm_would_drop_is_refused(tmp_path: Path, extra: dict, refused: bool) -> None:
+    """mlx_lm's llama module windows only the layers layer_types names: a Mistral sliding window without them would
+    silently become full attention (other tokens than transformers' once a prompt outgrows the window)."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral", "max_position_embeddings": 4096,
+                                                      **extra}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    if refused:
+        with pytest.raises(ModelLoadError, match=r"sliding_window=4: .* use BACKEND=hf"):
+            read_model_dir(tmp_path)
+    else:
+        assert read_model_dir(tmp_path).architecture == "llama"
+
+
 def test_renamed_architectures_use_mlx_lm_remapping() -> None:
     assert mlx_architecture({"model_type": "mistral"}) == "llama"
     assert mlx_architecture({"model_type": "gemma4_text"}) == "gemma4_text"

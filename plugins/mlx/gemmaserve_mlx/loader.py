@@ -57,15 +57,17 @@ def mlx_dtype(settings: CoreSettings, device: Any) -> Any:
 
 def load_model(model_path: str | Path, device: str, settings: CoreSettings) -> LoadedModel:
     """Load ``model_path`` (a local HF safetensors folder). Raises ModelLoadError with the cause."""
-    from mlx_lm.utils import load as mlx_lm_load
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+    from mlx_lm.utils import load_tokenizer
 
     model_dir = read_model_dir(model_path)
     target = mlx_device(device, settings)
     dtype = mlx_dtype(settings, target)
     try:
         with mx.stream(target):
-            result = mlx_lm_load(str(model_dir.path), model_config=config_overrides(model_dir.config))
-            model, wrapper = result[0], result[1]
+            model, config = mlx_lm_load_model(model_dir.path, model_config=config_overrides(model_dir.config),
+                                              get_model_classes=_model_classes)
+            wrapper = load_tokenizer(model_dir.path, eos_token_ids=config.get("eos_token_id", None))
             model.set_dtype(dtype)
             _materialize(model)
     except (ValueError, FileNotFoundError, KeyError, OSError) as exc:
@@ -73,6 +75,37 @@ def load_model(model_path: str | Path, device: str, settings: CoreSettings) -> L
     tokenizer = MlxTokenizer(wrapper, model_dir.name)
     info = _model_info(model_dir, tokenizer, settings, dtype, "mps" if target == mx.gpu else "cpu")
     return LoadedModel(model, tokenizer, model_dir, target, dtype, info)
+
+
+_TRANSFORMERS5_MULTIMODAL_NAMES = (("model.language_model.", "language_model.model."),
+                                   ("model.vision_tower.", "vision_tower."),
+                                   ("model.multi_modal_projector.", "multi_modal_projector."),
+                                   ("lm_head.", "language_model.lm_head."))
+"""Weight-name prefixes of a Gemma 3 multimodal checkpoint saved by transformers 5, and the Hub names mlx_lm's
+``gemma3`` module reads."""
+
+
+def _model_classes(config: dict[str, Any]) -> tuple[type, type]:
+    """mlx_lm's model and args classes for ``config``; its ``gemma3`` (multimodal wrapper) takes the weight names
+    transformers 5 saves too (it finds no ``language_model`` in them and fails otherwise)."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    if model_class.__module__ != "mlx_lm.models.gemma3":
+        return model_class, args_class
+
+    class Gemma3Model(model_class):  # type: ignore[misc, valid-type]
+        def sanitize(self, weights: dict[str, Any]) -> dict[str, Any]:
+            return super().sanitize({_hub_name(key): value for key, value in weights.items()})
+
+    return Gemma3Model, args_class
+
+
+def _hub_name(key: str) -> str:
+    for new, hub in _TRANSFORMERS5_MULTIMODAL_NAMES:
+        if key.startswith(new):
+            return hub + key[len(new):]
+    return key
 
 
 def _materialize(model: nn.Module) -> None:

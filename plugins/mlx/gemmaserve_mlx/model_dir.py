@@ -65,7 +65,24 @@ def read_model_dir(model_path: str | Path) -> ModelDir:
             f"{str(path)!r} has no model*.safetensors weights; MLX loads safetensors only "
             "(convert .bin/GGUF checkpoints with transformers' save_pretrained first)"
         )
-    return ModelDir(path, config, mlx_architecture(config))
+    architecture = mlx_architecture(config)
+    _check_sliding_window(config, architecture)
+    return ModelDir(path, config, architecture)
+
+
+def _check_sliding_window(config: dict[str, Any], architecture: str) -> None:
+    """ModelLoadError for a Llama-family checkpoint (Mistral) whose ``sliding_window`` mlx_lm's ``llama`` module
+    would not apply: it windows only the layers ``layer_types`` names, so without them every layer would attend
+    to the whole context and the tokens part from transformers' once a prompt outgrows the window."""
+    inner = text_config(config)
+    window = inner.get("sliding_window")
+    if architecture != "llama" or not isinstance(window, int) or isinstance(window, bool) or "layer_types" in inner:
+        return
+    if window < int(inner.get("max_position_embeddings") or window + 1):
+        raise ModelLoadError(
+            f"{config['model_type']} checkpoint with sliding_window={window}: mlx_lm's llama module applies a "
+            "window only to the layers config.json's layer_types names, and this config has none, so every layer "
+            "would attend to the whole context (other tokens than transformers' past the window); use BACKEND=hf")
 
 
 def mlx_architecture(config: dict[str, Any]) -> str:
