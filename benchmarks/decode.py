@@ -11,8 +11,17 @@ default E2B); ``--quick`` runs a toy variant of that config with the same featur
   and around the CUDA-graph replay alone) against the HBM roofline (bytes read per step / measured copy BW);
 - B (prefix reuse): 64 requests = one shared 1536-token prefix + 64 own tokens; median TTFT with the prefix
   cached (warmed by one earlier request) vs. 64 distinct 1600-token prompts (nothing cached);
+- A-long (--long-sizes): workload A with 2,048-token prompts; each A / A-long row records whether its N requests
+  ran together (``all_concurrent``: MAX_BATCH_SIZE, the KV pools and MAX_ACTIVE_KV_TOKENS hold them) and the most
+  rows one decode step carried (``max_concurrent_rows``), and its prefill against the compute roofline on both
+  FLOP bases (fast prefill's and the full forward's, at the workload's own attention context);
+- C (--serving-rates): Poisson arrivals (``serving_workloads.run_arrivals``), fresh prompts per (rate, repeat)
+  over an emptied prefix cache (``cached_prompt_tokens`` shows ~0), TTFT from the scheduled arrival; the JSON is
+  saved after every row;
 - the hf_torch backend on the same model for workload A at small N (output capped, see --hf-output-len);
-- a torch.profiler split of one eager decode step, and optionally compile on/off (--compile-size).
+- a torch.profiler split of one eager decode step and one graph replay (matmul time and its achieved weight
+  bandwidth against the copy bandwidth; also at --profile-more-sizes), and optionally compile on/off
+  (--compile-size).
 
 - the KV capacity report ("capacity"): per config, KV bytes per token and the most concurrent 4,096-token
   requests whose KV fits beside the weights (the backend's own pool accounting), and this run's pools.
@@ -32,7 +41,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import random
+import statistics
 import sys
 import time
 import traceback
@@ -52,6 +61,13 @@ from gemmaserve_custom_torch.settings import load_custom_settings  # noqa: E402
 
 KV_BLOCK_SIZE = 16
 H200_MEMORY_BYTES = 143771 * 2**20
+_PREFILL_NOTE = (
+    "meta prefill_gflop_per_token(_full): at a fixed mean context of 256 keys (prefill_gflop_per_token_context); "
+    "rows carry prefill_gflop_per_token_fast/_full at their own prompts' mean context (B's prefix hit: its own "
+    "tokens after the cached prefix). _fast: the KV-shared tail skipped (what the forward executes with fast "
+    "prefill), _full: every layer for every prompt token (what a forward without fast prefill, e.g. vLLM or hf, "
+    "computes). prefill_pct_of_compute_roofline uses prefill_pct_of_compute_roofline_basis; both bases are "
+    "reported as prefill_pct_of_compute_roofline_fast_flops / _full_flops (tok/s x FLOPs per token / gemm_tflops).")
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -75,6 +91,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefix-requests", type=int, default=64, help="workload B requests (0 = skip B)")
     p.add_argument("--prefix-own", type=int, default=64, help="distinct tokens after the shared prefix")
     p.add_argument("--profile-size", type=int, default=32, help="rows of the profiled eager step (0 = skip)")
+    p.add_argument("--profile-more-sizes", default="1", help="with --profile-size: also profile the decode step at "
+                   "these rows (JSON profile_by_rows, --profile-size itself skipped; issue 14's matmul bandwidth "
+                   "target is at N = 1; '' = none)")
     p.add_argument("--compile-size", type=int, default=0, help="also measure CUSTOM_BACKEND_COMPILE=1 at N (0 = skip)")
     p.add_argument("--eager-sizes", default="1,32", help="also run these N with CUDA graphs off (64 tokens)")
     p.add_argument("--sync-sizes", default="", help="also run workload A at these N with ASYNC_SCHEDULING=0")
@@ -226,12 +245,10 @@ def _workload_a(backend: Any, settings: CoreSettings, sizes: list[int], args: ar
             replay.restore()
         row = {"backend": label, "N": n, **result.summary(), "step_ms": _r(step.median_ms(n)),
                "graph_replay_ms": _r(replay.median_ms(n)) if replay is not None else None}
+        row.update(_concurrency(backend, settings, n, args.prompt_len + output_len, step.records))
         if result.ttft_ms:  # all submitted at once: the last first token ends the batch's prefill
             row["ttft_max_ms"] = round(max(result.ttft_ms), 3)
-            row["prefill_tok_per_s"] = round(n * len(prompts[0]) / (max(result.ttft_ms) / 1e3), 1)
-            if getattr(args, "prefill_ceiling", None):
-                flops, ceiling = args.prefill_ceiling
-                row["prefill_pct_of_compute_roofline"] = round(100 * row["prefill_tok_per_s"] * flops / ceiling, 1)
+            row.update(_prefill_rate(args, n, len(prompts[0]), 0, max(result.ttft_ms)))
         context = args.prompt_len + output_len // 2
         floor_ms = roof.step_bytes(n, context) / bandwidth * 1e3
         row["roofline_ms"] = _r(floor_ms)
@@ -243,6 +260,47 @@ def _workload_a(backend: Any, settings: CoreSettings, sizes: list[int], args: ar
         rows.append(row)
         print(f"  {label} N={n}: {row}", flush=True)
     return rows
+
+
+def _concurrency(backend: Any, settings: CoreSettings, n: int, request_tokens: int,
+                 records: list[tuple[int, Any, Any]]) -> dict[str, Any]:
+    """Whether workload A's ``n`` requests of ``request_tokens`` (prompt + output) tokens could all run at once:
+    ``all_concurrent`` = n within MAX_BATCH_SIZE, within the requests the KV pools hold (``KVAdmission``'s
+    footprint; backends without one: not checked) and within MAX_ACTIVE_KV_TOKENS; ``max_concurrent_rows`` = the
+    most rows one timed decode step carried (``StepTimer.records``; None when no step ran)."""
+    admission = getattr(backend, "admission", None)
+    in_pools = None
+    if admission is not None:
+        need = admission.footprint(request_tokens)
+        in_pools = min((admission.capacity[g] // k for g, k in need.items() if k), default=None)
+    in_budget = settings.max_active_kv_tokens // request_tokens
+    fits = n <= settings.max_batch_size and n <= in_budget and (in_pools is None or n <= in_pools)
+    return {"all_concurrent": fits, "max_concurrent_rows": max((rows for rows, *_ in records), default=None),
+            "kv_pool_requests": in_pools, "kv_budget_requests": in_budget}
+
+
+def _prefill_rate(args: argparse.Namespace, requests: int, tokens: int, start: int, last_ttft_ms: float
+                  ) -> dict[str, Any]:
+    """Prefill throughput of ``requests`` prompts of ``tokens`` uncached tokens each (after ``start`` cached
+    ones), submitted at once, whose last first token came ``last_ttft_ms`` after the submit; with the model's
+    ``args.prefill`` (a ``PrefillFlops``): the FLOPs per token at this prompt's mean attention context, fast
+    (KV-shared tail skipped: what the forward executes with fast prefill) and full (every layer), and with
+    ``args.prefill_flops_per_s`` (the GEMM ceiling, CUDA only) the % of the compute roofline on each basis.
+    ``prefill_pct_of_compute_roofline`` is the basis this run executes (``args.prefill_fast``)."""
+    out: dict[str, Any] = {"prefill_tok_per_s": round(requests * tokens / (last_ttft_ms / 1e3), 1)}
+    flops = getattr(args, "prefill", None)
+    if flops is None or tokens < 1:
+        return out
+    per = {basis: flops.per_token(fast=basis == "fast", prompt_len=tokens, start=start) for basis in ("fast", "full")}
+    out.update(prefill_gflop_per_token_fast=round(per["fast"] / 1e9, 4),
+               prefill_gflop_per_token_full=round(per["full"] / 1e9, 4))
+    ceiling = getattr(args, "prefill_flops_per_s", 0.0)
+    if ceiling:
+        pcts = {basis: round(100 * out["prefill_tok_per_s"] * f / ceiling, 1) for basis, f in per.items()}
+        out.update(prefill_pct_of_compute_roofline=pcts["fast" if args.prefill_fast else "full"],
+                   prefill_pct_of_compute_roofline_fast_flops=pcts["fast"],
+                   prefill_pct_of_compute_roofline_full_flops=pcts["full"])
+    return out
 
 
 def _workload_b(backend: Any, settings: CoreSettings, args: argparse.Namespace) -> dict[str, Any]:
@@ -262,6 +320,10 @@ def _workload_b(backend: Any, settings: CoreSettings, args: argparse.Namespace) 
                                                        prefix=prefix), 8)
     out = {"requests": args.prefix_requests, "prefix_len": args.prefix_len, "own_len": own, "output_len": 8,
            "cold": cold.summary(), "prefix_hit": hit.summary()}
+    for key, run in (("cold", cold), ("prefix_hit", hit)):  # every request submitted at once
+        cached = round(statistics.median(run.cached_tokens)) if run.cached_tokens else 0
+        if run.ttft_ms and total > cached:  # a hit's own tokens attend to the cached prefix too
+            out[key].update(_prefill_rate(args, len(run.ttft_ms), total - cached, cached, max(run.ttft_ms)))
     c, h = out["cold"]["ttft_median_ms"], out["prefix_hit"]["ttft_median_ms"]
     out["hit_over_cold_pct"] = round(100 * h / c, 1) if c and h else None
     return out
@@ -343,14 +405,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   kv_gb_left_after_weights=_gb(kv_left) if kv_left is not None else None)
     settings = _settings(device, dtype_name, max_rows, max_len, tokens, args.max_num_batched_tokens,
                          args.prefill_chunk_tokens, args.mixed_prefill_chunk_tokens)
-    from serving_workloads import gemm_tflops, prefill_flops_per_token, run_arrivals
+    from serving_workloads import PrefillFlops, clear_prefix_cache, gemm_tflops, run_arrivals, serving_requests
+    from serving_workloads import serving_seed
 
     fast = load_custom_settings().fast_prefill  # every prompt token runs in the tick forward
-    flops = prefill_flops_per_token(model, fast=fast)
+    args.prefill, args.prefill_fast = PrefillFlops.from_model(model), fast  # before the backend fuses projections
+    flops = args.prefill.per_token(fast=fast)
     tflops = gemm_tflops(device)
-    args.prefill_ceiling = (flops, tflops * 1e12) if tflops else None
+    args.prefill_flops_per_s = tflops * 1e12
     results["meta"].update(prefill_gflop_per_token=round(flops / 1e9, 3), fast_prefill=fast,
-                           prefill_gflop_per_token_full=round(prefill_flops_per_token(model, fast=False) / 1e9, 3),
+                           prefill_gflop_per_token_full=round(args.prefill.per_token(fast=False) / 1e9, 3),
+                           prefill_gflop_per_token_context=256,
+                           prefill_pct_of_compute_roofline_basis="fast_flops" if fast else "full_flops",
+                           prefill_flops_note=_PREFILL_NOTE,
                            gemm_tflops=round(tflops, 1), max_num_batched_tokens=settings.max_num_batched_tokens,
                            prefill_chunk_tokens=settings.prefill_chunk_tokens,
                            mixed_prefill_chunk_tokens=settings.mixed_prefill_chunk_tokens)
@@ -410,19 +477,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rates = [float(x) for x in args.serving_rates.split(",") if x]
     if rates:
         def serving() -> list[dict[str, Any]]:
-            rng = random.Random(args.seed + 77)
-            (in_lo, in_hi), (out_lo, out_hi) = (map(int, x.split(",")) for x in (args.serving_input, args.serving_output))
-            work = [([rng.randrange(4, vocab) for _ in range(rng.randint(in_lo, in_hi))], rng.randint(out_lo, out_hi))
-                    for _ in range(args.serving_requests)]
-            rows = []
+            """One row per (rate, repeat), each with fresh prompts (``serving_seed``) over an emptied prefix
+            cache (``run_arrivals``); the JSON is saved after every row (a killed run keeps the finished ones)."""
+            inputs, outputs = (tuple(map(int, x.split(","))) for x in (args.serving_input, args.serving_output))
+            rows: list[dict[str, Any]] = []
             for rate in rates:
                 for repeat in range(args.serving_repeats):  # the ITL tail is noisy: repeats give its spread
+                    prompt_seed = serving_seed(args.seed, rate, repeat)
+                    work = serving_requests(args.serving_requests, inputs, outputs, vocab, prompt_seed)
                     row = run_arrivals(backend, settings, work, rate, seed=args.seed + int(rate * 10) + 1000 * repeat)
-                    row["repeat"] = repeat
+                    row["repeat"], row["prompt_seed"] = repeat, prompt_seed
                     if row.get("itl_p50_ms"):
                         row["itl_p99_over_p50"] = round(row["itl_p99_ms"] / row["itl_p50_ms"], 3)
                     rows.append(row)
+                    results["workload_c"] = rows
+                    save()
                     print(f"  serving rate {rate}/s (repeat {repeat}): {row}", flush=True)
+            clear_prefix_cache(backend)  # later sections start as they did before C ran
             return rows
 
         section("workload_c", serving)
@@ -430,11 +501,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if "tick" in args.mixed_profiles.split(","):
             section("mixed_tick_profile", lambda: dp.profile_mixed_tick(backend))
         if "chunk" in args.mixed_profiles.split(","):
-            section("decode_with_chunk_profile", lambda: dp.profile_decode_with_chunk(backend))
+            section("decode_with_chunk_profile",
+                    lambda: dp.profile_decode_with_chunk(backend, roof=roof, bandwidth=bandwidth))
     if device == "cuda" and not args.skip_prefill_profile:
         section("prefill_profile", lambda: dp.profile_prefill_paths(backend, args.prompt_len))
     if args.profile_size and graphed and device == "cuda":
-        section("profile", lambda: dp.profile_decode_step(backend, settings, args.profile_size, args.prompt_len))
+        section("profile", lambda: dp.profile_decode_step(backend, settings, args.profile_size, args.prompt_len,
+                                                          roof, bandwidth))
+        more = [n for n in dict.fromkeys(int(x) for x in args.profile_more_sizes.split(",") if x)
+                if n != args.profile_size]  # --profile-size 1 (.devrun/r2.sh) already profiled N = 1
+        if more:
+            section("profile_by_rows", lambda: _profiles(backend, settings, more, args.prompt_len, roof, bandwidth))
         section("sdpa_backends", lambda: dp.sdpa_backends(device, dtype))
     if hf_sizes:
         def hf_runs() -> list[dict[str, Any]]:
@@ -469,6 +546,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return results
 
 
+def _profiles(backend: Any, settings: CoreSettings, sizes: list[int], prompt_len: int, roof: Any,
+              bandwidth: float) -> dict[str, Any]:
+    """``dp.profile_decode_step`` at each of ``sizes`` rows, keyed by the row count; a size that fails records its
+    error and the next still runs."""
+    out: dict[str, Any] = {}
+    for n in sizes:
+        try:
+            out[str(n)] = dp.profile_decode_step(backend, settings, n, prompt_len, roof, bandwidth)
+        except Exception:
+            out[str(n)] = {"error": traceback.format_exc()[-3000:]}
+    return out
+
+
 def _ratios(custom: list[dict[str, Any]], hf: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     by_n = {row["N"]: row for row in custom}
@@ -488,12 +578,21 @@ def _print_tables(results: dict[str, Any]) -> None:
     for row in (results.get("workload_a", []) + results.get("workload_a_long", []) + results.get("no_graph", [])
                 + results.get("workload_a_sync", []) + results.get("hf", [])):
         print(" | ".join(str(row.get(c)) for c in cols), "| prefill tok/s", row.get("prefill_tok_per_s"),
-              row.get("prefill_pct_of_compute_roofline"))
+              row.get("prefill_pct_of_compute_roofline"), "| all concurrent", row.get("all_concurrent"),
+              row.get("max_concurrent_rows"))
     for row in results.get("workload_c", []):
         print(f"C rate {row['rate_per_s']}/s (repeat {row.get('repeat', 0)}): TTFT p50/p99 {row['ttft_p50_ms']}/"
               f"{row['ttft_p99_ms']} ms, ITL p50/p99 {row['itl_p50_ms']}/{row['itl_p99_ms']} ms "
               f"({row.get('itl_p99_over_p50')}x), TPOT p50 {row['tpot_p50_ms']} ms, "
-              f"{row['output_tok_per_s']} out tok/s, {row['prefill_tok_per_s']} prefill tok/s")
+              f"{row['output_tok_per_s']} out tok/s, {row['prefill_tok_per_s']} prefill tok/s, arrivals at "
+              f"{row.get('arrival_rate_per_s')}/s, cached prompt tokens {row.get('cached_prompt_tokens')}")
+    for name, profile in [("profile", results.get("profile", {}))] + [
+            (f"profile N={n}", p) for n, p in results.get("profile_by_rows", {}).items()]:
+        for label in ("eager_step", "graph_replay_step"):
+            got = profile.get(label, {}) if isinstance(profile, dict) else {}
+            if got.get("matmul_us"):
+                print(f"{name} {label}: matmul {got['matmul_us']} us, {got['matmul_achieved_tbps']} TB/s = "
+                      f"{got['matmul_pct_of_copy_bandwidth']}% of copy bandwidth")
     if "workload_b" in results:
         b = results["workload_b"]
         print(f"\nprefix reuse TTFT median: cold {b['cold']['ttft_median_ms']} ms, "

@@ -15,8 +15,20 @@ import torch
 import torch.nn.functional as F
 from decode_workloads import random_prompts, run_engine
 
+MATMUL, MATMUL_REDUCE = "matmul", "matmul split-K reduce"
+#: custom_torch's Triton kernels by name (gemmaserve_custom_torch/kernels/), matched before the library patterns:
+#: the matmul-like ones (few-row projections incl. FP8 and GeGLU, the MoE expert GEMMs, the router logits, the
+#: LM head with a fused argmax) and the reductions that finish a matmul (skinny_gemm's split-K partial sums,
+#: with the residual / norm epilogue folded into one of them; the MoE sum of a token's top-k expert outputs).
+_TRITON_KERNELS = {
+    MATMUL: ("_skinny_kernel", "_gate_up_geglu_kernel", "_down_weighted_kernel", "_router_logits_kernel",
+             "_argmax_kernel"),
+    MATMUL_REDUCE: ("_reduce_kernel", "_reduce_residual_norm_kernel", "_sum_slots_kernel"),
+}
+#: library kernels by substring: cuBLAS's split-K reduce, the GEMM / GEMV kernels (cuBLAS, cuBLASLt, CUTLASS), the rest
 _CATEGORIES = (
-    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk")),
+    (MATMUL_REDUCE, ("splitkreduce",)),
+    (MATMUL, ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk")),
     ("attention", ("_paged_decode", "_combine_splits", "_ragged")),
     ("kv_write", ("index_copy", "index_put", "scatter")),
     ("reduce/argmax/norm", ("reduce", "argmax", "norm")),
@@ -24,11 +36,34 @@ _CATEGORIES = (
 
 
 def _category(name: str) -> str:
+    """The time category of a device kernel ``name`` (the profiler's kernel name)."""
+    for category, names in _TRITON_KERNELS.items():
+        if any(name == key or name.startswith(key + "_") for key in names):  # older Triton: a signature suffix
+            return category
     low = name.lower()
     for category, keys in _CATEGORIES:
         if any(key in low for key in keys):
             return category
     return "elementwise/other"
+
+
+def matmul_bandwidth(summary: dict[str, Any], weight_bytes: int, copy_bandwidth: float) -> dict[str, Any]:
+    """Achieved weight bandwidth of a profiled decode step: ``weight_bytes`` (the decode roofline's matmul weight
+    bytes of the step, ``Roofline.step_weight_bytes``) over the matmul kernels' device time, with and without
+    the split-K reductions that finish them, and its % of ``copy_bandwidth`` (bytes/s, measured in the same run;
+    issue 14's target: >= 75 % at N = 1). Empty when the profile holds no matmul time (CPU)."""
+    times = summary.get("by_category_us", {})
+    matmul = times.get(MATMUL, 0.0)
+    if not matmul:
+        return {}
+    out: dict[str, Any] = {"matmul_weight_bytes": weight_bytes}
+    for suffix, us in (("", matmul + times.get(MATMUL_REDUCE, 0.0)), ("_excl_reduce", matmul)):
+        achieved = weight_bytes / (us * 1e-6)
+        out[f"matmul_us{suffix}"] = round(us, 1)
+        out[f"matmul_achieved_tbps{suffix}"] = round(achieved / 1e12, 3)
+        share = round(100 * achieved / copy_bandwidth, 1) if copy_bandwidth else None
+        out[f"matmul_pct_of_copy_bandwidth{suffix}"] = share
+    return out
 
 
 def _kernel_summary(prof: Any) -> dict[str, Any]:
@@ -54,13 +89,16 @@ def _kernel_summary(prof: Any) -> dict[str, Any]:
                                                                   sorted(names.items(), key=lambda kv: -kv[1])[:8]}}
 
 
-def profile_decode_step(backend: Any, settings: Any, rows: int, prompt_len: int) -> dict[str, Any]:
+def profile_decode_step(backend: Any, settings: Any, rows: int, prompt_len: int, roof: Any = None,
+                        bandwidth: float = 0.0) -> dict[str, Any]:
     """Profile one decode tick of ``rows`` live requests run eagerly (the tick graphs switched off for it) and a
     later one replaying its graph: the 4th and 7th ticks after the first tick that launched no prompt tokens.
     Returns kernel counts and time splits plus each tick's wall time, decode rows and prompt tokens (``tick_rows``,
-    ``tick_prompt_tokens``); raises RuntimeError if a profiled tick did not hold every row alone (run 30's
-    "256-row" profile, with too few output tokens, held fewer). Ticks are found by the engine's own tick
-    boundaries (``tick_profile.TickRecorder``), so this follows whatever forward the backend runs."""
+    ``tick_prompt_tokens``) and, given the decode ``roof`` (``decode_model.Roofline``) and the copy ``bandwidth``
+    (bytes/s), the matmuls' achieved weight bandwidth (:func:`matmul_bandwidth`). Raises RuntimeError if a profiled
+    tick did not hold every row alone (run 30's "256-row" profile, with too few output tokens, held fewer). Ticks
+    are found by the engine's own tick boundaries (``tick_profile.TickRecorder``), so this follows whatever forward
+    the backend runs."""
     from tick_profile import TickRecorder  # imports decode.py: not at module level
 
     mixed = backend.mixed
@@ -79,8 +117,11 @@ def profile_decode_step(backend: Any, settings: Any, rows: int, prompt_len: int)
         if "graphs" in live:
             mixed.graphs = live["graphs"]
         tick = rec.ticks[live["index"]]
+        summary = _kernel_summary(live["prof"])
+        if roof is not None:
+            summary.update(matmul_bandwidth(summary, roof.step_weight_bytes(rows), bandwidth))
         out[live["label"]] = {"wall_ms_under_profiler": round(wall, 3), "tick_rows": tick["rows"],
-                              "tick_prompt_tokens": tick["prompt_tokens"], **_kernel_summary(live["prof"])}
+                              "tick_prompt_tokens": tick["prompt_tokens"], **summary}
         live.clear()
 
     def on_tick(n: int) -> None:  # tick number n (from 1) starts; rec.ticks[n - 2] is the one that just ended
@@ -286,12 +327,14 @@ def profile_mixed_tick(backend: Any, chunks: int = 16, chunk_len: int = 512, see
 
 
 def profile_decode_with_chunk(backend: Any, rows: int = 32, context: int = 1024,
-                              chunk_lens: tuple[int, ...] = (0, 128, 256, 512), seed: int = 5151) -> dict[str, Any]:
+                              chunk_lens: tuple[int, ...] = (0, 128, 256, 512), seed: int = 5151, roof: Any = None,
+                              bandwidth: float = 0.0) -> dict[str, Any]:
     """Workload C's mixed tick in isolation: ``rows`` decoding rows at ``context`` tokens plus one cold prompt
     chunk of each length in ``chunk_lens`` (0 = a decode-only tick), through ``forward_step`` as the engine runs
     it (graph replay after a capturing first tick). Reports the median device time (CUDA events) and host time
-    of 7 ticks per length, and a torch.profiler kernel split of the largest chunk's tick run eagerly. The rows
-    grow by one token per tick; every chunk's KV is freed after its tick."""
+    of 7 ticks per length, and a torch.profiler kernel split of the largest chunk's tick run eagerly (with the
+    decode ``roof`` and copy ``bandwidth``: the decode-only tick's :func:`matmul_bandwidth`). The rows grow by one
+    token per tick; every chunk's KV is freed after its tick."""
     mixed = backend.mixed
     vocab = backend.model_info.vocab_size
     out: dict[str, Any] = {"rows": rows, "context": context}
@@ -351,7 +394,10 @@ def profile_decode_with_chunk(backend: Any, rows: int = 32, context: int = 1024,
             acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             with torch.profiler.profile(activities=acts) as prof:
                 tick(chunk_len)
-            out[f"eager_kernels_chunk{chunk_len}"] = _kernel_summary(prof)
+            summary = _kernel_summary(prof)
+            if roof is not None and not chunk_len:  # decode rows only: the step reads the decode weights once
+                summary.update(matmul_bandwidth(summary, roof.step_weight_bytes(rows), bandwidth))
+            out[f"eager_kernels_chunk{chunk_len}"] = summary
     finally:
         mixed.buffers, mixed.graphs = buffers, graphs
         with backend.lock:

@@ -28,7 +28,6 @@ import argparse
 import io
 import json
 import pstats
-import random
 import statistics
 import sys
 import time
@@ -42,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode_model as dm  # noqa: E402
 from decode import _custom_backend, _settings  # noqa: E402
 from decode_workloads import profile_engine_thread, random_prompts, run_engine  # noqa: E402
-from serving_workloads import pct, run_arrivals  # noqa: E402
+from serving_workloads import pct, run_arrivals, serving_requests  # noqa: E402
 
 from gemmaserve.engine.engine import Engine  # noqa: E402
 from gemmaserve.engine.scheduler import ContinuousBatchScheduler as Scheduler  # noqa: E402
@@ -335,15 +334,15 @@ def _prefix_hit(backend: Any, settings: Any, args: argparse.Namespace, vocab: in
             "ticks": [{k: round(v, 3) for k, v in t.items() if k != "start"} for t in rec.intervals()[:20]]}
 
 
-def _serving_work(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
-    rng = random.Random(77)
-    (in_lo, in_hi), (out_lo, out_hi) = (map(int, x.split(",")) for x in (args.serving_input, args.serving_output))
-    return [([rng.randrange(4, vocab) for _ in range(rng.randint(in_lo, in_hi))], rng.randint(out_lo, out_hi))
-            for _ in range(args.serving_requests)]
+def _serving_work(args: argparse.Namespace, vocab: int, seed: int | str = 77) -> list[tuple[list[int], int]]:
+    """Workload C's (prompt, output length) pairs from ``seed``: give every run its own seed (fresh prompts;
+    ``run_arrivals`` also empties the prefix cache before it starts)."""
+    inputs, outputs = (tuple(map(int, x.split(","))) for x in (args.serving_input, args.serving_output))
+    return serving_requests(args.serving_requests, inputs, outputs, vocab, seed)
 
 
 def _serving_cprofile(backend: Any, settings: Any, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
-    work = _serving_work(args, vocab)
+    work = _serving_work(args, vocab, seed=78)  # not the prompts of the ``serving`` section
     row, stats = _profiled(lambda: run_arrivals(backend, settings, work, args.rate, seed=6))
     return {"result_under_cprofile": row, "stats": stats}
 
@@ -359,7 +358,7 @@ def _heap() -> dict[str, Any]:
 
 
 def _serving(backend: Any, settings: Any, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
-    work = _serving_work(args, vocab)
+    work = _serving_work(args, vocab, getattr(args, "serving_seed", 77))
     rec = TickRecorder(backend)
     try:
         row = run_arrivals(backend, settings, work, args.rate, seed=5)
@@ -383,7 +382,9 @@ def _serving_sweep(backend: Any, settings: Any, args: argparse.Namespace, vocab:
     for rate in (float(x) for x in args.sweep_rates.split(",") if x):
         for chunk in (int(x) for x in args.sweep_chunks.split(",") if x):
             variant = settings.model_copy(update={"mixed_prefill_chunk_tokens": chunk})
-            one = _serving(backend, variant, argparse.Namespace(**{**vars(args), "rate": rate}), vocab)
+            seed = f"sweep:{rate:g}:{chunk}"  # fresh prompts per run
+            one = _serving(backend, variant, argparse.Namespace(**{**vars(args), "rate": rate, "serving_seed": seed}),
+                           vocab)
             summary = {"rate": rate, "prefill_chunk_tokens": settings.prefill_chunk_tokens,
                        "mixed_prefill_chunk_tokens": chunk, **one["result"],
                        "mixed_share": round(one["mixed_ticks"].get("ticks", 0)

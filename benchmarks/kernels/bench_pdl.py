@@ -55,19 +55,23 @@ from gemmaserve_custom_torch.kernels.skinny_gemm import (  # noqa: E402
 )
 
 #: (hidden, q heads x head dim sliding / full, kv width sliding / full, MLP width narrow / wide, layers,
-#: first wide layer, full-attention period, per-layer-embedding width) of the chained shapes.
+#: first wide layer, full-attention period, per-layer-embedding width, first KV-shared layer) of the chained shapes.
+#: KV-shared layers (E2B: the last 20, from layer 15) have no k/v projections: their qkv is q alone. A spec
+#: without ``first_shared`` has none.
 MODELS: dict[str, dict[str, int]] = {
     "e2b": {"hidden": 1536, "q_sliding": 2048, "q_full": 4096, "kv_sliding": 256, "kv_full": 512,
-            "mlp": 6144, "mlp_wide": 12288, "layers": 35, "first_wide": 15, "period": 5, "ple": 256},
+            "mlp": 6144, "mlp_wide": 12288, "layers": 35, "first_wide": 15, "period": 5, "ple": 256,
+            "first_shared": 15},
 }
 
 
 def layer_weights(spec: dict[str, int], index: int, device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Random weights of layer ``index``, fused as the model holds them (qkv as one [q; k; v], gate/up as one), and
-    its norm weights and layer scalar."""
+    """Random weights of layer ``index``, fused as the model holds them (qkv as one [q; k; v], q alone on a
+    KV-shared layer; gate/up as one), and its norm weights and layer scalar."""
     full = (index + 1) % spec["period"] == 0
     q = spec["q_full" if full else "q_sliding"]
-    kv = spec["kv_full" if full else "kv_sliding"]
+    shared = index >= spec.get("first_shared", spec["layers"])
+    kv = 0 if shared else spec["kv_full" if full else "kv_sliding"]
     width = spec["mlp_wide" if index >= spec["first_wide"] else "mlp"]
     hidden = spec["hidden"]
 

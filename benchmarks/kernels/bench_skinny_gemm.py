@@ -64,7 +64,9 @@ SHAPES: dict[str, list[tuple[str, str, int, int]]] = {
             ("ple gate", "linear", 256, 1536), ("lm head", "argmax", 262144, 1536)],
     "e4b": [("qkv sliding", "linear", 3072, 2560), ("o sliding", "linear", 2560, 2048),
             ("gate_up", "geglu", 20480, 2560), ("down", "linear", 2560, 10240), ("lm head", "argmax", 262144, 2560)],
-    "31b": [("qkv sliding", "linear", 12288, 5376), ("o sliding", "linear", 5376, 8192),
+    # 31B sliding: q 32 x 256 + k, v 16 x 256 each; full (K=V, no v_proj): q 32 x 512 + k 4 global heads x 512
+    "31b": [("qkv sliding", "linear", 16384, 5376), ("qkv full", "linear", 18432, 5376),
+            ("o sliding", "linear", 5376, 8192), ("o full", "linear", 5376, 16384),
             ("gate_up", "geglu", 43008, 5376), ("down", "linear", 5376, 21504), ("lm head", "argmax", 262144, 5376)],
 }
 TINY = [("tiny linear", "linear", 48, 96), ("tiny geglu", "geglu", 64, 64), ("tiny head", "argmax", 300, 64)]

@@ -46,6 +46,8 @@ def test_decode_benchmark_quick_per_config(tmp_path, config):
         assert not row["errors"], row["errors"]
         assert row["ttft_median_ms"] > 0 and row["tpot_median_ms"] > 0 and row["roofline_ms"] > 0
     assert [row["N"] for row in results["workload_a"]] == [1, 2]
+    for row in results["workload_a"]:  # the pools and the KV budget hold both rows: they ran together
+        assert row["all_concurrent"] and row["max_concurrent_rows"] == row["N"], row
     if config == "26b-a4b":
         assert meta["moe_experts"] == 8 and meta["moe_top_k"] == 2
     memory = results["memory"]
@@ -137,6 +139,9 @@ def test_workload_c_sizes_the_engine_beyond_the_workload_a_sizes(tmp_path):
     for repeat, serving in enumerate((first, second)):
         assert serving["requests"] == 6 and not serving["errors"] and serving["repeat"] == repeat, serving
         assert serving["itl_p99_over_p50"] == round(serving["itl_p99_ms"] / serving["itl_p50_ms"], 3), serving
+        # fresh prompts per run over an emptied prefix cache: the repeat is not served from the first run's KV
+        assert serving["prefix_cache_cleared"] and serving["cached_prompt_tokens"] == 0, serving
+    assert first["prompt_seed"] != second["prompt_seed"]
 
 
 def test_the_decode_step_profile_holds_every_row(monkeypatch) -> None:
