@@ -94,3 +94,21 @@ def test_eos_text_is_left_out_even_with_special_tokens_shown() -> None:
     assert _reply(params, [*letters, EOS_ID]) == ("ab", [*letters, EOS_ID])
     shown = SamplingParams(max_tokens=8, skip_special_tokens=False, include_stop_str_in_output=True)
     assert _reply(shown, [*letters, EOS_ID])[0] == "ab<eos>"
+
+
+def test_text_offsets_count_the_special_tokens_the_text_shows(ref: Client) -> None:
+    """``skip_special_tokens: false`` puts special tokens' text in the reply: the legacy logprobs' ``text_offset``
+    counts it too (it counted none: every offset 0), streamed and not alike."""
+    client, engine = ref
+    special = next(iter(engine.backend.model_info.eos_token_ids))
+    base = {"prompt": "abc", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+            "logit_bias": {str(special): 100}, "skip_special_tokens": False}
+    choice = _complete(client, **base)["choices"][0]
+    text, logprobs = choice["text"], choice["logprobs"]
+    assert text and len(set(logprobs["text_offset"])) == len(logprobs["tokens"]) == 6
+    for token, offset in zip(logprobs["tokens"], logprobs["text_offset"]):
+        assert text[offset:].startswith(token), (token, offset, text)
+    response = client.post("/v1/completions", json={"model": MODEL, **base, "stream": True})
+    streamed = [offset for event in sse_events(response.text) if event != "[DONE]"
+                for offset in (event["choices"][0].get("logprobs") or {}).get("text_offset", [])]
+    assert streamed == logprobs["text_offset"]

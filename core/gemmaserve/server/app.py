@@ -773,7 +773,8 @@ class _View:
                   top: Sequence[Sequence[tuple[int, float]]] | None) -> dict[str, Any]:
         if self.chat:
             return chat_logprobs(self.tokenizer, token_ids, logprobs, top)
-        return completion_logprobs(self.tokenizer, token_ids, logprobs, offset, top)
+        return completion_logprobs(self.tokenizer, token_ids, logprobs, offset, top,
+                                   skip_special_tokens=self.generation.prepared.params.skip_special_tokens)
 
 
 class _Choices:

@@ -92,18 +92,18 @@ def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
 
 def completion_logprobs(
     tokenizer: Tokenizer, token_ids: Sequence[int], logprobs: Sequence[float], text_offset: int,
-    top: Sequence[Sequence[tuple[int, float]]] | None = None,
+    top: Sequence[Sequence[tuple[int, float]]] | None = None, *, skip_special_tokens: bool = True,
 ) -> dict[str, Any]:
     """Legacy completions ``logprobs``: the sampled tokens' log-probabilities and, with ``top`` (``logprobs`` =
     k > 0), per token a ``{text: logprob}`` object of the k most likely tokens plus the sampled one (OpenAI:
     up to k + 1 entries; fewer when tokens share a text, e.g. partial UTF-8 bytes). ``tokens`` show special
     tokens; ``text_offset`` counts from ``text_offset`` by each token's text as it appears in ``text`` (special
-    tokens add none)."""
+    tokens add none unless the request shows them: ``skip_special_tokens`` False)."""
     tokens = [_token_text(tokenizer, token) for token in token_ids]
     offsets = []
     for token_id in token_ids:
         offsets.append(text_offset)
-        text_offset += len(tokenizer.decode([token_id], skip_special_tokens=True))
+        text_offset += len(tokenizer.decode([token_id], skip_special_tokens=skip_special_tokens))
     alternatives = None
     if top is not None:
         alternatives = []
