@@ -441,8 +441,9 @@ class LLM:
             flat = None if flat is None else flat[: len(token_ids)]
             top = None if top is None else top[: len(token_ids)]
             metrics = replace(metrics, num_output_tokens=len(token_ids))
-        elif out.stop_token_id is not None and out.stop_token_id in params.stop_token_ids:
-            stop_reason = out.stop_token_id
+        elif (out.stop_token_id is not None and out.stop_token_id in params.stop_token_ids
+              and out.stop_token_id not in self.engine.backend.model_info.eos_token_ids):
+            stop_reason = out.stop_token_id  # vLLM's: a stop token that is also an EOS id reports None, like EOS
         if watcher is not None:
             text = watcher.text
         else:

@@ -73,6 +73,8 @@ def test_eos_stays_in_token_ids_and_stop_reason_is_none(llm) -> None:
     shown = llm.generate("hello", SamplingParams(max_tokens=4, logit_bias={EOS_ID: 100}, skip_special_tokens=False,
                                                  include_stop_str_in_output=True))[0]
     assert shown.text == "<eos>"
+    listed = llm.generate("hello", SamplingParams(max_tokens=4, logit_bias={EOS_ID: 100}, stop_token_ids=[EOS_ID]))[0]
+    assert listed.finish_reason == "stop" and listed.stop_reason is None  # an EOS id reports None, listed or not
 
 
 def test_include_stop_str_in_output_keeps_the_stop_string(llm) -> None:
