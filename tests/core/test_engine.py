@@ -631,3 +631,29 @@ def test_generate_refuses_a_dict_for_params_by_its_type(params: Any) -> None:
             engine.generate([[5, 6]], params)
     finally:
         engine.shutdown()
+
+
+def test_a_request_the_engine_thread_has_taken_but_not_added_still_counts_as_waiting() -> None:
+    """Between taking the inbox and adding its requests to the scheduler the engine thread holds them: stats()
+    counts them as waiting there (it showed 0 waiting and 0 running: a test saw the queued request vanish)."""
+    engine = make_engine()
+    gate, entered = threading.Event(), threading.Event()
+    guarded = engine._guarded
+
+    def held(part):  # type: ignore[no-untyped-def]
+        if not entered.is_set():
+            entered.set()
+            gate.wait(10)
+        guarded(part)
+
+    engine._guarded = held  # type: ignore[method-assign]
+    try:
+        handle = engine.submit([5, 6], SamplingParams(max_tokens=2, ignore_eos=True))
+        assert entered.wait(10)
+        stats = engine.stats(timeout=5)
+        assert stats.waiting + stats.running == 1, stats
+        gate.set()
+        assert handle.result(timeout=10).finish_reason == "length"
+    finally:
+        gate.set()
+        engine.shutdown()

@@ -128,6 +128,7 @@ class Engine:
         self._stopping = False
         self._step_lock = threading.Lock()  # held by the engine thread while it uses the scheduler
         self._part_started: float | None = None  # when the running part of a tick began (busy_for)
+        self._in_hand = 0  # requests the engine thread took from the inbox and has not added yet (under _cond)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -325,7 +326,7 @@ class Engine:
             if in_use:
                 raise InvalidRequestError(f"request id {in_use[0]!r} is already in use; pick a unique id")
             if not wait_for_room:
-                waiting = len(self._inbox) + self.scheduler.num_waiting
+                waiting = len(self._inbox) + self._in_hand + self.scheduler.num_waiting
                 if waiting + len(requests) > self.settings.max_waiting_requests:
                     raise EngineOverloadedError(
                         f"{waiting} requests are already waiting (MAX_WAITING_REQUESTS="
@@ -335,7 +336,8 @@ class Engine:
             queued = 0
             try:
                 for request, handle in zip(requests, handles):
-                    while len(self._inbox) + self.scheduler.num_waiting >= self.settings.max_waiting_requests:
+                    while (len(self._inbox) + self._in_hand + self.scheduler.num_waiting
+                           >= self.settings.max_waiting_requests):
                         self._cond.notify_all()  # what is queued so far may start while this call waits for room
                         self._room_waiters += 1
                         try:
@@ -367,6 +369,7 @@ class Engine:
                     while not (self._inbox or self._cancels or self._stopping or self.scheduler.has_work):
                         self._cond.wait()
                     inbox, self._inbox = self._inbox, []
+                    self._in_hand = len(inbox)  # counted as waiting until _tick adds them
                     # a cancel whose request finished meanwhile is void, also when a new request took its id
                     cancels = [(rid, reason) for rid, reason, handle in self._cancels if self._handles.get(rid) is handle]
                     self._cancels = []
@@ -437,12 +440,15 @@ class Engine:
     def _tick(self, inbox: list[Request], cancels: list[tuple[str, FinishReason]], stopping: bool, events: list[RequestEvent]) -> None:
         """Apply submissions and cancellations, then the prefill half of a scheduler step (or abort all
         when stopping). Appends to ``events`` as it goes, so a failure part-way loses none of them."""
-        for request in inbox:
-            try:
-                self.scheduler.add_request(request)
-            except Exception as exc:  # lost a race (queue bound); validation already passed
-                request.finish(FinishReason.ERROR, exc)
-                events.append(request.take_event())
+        try:
+            for request in inbox:
+                try:
+                    self.scheduler.add_request(request)
+                except Exception as exc:  # lost a race (queue bound); validation already passed
+                    request.finish(FinishReason.ERROR, exc)
+                    events.append(request.take_event())
+        finally:
+            self._in_hand = 0
         for request_id, reason in cancels:
             events += self.scheduler.abort_request(request_id, reason=reason)
         events += self.scheduler.abort_all() if stopping else self.scheduler.step_prefill()
@@ -504,10 +510,10 @@ class Engine:
             cache = self.cache_manager.stats() if self.cache_manager is not None else None
             with self.backend.lock:
                 kv = dict(self.backend.kv_stats())
+            with self._cond:  # under the step lock: a request taken from the inbox is in _in_hand or added
+                inbox = len(self._inbox) + self._in_hand
         finally:
             self._step_lock.release()
-        with self._cond:
-            inbox = len(self._inbox)
         return EngineStats(
             running=sched.num_prefilling + sched.num_decoding,
             waiting=sched.num_waiting + inbox,
