@@ -312,13 +312,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.router_policy is not None and not data_parallel:
         raise ConfigurationError(f"--router-policy {args.router_policy} chooses how the router spreads requests over "
                                  "replicas: it needs --data-parallel-size 2 or more")
-    cors_flags = [flag for flag, value in (("--allowed-headers", args.allowed_headers),
-                                           ("--allowed-methods", args.allowed_methods),
-                                           ("--allow-credentials", args.allow_credentials)) if value is not None]
-    if data_parallel and cors_flags:
-        raise ConfigurationError(f"{', '.join(cors_flags)} with --data-parallel-size: the router answers CORS "
-                                 "(its --cors-allowed-origins, from --allowed-origins) with its own header, method "
-                                 "and credential rules; drop these flags")
     if data_parallel:
         from gemmaserve.server.data_parallel import require_router
 

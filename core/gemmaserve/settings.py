@@ -157,8 +157,8 @@ class CoreSettings(BaseSettings):
     )
     max_buffered_body_bytes: int = Field(
         256 * 2**20, ge=1, validation_alias=env_alias("MAX_BUFFERED_BODY_BYTES"),
-        description="HTTP server: request-body bytes all connections together may be receiving at once (each body "
-        "reserves its Content-Length, a chunked one grows chunk by chunk); a body beyond it gets 503 "
+        description="HTTP server: request-body bytes all connections together may hold while receiving (a body "
+        "counts the bytes it has received, not its declared Content-Length); a chunk beyond it gets 503 "
         "body_budget_exhausted with Retry-After.",
     )
     stream_stall_timeout_s: float = Field(
