@@ -233,14 +233,16 @@ class ServerPool:
 
 
 class ThreadedServer:
-    """uvicorn serving ``app`` from a daemon thread of this process (real sockets, real disconnects)."""
+    """uvicorn serving ``app`` from a daemon thread of this process (real sockets, real disconnects); ``config``:
+    more ``uvicorn.Config`` arguments (e.g. ``http=`` the connection guards' protocol)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, **config_args: Any) -> None:
         import uvicorn
 
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=2)
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=2,
+                                **config_args)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
         self.thread.start()

@@ -9,19 +9,18 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 import gemmaserve.server.app as app_module
 from gemmaserve.server.app import create_app
 from gemmaserve.server.connections import ConnectionLimits, guarded_protocol_class
 from gemmaserve.server.metrics import ServerMetrics
 from gemmaserve.testing.reference_backend import ReferenceBackend
-from server_harness import REFERENCE_MODEL, ThreadedServer, free_port, reference_engine, wait_until
+from server_harness import REFERENCE_MODEL, ThreadedServer, reference_engine, wait_until
 
 
 class _Wedgeable(ReferenceBackend):
@@ -46,23 +45,9 @@ class _Slow(ReferenceBackend):
         return super().decode_step_batched(batched, input_ids)
 
 
-class _GuardedServer:
+def _guarded_server(app: Any, limits: ConnectionLimits) -> ThreadedServer:
     """uvicorn with the production connection guards (``guarded_protocol_class``) serving ``app`` from a thread."""
-
-    def __init__(self, app: Any, limits: ConnectionLimits) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                http=guarded_protocol_class(limits), timeout_keep_alive=limits.timeout_keep_alive,
-                                timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="test-guarded-uvicorn", daemon=True)
-        self.thread.start()
-        wait_until(lambda: self.server.started, 30, "uvicorn to start")
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+    return ThreadedServer(app, http=guarded_protocol_class(limits), timeout_keep_alive=limits.timeout_keep_alive)
 
 
 def _limits(**overrides: Any) -> ConnectionLimits:
@@ -271,7 +256,7 @@ def test_a_plain_client_without_a_content_type_still_works(client: tuple[Any, An
 # -- 2. a slow second request on a keep-alive connection ------------------------------------------------
 def test_a_slow_second_request_on_a_keep_alive_connection_gets_the_408() -> None:
     engine = reference_engine()
-    server = _GuardedServer(create_app(engine, REFERENCE_MODEL), _limits(timeout_keep_alive=8.0, header_timeout=1.0))
+    server = _guarded_server(create_app(engine, REFERENCE_MODEL), _limits(timeout_keep_alive=8.0, header_timeout=1.0))
     try:
         request = b"GET /version HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
         with socket.create_connection(("127.0.0.1", server.port)) as sock:
@@ -299,6 +284,34 @@ def test_a_slow_second_request_on_a_keep_alive_connection_gets_the_408() -> None
 
 
 # -- 7. a client that never reads its stream ---------------------------------------------------------------
+async def _post_stream(app: Any, body: bytes, stall: Callable[[dict[str, Any], list[dict[str, Any]]], Any],
+                       state: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
+    """POST ``body`` to ``app``'s /v1/completions as one ASGI call whose client never disconnects; every message
+    sent goes to the returned list, then ``send`` awaits ``stall(message, sent)`` (the client's reading pace);
+    ``state`` is the request scope's state (the connection guards' keys)."""
+    sent: list[dict[str, Any]] = []
+    inbox = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if inbox:
+            return inbox.pop()
+        await asyncio.Event().wait()  # the client never disconnects
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        await stall(message, sent)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000),
+             "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode())],
+             "state": state}
+    await asyncio.wait_for(app(scope, receive, send), timeout_s)
+    return sent
+
+
 def test_a_stream_whose_client_stops_reading_is_cancelled_and_its_connection_dropped() -> None:
     from gemmaserve.server.connections import ABORT_KEY
 
@@ -306,29 +319,13 @@ def test_a_stream_whose_client_stops_reading_is_cancelled_and_its_connection_dro
     app = create_app(engine, REFERENCE_MODEL)
     body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 400, "stream": True, "ignore_eos": True}).encode()
 
+    async def full_socket(message: dict[str, Any], sent: list[dict[str, Any]]) -> None:
+        if message["type"] == "http.response.body" and len(sent) >= 3:
+            await asyncio.Event().wait()  # its socket is full: sending never completes
+
     async def serve_one() -> tuple[bool, list[dict[str, Any]]]:
         aborted = asyncio.Event()
-        sent: list[dict[str, Any]] = []
-        inbox = [{"type": "http.request", "body": body, "more_body": False}]
-
-        async def receive() -> dict[str, Any]:
-            if inbox:
-                return inbox.pop()
-            await asyncio.Event().wait()  # the client never disconnects
-            raise AssertionError("unreachable")
-
-        async def send(message: dict[str, Any]) -> None:
-            sent.append(message)
-            if message["type"] == "http.response.body" and len(sent) >= 3:
-                await asyncio.Event().wait()  # its socket is full: sending never completes
-
-        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-                 "query_string": b"", "root_path": "", "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000),
-                 "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"),
-                             (b"content-length", str(len(body)).encode())],
-                 "state": {ABORT_KEY: aborted.set}}
-        await asyncio.wait_for(app(scope, receive, send), 10)
+        sent = await _post_stream(app, body, full_socket, {ABORT_KEY: aborted.set}, 10)
         return aborted.is_set(), sent
 
     try:
@@ -417,34 +414,19 @@ def test_a_slow_reader_that_keeps_taking_bytes_is_not_cut() -> None:
     app = create_app(engine, REFERENCE_MODEL)
     body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 3, "stream": True, "ignore_eos": True}).encode()
 
+    async def slow_reader(message: dict[str, Any], sent: list[dict[str, Any]]) -> None:
+        if message["type"] == "http.response.body" and message.get("body"):
+            await asyncio.sleep(1.5)  # a slow reader: the buffer drains, slowly
+
     async def serve_one() -> tuple[bool, list[dict[str, Any]]]:
         loop = asyncio.get_running_loop()
         started = loop.time()
         aborted = asyncio.Event()
-        sent: list[dict[str, Any]] = []
-        inbox = [{"type": "http.request", "body": body, "more_body": False}]
-
-        async def receive() -> dict[str, Any]:
-            if inbox:
-                return inbox.pop()
-            await asyncio.Event().wait()
-            raise AssertionError("unreachable")
-
-        async def send(message: dict[str, Any]) -> None:
-            sent.append(message)
-            if message["type"] == "http.response.body" and message.get("body"):
-                await asyncio.sleep(1.5)  # a slow reader: the buffer drains, slowly
 
         def unsent() -> int:  # a byte taken every millisecond
             return max(0, 10**7 - int((loop.time() - started) * 1000))
 
-        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-                 "query_string": b"", "root_path": "", "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000),
-                 "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"),
-                             (b"content-length", str(len(body)).encode())],
-                 "state": {ABORT_KEY: aborted.set, UNSENT_KEY: unsent}}
-        await asyncio.wait_for(app(scope, receive, send), 30)
+        sent = await _post_stream(app, body, slow_reader, {ABORT_KEY: aborted.set, UNSENT_KEY: unsent}, 30)
         return aborted.is_set(), sent
 
     try:
