@@ -295,7 +295,7 @@ class LLM:
         :meth:`generate`. ``tools`` and ``chat_template_kwargs`` reach the template; the reply also ends at the
         template's end-of-turn token (unless ``ignore_eos``), as on the HTTP server. The reply is not parsed (no
         tool calls or reasoning split out). Raises InvalidRequestError (PromptTooLongError) naming the problem."""
-        from gemmaserve.server.prepare import chat_stop_token_ids
+        from gemmaserve.server.prepare import with_chat_stops
 
         self._check_open()
         _check_use_tqdm(use_tqdm)
@@ -321,15 +321,12 @@ class LLM:
         if kwargs:
             options["template_kwargs"] = kwargs
         encoded = [self._render(conversation, tokenizer, options) for conversation in conversations]
-        ends = chat_stop_token_ids(tokenizer)
         params = SamplingParams() if sampling_params is None else sampling_params
         many = isinstance(params, Sequence)
         params_list = list(params) if many else [params] * len(encoded)  # type: ignore[arg-type,list-item]
         for item in params_list:
             _check_params(item)
-        with_ends = [item if item.ignore_eos or not ends else replace(
-            item, stop_token_ids=(*item.stop_token_ids, *(t for t in ends if t not in item.stop_token_ids)))
-            for item in params_list]
+        with_ends = [with_chat_stops(item, tokenizer) for item in params_list]
         return self._generate(encoded, with_ends if many else with_ends[0] if with_ends else params)
 
     def _tokenizer_with_template(self, template: str) -> Any:

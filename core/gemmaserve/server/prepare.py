@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from gemmaserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 __all__ = ["prepare_completion", "prepare_chat", "default_max_tokens_for", "tokenize_text", "render_chat",
-           "chat_stop_token_ids", "COMPLETION_DEFAULT_MAX_TOKENS"]
+           "chat_stop_token_ids", "with_chat_stops", "COMPLETION_DEFAULT_MAX_TOKENS"]
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
@@ -127,6 +127,19 @@ def chat_stop_token_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
     """The tokens that end an assistant turn in the tokenizer's chat template (``<end_of_turn>`` for Gemma): a
     chat ends there, as at EOS (see :attr:`gemmaserve.hf_tokenizer.HFTokenizerAdapter.chat_stop_token_ids`)."""
     return tuple(int(token) for token in getattr(tokenizer, "chat_stop_token_ids", ()) or ())
+
+
+def with_chat_stops(params: SamplingParams, tokenizer: Tokenizer) -> SamplingParams:
+    """``params`` ending also at the chat template's end-of-turn tokens (:func:`chat_stop_token_ids`), unless
+    ``ignore_eos``: what a chat reply is generated with, on the server and in ``LLM.chat``."""
+    ends = () if params.ignore_eos else chat_stop_token_ids(tokenizer)
+    merged = _merged_stop_ids(params.stop_token_ids, ends)
+    return params if merged == tuple(params.stop_token_ids) else dataclasses.replace(params, stop_token_ids=merged)
+
+
+def _merged_stop_ids(stop_ids: Sequence[int], extra: Sequence[int]) -> tuple[int, ...]:
+    """``stop_ids`` then the tokens of ``extra`` not among them."""
+    return (*stop_ids, *(token for token in extra if token not in stop_ids))
 
 
 def tokenize_text(text: str, tokenizer: Tokenizer, context_limit: int, *, add_special_tokens: bool = True,
@@ -260,8 +273,7 @@ def default_max_tokens_for(prompt_tokens: int, context_limit: int, default_max_t
 
 def _sampling(body: SamplingFields, max_tokens: int, extra_stop_ids: tuple[int, ...] = ()) -> SamplingParams:
     top_k = body.top_k if body.top_k is not None else 0
-    stop_ids = tuple(body.stop_token_ids or ())
-    stop_ids += tuple(token for token in extra_stop_ids if token not in stop_ids)
+    stop_ids = _merged_stop_ids(tuple(body.stop_token_ids or ()), extra_stop_ids)
     try:
         structured = body.structured
     except InvalidRequestError as exc:
