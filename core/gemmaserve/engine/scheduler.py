@@ -745,7 +745,8 @@ class ContinuousBatchScheduler:
         retried = launched is not None and not self._apply_launched(launched, events)
         errors = self._run_chunks_alone(work or [], {})
         if self._q.rows.rows:
-            self._counters["decode_failures"] += 0 if retried else 1
+            if not retried:  # a failed read of the applied step counted this failure already
+                self._counters["decode_failures"] += 1
             self._retry_rows_alone(exc, events, charge=not (retried or errors))
         return errors
 
