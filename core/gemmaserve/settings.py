@@ -89,7 +89,8 @@ class CoreSettings(BaseSettings):
         "Fewer prompt tokens beside decoding rows shorten those rows' inter-token gaps while steady arrivals are "
         "spread over a few ticks; a burst, or a prompt that waited for admission, still gets the full budget. "
         "Of 0, 128, 256 and 512, 128 gave the lowest inter-token latency p99 / p50 under Poisson arrivals on an H100 "
-        "(docs/benchmarks.md run 30); it costs time to first token.",
+        "(docs/benchmarks.md run 30, whose later passes hit the prefix cache: to be measured again); it costs time "
+        "to first token.",
     )
     max_num_batched_tokens: int = Field(
         8192, ge=1, validation_alias=env_alias("MAX_NUM_BATCHED_TOKENS"),
