@@ -395,8 +395,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                moe_gb_per_expert=round(roof.expert_bytes / 1e9, 4))
     results["memory"] = memory
     save()
-    # workload C sizes the engine too: sized by --sizes 1 alone, its pools held one request and C ran serially
-    max_rows = max(sizes + [args.prefix_requests] + ([args.serving_max_rows] if args.serving_rates else []))
+    # workloads C and A-long size the engine too: sized by --sizes 1 alone, its pools held one request and C (and
+    # A-long, run 35) ran serially
+    long_sizes = [int(x) for x in args.long_sizes.split(",") if x]
+    max_rows = max(sizes + long_sizes + [args.prefix_requests]
+                   + ([args.serving_max_rows] if args.serving_rates else []))
     max_len = base["max_position_embeddings"]
     block_size = load_custom_settings().block_size or KV_BLOCK_SIZE  # what the backend will use
     kv_item = torch.tensor([], dtype=dtype).element_size()  # KV stays in the model dtype (also with FP8 weights)
@@ -469,7 +472,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             lambda: _workload_a(backend, settings, sizes, args, roof, bandwidth, args.output_len, "custom"))
     if args.prefix_requests:
         section("workload_b", lambda: _workload_b(backend, settings, args))
-    long_sizes = [int(x) for x in args.long_sizes.split(",") if x]
     if long_sizes:
         long_args = argparse.Namespace(**{**vars(args), "prompt_len": args.long_prompt_len})
         section("workload_a_long", lambda: _workload_a(backend, settings, long_sizes, long_args, roof, bandwidth,

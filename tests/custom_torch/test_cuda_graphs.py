@@ -204,9 +204,11 @@ def test_greedy_tokens_come_from_the_graph_argmax(e2b_like_dir):
 
 
 def test_compile_under_graphs_gives_the_eager_tokens(e2b_like_dir):
-    """One bucket (max batch 1) to bound compile time; explain runs at the first decode."""
+    """One bucket (max batch 1) to bound compile time; explain runs at the first decode. The reference runs the
+    kernels compile leaves in place (cuBLAS matmuls, no PDL: CUSTOM_BACKEND_COMPILE turns the few-row kernels
+    off), so only Inductor's fusions can part the two."""
     requests = [([(7 * i + 3) % 500 + 4 for i in range(40)], 0, 24)]
-    plain = cuda_backend(e2b_like_dir, max_batch_size=1)
+    plain = cuda_backend(e2b_like_dir, max_batch_size=1, skinny_max_rows=0, pdl=False)
     compiled = cuda_backend(e2b_like_dir, max_batch_size=1, compile=True, explain=True)
     got = [run_scheduler(b, requests, max_batch_size=1)["r0"].output_token_ids for b in (plain, compiled)]
     # Inductor fuses the elementwise ops, so bf16 rounding differs from eager and a tiny random model's
@@ -249,3 +251,36 @@ def test_tick_graph_replay_is_byte_identical_to_its_eager_forward(tiny_checkpoin
     assert graphed.mixed.graphs.capture_seconds and graphed.mixed.eager_steps == 0  # captured, then replayed
     run_scheduler(graphed, joining_requests(seed=9, count=10))
     assert_no_leaks(graphed)
+
+
+def test_a_compiled_forward_failing_while_recorded_is_recorded_eagerly():
+    """torch.compile's code can fail only when a CUDA graph records it (torch 2.11 on an H100, run 35: a Triton
+    launcher TypeError): the partial recording is dropped and the eager forward recorded, so replays do the eager
+    forward's work and nothing of the failed call (that recording gave other tokens than eager decode)."""
+    from gemmaserve_custom_torch.graphs import StepGraphs, maybe_compile
+
+    x = torch.arange(4.0, device=DEVICE)
+    out = torch.zeros(4, device=DEVICE)
+    partial = torch.zeros(4, device=DEVICE)  # what the failing compiled call writes before it raises
+
+    def eager(key: int) -> tuple[torch.Tensor, ...]:
+        out.copy_(x * key)
+        return (out,)
+
+    def failing_while_recorded(key: int) -> tuple[torch.Tensor, ...]:
+        partial.add_(1.0)
+        if torch.cuda.is_current_stream_capturing():
+            raise TypeError("launcher() missing 1 required positional argument: '_grid_2'")
+        return eager(key)
+
+    forward = maybe_compile(eager, True)
+    forward.compiled = failing_while_recorded
+    graphs = StepGraphs(forward)
+    assert graphs.run(2)[0].tolist() == [0.0, 2.0, 4.0, 6.0]  # warm-up (compiled, not recorded), then the capture
+    assert forward.compiled is None and "launcher()" in forward.error
+    written = partial.clone()
+    x.fill_(3.0)
+    for _ in range(3):
+        assert graphs.run(2)[0].tolist() == [6.0] * 4  # replays
+    torch.cuda.synchronize()
+    assert torch.equal(partial, written), "the failed call's partial work stayed in the graph"

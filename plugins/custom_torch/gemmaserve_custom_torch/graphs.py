@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["StepGraphs", "explain_report", "maybe_compile"]
+__all__ = ["CompileFellBack", "StepGraphs", "explain_report", "maybe_compile"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +62,15 @@ class StepGraphs:
     def _record(self, key: Hashable) -> None:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            outputs = self.forward(key)
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                outputs = self.forward(key)
+        except CompileFellBack:
+            # the graph so far holds part of the compiled forward: drop it, warm the eager forward up (its Triton
+            # kernels load outside the capture) and record that instead
+            self.forward(key)
+            self._record(key)
+            return
         if self._pool is None:
             self._pool = graph.pool()
         torch.cuda.synchronize()
@@ -71,9 +78,15 @@ class StepGraphs:
         logger.info("custom_torch: captured the %s graph of %s", self.name, key)
 
 
+class CompileFellBack(RuntimeError):
+    """A compiled forward failed while a CUDA graph was recording it: the recording holds part of the compiled
+    forward and must be discarded (`StepGraphs` records the eager forward instead)."""
+
+
 class _CompiledForward:
-    """``torch.compile(fn, dynamic=False)`` that falls back to ``fn`` for good (with a warning) if compiling
-    or a compiled call raises; the failed call is retried eagerly (decode writes are idempotent)."""
+    """``torch.compile(fn, dynamic=False)`` that falls back to ``fn`` for good (with a warning and the traceback)
+    if compiling or a compiled call raises; the failed call is retried eagerly (decode writes are idempotent),
+    except while a CUDA graph records it: then `CompileFellBack` is raised so the recording is redone."""
 
     def __init__(self, fn: Forward) -> None:
         import torch._dynamo
@@ -97,7 +110,11 @@ class _CompiledForward:
             except Exception as exc:
                 self.compiled = None
                 self.error = f"{type(exc).__name__}: {exc}"[:4000]
-                logger.warning("CUSTOM_BACKEND_COMPILE: torch.compile failed; decoding eagerly: %s", self.error)
+                capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+                logger.warning("CUSTOM_BACKEND_COMPILE: torch.compile failed%s; decoding eagerly: %s",
+                               " while a CUDA graph recorded it" if capturing else "", self.error, exc_info=True)
+                if capturing:
+                    raise CompileFellBack(self.error) from exc
         return self.eager(bucket)
 
 

@@ -30,9 +30,10 @@ def pdl_supported(device: torch.device | str) -> bool:
 
 
 def launch_options(pdl: bool) -> dict[str, bool]:
-    """Keywords of a launch of a kernel with a ``PDL`` constexpr: none at all when off, so the interpreter and
-    pre-Hopper devices never see them."""
-    return {"PDL": True, "launch_pdl": True} if pdl else {}
+    """Keywords of a launch of a kernel with a ``PDL`` constexpr. Off, only ``PDL=False`` (no ``launch_pdl``, which
+    the interpreter and pre-Hopper devices must not see): torch.compile's Triton wrapper needs every argument
+    passed, defaults included (without it the compiled launcher lost one, run 35)."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
 
 
 @triton.jit
