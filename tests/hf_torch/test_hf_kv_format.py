@@ -6,12 +6,12 @@ from typing import Any
 
 import pytest
 import torch
-from transformers.cache_utils import DummyLayer, DynamicLayer
+from transformers.cache_utils import DynamicLayer
 
 from gemmaserve.errors import ModelLoadError
 from gemmaserve.kv.cache_manager import BlockWrite, CacheManager
 from gemmaserve_hf_torch.backend import HFTorchBackend
-from gemmaserve_hf_torch.kv_cache.hf_format import BlockPools, storing_layers
+from gemmaserve_hf_torch.kv_cache.hf_format import BlockPools, DummyLayer, storing_layers
 
 BLOCK = 4
 
@@ -21,7 +21,10 @@ def test_gemma4_layout_has_two_head_dims_and_no_kv_for_shared_layers(gemma4_back
     # layers 0, 1 sliding (head dim 16), 2 full (head dim 32); 3..5 reuse the KV of 1 and 2
     assert [(s.layer_idx, s.kv_heads, s.head_dim) for s in layout.stored] == [(0, 2, 16), (1, 2, 16), (2, 2, 32)]
     cache = layout.new_cache()
-    assert [type(layer) for layer in cache.layers] == [DynamicLayer] * 3 + [DummyLayer] * 3
+    # transformers < 5.23 has no DummyLayer: its caches stop before the shared tail
+    shared = [DummyLayer] * 3 if DummyLayer is not None else []
+    assert [type(layer) for layer in cache.layers] == [DynamicLayer] * 3 + shared
+    layout.check_cache(layout.cache_from_tensors(layout.empty_tensors(2, 5)), 2, 5)
 
 
 def test_storing_layers_from_config() -> None:
@@ -123,3 +126,29 @@ def test_partial_and_full_hits_compute_only_what_is_missing(gemma4_backend: HFTo
         for state in (full, partial, unfinished, cold):
             backend.free_row_kv(state.kv)
     assert backend.cache_manager.stats().pinned_blocks == 0  # lookups release their match at once
+
+
+def test_layout_without_dummy_layers_as_transformers_before_5_23(gemma4_backend: HFTorchBackend, monkeypatch) -> None:
+    """transformers < 5.23 (the H200 image's 5.17) has no DummyLayer: a KV-shared model's cache ends at its last
+    storing layer, and the shared tail is read as non-storing (the hf_torch package failed to import there)."""
+    from transformers import Gemma4TextConfig
+
+    from gemmaserve_hf_torch.kv_cache import hf_format
+
+    monkeypatch.setattr(hf_format, "DummyLayer", None)
+    layout = gemma4_backend.layout
+    assert layout.cache_layers == 3
+    cache = layout.new_cache()
+    assert [type(layer) for layer in cache.layers] == [DynamicLayer] * 3
+    layout.check_cache(layout.cache_from_tensors(layout.empty_tensors(2, 5)), 2, 5)
+
+    class TruncatedCache:  # what DynamicCache(config=...) builds there: no layer for the shared tail
+        def __init__(self, config: Any) -> None:
+            kept = config.num_hidden_layers - config.num_kv_shared_layers
+            self.layers = [DynamicLayer() for _ in range(kept)]
+
+    monkeypatch.setattr(hf_format, "DynamicCache", TruncatedCache)
+    gemma = Gemma4TextConfig(
+        num_hidden_layers=6, num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 3
+    )
+    assert storing_layers(gemma) == [True, True, True, True, False, False]

@@ -2,7 +2,8 @@
 core's paged blocks and HF ``DynamicCache`` tensors.
 
 HF side: every *storing* layer holds K and V of shape ``[batch, kv_heads, seq, head_dim]``; layers
-that reuse another layer's KV (Gemma 4's KV-shared layers) hold a ``DummyLayer`` and store nothing.
+that reuse another layer's KV (Gemma 4's KV-shared layers) hold a ``DummyLayer`` and store nothing (transformers
+before 5.23 has no ``DummyLayer``: its caches end before the shared layers, which are always the last ones).
 Every storing layer is a plain ``DynamicLayer`` here, sliding-window layers included: they keep all
 positions (the window is applied by the attention mask), so a cache position always means the same
 token for every layer. That is what makes left padding, row splicing and prefix blocks exact.
@@ -22,7 +23,12 @@ from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+try:
+    from transformers.cache_utils import DummyLayer
+except ImportError:  # transformers < 5.23: a cache holds no layer for the KV-shared tail
+    DummyLayer = None
 
 from gemmaserve.errors import ConfigurationError, ModelLoadError
 
@@ -53,11 +59,19 @@ class CacheLayout:
     dtype: torch.dtype
     device: torch.device
 
+    @property
+    def cache_layers(self) -> int:
+        """How many layers a cache of this layout holds: all of them, or (transformers < 5.23) up to the last
+        storing one."""
+        if DummyLayer is not None or not self.stored:
+            return self.num_layers
+        return self.stored[-1].layer_idx + 1
+
     def new_cache(self) -> DynamicCache:
         """An empty cache: a ``DynamicLayer`` per storing layer, a ``DummyLayer`` elsewhere."""
         storing = {shape.layer_idx for shape in self.stored}
         cache = DynamicCache()
-        cache.layers = [DynamicLayer() if i in storing else DummyLayer() for i in range(self.num_layers)]
+        cache.layers = [DynamicLayer() if i in storing else DummyLayer() for i in range(self.cache_layers)]
         cache.layer_class_to_replicate = None  # the layer list is complete; never grow it
         return cache
 
@@ -92,11 +106,11 @@ class CacheLayout:
     def check_cache(self, cache: DynamicCache, batch: int, seq: int) -> None:
         """Raise RuntimeError unless every storing layer of ``cache`` is [batch, H, seq, D] in the
         layout's dtype/device and every other layer is a DummyLayer."""
-        if len(cache.layers) != self.num_layers:
-            raise RuntimeError(f"cache has {len(cache.layers)} layers, layout has {self.num_layers}")
+        if len(cache.layers) != self.cache_layers:
+            raise RuntimeError(f"cache has {len(cache.layers)} layers, layout has {self.cache_layers}")
         storing = {shape.layer_idx for shape in self.stored}
         for index, layer in enumerate(cache.layers):
-            if index not in storing and not isinstance(layer, DummyLayer):
+            if index not in storing and not (DummyLayer is not None and isinstance(layer, DummyLayer)):
                 raise RuntimeError(f"layer {index} reuses another layer's KV but holds a {type(layer).__name__}")
         for shape, (keys, values) in zip(self.stored, self.layer_tensors(cache)):
             expected = (batch, shape.kv_heads, seq, shape.head_dim)
@@ -125,7 +139,7 @@ def storing_layers(text_config: object) -> list[bool]:
         return [True] * int(getattr(text_config, "num_hidden_layers"))
     result = []
     for index, layer in enumerate(reference.layers):
-        if isinstance(layer, DummyLayer):
+        if DummyLayer is not None and isinstance(layer, DummyLayer):
             result.append(False)
         elif type(layer) in _STORING_LAYER_TYPES:
             result.append(True)
@@ -135,7 +149,8 @@ def storing_layers(text_config: object) -> list[bool]:
                 f"{type(layer).__name__}; only attention layers with a plain or sliding-window KV cache "
                 "(DynamicLayer / DynamicSlidingWindowLayer) are supported"
             )
-    return result
+    num_layers = int(getattr(text_config, "num_hidden_layers", len(result)))
+    return result + [False] * (num_layers - len(result))  # transformers < 5.23: no layer for the KV-shared tail
 
 
 def detect_layout(
