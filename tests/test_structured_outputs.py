@@ -129,6 +129,21 @@ def test_regex_choice_grammar_and_json_object(llm) -> None:
             assert out.finish_reason == "stop" and check(out.text), (spec, out.text)
 
 
+def test_forced_text_spelling_a_special_token_is_written_as_text(llm, checkpoint) -> None:
+    """A constraint that forces the characters of a special token (``<eos>``, ``<bos>``, ``<pad>``) writes them with
+    ordinary tokens: llguidance tokenized such forced bytes as the special token, which its parser then refused, and
+    the request ended with a ConstraintError (choice, regex, enum and grammar alike)."""
+    from transformers import AutoTokenizer
+
+    specials = set(AutoTokenizer.from_pretrained(checkpoint).all_special_ids)
+    for spec, text in [({"choice": ["<eos>"]}, "<eos>"), ({"regex": "<bos>"}, "<bos>"),
+                       ({"json": {"enum": ["<bos>"]}}, '"<bos>"'), ({"grammar": 'root ::= "<eos>"'}, "<eos>"),
+                       ({"choice": ["x<pad>y"]}, "x<pad>y")]:
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=20, structured_outputs=spec))[0]
+        assert out.finish_reason == "stop" and out.text == text, (spec, out.text, out.finish_reason)
+        assert not specials & set(out.token_ids[:-1]), out.token_ids  # all but the closing EOS are ordinary
+
+
 def test_a_constrained_request_does_not_depend_on_its_batch(llm) -> None:
     schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string", "maxLength": 6}},
               "required": ["n", "s"], "additionalProperties": False}

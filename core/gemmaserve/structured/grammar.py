@@ -464,11 +464,47 @@ def _limits() -> Any:
 @functools.lru_cache(maxsize=4)
 def _ll_tokenizer(text: str, vocab_size: int, eos_token_ids: tuple[int, ...]) -> Any:
     """llguidance's tokenizer of a ``tokenizer.json`` text, shared by every compiler in the process (an
-    LLTokenizer is immutable; building one for Gemma's vocabulary takes ~4 s, so an engine started after
-    another on the same tokenizer, offline or in a benchmark, does not pay it again)."""
-    import llguidance
+    LLTokenizer is immutable; building one for Gemma's vocabulary takes ~4-6 s, so an engine started after
+    another on the same tokenizer, offline or in a benchmark, does not pay it again).
 
-    return llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
+    Text a constraint forces is tokenized as text: built straight from ``tokenizer.json``, llguidance tokenized
+    forced bytes that spell a special token (``<eos>``, ``<pad>``, Gemma 4's ``<|"|>``) as that special token,
+    which its own parser then refused, so a satisfiable choice, regex or enum holding such text ended its request
+    with a ConstraintError. Special tokens stay special (a grammar can still name them, ``<eos>`` in Lark)."""
+    import llguidance
+    import tokenizers
+
+    eos = list(eos_token_ids) or None
+    plain = llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos)
+    encoder = tokenizers.Tokenizer.from_str(text)
+    encoder.encode_special_tokens = True  # "<eos>" in a text is the characters, not the token
+    encoder.no_padding()
+    encoder.no_truncation()
+    return llguidance.LLTokenizer(_TextTokenizer(plain, encoder), n_vocab=vocab_size, eos_token=eos)
+
+
+class _TextTokenizer:
+    """What llguidance's ``LLTokenizer`` reads from a tokenizer object (``llguidance.TokenizerWrapper``'s
+    attributes): ``plain``'s token bytes and special tokens, and an encoder that never matches special tokens."""
+
+    def __init__(self, plain: Any, encoder: Any) -> None:
+        size = plain.vocab_size
+        self.eos_token_id = plain.eos_token
+        self.bos_token_id = None
+        self.tokens = [plain.decode_bytes([i]) for i in range(size)]
+        self.special_token_ids = [i for i in range(size) if plain.is_special_token(i)]
+        self.is_tokenizer_wrapper = True
+        self._plain = plain
+        self._encoder = encoder
+
+    def __call__(self, data: bytes | str) -> list[int]:
+        if isinstance(data, str):
+            return self._encoder.encode(data, add_special_tokens=False).ids
+        try:
+            return self._encoder.encode(data.decode("utf-8"), add_special_tokens=False).ids
+        except UnicodeDecodeError as exc:  # a cut character: the valid text, then the rest byte by byte
+            head = self._encoder.encode(data[: exc.start].decode("utf-8"), add_special_tokens=False).ids
+            return head + list(self._plain.tokenize_bytes(data[exc.start:]))
 
 
 def _first_line(text: str) -> str:
