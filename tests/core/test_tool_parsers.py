@@ -161,3 +161,44 @@ def test_a_label_only_reasoning_channel_is_empty_at_any_split() -> None:
         pieces = [parser.feed(text[a:b]) for a, b in zip([0, *points], [*points, len(text)])]
         pieces.append(parser.finish())
         assert ("".join(r for r, _ in pieces), "".join(c for _, c in pieces)) == ("", "Hi"), cuts
+
+
+def _strict_json(text: str):
+    def refuse(name: str):
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@settings(max_examples=200, deadline=None)
+@given(number=st.from_regex(r"-?(0|[1-9][0-9]{0,40})(\.[0-9]{1,20})?([eE][+-]?[0-9]{1,5})?", fullmatch=True))
+def test_numbers_in_call_arguments_are_kept_as_written(number) -> None:
+    """A number reaches ``arguments`` as the model wrote it: ``1e999`` became ``Infinity`` (not JSON: JavaScript's
+    JSON.parse refuses it), ``-2.5e3`` became ``-2500.0``, and a 4,301-digit integer made the call content."""
+    gemma = Gemma4ToolParser().feed(f"{GEMMA4_CALL_OPEN}call:f{{n:{number},m:[{number}]}}{GEMMA4_CALL_CLOSE}")
+    assert gemma.calls[0].arguments == f'{{"n": {number}, "m": [{number}]}}'
+    _strict_json(gemma.calls[0].arguments)
+    parser = JsonToolParser()
+    parser.feed(f'{{"name": "f", "arguments": {{"n": {number}}}}}')
+    assert parser.finish().calls[0].arguments == f'{{"n": {number}}}'
+
+
+def test_long_numbers_and_json_constants() -> None:
+    digits = "7" * 4301  # beyond Python's int() limit for decimal text
+    (call,) = Gemma4ToolParser().feed(f"{GEMMA4_CALL_OPEN}call:f{{n:{digits}}}{GEMMA4_CALL_CLOSE}").calls
+    assert call.arguments == f'{{"n": {digits}}}'
+    for constant in ("NaN", "Infinity", "-Infinity"):  # Python's json reads them; they are not JSON
+        parser = JsonToolParser()
+        text = f'{{"name": "f", "arguments": {{"n": {constant}}}}}'
+        parser.feed(text)
+        out = parser.finish()
+        assert not out.calls and out.content == text
+
+
+def test_calls_nested_beyond_the_stack_stay_content() -> None:
+    deep = "[" * 5000 + "]" * 5000
+    gemma = Gemma4ToolParser().feed(f"{GEMMA4_CALL_OPEN}call:f{{a:{deep}}}{GEMMA4_CALL_CLOSE}")
+    assert not gemma.calls and deep in gemma.content
+    parser = JsonToolParser()
+    parser.feed(f'{{"name": "f", "arguments": {{"a": {deep}}}}}')
+    assert not parser.finish().calls

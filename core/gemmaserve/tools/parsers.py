@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["GEMMA4_BARE_KEY", "GEMMA4_CALL_CLOSE", "GEMMA4_CALL_OPEN", "GEMMA4_CHANNEL_CLOSE", "GEMMA4_CHANNEL_OPEN",
-           "GEMMA4_STRING", "Gemma4ReasoningParser", "Gemma4ToolParser", "JsonToolParser", "ParsedText", "ToolCall",
-           "ToolParser", "format_gemma_key", "format_gemma_value", "parse_gemma_arguments", "PARSERS"]
+           "GEMMA4_STRING", "Gemma4ReasoningParser", "Gemma4ToolParser", "JsonNumber", "JsonToolParser", "ParsedText",
+           "ToolCall", "ToolParser", "format_gemma_key", "format_gemma_value", "json_text", "parse_gemma_arguments",
+           "PARSERS"]
 
 GEMMA4_CALL_OPEN = "<|tool_call>"
 GEMMA4_CALL_CLOSE = "<tool_call|>"
@@ -117,10 +118,28 @@ class Gemma4ToolParser(ToolParser):
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")  # the characters the API accepts in a tool's name
 
 
+class JsonNumber(str):
+    """A number as the reply wrote it (JSON's number syntax, which Gemma 4's shares), kept as its text so that a
+    call's arguments carry it unchanged: no float rounding, no overflow to ``Infinity`` (which is not JSON), no
+    limit on its digits."""
+
+
+def json_text(value: Any) -> str:
+    """``value`` as JSON text (``json.dumps``' separators, non-ASCII kept), a :class:`JsonNumber` written as is."""
+    if isinstance(value, JsonNumber):
+        return str.__str__(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(key, ensure_ascii=False)}: {json_text(item)}"
+                               for key, item in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(json_text(item) for item in value) + "]"
+    return json.dumps(value, ensure_ascii=False)
+
+
 def _parse_gemma_calls(body: str) -> list[ToolCall] | None:
     """The ``call:NAME{...}`` entries of one block (one, or several back to back), or None if it does not parse."""
     calls: list[ToolCall] = []
-    values = _GemmaValues(body)
+    values = _GemmaValues(body, raw_numbers=True)
     at = values.skip(0)
     while at < len(body):
         if not body.startswith("call:", at):
@@ -130,11 +149,11 @@ def _parse_gemma_calls(body: str) -> list[ToolCall] | None:
             return None
         try:
             value, at = values.value(match.end())
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than Python's stack
             return None
         if not isinstance(value, dict):
             return None
-        calls.append(ToolCall(match.group(0), json.dumps(value, ensure_ascii=False)))
+        calls.append(ToolCall(match.group(0), json_text(value)))
         at = values.skip(at)
     return calls or None
 
@@ -155,8 +174,9 @@ class _GemmaValues:
     _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
     _KEY = re.compile(r"[^:{}\[\],<]+")  # a bare key, its trailing whitespace stripped below
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, raw_numbers: bool = False) -> None:
         self.text = text
+        self.raw_numbers = raw_numbers  # numbers as JsonNumber text instead of int / float
 
     def skip(self, at: int) -> int:
         """The first index at or after ``at`` that is not whitespace."""
@@ -183,6 +203,8 @@ class _GemmaValues:
         if match is None:
             raise ValueError(f"no value at {at}")
         number = match.group(0)
+        if self.raw_numbers:
+            return JsonNumber(number), match.end()
         return (float(number) if any(c in number for c in ".eE") else int(number)), match.end()
 
     def _object(self, at: int) -> tuple[dict[str, Any], int]:
@@ -289,24 +311,38 @@ class JsonToolParser(ToolParser):
         if fenced is not None:
             body = fenced.group(1)
         try:
-            value = json.loads(body)
-        except ValueError:
+            value = _json_loads(body)
+        except (ValueError, RecursionError):
             return ParsedText(text)
         items = value if isinstance(value, list) else [value]
         calls = []
         for item in items:
-            if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
+            if not (isinstance(item, dict) and _is_text(item.get("name"))):
                 return ParsedText(text)
             arguments = item.get("arguments", item.get("parameters", {}))
-            if isinstance(arguments, str):  # already JSON text
+            if _is_text(arguments):  # already JSON text
                 try:
-                    arguments = json.loads(arguments)
-                except ValueError:
+                    arguments = _json_loads(arguments)
+                except (ValueError, RecursionError):
                     return ParsedText(text)
             if not isinstance(arguments, dict):
                 return ParsedText(text)
-            calls.append(ToolCall(item["name"], json.dumps(arguments, ensure_ascii=False)))
+            calls.append(ToolCall(item["name"], json_text(arguments)))
         return ParsedText("", calls) if calls else ParsedText(text)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _is_text(value: Any) -> bool:
+    """A JSON string (a :class:`JsonNumber` is a ``str`` too, but a number)."""
+    return isinstance(value, str) and not isinstance(value, JsonNumber)
+
+
+def _json_loads(text: str) -> Any:
+    """Strict JSON (no ``NaN`` / ``Infinity``), numbers kept as :class:`JsonNumber` text."""
+    return json.loads(text, parse_int=JsonNumber, parse_float=JsonNumber, parse_constant=_refuse_constant)
 
 
 PARSERS: dict[str, type[ToolParser]] = {"gemma4": Gemma4ToolParser, "json": JsonToolParser}
