@@ -47,6 +47,18 @@ def test_spec_takes_exactly_one_constraint_and_names_what_is_wrong() -> None:
     assert StructuredOutputs.from_mapping({"regex": "a", "disable_any_whitespace": True}).regex == "a"
 
 
+def test_a_schema_nested_too_deeply_is_refused_by_name() -> None:
+    """JSON text nested beyond Python's stack raised RecursionError (HTTP 500 through ``structured_outputs.json`` /
+    ``guided_json``, which arrive as text and so pass the request body's own checks)."""
+    deep = "[" * 5000 + "]" * 5000
+    with pytest.raises(InvalidRequestError, match="structured_outputs.json is nested too deeply"):
+        StructuredOutputs(json=deep)
+    circular: dict = {"type": "object"}
+    circular["properties"] = {"self": circular}
+    with pytest.raises(InvalidRequestError, match="structured_outputs.json cannot be written as JSON"):
+        StructuredOutputs(json=circular)
+
+
 def test_response_format_maps_onto_the_spec() -> None:
     assert from_response_format(None) is None and from_response_format({"type": "text"}) is None
     assert from_response_format({"type": "json_object"}) == StructuredOutputs(json_object=True)

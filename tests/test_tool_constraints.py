@@ -42,7 +42,8 @@ def vocabulary() -> _Vocabulary:
 _leaf = st.one_of(
     st.sampled_from([{"type": "boolean"}, {"type": "null"}, {"type": "integer"}, {"type": "number"},
                      {"type": "string", "pattern": "^[a-z]{1,3}$"}, {"type": "string", "maxLength": 4},
-                     {"type": "string", "pattern": "^\\d<\\$$"}, {"type": "string", "pattern": "x"}]),
+                     {"type": "string", "pattern": "^\\d<\\$$"}, {"type": "string", "pattern": "x"},
+                     {"type": "string", "minLength": 2}, {"type": "string", "pattern": "^[a-z]*$", "maxLength": 2}]),
     st.lists(st.sampled_from(["a", "b c", "x_y", 3, 4.5, True, None]), min_size=1, max_size=3, unique=True)
     .map(lambda values: {"enum": values}),
 )
@@ -110,6 +111,26 @@ def test_patterns_the_grammar_cannot_model_accept_any_string(vocabulary, pattern
             reader = Gemma4ToolParser()
             calls = reader.feed(text).calls + reader.finish().calls
             assert [call.name for call in calls] == ["f"], text
+
+
+def test_string_lengths_bind_with_one_bound_and_beside_a_pattern(vocabulary) -> None:
+    """``minLength`` alone, ``maxLength`` alone and lengths beside a pattern are all kept (``minLength`` without
+    ``maxLength`` was dropped, and a pattern dropped both: a forced call could give ``{"zone": ""}``)."""
+    cases = [({"type": "string", "minLength": 4}, lambda v: len(v) >= 4),
+             ({"type": "string", "maxLength": 2}, lambda v: len(v) <= 2),
+             ({"type": "string", "pattern": "^[a-z]*$", "minLength": 3, "maxLength": 5},
+              lambda v: 3 <= len(v) <= 5 and v.isalpha() and v.islower())]
+    compiler = GrammarCompiler(vocabulary, 512, [1])
+    for schema, check in cases:
+        tools = [{"name": "f", "parameters": {"type": "object", "properties": {"z": schema}, "required": ["z"]}}]
+        for seed in range(6):
+            constraint = compiler.compile(tool_call_constraint(tools, "f", "gemma4", False))
+            text = _walk(vocabulary, constraint, seed)
+            if constraint.is_complete:
+                reader = Gemma4ToolParser()
+                (call,) = reader.feed(text).calls + reader.finish().calls
+                value = json.loads(call.arguments)["z"]
+                assert check(value), (schema, value)
 
 
 def test_forced_strings_cannot_spell_a_marker_with_plain_tokens(vocabulary) -> None:

@@ -46,6 +46,9 @@ class StructuredOutputs:
         if isinstance(self.json, str):
             try:
                 object.__setattr__(self, "json", json.loads(self.json))
+            except RecursionError:
+                raise InvalidRequestError("structured_outputs.json is nested too deeply to read; give a schema of "
+                                          "ordinary depth") from None
             except ValueError as exc:
                 raise InvalidRequestError(f"structured_outputs.json is not valid JSON: {exc}") from None
         if self.choice is not None:
@@ -64,7 +67,12 @@ class StructuredOutputs:
             if not isinstance(self.json, (dict, bool)):
                 raise InvalidRequestError(
                     f"structured_outputs.json must be a JSON schema object, got {type(self.json).__name__}")
-            _check_size("json", json.dumps(self.json))
+            try:
+                text = json.dumps(self.json)
+            except (RecursionError, ValueError, TypeError) as exc:  # too deep, circular, or not JSON data
+                raise InvalidRequestError(f"structured_outputs.json cannot be written as JSON: {type(exc).__name__}: "
+                                          f"{str(exc)[:200]}") from None
+            _check_size("json", text)
         for name in ("regex", "grammar"):
             value = self._value(name)
             if value is not None:

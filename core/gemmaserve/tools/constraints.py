@@ -107,17 +107,31 @@ def _value_rule(schema: Any, prefix: str, rules: list[str]) -> str:
         return prefix
     if kind == "string":
         pattern = schema.get("pattern")
-        body = _pattern_body(pattern) if isinstance(pattern, str) else None
-        low, high = schema.get("minLength", 0), schema.get("maxLength")
-        if body is None and isinstance(low, int) and isinstance(high, int) and 0 <= low <= high:
-            body = f"(?s:.){{{low},{high}}}"
-        if body is None:
+        parts = [body for body in [_pattern_body(pattern) if isinstance(pattern, str) else None] if body is not None]
+        length = _length_body(schema.get("minLength", 0), schema.get("maxLength"))
+        if length is not None:
+            parts.append(length)  # with a pattern, the text must match both
+        if not parts:
             return "gstring"
         rules.append(f"{prefix}: {GEMMA4_STRING} {prefix.upper()}S {GEMMA4_STRING}")
-        rules.append(f"{prefix.upper()}S: /{body}/ & {_NO_MARKER}")  # the string's text, free of markers
+        lexeme = " & ".join(f"/{part}/" for part in parts)
+        rules.append(f"{prefix.upper()}S: {lexeme} & {_NO_MARKER}")  # the string's text, free of markers
         return prefix
     return {"integer": "GINTEGER", "number": "GNUMBER", "boolean": "(\"true\" | \"false\")",
             "null": "\"null\""}.get(kind, "value") if isinstance(kind, str) else "value"
+
+
+def _length_body(low: Any, high: Any) -> str | None:
+    """The regex of a string of ``minLength`` .. ``maxLength`` characters (either may be absent), or None when the
+    bounds say nothing or are not non-negative integers in order (unmodelled: any text)."""
+    def count(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    if not count(low) or (high is not None and not (count(high) and high >= low)):
+        return None
+    if high is None:
+        return f"(?s:.){{{low},}}" if low else None
+    return f"(?s:.){{{low},{high}}}"
 
 
 _UNMODELLED_PATTERN = re.compile(r"\(\?<?[=!]|\\[1-9bBAzZGk]|\(\?>|[*+?}]\+")
