@@ -60,10 +60,14 @@ class IncrementalDetokenizer:
         *,
         prompt_ids: Sequence[int] | None = None,
         skip_special_tokens: bool = True,
+        shown_special_ids: frozenset[int] = frozenset(),
         min_tokens: int = 0,
         include_stop_str: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
+        self.shown_special_ids = shown_special_ids
+        """Special tokens shown although ``skip_special_tokens`` hides the others: the markers a tool-call or
+        reasoning parser reads out of the text (Gemma 4's ``<|tool_call>``, ``<|"|>``, ``<|channel>``)."""
         self.stop = tuple(s for s in stop if s)
         self.include_stop_str = include_stop_str
         """vLLM's ``include_stop_str_in_output``: a matched stop string stays in the text (what follows it in
@@ -135,7 +139,19 @@ class IncrementalDetokenizer:
 
     # -- internals -------------------------------------------------------------------------------
     def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        shown = self.shown_special_ids
+        if not (self.skip_special_tokens and shown) or shown.isdisjoint(ids):
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        parts, start = [], 0  # the runs between shown tokens without their special tokens, the shown ones as text
+        for index, token in enumerate(ids):
+            if token in shown:
+                if start < index:
+                    parts.append(self.tokenizer.decode(ids[start:index], skip_special_tokens=True))
+                parts.append(self.tokenizer.decode([token], skip_special_tokens=False))
+                start = index + 1
+        if start < len(ids):
+            parts.append(self.tokenizer.decode(ids[start:], skip_special_tokens=True))
+        return "".join(parts)
 
     def _context(self, prompt_ids: Sequence[int] | None) -> list[int]:
         """The prompt's last few tokens, unless they end inside a character (then no context)."""

@@ -97,3 +97,40 @@ def test_stop_strings_wait_for_min_tokens(text: str, stops: list[str], min_token
     points = sorted({min(len(ids), c) for c in cuts})
     pieces = [chunked.add(ids[a:b]).text for a, b in zip([0, *points], [*points, len(ids)])]
     assert "".join(pieces) + chunked.flush() == out and chunked.stopped == delta.stopped
+
+
+class SpecialTokenizer(Utf8ByteTokenizer):
+    """Utf8ByteTokenizer plus special tokens 300 ``<A>`` (a parser's marker) and 301 ``<B>`` (any other)."""
+
+    SPECIAL = {300: "<A>", 301: "<B>"}
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        out, run = "", []
+        for token in [*token_ids, None]:
+            if token is None or token in self.SPECIAL:
+                out += bytes(run).decode("utf-8", errors="replace")
+                run = []
+                if token is not None and not skip_special_tokens:
+                    out += self.SPECIAL[token]
+            else:
+                run.append(token)
+        return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(pieces=st.lists(st.one_of(st.text(alphabet="ab é", max_size=4), st.sampled_from([300, 301])), max_size=12),
+       split=st.lists(st.integers(1, 4), min_size=1, max_size=20))
+def test_shown_special_tokens_stay_and_the_others_are_hidden(pieces, split) -> None:
+    """``shown_special_ids`` (the tool-call / reasoning parsers' markers) show although ``skip_special_tokens``
+    hides every other special token, however the tokens arrive."""
+    tokenizer = SpecialTokenizer()
+    ids = [token for piece in pieces for token in ([piece] if isinstance(piece, int) else list(piece.encode()))]
+    want = "".join("<A>" if piece == 300 else "" if piece == 301 else piece for piece in pieces)
+    for shown, expected in ((frozenset({300}), want), (frozenset(), want.replace("<A>", ""))):
+        detok = IncrementalDetokenizer(tokenizer, shown_special_ids=shown)
+        out, i, k = "", 0, 0
+        while i < len(ids):
+            step = split[k % len(split)]
+            out += detok.add(ids[i : i + step]).text
+            i, k = i + step, k + 1
+        assert out + detok.flush() == expected

@@ -157,6 +157,23 @@ def test_reasoning_channel_goes_to_reasoning_content(tool_checkpoint) -> None:
             assert "".join(d.content or "" for d in chunks) == answer
 
 
+def test_offering_tools_shows_no_other_special_tokens(client) -> None:
+    """With tools offered the reply's text keeps the tool-call markers for the parser, and hides every other
+    special token as a reply without tools does (Gemma 4's channel markers leaked into ``content`` before);
+    ``skip_special_tokens: false`` still shows them all."""
+    client, parser = client
+    grammar = 'start: <|channel> "thought" <channel|> "fine"'
+    base = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=20, temperature=0.0)
+    for extra in ({}, {"tools": TOOLS}):
+        kwargs = {**base, **extra, "extra_body": {"structured_outputs": {"grammar": grammar}}}
+        assert client.chat.completions.create(**kwargs).choices[0].message.content == "thoughtfine"
+        chunks = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+        assert "".join(d.content or "" for d in chunks) == "thoughtfine"
+    shown = {**base, "tools": TOOLS, "extra_body": {"structured_outputs": {"grammar": grammar},
+                                                    "skip_special_tokens": False}}
+    assert client.chat.completions.create(**shown).choices[0].message.content == "<|channel>thought<channel|>fine"
+
+
 @pytest.mark.parametrize("backend", ["hf", "mlx"])
 def test_tool_calls_on_the_other_backends(tool_checkpoint, backend) -> None:
     """The same required / named calls through hf and mlx (built as `gemmaserve serve` builds them)."""

@@ -49,6 +49,9 @@ class Prepared:
     constraint_field: str | None = None
     """The request field ``params.structured_outputs`` came from (``tools`` for a tool_choice call constraint):
     what errors about the constraint name (:func:`~gemmaserve.server.errors.constraint_error`)."""
+    shown_special_ids: frozenset[int] = frozenset()
+    """Special tokens the reply's text shows although ``params.skip_special_tokens`` hides the others: the markers
+    the tool-call / reasoning parsers read."""
 
 
 @dataclass(slots=True)
@@ -140,6 +143,7 @@ class Generation:
         self._detok = IncrementalDetokenizer(tokenizer, prepared.stop, prompt_ids=prepared.prompt_ids,
                                              min_tokens=params.min_tokens,
                                              skip_special_tokens=params.skip_special_tokens,
+                                             shown_special_ids=prepared.shown_special_ids,
                                              include_stop_str=params.include_stop_str_in_output)
         self._queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
         self._held: RequestEvent | None = None  # a failed final event read while merging, for the next step

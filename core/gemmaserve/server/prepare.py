@@ -24,7 +24,8 @@ from gemmaserve.engine.validation import check_text_can_fit
 from gemmaserve.errors import InvalidRequestError, PromptTooLongError
 from gemmaserve.render_pool import RENDER_POOL_MIN_CHARS, RenderWorkerDied
 from gemmaserve.tools.constraints import tool_call_constraint
-from gemmaserve.tools.parsers import GEMMA4_CALL_OPEN
+from gemmaserve.tools.parsers import (GEMMA4_CALL_CLOSE, GEMMA4_CALL_OPEN, GEMMA4_CHANNEL_CLOSE, GEMMA4_CHANNEL_OPEN,
+                                      GEMMA4_STRING)
 from gemmaserve.sampling_params import SamplingParams
 from gemmaserve.server.errors import APIError, constraint_error
 from gemmaserve.server.generation import Prepared
@@ -105,10 +106,25 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limi
         except InvalidRequestError as exc:  # min_tokens
             raise APIError(400, str(exc), param="min_tokens", code="invalid_value") from None
         constraint_field = "tools"
-    if parser == "gemma4" or reasoning_parser:  # their markers are special tokens: the parsers read them
-        params = dataclasses.replace(params, skip_special_tokens=False)
+    markers = ((GEMMA4_CALL_OPEN, GEMMA4_CALL_CLOSE, GEMMA4_STRING) if parser == "gemma4" else ()) + (
+        (GEMMA4_CHANNEL_OPEN, GEMMA4_CHANNEL_CLOSE) if reasoning_parser else ())
+    shown = frozenset(marker_ids(tokenizer, markers)) if params.skip_special_tokens else frozenset()
     return Prepared(prompt_ids, params, body.stop_strings, bool(body.logprobs), "messages", parser,
-                    body.parallel_tool_calls is not False, reasoning_parser or None, constraint_field)
+                    body.parallel_tool_calls is not False, reasoning_parser or None, constraint_field, shown)
+
+
+def marker_ids(tokenizer: Tokenizer, markers: Sequence[str]) -> list[int]:
+    """The ids of the ``markers`` the vocabulary holds as single tokens (the parsers' markers are special tokens:
+    the text shows them although it hides every other special token)."""
+    ids = []
+    for marker in markers:
+        try:
+            encoded = tokenizer.encode(marker, add_special_tokens=False)
+        except Exception:
+            continue
+        if len(encoded) == 1:
+            ids.append(int(encoded[0]))
+    return ids
 
 
 def resolve_tool_parser(tokenizer: Tokenizer, setting: str) -> str:
