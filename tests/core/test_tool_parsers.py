@@ -202,3 +202,20 @@ def test_calls_nested_beyond_the_stack_stay_content() -> None:
     parser = JsonToolParser()
     parser.feed(f'{{"name": "f", "arguments": {{"a": {deep}}}}}')
     assert not parser.finish().calls
+
+
+def test_a_json_reply_starting_with_a_backtick_streams_once_it_is_no_fence() -> None:
+    """One or two backticks may open a code fence; the next character decides (the whole reply was held to the end
+    when it began with a backtick)."""
+    parser = JsonToolParser()
+    assert parser.feed("`").content == ""
+    assert parser.feed("x").content == "`x"
+    assert parser.feed("` is a variable").content == "` is a variable"
+    assert parser.finish().content == ""
+    fenced = JsonToolParser()
+    text = '```json\n{"name": "f", "arguments": {"a": 1}}\n```'
+    assert all(fenced.feed(char).content == "" for char in text)
+    out = fenced.finish()
+    assert out.content == "" and [(c.name, c.arguments) for c in out.calls] == [("f", '{"a": 1}')]
+    short = JsonToolParser()
+    assert short.feed("``").content == "" and short.finish().content == "``"

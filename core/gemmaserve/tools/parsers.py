@@ -296,7 +296,9 @@ class JsonToolParser(ToolParser):
         if not stripped:
             return ParsedText()
         if self._decided is None:
-            self._decided = stripped[0] in "{[" or stripped.startswith("```") or "```".startswith(stripped)
+            if "```".startswith(stripped):  # "`" or "``": a code fence or not, the next text tells
+                return ParsedText()
+            self._decided = stripped[0] in "{[" or stripped.startswith("```")
             if not self._decided:
                 out, self._buffer = self._buffer, ""
                 return ParsedText(out)
