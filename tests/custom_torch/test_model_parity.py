@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_checkpoints import VOCAB_SIZE, build_tiny_gemma4, wrap_as_multimodal
+from tiny_checkpoints import VOCAB_SIZE, build_tiny_gemma3, build_tiny_gemma4, wrap_as_multimodal
 from gemmaserve_custom_torch.models import (
     ContiguousKVContext,
     GemmaForCausalLM,
@@ -138,7 +138,7 @@ def test_config_rejects_unsupported_model_type() -> None:
         GemmaTextConfig.from_dict({"model_type": "llama"})
 
 
-@pytest.mark.parametrize("case", ["unrotated-full-layers", "empty-per-layer-config"])
+@pytest.mark.parametrize("case", ["unrotated-full-layers", "empty-per-layer-config", "gemma3-rope-scaling-beside"])
 def test_config_edge_values_read_as_transformers_reads_them(case: str, tmp_path: Path,
                                                             hf_reference: HFLoader) -> None:
     """``partial_rotary_factor: 0.0`` rotates nothing (it is not "unset"); a saved ``per_layer_config: {}`` (what
@@ -149,6 +149,14 @@ def test_config_edge_values_read_as_transformers_reads_them(case: str, tmp_path:
                 FULL: {"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": 0.0}}
         path = build_tiny_gemma4(tmp_path / case, rope_parameters=rope)
         assert GemmaTextConfig.from_pretrained(path).rope[FULL].partial_rotary_factor == 0.0
+    elif case == "gemma3-rope-scaling-beside":  # a legacy rope_scaling beside per-type rope_parameters: it wins
+        path = build_tiny_gemma3(tmp_path / case)
+        config = json.loads((path / "config.json").read_text())
+        text = config.get("text_config", config)
+        assert FULL in text["rope_parameters"]
+        text["rope_scaling"] = {"rope_type": "linear", "factor": 8.0}
+        (path / "config.json").write_text(json.dumps(config))
+        assert GemmaTextConfig.from_pretrained(path).rope[FULL].factor == 8.0
     else:
         path = build_tiny_gemma4(tmp_path / case, hub_style=False, global_head_dim=16)
         saved = json.loads((path / "config.json").read_text())

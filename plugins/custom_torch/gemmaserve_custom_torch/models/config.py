@@ -416,7 +416,7 @@ def _parse_rope_gemma3(c: dict[str, Any], layer_types: tuple[LayerType, ...]) ->
     (Hub configs; `rope_scaling` applies to full-attention layers only)."""
     nested = c["rope_parameters"]
     if nested and any(t in nested for t in LAYER_TYPES):
-        full = dict(nested.get(FULL) or {})
+        full = {**(nested.get(FULL) or {}), **(c["rope_scaling"] or {})}  # as transformers: rope_scaling wins
         sliding = dict(nested.get(SLIDING) or {})
     else:
         _require(not nested, "flat (non per-layer-type) rope_parameters are not supported for Gemma 3.")
