@@ -329,3 +329,11 @@ def test_a_truncated_or_missing_weight_file_names_the_file(tmp_path: Path, tiny_
     (garbage / "model.safetensors").write_bytes(b"\x00" * 64)
     with pytest.raises(ValueError, match="not a readable safetensors file"):
         GemmaForCausalLM.from_hf(garbage)
+
+
+def test_a_sliding_window_of_one_is_refused(tmp_path: Path) -> None:
+    """transformers' generate keeps the whole cache for a window of 1 (its forward attends to the token alone), so no
+    backend can match it: refused by name at load instead of serving tokens generate disagrees with."""
+    path = build_tiny_gemma4(tmp_path / "w1", sliding_window=1)
+    with pytest.raises(ValueError, match="sliding_window=1 is not supported"):
+        GemmaTextConfig.from_pretrained(path)

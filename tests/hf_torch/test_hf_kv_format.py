@@ -152,3 +152,14 @@ def test_layout_without_dummy_layers_as_transformers_before_5_23(gemma4_backend:
         num_hidden_layers=6, num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 3
     )
     assert storing_layers(gemma) == [True, True, True, True, False, False]
+
+
+def test_a_sliding_window_of_one_is_refused() -> None:
+    from transformers import Gemma4TextConfig, MistralConfig
+
+    gemma = Gemma4TextConfig(num_hidden_layers=2, num_kv_shared_layers=0, sliding_window=1,
+                             layer_types=["sliding_attention", "full_attention"])
+    for config in (gemma, MistralConfig(num_hidden_layers=2, sliding_window=1)):
+        with pytest.raises(ModelLoadError, match="sliding_window=1"):
+            storing_layers(config)
+    assert storing_layers(MistralConfig(num_hidden_layers=2, sliding_window=2)) == [True, True]

@@ -272,6 +272,10 @@ class GemmaTextConfig:
             attention_scale = float(c["query_pre_attn_scalar"]) ** -0.5
 
         window = c["sliding_window"]
+        _require(window is None or SLIDING not in layer_types or int(window) >= 2,
+                 "sliding_window=1 is not supported: transformers' generate keeps the whole cache for a window of 1 "
+                 "(its sliding cache keeps the last sliding_window - 1 tokens, a slice that takes all of them), so "
+                 "its generate and its forward disagree and no backend can match both; use sliding_window >= 2.")
         softcap = c["final_logit_softcapping"]
         tie = outer.get("tie_word_embeddings", c["tie_word_embeddings"])
         return cls(

@@ -142,6 +142,12 @@ def storing_layers(text_config: object) -> list[bool]:
         if DummyLayer is not None and isinstance(layer, DummyLayer):
             result.append(False)
         elif type(layer) in _STORING_LAYER_TYPES:
+            if getattr(layer, "sliding_window", None) == 1:
+                raise ModelLoadError(
+                    f"unsupported configuration for the hf backend: decoder layer {index} has sliding_window=1; "
+                    "transformers' generate keeps the whole cache for a window of 1 (its sliding cache keeps the last "
+                    "sliding_window - 1 tokens, a slice that takes all of them), so its generate and its forward "
+                    "disagree and no backend can match both; use sliding_window >= 2")
             result.append(True)
         else:
             raise ModelLoadError(
