@@ -45,6 +45,19 @@ def test_a_mistral_window_mlx_lm_would_drop_is_refused(tmp_path: Path, extra: di
         assert read_model_dir(tmp_path).architecture == "llama"
 
 
+@pytest.mark.parametrize("config", [{"model_type": "gemma4_text", "sliding_window": 1,
+                                     "layer_types": ["sliding_attention", "full_attention"]},
+                                    {"model_type": "mistral", "sliding_window": 1}])
+def test_a_sliding_window_of_one_is_refused(tmp_path: Path, config: dict) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match=r"sliding_window=1: transformers' generate keeps the whole cache"):
+        read_model_dir(tmp_path)
+    config["layer_types"] = ["full_attention"] * 2  # no sliding layer: the window does not apply
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert read_model_dir(tmp_path).architecture
+
+
 def test_renamed_architectures_use_mlx_lm_remapping() -> None:
     assert mlx_architecture({"model_type": "mistral"}) == "llama"
     assert mlx_architecture({"model_type": "gemma4_text"}) == "gemma4_text"

@@ -71,11 +71,17 @@ def read_model_dir(model_path: str | Path) -> ModelDir:
 
 
 def _check_sliding_window(config: dict[str, Any], architecture: str) -> None:
-    """ModelLoadError for a Llama-family checkpoint (Mistral) whose ``sliding_window`` mlx_lm's ``llama`` module
-    would not apply: it windows only the layers ``layer_types`` names, so without them every layer would attend
+    """ModelLoadError for a window of 1 (as every backend: see docs/architecture.md) and for a Llama-family
+    checkpoint (Mistral) whose ``sliding_window`` mlx_lm's ``llama`` module would not apply: it windows only the layers ``layer_types`` names, so without them every layer would attend
     to the whole context and the tokens part from transformers' once a prompt outgrows the window."""
     inner = text_config(config)
     window = inner.get("sliding_window")
+    if window == 1 and "sliding_attention" in (inner.get("layer_types") or ["sliding_attention"]):
+        raise ModelLoadError(
+            f"{config['model_type']} checkpoint with sliding_window=1: transformers' generate keeps the whole cache "
+            "for a window of 1 (its sliding cache keeps the last sliding_window - 1 tokens, a slice that takes all "
+            "of them), so its generate and its forward disagree and no backend can match both; use "
+            "sliding_window >= 2")
     if architecture != "llama" or not isinstance(window, int) or isinstance(window, bool) or "layer_types" in inner:
         return
     if window < int(inner.get("max_position_embeddings") or window + 1):
