@@ -245,6 +245,10 @@ def test_unset_settings_take_what_a_cuda_load_can_run(monkeypatch):
         assert backend.small_batch_plan(load_custom_settings(skinny_max_rows=8), cuda, True) == (8, hopper)
         assert backend.small_batch_plan(load_custom_settings(skinny_max_rows=0, pdl=False), cuda, True) == (0, False)
         assert backend.small_batch_plan(load_custom_settings(), cuda, False) == (0, False)  # fusion off
+        # a dense model with FP8 weights leaves PDL off unless asked (31B FP8 was slower with it, runs 30-31)
+        assert backend.small_batch_plan(load_custom_settings(), cuda, True, dense_fp8=True) == (32, False)
+        if hopper:  # asked for, it is on
+            assert backend.small_batch_plan(load_custom_settings(pdl=True), cuda, True, dense_fp8=True) == (32, True)
     monkeypatch.setattr(pdl, "pdl_supported", lambda device: False)
     with pytest.raises(ConfigurationError, match="compute capability 9.0 or newer .* has 8.0"):
         backend.small_batch_plan(load_custom_settings(pdl=True), cuda, True)
