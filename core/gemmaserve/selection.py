@@ -6,6 +6,7 @@ The decision and every rejected alternative (with its reason) are logged and ret
 
 from __future__ import annotations
 
+import difflib
 import logging
 import sys
 from dataclasses import dataclass, field
@@ -109,11 +110,14 @@ def _device_for(spec: BackendSpec, settings: CoreSettings) -> str:
 
 
 def backend_statuses(settings: CoreSettings, registry: BackendRegistry | None = None) -> list[BackendStatus]:
-    """One row per backend (installed or known): availability on the device it would use."""
+    """One row per backend (installed or known): availability on the device it would use (its probe passes and
+    its factory imports, as selection requires)."""
     registry = registry or load_registry()
     rows: list[BackendStatus] = []
     for spec in sorted(registry.specs.values(), key=lambda s: (s.priority, s.name)):
         reason = probe_backend(spec, settings, _device_for(spec, settings), registry=registry)
+        if reason is None:
+            reason = factory_problem(spec)
         rows.append(BackendStatus(spec.name, spec.plugin, spec.devices, reason is None, reason, spec))
     for known in KNOWN_BACKENDS:
         if known.name not in registry.specs:
@@ -183,9 +187,11 @@ def _select_explicit(settings: CoreSettings, registry: BackendRegistry) -> Selec
         if known is not None:
             raise BackendUnavailableError(
                 f"backend {settings.backend!r}: {known.install_hint}{_plugin_errors(registry)}")
+        names = registry.known_names()
+        close = difflib.get_close_matches(settings.backend, names, n=1)
         raise ConfigurationError(
-            f"unknown BACKEND={settings.backend!r}; accepted: auto, {', '.join(registry.known_names())}"
-            f"{_plugin_errors(registry)}"
+            f"unknown BACKEND={settings.backend!r}{f' (did you mean {close[0]!r}?)' if close else ''}; accepted: "
+            f"auto, {', '.join(names)}{_plugin_errors(registry)}"
         )
     problem = capability_problem(spec, settings, registry)
     if problem is not None:  # a setting the named backend cannot honour: a configuration error, not availability

@@ -99,3 +99,8 @@ def test_temperature_range_is_the_same_offline_and_over_http(temperature: float)
         http = False
     assert offline == http, (temperature, offline, http)
     assert offline == (0 <= temperature <= 100)
+
+
+def test_a_misspelt_backend_gets_a_suggestion(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["backends", "--backend", "custom-cpuu"]) == 2
+    assert "(did you mean 'custom-cpu'?)" in capsys.readouterr().out

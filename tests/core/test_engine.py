@@ -657,3 +657,34 @@ def test_a_request_the_engine_thread_has_taken_but_not_added_still_counts_as_wai
     finally:
         gate.set()
         engine.shutdown()
+
+
+
+def create_unfinished_backend(model_path: str, device: str, settings: CoreSettings) -> object:
+    from gemmaserve.backend import InferenceBackend
+
+    class Missing(InferenceBackend):  # leaves every abstract method out
+        pass
+
+    return Missing()  # type: ignore[abstract]
+
+
+class _UnfinishedPlugin:
+    @hookimpl
+    def gemmaserve_register_backends(self, register) -> None:  # type: ignore[no-untyped-def]
+        register(BackendSpec("unfinished-test", f"{__name__}:create_unfinished_backend", ("cpu",),
+                             description="a backend class missing methods"))
+
+
+def test_a_backend_class_missing_methods_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A third-party backend class that leaves abstract methods out is named with the missing methods, not a bare
+    TypeError traceback."""
+    from gemmaserve.errors import BackendUnavailableError
+
+    monkeypatch.setattr("gemmaserve.selection.detect_devices", lambda: DeviceReport("cpu", ("cpu",)))
+    register_plugin(_UnfinishedPlugin(), "unfinished-test-plugin")
+    try:
+        with pytest.raises(BackendUnavailableError, match=r"backend 'unfinished-test' .* cannot be built: .*abstract"):
+            build_engine(CoreSettings(backend="unfinished-test", device="cpu", model="/no/weights"))
+    finally:
+        unregister_plugin("unfinished-test-plugin")

@@ -30,8 +30,10 @@ PROBE_MODULE = __name__
 def test_registry_lists_registered_and_known_backends(fake_plugins) -> None:
     fake_plugins(
         "fake_a",
-        BackendSpec("fast-cpu", "x.y:z", ("cpu",), f"{PROBE_MODULE}:available_probe", priority=5, aliases=("fast",)),
+        BackendSpec("fast-cpu", f"{PROBE_MODULE}:available_probe", ("cpu",), f"{PROBE_MODULE}:available_probe",
+                    priority=5, aliases=("fast",)),
         BackendSpec("broken", "x.y:z", ("cpu",), f"{PROBE_MODULE}:unavailable_probe", priority=1),
+        BackendSpec("no-factory", "x.y:z", ("cpu",), f"{PROBE_MODULE}:available_probe", priority=7),
     )
     settings = load_settings(device="cpu", backend="auto")
     registry = load_registry()
@@ -39,6 +41,8 @@ def test_registry_lists_registered_and_known_backends(fake_plugins) -> None:
     rows = {row.name: row for row in backend_statuses(settings, registry)}
     assert rows["fast-cpu"].available and rows["fast-cpu"].plugin == "fake_a"
     assert not rows["broken"].available and rows["broken"].reason == "needs a unicorn"
+    # its probe passes but its factory does not import: not available (selection would pass over it)
+    assert not rows["no-factory"].available and "cannot be imported" in (rows["no-factory"].reason or "")
     for known in ("hf", "custom-cuda", "mlx"):
         assert known in rows
         if rows[known].spec is None:  # plugin not installed: the exact pip command is the reason

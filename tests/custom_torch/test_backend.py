@@ -38,7 +38,7 @@ class TestCustomTorchContract(BackendContractTests):
         yield backend
         backend.close()
 
-    def _core_cache(self, backend):
+    def fresh_prefix_cache(self, backend):
         """The suite attaches a *fresh* core cache here; this backend caches internally (set_cache_adapter is
         a no-op), so the equivalent is emptying its own prefix cache."""
         backend.prefix_cache.clear()

@@ -78,7 +78,14 @@ def build_engine(settings: CoreSettings | None = None, registry: BackendRegistry
         raise BackendUnavailableError(
             f"backend {spec.name!r} failed to import its factory {spec.factory!r}: {exc}"
         ) from exc
-    backend = factory(model_path or "", selection.device, settings)
+    try:
+        backend = factory(model_path or "", selection.device, settings)
+    except TypeError as exc:
+        if "abstract" not in str(exc):
+            raise
+        raise BackendUnavailableError(
+            f"backend {spec.name!r} (factory {spec.factory!r}) cannot be built: {exc}; a backend class implements "
+            "every abstract method of gemmaserve.backend.InferenceBackend (docs/writing-a-backend.md)") from exc
     cache = None
     try:
         if backend.capabilities.uses_core_cache_manager and settings.prefix_cache_blocks > 0:
