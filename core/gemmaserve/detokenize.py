@@ -73,8 +73,9 @@ class IncrementalDetokenizer:
         """vLLM's ``include_stop_str_in_output``: a matched stop string stays in the text (what follows it in
         the same token is still cut), and nothing is held back (vLLM's rule)."""
         self.min_tokens = min_tokens
-        """Stop strings are looked for only once this many tokens were fed (vLLM's ``min_tokens``): one that
-        ends earlier does not stop the request; one that ends at or after that token does."""
+        """Stop strings are looked for only once more than this many tokens were fed (vLLM V1's ``min_tokens``):
+        one that ends within the first ``min_tokens`` tokens' text does not stop the request; one that ends in a
+        later token does."""
         self.skip_special_tokens = skip_special_tokens
         self.emitted = ""
         self.stopped = False
@@ -85,7 +86,7 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)  # ...and its text up to here is already in _decoded
         self._decoded = ""  # output text up to _read_offset (may still contain a stop string)
         self._partial = ""  # text after _read_offset that precedes an unfinished character
-        self._min_floor = 0  # the output text before the min_tokens-th token: a stop string must end past it
+        self._min_floor = 0  # the text of the first min_tokens output tokens: a stop string must end past it
 
     @property
     def text(self) -> str:
@@ -104,10 +105,10 @@ class IncrementalDetokenizer:
             return DetokenizedDelta("", True, self.stop_string)
         if len(new_token_ids) > 1 and self.stop:  # the first stop string to complete wins, however tokens arrive
             return self._add_each(new_token_ids)[1]
-        if len(self.token_ids) < self.min_tokens:
-            self._min_floor = len(self._decoded) + len(self._partial)  # a stop string must end after this
         self._ids.extend(new_token_ids)
         self._decode_window(final=False)
+        if len(self.token_ids) <= self.min_tokens:
+            self._min_floor = len(self._decoded) + len(self._partial)  # a stop string must end after this
         return self._release(final=False)
 
     def add_until_stop(self, new_token_ids: Sequence[int]) -> tuple[int, DetokenizedDelta]:
@@ -176,11 +177,11 @@ class IncrementalDetokenizer:
         full = self._decoded + self._partial
         start = len(self.emitted)  # a stop string ends in text not emitted yet (begins there, unless included)
         best: tuple[int, str] | None = None
-        matching = len(self._ids) - self._num_context >= self.min_tokens
+        matching = not self.min_tokens or len(self._ids) - self._num_context > self.min_tokens
         for stop in self.stop if matching else ():
             floor = max(self._min_floor, start) if self.include_stop_str else self._min_floor
             index = full.find(stop, max(0, start - len(stop) + 1) if self.include_stop_str else start)
-            while index != -1 and index + len(stop) <= floor:  # ends before the min_tokens-th token (or emitted)
+            while index != -1 and index + len(stop) <= floor:  # ends within the first min_tokens tokens (or emitted)
                 index = full.find(stop, index + 1)
             if index != -1 and (best is None or index < best[0]):
                 best = (index, stop)

@@ -40,7 +40,7 @@ class SamplingParams:
     those filters.
     ``min_p`` drops tokens less likely than ``min_p`` times the most likely one (after temperature, top-k and
     top-p; transformers' order). ``min_tokens``: EOS and ``stop_token_ids`` cannot be sampled before that many
-    tokens, and a ``stop`` string counts only when it ends at or after that token. ``logit_bias`` maps token ids
+    tokens, and a ``stop`` string counts only when it ends after their text (vLLM V1's rule). ``logit_bias`` maps token ids
     to a value in [-100, 100] added to their logits before anything else
     (OpenAI's definition; -100 in practice bans a token). ``structured_outputs`` (a
     :class:`~gemmaserve.structured.StructuredOutputs`, or vLLM's dict of it) constrains the text to a JSON schema,

@@ -77,12 +77,12 @@ def test_add_until_stop_consumes_up_to_the_token_completing_the_match():
        stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), min_size=1, max_size=3),
        min_tokens=st.integers(0, 32), cuts=st.lists(st.integers(0, 30), max_size=6))
 def test_stop_strings_wait_for_min_tokens(text: str, stops: list[str], min_tokens: int, cuts: list[int]) -> None:
-    """vLLM's rule: a stop string ending before the ``min_tokens``-th token does not stop; the first one ending
-    at or after it does (one byte = one token here), and the text is cut right before it, also when one stop
-    string is a prefix of another (held back meanwhile) and when tokens arrive several at a time."""
+    """vLLM V1's rule: a stop string ending within the first ``min_tokens`` tokens does not stop; the first one
+    ending in a later token does (one byte = one token here), and the text is cut right before it, also when one
+    stop string is a prefix of another (held back meanwhile) and when tokens arrive several at a time."""
     ids = TOKENIZER.encode(text)
     matches = [(i + len(stop), i) for stop in stops for i in range(len(text))
-               if text.startswith(stop, i) and i + len(stop) >= min_tokens]
+               if text.startswith(stop, i) and i + len(stop) > min_tokens]
     detok = IncrementalDetokenizer(TOKENIZER, stops, min_tokens=min_tokens)
     consumed, delta = detok.add_until_stop(ids)
     out = delta.text + ("" if delta.stopped else detok.flush())
