@@ -332,3 +332,15 @@ def test_null_include_usage_is_the_default(ref: Any) -> None:
                                                      "stream_options": {"include_usage": None}})
     assert response.status_code == 200, response.text
     assert '"usage"' not in response.text
+
+
+def test_an_engine_refusal_names_the_field_it_starts_with() -> None:
+    """The streaming backends' penalty refusal names every penalty in its advice; the 400's ``param`` is the field
+    the message starts with (it named repetition_penalty for a presence_penalty request)."""
+    from gemmaserve.server.errors import _guess_param
+
+    message = ("presence_penalty: this backend streams whole generations (no per-step sampling), so it cannot apply "
+               "penalties; leave repetition_penalty at 1 and presence_penalty / frequency_penalty at 0")
+    assert _guess_param(message, "prompt") == "presence_penalty"
+    assert _guess_param("frequency_penalty and x: ... repetition_penalty", "prompt") == "frequency_penalty"
+    assert _guess_param("the prompt is too long", "messages") == "messages"

@@ -206,8 +206,8 @@ class ContinuousBatchScheduler:
                                                        ("presence_penalty", params.presence_penalty, 0.0),
                                                        ("frequency_penalty", params.frequency_penalty, 0.0))
                      if value != neutral]
-            raise InvalidRequestError(f"{' and '.join(given)}: backend {self.backend.model_info.name!r} streams whole "
-                                      "generations (no per-step sampling), so it cannot apply penalties; leave "
+            raise InvalidRequestError(f"{' and '.join(given)}: this backend streams whole generations (no per-step "
+                                      "sampling), so it cannot apply penalties; leave "
                                       "repetition_penalty at 1 and presence_penalty / frequency_penalty at 0")
 
     def compile_constraint(self, spec: StructuredOutputs) -> TokenConstraint:

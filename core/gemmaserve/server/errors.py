@@ -125,10 +125,14 @@ def constraint_error(message: str, field: str | None, code: str = "invalid_value
 
 
 def _guess_param(message: str, default: str) -> str | None:
-    """Engine validation messages start with the field they are about."""
+    """Engine validation messages start with the field they are about: the field named first in ``message``."""
+    found = []
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "logit_bias", "logprobs",
                  "min_tokens", "bad_words", "structured_outputs", "repetition_penalty", "presence_penalty",
                  "frequency_penalty"):
-        if re.search(rf"\b{name}\b", message):
-            return name
+        match = re.search(rf"\b{name}\b", message)
+        if match is not None:
+            found.append((match.start(), name))
+    if found:
+        return min(found)[1]
     return default if "prompt" in message else None
