@@ -153,3 +153,12 @@ def test_forced_strings_cannot_spell_a_marker_with_plain_tokens(vocabulary) -> N
                 break
             constraint.accept(token)
         assert refused, marker
+
+
+def test_a_large_min_length_compiles(vocabulary) -> None:
+    """A ``minLength`` beyond the constraint engine's lexer fuel (about a thousand counted repeats) is enforced as
+    512 instead of refusing the request (it was a 400, "fuel exhausted")."""
+    compiler = GrammarCompiler(vocabulary, 512, [1])
+    for schema in ({"type": "string", "minLength": 5000}, {"type": "string", "minLength": 1000, "maxLength": 1100}):
+        tools = [{"name": "f", "parameters": {"type": "object", "properties": {"z": schema}}}]
+        assert compiler.compile(tool_call_constraint(tools, "f", "gemma4", False)) is not None

@@ -302,8 +302,13 @@ def test_kv_cache_usage_rises_while_a_core_cache_backend_runs_requests() -> None
     from gemmaserve.server.metrics import kv_usage
     from gemmaserve.settings import CoreSettings
 
+    class SlowReference(ReferenceBackend):  # 70 steps take >= 0.7 s: the poll below sees all four running
+        def decode_step_batched(self, batch, input_ids):  # type: ignore[no-untyped-def]
+            time.sleep(0.01)
+            return super().decode_step_batched(batch, input_ids)
+
     settings = CoreSettings(max_batch_size=4, max_active_kv_tokens=400, kv_block_size=4, prefix_cache_blocks=32)
-    engine = Engine(ReferenceBackend(), settings)
+    engine = Engine(SlowReference(), settings)
     try:
         with engine._cond:  # all four admitted before the first tick
             handles = [engine.submit([i + 2] * 30, SamplingParams(max_tokens=70, ignore_eos=True)) for i in range(4)]
@@ -317,3 +322,16 @@ def test_kv_cache_usage_rises_while_a_core_cache_backend_runs_requests() -> None
         assert kv_usage(engine.stats()) == 0.0
     finally:
         engine.shutdown()
+
+
+def test_text_parts_join_with_newlines_and_empty_call_arguments_are_an_empty_object() -> None:
+    """vLLM's rules for what a chat template sees: a message's text parts joined with newlines (they were glued:
+    "HelloWorld"), and a replayed call's empty ``arguments`` as ``{}`` (it was a 400)."""
+    from gemmaserve.server.protocol import ChatMessage
+
+    parts = ChatMessage.model_validate({"role": "user", "content": [{"type": "text", "text": "Hello"},
+                                                                    {"type": "text", "text": "World"}]})
+    assert parts.as_template_dict()["content"] == "Hello\nWorld"
+    call = {"id": "call_1", "type": "function", "function": {"name": "clock", "arguments": ""}}
+    replayed = ChatMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [call]})
+    assert replayed.as_template_dict()["tool_calls"][0]["function"]["arguments"] == {}

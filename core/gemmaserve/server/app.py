@@ -762,8 +762,10 @@ class _View:
         return thought, parsed
 
     def _finish_reason(self, reason: str | None) -> str | None:
-        """OpenAI's ``tool_calls`` for a reply that ended on its own after making calls."""
-        return "tool_calls" if reason == "stop" and self._num_calls else reason
+        """OpenAI's ``tool_calls`` for a reply that ended on its own after making calls (``stop`` when
+        ``tool_choice`` named the function, as OpenAI and vLLM answer)."""
+        named = self.generation.prepared.named_tool_choice
+        return "tool_calls" if reason == "stop" and self._num_calls and not named else reason
 
     def usage_chunk(self) -> dict[str, Any]:
         usage = self.generation.usage()

@@ -49,6 +49,9 @@ class Prepared:
     constraint_field: str | None = None
     """The request field ``params.structured_outputs`` came from (``tools`` for a tool_choice call constraint):
     what errors about the constraint name (:func:`~gemmaserve.server.errors.constraint_error`)."""
+    named_tool_choice: bool = False
+    """``tool_choice`` named a function: a reply that made its call ends with ``finish_reason: "stop"`` (OpenAI's and
+    vLLM's rule), not ``tool_calls``."""
     shown_special_ids: frozenset[int] = frozenset()
     """Special tokens the reply's text shows although ``params.skip_special_tokens`` hides the others: the markers
     the tool-call / reasoning parsers read."""

@@ -110,7 +110,8 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limi
         (GEMMA4_CHANNEL_OPEN, GEMMA4_CHANNEL_CLOSE) if reasoning_parser else ())
     shown = frozenset(marker_ids(tokenizer, markers)) if params.skip_special_tokens else frozenset()
     return Prepared(prompt_ids, params, body.stop_strings, bool(body.logprobs), "messages", parser,
-                    body.parallel_tool_calls is not False, reasoning_parser or None, constraint_field, shown)
+                    body.parallel_tool_calls is not False, reasoning_parser or None, constraint_field,
+                    mode == "function", shown)
 
 
 def marker_ids(tokenizer: Tokenizer, markers: Sequence[str]) -> list[int]:

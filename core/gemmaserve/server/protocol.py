@@ -441,7 +441,7 @@ class ChatMessage(BaseModel):
                     raise ValueError('only text content parts ({"type": "text", "text": "..."}) are supported')
                 _refuse_keys(part, ("type", "text"), "a text content part")
                 texts.append(part["text"])
-            return "".join(texts)
+            return "\n".join(texts)  # vLLM's rule for templates that take a string
         raise ValueError("content must be a string, a list of text parts, or null")
 
     tool_calls: list[MessageToolCall] | None = None
@@ -475,8 +475,8 @@ class MessageToolCall(_Closed):
     function: MessageFunction
 
     def as_template_dict(self) -> dict[str, Any]:
-        try:
-            arguments = json.loads(self.function.arguments)
+        try:  # empty arguments are an empty object (vLLM's rule; a call of a function without parameters)
+            arguments = json.loads(self.function.arguments) if self.function.arguments.strip() else {}
         except (ValueError, RecursionError):
             raise APIError(400, f"tool call {self.function.name!r}: arguments must be a JSON object text, got "
                            f"{self.function.arguments[:80]!r}", param="messages", code="invalid_value") from None

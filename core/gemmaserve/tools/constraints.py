@@ -121,14 +121,22 @@ def _value_rule(schema: Any, prefix: str, rules: list[str]) -> str:
             "null": "\"null\""}.get(kind, "value") if isinstance(kind, str) else "value"
 
 
+_MAX_MODELLED_MIN_LENGTH = 512
+"""The largest ``minLength`` a forced Gemma 4 call enforces: the constraint engine's lexer runs out of fuel near a
+thousand counted repeats intersected with the marker exclusion (refusing the request), so a larger minimum is
+enforced as this one."""
+
+
 def _length_body(low: Any, high: Any) -> str | None:
-    """The regex of a string of ``minLength`` .. ``maxLength`` characters (either may be absent), or None when the
-    bounds say nothing or are not non-negative integers in order (unmodelled: any text)."""
+    """The regex of a string of ``minLength`` .. ``maxLength`` characters (either may be absent; a minimum above
+    :data:`_MAX_MODELLED_MIN_LENGTH` is enforced as that), or None when the bounds say nothing or are not
+    non-negative integers in order (unmodelled: any text)."""
     def count(value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
     if not count(low) or (high is not None and not (count(high) and high >= low)):
         return None
+    low = min(low, _MAX_MODELLED_MIN_LENGTH)
     if high is None:
         return f"(?s:.){{{low},}}" if low else None
     return f"(?s:.){{{low},{high}}}"
