@@ -162,3 +162,25 @@ def test_a_large_min_length_compiles(vocabulary) -> None:
     for schema in ({"type": "string", "minLength": 5000}, {"type": "string", "minLength": 1000, "maxLength": 1100}):
         tools = [{"name": "f", "parameters": {"type": "object", "properties": {"z": schema}}}]
         assert compiler.compile(tool_call_constraint(tools, "f", "gemma4", False)) is not None
+
+
+def test_only_constraints_that_force_special_token_text_use_the_python_tokenizer(vocabulary) -> None:
+    """The vocabulary whose tokenizer writes special-token text with ordinary tokens calls Python from llguidance's
+    threads, so ordinary constraints and the tool-call grammars (which name the markers as tokens and exclude them
+    with a negated regex) keep the native one; text spelling a special token selects it."""
+    from gemmaserve.structured import StructuredOutputs
+
+    compiler = GrammarCompiler(vocabulary, 512, [1])
+    native = compiler._vocabulary()
+    tools = [{"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "string", "minLength": 2}}}}]
+    ordinary = [tool_call_constraint(tools, name, parser, True) for name in (None, "f") for parser in ("gemma4", "json")]
+    ordinary += [StructuredOutputs(json={"type": "object"}), StructuredOutputs(regex="[a-z]+<b"),
+                 StructuredOutputs(grammar='root ::= [^"<] "x" # "<eos>"'),
+                 StructuredOutputs(grammar='start: <eos> "a" ~/<eos>/')]
+    for spec in ordinary:
+        assert compiler._vocabulary_for(spec) is native, spec
+    special = [StructuredOutputs(choice=["a<eos>"]), StructuredOutputs(regex="<tool_call\\|>"),
+               StructuredOutputs(json={"type": "string", "pattern": "^<pad>$"}),
+               StructuredOutputs(grammar='root ::= "x" "<|\\"|>"'), StructuredOutputs(grammar='start: "<eos>"')]
+    for spec in special:
+        assert compiler._vocabulary_for(spec) is not native, spec

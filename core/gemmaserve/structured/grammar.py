@@ -346,6 +346,7 @@ class GrammarCompiler:
         self._eos = [int(t) for t in eos_token_ids]
         self._lock = threading.Lock()
         self._ll_tokenizer: Any = None
+        self._specials: re.Pattern[str] | None = None  # the special tokens' texts (see _forces_special_text)
         self._mask_bytes = 0
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._refused: OrderedDict[str, str] = OrderedDict()  # constraint key -> the InvalidRequestError text
@@ -373,8 +374,18 @@ class GrammarCompiler:
                     raise InvalidRequestError(f"structured_outputs cannot be served: {problem}")
                 self._ll_tokenizer = _ll_tokenizer(self._tokenizer.tokenizer_json(), self._vocab_size,
                                                    tuple(self._eos))
+                self._specials = _special_texts(self._ll_tokenizer)
                 self._mask_bytes = (self._ll_tokenizer.vocab_size + 31) // 32 * 4
             return self._ll_tokenizer
+
+    def _vocabulary_for(self, spec: StructuredOutputs) -> Any:
+        """The vocabulary ``spec`` compiles against: the native one, or (for a constraint whose text spells a
+        special token) the one whose tokenizer writes such text with ordinary tokens (:func:`_ll_text_tokenizer`;
+        its tokenizer runs in Python, so it is kept to the constraints that need it)."""
+        vocabulary = self._vocabulary()
+        if self._specials is None or not _forces_special_text(spec, self._specials):
+            return vocabulary
+        return _ll_text_tokenizer(self._tokenizer.tokenizer_json(), self._vocab_size, tuple(self._eos))
 
     def compile(self, spec: StructuredOutputs) -> TokenConstraint:
         """A fresh constraint for ``spec`` (compiled once per distinct constraint, then copied). Raises
@@ -397,7 +408,7 @@ class GrammarCompiler:
             if refusal is not None:
                 self._refused.move_to_end(key)
                 raise InvalidRequestError(refusal)
-        vocabulary = self._vocabulary()
+        vocabulary = self._vocabulary_for(spec)
         try:
             template = _template(vocabulary, spec)
         except InvalidRequestError as exc:
@@ -464,18 +475,101 @@ def _limits() -> Any:
 @functools.lru_cache(maxsize=4)
 def _ll_tokenizer(text: str, vocab_size: int, eos_token_ids: tuple[int, ...]) -> Any:
     """llguidance's tokenizer of a ``tokenizer.json`` text, shared by every compiler in the process (an
-    LLTokenizer is immutable; building one for Gemma's vocabulary takes ~4-6 s, so an engine started after
-    another on the same tokenizer, offline or in a benchmark, does not pay it again).
+    LLTokenizer is immutable; building one for Gemma's vocabulary takes ~2 s, so an engine started after
+    another on the same tokenizer, offline or in a benchmark, does not pay it again)."""
+    import llguidance
 
-    Text a constraint forces is tokenized as text: built straight from ``tokenizer.json``, llguidance tokenized
-    forced bytes that spell a special token (``<eos>``, ``<pad>``, Gemma 4's ``<|"|>``) as that special token,
-    which its own parser then refused, so a satisfiable choice, regex or enum holding such text ended its request
-    with a ConstraintError. Special tokens stay special (a grammar can still name them, ``<eos>`` in Lark)."""
+    return llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
+
+
+def _special_texts(vocabulary: Any) -> re.Pattern[str] | None:
+    """A pattern matching the text of any of ``vocabulary``'s special tokens (None without any)."""
+    texts = {vocabulary.decode_bytes([i]).decode("utf-8", "replace") for i in range(vocabulary.vocab_size)
+             if vocabulary.is_special_token(i)}
+    texts.discard("")
+    if not texts:
+        return None
+    return re.compile("|".join(re.escape(t) for t in sorted(texts, key=len, reverse=True)))
+
+
+_ESCAPED = re.compile(r"\\([^A-Za-z0-9])")
+
+
+def _strings(value: Any) -> list[str]:
+    """Every string of a JSON value (keys included)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [text for key, item in value.items() for text in (*_strings(key), *_strings(item))]
+    if isinstance(value, list):
+        return [text for item in value for text in _strings(item)]
+    return []
+
+
+def _grammar_literals(text: str, specials: re.Pattern[str]) -> list[str]:
+    """The quoted literals and Lark regexes of a grammar: where it writes text. A special token's text outside them
+    is a reference to the token (``<eos>``, Gemma 4's ``<|"|>``, whose quote opens no literal), a negated regex
+    (``~/.../``) excludes text rather than forcing it, and a GBNF character class is skipped (``[^"]``)."""
+    found, at, size = [], 0, len(text)
+    gbnf = "::=" in text  # GBNF: [...] is a character class (it may hold a quote); in Lark an optional group
+    while at < size:
+        char = text[at]
+        if char == "<" and (match := specials.match(text, at)) is not None:
+            at = match.end()
+            continue
+        if char == "[" and gbnf:
+            at += 1
+            while at < size and text[at] != "]":
+                at += 2 if text[at] == "\\" else 1
+            at += 1
+            continue
+        if char in "\"/" and (char == '"' or text[at + 1 : at + 2] not in ("", "/")):
+            end = at + 1
+            while end < size and text[end] != char and text[end] != "\n":
+                end += 2 if text[end] == "\\" else 1
+            if char == '"' or not text[:at].rstrip().endswith("~"):
+                found.append(text[at + 1 : end])
+            at = end + 1
+            continue
+        if char == "#" or text.startswith("//", at):  # a comment runs to the end of its line
+            at = text.find("\n", at)
+            at = size if at < 0 else at
+            continue
+        at += 1
+    return found
+
+
+def _forces_special_text(spec: StructuredOutputs, specials: re.Pattern[str]) -> bool:
+    """Whether ``spec`` may force text that spells a special token: a choice, regex or schema string holding such
+    text, or a grammar holding it in a literal (:func:`_grammar_literals`), with punctuation escapes read as the
+    characters. (A regex spelling one through classes or other escapes is not seen.)"""
+    if spec.kind == "choice":
+        texts: Sequence[str] = spec.choice or ()
+    elif spec.kind == "grammar":
+        texts = _grammar_literals(spec.grammar or "", specials)
+    elif spec.kind == "regex":
+        texts = [spec.regex or ""]
+    elif spec.kind == "json":
+        texts = _strings(spec.json)
+    else:
+        return False
+    return any("<" in text and specials.search(_ESCAPED.sub(r"\1", text)) for text in texts)
+
+
+@functools.lru_cache(maxsize=4)
+def _ll_text_tokenizer(text: str, vocab_size: int, eos_token_ids: tuple[int, ...]) -> Any:
+    """llguidance's tokenizer of ``tokenizer.json`` whose text tokenizer never matches special tokens: forced text
+    that spells one (``<eos>``, ``<pad>``, Gemma 4's ``<|"|>``) is written with ordinary tokens. The native one
+    tokenized such forced bytes as the special token, which its own parser then refused, so a satisfiable choice,
+    regex or enum holding such text ended its request with a ConstraintError. Special tokens stay special (a
+    grammar can still name them, ``<eos>`` in Lark). Its masks equal the native one's elsewhere, but llguidance
+    calls its tokenizer (Python, under the GIL) whenever it needs forced text tokenized, so only constraints
+    that need it use it. ~2 s more to build for Gemma's vocabulary."""
     import llguidance
     import tokenizers
 
     eos = list(eos_token_ids) or None
-    plain = llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos)
+    plain = _ll_tokenizer(text, vocab_size, eos_token_ids)
     encoder = tokenizers.Tokenizer.from_str(text)
     encoder.encode_special_tokens = True  # "<eos>" in a text is the characters, not the token
     encoder.no_padding()
