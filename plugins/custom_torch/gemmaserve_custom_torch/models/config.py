@@ -273,9 +273,10 @@ class GemmaTextConfig:
 
         window = c["sliding_window"]
         _require(window is None or SLIDING not in layer_types or int(window) >= 2,
-                 "sliding_window=1 is not supported: transformers' generate keeps the whole cache for a window of 1 "
-                 "(its sliding cache keeps the last sliding_window - 1 tokens, a slice that takes all of them), so "
-                 "its generate and its forward disagree and no backend can match both; use sliding_window >= 2.")
+                 f"sliding_window={window} is not supported: transformers' generate keeps the whole cache for a "
+                 "window of 1 (its sliding cache keeps the last sliding_window - 1 tokens, a slice that takes all of "
+                 "them), so its generate and its forward disagree and no backend can match both; use "
+                 "sliding_window >= 2.")
         softcap = c["final_logit_softcapping"]
         tie = outer.get("tie_word_embeddings", c["tie_word_embeddings"])
         return cls(
