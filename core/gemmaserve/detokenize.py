@@ -165,6 +165,14 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
         new = new_text[len(prefix_text) :]
+        if final and new.endswith(_REPLACEMENT):
+            # the whole characters before an unfinished one, then one U+FFFD for it (a byte-fallback decoder turns
+            # the bytes of a run that ends unfinished into one U+FFFD per byte, whole characters included)
+            for end in range(len(self._ids) - 1, self._read_offset - 1, -1):
+                whole = self._decode(self._ids[self._prefix_offset : end])
+                if not whole.endswith(_REPLACEMENT):
+                    break
+            new = whole[len(prefix_text) :] + _REPLACEMENT
         if new and (final or not new.endswith(_REPLACEMENT)):
             self._decoded += new
             self._partial = ""

@@ -134,3 +134,31 @@ def test_shown_special_tokens_stay_and_the_others_are_hidden(pieces, split) -> N
             out += detok.add(ids[i : i + step]).text
             i, k = i + step, k + 1
         assert out + detok.flush() == expected
+
+
+class FusingByteTokenizer(Utf8ByteTokenizer):
+    """One token per byte, decoded as a byte-fallback decoder does: bytes that end in an unfinished character all
+    become U+FFFD, one per byte, whole characters among them included."""
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        data = bytes(token_ids)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            return "\ufffd" * len(data)
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(alphabet="ab é€𓀀", max_size=12), cut=st.integers(1, 3),
+       split=st.lists(st.integers(1, 5), min_size=1, max_size=10))
+def test_an_unfinished_last_character_flushes_as_one_replacement(text: str, cut: int, split: list[int]) -> None:
+    """The reply ends inside a character (max_tokens cut its bytes): the whole characters before it, then one
+    U+FFFD (it was one per byte, and whole characters decoded in the same run turned into U+FFFD too)."""
+    tokenizer = FusingByteTokenizer()
+    ids = tokenizer.encode(text + "𓀀")[: -cut]  # 1-3 bytes of a 4-byte character are missing
+    detok = IncrementalDetokenizer(tokenizer)
+    out, i, k = "", 0, 0
+    while i < len(ids):
+        out += detok.add(ids[i : i + split[k % len(split)]]).text
+        i, k = i + split[k % len(split)], k + 1
+    assert out + detok.flush() == text + "\ufffd"
