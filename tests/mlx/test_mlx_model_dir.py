@@ -53,9 +53,13 @@ def test_a_sliding_window_of_one_is_refused(tmp_path: Path, config: dict) -> Non
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ModelLoadError, match=r"sliding_window=1: transformers' generate keeps the whole cache"):
         read_model_dir(tmp_path)
-    config["layer_types"] = ["full_attention"] * 2  # no sliding layer: the window does not apply
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    assert read_model_dir(tmp_path).architecture
+    variants = [{"layer_types": ["full_attention"] * 2}]
+    if config["model_type"].startswith("gemma"):  # Gemma 3's pattern 1 makes every layer global
+        variants.append({"sliding_window_pattern": 1})
+    for no_sliding_layer in variants:
+        config.pop("layer_types", None)
+        (tmp_path / "config.json").write_text(json.dumps({**config, **no_sliding_layer}))
+        assert read_model_dir(tmp_path).architecture  # the window applies to no layer
 
 
 def test_renamed_architectures_use_mlx_lm_remapping() -> None:

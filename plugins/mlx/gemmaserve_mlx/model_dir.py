@@ -76,7 +76,9 @@ def _check_sliding_window(config: dict[str, Any], architecture: str) -> None:
     to the whole context and the tokens part from transformers' once a prompt outgrows the window."""
     inner = text_config(config)
     window = inner.get("sliding_window")
-    if window == 1 and "sliding_attention" in (inner.get("layer_types") or ["sliding_attention"]):
+    types = inner.get("layer_types")
+    sliding = "sliding_attention" in types if types else inner.get("sliding_window_pattern") != 1  # 1: all global
+    if window == 1 and sliding:
         raise ModelLoadError(
             f"{config['model_type']} checkpoint with sliding_window=1: transformers' generate keeps the whole cache "
             "for a window of 1 (its sliding cache keeps the last sliding_window - 1 tokens, a slice that takes all "
