@@ -503,7 +503,9 @@ class ZmqEventPublisher:
                 self._serve_replays()
             except Exception:  # never let one bad batch stop publishing
                 logger.exception("KV events: publishing failed")
-            if first is None and self._stopping.is_set():
+            # stop once asked and nothing is left: close() queues its last clear just before it asks, so a poll that
+            # timed out just before that put must not end the thread with the clear unsent
+            if first is None and self._stopping.is_set() and self._changes.empty():
                 return
 
     def _publish(self, changes: list[_Change]) -> None:
