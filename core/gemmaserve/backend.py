@@ -496,6 +496,12 @@ class InferenceBackend(ABC):
     def kv_release(self, request_id: str) -> None:
         """Release what ``kv_reserve`` reserved for ``request_id`` (idempotent)."""
 
+    def max_request_tokens(self) -> int | None:
+        """The most tokens (prompt + ``max_tokens``) one request can ever hold in this backend's KV pools, or None
+        when they set no such bound (the default). Requests beyond it are refused at submit, naming it, instead of
+        when they reach the head of the waiting queue. Constant after construction; any thread may call it."""
+        return None
+
     def kv_stats(self) -> dict[str, int]:
         """KV block usage for metrics, e.g. {"blocks_total": .., "blocks_used": .., "blocks_free": ..}; a backend with
         its own prefix cache adds ``blocks_evictable`` (used blocks only the cache holds: ``vllm:kv_cache_usage_perc``

@@ -137,10 +137,26 @@ def test_requests_that_can_never_fit_are_rejected_clearly(tiny_gemma4_dir):
         with pytest.raises(InvalidRequestError):
             backend.kv_reserve("zero", 0)
     assert len(backend.admission) == 0
-    huge = [7] * (4 * full_total)  # fits MAX_ACTIVE_KV_TOKENS, never the pool
-    done = run_scheduler(backend, [(huge, 0, 4), ([5, 6, 7], 0, 4)])
-    assert done["r0"].finish_reason is FinishReason.ERROR and done["r0"].error_type == "KVCapacityError"
-    assert done["r1"].finish_reason is FinishReason.LENGTH
+    # the most one request can hold: its blocks fit, one token more does not (footprints grow with the count)
+    most = backend.max_request_tokens()
+    with backend.lock:
+        assert backend.kv_reserve("most", most)
+        backend.kv_release("most")
+        with pytest.raises(KVCapacityError):
+            backend.kv_reserve("one-more", most + 1)
+    # a request that fits MAX_ACTIVE_KV_TOKENS but never the pool is refused at submit, naming the pool (it was
+    # accepted, waited at the head of the queue and failed there)
+    from gemmaserve.engine.request import Request
+    from gemmaserve.engine.scheduler import ContinuousBatchScheduler
+    from gemmaserve.sampling_params import SamplingParams
+    from gemmaserve.settings import CoreSettings
+
+    sched = ContinuousBatchScheduler(backend, CoreSettings(max_active_kv_tokens=500, max_batch_size=4))
+    huge = tuple([7] * (most - 3))
+    with pytest.raises(KVCapacityError, match=rf"exceeds what one request can hold in the backend's KV pool \({most}\)"):
+        sched.add_request(Request("huge", huge, SamplingParams(max_tokens=4)))
+    done = run_scheduler(backend, [(list(huge), 0, 3), ([5, 6, 7], 0, 4)])  # exactly the most: served
+    assert done["r0"].finish_reason is FinishReason.LENGTH and done["r1"].finish_reason is FinishReason.LENGTH
     assert_no_leaks(backend)
 
 

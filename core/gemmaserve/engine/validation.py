@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gemmaserve.errors import BackendStepError, GemmaserveError, InvalidRequestError, PromptTooLongError
+from gemmaserve.errors import (BackendStepError, GemmaserveError, InvalidRequestError, KVCapacityError,
+                               PromptTooLongError)
 
 if TYPE_CHECKING:
     from gemmaserve.backend import InferenceBackend
@@ -75,13 +76,16 @@ def validate_request(
                                   "(completions) or top_logprobs=0 (chat), or use another backend")
     max_tokens = request.params.max_tokens
     total = num_prompt + max_tokens
-    for limit, name in ((max_model_len, "the maximum model length"), (max_active_kv_tokens, "MAX_ACTIVE_KV_TOKENS")):
-        if total > limit:
+    pool = backend.max_request_tokens()
+    for limit, name, error in ((max_model_len, "the maximum model length", PromptTooLongError),
+                               (max_active_kv_tokens, "MAX_ACTIVE_KV_TOKENS", PromptTooLongError),
+                               (pool, "what one request can hold in the backend's KV pool", KVCapacityError)):
+        if limit is not None and total > limit:
             if num_prompt >= limit:
                 hint = f"shorten the prompt to under {limit} tokens"
             else:
                 hint = f"lower max_tokens to at most {limit - num_prompt} or shorten the prompt"
-            raise PromptTooLongError(
+            raise error(
                 f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {total} tokens exceeds "
                 f"{name} ({limit}); {hint}"
             )

@@ -10,7 +10,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from gemmaserve.errors import EngineOverloadedError, GemmaserveError, InvalidRequestError, PromptTooLongError
+from gemmaserve.errors import (EngineOverloadedError, GemmaserveError, InvalidRequestError, KVCapacityError,
+                               PromptTooLongError)
 
 __all__ = ["APIError", "ClientDisconnected", "constraint_error", "error_body", "from_engine_error", "from_output_error",
            "RETRY_AFTER_S"]
@@ -74,9 +75,10 @@ def from_engine_error(
 ) -> APIError:
     """The HTTP error for an exception the engine raised at submit time. ``prompt_fits``: the prompt
     alone fits the context, so a too-long request is ``max_tokens``'s fault."""
-    if isinstance(exc, PromptTooLongError):
+    if isinstance(exc, (PromptTooLongError, KVCapacityError)):  # the second: more than the KV pool holds
         param = "max_tokens" if prompt_fits else prompt_param
-        return APIError(400, str(exc), param=param, code="context_length_exceeded")
+        code = "kv_capacity_exceeded" if isinstance(exc, KVCapacityError) else "context_length_exceeded"
+        return APIError(400, str(exc), param=param, code=code)
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc), param=_guess_param(str(exc), prompt_param), code="invalid_value")
     if isinstance(exc, EngineOverloadedError):

@@ -475,6 +475,13 @@ class BackendContractTests:
             except KVCapacityError:
                 pass
             backend.kv_release("contract-b")
+            most = backend.max_request_tokens()
+            if most is not None:  # the bound it states is the one its reservations keep
+                assert most >= 1 and backend.kv_reserve("contract-most", most) is True, most
+                backend.kv_release("contract-most")
+                with pytest.raises(KVCapacityError):
+                    backend.kv_reserve("contract-over", most + 1)
+                backend.kv_release("contract-over")
         self._finish(backend)
 
     def test_row_ops_property(self, backend: InferenceBackend) -> None:

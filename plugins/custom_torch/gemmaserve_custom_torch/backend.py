@@ -225,6 +225,7 @@ class CustomTorchBackend(InferenceBackend):
             self.pools.copy_listener = workers.send_copy
         self.prefix_cache = PrefixCache(self.pools)
         self.admission = KVAdmission(self.pools.geometry, num_blocks)
+        self._max_request_tokens = self.admission.max_tokens(max_len)  # what one request can ever hold
         self.prefill_attention, fuse = resolve_fast_paths(custom, self.device.type)
         if fuse:
             fuse_model(model)
@@ -548,6 +549,9 @@ class CustomTorchBackend(InferenceBackend):
 
     def kv_release(self, request_id: str) -> None:
         self.admission.release(request_id)
+
+    def max_request_tokens(self) -> int | None:
+        return self._max_request_tokens
 
     def kv_stats(self) -> dict[str, int]:
         stats: dict[str, int] = {"blocks_total": 0, "blocks_used": 0, "blocks_free": 0, "blocks_evictable": 0}

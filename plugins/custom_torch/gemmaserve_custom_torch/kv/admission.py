@@ -36,6 +36,18 @@ class KVAdmission:
         """Blocks per group a request of up to ``num_tokens`` tokens may hold at once."""
         return {group: geometry.max_blocks(num_tokens) for group, geometry in self.geometry.items()}
 
+    def max_tokens(self, limit: int) -> int:
+        """The largest token count up to ``limit`` whose :meth:`footprint` fits the pools (0 if not even one token:
+        footprints grow with the count, so a bisection finds it)."""
+        low, high = 0, limit
+        while low < high:
+            mid = (low + high + 1) // 2
+            if all(blocks <= self.capacity[group] for group, blocks in self.footprint(mid).items()):
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
     def reserve(self, request_id: str, num_tokens: int) -> bool:
         """Reserve for ``request_id`` (replacing an earlier reservation of the same id). False = does not fit
         now. Raises KVCapacityError if it could never fit, InvalidRequestError if ``num_tokens < 1``."""
