@@ -184,3 +184,21 @@ def test_only_constraints_that_force_special_token_text_use_the_python_tokenizer
                StructuredOutputs(grammar='root ::= "x" "<|\\"|>"'), StructuredOutputs(grammar='start: "<eos>"')]
     for spec in special:
         assert compiler._vocabulary_for(spec) is not native, spec
+
+
+@settings(max_examples=200, deadline=None)
+@given(texts=st.sets(st.text(alphabet="<|>ab", min_size=1, max_size=5), min_size=1, max_size=12),
+       probe=st.text(alphabet="<|>ab", max_size=8))
+def test_the_special_token_trie_matches_exactly_its_texts(texts, probe) -> None:
+    """The special tokens' pattern is a trie (a flat alternation of Gemma's 6,322 texts took 2.2 s to search a
+    200 KB constraint): it matches exactly the texts, the longest one first."""
+    import re
+
+    from gemmaserve.structured.grammar import _trie_pattern
+
+    pattern = re.compile(_trie_pattern(sorted(texts)))
+    assert bool(pattern.fullmatch(probe)) == (probe in texts)
+    for start in range(len(probe)):
+        match = pattern.match(probe, start)
+        longest = max((t for t in texts if probe.startswith(t, start)), key=len, default=None)
+        assert (match.group(0) if match else None) == longest

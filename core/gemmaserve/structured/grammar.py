@@ -482,14 +482,36 @@ def _ll_tokenizer(text: str, vocab_size: int, eos_token_ids: tuple[int, ...]) ->
     return llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
 
 
+@functools.lru_cache(maxsize=4)
+def _special_ids(vocabulary: Any) -> tuple[int, ...]:
+    """``vocabulary``'s special token ids (LLTokenizers are immutable: read once)."""
+    return tuple(i for i in range(vocabulary.vocab_size) if vocabulary.is_special_token(i))
+
+
 def _special_texts(vocabulary: Any) -> re.Pattern[str] | None:
-    """A pattern matching the text of any of ``vocabulary``'s special tokens (None without any)."""
-    texts = {vocabulary.decode_bytes([i]).decode("utf-8", "replace") for i in range(vocabulary.vocab_size)
-             if vocabulary.is_special_token(i)}
+    """A pattern matching the text of any of ``vocabulary``'s special tokens (None without any), written as a trie
+    (shared prefixes once): a flat alternation of Gemma's 6,322 texts took 2.2 s to search 200 KB of ``<a``."""
+    texts = {vocabulary.decode_bytes([i]).decode("utf-8", "replace") for i in _special_ids(vocabulary)}
     texts.discard("")
-    if not texts:
-        return None
-    return re.compile("|".join(re.escape(t) for t in sorted(texts, key=len, reverse=True)))
+    return re.compile(_trie_pattern(sorted(texts))) if texts else None
+
+
+def _trie_pattern(texts: Sequence[str]) -> str:
+    """A regex matching exactly ``texts`` (non-empty, distinct), its alternatives grouped by their first character
+    so that a search tries one branch per position instead of every text."""
+    by_first: dict[str, list[str]] = {}
+    ends = False
+    for text in texts:
+        if text:
+            by_first.setdefault(text[0], []).append(text[1:])
+        else:
+            ends = True
+    branches = [re.escape(first) + (_trie_pattern(rests) if rests != [""] else "")
+                for first, rests in by_first.items()]
+    body = "|".join(branches)
+    if ends:  # a text ends here: what follows is optional
+        return f"(?:{body})?"
+    return body if len(branches) == 1 else f"(?:{body})"
 
 
 _ESCAPED = re.compile(r"\\([^A-Za-z0-9])")
@@ -512,29 +534,32 @@ def _grammar_literals(text: str, specials: re.Pattern[str]) -> list[str]:
     (``~/.../``) excludes text rather than forcing it, and a GBNF character class is skipped (``[^"]``)."""
     found, at, size = [], 0, len(text)
     gbnf = "::=" in text  # GBNF: [...] is a character class (it may hold a quote); in Lark an optional group
+    negated = False  # the last character outside literals and blanks was "~"
     while at < size:
         char = text[at]
         if char == "<" and (match := specials.match(text, at)) is not None:
-            at = match.end()
+            at, negated = match.end(), False
             continue
         if char == "[" and gbnf:
             at += 1
             while at < size and text[at] != "]":
                 at += 2 if text[at] == "\\" else 1
-            at += 1
+            at, negated = at + 1, False
             continue
         if char in "\"/" and (char == '"' or text[at + 1 : at + 2] not in ("", "/")):
             end = at + 1
             while end < size and text[end] != char and text[end] != "\n":
                 end += 2 if text[end] == "\\" else 1
-            if char == '"' or not text[:at].rstrip().endswith("~"):
+            if char == '"' or not negated:
                 found.append(text[at + 1 : end])
-            at = end + 1
+            at, negated = end + 1, False
             continue
         if char == "#" or text.startswith("//", at):  # a comment runs to the end of its line
             at = text.find("\n", at)
             at = size if at < 0 else at
             continue
+        if not char.isspace():
+            negated = char == "~"
         at += 1
     return found
 
@@ -553,7 +578,7 @@ def _forces_special_text(spec: StructuredOutputs, specials: re.Pattern[str]) -> 
         texts = _strings(spec.json)
     else:
         return False
-    return any("<" in text and specials.search(_ESCAPED.sub(r"\1", text)) for text in texts)
+    return any(specials.search(_ESCAPED.sub(r"\1", text)) for text in texts)
 
 
 @functools.lru_cache(maxsize=4)
@@ -586,7 +611,7 @@ class _TextTokenizer:
         self.eos_token_id = plain.eos_token
         self.bos_token_id = None
         self.tokens = [plain.decode_bytes([i]) for i in range(size)]
-        self.special_token_ids = [i for i in range(size) if plain.is_special_token(i)]
+        self.special_token_ids = list(_special_ids(plain))
         self.is_tokenizer_wrapper = True
         self._plain = plain
         self._encoder = encoder
