@@ -118,16 +118,19 @@ class Gemma4ToolParser(ToolParser):
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")  # the characters the API accepts in a tool's name
 
 
-class JsonNumber(str):
+@dataclass(frozen=True, slots=True)
+class JsonNumber:
     """A number as the reply wrote it (JSON's number syntax, which Gemma 4's shares), kept as its text so that a
     call's arguments carry it unchanged: no float rounding, no overflow to ``Infinity`` (which is not JSON), no
     limit on its digits."""
+
+    text: str
 
 
 def json_text(value: Any) -> str:
     """``value`` as JSON text (``json.dumps``' separators, non-ASCII kept), a :class:`JsonNumber` written as is."""
     if isinstance(value, JsonNumber):
-        return str.__str__(value)
+        return value.text
     if isinstance(value, dict):
         return "{" + ", ".join(f"{json.dumps(key, ensure_ascii=False)}: {json_text(item)}"
                                for key, item in value.items()) + "}"
@@ -319,10 +322,10 @@ class JsonToolParser(ToolParser):
         items = value if isinstance(value, list) else [value]
         calls = []
         for item in items:
-            if not (isinstance(item, dict) and _is_text(item.get("name"))):
+            if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
                 return ParsedText(text)
             arguments = item.get("arguments", item.get("parameters", {}))
-            if _is_text(arguments):  # already JSON text
+            if isinstance(arguments, str):  # already JSON text
                 try:
                     arguments = _json_loads(arguments)
                 except (ValueError, RecursionError):
@@ -335,11 +338,6 @@ class JsonToolParser(ToolParser):
 
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
-
-
-def _is_text(value: Any) -> bool:
-    """A JSON string (a :class:`JsonNumber` is a ``str`` too, but a number)."""
-    return isinstance(value, str) and not isinstance(value, JsonNumber)
 
 
 def _json_loads(text: str) -> Any:
