@@ -18,7 +18,13 @@ __all__ = [
     "RequestCancelledError",
     "BackendStepError",
     "LLMClosedError",
+    "WINDOW_OF_ONE",
 ]
+
+WINDOW_OF_ONE = ("transformers' generate keeps the whole cache for a window of 1 (its sliding cache keeps the last "
+                 "sliding_window - 1 tokens, a slice that takes all of them), so its generate and its forward disagree "
+                 "and no backend can match both; use sliding_window >= 2")
+"""Why every backend refuses a sliding window of 1 (the reason its ModelLoadError gives)."""
 
 
 class GemmaserveError(Exception):

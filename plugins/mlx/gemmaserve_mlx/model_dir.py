@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gemmaserve.errors import ModelLoadError
+from gemmaserve.errors import WINDOW_OF_ONE, ModelLoadError
 
 __all__ = [
     "BATCHED_ARCHITECTURES",
@@ -80,10 +80,7 @@ def _check_sliding_window(config: dict[str, Any], architecture: str) -> None:
     sliding = "sliding_attention" in types if types else inner.get("sliding_window_pattern") != 1  # 1: all global
     if window == 1 and sliding:
         raise ModelLoadError(
-            f"{config['model_type']} checkpoint with sliding_window=1: transformers' generate keeps the whole cache "
-            "for a window of 1 (its sliding cache keeps the last sliding_window - 1 tokens, a slice that takes all "
-            "of them), so its generate and its forward disagree and no backend can match both; use "
-            "sliding_window >= 2")
+            f"{config['model_type']} checkpoint with sliding_window=1: {WINDOW_OF_ONE}")
     if architecture != "llama" or not isinstance(window, int) or isinstance(window, bool) or "layer_types" in inner:
         return
     if window < int(inner.get("max_position_embeddings") or window + 1):

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from gemmaserve.errors import WINDOW_OF_ONE
+
 LayerType = Literal["sliding_attention", "full_attention"]
 NormStyle = Literal["w", "one_plus_w"]
 RopeType = Literal["default", "linear", "proportional"]
@@ -273,10 +275,7 @@ class GemmaTextConfig:
 
         window = c["sliding_window"]
         _require(window is None or SLIDING not in layer_types or int(window) >= 2,
-                 f"sliding_window={window} is not supported: transformers' generate keeps the whole cache for a "
-                 "window of 1 (its sliding cache keeps the last sliding_window - 1 tokens, a slice that takes all of "
-                 "them), so its generate and its forward disagree and no backend can match both; use "
-                 "sliding_window >= 2.")
+                 f"sliding_window={window} is not supported: {WINDOW_OF_ONE}.")
         softcap = c["final_logit_softcapping"]
         tie = outer.get("tie_word_embeddings", c["tie_word_embeddings"])
         return cls(

@@ -30,7 +30,7 @@ try:
 except ImportError:  # transformers < 5.23: a cache holds no layer for the KV-shared tail
     DummyLayer = None
 
-from gemmaserve.errors import ConfigurationError, ModelLoadError
+from gemmaserve.errors import WINDOW_OF_ONE, ConfigurationError, ModelLoadError
 
 if TYPE_CHECKING:
     from gemmaserve.kv.cache_manager import BlockWrite
@@ -145,9 +145,7 @@ def storing_layers(text_config: object) -> list[bool]:
             if getattr(layer, "sliding_window", None) == 1:
                 raise ModelLoadError(
                     f"unsupported configuration for the hf backend: decoder layer {index} has sliding_window=1; "
-                    "transformers' generate keeps the whole cache for a window of 1 (its sliding cache keeps the last "
-                    "sliding_window - 1 tokens, a slice that takes all of them), so its generate and its forward "
-                    "disagree and no backend can match both; use sliding_window >= 2")
+                    f"{WINDOW_OF_ONE}")
             result.append(True)
         else:
             raise ModelLoadError(
