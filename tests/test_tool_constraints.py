@@ -15,6 +15,7 @@ pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("tokenizers")
 
+from gemmaserve.errors import InvalidRequestError  # noqa: E402
 from gemmaserve.structured import GrammarCompiler  # noqa: E402
 from gemmaserve.tools import Gemma4ToolParser, JsonToolParser, tool_call_constraint  # noqa: E402
 
@@ -202,3 +203,47 @@ def test_the_special_token_trie_matches_exactly_its_texts(texts, probe) -> None:
         match = pattern.match(probe, start)
         longest = max((t for t in texts if probe.startswith(t, start)), key=len, default=None)
         assert (match.group(0) if match else None) == longest
+
+
+def test_object_and_list_enum_values_are_enforced(vocabulary) -> None:
+    """``const`` / ``enum`` entries that are objects or lists bind the value too (they were dropped: any value)."""
+    options = [{"a": 1, "b c": ["x", None]}, [1, "y"], {}, "s"]
+    schemas = [{"const": options[0]}, {"enum": options}]
+    compiler = GrammarCompiler(vocabulary, 512, [1])
+    for schema in schemas:
+        tools = [{"name": "f", "parameters": {"type": "object", "properties": {"c": schema}}}]
+        for seed in range(4):
+            constraint = compiler.compile(tool_call_constraint(tools, "f", "gemma4", False))
+            text = _walk(vocabulary, constraint, seed)
+            assert constraint.is_complete, text
+            reader = Gemma4ToolParser()
+            (call,) = reader.feed(text).calls + reader.finish().calls
+            assert json.loads(call.arguments)["c"] in options[:1 if "const" in schema else None], text
+
+
+@pytest.mark.parametrize("text", ['<|"|>', "<tool_call|>", "<|channel>", "a<channel|>b"])
+def test_enum_values_and_keys_holding_a_marker_are_refused(text) -> None:
+    for parameters in ({"type": "object", "properties": {"c": {"enum": ["ok", text]}}},
+                       {"type": "object", "properties": {"c": {"const": {"k": [text]}}}},
+                       {"type": "object", "properties": {text: {"type": "string"}}}):
+        with pytest.raises(InvalidRequestError, match="cannot write inside a string"):
+            tool_call_constraint([{"name": "f", "parameters": parameters}], "f", "gemma4", False)
+
+
+@pytest.mark.parametrize("parameters", [{"properties": {"a": {"type": "string"}}}, {"type": ["object", "null"]}, {}])
+def test_json_forced_arguments_are_an_object_without_type_object(vocabulary, parameters) -> None:
+    """A parameters schema that does not say ``"type": "object"`` still forces an object (the json parser takes
+    nothing else as arguments: a number or a list made the forced reply content)."""
+    compiler = GrammarCompiler(vocabulary, 512, [1])
+    done = 0
+    for seed in range(6):
+        constraint = compiler.compile(tool_call_constraint([{"name": "f", "parameters": parameters}], None, "json",
+                                                           False))
+        text = _walk(vocabulary, constraint, seed)
+        if constraint.is_complete:
+            done += 1
+            reader = JsonToolParser()
+            out = reader.feed(text)
+            rest = reader.finish()
+            assert [call.name for call in out.calls + rest.calls] == ["f"], text
+    assert done

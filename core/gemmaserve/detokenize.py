@@ -107,7 +107,7 @@ class IncrementalDetokenizer:
             return self._add_each(new_token_ids)[1]
         self._ids.extend(new_token_ids)
         self._decode_window(final=False)
-        if len(self.token_ids) <= self.min_tokens:
+        if len(self._ids) - self._num_context <= self.min_tokens:
             self._min_floor = len(self._decoded) + len(self._partial)  # a stop string must end after this
         return self._release(final=False)
 

@@ -212,6 +212,27 @@ def test_backend_failure_mid_stream_is_reported_in_band(make_client: Any) -> Non
     assert_error(non_streamed, 500, None)
 
 
+def test_a_server_bug_mid_stream_is_reported_in_band(make_client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unexpected error while formatting a chunk ends the stream with an error event and ``[DONE]`` (it cut the
+    stream with neither: the client could not tell the end from a dropped connection); the server keeps serving."""
+    import gemmaserve.server.app as app_module
+
+    client, _ = make_client()
+    real_chunk = app_module._View.chunk
+
+    def failing_chunk(self: Any, step: Any) -> Any:
+        raise RuntimeError("formatting bug")
+
+    monkeypatch.setattr(app_module._View, "chunk", failing_chunk)
+    body = {**OK_PROMPT, "max_tokens": 6, "ignore_eos": True, "stream": True}
+    response = client.post("/v1/completions", json=body)
+    events = sse_events(response.text)
+    assert events[-1] == "[DONE]" and "formatting bug" in events[-2]["error"]["message"], events
+    assert events[-2]["error"]["type"] == "server_error"
+    monkeypatch.setattr(app_module._View, "chunk", real_chunk)
+    assert client.post("/v1/completions", json=OK_PROMPT).status_code == 200
+
+
 def test_a_stopped_engine_answers_503_with_retry_after(make_client: Any) -> None:
     client, engine = make_client()
     engine.shutdown(timeout=10)

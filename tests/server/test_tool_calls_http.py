@@ -286,7 +286,37 @@ def test_a_tool_schema_the_constraint_engine_refuses_is_a_400_naming_tools(clien
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "go"}], max_tokens=5, tool_choice="required",
-            tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}])
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {
+                "type": "object", "properties": {"a": {"type": 5}}}}}])
     body = caught.value.body
     assert body["param"] == "tools" and body["message"].startswith("tools:"), body
     assert "structured_outputs" not in body["message"]
+
+
+@pytest.mark.parametrize("parameters", [{"type": "string"}, {"type": ["array", "null"]}])
+def test_parameters_that_are_not_an_object_schema_are_a_400(client, parameters) -> None:
+    """OpenAI's ``parameters`` is the schema of the arguments object, and both parsers take only an object as a
+    call's arguments: a schema of another type is refused, whatever the tool_choice."""
+    client, _ = client
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "go"}], max_tokens=5,
+            tools=[{"type": "function", "function": {"name": "f", "parameters": parameters}}])
+    body = caught.value.body
+    assert "tools" in body["param"] and "object" in body["message"], body
+
+
+def test_a_forced_enum_value_holding_a_marker_is_a_400(client) -> None:
+    """A forced Gemma 4 call cannot write a string holding one of its markers (the reply would not parse): such an
+    ``enum`` value or property name is refused up front, naming it."""
+    client, parser = client
+    if parser != "gemma4":
+        pytest.skip("the json parser's strings can hold the markers")
+    for schema in ({"type": "object", "properties": {"c": {"enum": ["ok", "<tool_call|>"]}}},
+                   {"type": "object", "properties": {"a<channel|>": {"type": "string"}}}):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "go"}], max_tokens=5, tool_choice="required",
+                tools=[{"type": "function", "function": {"name": "f", "parameters": schema}}])
+        body = caught.value.body
+        assert body["param"] == "tools" and "cannot write inside a string" in body["message"], body

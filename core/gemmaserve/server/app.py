@@ -614,6 +614,12 @@ class _Server:
             yield SSE_DONE
         except ClientDisconnected:
             pass
+        except Exception as exc:  # a bug while formatting: the client still learns the stream ended, and why
+            logger.exception("unhandled error while streaming %s", endpoint)
+            error = APIError(500, f"internal server error: {type(exc).__name__}: {exc}")
+            status = error.status
+            yield sse(error.body())
+            yield SSE_DONE
         finally:
             for generation in generations:
                 generation.close()

@@ -504,6 +504,15 @@ class FunctionDefinition(_Closed):
             raise ValueError("function names are 1 to 64 letters, digits, '_', '.' or '-'")
         return value
 
+    @field_validator("parameters")
+    @classmethod
+    def _check_parameters(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        kind = None if value is None else value.get("type", "object")
+        if kind is not None and kind != "object" and not (isinstance(kind, list) and "object" in kind):
+            raise ValueError(f"parameters is the JSON schema of the arguments object: its type is \"object\" "
+                             f"(or absent), not {json.dumps(kind)}")
+        return value
+
 
 class ToolDefinition(_Closed):
     """One entry of ``tools``: ``{"type": "function", "function": {"name", "description", "parameters"}}``."""

@@ -52,13 +52,14 @@ def tool_call_constraint(tools: Sequence[Mapping[str, Any]], name: str | None, p
                          parallel: bool) -> StructuredOutputs:
     """The constraint for ``tool_choice: "required"`` (``name`` None: any of ``tools``; several calls if
     ``parallel``) or the one function named ``name``. ``tools``: ``{"name", "parameters"}`` each (OpenAI's
-    ``function`` objects). Raises InvalidRequestError for a parameter name Gemma 4's syntax cannot write."""
+    ``function`` objects). Raises InvalidRequestError for a parameter name or an ``enum`` / ``const`` string
+    Gemma 4's syntax cannot write (it holds a marker)."""
     offered = [tool for tool in tools if name is None or tool["name"] == name]
     many = parallel and name is None
     if parser == "json":
         one = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"], "properties": {
-            "name": {"const": tool["name"]}, "arguments": tool.get("parameters") or {"type": "object"}}}
-            for tool in offered]
+            "name": {"const": tool["name"]}, "arguments": {**(tool.get("parameters") or {}), "type": "object"}}}
+            for tool in offered]  # the parsers take only an object as a call's arguments
         call: dict[str, Any] = one[0] if len(one) == 1 else {"anyOf": one}
         return StructuredOutputs(json={"type": "array", "minItems": 1, "items": call} if many else call)
     rules: list[str] = []
@@ -93,9 +94,9 @@ def _value_rule(schema: Any, prefix: str, rules: list[str]) -> str:
         return "value"
     if "enum" in schema or "const" in schema:
         values = schema["enum"] if "enum" in schema else [schema["const"]]
-        options = [_literal(v) for v in values if isinstance(v, (str, int, float, bool)) or v is None]
-        if not options:
+        if not isinstance(values, list) or not values:
             return "value"
+        options = [_literal(v) for v in values]
         rules.append(f"{prefix}: {' | '.join(options)}")
         return prefix
     kind = schema.get("type")
@@ -203,18 +204,34 @@ def _regex_compiles(body: str) -> bool:
     return not llguidance.LLMatcher.validate_grammar(grammar)
 
 
+_IN_STRING_MARKERS = (GEMMA4_STRING, GEMMA4_CALL_CLOSE, GEMMA4_CHANNEL_OPEN, GEMMA4_CHANNEL_CLOSE)
+"""Markers a string of a call cannot hold: the parsers would end the string or the call there, or open a channel."""
+
+
+def _string(text: str, what: str) -> str:
+    """``text`` as a Gemma 4 string, as Lark. Raises InvalidRequestError if it holds a marker (``what`` names it)."""
+    for marker in _IN_STRING_MARKERS:
+        if marker in text:
+            raise InvalidRequestError(f"tools: {what} {text!r} contains {marker}, which Gemma 4's call syntax cannot "
+                                      "write inside a string; change it or leave tool_choice to \"auto\"")
+    return f"{GEMMA4_STRING} {json.dumps(text)} {GEMMA4_STRING}" if text else f"{GEMMA4_STRING} {GEMMA4_STRING}"
+
+
 def _key(key: str) -> str:
     """A property key as Gemma 4 writes it (see :func:`~gemmaserve.tools.parsers.format_gemma_key`), as Lark."""
     if GEMMA4_BARE_KEY.fullmatch(key):
         return json.dumps(key)
-    if GEMMA4_STRING in key:
-        raise InvalidRequestError(f"tools: the parameter name {key!r} contains {GEMMA4_STRING}, which Gemma 4's "
-                                  "call syntax cannot write; rename the parameter")
-    return f"{GEMMA4_STRING} {json.dumps(key)} {GEMMA4_STRING}"
+    return _string(key, "the parameter name")
 
 
 def _literal(value: Any) -> str:
-    """A fixed value as a Lark expression in Gemma 4's syntax."""
+    """A fixed JSON value (an ``enum`` / ``const`` entry) as a Lark expression in Gemma 4's syntax."""
     if isinstance(value, str):
-        return f"{GEMMA4_STRING} {json.dumps(value)} {GEMMA4_STRING}" if value else f"{GEMMA4_STRING} {GEMMA4_STRING}"
+        return _string(value, "the enum / const value")
+    if isinstance(value, Mapping):
+        pairs = ' "," '.join(f"{_key(str(key))} \":\" {_literal(item)}" for key, item in value.items())
+        return f'"{{" {pairs} "}}"' if pairs else '"{" "}"'
+    if isinstance(value, list):
+        items = ' "," '.join(_literal(item) for item in value)
+        return f'"[" {items} "]"' if items else '"[" "]"'
     return json.dumps(json.dumps(value))  # true / false / null / a number, as a Lark string

@@ -82,6 +82,7 @@ class Gemma4ToolParser(ToolParser):
     def __init__(self) -> None:
         self._buffer = ""
         self._in_call = False
+        self._searched = 0  # in a call: the buffer's first characters known not to start the closing marker
 
     def feed(self, text: str) -> ParsedText:
         self._buffer += text
@@ -96,9 +97,10 @@ class Gemma4ToolParser(ToolParser):
                     return out
                 out.content += self._buffer[:at]
                 self._buffer = self._buffer[at + len(GEMMA4_CALL_OPEN):]
-                self._in_call = True
-            end = self._buffer.find(GEMMA4_CALL_CLOSE)
-            if end < 0:
+                self._in_call, self._searched = True, 0
+            end = self._buffer.find(GEMMA4_CALL_CLOSE, self._searched)
+            if end < 0:  # a long call streams in linear time: the next feed searches only what is new
+                self._searched = max(0, len(self._buffer) - len(GEMMA4_CALL_CLOSE) + 1)
                 return out
             body, self._buffer = self._buffer[:end], self._buffer[end + len(GEMMA4_CALL_CLOSE):]
             self._in_call = False
@@ -152,11 +154,11 @@ def _parse_gemma_calls(body: str) -> list[ToolCall] | None:
             return None
         try:
             value, at = values.value(match.end())
+            if not isinstance(value, dict):
+                return None
+            calls.append(ToolCall(match.group(0), json_text(value)))
         except (ValueError, RecursionError):  # RecursionError: nested deeper than Python's stack
             return None
-        if not isinstance(value, dict):
-            return None
-        calls.append(ToolCall(match.group(0), json_text(value)))
         at = values.skip(at)
     return calls or None
 
@@ -332,7 +334,10 @@ class JsonToolParser(ToolParser):
                     return ParsedText(text)
             if not isinstance(arguments, dict):
                 return ParsedText(text)
-            calls.append(ToolCall(item["name"], json_text(arguments)))
+            try:
+                calls.append(ToolCall(item["name"], json_text(arguments)))
+            except RecursionError:  # nested deeper than writing it back can go
+                return ParsedText(text)
         return ParsedText("", calls) if calls else ParsedText(text)
 
 
