@@ -65,13 +65,13 @@ class TickRecorder:
             setattr(owner, name, make(original))
 
         def step_prefill(original: Any) -> Any:
-            def timed(sched: Scheduler) -> Any:
+            def timed(sched: Scheduler, events: Any = None) -> Any:
                 tick = {"start": time.perf_counter(), "launch_ms": 0.0, "wait_ms": 0.0, "deliver_ms": 0.0,
                         "rows": 0, "prompt_tokens": 0, "chunks": 0}
                 rec.ticks.append(tick)
                 if rec.on_tick is not None:
                     rec.on_tick(len(rec.ticks))
-                out = original(sched)
+                out = original(sched, events)
                 tick["prefill_half_ms"] = (time.perf_counter() - tick["start"]) * 1e3
                 return out
             return timed

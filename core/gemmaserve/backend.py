@@ -520,10 +520,14 @@ class InferenceBackend(ABC):
         seed = params.seed if params.seed is not None else 0
         with self.lock:
             result = self.prefill(prompt_ids)
-            eos = self.model_info.eos_token_ids
-            row = RowSampling.for_params(params, seed, 0, eos)
-            token = self.sample(result.last_logits, [row]).token_ids[0]
-            batched = self.splice_into_batched(None, result.kv, self.kv_length(result.kv))
+            try:
+                eos = self.model_info.eos_token_ids
+                row = RowSampling.for_params(params, seed, 0, eos)
+                token = self.sample(result.last_logits, [row]).token_ids[0]
+                batched = self.splice_into_batched(None, result.kv, self.kv_length(result.kv))
+            except BaseException:  # the prefilled row is not in a batch yet: free it here
+                self.free_row_kv(result.kv)
+                raise
         try:
             for step in range(1, params.max_tokens + 1):
                 yield token

@@ -195,11 +195,11 @@ def test_a_crashing_scheduler_step_fails_in_flight_requests_and_serving_continue
     crashes = {half: 1, "abort_all": int(abort_also_fails)}
 
     def crashing(name, original):  # type: ignore[no-untyped-def]
-        def call(**kwargs):  # type: ignore[no-untyped-def]
+        def call(*args, **kwargs):  # type: ignore[no-untyped-def]
             if crashes[name]:
                 crashes[name] -= 1
                 raise RuntimeError(f"{name} bug")
-            return original(**kwargs)
+            return original(*args, **kwargs)
 
         return call
 
@@ -386,11 +386,11 @@ def test_recovery_delivers_every_final_event_when_one_abort_fails() -> None:
     step, abort_request = broken.step_decode, broken.abort_request
     crashed = {"step": False, "abort": False}
 
-    def crashing_step():  # type: ignore[no-untyped-def]
+    def crashing_step(events=None):  # type: ignore[no-untyped-def]
         if not crashed["step"] and len(broken.live_requests()) == 3:
             crashed["step"] = True
             raise RuntimeError("step bug")
-        return step()
+        return step(events)
 
     def flaky_abort(rid, **kwargs):  # type: ignore[no-untyped-def]
         if rid == "b" and not crashed["abort"]:
@@ -550,10 +550,10 @@ def test_a_stuck_tick_shows_in_busy_for_and_a_timed_snapshot_gives_up() -> None:
     gate, entered = threading.Event(), threading.Event()
     step = engine.scheduler.step_decode
 
-    def stuck():  # type: ignore[no-untyped-def]
+    def stuck(events=None):  # type: ignore[no-untyped-def]
         entered.set()
         gate.wait(10)
-        return step()
+        return step(events)
 
     engine.scheduler.step_decode = stuck  # type: ignore[method-assign]
     try:
@@ -688,3 +688,61 @@ def test_a_backend_class_missing_methods_is_refused_by_name(monkeypatch: pytest.
             build_engine(CoreSettings(backend="unfinished-test", device="cpu", model="/no/weights"))
     finally:
         unregister_plugin("unfinished-test-plugin")
+
+
+def test_a_tick_that_raises_late_still_delivers_what_it_made_before() -> None:
+    """A scheduler raise part-way through a tick half: the events made before it (a request that finished earlier
+    in the same half included) still reach their handles — they were dropped with the half's local list, so that
+    request's handle waited forever."""
+    from gemmaserve.engine.scheduler import ContinuousBatchScheduler
+
+    engine = make_engine(ReferenceBackend(mixed_step=True), max_batch_size=4, prefill_chunk_tokens=2,
+                         max_num_batched_tokens=4)
+    broken = engine.scheduler
+    finish_chunks = broken._finish_chunks
+    armed = [True]
+
+    def late_bug(work, errors, events):  # type: ignore[no-untyped-def]
+        if armed[0] and broken._q.finished.get("length"):  # "short" finished earlier in this tick
+            armed[0] = False
+            raise RuntimeError("scheduler bug late in the tick")
+        return finish_chunks(work, errors, events)
+
+    broken._finish_chunks = late_bug  # type: ignore[method-assign]
+    assert isinstance(broken, ContinuousBatchScheduler)
+    try:
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        with engine._cond:
+            short = engine.submit([5, 6], params, request_id="short")
+            long_ = engine.submit(list(range(5, 40)), params, request_id="long")
+        assert long_.result(timeout=10).finish_reason == "error"
+        assert short.result(timeout=10).finish_reason == "length"
+        assert not armed[0]
+        assert_idle(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_requests_aborted_before_a_failed_abort_at_shutdown_finish() -> None:
+    """Shutdown's abort_all raising AbortIncompleteError part-way: the requests it did abort get their final events
+    (the error's ``events`` were dropped, their handles waited forever)."""
+    engine = make_engine(ReferenceBackend(decode_delay_s=0.01))
+    broken = engine.scheduler
+    abort_request = broken.abort_request
+    failed: set[str] = set()
+
+    def flaky_abort(rid, **kwargs):  # type: ignore[no-untyped-def]
+        if rid == "b" and rid not in failed:
+            failed.add(rid)
+            raise RuntimeError("abort of b failed")
+        return abort_request(rid, **kwargs)
+
+    broken.abort_request = flaky_abort  # type: ignore[method-assign]
+    with engine._cond:
+        handles = [engine.submit([5, 6 + i], LONG, request_id=rid) for i, rid in enumerate("ab")]
+    while not all(handle.request_id in {r.request_id for r in broken.live_requests()} for handle in handles):
+        time.sleep(0.01)
+    engine.shutdown(timeout=5)
+    outputs = [handle.result(timeout=5) for handle in handles]
+    assert failed == {"b"}
+    assert outputs[0].finish_reason != "error" and outputs[1].finish_reason == "error", outputs

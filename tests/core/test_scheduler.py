@@ -458,6 +458,35 @@ def test_streaming_only_backend_runs_through_generate_stream() -> None:
     assert_idle(sched)
 
 
+@pytest.mark.parametrize("failing", ["sample", "splice_into_batched"])
+def test_the_default_generate_stream_frees_its_row_when_the_first_step_fails(failing: str) -> None:
+    """``InferenceBackend.generate_stream``: a raise between the prefill and the row joining its batch of one frees
+    the prefilled row (it leaked: one live row after the request had ended with an error)."""
+    backend = ReferenceBackend(streaming_only=True)
+    original = getattr(backend, failing)
+    fail = [True]
+
+    def flaky(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if fail[0]:
+            fail[0] = False
+            raise RuntimeError(f"{failing} failed")
+        return original(*args, **kwargs)
+
+    setattr(backend, failing, flaky)
+    sched, _, _ = make(backend)
+    sched.add_request(req("a", [5, 6, 7], max_tokens=3))
+    recorder = Recorder()
+    while sched.has_work:
+        recorder.feed(sched.step())
+    assert recorder.outputs["a"].finish_reason == "error" and not fail[0]
+    assert backend.num_live_rows == 0
+    sched.add_request(req("b", [5, 6, 7], max_tokens=3))
+    while sched.has_work:
+        recorder.feed(sched.step())
+    assert recorder.outputs["b"].finish_reason == "length"
+    assert_idle(sched)
+
+
 def test_failed_row_removal_drops_the_batch_and_serving_continues() -> None:
     backend = ReferenceBackend()
     original = backend.remove_row_from_cache

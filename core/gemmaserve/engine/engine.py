@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from gemmaserve.engine.delivery import batched_delivery
 from gemmaserve.engine.handles import EventCallback, RequestHandle, RequestStream
 from gemmaserve.engine.request import FinishReason, Request, RequestEvent, RequestMetrics, RequestOutput
-from gemmaserve.engine.scheduler import ContinuousBatchScheduler
+from gemmaserve.engine.scheduler import AbortIncompleteError, ContinuousBatchScheduler
 from gemmaserve.errors import EngineOverloadedError, InvalidRequestError
 from gemmaserve.sampling_params import SamplingParams
 
@@ -377,7 +377,7 @@ class Engine:
                 self._guarded(lambda events: self._tick(inbox, cancels, stopping, events))
                 if stopping:
                     break
-                self._guarded(lambda events: events.extend(self.scheduler.step_decode()))
+                self._guarded(self.scheduler.step_decode)
         except BaseException as exc:  # not a tick's failure (those are guarded): the thread itself is going
             logger.critical("the engine thread is exiting on %r; failing every request", exc)
             self._fail_everything(exc)
@@ -429,6 +429,8 @@ class Engine:
                     part(events)
                 except Exception as exc:
                     logger.critical("engine tick raised; failing all in-flight requests", exc_info=True)
+                    if isinstance(exc, AbortIncompleteError):  # the final events of those it did abort
+                        events += exc.events
                     events += self._recover(exc)
                 finally:
                     self._part_started = None
@@ -451,14 +453,17 @@ class Engine:
             self._in_hand = 0
         for request_id, reason in cancels:
             events += self.scheduler.abort_request(request_id, reason=reason)
-        events += self.scheduler.abort_all() if stopping else self.scheduler.step_prefill()
+        if stopping:
+            events += self.scheduler.abort_all()
+        else:
+            self.scheduler.step_prefill(events)
 
     def _recover(self, exc: BaseException) -> list[RequestEvent]:
         try:
             return self.scheduler.abort_all(error=exc)
         except Exception as abort_exc:
             logger.critical("could not abort in-flight requests; starting a fresh scheduler", exc_info=True)
-            events = list(getattr(abort_exc, "events", []))  # requests aborted before the failure
+            events = list(abort_exc.events) if isinstance(abort_exc, AbortIncompleteError) else []
             orphans = self.scheduler.release_all_best_effort(events)
             fresh = ContinuousBatchScheduler(self.backend, self.settings, self.cache_manager)
             fresh.continue_counts(self.scheduler, orphans=len(orphans))

@@ -352,12 +352,14 @@ class ContinuousBatchScheduler:
         events += self.step_decode()
         return events
 
-    def step_prefill(self) -> list[RequestEvent]:
+    def step_prefill(self, events: list[RequestEvent] | None = None) -> list[RequestEvent]:
         """First half of a tick: admit, then the prefill chunks the token budget allows (requests that
         complete their prompt get their first token here). The engine publishes these events before
         the decode half runs, so a first token does not wait for the batch's decode step. Backends with
-        ``mixed_step`` run the whole tick here, decode rows included, in one ``forward_step``."""
-        events: list[RequestEvent] = []
+        ``mixed_step`` run the whole tick here, decode rows included, in one ``forward_step``.
+        Appends its events to ``events`` (a new list if None) as they are made and returns that list: if
+        the tick raises part-way, the events made before the raise are in the caller's list."""
+        events = [] if events is None else events
         with self.backend.lock:
             self._counters["steps"] += 1
             self._admit(events)
@@ -369,9 +371,10 @@ class ContinuousBatchScheduler:
                 self._prefill(events)
         return events
 
-    def step_decode(self) -> list[RequestEvent]:
-        """Second half of a tick: one batched decode over the decoding rows (or one token per stream)."""
-        events: list[RequestEvent] = []
+    def step_decode(self, events: list[RequestEvent] | None = None) -> list[RequestEvent]:
+        """Second half of a tick: one batched decode over the decoding rows (or one token per stream).
+        ``events`` as :meth:`step_prefill`'s."""
+        events = [] if events is None else events
         with self.backend.lock:
             if self._streaming:
                 self._step_streams(events)
