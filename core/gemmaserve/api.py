@@ -16,7 +16,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, TypedDict, Union
 
 from gemmaserve.detokenize import IncrementalDetokenizer, hides_stop_token
@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from gemmaserve.engine.engine import Engine
     from gemmaserve.engine.request import RequestEvent, RequestMetrics, RequestOutput
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "StreamChunk", "PromptInput", "TextPrompt", "TokensPrompt",
-           "LLMClosedError"]
+__all__ = ["LLM", "CompletionOutput", "SampleOutput", "Logprob", "StreamChunk", "PromptInput", "TextPrompt",
+           "TokensPrompt", "LLMClosedError"]
 
 
 class TextPrompt(TypedDict):
@@ -99,13 +99,15 @@ class CompletionOutput:
     """With ``SamplingParams(n > 1)``: every sample of the prompt (this object is sample 0); see :attr:`outputs`."""
 
     @property
-    def outputs(self) -> list[CompletionOutput]:
-        """The prompt's samples in index order, as vLLM's ``RequestOutput.outputs``: ``[self]`` when n = 1."""
-        return list(self.samples) if self.samples else [self]
+    def outputs(self) -> list[SampleOutput]:
+        """The prompt's samples in index order, as vLLM's ``RequestOutput.outputs`` (one when n = 1): each a
+        :class:`SampleOutput`, vLLM's ``CompletionOutput``, with this object's fields (its own for n > 1)."""
+        return [SampleOutput(*(getattr(sample, name) for name in _FIELDS)) for sample in (self.samples or (self,))]
 
     @property
     def finished(self) -> bool:
-        """vLLM's ``RequestOutput.finished``: always True (``generate`` returns finished outputs)."""
+        """vLLM's ``RequestOutput.finished``: always True (``generate`` returns finished outputs). On the samples
+        in :attr:`outputs` it is vLLM's ``CompletionOutput.finished()``, a method."""
         return True
 
     @property
@@ -118,6 +120,29 @@ class CompletionOutput:
         """vLLM's ``RequestOutput.prompt_logprobs``: always None (``SamplingParams(prompt_logprobs=...)`` is
         refused)."""
         return None
+
+
+class SampleOutput(CompletionOutput):
+    """One sample of :attr:`CompletionOutput.outputs`: vLLM's ``CompletionOutput``, whose ``finished()`` is a
+    method (``out.outputs[0].finished()``), where the prompt's output has vLLM's ``RequestOutput.finished``, a
+    bool (``out.finished``). Every field is the sample's; it equals a :class:`CompletionOutput` with the same fields
+    (``out.outputs == [out]`` when n = 1)."""
+
+    __slots__ = ()
+
+    def finished(self) -> bool:  # type: ignore[override]  # vLLM's CompletionOutput.finished() is a method
+        """vLLM's ``CompletionOutput.finished()``: always True (outputs are final)."""
+        return True
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CompletionOutput):
+            return NotImplemented
+        return all(getattr(self, name) == getattr(other, name) for name in _FIELDS)
+
+    __hash__ = CompletionOutput.__hash__
+
+
+_FIELDS = tuple(field.name for field in fields(CompletionOutput))
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +191,9 @@ class LLM:
         if settings is None and engine is not None:
             settings = engine.settings
         self.settings = settings or load_settings(model=model, backend=backend, device=device, **chosen)
+        if overrides.get("enable_prefix_caching") is True:
+            check_prefix_caching(self.settings, "LLM(enable_prefix_caching=True)",
+                                 "prefix_cache_blocks / PREFIX_CACHE_BLOCKS")
         if "log_level" in self.settings.model_fields_set:  # given (keyword or LOG_LEVEL): gemmaserve's own loggers
             _apply_log_level(self.settings.log_level)
         template = read_chat_template(self.settings.chat_template) if self.settings.chat_template else None
@@ -182,8 +210,16 @@ class LLM:
 
     # -- prompts ------------------------------------------------------------------------------
     def get_tokenizer(self) -> Any:
-        """The model's tokenizer (vLLM's ``LLM.get_tokenizer()``): ``encode``, ``decode``, ``apply_chat_template``."""
-        return self.tokenizer
+        """vLLM's ``LLM.get_tokenizer()``: the model's Hugging Face tokenizer (``tok(text)``, ``len(tok)``,
+        ``eos_token_id``, ``batch_decode``, ``apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)``
+        ...), rendering chats with the template this LLM uses (``LLM(chat_template=...)`` / ``CHAT_TEMPLATE``, the
+        checkpoint's own, or Gemma's default turn format): ``HFTokenizerAdapter.as_hf``. Every shipped backend
+        (hf, custom-*, mlx) tokenizes with Hugging Face; a backend whose tokenizer is not a Hugging Face one (the
+        test ReferenceBackend, a third-party plugin) returns its own tokenizer (gemmaserve's ``Tokenizer``
+        protocol: ``encode``, ``decode``, ``apply_chat_template(messages)``). gemmaserve's adapter stays
+        ``LLM.tokenizer``."""
+        as_hf = getattr(self.tokenizer, "as_hf", None)
+        return as_hf() if callable(as_hf) else self.tokenizer
 
     def encode_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         """Text is tokenized; a list of ints is taken as token IDs; vLLM's ``{"prompt": text}`` and
@@ -266,61 +302,78 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
+        *,
+        lora_request: Any = None,
+        priority: Sequence[int] | None = None,
+        tokenization_kwargs: Mapping[str, Any] | None = None,
     ) -> list[CompletionOutput]:
         """Generate for every prompt (batched together); outputs are in prompt order. A prompt whose params have
         ``n`` > 1 runs n samples (``SamplingParams.for_sample``; they share its prefill through the prefix cache);
         its output is sample 0 and holds all of them in ``outputs``. ``use_tqdm`` (vLLM's) is accepted, a bool or
-        a callable; no progress bar is shown."""
+        a callable; no progress bar is shown. vLLM's ``lora_request``, ``priority`` (one per prompt) and
+        ``tokenization_kwargs`` are accepted at the values that change nothing (None; ``priority`` all zeros;
+        ``tokenization_kwargs`` empty); any other is an InvalidRequestError naming it."""
         _check_use_tqdm(use_tqdm)
-        return self._generate(self._normalize(prompts), sampling_params)
+        _check_call_options("generate", lora_request=lora_request, priority=priority,
+                            tokenization_kwargs=tokenization_kwargs)
+        encoded = self._normalize(prompts)
+        if priority is not None and len(priority) != len(encoded):
+            raise InvalidRequestError(f"LLM.generate: priority has {len(priority)} entries for {len(encoded)} "
+                                      "prompts; give one per prompt")
+        return self._generate(encoded, sampling_params)
 
     def chat(
         self,
         messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
-        *,
+        lora_request: Any = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        lora_request: None = None,
-        chat_template_content_format: str = "auto",
-        mm_processor_kwargs: None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        mm_processor_kwargs: Any = None,
     ) -> list[CompletionOutput]:
-        """vLLM's ``LLM.chat``: render each conversation (a list of ``{"role", "content"}`` messages; a list of
-        conversations gives one output each) with the chat template (``chat_template`` for this call, a file path
-        or the template text; else ``LLM(chat_template=...)`` / ``CHAT_TEMPLATE``; else the tokenizer's own), then
-        :meth:`generate`. ``tools`` and ``chat_template_kwargs`` reach the template; the reply also ends at the
-        template's end-of-turn token (unless ``ignore_eos``), as on the HTTP server. The reply is not parsed (no
-        tool calls or reasoning split out). Raises InvalidRequestError (PromptTooLongError) naming the problem."""
+        """vLLM's ``LLM.chat`` (its parameters, in its order): render each conversation (a list of ``{"role",
+        "content"}`` messages; a list of conversations gives one output each) with the chat template
+        (``chat_template`` for this call, a file path or the template text; else ``LLM(chat_template=...)`` /
+        ``CHAT_TEMPLATE``; else the tokenizer's own), then :meth:`generate`. Messages are read as the HTTP server
+        reads them (``ChatMessage``): a content list of text parts reaches the template as one string (joined with
+        newlines: vLLM's ``"string"`` content format, so ``chat_template_content_format`` takes ``"auto"`` or
+        ``"string"``), an assistant message's ``tool_calls[].function.arguments`` (JSON text) as an object; other
+        content parts (images...) and unknown message fields are refused. ``tools`` and ``chat_template_kwargs``
+        reach the template; a ``chat_template_kwargs`` key that LLM.chat sets itself (``add_generation_prompt``,
+        ``tokenize``, ``messages``...: ``RESERVED_TEMPLATE_KWARGS``) is refused by name. The reply also ends at the
+        template's end-of-turn token (unless ``ignore_eos``), as on the HTTP server; it is not parsed (no tool calls
+        or reasoning split out). Raises InvalidRequestError (PromptTooLongError) naming the problem."""
         from gemmaserve.server.prepare import with_chat_stops
 
         self._check_open()
         _check_use_tqdm(use_tqdm)
-        for name, value, neutral, why in (
-                ("lora_request", lora_request, None, "LoRA adapters are not supported"),
-                ("chat_template_content_format", chat_template_content_format, "auto",
-                 "the template gets each message's content as given"),
-                ("mm_processor_kwargs", mm_processor_kwargs, None, "only text prompts are supported")):
-            if value != neutral:
-                raise InvalidRequestError(f"LLM.chat({name}={value!r}) is not implemented by gemmaserve ({why}); "
-                                          f"leave it unset or {neutral!r}")
+        _check_call_options("chat", lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs,
+                            chat_template_content_format=chat_template_content_format)
+        for name, flag in (("add_generation_prompt", add_generation_prompt),
+                           ("continue_final_message", continue_final_message)):
+            if not isinstance(flag, bool):
+                raise InvalidRequestError(f"LLM.chat: {name} must be a bool, got {type(flag).__name__}")
         if continue_final_message and add_generation_prompt:
             raise InvalidRequestError("LLM.chat: continue_final_message=True continues the last message, so it takes "
                                       "add_generation_prompt=False")
         conversations = _conversations(messages)
+        kwargs = {**_template_kwargs(chat_template_kwargs), **({"tools": tools} if tools is not None else {})}
+        rendered = [_template_messages(conversation, f"conversation {index}, " if len(conversations) > 1 else "")
+                    for index, conversation in enumerate(conversations)]
         tokenizer = self.tokenizer if chat_template is None else self._tokenizer_with_template(chat_template)
         options: dict[str, Any] = {}
         if not add_generation_prompt:
             options["add_generation_prompt"] = False
         if continue_final_message:
             options["continue_final_message"] = True
-        kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools is not None else {})}
         if kwargs:
             options["template_kwargs"] = kwargs
-        encoded = [self._render(conversation, tokenizer, options) for conversation in conversations]
+        encoded = [self._render(conversation, tokenizer, options) for conversation in rendered]
         params = SamplingParams() if sampling_params is None else sampling_params
         many = isinstance(params, Sequence)
         params_list = list(params) if many else [params] * len(encoded)  # type: ignore[arg-type,list-item]
@@ -344,16 +397,16 @@ class LLM:
             raise InvalidRequestError(f"LLM.chat(chat_template=...): {exc}") from None
         return tokenizer
 
-    def _render(self, conversation: list[Mapping[str, Any]], tokenizer: Any,
+    def _render(self, conversation: list[dict[str, Any]], tokenizer: Any,
                 options: dict[str, Any]) -> tuple[str, list[int]]:
-        """(the rendered prompt's text, its token ids), through the server's :func:`render_chat` (same checks);
-        its HTTP errors become InvalidRequestError / PromptTooLongError."""
+        """(the rendered prompt's text, its token ids) of ``conversation`` (from :func:`_template_messages`), through
+        the server's :func:`render_chat` (same checks); its HTTP errors become InvalidRequestError /
+        PromptTooLongError."""
         from gemmaserve.server.errors import APIError
         from gemmaserve.server.prepare import render_chat
 
         try:
-            ids = render_chat([dict(message) for message in conversation], tokenizer,
-                              self.engine.scheduler.max_model_len, options)
+            ids = render_chat(conversation, tokenizer, self.engine.scheduler.max_model_len, options)
         except APIError as exc:
             error = PromptTooLongError if exc.code == "context_length_exceeded" else InvalidRequestError
             raise error(exc.message.replace("use /v1/completions with", "use LLM.generate with")) from None
@@ -666,7 +719,7 @@ def _check_options(options: dict[str, Any]) -> None:
             continue
         if name in VLLM_OPTIONS_NOT_IMPLEMENTED:
             accepted, why = VLLM_OPTIONS_NOT_IMPLEMENTED[name]
-            if any(value is a or (type(value) is type(a) and value == a) for a in accepted):
+            if _is_one_of(value, accepted):
                 continue
             shown = " or ".join(repr(a) for a in accepted)
             raise ConfigurationError(f"LLM({name}={value!r}) is not implemented by gemmaserve ({why}); leave it "
@@ -676,6 +729,106 @@ def _check_options(options: dict[str, Any]) -> None:
         hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else (
             "; it takes model, backend, device, settings, engine and the core settings (see docs/settings.md)")
         raise TypeError(f"LLM() got an unexpected keyword argument {name!r}{hint}")
+
+
+def _is_one_of(value: object, accepted: Sequence[Any]) -> bool:
+    """``value`` is one of ``accepted`` (the same object, or equal and of the same type: ``1`` is not ``True``)."""
+    return any(value is a or (type(value) is type(a) and value == a) for a in accepted)
+
+
+def check_prefix_caching(settings: CoreSettings, given: str, setting: str) -> None:
+    """ConfigurationError when vLLM's "enable prefix caching" (``given``: as the caller spelled it) comes with the
+    core prefix cache turned off (``settings.prefix_cache_blocks`` 0; ``setting``: that setting's names): both
+    cannot hold, and caching would silently stay off. (The custom backends always cache and ignore the setting;
+    the combination is refused for them too, as it contradicts itself.)"""
+    if settings.prefix_cache_blocks == 0:
+        default = CoreSettings.model_fields["prefix_cache_blocks"].default
+        raise ConfigurationError(f"{given} asks for prefix caching, but {setting} is 0, which turns the prefix cache "
+                                 f"off (the hf and mlx backends' core cache): unset {setting} (default {default} "
+                                 f"blocks) or set it above 0 to cache, or drop {given} to run without")
+
+
+CALL_OPTIONS_NOT_IMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "lora_request": ((None,), "LoRA adapters are not supported"),
+    "priority": ((None,), "requests are served first come, first served: priority scheduling is not implemented "
+                 "(a list of zeros, one per prompt, is accepted too)"),
+    "tokenization_kwargs": ((None, {}), "text prompts are tokenized with the tokenizer's defaults; tokenize them "
+                            "yourself and pass {'prompt_token_ids': [...]}"),
+    "chat_template_content_format": (("auto", "string"), "each message's content reaches the template as one string, "
+                                     "text parts joined with newlines (vLLM's 'string' format)"),
+    "mm_processor_kwargs": ((None,), "only text prompts are supported"),
+}
+"""Options of vLLM's ``LLM.generate`` / ``LLM.chat`` that gemmaserve does not implement: accepted at the values
+listed (which mean what gemmaserve does anyway), anything else an InvalidRequestError naming the option."""
+
+
+def _check_call_options(method: str, **options: Any) -> None:
+    """InvalidRequestError for the first of ``options`` (vLLM's ``LLM.<method>`` keywords in
+    :data:`CALL_OPTIONS_NOT_IMPLEMENTED`) given at a value gemmaserve does not implement, naming it, why, and the
+    values accepted. ``priority``: None or a list of zeros."""
+    for name, value in options.items():
+        accepted, why = CALL_OPTIONS_NOT_IMPLEMENTED[name]
+        if name == "priority" and isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and all(
+                _is_one_of(entry, (0,)) for entry in value):
+            continue
+        if _is_one_of(value, accepted):
+            continue
+        shown = " or ".join(repr(a) for a in accepted)
+        raise InvalidRequestError(f"LLM.{method}({name}={_shown(value)}) is not implemented by gemmaserve ({why}); "
+                                  f"leave it unset or {shown}")
+
+
+def _shown(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _template_kwargs(chat_template_kwargs: object) -> dict[str, Any]:
+    """``LLM.chat``'s ``chat_template_kwargs`` as a dict; a key LLM.chat passes to the template itself (the server's
+    ``RESERVED_TEMPLATE_KWARGS``) is an InvalidRequestError naming it. (vLLM's own precedence for them changed
+    between versions, and one of the two sides was always dropped silently.)"""
+    from gemmaserve.server.protocol import RESERVED_TEMPLATE_KWARGS
+
+    if chat_template_kwargs is None:
+        return {}
+    if not isinstance(chat_template_kwargs, Mapping) or not all(isinstance(key, str) for key in chat_template_kwargs):
+        raise InvalidRequestError(f"LLM.chat: chat_template_kwargs must be a dict of template variables (str keys), "
+                                  f"got {_shown(chat_template_kwargs)}")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(chat_template_kwargs))
+    if reserved:
+        own = [name for name in reserved if name in ("add_generation_prompt", "continue_final_message",
+                                                     "chat_template", "tools")]
+        hint = f"; pass {', '.join(own)} as LLM.chat's argument{'s' if len(own) > 1 else ''}" if own else ""
+        raise InvalidRequestError(f"LLM.chat: chat_template_kwargs cannot set {', '.join(reserved)}: LLM.chat passes "
+                                  f"{'them' if len(reserved) > 1 else 'it'} to the chat template itself{hint}")
+    return dict(chat_template_kwargs)
+
+
+def _template_messages(conversation: Sequence[Mapping[str, Any]], where: str = "") -> list[dict[str, Any]]:
+    """The messages as the chat template sees them, read by the HTTP server's message model (``ChatMessage``: text
+    content parts joined, tool-call arguments parsed to objects, other parts and unknown fields refused). A bad
+    message is an InvalidRequestError naming it (``where`` prefixes its index: ``conversation 1, ``) and the
+    problem."""
+    from pydantic import ValidationError
+
+    from gemmaserve.server.errors import APIError
+    from gemmaserve.server.protocol import ChatMessage
+
+    messages = []
+    for index, message in enumerate(conversation):
+        try:
+            messages.append(ChatMessage.model_validate(dict(message)).as_template_dict())
+        except ValidationError as exc:
+            error = exc.errors(include_url=False)[0]
+            field = ".".join(str(part) for part in error.get("loc", ()))
+            problem = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+            if error.get("type") not in ("value_error", "missing"):
+                problem += f" (got {_shown(error.get('input'))})"
+            raise InvalidRequestError(f"LLM.chat: {where}message {index}"
+                                      f"{f' field {field!r}' if field else ''}: {problem}") from None
+        except APIError as exc:
+            raise InvalidRequestError(f"LLM.chat: {where}message {index}: {exc.message}") from None
+    return messages
 
 
 def _check_unicode(text: str) -> None:

@@ -39,10 +39,29 @@ def _default(field: str) -> str:
 
 def _env_flag(group: argparse._ArgumentGroup, flag: str, help_text: str, *aliases: str, **kwargs: Any) -> None:
     """A flag backed by a setting: the help names its env var and its default (the flag's own default is None:
-    unset flags leave env / .env in charge). ``aliases``: other spellings of the same flag (vLLM's)."""
+    unset flags leave env / .env in charge). ``aliases``: other spellings of the same flag (vLLM's); two spellings
+    given different values are refused (:class:`_OneValue`)."""
     field = flag.lstrip("-").replace("-", "_")
+    if aliases and "action" not in kwargs:
+        kwargs["action"] = _OneValue
     group.add_argument(flag, *aliases, dest=field, help=f"{help_text} (env {field.upper()}; default: "
                        f"{_default(field)})", **kwargs)
+
+
+class _OneValue(argparse.Action):
+    """Store a flag's value; a different value under another spelling of the same flag (``--max-batch-size 8
+    --max-num-seqs 4``) is a usage error naming both, as ``LLM(max_batch_size=8, max_num_seqs=4)`` is (the same
+    spelling given twice keeps the last value, argparse's rule)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        given: dict[str, tuple[str, Any]] = namespace.__dict__.setdefault("_spellings", {})
+        earlier = given.get(self.dest)
+        if earlier is not None and earlier[0] != option_string and earlier[1] != values:
+            parser.error(f"{earlier[0]} {earlier[1]} and {option_string} {values} set the same setting "
+                         f"({self.dest.upper()}) to different values: give one of them")
+        given[self.dest] = (str(option_string), values)
+        setattr(namespace, self.dest, values)
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -302,6 +321,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from gemmaserve.server.serve import serve
 
     _check_vllm_serve_flags(args)
+    args.api_key = _one_api_key(args.api_key)
     args.model = _model_argument(args.model_tag, args.model)
     args.allowed_origins, args.allowed_headers, args.allowed_methods = (
         _comma_list(flag, value) for flag, value in (("--allowed-origins", args.allowed_origins),
@@ -333,6 +353,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser, kv_events_config=args.kv_events_config,
     )
     settings = _comma_lists(settings)
+    if args.enable_prefix_caching:
+        from gemmaserve.api import check_prefix_caching
+
+        check_prefix_caching(settings, "--enable-prefix-caching", "PREFIX_CACHE_BLOCKS")
     _setup_logging(settings)
     if data_parallel and settings.tensor_parallel_size > 1:
         raise ConfigurationError(f"--data-parallel-size {args.data_parallel_size} with --tensor-parallel-size "
@@ -444,6 +468,20 @@ def _comma_lists(settings: CoreSettings) -> CoreSettings:
                                        for name in names})
 
 
+def _one_api_key(keys: Sequence[str] | None) -> str | None:
+    """``--api-key KEY`` (vLLM's flag takes ``KEY [KEY ...]``): the one key, None when the flag is not given. More
+    than one is a ConfigurationError (the server checks a single key), saying what a model path after the flag
+    becomes."""
+    if keys is None:
+        return None
+    if len(keys) > 1:
+        raise ConfigurationError(
+            f"--api-key got {len(keys)} keys; gemmaserve's server checks one key (vLLM's --api-key takes several): "
+            f"give one. --api-key takes every word after it up to the next flag, so a model path given after it "
+            f"({keys[1]!r} here?) is read as a key: put the model first (serve MODEL --api-key KEY) or use --model")
+    return keys[0]
+
+
 def _model_argument(positional: str | None, flag: str | None) -> str | None:
     """The model of ``serve MODEL`` (vLLM's form) or ``--model``; both naming different models is refused."""
     if positional is not None and flag is not None and positional != flag:
@@ -468,8 +506,9 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("server (override env settings)")
     _env_flag(g, "--host", "bind address")
     _env_flag(g, "--port", "port", type=int)
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on every endpoint but "
-                   "/health and /metrics (env API_KEY or VLLM_API_KEY; default: unset, no key)")
+    g.add_argument("--api-key", nargs="+", default=None, metavar="KEY", help="require 'Authorization: Bearer <key>' "
+                   "on every endpoint but /health and /metrics (env API_KEY or VLLM_API_KEY; default: unset, no key). "
+                   "vLLM's flag takes several keys; gemmaserve's server checks one, so one is accepted")
     _env_flag(g, "--allowed-hosts", "comma-separated Host names accepted besides the loopback ones; empty: on "
               "loopback only those, elsewhere any")
     _env_flag(g, "--allowed-origins", "CORS origins, comma-separated or a JSON list as vLLM's ('*' = any); empty = "

@@ -67,6 +67,7 @@ class HFTokenizerAdapter:
         self.chat_template: str | None = None
         self.chat_template_source: str | None = None
         self.chat_stop_token_ids: tuple[int, ...] = ()
+        self._as_hf: Any = None  # as_hf()'s copy of the tokenizer, made on its first call
         own = getattr(hf_tokenizer, "chat_template", None)
         if chat_template:
             self.set_chat_template(chat_template)
@@ -119,6 +120,7 @@ class HFTokenizerAdapter:
     def _use_template(self, template: Any, source: str) -> None:
         self.chat_template = template
         self.chat_template_source = source
+        self._as_hf = None
         text = template if isinstance(template, str) else " ".join(str(t) for t in dict(template).values())
         ids = []
         for token in TURN_END_TOKENS:
@@ -135,6 +137,22 @@ class HFTokenizerAdapter:
             return None
         unk = getattr(self.hf, "unk_token_id", None)
         return int(ids[0]) if len(ids) == 1 and ids[0] != unk else None
+
+    def as_hf(self) -> Any:
+        """The Hugging Face tokenizer, rendering chats with this adapter's template (what ``LLM.get_tokenizer()``
+        returns, as vLLM's): the wrapped one itself when the template is its own (or there is none), else a shallow
+        copy of it (sharing its vocabulary and Rust tokenizer) whose ``chat_template`` is the configured or
+        Gemma default one, so ``apply_chat_template(messages, tokenize=False, ...)`` renders what gemmaserve does.
+        The same object on every call until the template changes."""
+        if self.chat_template_source in (None, "tokenizer"):
+            return self.hf
+        if self._as_hf is None:
+            import copy
+
+            view = copy.copy(self.hf)
+            view.chat_template = self.chat_template
+            self._as_hf = view
+        return self._as_hf
 
     @property
     def _template_argument(self) -> str | None:

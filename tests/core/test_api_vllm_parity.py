@@ -103,7 +103,8 @@ def test_skip_special_tokens_false_shows_them(llm) -> None:
 def test_outputs_have_vllms_fields(llm) -> None:
     out = llm.generate("logprobs", SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3))[0]
     assert out.finished is True and out.num_cached_tokens == out.cached_tokens and out.prompt_logprobs is None
-    assert out.outputs[0] is out and out.stop_reason is None and out.finish_reason == "length"
+    assert out.outputs == [out] and out.outputs[0].finished() is True  # vLLM's CompletionOutput.finished()
+    assert out.stop_reason is None and out.finish_reason == "length"
     assert out.token_logprobs is not None and len(out.token_logprobs) == len(out.logprobs) == 6
     assert out.cumulative_logprob == pytest.approx(sum(out.token_logprobs))
     for token, value, entry, top in zip(out.token_ids, out.token_logprobs, out.logprobs, out.top_logprobs):

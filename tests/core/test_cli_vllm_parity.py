@@ -140,3 +140,40 @@ def test_max_model_len_takes_vllms_human_readable_counts(capsys: pytest.CaptureF
         with pytest.raises(SystemExit):
             parse(["generate", "hi", "--max-model-len", bad])
         assert "expected a whole number of tokens such as 8192, 8k" in capsys.readouterr().err
+
+
+def test_api_key_takes_vllms_list_form_with_one_key(served: list[CoreSettings],
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "/m", "--api-key", "k1"]) == 0 and served[-1].api_key == "k1"
+    assert main(["serve", "--api-key", "k1", "k2", "--port", "8001"]) == 2
+    err = capsys.readouterr().err
+    assert "--api-key got 2 keys; gemmaserve's server checks one key" in err and "('k2' here?)" in err
+    assert main(["serve", "--api-key", "k1", "/m"]) == 2  # vLLM's parse too: the model after the flag is a key
+    assert "put the model first (serve MODEL --api-key KEY) or use --model" in capsys.readouterr().err
+    assert len(served) == 1
+
+
+def test_the_two_spellings_of_a_flag_with_different_values_are_refused(served: list[CoreSettings],
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "/m", "--max-batch-size", "8", "--max-num-seqs", "4"])
+    assert info.value.code == 2 and not served
+    assert ("--max-batch-size 8 and --max-num-seqs 4 set the same setting (MAX_BATCH_SIZE) to different values: give "
+            "one of them") in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "hi", "-tp", "2", "--tensor-parallel-size", "1"])
+    assert "-tp 2 and --tensor-parallel-size 1" in capsys.readouterr().err
+    assert main(["serve", "/m", "--max-num-seqs", "4", "--max-batch-size", "4"]) == 0 and served[-1].max_batch_size == 4
+    assert main(["serve", "/m", "--max-num-seqs", "4", "--max-num-seqs", "6"]) == 0 and served[-1].max_batch_size == 6
+
+
+def test_enable_prefix_caching_with_the_cache_off_is_refused(served: list[CoreSettings],
+                                                             monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("PREFIX_CACHE_BLOCKS", "0")
+    assert main(["serve", "/m", "--enable-prefix-caching"]) == 2 and not served
+    assert ("--enable-prefix-caching asks for prefix caching, but PREFIX_CACHE_BLOCKS is 0, which turns the prefix "
+            "cache off") in capsys.readouterr().err
+    assert main(["serve", "/m"]) == 0 and served[-1].prefix_cache_blocks == 0  # without the flag: off, as asked
+    monkeypatch.setenv("PREFIX_CACHE_BLOCKS", "16")
+    assert main(["serve", "/m", "--enable-prefix-caching"]) == 0 and served[-1].prefix_cache_blocks == 16
