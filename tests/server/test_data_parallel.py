@@ -155,6 +155,107 @@ def test_kv_event_endpoints_that_ranks_would_share_are_refused_before_launch() -
     assert router[router.index("--health-check-timeout-secs") + 1] == "1"  # a hung replica is out within seconds
 
 
+def test_a_cpu_only_backend_makes_cpu_replicas_whatever_gpus_are_visible() -> None:
+    """``BACKEND=custom-cpu`` runs on the CPU: its replicas share the cores instead of taking one GPU each (they got
+    CUDA_VISIBLE_DEVICES and no thread cap, and a size above the GPU count was refused)."""
+    if not plugin_installed("gemmaserve_custom_torch"):
+        pytest.skip("needs the custom_torch plugin's custom-cpu backend")
+    plan = plan_launch(load_settings(backend="custom-cpu"), 3, "cache_aware", [], None,
+                       env={"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert [set(replica.env) for replica in plan.replicas] == [{"OMP_NUM_THREADS", "DATA_PARALLEL_RANK"}] * 3
+
+
+def test_loopback_traffic_bypasses_proxies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The supervisor's health probes and the router reach the replicas directly although HTTP_PROXY / ALL_PROXY
+    point at a proxy that is not there (with one set, no replica ever became ready)."""
+    import http.server
+    import threading
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+            monkeypatch.setenv(name, "http://127.0.0.1:9")
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        assert data_parallel._healthy(f"http://127.0.0.1:{server.server_port}")
+    finally:
+        server.shutdown()
+    env = data_parallel._without_loopback_proxy({"NO_PROXY": "corp.example", "HTTP_PROXY": "http://p:3128"})
+    assert env["NO_PROXY"].split(",") == ["corp.example", "127.0.0.1", "localhost", "::1"]
+    assert set(env["no_proxy"].split(",")) == {"127.0.0.1", "localhost", "::1"}
+
+
+class _FakeChild:
+    """A replica process stand-in: alive until signalled."""
+
+    def __init__(self, name: str, argv: Any, env: Any, **kwargs: Any) -> None:
+        self.name, self.argv, self.pid, self.started = name, list(argv), 4242, time.monotonic()
+        self.signals: list[int] = []
+
+    def alive(self) -> bool:
+        return not self.signals
+
+    def signal(self, signum: int) -> None:
+        self.signals.append(signum)
+
+    def describe_exit(self) -> str:
+        return f"{self.name} exited"
+
+
+def _supervisor(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[tuple[str, str]]]:
+    monkeypatch.setattr(data_parallel, "_Child", _FakeChild)
+    monkeypatch.setattr(data_parallel._Replica, "_probe", lambda self, child, url: None)  # the test plays it
+    supervisor = data_parallel._Supervisor(plan_launch(load_settings(device="cpu"), 2, "cache_aware", [], None,
+                                                       env={}))
+    calls: list[tuple[str, str]] = []
+    monkeypatch.setattr(supervisor, "_router_call", lambda action, replica: calls.append((action, replica.plan.url)))
+    return supervisor, calls
+
+
+def test_a_paused_supervisor_does_not_kill_healthy_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Liveness counts failed probes, not time since the last success: after the supervisor was stopped for longer
+    than the liveness timeout (Ctrl-Z, a frozen container), a replica with no failed probe is left serving (it was
+    killed as 'not answering'); one whose probes have failed for longer than the timeout is killed."""
+    supervisor, calls = _supervisor(monkeypatch)
+    replica = supervisor.replicas[0]
+    replica.spawn(supervisor.plan)
+    now = time.monotonic()
+    replica.state, replica.last_ok = "serving", now - 10 * data_parallel.LIVENESS_TIMEOUT_S  # stale, no failure
+    supervisor._tend(replica, now)
+    assert replica.child.signals == [] and calls == []
+    replica.failing_since = now - data_parallel.LIVENESS_TIMEOUT_S - 1
+    supervisor._tend(replica, now)
+    assert replica.child.signals == [signal.SIGKILL] and calls == [("remove_worker", replica.plan.url)]
+
+
+def test_a_restart_moves_off_a_port_taken_meanwhile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica restarted while another process holds its port gets a free one, and the router is given the new
+    address (it kept the launch port and failed every restart: the replica stayed down for good)."""
+    import socket
+
+    supervisor, calls = _supervisor(monkeypatch)
+    replica = supervisor.replicas[1]
+    old = replica.plan.port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind(("127.0.0.1", old))
+        holder.listen()
+        replica.spawn(supervisor.plan)
+    argv = replica.child.argv
+    assert replica.plan.port != old and argv[argv.index("--port") + 1] == str(replica.plan.port)
+    replica.last_ok = time.monotonic()
+    supervisor._tend(replica, time.monotonic())
+    assert replica.state == "serving" and calls == [("add_worker", f"http://127.0.0.1:{replica.plan.port}")]
+
+
 def test_replica_flags_leave_out_the_launchers_own() -> None:
     from gemmaserve.cli import _replica_flags, build_parser
 

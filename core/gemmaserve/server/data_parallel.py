@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import quote
 
@@ -247,7 +247,7 @@ def plan_launch(settings: CoreSettings, size: int, policy: str, replica_flags: S
         if getattr(settings, name) != CoreSettings.model_fields[name].default:
             raise ConfigurationError(f"{why}; unset it with --data-parallel-size {size}")
     check_rank_endpoints(settings.kv_events_config, size)  # before any replica loads its model
-    per_replica = _replica_envs(settings.device, size, env, gpu_probe)
+    per_replica = _replica_envs(_replica_device(settings), size, env, gpu_probe)
     ports = _free_ports(size + 1)
     shared_env = {
         "ALLOWED_ORIGINS": "",  # CORS is answered by the router (its --cors-allowed-origins)
@@ -260,6 +260,17 @@ def plan_launch(settings: CoreSettings, size: int, policy: str, replica_flags: S
     return LaunchPlan(host=settings.host, port=settings.port, policy=policy, replica_argv=flags, replica_env=shared_env,
                       replicas=replicas, router_metrics_port=ports[-1], allowed_origins=origins,
                       log_level=settings.log_level, shutdown_timeout=settings.shutdown_timeout)
+
+
+def _replica_device(settings: CoreSettings) -> str:
+    """The device the replicas run on as far as the settings decide it: ``DEVICE``, except that a backend named by
+    ``BACKEND`` that runs on no GPU (``custom-cpu``) makes CPU replicas whatever ``DEVICE`` says."""
+    if settings.backend == "auto" or settings.device == "cpu":
+        return settings.device
+    from gemmaserve.plugins import load_registry
+
+    spec = load_registry().get(settings.backend)
+    return "cpu" if spec is not None and "cuda" not in spec.devices else settings.device
 
 
 def _replica_envs(device: str, size: int, env: Mapping[str, str],
@@ -388,14 +399,42 @@ class _Child:
 def _healthy(url: str, timeout: float = 2.0) -> bool:
     import httpx
 
-    try:
-        return httpx.get(f"{url}/health", timeout=timeout).status_code == 200
+    try:  # trust_env=False: loopback traffic never goes through HTTP_PROXY / ALL_PROXY
+        return httpx.get(f"{url}/health", timeout=timeout, trust_env=False).status_code == 200
     except httpx.HTTPError:
         return False
 
 
+_LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
+
+
+def _without_loopback_proxy(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with the loopback names added to ``NO_PROXY`` / ``no_proxy``, so the router reaches its replicas
+    directly even where ``HTTP_PROXY`` / ``ALL_PROXY`` are set."""
+    out = dict(env)
+    for name in ("NO_PROXY", "no_proxy"):
+        entries = [entry for entry in out.get(name, "").split(",") if entry.strip()]
+        out[name] = ",".join([*entries, *(host for host in _LOOPBACK_NAMES if host not in entries)])
+    return out
+
+
+def _port_free(port: int) -> bool:
+    """True if ``port`` can be bound on the loopback address right now (as the replica's server binds it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((REPLICA_HOST, port))
+        except OSError:
+            return False
+    return True
+
+
 class _Replica:
-    """One replica's process across restarts; a daemon thread keeps ``last_ok`` (its latest healthy answer)."""
+    """One replica's process across restarts; a daemon thread probes its /health: ``last_ok`` is its latest
+    healthy answer, ``failing_since`` the first of the failed probes since then (None while it answers). Liveness
+    is judged by failed probes, not by time since a success: a supervisor that was paused (Ctrl-Z, a frozen
+    container) has a stale ``last_ok`` but no failures, and must not kill healthy replicas. ``plan.port`` may
+    change across restarts (a port taken meanwhile)."""
 
     def __init__(self, plan: ReplicaPlan) -> None:
         self.plan = plan
@@ -403,19 +442,27 @@ class _Replica:
         self.child: _Child | None = None
         self.state = "down"  # down -> starting -> serving -> down ...; failed: given up
         self.last_ok = 0.0
+        self.failing_since: float | None = None
         self.restart_at = 0.0
         self.restarts: list[float] = []
 
     def spawn(self, launch: LaunchPlan) -> None:
+        if not _port_free(self.plan.port):  # taken since the launch picked it: the replica could never bind it
+            port = _free_ports(1)[0]
+            logger.warning("%s: port %d is taken now; the replica moves to port %d", self.name, self.plan.port, port)
+            self.plan = replace(self.plan, port=port)
         env = {**os.environ, **launch.replica_env, **self.plan.env}
         self.child = _Child(self.name, launch.replica_command(self.plan), env)
-        self.state, self.last_ok = "starting", 0.0
-        threading.Thread(target=self._probe, args=(self.child,), name=f"{self.name}-health", daemon=True).start()
+        self.state, self.last_ok, self.failing_since = "starting", 0.0, None
+        threading.Thread(target=self._probe, args=(self.child, self.plan.url), name=f"{self.name}-health",
+                         daemon=True).start()
 
-    def _probe(self, child: _Child) -> None:
+    def _probe(self, child: _Child, url: str) -> None:
         while child.alive():
-            if _healthy(self.plan.url, timeout=5.0 if self.state == "serving" else 2.0):
-                self.last_ok = time.monotonic()
+            if _healthy(url, timeout=5.0 if self.state == "serving" else 2.0):
+                self.last_ok, self.failing_since = time.monotonic(), None
+            elif self.failing_since is None:
+                self.failing_since = time.monotonic()
             time.sleep(2.0 if self.state == "serving" else 0.25)
 
 
@@ -473,7 +520,7 @@ class _Supervisor:
         if self.signals:
             return False
         quiet = None if self.plan.log_level == "debug" else _ROUTER_STARTUP_CHATTER
-        self.router = _Child("router", self.plan.router_command(), os.environ, drop=quiet)
+        self.router = _Child("router", self.plan.router_command(), _without_loopback_proxy(os.environ), drop=quiet)
         deadline = time.monotonic() + ROUTER_STARTUP_TIMEOUT_S
         while not self.signals:
             if not self.router.alive():
@@ -522,11 +569,11 @@ class _Supervisor:
                 self._router_call("remove_worker", replica)
                 logger.error("%s", child.describe_exit())
                 self._schedule_restart(replica, now)
-            elif now - replica.last_ok > LIVENESS_TIMEOUT_S:
+            elif replica.failing_since is not None and now - replica.failing_since > LIVENESS_TIMEOUT_S:
                 logger.error("%s has not answered /health for %g s: killing it", replica.name, LIVENESS_TIMEOUT_S)
                 self._router_call("remove_worker", replica)
                 child.signal(signal.SIGKILL)
-                replica.last_ok = now  # its exit is handled on a later pass
+                replica.failing_since = None  # its exit is handled on a later pass
         elif replica.state == "down" and now >= replica.restart_at:
             replica.spawn(self.plan)
             assert replica.child is not None
@@ -550,7 +597,7 @@ class _Supervisor:
 
         url = f"{self.plan.public_url}/{action}?url={quote(replica.plan.url, safe='')}"
         try:
-            response = httpx.post(url, timeout=5.0)
+            response = httpx.post(url, timeout=5.0, trust_env=False)
             if response.status_code >= 400:
                 logger.warning("router %s %s: HTTP %d %s", action, replica.plan.url, response.status_code,
                                response.text[:200])
