@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -13,8 +13,8 @@ from gemmaserve.errors import InvalidRequestError
 from gemmaserve.structured.spec import StructuredOutputs
 
 __all__ = ["VLLM_SAMPLING_OPTIONS_NOT_IMPLEMENTED", "MAX_BAD_WORDS", "MAX_LOGPROBS", "SamplingParams", "RowSampling",
-           "allowed_tokens", "MIN_TEMPERATURE",
-           "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "MAX_LOGIT_BIAS", "MAX_N"]
+           "allowed_tokens", "MIN_TEMPERATURE", "MIN_REPETITION_PENALTY", "MAX_REPETITION_PENALTY", "SEED_SPACE",
+           "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "MAX_CHAT_STOP_TOKEN_IDS", "MAX_LOGIT_BIAS", "MAX_N"]
 
 MIN_TEMPERATURE = 1e-5
 """Temperatures in (0, MIN_TEMPERATURE) are treated as greedy (0): logits / T would overflow."""
@@ -22,6 +22,15 @@ MAX_STOP_STRINGS = 16
 """Stop strings per request (each is matched against the text as it streams)."""
 MAX_STOP_TOKEN_IDS = 1024
 """Stop token ids per request: more than any tokenizer's special tokens, few enough to check in O(1)."""
+MAX_CHAT_STOP_TOKEN_IDS = 16
+"""End-of-turn ids a chat adds beyond the request's own ``stop_token_ids`` (``chat_stop_token_ids``)."""
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
+"""``repetition_penalty`` scales a seen token's logit by at most 100 either way: a smaller penalty (vLLM takes any
+positive one) multiplies logits past what float16 holds and a denormal one divides them to inf, so the
+probabilities become NaN."""
+SEED_SPACE = 2**63
+"""Seeds the engine draws with: [0, 2**63). A request may give any int64 (:meth:`SamplingParams.__post_init__`)."""
 MAX_BAD_WORDS = 128
 """``bad_words`` entries per request (vLLM's limit)."""
 MAX_LOGPROBS = 20
@@ -60,9 +69,10 @@ class SamplingParams:
     own engine request (:meth:`for_sample`: sample ``i`` draws with ``seed + i`` when a seed is given), which share
     the prompt's prefill through the prefix cache; an engine request itself is one sample (``n`` = 1).
     ``seed`` makes sampling reproducible: the same seed, prompt and parameters give the same tokens,
-    whatever else is in the batch. ``stop_token_ids`` end the request like EOS: the token stays in
-    ``token_ids``, its text is left out of the output text (vLLM's rule); ``ignore_eos`` keeps generating past
-    EOS (benchmarks). ``stop`` strings end the request at the first match, which is cut from the text (like
+    whatever else is in the batch; any int64 is accepted: -1 means no seed (vLLM's rule), another negative seed s
+    is the seed s + 2**63 (so the two give the same text). ``stop_token_ids`` end the request like EOS: the token
+    stays in ``token_ids``, its text is left out of the output text (vLLM's rule); ``ignore_eos`` keeps generating
+    past EOS (benchmarks). ``stop`` strings end the request at the first match, which is cut from the text (like
     vLLM and OpenAI); they are a text-level feature applied by :class:`gemmaserve.LLM` and the HTTP server (the
     engine itself sees token ids only). ``include_stop_str_in_output`` (vLLM's): keep the matched stop string
     and the text of the EOS / stop token that ended the request. ``skip_special_tokens`` (vLLM's): False shows
@@ -93,6 +103,11 @@ class SamplingParams:
     n: int = 1
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    chat_stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    """The chat template's end-of-turn ids that :func:`gemmaserve.server.prepare.with_chat_stops` appended to
+    ``stop_token_ids`` (those not given already): they end the reply like the others, but do not count toward
+    ``MAX_STOP_TOKEN_IDS``, which bounds what a request gives. The tail of ``stop_token_ids``; at most
+    ``MAX_CHAT_STOP_TOKEN_IDS``."""
 
     def __post_init__(self) -> None:
         spec = self.structured_outputs
@@ -101,8 +116,12 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
         for name, single, accepted in (("stop", str, "a string or a list of strings"),
                                        ("bad_words", str, "a list of strings"),
-                                       ("stop_token_ids", int, "a list of token IDs")):
+                                       ("stop_token_ids", int, "a list of token IDs"),
+                                       ("chat_stop_token_ids", int, "a list of token IDs")):
             object.__setattr__(self, name, _as_tuple(getattr(self, name), name, single, accepted))
+        seed = self.seed
+        if isinstance(seed, int) and not isinstance(seed, bool) and -SEED_SPACE <= seed < 0:
+            object.__setattr__(self, "seed", None if seed == -1 else seed + SEED_SPACE)
         if self.top_k == -1 and not isinstance(self.top_k, bool):  # vLLM's spelling of "disabled"
             object.__setattr__(self, "top_k", 0)
         self.validate()
@@ -137,13 +156,17 @@ class SamplingParams:
             raise InvalidRequestError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}] (the alternatives "
                                       f"returned per token), got {self.logprobs!r}")
         if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (0 <= self.seed < 2**63)
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (0 <= self.seed < SEED_SPACE)
         ):
-            raise InvalidRequestError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(f"seed must be an integer in [-2**63, 2**63) (-1 = no seed), got {self.seed!r}")
+        added = self.chat_stop_token_ids
+        given = len(self.stop_token_ids) - len(added)
+        if len(added) > MAX_CHAT_STOP_TOKEN_IDS or given < 0 or self.stop_token_ids[given:] != added:
             raise InvalidRequestError(
-                f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are accepted, got {len(self.stop_token_ids)}"
-            )
+                f"chat_stop_token_ids must be at most {MAX_CHAT_STOP_TOKEN_IDS} ids that end stop_token_ids (the "
+                "end-of-turn ids with_chat_stops adds); leave it to with_chat_stops")
+        if given > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are accepted, got {given}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings are accepted, got {len(self.stop)}")
         for token_id in self.stop_token_ids:
@@ -163,9 +186,11 @@ class SamplingParams:
                 f"min_tokens ({self.min_tokens}) cannot be combined with an output constraint (structured_outputs, "
                 "response_format, a forced tool call): the constraint ends the output when it is complete, which "
                 "may come before min_tokens; drop one of them")
-        if not _is_real(self.repetition_penalty) or not (0.0 < self.repetition_penalty <= 100.0):
+        if not _is_real(self.repetition_penalty) or not (
+                MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY):
             raise InvalidRequestError(
-                f"repetition_penalty must be a number in (0, 100] (1 = off), got {self.repetition_penalty!r}")
+                f"repetition_penalty must be a number in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] "
+                f"(1 = off), got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_real(value) or not (-2.0 <= value <= 2.0):
@@ -184,8 +209,15 @@ class SamplingParams:
         2**63), so every sample is reproducible on its own and the samples differ."""
         if not 0 <= index < self.n:
             raise ValueError(f"sample index {index} outside [0, n={self.n})")
-        seed = None if self.seed is None else (self.seed + index) % 2**63
+        seed = None if self.seed is None else (self.seed + index) % SEED_SPACE
         return replace(self, n=1, seed=seed)
+
+    def stop_reason(self, stop_token_id: int | None, eos_token_ids: Collection[int]) -> int | None:
+        """vLLM's ``stop_reason`` of an output that ended at ``stop_token_id`` (its EOS or stop token; None when
+        none ended it): the id when it is one of ``stop_token_ids`` and not an EOS id (EOS reports None)."""
+        if stop_token_id is None or stop_token_id in eos_token_ids or stop_token_id not in self.stop_token_ids:
+            return None
+        return stop_token_id
 
     @property
     def is_greedy(self) -> bool:

@@ -58,7 +58,7 @@ COMPLETION_CASES: list[tuple[str, Any, int, str | None, tuple[str, ...]]] = [
     ("top-p-too-high", {"top_p": 1.5}, 400, "top_p", ()),
     ("top-k-too-low", {"top_k": -2}, 400, "top_k", ()),
     ("top-k-float", {"top_k": 1.5}, 400, "top_k", ()),
-    ("seed-negative", {"seed": -1}, 400, "seed", ()),
+    ("seed-below-int64", {"seed": -2**63 - 1}, 400, "seed", ()),
     ("n-zero", {"n": 0}, 400, "n", ("greater than or equal to 1",)),
     ("unknown-field", {"frobnicate": 1}, 400, "frobnicate", ("unknown field",)),
     ("beam-search", {"use_beam_search": True}, 400, "use_beam_search", ("not supported",)),
@@ -77,7 +77,8 @@ COMPLETION_CASES: list[tuple[str, Any, int, str | None, tuple[str, ...]]] = [
     ("logit-bias-vocab", {"logit_bias": {"999999": 1.0}}, 400, "logit_bias", ("vocabulary",)),
     ("min-p-range", {"min_p": 1.5}, 400, "min_p", ()),
     ("min-tokens-over-max", {"min_tokens": 50, "max_tokens": 10}, 400, "min_tokens", ("max_tokens",)),
-    ("repetition-penalty", {"repetition_penalty": 0}, 400, "repetition_penalty", ("greater than 0",)),
+    ("repetition-penalty", {"repetition_penalty": 0}, 400, "repetition_penalty", ("greater than or equal to 0.01",)),
+    ("repetition-penalty-denormal", {"repetition_penalty": 5e-324}, 400, "repetition_penalty", ("0.01",)),
     ("suffix", {"suffix": "tail"}, 400, "suffix", ("not supported",)),
     ("stream-options-type", {"stream_options": {"include_usage": "yes"}}, 400, "stream_options.include_usage", ()),
     ("unknown-model", {"model": "gpt-4"}, 404, "model", ("gpt-4", MODEL)),
@@ -358,10 +359,10 @@ def test_null_include_usage_is_the_default(ref: Any) -> None:
 def test_an_engine_refusal_names_the_field_it_starts_with() -> None:
     """The streaming backends' penalty refusal names every penalty in its advice; the 400's ``param`` is the field
     the message starts with (it named repetition_penalty for a presence_penalty request)."""
-    from gemmaserve.server.errors import _guess_param
+    from gemmaserve.server.errors import guess_param
 
     message = ("presence_penalty: this backend streams whole generations (no per-step sampling), so it cannot apply "
                "penalties; leave repetition_penalty at 1 and presence_penalty / frequency_penalty at 0")
-    assert _guess_param(message, "prompt") == "presence_penalty"
-    assert _guess_param("frequency_penalty and x: ... repetition_penalty", "prompt") == "frequency_penalty"
-    assert _guess_param("the prompt is too long", "messages") == "messages"
+    assert guess_param(message, "prompt") == "presence_penalty"
+    assert guess_param("frequency_penalty and x: ... repetition_penalty", "prompt") == "frequency_penalty"
+    assert guess_param("the prompt is too long", "messages") == "messages"

@@ -414,18 +414,21 @@ def test_a_slow_reader_that_keeps_taking_bytes_is_not_cut() -> None:
     app = create_app(engine, REFERENCE_MODEL)
     body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 3, "stream": True, "ignore_eos": True}).encode()
 
-    async def slow_reader(message: dict[str, Any], sent: list[dict[str, Any]]) -> None:
-        if message["type"] == "http.response.body" and message.get("body"):
-            await asyncio.sleep(1.5)  # a slow reader: the buffer drains, slowly
-
     async def serve_one() -> tuple[bool, list[dict[str, Any]]]:
         loop = asyncio.get_running_loop()
         started = loop.time()
+        ended = asyncio.Event()
+
+        def unsent() -> int:  # a byte taken every millisecond, the rest at once after the response's end
+            return 0 if ended.is_set() else max(0, 10**7 - int((loop.time() - started) * 1000))
+
+        async def slow_reader(message: dict[str, Any], sent: list[dict[str, Any]]) -> None:
+            if message["type"] == "http.response.body" and message.get("body"):
+                await asyncio.sleep(1.5)  # a slow reader: the buffer drains, slowly
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                ended.set()
+
         aborted = asyncio.Event()
-
-        def unsent() -> int:  # a byte taken every millisecond
-            return max(0, 10**7 - int((loop.time() - started) * 1000))
-
         sent = await _post_stream(app, body, slow_reader, {ABORT_KEY: aborted.set, UNSENT_KEY: unsent}, 30)
         return aborted.is_set(), sent
 

@@ -48,7 +48,7 @@ from gemmaserve.server.protocol import (
     parse_body,
     read_body,
 )
-from gemmaserve.server.responses import SSE_DONE, ResponseMeta, chat_logprobs, completion_logprobs, sse
+from gemmaserve.server.responses import SSE_DONE, ResponseMeta, chat_logprobs, completion_logprobs, json_bytes, sse
 
 if TYPE_CHECKING:
     from gemmaserve.engine.engine import Engine
@@ -62,6 +62,13 @@ OFFLOAD_BODY_BYTES = 1024
 """Bodies larger than this are parsed, rendered with the chat template and tokenized on a worker thread (the
 tokenizers release the GIL), so prompts cannot freeze the event loop that streams everyone else's tokens
 (200 concurrent 30 KB chat bodies stalled an open stream for 2.5 s when only bodies over 32 KiB went there)."""
+OFFLOAD_RESPONSE_UNITS = 2048
+"""A non-streamed generation body of more units than this is built and encoded on a preparation thread (a unit: a
+generated token, and with logprobs each of its reported log-probabilities too; n=16 choices of 4,000 tokens with
+20 alternatives each held the event loop, and every other stream, for 1.8 s). Building costs ~0.7-1 µs per
+log-probability entry (2-core CI box, Hugging Face tokenizer), so the bound keeps ~1-2 ms on the loop; handing the
+work to a thread costs ~30 µs there (more under load, and it may queue behind prompt preparation), which would
+be most of a small body's cost: small bodies are built inline."""
 PREPARE_THREADS = 2
 """Threads that prepare large bodies; more would take the GIL from the event loop more often (the rendering is
 Python) without preparing faster. With a render pool there are as many as it has processes, if more: they hand
@@ -144,11 +151,11 @@ def create_app(
 
     @app.post("/tokenize", response_model=None)
     async def tokenize(request: Request) -> Response:
-        return JSONResponse(await server.run_json(request, server.tokenize))
+        return server.json_response(request, await server.run_json(request, server.tokenize), "tokenize")
 
     @app.post("/detokenize", response_model=None)
     async def detokenize(request: Request) -> Response:
-        return JSONResponse(await server.run_json(request, server.detokenize))
+        return server.json_response(request, await server.run_json(request, server.detokenize), "detokenize")
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -424,10 +431,12 @@ class _Server:
         }
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.accepted:
+        """404 unless ``name`` is a served name or alias, absent or empty (vLLM's rule: the served model)."""
+        if name and name not in self.accepted:
             served = " or ".join(repr(n) for n in self.listed)
+            shown = repr(name) if len(name) <= 200 else repr(name[:200]) + f"... ({len(name)} characters)"
             raise APIError(
-                404, f"model {name!r} does not exist; this server serves {served} (see GET /v1/models)",
+                404, f"model {shown} does not exist; this server serves {served} (see GET /v1/models)",
                 param="model", code="model_not_found",
             )
 
@@ -439,6 +448,11 @@ class _Server:
             raise APIError(400, f"n={n} exceeds the engine's queue bound MAX_WAITING_REQUESTS={bound}: each choice is "
                            f"a queued request, so this request could never be admitted; send n <= {bound}",
                            param="n", code="invalid_value")
+
+    def json_response(self, request: Request, payload: Any, what: str,
+                      on_end: Callable[[int], None] | None = None) -> Response:
+        """``payload`` as a JSON response, sent under the STREAM_STALL_TIMEOUT_S rule (:class:`_SendGuard`)."""
+        return _GuardedBody(json_bytes(payload), _SendGuard(request, self.stream_stall_s, what), on_end)
 
     # -- /tokenize, /detokenize ----------------------------------------------------------------------------
     async def run_json(self, request: Request, work: Callable[[bytes], dict[str, Any]]) -> dict[str, Any]:
@@ -498,16 +512,12 @@ class _Server:
             timed_out = request.scope.get(TIMED_OUT_KEY, False)  # the connection answered 408 and closed
             self.metrics.record_request(endpoint, 408 if timed_out else CLIENT_CLOSED)
             return Response(status_code=CLIENT_CLOSED)
-        if not isinstance(response, StreamingResponse):  # streams record their status when they end
+        if not isinstance(response, (StreamingResponse, _GuardedBody)):  # those record their status once sent
             self.metrics.record_request(endpoint, response.status_code)
         return response
 
     async def _handle(self, request: Request, endpoint: str, timing: Timing) -> Response:
-        raw = await read_body(request, budget=self.body_budget)
-        if len(raw) > OFFLOAD_BODY_BYTES:  # tokenizing a long prompt must not stall every other stream
-            body, prepared = await self.offload(self._prepare, raw, endpoint)
-        else:
-            body, prepared = self._prepare(raw, endpoint)
+        reply, prepared = await self._read(request, endpoint)
         spec = prepared.params.structured_outputs
         if spec is not None:  # compiled here, off the event loop; the engine's submit then only copies it
             try:
@@ -517,22 +527,36 @@ class _Server:
             except GemmaserveError as exc:
                 raise from_engine_error(exc, engine_alive=self.engine.is_alive(), prompt_param=prepared.prompt_param,
                                         prompt_fits=True) from None
-        return await self._handle_choices(request, endpoint, body, prepared, timing)
+        return await self._handle_choices(request, endpoint, reply, prepared, timing)
 
-    def _prepare(self, raw: bytes, endpoint: str) -> tuple[CompletionRequest | ChatCompletionRequest, Prepared]:
+    async def _read(self, request: Request, endpoint: str) -> tuple[_Reply, Prepared]:
+        """Read and prepare the body. Its bytes and the parsed body are dropped when this returns, once they have
+        left MAX_BUFFERED_BODY_BYTES' count: the request keeps only what it runs with (no reference to them may
+        outlive this call)."""
+        raw = await read_body(request, budget=self.body_budget)
+        if len(raw) > OFFLOAD_BODY_BYTES:  # tokenizing a long prompt must not stall every other stream
+            return await self.offload(self._prepare, raw, endpoint)
+        return self._prepare(raw, endpoint)
+
+    def _prepare(self, raw: bytes, endpoint: str) -> tuple[_Reply, Prepared]:
         """Parse, check the model, tokenize. Pure CPU work: runs on the loop or a worker thread."""
         if endpoint == "chat":
             chat = parse_body(ChatCompletionRequest, raw, max_messages=self.context_limit)
             self.check_model(chat.model)
             self.check_n(chat.n)
-            return chat, prepare_chat(chat, self.tokenizer, self.context_limit,
-                                      self.engine.settings.default_max_tokens, self.engine.settings.tool_call_parser,
-                                      self.engine.settings.reasoning_parser, self.render_pool,
-                                      self.info.eos_token_ids)
+            prepared = prepare_chat(chat, self.tokenizer, self.context_limit, self.engine.settings.default_max_tokens,
+                                    self.engine.settings.tool_call_parser, self.engine.settings.reasoning_parser,
+                                    self.render_pool, self.info.eos_token_ids)
+            return _Reply.of(chat, chat.echo_text), prepared
         completion = parse_body(CompletionRequest, raw)
         self.check_model(completion.model)
         self.check_n(completion.n)
-        return completion, prepare_completion(completion, self.tokenizer, self.context_limit, self.render_pool)
+        prepared = prepare_completion(completion, self.tokenizer, self.context_limit, self.render_pool)
+        echo = ""
+        if completion.echo:
+            prompt = completion.prompt
+            echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+        return _Reply.of(completion, echo), prepared
 
     def _submit(self, prepared: Sequence[Prepared], timings: Sequence[Timing]) -> list[Generation]:
         """The choices' generations, queued together (all or none)."""
@@ -544,35 +568,39 @@ class _Server:
             param = prepared[0].prompt_param
             raise from_engine_error(exc, engine_alive=alive, prompt_param=param, prompt_fits=fits) from None
 
-    async def _handle_choices(self, request: Request, endpoint: str, body: Any, prepared: Prepared,
+    async def _handle_choices(self, request: Request, endpoint: str, reply: _Reply, prepared: Prepared,
                               timing: Timing) -> Response:
         """One engine request per choice (``n``, default 1; choice ``i`` samples with ``seed + i`` when a seed is
         given), answered as one response whose ``choices`` carry their ``index``; usage counts the prompt once.
-        Streamed, the choices' chunks interleave as their tokens arrive."""
-        n = body.n or 1
+        Streamed, the choices' chunks interleave as their tokens arrive. Either way the response is sent under
+        the STREAM_STALL_TIMEOUT_S no-progress rule (:class:`_SendGuard`)."""
+        n = reply.n
         every = dataclasses.replace(prepared.params, n=n)
         generations = self._submit([dataclasses.replace(prepared, params=every.for_sample(i)) for i in range(n)],
                                    [timing, *(Timing(start=timing.start) for _ in range(n - 1))])
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
         meta = ResponseMeta.new(prefix, generations[0].request_id, self.model_name)  # one id for every choice
-        views = [_View.create(endpoint, generation, body, self, meta) for generation in generations]
+        views = [_View(reply, generation, self, meta) for generation in generations]
         group = _Choices(generations)
         try:
             async with _cancel_on_disconnect(request, group):
                 firsts = list(await asyncio.gather(*(g.next_step() for g in generations)))
-                if not body.stream:
+                if not reply.stream:
                     await asyncio.gather(*(_drain(g) for g in generations))
         except BaseException:
             group.close()
             raise
-        if not body.stream:
+        guard = _SendGuard(request, self.stream_stall_s, meta.id)
+        if not reply.stream:
             for generation in generations:
                 self._observe(generation)
-            return JSONResponse(_merge_bodies([view.full_body() for view in views]))
-        state = request.scope.get("state", {})
-        return _StallGuardedStream(self._stream_choices(views, generations, firsts, endpoint), self.stream_stall_s,
-                                   state.get(ABORT_KEY), state.get(UNSENT_KEY), meta.id,
-                                   media_type="text/event-stream", headers=_SSE_HEADERS)
+            if sum(view.size() for view in views) > OFFLOAD_RESPONSE_UNITS:  # see OFFLOAD_RESPONSE_UNITS
+                content = await self.offload(_full_response, views)
+            else:
+                content = _full_response(views)
+            return _GuardedBody(content, guard, functools.partial(self.metrics.record_request, endpoint))
+        return _GuardedStream(self._stream_choices(views, generations, firsts, endpoint), guard,
+                              media_type="text/event-stream", headers=_SSE_HEADERS)
 
     async def _stream_choices(self, views: list[_View], generations: list[Generation], firsts: list[Step | None],
                               endpoint: str) -> AsyncIterator[bytes]:
@@ -631,26 +659,31 @@ class _Server:
 
 
 class _Stalled(Exception):
-    """Sending to a streaming client made no progress for STREAM_STALL_TIMEOUT_S."""
+    """Sending to a client made no progress for STREAM_STALL_TIMEOUT_S."""
 
 
-class _StallGuardedStream(StreamingResponse):
-    """An SSE response that gives up on a client that stops reading: when a send has waited ``stall_s`` seconds
-    with no byte taken by the client (``unsent``, the connection guards' :data:`UNSENT_KEY`, did not shrink; without
-    it, any wait that long counts), the body iterator is closed (its generations' engine requests are cancelled,
-    their KV freed; counted as status 499) and the connection is dropped through ``abort`` (:data:`ABORT_KEY`;
-    without it the response just ends). A slow reader that keeps taking bytes is never cut."""
+class _SendGuard:
+    """The STREAM_STALL_TIMEOUT_S rule of one response, streamed or not: a send that has waited ``stall_s`` seconds
+    with no byte taken by the client (the connection guards' :data:`UNSENT_KEY` count did not shrink; without it,
+    any wait that long counts) raises :class:`_Stalled` out of :meth:`bounded`'s ``send``, and so does the last
+    message while what it left in the write buffer is not taken (a body written whole into the buffer completes its
+    send at once: a client that never reads would hold the connection, and the body, for ever). :meth:`give_up`
+    then logs it and drops the connection (:data:`ABORT_KEY`; without it the response just ends). A slow reader that
+    keeps taking bytes is never cut. ``what`` names the response in the log."""
 
-    def __init__(self, content: AsyncIterator[bytes], stall_s: float, abort: Callable[[], None] | None,
-                 unsent: Callable[[], int] | None, request_id: str, **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
-        self.stall_s, self.abort, self.unsent, self.request_id = stall_s, abort, unsent, request_id
+    def __init__(self, request: Request, stall_s: float, what: str) -> None:
+        state = request.scope.get("state", {})
+        self.abort: Callable[[], None] | None = state.get(ABORT_KEY)
+        self.unsent: Callable[[], int] | None = state.get(UNSENT_KEY)
+        self.stall_s, self.what = stall_s, what
 
-    async def stream_response(self, send: Callable[[Any], Any]) -> None:
+    def bounded(self, send: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``send`` under the rule: raises :class:`_Stalled` once it has made no progress for ``stall_s`` seconds;
+        the response's last message returns once the client took every byte (known only with ``unsent``)."""
         loop = asyncio.get_running_loop()
         unsent, stall_s = self.unsent, self.stall_s
 
-        async def bounded(message: Any) -> None:
+        async def bounded_send(message: Any) -> None:
             left = [unsent() if unsent is not None else 0]
             try:
                 async with asyncio.timeout(None) as deadline:
@@ -670,49 +703,126 @@ class _StallGuardedStream(StreamingResponse):
                         timer[0].cancel()
             except TimeoutError:
                 raise _Stalled from None
+            if message.get("type") == "http.response.body" and not message.get("more_body", False):
+                await self._drained()
 
+        return bounded_send
+
+    async def _drained(self) -> None:
+        """Return once the write buffer is empty; :class:`_Stalled` once it has not shrunk for ``stall_s``."""
+        unsent = self.unsent
+        if unsent is None:
+            return
+        loop = asyncio.get_running_loop()
+        left, since = unsent(), loop.time()
+        while left:
+            await asyncio.sleep(min(self.stall_s, _DRAIN_POLL_S))
+            now = unsent()
+            if now < left:
+                left, since = now, loop.time()
+            elif loop.time() - since >= self.stall_s:
+                raise _Stalled
+
+    def give_up(self) -> None:
+        logger.warning("response %s: the client took no byte for %g s (STREAM_STALL_TIMEOUT_S); closing the "
+                       "connection", self.what, self.stall_s)
+        if self.abort is not None:
+            self.abort()
+
+
+_DRAIN_POLL_S = 0.1
+"""How often a response's end checks that its client keeps taking what the write buffer holds (only while it holds
+some: a client that reads has usually taken the last bytes by the time they are written)."""
+
+
+class _GuardedStream(StreamingResponse):
+    """An SSE response under ``guard``'s rule: a stalled client's body iterator is closed (its generations' engine
+    requests are cancelled, their KV freed; counted as status 499 by the iterator), then the connection dropped."""
+
+    def __init__(self, content: AsyncIterator[bytes], guard: _SendGuard, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.guard = guard
+
+    async def stream_response(self, send: Callable[[Any], Any]) -> None:
         try:
-            await super().stream_response(bounded)
+            await super().stream_response(self.guard.bounded(send))
         except _Stalled:
-            logger.warning("stream %s: the client took no byte for %g s (STREAM_STALL_TIMEOUT_S); cancelling the "
-                           "request and closing the connection", self.request_id, self.stall_s)
             body = self.body_iterator
             if hasattr(body, "aclose"):
                 await body.aclose()
-            if self.abort is not None:
-                self.abort()
+            self.guard.give_up()
+
+
+class _GuardedBody(Response):
+    """A complete JSON body sent under ``guard``'s rule (a client that never reads it cannot hold its connection
+    and this handler). ``on_end(status)``: called once it is sent (its status) or not (499: given up on, or the
+    client went away)."""
+
+    media_type = "application/json"
+
+    def __init__(self, content: bytes, guard: _SendGuard, on_end: Callable[[int], None] | None = None) -> None:
+        super().__init__(content)
+        self.guard, self.on_end = guard, on_end
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        status = CLIENT_CLOSED
+        try:
+            await super().__call__(scope, receive, self.guard.bounded(send))
+            status = self.status_code
+        except _Stalled:
+            self.guard.give_up()
+        finally:
+            if self.on_end is not None:
+                self.on_end(status)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Reply:
+    """What the response needs of a generation request's body (the body itself is dropped once prepared)."""
+
+    chat: bool
+    n: int
+    stream: bool
+    include_usage: bool
+    echo: str
+    """Text prepended to each choice (``echo``), or empty."""
+
+    @classmethod
+    def of(cls, body: CompletionRequest | ChatCompletionRequest, echo: str) -> _Reply:
+        return cls(isinstance(body, ChatCompletionRequest), body.n or 1, bool(body.stream), body.include_usage, echo)
+
+
+def _full_response(views: list[_View]) -> bytes:
+    """The encoded non-streamed response of ``views``' generations (all finished)."""
+    return json_bytes(_merge_bodies([view.full_body() for view in views]))
 
 
 class _View:
     """Formats one generation as a completions or chat response (full body or SSE chunks)."""
 
-    def __init__(self, chat: bool, generation: Generation, body: CompletionRequest | ChatCompletionRequest,
-                 server: _Server, echo: str, meta: ResponseMeta) -> None:
-        self.chat = chat
+    def __init__(self, reply: _Reply, generation: Generation, server: _Server, meta: ResponseMeta) -> None:
+        chat = self.chat = reply.chat
         self.generation = generation
-        self.include_usage = body.include_usage
+        self.include_usage = reply.include_usage
         self.tokenizer = server.tokenizer
         self.meta = meta  # the response's id and time, shared by its choices
-        self.echo = echo
-        self._offset = len(echo)
+        self.echo = reply.echo
+        self._offset = len(self.echo)
         parser = generation.prepared.tool_parser if chat else None
         self.tools: ToolParser | None = PARSERS[parser]() if parser else None
         self._num_calls = 0  # tool calls streamed so far
         reasoning = generation.prepared.reasoning_parser if chat else None
         self.reasoning = Gemma4ReasoningParser() if reasoning == "gemma4" else None
 
-    @classmethod
-    def create(cls, endpoint: str, generation: Generation, body: CompletionRequest | ChatCompletionRequest,
-               server: _Server, meta: ResponseMeta) -> _View:
-        echo = ""
-        if isinstance(body, CompletionRequest) and body.echo:
-            prompt = body.prompt
-            echo = prompt if isinstance(prompt, str) else server.tokenizer.decode(prompt)
-        elif isinstance(body, ChatCompletionRequest):
-            echo = body.echo_text
-        return cls(endpoint == "chat", generation, body, server, echo, meta)
+    def size(self) -> int:
+        """The work :meth:`full_body` does, in :data:`OFFLOAD_RESPONSE_UNITS`' units."""
+        gen = self.generation
+        alternatives = gen.prepared.params.logprobs or 0
+        return len(gen.token_ids) * (2 + alternatives if gen.prepared.want_logprobs else 1)
 
     def full_body(self) -> dict[str, Any]:
+        """The non-streamed response of the finished generation. Touches nothing but this view and its generation
+        (it may run on a preparation thread)."""
         gen = self.generation
         assert gen.finish_reason is not None
         logprobs = (self._logprobs(gen.token_ids, gen.logprobs, len(self.echo), gen.top_logprobs)
@@ -721,10 +831,12 @@ class _View:
             thought, parsed = self._parse(gen.text, final=True)
             calls = [call.to_openai() for call in parsed.calls]
             return self.meta.chat(self.echo + parsed.content, self._finish_reason(gen.finish_reason), logprobs,
-                                  gen.usage(), calls, reasoning=thought if self.reasoning is not None else None)
+                                  gen.usage(), calls, reasoning=thought if self.reasoning is not None else None,
+                                  stop_reason=gen.stop_reason)
         if self.chat:
-            return self.meta.chat(self.echo + gen.text, gen.finish_reason, logprobs, gen.usage())
-        return self.meta.completion(self.echo + gen.text, gen.finish_reason, logprobs, gen.usage())
+            return self.meta.chat(self.echo + gen.text, gen.finish_reason, logprobs, gen.usage(),
+                                  stop_reason=gen.stop_reason)
+        return self.meta.completion(self.echo + gen.text, gen.finish_reason, logprobs, gen.usage(), gen.stop_reason)
 
     def opening_chunks(self) -> list[dict[str, Any]]:
         if self.chat:
@@ -742,10 +854,10 @@ class _View:
             thought, parsed = self._parse(step.text, final=step.finish_reason is not None)
             calls = [call.to_openai(first + i) for i, call in enumerate(parsed.calls)]
             return self.meta.chat_chunk(parsed.content, self._finish_reason(step.finish_reason), logprobs,
-                                        tool_calls=calls, reasoning=thought)
+                                        tool_calls=calls, reasoning=thought, stop_reason=step.stop_reason)
         if self.chat:
-            return self.meta.chat_chunk(step.text, step.finish_reason, logprobs)
-        return self.meta.completion_chunk(step.text, step.finish_reason, logprobs)
+            return self.meta.chat_chunk(step.text, step.finish_reason, logprobs, stop_reason=step.stop_reason)
+        return self.meta.completion_chunk(step.text, step.finish_reason, logprobs, step.stop_reason)
 
     def _parse(self, text: str, *, final: bool) -> tuple[str, ParsedText]:
         """``text`` through the reasoning parser, then its content through the tool-call parser (both flushed at

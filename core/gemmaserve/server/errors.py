@@ -14,7 +14,7 @@ from gemmaserve.errors import (EngineOverloadedError, GemmaserveError, InvalidRe
                                PromptTooLongError)
 
 __all__ = ["APIError", "ClientDisconnected", "constraint_error", "error_body", "from_engine_error", "from_output_error",
-           "RETRY_AFTER_S"]
+           "guess_param", "RETRY_AFTER_S"]
 
 RETRY_AFTER_S = 1
 CLIENT_CLOSED = 499
@@ -80,7 +80,7 @@ def from_engine_error(
         code = "kv_capacity_exceeded" if isinstance(exc, KVCapacityError) else "context_length_exceeded"
         return APIError(400, str(exc), param=param, code=code)
     if isinstance(exc, InvalidRequestError):
-        return APIError(400, str(exc), param=_guess_param(str(exc), prompt_param), code="invalid_value")
+        return APIError(400, str(exc), param=guess_param(str(exc), prompt_param), code="invalid_value")
     if isinstance(exc, EngineOverloadedError):
         if not engine_alive:
             return APIError(503, f"the engine is not running: {exc}", code="engine_unavailable")
@@ -126,8 +126,9 @@ def constraint_error(message: str, field: str | None, code: str = "invalid_value
     return APIError(400, _CONSTRAINT_TEXT.sub(rename, message), param=field, code=code)
 
 
-def _guess_param(message: str, default: str) -> str | None:
-    """Engine validation messages start with the field they are about: the field named first in ``message``."""
+def guess_param(message: str, default: str) -> str | None:
+    """The field a validation message (the engine's, SamplingParams') is about: the one it names first; else
+    ``default`` when it mentions the prompt, else None."""
     found = []
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "logit_bias", "logprobs",
                  "min_tokens", "bad_words", "structured_outputs", "repetition_penalty", "presence_penalty",

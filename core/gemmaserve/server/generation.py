@@ -60,13 +60,15 @@ class Prepared:
 @dataclass(slots=True)
 class Step:
     """What one engine event added to the response: final text, the tokens consumed (up to a stop
-    string), their logprobs, and the finish reason once the generation is over."""
+    string), their logprobs, and the finish reason (with the stop reason) once the generation is over."""
 
     text: str
     token_ids: list[int]
     logprobs: list[float] | None = None
     finish_reason: str | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    stop_reason: int | str | None = None
+    """With ``finish_reason``: :attr:`Generation.stop_reason`."""
 
 
 @dataclass(slots=True)
@@ -127,8 +129,9 @@ class Generation:
                                      [g.prepared.params for g in generations], [g.request_id for g in generations],
                                      [g._on_event for g in generations], logprobs=prepared[0].want_logprobs,
                                      keep_events=False)
+        eos_ids = frozenset(engine.backend.model_info.eos_token_ids)
         for generation, handle in zip(generations, handles):
-            generation._handle, generation._engine_done = handle, False
+            generation._handle, generation._engine_done, generation._eos_ids = handle, False, eos_ids
         return generations
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, prepared: Prepared, *, timing: Timing,
@@ -137,6 +140,10 @@ class Generation:
         self.timing = timing
         self.request_id = uuid.uuid4().hex
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        """vLLM's: the stop string that ended the reply, or its ``stop_token_ids`` token (not an EOS id:
+        :meth:`SamplingParams.stop_reason`); None for EOS, ``length`` and the rest."""
+        self._eos_ids: frozenset[int] = frozenset()  # the model's EOS ids, read when submitted
         self.cached_tokens = 0
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
@@ -162,6 +169,7 @@ class Generation:
             prepared.prompt_ids, prepared.params, self.request_id, self._on_event, logprobs=prepared.want_logprobs,
             keep_events=False,
         )
+        self._eos_ids = frozenset(engine.backend.model_info.eos_token_ids)
 
     @property
     def text(self) -> str:
@@ -261,9 +269,12 @@ class Generation:
             self.close()
         elif reason is not None:
             step.text += self._detok.flush()
+            assert event.output is not None
+            stop_reason = self.prepared.params.stop_reason(event.output.stop_token_id, self._eos_ids)
             if self._detok.stopped:  # the flush found a stop string in the held-back tail
-                reason = "stop"
+                reason, stop_reason = "stop", self._detok.stop_string
             self.finish_reason = step.finish_reason = reason
+            self.stop_reason = step.stop_reason = stop_reason
             self.timing.end = time.monotonic()
         return step
 
@@ -289,6 +300,7 @@ class Generation:
                 self.top_logprobs += step.top_logprobs
         if delta.stopped:
             self.finish_reason = step.finish_reason = "stop"
+            self.stop_reason = step.stop_reason = delta.stop_string
             self.timing.end = time.monotonic()
         return step
 

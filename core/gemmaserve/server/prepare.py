@@ -27,7 +27,7 @@ from gemmaserve.tools.constraints import tool_call_constraint
 from gemmaserve.tools.parsers import (GEMMA4_CALL_CLOSE, GEMMA4_CALL_OPEN, GEMMA4_CHANNEL_CLOSE, GEMMA4_CHANNEL_OPEN,
                                       GEMMA4_STRING)
 from gemmaserve.sampling_params import SamplingParams
-from gemmaserve.server.errors import APIError, constraint_error
+from gemmaserve.server.errors import APIError, constraint_error, guess_param
 from gemmaserve.server.generation import Prepared
 from gemmaserve.server.protocol import check_message_count
 
@@ -51,10 +51,13 @@ def _refuse_text_that_cannot_fit(chars: int, tokenizer: Tokenizer, context_limit
 
 def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer, context_limit: int,
                        pool: RenderPool | None = None) -> Prepared:
-    """Tokenize the prompt (a string; a token-id list is taken as is) and build the params. A text prompt
-    that cannot fit ``context_limit`` is refused before it is tokenized; a long one is tokenized in ``pool``."""
+    """Tokenize the prompt (a string, with the tokenizer's special tokens unless ``add_special_tokens`` is false; a
+    token-id list is taken as is) and build the params. A text prompt that cannot fit ``context_limit`` is refused
+    before it is tokenized; a long one is tokenized in ``pool``."""
     prompt = body.prompt
-    prompt_ids = tokenize_text(prompt, tokenizer, context_limit, pool=pool) if isinstance(prompt, str) else list(prompt)
+    special = body.add_special_tokens is not False
+    prompt_ids = (tokenize_text(prompt, tokenizer, context_limit, add_special_tokens=special, pool=pool)
+                  if isinstance(prompt, str) else list(prompt))
     if not prompt_ids:
         raise APIError(400, "the prompt tokenizes to zero tokens; send a non-empty prompt", param="prompt",
                        code="invalid_value")
@@ -87,7 +90,7 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limi
                              options, pool)
     max_tokens = body.requested_max_tokens or default_max_tokens_for(len(prompt_ids), context_limit,
                                                                       default_max_tokens)
-    params = _sampling(body, max_tokens, () if body.ignore_eos else chat_stop_token_ids(tokenizer))
+    params = with_chat_stops(_sampling(body, max_tokens), tokenizer)
     params = dataclasses.replace(params, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     constraint_field = body.constraint_field
     if mode in ("required", "function"):
@@ -148,15 +151,17 @@ def chat_stop_token_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
 
 def with_chat_stops(params: SamplingParams, tokenizer: Tokenizer) -> SamplingParams:
     """``params`` ending also at the chat template's end-of-turn tokens (:func:`chat_stop_token_ids`), unless
-    ``ignore_eos``: what a chat reply is generated with, on the server and in ``LLM.chat``."""
+    ``ignore_eos``: what a chat reply is generated with, on the server and in ``LLM.chat``. Those not among
+    ``params.stop_token_ids`` are appended and named in ``chat_stop_token_ids``, so they do not count toward the
+    request's ``MAX_STOP_TOKEN_IDS``."""
+    if params.chat_stop_token_ids:  # already merged
+        return params
+    given = params.stop_token_ids
     ends = () if params.ignore_eos else chat_stop_token_ids(tokenizer)
-    merged = _merged_stop_ids(params.stop_token_ids, ends)
-    return params if merged == tuple(params.stop_token_ids) else dataclasses.replace(params, stop_token_ids=merged)
-
-
-def _merged_stop_ids(stop_ids: Sequence[int], extra: Sequence[int]) -> tuple[int, ...]:
-    """``stop_ids`` then the tokens of ``extra`` not among them."""
-    return (*stop_ids, *(token for token in extra if token not in stop_ids))
+    added = tuple(dict.fromkeys(token for token in ends if token not in given))
+    if not added:
+        return params
+    return dataclasses.replace(params, stop_token_ids=(*given, *added), chat_stop_token_ids=added)
 
 
 def tokenize_text(text: str, tokenizer: Tokenizer, context_limit: int, *, add_special_tokens: bool = True,
@@ -288,9 +293,8 @@ def default_max_tokens_for(prompt_tokens: int, context_limit: int, default_max_t
     return min(rest, default_max_tokens) if default_max_tokens > 0 else rest
 
 
-def _sampling(body: SamplingFields, max_tokens: int, extra_stop_ids: tuple[int, ...] = ()) -> SamplingParams:
+def _sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
     top_k = body.top_k if body.top_k is not None else 0
-    stop_ids = _merged_stop_ids(tuple(body.stop_token_ids or ()), extra_stop_ids)
     try:
         structured = body.structured
     except InvalidRequestError as exc:
@@ -303,7 +307,7 @@ def _sampling(body: SamplingFields, max_tokens: int, extra_stop_ids: tuple[int, 
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=0 if top_k == -1 else top_k,
             seed=body.seed,
-            stop_token_ids=stop_ids,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=bool(body.ignore_eos),
             min_p=0.0 if body.min_p is None else body.min_p,
             min_tokens=0 if body.min_tokens is None else body.min_tokens,
@@ -317,4 +321,4 @@ def _sampling(body: SamplingFields, max_tokens: int, extra_stop_ids: tuple[int, 
             skip_special_tokens=getattr(body, "skip_special_tokens", None) is not False,
         )
     except InvalidRequestError as exc:  # the protocol checks ranges first; this is a backstop
-        raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0].split(".", 1)[0], code="invalid_value") from None
+        raise APIError(400, str(exc), param=guess_param(str(exc), "body"), code="invalid_value") from None

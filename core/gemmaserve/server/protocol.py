@@ -20,6 +20,9 @@ from gemmaserve.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_N,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    SEED_SPACE,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
 )
@@ -43,12 +46,16 @@ __all__ = [
     "check_message_count",
     "MAX_STOP_STRINGS",
     "MAX_BODY_BYTES",
+    "MAX_CARRIED_TEXT_CHARS",
 ]
 
 MAX_BODY_BYTES = 16 * 2**20
 """Largest request body accepted (HTTP 413 beyond): far more than any context holds as JSON, small
 enough that one request cannot make the server buffer and parse an unbounded amount."""
 _MAX_TOKEN_ID = 2**31 - 1
+MAX_CARRIED_TEXT_CHARS = 4096
+"""Characters of a text field the server only carries, whose size changes nothing (``user``,
+``response_format.json_schema``'s ``name`` and ``description``): far more than any id, name or description needs."""
 """Choices one request may ask for (``n``): each is its own engine request."""
 MAX_TEMPERATURE = 100.0
 """The range SamplingParams accepts offline ([0, 100]); OpenAI documents [0, 2], vLLM accepts more, so a
@@ -76,7 +83,8 @@ _RESPONSE_FORMAT_SCHEMA: dict[str, Any] = {"type": "object", "required": ["type"
                                            "properties": {
     "type": {"enum": ["text", "json_object", "json_schema"]},
     "json_schema": {"type": "object", "additionalProperties": False, "properties": {
-        "name": {"type": ["string", "null"]}, "description": {"type": ["string", "null"]},
+        "name": {"type": ["string", "null"], "maxLength": MAX_CARRIED_TEXT_CHARS},
+        "description": {"type": ["string", "null"], "maxLength": MAX_CARRIED_TEXT_CHARS},
         "schema": {"type": ["object", "null"]}, "strict": {"type": ["boolean", "null"]}}}}}
 _STRUCTURED_SCHEMA: dict[str, Any] = {"type": "object", "properties": {
     "json": {"type": ["object", "string"]}, "regex": {"type": "string"},
@@ -155,7 +163,7 @@ NEUTRAL_EXTRAS: dict[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (None, True),
     "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
     "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,),
-    "allowed_token_ids": (None,), "priority": (None, 0), "add_special_tokens": (None,),
+    "allowed_token_ids": (None,), "priority": (None, 0),
     "return_tokens_as_token_ids": (None, False), "detokenize": (None, True),
     # SGLang's fields, which vllm-router adds to every body it forwards (at these values: the defaults)
     "no_stop_trim": (None, False), "return_hidden_states": (None, False), "separate_reasoning": (None, True),
@@ -203,7 +211,7 @@ class SamplingFields(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=-SEED_SPACE, lt=SEED_SPACE)
     stop: Any = Field(None, validate_default=True, json_schema_extra=_STOP_SCHEMA)
     stop_token_ids: list[int] | None = Field(
         None, json_schema_extra=_only({**_TOKEN_IDS, "maxItems": MAX_STOP_TOKEN_IDS}))
@@ -220,9 +228,10 @@ class SamplingFields(BaseModel):
         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}))
     min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     min_tokens: int | None = Field(None, ge=0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY,
+                                             allow_inf_nan=False)
     bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
-    user: str | None = None
+    user: str | None = Field(None, max_length=MAX_CARRIED_TEXT_CHARS)
     response_format: dict[str, Any] | None = Field(None, json_schema_extra=_only(_RESPONSE_FORMAT_SCHEMA))
     structured_outputs: dict[str, Any] | None = Field(None, json_schema_extra=_only(_STRUCTURED_SCHEMA))
     guided_json: Any = Field(None, json_schema_extra=_only({"type": ["object", "string"]}))
@@ -283,6 +292,10 @@ class SamplingFields(BaseModel):
                                          ("description", (str,), "a string"), ("schema", (dict,), "an object")):
                 if spec.get(key) is not None and not isinstance(spec[key], types):
                     raise ValueError(f"json_schema.{key} must be {accepted} or null, got {_short(spec[key])}")
+            for key in ("name", "description"):
+                if isinstance(spec.get(key), str) and len(spec[key]) > MAX_CARRIED_TEXT_CHARS:
+                    raise ValueError(f"json_schema.{key} has {len(spec[key])} characters; at most "
+                                     f"{MAX_CARRIED_TEXT_CHARS} are accepted")
         return value
 
     @field_validator("structured_outputs")
@@ -362,6 +375,8 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(None, ge=1, le=1)
     suffix: str | None = Field(None, json_schema_extra=_only({"type": "string", "maxLength": 0}))
+    add_special_tokens: bool | None = None
+    """vLLM's (default true): false tokenizes a text prompt without the tokenizer's special tokens (no BOS)."""
 
     @field_validator("prompt")
     @classmethod
@@ -597,11 +612,21 @@ class ChatCompletionRequest(ChatTemplateOptions, SamplingFields):
             "function": {"type": "object", "required": ["name"], "additionalProperties": False,
                          "properties": {"name": {"type": "string"}}}}}]}))
     parallel_tool_calls: bool | None = None
+    add_special_tokens: bool | None = Field(None, json_schema_extra=_only({"const": False}))
+    """vLLM's (default false): true (special tokens added on top of what the chat template writes) is refused."""
 
     @field_validator("messages", mode="before")
     @classmethod
     def _count_messages(cls, value: Any, info: ValidationInfo) -> Any:
         return _bounded_messages(value, info)
+
+    @field_validator("add_special_tokens")
+    @classmethod
+    def _check_add_special_tokens(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("true is not supported on chat (the chat template writes the special tokens, BOS "
+                             "included, and vLLM's true would add a second BOS); leave it unset or false")
+        return value
 
     @property
     def tool_mode(self) -> str | None:

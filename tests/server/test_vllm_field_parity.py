@@ -1,0 +1,195 @@
+"""Request fields and response fields where gemmaserve answered differently from vLLM 0.26: finite logprobs
+(never a 500 for a NaN), the chat's own stop ids not counted against a request's ``stop_token_ids``,
+``add_special_tokens`` at each endpoint's default, an empty ``model``, ``logprobs: 0``'s ``top_logprobs``,
+negative seeds, and ``stop_reason``."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from server_harness import REFERENCE_MODEL, sse_events
+
+from gemmaserve.backend import SampledTokens
+from gemmaserve.engine.engine import Engine
+from gemmaserve.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from gemmaserve.testing.reference_backend import ReferenceBackend
+from gemmaserve.testing.reference_model import EOS_ID, EOT_ID
+
+Client = tuple[TestClient, Engine]
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "a"}]
+
+
+def ok(client: TestClient, path: str, **body: Any) -> dict[str, Any]:
+    response = client.post(path, json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def streamed(client: TestClient, path: str, **body: Any) -> list[dict[str, Any]]:
+    response = client.post(path, json={**body, "stream": True})
+    assert response.status_code == 200, response.text
+    events = sse_events(response.text)
+    assert events[-1] == "[DONE]"
+    return events[:-1]
+
+
+def refused(client: TestClient, path: str, param: str, *words: str, **body: Any) -> dict[str, Any]:
+    response = client.post(path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and all(word in error["message"] for word in words), error
+    return error
+
+
+# -- 4. non-finite logprobs ------------------------------------------------------------------------------------------
+class _NonFinite(ReferenceBackend):
+    """Reports every sampled token's logprob as NaN and every alternative's as -inf (what a denormal
+    repetition_penalty made of the logits)."""
+
+    def sample(self, logits: Any, rows: Any, *, want_logprobs: bool = False) -> SampledTokens:
+        out = super().sample(logits, rows, want_logprobs=want_logprobs)
+        if not want_logprobs:
+            return out
+        top = [[(token, -math.inf) for token, _ in pairs] for pairs in out.top_logprobs or ()]
+        return SampledTokens(out.token_ids, [math.nan] * len(out.token_ids), top)
+
+
+def test_non_finite_logprobs_are_reported_as_vllm_does(make_client: Any) -> None:
+    """A NaN logprob made the non-streamed answer a 500 ("Out of range float values are not JSON compliant") and
+    the streamed one null: both now report vLLM's floor, -9999.0."""
+    client, _ = make_client(_NonFinite(max_model_len=512))
+    body = {"prompt": "ab", "max_tokens": 3, "ignore_eos": True, "logprobs": 2}
+    full = ok(client, COMPLETIONS, **body)["choices"][0]["logprobs"]
+    assert full["token_logprobs"] == [-9999.0] * 3
+    assert all(set(entry.values()) == {-9999.0} for entry in full["top_logprobs"])
+    chunks = streamed(client, COMPLETIONS, **body)
+    values = [v for c in chunks if c["choices"][0]["logprobs"] for v in c["choices"][0]["logprobs"]["token_logprobs"]]
+    assert values == [-9999.0] * 3
+    chat = ok(client, CHAT, messages=MESSAGES, max_tokens=2, ignore_eos=True, logprobs=True, top_logprobs=2)
+    for entry in chat["choices"][0]["logprobs"]["content"]:
+        assert entry["logprob"] == -9999.0 and {alt["logprob"] for alt in entry["top_logprobs"]} == {-9999.0}
+
+
+def test_the_json_encoder_never_fails_on_a_float() -> None:
+    from gemmaserve.server.responses import json_bytes, reported_logprob
+
+    assert json.loads(json_bytes({"a": [math.nan, math.inf, -math.inf, 1.5]})) == {"a": [None, None, None, 1.5]}
+    huge = 2**70  # past orjson's 64 bits: the json module's path
+    encoded = json_bytes({"a": [math.nan, huge], "b": {"c": -math.inf}})
+    assert json.loads(encoded) == {"a": [None, huge], "b": {"c": None}}
+    assert [reported_logprob(v) for v in (math.nan, -math.inf, -1e5, -0.5, math.inf)] == [-9999.0, -9999.0, -9999.0,
+                                                                                         -0.5, 0.0]
+
+
+# -- 5. chat stop ids ------------------------------------------------------------------------------------------------
+@pytest.fixture
+def chat_ends(make_client: Any) -> Client:
+    """An app whose tokenizer ends a chat turn at EOT_ID (as a chat template's ``<end_of_turn>``)."""
+    backend = ReferenceBackend(max_model_len=512)
+    backend.tokenizer.chat_stop_token_ids = (EOT_ID,)  # type: ignore[attr-defined]
+    return make_client(backend)
+
+
+def test_the_chats_own_stop_ids_do_not_count_against_the_request(chat_ends: Client) -> None:
+    """A chat with the documented maximum of stop_token_ids was refused (the end-of-turn ids were counted), and the
+    refusal named ``at`` (the message's first word) as its param."""
+    client, _ = chat_ends
+    full = [5 + i % 50 for i in range(MAX_STOP_TOKEN_IDS)]
+    ok(client, CHAT, messages=MESSAGES, max_tokens=2, stop_token_ids=full)
+    refused(client, CHAT, "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS}", messages=MESSAGES, max_tokens=2,
+            stop_token_ids=[*full, 5])
+
+
+def test_with_chat_stops_keeps_a_full_request_valid(chat_ends: Client) -> None:
+    """``LLM.chat``'s merge (server/prepare.py): a full list plus the end-of-turn ids survives every copy."""
+    from gemmaserve.server.prepare import with_chat_stops
+
+    _, engine = chat_ends
+    given = tuple(range(5, 5 + MAX_STOP_TOKEN_IDS))
+    params = with_chat_stops(SamplingParams(stop_token_ids=given, n=2, seed=3), engine.backend.tokenizer)
+    assert params.stop_token_ids == (*given, EOT_ID) and params.chat_stop_token_ids == (EOT_ID,)
+    assert params.for_sample(1).stop_token_ids == params.stop_token_ids
+    assert with_chat_stops(params, engine.backend.tokenizer) is params
+    assert with_chat_stops(SamplingParams(stop_token_ids=[EOT_ID]), engine.backend.tokenizer).chat_stop_token_ids == ()
+    assert with_chat_stops(SamplingParams(ignore_eos=True), engine.backend.tokenizer).stop_token_ids == ()
+    with pytest.raises(Exception, match="chat_stop_token_ids"):
+        SamplingParams(stop_token_ids=[7], chat_stop_token_ids=[8])
+
+
+# -- 6. add_special_tokens -------------------------------------------------------------------------------------------
+def test_add_special_tokens_at_each_endpoints_default_and_completions_false(ref: Client) -> None:
+    client, _ = ref
+    with_bos = ok(client, COMPLETIONS, prompt="ab", max_tokens=1, add_special_tokens=True)
+    without = ok(client, COMPLETIONS, prompt="ab", max_tokens=1, add_special_tokens=False)
+    assert with_bos["usage"]["prompt_tokens"] == without["usage"]["prompt_tokens"] + 1  # the BOS
+    ok(client, CHAT, messages=MESSAGES, max_tokens=1, add_special_tokens=False)
+    refused(client, CHAT, "add_special_tokens", "unset or false", messages=MESSAGES, max_tokens=1,
+            add_special_tokens=True)
+
+
+# -- 7. an empty model name ------------------------------------------------------------------------------------------
+def test_an_empty_model_name_is_the_served_model(ref: Client) -> None:
+    client, _ = ref
+    assert ok(client, COMPLETIONS, model="", prompt="ab", max_tokens=1)["model"] == REFERENCE_MODEL
+    assert ok(client, CHAT, model="", messages=MESSAGES, max_tokens=1)["model"] == REFERENCE_MODEL
+    assert ok(client, "/tokenize", model="", prompt="ab")["count"] == 3
+    assert ok(client, "/detokenize", model="", tokens=[5])["prompt"]
+    long_name = "m" * 10_000
+    error = client.post(COMPLETIONS, json={"model": long_name, "prompt": "ab"}).json()["error"]
+    assert error["code"] == "model_not_found" and len(error["message"]) < 500
+
+
+# -- 8. logprobs: 0 -------------------------------------------------------------------------------------------------
+def test_logprobs_zero_lists_the_sampled_token_per_position(ref: Client) -> None:
+    client, _ = ref
+    body = {"prompt": "ab", "max_tokens": 4, "ignore_eos": True, "logprobs": 0, "temperature": 0}
+    logprobs = ok(client, COMPLETIONS, **body)["choices"][0]["logprobs"]
+    assert logprobs["top_logprobs"] == [{token: value} for token, value in zip(logprobs["tokens"],
+                                                                               logprobs["token_logprobs"])]
+    chunks = [c["choices"][0]["logprobs"] for c in streamed(client, COMPLETIONS, **body) if c["choices"][0]["logprobs"]]
+    assert [entry for c in chunks for entry in c["top_logprobs"]] == logprobs["top_logprobs"]
+
+
+# -- 9. negative seeds -----------------------------------------------------------------------------------------------
+def test_negative_seeds_are_accepted(ref: Client) -> None:
+    client, _ = ref
+    body = {"prompt": "ab", "max_tokens": 12, "ignore_eos": True, "temperature": 1.0}
+    texts = {seed: ok(client, COMPLETIONS, seed=seed, **body)["choices"][0]["text"]
+             for seed in (-5, 2**63 - 5, -(2**63), 0, 7)}
+    assert texts[-5] == texts[2**63 - 5] and texts[-(2**63)] == texts[0] and texts[7] != texts[0]
+    assert ok(client, COMPLETIONS, seed=-1, **body)["choices"][0]["text"]  # vLLM's "no seed"
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-5).seed == 2**63 - 5
+    refused(client, COMPLETIONS, "seed", seed=2**63, **body)
+
+
+# -- 10. stop_reason -------------------------------------------------------------------------------------------------
+def test_stop_reason_names_the_stop_string_or_token(ref: Client) -> None:
+    client, engine = ref
+    backend = engine.backend
+    assert isinstance(backend, ReferenceBackend)
+    prompt = "stop reason"
+    ids = backend.reference_generate(backend.tokenizer.encode(prompt), SamplingParams(max_tokens=20, ignore_eos=True))
+    text = backend.tokenizer.decode(ids)
+    base = {"prompt": prompt, "max_tokens": 20, "ignore_eos": True, "temperature": 0}
+    stop = text[5:7]
+    token = next(t for t in ids[3:] if t != EOS_ID)
+    cases: list[tuple[dict[str, Any], Any, str]] = [({"stop": [stop]}, stop, "stop"),
+                                                    ({"stop_token_ids": [token]}, token, "stop"),
+                                                    ({}, None, "length")]
+    for extra, reason, finish in cases:
+        choice = ok(client, COMPLETIONS, **base, **extra)["choices"][0]
+        assert (choice["finish_reason"], choice["stop_reason"]) == (finish, reason), extra
+        chunks = streamed(client, COMPLETIONS, **base, **extra)
+        last = chunks[-1]["choices"][0]
+        assert (last["finish_reason"], last["stop_reason"]) == (finish, reason), extra
+        assert all("stop_reason" not in c["choices"][0] for c in chunks[:-1])
+        chat = ok(client, CHAT, messages=MESSAGES, max_tokens=3, ignore_eos=True, **extra)["choices"][0]
+        assert "stop_reason" in chat
+    eos = ok(client, COMPLETIONS, prompt=prompt, max_tokens=20, stop_token_ids=[EOS_ID], temperature=0)["choices"][0]
+    if eos["finish_reason"] == "stop":
+        assert eos["stop_reason"] is None  # an EOS id reports None, as vLLM's
