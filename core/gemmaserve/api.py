@@ -23,7 +23,7 @@ from gemmaserve.detokenize import IncrementalDetokenizer, hides_stop_token
 from gemmaserve.engine.request import FinishReason
 from gemmaserve.engine.validation import check_text_can_fit
 from gemmaserve.errors import ConfigurationError, InvalidRequestError, LLMClosedError, PromptTooLongError
-from gemmaserve.sampling_params import SamplingParams
+from gemmaserve.sampling_params import SamplingParams, primary_eos_ids
 from gemmaserve.settings import CoreSettings, load_settings
 
 if TYPE_CHECKING:
@@ -491,9 +491,9 @@ class LLM:
             flat = None if flat is None else flat[: len(token_ids)]
             top = None if top is None else top[: len(token_ids)]
             metrics = replace(metrics, num_output_tokens=len(token_ids))
-        elif (out.stop_token_id is not None and out.stop_token_id in params.stop_token_ids
-              and out.stop_token_id not in self.engine.backend.model_info.eos_token_ids):
-            stop_reason = out.stop_token_id  # vLLM's: a stop token that is also an EOS id reports None, like EOS
+        else:
+            stop_reason = params.stop_reason(out.stop_token_id, primary_eos_ids(
+                self.tokenizer, self.engine.backend.model_info.eos_token_ids))
         if watcher is not None:
             text = watcher.text
         else:

@@ -214,8 +214,12 @@ class SamplingParams:
 
     def stop_reason(self, stop_token_id: int | None, eos_token_ids: Collection[int]) -> int | None:
         """vLLM's ``stop_reason`` of an output that ended at ``stop_token_id`` (its EOS or stop token; None when
-        none ended it): the id when it is one of ``stop_token_ids`` and not an EOS id (EOS reports None)."""
-        if stop_token_id is None or stop_token_id in eos_token_ids or stop_token_id not in self.stop_token_ids:
+        none ended it): None for ``eos_token_ids`` (:func:`primary_eos_ids`: vLLM's ``eos_token_id``), unless
+        ``ignore_eos`` and the id is listed in ``stop_token_ids``; else the id (a stop token, or one of the model's
+        other EOS ids, which vLLM adds to the stop tokens from the generation config)."""
+        if stop_token_id is None:
+            return None
+        if stop_token_id in eos_token_ids and not (self.ignore_eos and stop_token_id in self.stop_token_ids):
             return None
         return stop_token_id
 
@@ -227,6 +231,14 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         """True when a penalty changes the logits (each step then depends on the tokens generated so far)."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def primary_eos_ids(tokenizer: object, model_eos_token_ids: Collection[int]) -> frozenset[int]:
+    """The EOS ids whose stop reports ``stop_reason`` None (:meth:`SamplingParams.stop_reason`): vLLM's
+    ``eos_token_id``, the tokenizer's own EOS when it names one (``tokenizer.eos_token_ids``), else every one of the
+    model's EOS ids."""
+    own = getattr(tokenizer, "eos_token_ids", ())
+    return frozenset(own) if own else frozenset(model_eos_token_ids)
 
 
 def _is_real(value: object) -> bool:

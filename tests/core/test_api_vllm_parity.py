@@ -75,6 +75,25 @@ def test_eos_stays_in_token_ids_and_stop_reason_is_none(llm) -> None:
     assert shown.text == "<eos>"
     listed = llm.generate("hello", SamplingParams(max_tokens=4, logit_bias={EOS_ID: 100}, stop_token_ids=[EOS_ID]))[0]
     assert listed.finish_reason == "stop" and listed.stop_reason is None  # an EOS id reports None, listed or not
+    forced = llm.generate("hello", SamplingParams(max_tokens=4, logit_bias={EOS_ID: 100}, stop_token_ids=[EOS_ID],
+                                                  ignore_eos=True))[0]
+    assert forced.token_ids == [EOS_ID] and forced.stop_reason == EOS_ID  # vLLM: ignore_eos, then a listed stop
+
+
+def test_only_the_tokenizers_own_eos_reports_none() -> None:
+    """vLLM's rule: its ``eos_token_id`` (the tokenizer's) reports ``stop_reason`` None; the model's other EOS ids
+    (its generation config's, e.g. Gemma's ``<end_of_turn>``) are stop tokens there and report their id."""
+    from gemmaserve.sampling_params import primary_eos_ids
+
+    class Tokenizer:
+        eos_token_ids = (1,)
+
+    model_eos = (1, 106)
+    primary = primary_eos_ids(Tokenizer(), model_eos)
+    assert primary == {1} and primary_eos_ids(object(), model_eos) == {1, 106}
+    params = SamplingParams()
+    assert [params.stop_reason(token, primary) for token in (1, 106, None)] == [None, 106, None]
+    assert SamplingParams(stop_token_ids=[1], ignore_eos=True).stop_reason(1, primary) == 1
 
 
 def test_include_stop_str_in_output_keeps_the_stop_string(llm) -> None:

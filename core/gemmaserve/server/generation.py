@@ -19,6 +19,7 @@ from gemmaserve.detokenize import IncrementalDetokenizer, hides_stop_token
 from gemmaserve.engine.delivery import loop_delivery
 from gemmaserve.engine.request import FinishReason
 from gemmaserve.server.errors import APIError, ClientDisconnected, from_output_error
+from gemmaserve.sampling_params import primary_eos_ids
 
 if TYPE_CHECKING:
     from gemmaserve.backend import Tokenizer
@@ -129,7 +130,7 @@ class Generation:
                                      [g.prepared.params for g in generations], [g.request_id for g in generations],
                                      [g._on_event for g in generations], logprobs=prepared[0].want_logprobs,
                                      keep_events=False)
-        eos_ids = frozenset(engine.backend.model_info.eos_token_ids)
+        eos_ids = primary_eos_ids(tokenizer, engine.backend.model_info.eos_token_ids)
         for generation, handle in zip(generations, handles):
             generation._handle, generation._engine_done, generation._eos_ids = handle, False, eos_ids
         return generations
@@ -141,9 +142,9 @@ class Generation:
         self.request_id = uuid.uuid4().hex
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        """vLLM's: the stop string that ended the reply, or its ``stop_token_ids`` token (not an EOS id:
-        :meth:`SamplingParams.stop_reason`); None for EOS, ``length`` and the rest."""
-        self._eos_ids: frozenset[int] = frozenset()  # the model's EOS ids, read when submitted
+        """vLLM's: the stop string that ended the reply, or the token id that did (:meth:`SamplingParams.stop_reason`:
+        a stop token, or an EOS id other than the tokenizer's own); None for EOS, ``length`` and the rest."""
+        self._eos_ids: frozenset[int] = frozenset()  # the EOS ids whose stop reports None, read when submitted
         self.cached_tokens = 0
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
@@ -169,7 +170,7 @@ class Generation:
             prepared.prompt_ids, prepared.params, self.request_id, self._on_event, logprobs=prepared.want_logprobs,
             keep_events=False,
         )
-        self._eos_ids = frozenset(engine.backend.model_info.eos_token_ids)
+        self._eos_ids = primary_eos_ids(tokenizer, engine.backend.model_info.eos_token_ids)
 
     @property
     def text(self) -> str:
