@@ -213,6 +213,34 @@ def test_backend_failure_mid_stream_is_reported_in_band(make_client: Any) -> Non
     assert_error(non_streamed, 500, None)
 
 
+def test_latencies_reached_before_a_failure_are_recorded(make_client: Any) -> None:
+    """As vLLM records a first token and the gaps between tokens when they happen, a request that fails (or is
+    cancelled) after its first token still counts in ``vllm:time_to_first_token_seconds`` and the inter-token
+    histogram (only requests that succeeded counted: slow requests that clients gave up on were left out). vLLM's
+    exact bucket bounds are used."""
+    from server_harness import metric, parse_prometheus
+
+    from gemmaserve.server.metrics import E2E_BUCKETS, ITL_BUCKETS
+
+    probe = ReferenceBackend()
+    prompt_ids = probe.tokenizer.encode("mid stream")
+    tokens = probe.reference_generate(prompt_ids, SamplingParams(max_tokens=8, ignore_eos=True))
+    client, _ = make_client(ReferenceBackend(fail_on_decode_token=tokens[3]))
+    vllm = {"model_name": MODEL, "engine": "0"}
+    for stream in (True, False):
+        body = {**OK_PROMPT, "prompt": "mid stream", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                "stream": stream}
+        response = client.post("/v1/completions", json=body)
+        assert response.status_code == (200 if stream else 500)
+    after = parse_prometheus(client.get("/metrics").text)
+    assert metric(after, "vllm:time_to_first_token_seconds_count", **vllm) == 2
+    itl = sorted(float(dict(labels)["le"]) for (name, labels), _ in after.items()
+                 if name == "vllm:inter_token_latency_seconds_bucket" and dict(labels)["le"] != "+Inf")
+    e2e = sorted(float(dict(labels)["le"]) for (name, labels), _ in after.items()
+                 if name == "vllm:e2e_request_latency_seconds_bucket" and dict(labels)["le"] != "+Inf")
+    assert tuple(itl) == ITL_BUCKETS and tuple(e2e) == E2E_BUCKETS and ITL_BUCKETS[0] == 0.01 and E2E_BUCKETS[0] == 0.3
+
+
 def test_a_server_bug_mid_stream_is_reported_in_band(make_client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """An unexpected error while formatting a chunk ends the stream with an error event and ``[DONE]`` (it cut the
     stream with neither: the client could not tell the end from a dropped connection); the server keeps serving."""

@@ -589,6 +589,8 @@ class _Server:
                     await asyncio.gather(*(_drain(g) for g in generations))
         except BaseException:
             group.close()
+            for generation in generations:  # what it reached counts: a first token, its gaps (vLLM's)
+                self._observe(generation)
             raise
         guard = _SendGuard(request, self.stream_stall_s, meta.id)
         if not reply.stream:
@@ -632,8 +634,6 @@ class _Server:
                     task.cancel()
             if views[0].include_usage:
                 yield sse(_usage_chunk(views))
-            for generation in generations:
-                self._observe(generation)
             status = 200
             yield SSE_DONE
         except APIError as exc:  # one choice failed mid-stream: report it in-band, end them all
@@ -651,9 +651,16 @@ class _Server:
         finally:
             for generation in generations:
                 generation.close()
+                self._observe(generation)
             self.metrics.record_request(endpoint, status)
 
     def _observe(self, generation: Generation) -> None:
+        """Record ``generation``'s latencies once, however it ended (as vLLM records a first token and the gaps
+        between tokens when they happen: a request cancelled or failed later still counts them; the end-to-end
+        latency only when it reached its end)."""
+        if generation.observed:
+            return
+        generation.observed = True
         timing = generation.timing
         self.metrics.observe(timing.ttft, timing.tpot(len(generation.token_ids)), timing.e2e, timing.gaps)
 

@@ -146,6 +146,7 @@ class Generation:
         a stop token, or an EOS id other than the tokenizer's own); None for EOS, ``length`` and the rest."""
         self._eos_ids: frozenset[int] = frozenset()  # the EOS ids whose stop reports None, read when submitted
         self.cached_tokens = 0
+        self.observed = False  # its latencies went to the metrics (the server records them once)
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] | None = [] if prepared.params.logprobs else None

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 disable_created_metrics()  # no ``*_created`` series (process-wide): scrapers read the values, not creation times
 
-__all__ = ["ServerMetrics", "TTFT_BUCKETS", "TPOT_BUCKETS", "ITL_BUCKETS", "PREFIX", "CONTENT_TYPE"]
+__all__ = ["ServerMetrics", "TTFT_BUCKETS", "TPOT_BUCKETS", "ITL_BUCKETS", "E2E_BUCKETS", "PREFIX", "CONTENT_TYPE"]
 
 PREFIX = "gemmaserve"
 CONTENT_TYPE = getattr(exposition, "CONTENT_TYPE_PLAIN_0_0_4", CONTENT_TYPE_LATEST)
@@ -48,10 +48,14 @@ TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
     160.0, 640.0, 2560.0,
 )
+"""vLLM's time-to-first-token buckets (both names use them)."""
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-ITL_BUCKETS = TPOT_BUCKETS + (5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 300.0,
-               600.0, 1200.0, 1800.0, 3600.0, 7680.0)  # up to vLLM's last bucket: long requests are not clamped
+"""gemmaserve's own per-token histogram: finer than vLLM's below 10 ms, where one decode step lands."""
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+"""vLLM's inter-token latency buckets, exactly: a fleet of vLLM and gemmaserve servers sums its buckets."""
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+               960.0, 1920.0, 7680.0)
+"""vLLM's end-to-end request latency buckets, exactly (both names use them)."""
 
 
 VLLM_LABELS = ["model_name", "engine"]
