@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from gemmaserve.engine.request import RequestOutput
     from gemmaserve.sampling_params import SamplingParams
 
-__all__ = ["IncrementalDetokenizer", "DetokenizedDelta", "hides_stop_token"]
+__all__ = ["IncrementalDetokenizer", "DetokenizedDelta", "StopPrefixMatcher", "hides_stop_token"]
 
 _REPLACEMENT = "\ufffd"
 _PROMPT_CONTEXT_TOKENS = 5
@@ -45,6 +45,52 @@ class DetokenizedDelta:
     text: str
     stopped: bool = False
     stop_string: str | None = None
+
+
+class StopPrefixMatcher:
+    """Knuth-Morris-Pratt over a text stream for one stop string: :meth:`feed` takes the stream's next characters
+    and returns the matcher's state, the length of the longest prefix of ``stop`` that is a suffix of the text fed
+    so far (``len(stop)``: it ends with the whole stop string). Amortized O(1) per character, the border table
+    built lazily (only as far as a match has reached), so a long stop string costs nothing until the text matches
+    it, and a text that keeps matching a long prefix costs no more than a short one (the detokenizer's held-back
+    search was quadratic in the held-back text)."""
+
+    __slots__ = ("stop", "state", "_borders")
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.state = 0
+        self._borders = [0]  # _borders[i]: the longest proper border of stop[:i + 1], computed up to a match's reach
+
+    def feed(self, text: str, state: int | None = None) -> int:
+        """The state after ``text``, starting from ``state`` (default: the saved one; the saved one is updated
+        only when ``state`` is None)."""
+        stop, borders = self.stop, self._borders
+        current = self.state if state is None else state
+        for char in text:
+            if current == len(stop):
+                current = borders[current - 1]
+            while current and stop[current] != char:
+                current = borders[current - 1]
+            if stop[current] == char:
+                current += 1
+                if current < len(stop) and len(borders) <= current:
+                    self._extend(current)
+        if state is None:
+            self.state = current
+        return current
+
+    def border(self, size: int) -> int:
+        """The longest proper border of ``stop[:size]`` (size >= 1)."""
+        return self._borders[size - 1]
+
+    def _extend(self, upto: int) -> None:
+        stop, borders = self.stop, self._borders
+        while len(borders) <= upto:
+            index, border = len(borders), borders[-1]
+            while border and stop[index] != stop[border]:
+                border = borders[border - 1]
+            borders.append(border + 1 if stop[index] == stop[border] else 0)
 
 
 class IncrementalDetokenizer:
@@ -87,6 +133,8 @@ class IncrementalDetokenizer:
         self._decoded = ""  # output text up to _read_offset (may still contain a stop string)
         self._partial = ""  # text after _read_offset that precedes an unfinished character
         self._min_floor = 0  # the text of the first min_tokens output tokens: a stop string must end past it
+        self._matchers = [StopPrefixMatcher(stop) for stop in self.stop]  # their saved states cover _decoded
+        self._matched_upto = 0  # ...up to here
 
     @property
     def text(self) -> str:
@@ -205,13 +253,15 @@ class IncrementalDetokenizer:
 
     def _held_back(self, full: str, start: int) -> int:
         """Length of the longest suffix of ``full[start:]`` that is a proper prefix of a stop string (0 with
-        ``include_stop_str``: the text goes out as it comes)."""
+        ``include_stop_str``: the text goes out as it comes). ``full`` is ``_decoded + _partial``: the matchers'
+        saved states advance over the new final text, then run on over the tentative ``_partial`` unsaved."""
         if self.include_stop_str:
             return 0
-        longest = 0
-        for stop in self.stop:
-            for size in range(min(len(stop) - 1, len(full) - start), longest, -1):
-                if full.endswith(stop[:size]):
-                    longest = size
-                    break
+        new, self._matched_upto = self._decoded[self._matched_upto:], len(self._decoded)
+        unemitted, longest = len(full) - start, 0
+        for matcher in self._matchers:
+            size = matcher.feed(self._partial, matcher.feed(new))
+            while size and (size == len(matcher.stop) or size > unemitted):  # proper prefixes, in the new text
+                size = matcher.border(size)
+            longest = max(longest, size)
         return longest

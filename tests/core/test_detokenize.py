@@ -162,3 +162,66 @@ def test_an_unfinished_last_character_flushes_as_one_replacement(text: str, cut:
         out += detok.add(ids[i : i + split[k % len(split)]]).text
         i, k = i + split[k % len(split)], k + 1
     assert out + detok.flush() == text + "\ufffd"
+
+
+class _NaiveHeldBack(IncrementalDetokenizer):
+    """The detokenizer with the plain search the matchers replace: every suffix size of the unemitted text."""
+
+    def _held_back(self, full: str, start: int) -> int:
+        if self.include_stop_str:
+            return 0
+        longest = 0
+        for stop in self.stop:
+            for size in range(min(len(stop) - 1, len(full) - start), longest, -1):
+                if full.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="abé", max_size=40), stops=st.lists(st.text(alphabet="abé", min_size=1, max_size=6),
+                                                                 min_size=1, max_size=3),
+       min_tokens=st.integers(0, 6), cuts=st.lists(st.integers(1, 4), min_size=1, max_size=10))
+def test_the_held_back_tail_is_the_plain_searchs(text: str, stops: list[str], min_tokens: int,
+                                                 cuts: list[int]) -> None:
+    """The incremental matchers hold back exactly what searching every suffix does, step by step, whatever the
+    chunking, multi-byte characters and min_tokens (a stop string matched inside the floor continues the match)."""
+    ids = TOKENIZER.encode(text)
+    fast, plain = (cls(TOKENIZER, stops, min_tokens=min_tokens) for cls in (IncrementalDetokenizer, _NaiveHeldBack))
+    at, k = 0, 0
+    while at < len(ids):
+        step = ids[at: at + cuts[k % len(cuts)]]
+        assert fast.add(step) == plain.add(step), (text, stops, at)
+        at, k = at + len(step), k + 1
+    assert fast.flush() == plain.flush()
+
+
+@settings(max_examples=300, deadline=None)
+@given(stop=st.text(alphabet="ab", min_size=1, max_size=8), text=st.text(alphabet="ab", max_size=40),
+       cuts=st.lists(st.integers(0, 5), max_size=8))
+def test_stop_prefix_matcher_states(stop: str, text: str, cuts: list[int]) -> None:
+    """After any split of the stream, the state is the longest prefix of the stop string ending the text."""
+    from gemmaserve.detokenize import StopPrefixMatcher
+
+    matcher, fed = StopPrefixMatcher(stop), ""
+    for cut in [*cuts, len(text)]:
+        piece, text = text[:cut], text[cut:]
+        fed += piece
+        state = matcher.feed(piece)
+        assert state == max(size for size in range(len(stop) + 1) if fed.endswith(stop[:size]))
+
+
+def test_a_long_stop_string_the_text_keeps_matching_costs_linear_work() -> None:
+    """A 20,000-character stop string whose prefix the output keeps matching (a hostile request can force that):
+    the matchers' work grows with the text, where the plain search copied every prefix at every step (~2e8
+    characters per token by the end). Counted in border-table entries, not timed."""
+    from gemmaserve.detokenize import StopPrefixMatcher
+
+    stop = "a" * 20_000 + "b"
+    detok = IncrementalDetokenizer(TOKENIZER, [stop])
+    for _ in range(2_000):
+        assert detok.add([ord("a")]).text == ""
+    (matcher,) = detok._matchers
+    assert matcher.state == 2_000 and len(matcher._borders) <= 2_001
+    assert isinstance(matcher, StopPrefixMatcher)
