@@ -80,3 +80,40 @@ def test_the_demos_int8_greedy_text_is_transformers_own_on_the_quantized_model()
         llm.close()
     for prompt, mine, reference in zip(PROMPTS, ours, _transformers_greedy(torch.float32, int8=True)):
         assert list(mine) == reference, f"int8 greedy tokens differ from transformers' for {prompt!r}"
+
+
+@pytest.mark.parametrize("family", ["gemma4", "gemma3"])
+def test_bfloat16_greedy_past_a_sliding_window_is_transformers_own(tmp_path, family: str) -> None:
+    """In bfloat16 with transformers' sdpa attention, a decode past a sliding layer's window attends over the window's
+    keys only, as ``generate``'s own sliding cache does: the hf backend kept every position and masked the old ones,
+    and bf16 sdpa rounded that longer sum differently (first differences 5-18 tokens in, on windows of 8-11)."""
+    from tiny_checkpoints import build_tiny_gemma3, build_tiny_gemma4
+    from transformers import AutoModelForCausalLM
+
+    from gemmaserve import LLM
+    from gemmaserve.sampling_params import SamplingParams
+
+    path = tmp_path / family
+    if family == "gemma4":
+        build_tiny_gemma4(path)  # sliding_window 8
+    else:
+        build_tiny_gemma3(path, seed=402, num_hidden_layers=2, layer_types=["sliding_attention"] * 2,
+                          num_attention_heads=6, num_key_value_heads=6, head_dim=20, hidden_size=48,
+                          intermediate_size=48, sliding_window=11, query_pre_attn_scalar=24,
+                          final_logit_softcapping=None)
+    prompts = [[115, 262, 75, 148, 75, 390, 52, 320, 413, 132, 469, 276, 365, 418, 312, 465, 79, 162, 54, 377],
+               [436, 201, 392], [7, 300, 12, 99, 250, 31, 8, 160, 400, 2, 77, 19, 350, 61, 205, 140, 9, 480, 333]]
+    tokens = 24
+    llm = LLM(str(path), backend="hf", device="cpu", dtype="bfloat16", max_batch_size=1)
+    try:
+        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        ours = [list(llm.generate([{"prompt_token_ids": p}], params)[0].token_ids) for p in prompts]
+    finally:
+        llm.close()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    with torch.inference_mode():
+        for prompt, mine in zip(prompts, ours):
+            ids = torch.tensor([prompt])
+            reference = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=tokens,
+                                       min_new_tokens=tokens, eos_token_id=None, pad_token_id=0)[0, len(prompt):]
+            assert mine == reference.tolist(), prompt

@@ -23,7 +23,12 @@ def test_gemma4_layout_has_two_head_dims_and_no_kv_for_shared_layers(gemma4_back
     cache = layout.new_cache()
     # transformers < 5.23 has no DummyLayer: its caches stop before the shared tail
     shared = [DummyLayer] * 3 if DummyLayer is not None else []
-    assert [type(layer) for layer in cache.layers] == [DynamicLayer] * 3 + shared
+    # the sliding layers keep every position but attend over their window (WindowedLayer, a DynamicLayer)
+    assert [type(layer).__name__ for layer in cache.layers] == ["WindowedLayer"] * 2 + ["DynamicLayer"] + [
+        layer.__name__ for layer in shared]
+    assert all(isinstance(layer, DynamicLayer) for layer in cache.layers[:3])
+    assert [getattr(layer, "sliding_window", None) for layer in cache.layers[:3]] == [s.window for s in layout.stored]
+    assert layout.stored[0].window is not None and layout.stored[2].window is None
     layout.check_cache(layout.cache_from_tensors(layout.empty_tensors(2, 5)), 2, 5)
 
 
@@ -139,7 +144,7 @@ def test_layout_without_dummy_layers_as_transformers_before_5_23(gemma4_backend:
     layout = gemma4_backend.layout
     assert layout.cache_layers == 3
     cache = layout.new_cache()
-    assert [type(layer) for layer in cache.layers] == [DynamicLayer] * 3
+    assert len(cache.layers) == 3 and all(isinstance(layer, DynamicLayer) for layer in cache.layers)
     layout.check_cache(layout.cache_from_tensors(layout.empty_tensors(2, 5)), 2, 5)
 
     class TruncatedCache:  # what DynamicCache(config=...) builds there: no layer for the shared tail

@@ -4,9 +4,12 @@ core's paged blocks and HF ``DynamicCache`` tensors.
 HF side: every *storing* layer holds K and V of shape ``[batch, kv_heads, seq, head_dim]``; layers
 that reuse another layer's KV (Gemma 4's KV-shared layers) hold a ``DummyLayer`` and store nothing (transformers
 before 5.23 has no ``DummyLayer``: its caches end before the shared layers, which are always the last ones).
-Every storing layer is a plain ``DynamicLayer`` here, sliding-window layers included: they keep all
-positions (the window is applied by the attention mask), so a cache position always means the same
-token for every layer. That is what makes left padding, row splicing and prefix blocks exact.
+Every storing layer keeps all positions here, sliding-window layers included, so a cache position always means
+the same token for every layer: that is what makes left padding, row splicing and prefix blocks exact. A
+sliding-window layer (where transformers' own cache has a ``DynamicSlidingWindowLayer``) is a
+:class:`WindowedLayer`: it keeps everything but attends, as transformers' sliding cache does, over the window's last
+keys only (and tells the mask so), so a forward rounds as ``generate``'s does (bf16 ``sdpa`` over all positions with
+the old ones masked summed differently).
 
 Block side: per storing layer, a K pool and a V pool of shape ``[num_blocks, block_size, kv_heads,
 head_dim]`` (each layer with its own head dim and head count). Token ``t`` of a cached sequence lives
@@ -35,18 +38,48 @@ from gemmaserve.errors import WINDOW_OF_ONE, ConfigurationError, ModelLoadError
 if TYPE_CHECKING:
     from gemmaserve.kv.cache_manager import BlockWrite
 
-__all__ = ["LayerShape", "CacheLayout", "BlockPools", "detect_layout", "storing_layers", "set_layer_kv"]
+__all__ = ["LayerShape", "WindowedLayer", "CacheLayout", "BlockPools", "detect_layout", "storing_layers",
+           "sliding_windows", "set_layer_kv"]
 
 _STORING_LAYER_TYPES = (DynamicLayer, DynamicSlidingWindowLayer)
 
 
 @dataclass(frozen=True, slots=True)
 class LayerShape:
-    """A layer that stores its own KV: its index in the model and its per-token K/V shape."""
+    """A layer that stores its own KV: its index in the model, its per-token K/V shape, and its sliding window
+    (None: full attention)."""
 
     layer_idx: int
     kv_heads: int
     head_dim: int
+    window: int | None = None
+
+
+class WindowedLayer(DynamicLayer):
+    """A sliding-window layer's KV that keeps every position (see the module docstring) while each forward attends,
+    as transformers' ``DynamicSlidingWindowLayer`` does, over the last ``window - 1`` cached positions plus the new
+    ones: :meth:`update` returns those (contiguous, as transformers' concatenation is), :meth:`get_mask_sizes`
+    gives the mask their length and offset (the offset indexes a full-length 2-D attention mask)."""
+
+    is_sliding = True
+
+    def __init__(self, window: int) -> None:
+        super().__init__()
+        self.sliding_window = window
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
+               **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        visible = self.sliding_window - 1 + key_states.shape[-2]
+        if keys.shape[-2] <= visible:
+            return keys, values
+        return keys[:, :, -visible:].contiguous(), values[:, :, -visible:].contiguous()
+
+    def get_mask_sizes(self, query_length: int, *args: object) -> tuple[int, int]:
+        past = self.get_seq_length()
+        if past >= self.sliding_window:
+            return self.sliding_window - 1 + query_length, past - self.sliding_window + 1
+        return past + query_length, 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,10 +101,12 @@ class CacheLayout:
         return self.stored[-1].layer_idx + 1
 
     def new_cache(self) -> DynamicCache:
-        """An empty cache: a ``DynamicLayer`` per storing layer, a ``DummyLayer`` elsewhere."""
-        storing = {shape.layer_idx for shape in self.stored}
+        """An empty cache: a ``DynamicLayer`` per storing layer (a :class:`WindowedLayer` for a sliding one), a
+        ``DummyLayer`` elsewhere."""
+        windows = {shape.layer_idx: shape.window for shape in self.stored}
         cache = DynamicCache()
-        cache.layers = [DynamicLayer() if i in storing else DummyLayer() for i in range(self.cache_layers)]
+        cache.layers = [(DynamicLayer() if windows[i] is None else WindowedLayer(windows[i])) if i in windows
+                        else DummyLayer() for i in range(self.cache_layers)]
         cache.layer_class_to_replicate = None  # the layer list is complete; never grow it
         return cache
 
@@ -157,12 +192,22 @@ def storing_layers(text_config: object) -> list[bool]:
     return result + [False] * (num_layers - len(result))  # transformers < 5.23: no layer for the KV-shared tail
 
 
+def sliding_windows(text_config: object) -> list[int | None]:
+    """For each decoder layer, the window of the ``DynamicSlidingWindowLayer`` transformers' own cache gives it for
+    ``text_config`` (None: any other layer)."""
+    layers = DynamicCache(config=text_config).layers
+    windows = [int(layer.sliding_window) if isinstance(layer, DynamicSlidingWindowLayer) else None for layer in layers]
+    num_layers = int(getattr(text_config, "num_hidden_layers", len(windows)))
+    return windows + [None] * (num_layers - len(windows))
+
+
 def detect_layout(
     text_config: object, probe_forward: Callable[[DynamicCache], None], *, dtype: torch.dtype, device: torch.device
 ) -> CacheLayout:
     """Find the model's KV layout: which layers store KV (from the config) and their K/V shapes
     (from one probe forward ``probe_forward(cache)`` over an empty layout cache)."""
     stores = storing_layers(text_config)
+    windows = sliding_windows(text_config)
     provisional = CacheLayout(
         len(stores), tuple(LayerShape(i, 0, 0) for i, s in enumerate(stores) if s), dtype, device
     )
@@ -181,7 +226,8 @@ def detect_layout(
                 f"unsupported architecture for the hf backend: layer {shape.layer_idx} has K {tuple(layer.keys.shape)}"
                 f" and V {tuple(layer.values.shape)} of different shapes"
             )
-        shapes.append(LayerShape(shape.layer_idx, int(layer.keys.shape[1]), int(layer.keys.shape[3])))
+        shapes.append(LayerShape(shape.layer_idx, int(layer.keys.shape[1]), int(layer.keys.shape[3]),
+                                 windows[shape.layer_idx]))
         if layer.keys.dtype != dtype:
             raise ModelLoadError(f"layer {shape.layer_idx} stores KV in {layer.keys.dtype}, model dtype is {dtype}")
     if not shapes:
