@@ -337,3 +337,20 @@ def test_a_sliding_window_of_one_is_refused(tmp_path: Path) -> None:
     path = build_tiny_gemma4(tmp_path / "w1", sliding_window=1)
     with pytest.raises(ValueError, match="sliding_window=1 is not supported"):
         GemmaTextConfig.from_pretrained(path)
+
+
+@pytest.mark.parametrize("family", ["gemma4", "gemma3"])
+def test_a_stored_head_wins_over_a_tie_in_the_config(family: str, tmp_path: Path, hf_reference: HFLoader) -> None:
+    """config.json says ``tie_word_embeddings: true`` but the checkpoint stores its own, different ``lm_head``:
+    transformers keeps the stored head ("we will NOT tie them"), so the custom model does too (it dropped the head
+    and used the embedding: other logits from the first token)."""
+    build = build_tiny_gemma4 if family == "gemma4" else build_tiny_gemma3
+    path = build(tmp_path / family, tie_word_embeddings=False)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    hf = hf_reference(path, torch.float32)
+    model = GemmaForCausalLM.from_hf(path, dtype=torch.float32)
+    assert model.lm_head is not None
+    ids = _prompt(1, SHORT, seed=3)
+    with torch.no_grad():
+        assert torch.equal(_prefill_logits(model, ids), hf(ids).logits)

@@ -7,7 +7,9 @@ checkpoint names with the text prefix stripped (`layers.3.self_attn.q_proj.weigh
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -48,6 +50,8 @@ from .quantization import (
     quantize_fp8,
     read_checkpoint_scheme,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class ScaledEmbedding(nn.Module):
@@ -492,6 +496,7 @@ class GemmaForCausalLM(nn.Module):
         key_to_file = _key_index(folder, files)
         prefix = _text_prefix(config, key_to_file)
         embed_key = prefix + "embed_tokens.weight"
+        config = _with_stored_head(config, embed_key, key_to_file)
         if dtype is None:
             with safe_open(key_to_file[embed_key], framework="pt") as f:
                 dtype = f.get_slice(embed_key).get_dtype()
@@ -634,11 +639,33 @@ def _text_prefix(config: GemmaTextConfig, keys: dict[str, str]) -> str:
     )
 
 
+_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight")
+
+
+def _with_stored_head(config: GemmaTextConfig, embed_key: str, key_to_file: dict[str, str]) -> GemmaTextConfig:
+    """``config``, untied when config.json ties the output head to the embedding but the checkpoint stores a head
+    with other values: transformers then keeps the stored head (it warns "we will NOT tie them"), so this model
+    must too. A stored head equal to the embedding (or none) keeps the tie."""
+    head_key = next((key for key in _HEAD_KEYS if key in key_to_file), None)
+    if not config.tie_word_embeddings or head_key is None:
+        return config
+    with safe_open(key_to_file[embed_key], framework="pt") as f:
+        embed = f.get_tensor(embed_key)
+    with safe_open(key_to_file[head_key], framework="pt") as f:
+        head = f.get_tensor(head_key)
+    if embed.shape == head.shape and torch.equal(embed, head):
+        return config
+    logger.warning("config.json ties the output head to the embedding but the checkpoint stores %s with other "
+                   "values: using the stored head, as transformers does (set tie_word_embeddings to false to "
+                   "silence this)", head_key)
+    return dataclasses.replace(config, tie_word_embeddings=False)
+
+
 def _local_name(key: str, prefix: str, config: GemmaTextConfig) -> str | None:
     """Model parameter name for a checkpoint key, or None for keys outside the text stack."""
     if key.startswith(prefix):
         return key[len(prefix) :]
-    if not config.tie_word_embeddings and key in ("lm_head.weight", "language_model.lm_head.weight"):
+    if not config.tie_word_embeddings and key in _HEAD_KEYS:
         return "lm_head.weight"
     return None
 
