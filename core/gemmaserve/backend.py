@@ -49,7 +49,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from gemmaserve.kv.cache_manager import CacheManager
@@ -69,6 +69,7 @@ __all__ = [
     "LaunchedStep",
     "StepOutput",
     "InferenceBackend",
+    "StreamingBackend",
     "RowKV",
     "BatchKV",
     "Logits",
@@ -364,7 +365,8 @@ class InferenceBackend(ABC):
         the batch's rows must hold the KV they held before (the scheduler retries them alone, as after a
         failed ``decode_step_batched``) and states that did not advance are retried with ``prefill_chunk``.
         The states and the batch's rows are disjoint."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement forward_step (mixed_step is False)")
+        raise NotImplementedError(f"{type(self).__name__} does not implement forward_step (a backend that does "
+                                  "declares capabilities.mixed_step)")
 
     @abstractmethod
     def prefill_store(self, state: PrefillState) -> None:
@@ -566,4 +568,53 @@ class InferenceBackend(ABC):
         not serve afterwards (``close`` follows). Default: nothing (the engine waits for the call)."""
 
     def check_integrity(self) -> None:
-        """Raise RuntimeError if internal KV bookkeeping is inconsistent (leaks, double frees)."""
+        """Raise (AssertionError or RuntimeError, naming the problem) if the KV bookkeeping is inconsistent (leaks,
+        double frees); the kit and the engine treat both alike. May run at any time
+        under :attr:`lock` (the conformance kit between calls, ``/debug/kv`` while requests are in flight): KV held
+        by a live prefill state (prefilled, not yet spliced) is not a leak. Default: checks nothing."""
+
+
+class StreamingBackend(InferenceBackend):
+    """Base of a streaming-only backend (``continuous_batching=False``): implement :meth:`generate_stream` (and set
+    ``model_info`` and ``tokenizer``); the batched primitives, which the scheduler never calls on such a backend,
+    raise NotImplementedError here. Its capabilities may not claim ``logprobs`` / ``top_logprobs`` (a stream yields
+    token ids only) or ``mixed_step``; the engine refuses such a backend at build time."""
+
+    capabilities = BackendCapabilities(continuous_batching=False)
+
+    @abstractmethod
+    def generate_stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, session_id: str | None = None
+    ) -> Iterator[int]:
+        """Yield the generated token ids one at a time (see :meth:`InferenceBackend.generate_stream`)."""
+
+    def _batched_only(self, name: str) -> NoReturn:
+        raise NotImplementedError(f"{type(self).__name__} is streaming-only (continuous_batching=False): {name} is "
+                                  "a batched primitive the scheduler does not call on it")
+
+    def prefill_lookup(self, prompt_ids: Sequence[int]) -> PrefillState:
+        self._batched_only("prefill_lookup")
+
+    def prefill_chunk(self, state: PrefillState, num_tokens: int) -> None:
+        self._batched_only("prefill_chunk")
+
+    def prefill_store(self, state: PrefillState) -> None:
+        self._batched_only("prefill_store")
+
+    def stack_caches_left_padded(self, rows: Sequence[RowKV]) -> BatchKV:
+        self._batched_only("stack_caches_left_padded")
+
+    def splice_into_batched(self, batched: BatchKV | None, new_kv: RowKV, kv_len: int) -> BatchKV:
+        self._batched_only("splice_into_batched")
+
+    def remove_row_from_cache(self, batched: BatchKV, row_idx: int) -> None:
+        self._batched_only("remove_row_from_cache")
+
+    def decode_step_batched(self, batched: BatchKV, input_ids: Sequence[int]) -> Logits:
+        self._batched_only("decode_step_batched")
+
+    def kv_length(self, kv: RowKV | BatchKV, row_idx: int | None = None) -> int:
+        self._batched_only("kv_length")
+
+    def sample(self, logits: Logits, rows: Sequence[RowSampling], *, want_logprobs: bool = False) -> SampledTokens:
+        self._batched_only("sample")

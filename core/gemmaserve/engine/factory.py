@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from gemmaserve.backend import InferenceBackend
 from gemmaserve.engine.engine import Engine
 from gemmaserve.errors import BackendUnavailableError, ConfigurationError
 from gemmaserve.kv.cache_manager import CacheManager
@@ -21,10 +22,9 @@ from gemmaserve.settings import CoreSettings, check_gemmaserve_variables, load_s
 if TYPE_CHECKING:
     from pydantic_settings import BaseSettings
 
-    from gemmaserve.backend import InferenceBackend
     from gemmaserve.registry import BackendRegistry
 
-__all__ = ["build_engine"]
+__all__ = ["build_engine", "capability_problem"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,23 @@ def _settings_classes(registry: BackendRegistry) -> list[type[BaseSettings]] | N
                            exc)
             return None
     return classes
+
+
+def capability_problem(backend: object) -> str | None:
+    """Why ``backend`` (what a factory returned) cannot be served as it declares itself, or None: not an
+    InferenceBackend; ``mixed_step`` without its own ``forward_step``; a streaming-only backend claiming
+    ``mixed_step``, ``logprobs`` or ``top_logprobs`` (a stream yields token ids only)."""
+    if not isinstance(backend, InferenceBackend):
+        return f"the factory returned a {type(backend).__name__}, not a gemmaserve.backend.InferenceBackend"
+    caps = backend.capabilities
+    if caps.mixed_step and type(backend).forward_step is InferenceBackend.forward_step:
+        return "capabilities.mixed_step is set but the class does not implement forward_step"
+    if not caps.continuous_batching:
+        claimed = [name for name in ("mixed_step", "logprobs", "top_logprobs") if getattr(caps, name)]
+        if claimed:
+            return (f"a streaming-only backend (continuous_batching=False) cannot declare {', '.join(claimed)}: "
+                    "generate_stream yields token ids only")
+    return None
 
 
 def build_engine(settings: CoreSettings | None = None, registry: BackendRegistry | None = None) -> Engine:
@@ -85,7 +102,15 @@ def build_engine(settings: CoreSettings | None = None, registry: BackendRegistry
             raise
         raise BackendUnavailableError(
             f"backend {spec.name!r} (factory {spec.factory!r}) cannot be built: {exc}; a backend class implements "
-            "every abstract method of gemmaserve.backend.InferenceBackend (docs/writing-a-backend.md)") from exc
+            "every abstract method of gemmaserve.backend.InferenceBackend (a streaming-only one can subclass "
+            "gemmaserve.backend.StreamingBackend; docs/writing-a-backend.md)") from exc
+    problem = capability_problem(backend)
+    if problem is not None:
+        close = getattr(backend, "close", None)
+        if callable(close):
+            close()
+        raise BackendUnavailableError(f"backend {spec.name!r} (factory {spec.factory!r}): {problem} "
+                                      "(docs/writing-a-backend.md)")
     cache = None
     try:
         if backend.capabilities.uses_core_cache_manager and settings.prefix_cache_blocks > 0:

@@ -452,11 +452,12 @@ class BackendContractTests:
 
     # -- other paths ----------------------------------------------------------------------------------
     def test_generate_stream_matches_batched_greedy(self, backend: InferenceBackend) -> None:
+        """``generate_stream`` as the scheduler calls it (``session_id`` keyword: the request's id)."""
         prompt = self.make_prompts(backend)[1]
         params = SamplingParams(max_tokens=self.num_decode_tokens, ignore_eos=True)
-        streamed = list(backend.generate_stream(prompt, params))
+        streamed = list(backend.generate_stream(prompt, params, session_id="kit-a"))
         assert len(streamed) == self.num_decode_tokens
-        assert list(backend.generate_stream(prompt, params)) == streamed
+        assert list(backend.generate_stream(prompt, params, session_id="kit-b")) == streamed
         if backend.capabilities.continuous_batching:
             assert streamed == solo_greedy(backend, prompt, self.num_decode_tokens)
         sampled = SamplingParams(max_tokens=4, temperature=0.8, seed=5, ignore_eos=True)

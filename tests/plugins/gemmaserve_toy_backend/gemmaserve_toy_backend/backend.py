@@ -7,8 +7,6 @@ because attention here is a per-row reduction). It has no prefix cache
 
 from __future__ import annotations
 
-import math
-import random
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +17,7 @@ from gemmaserve.backend import (
     PrefillState,
     SampledTokens,
 )
+from gemmaserve.engine.sampling_cpu import sample_rows
 from gemmaserve.errors import InvalidRequestError
 from gemmaserve.sampling_params import RowSampling
 
@@ -48,21 +47,6 @@ def _next_token_logits(kv: list[tuple[int, int]]) -> list[float]:
         state = (state * 31 + token * 7 + position) % 1_000_003
     preferred = 1 + state % (VOCAB_SIZE - 1)
     return [8.0 if t == preferred else -((t * 13 + state) % 5) for t in range(VOCAB_SIZE)]
-
-
-def _sample_filtered(scores: list[float], row: RowSampling) -> int:
-    """Temperature, then top-k, then top-p (nucleus); randomness from (seed, step) only."""
-    order = sorted(range(len(scores)), key=lambda t: -scores[t])
-    if row.top_k:
-        order = order[: row.top_k]
-    peak = scores[order[0]]
-    weights = [math.exp((scores[t] - peak) / row.temperature) for t in order]
-    total, kept, mass = sum(weights), 0, 0.0
-    while kept < len(order) and mass < row.top_p * total:
-        mass += weights[kept]
-        kept += 1
-    rng = random.Random(row.seed * 1_000_003 + row.step)
-    return rng.choices(order[: max(kept, 1)], weights[: max(kept, 1)])[0]
 
 
 class ToyBackend(InferenceBackend):
@@ -109,18 +93,10 @@ class ToyBackend(InferenceBackend):
         return len(kv if row_idx is None else kv[row_idx])
 
     def sample(self, logits: Any, rows: Sequence[RowSampling], *, want_logprobs: bool = False) -> SampledTokens:
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        for scores, row in zip(logits, rows):
-            peak = max(scores)
-            log_norm = peak + math.log(sum(math.exp(s - peak) for s in scores))
-            if row.is_greedy:
-                token = max(range(len(scores)), key=scores.__getitem__)
-            else:
-                token = _sample_filtered(scores, row)
-            tokens.append(token)
-            logprobs.append(scores[token] - log_norm)
-        return SampledTokens(tokens, logprobs if want_logprobs else None)
+        """The contract's sampling definition, written once in the core: logit_bias, penalties, bans, temperature,
+        top-k / top-p / min-p and the seeded Gumbel pick (so a seed gives the same tokens on every backend)."""
+        tokens, logprobs = sample_rows(logits, rows, want_logprobs=want_logprobs)
+        return SampledTokens(tokens, logprobs)
 
 
 def create_backend(model_path: str, device: str, settings: Any) -> ToyBackend:
