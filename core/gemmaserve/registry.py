@@ -72,9 +72,13 @@ class BackendSpec:
                     "'-' (BACKEND is normalised to lower case with '_' turned into '-'), e.g. "
                     f"{re.sub('[^a-z0-9-]+', '-', key.lower()).strip('-') or 'my-backend'!r}"
                 )
-        for role, path in (("factory", self.factory), ("settings", self.settings)):
+        for role, path in (("factory", self.factory), ("settings", self.settings), ("probe", self.probe)):
             if path is not None and ":" not in path:
                 raise ValueError(f"{role} must be a 'module:attribute' path, got {path!r}")
+        kinds = ("cpu", "cuda", "mps")
+        if isinstance(self.devices, str) or not self.devices or any(d not in kinds for d in self.devices):
+            raise ValueError(f"backend {self.name!r}: devices must be a non-empty tuple of {', '.join(kinds)}, "
+                             f"got {self.devices!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -187,3 +187,11 @@ def test_backends_exits_nonzero_when_nothing_can_run_on_the_device(capsys: pytes
 
     assert main(["backends", "--device", "cuda"]) == 2  # used to print "selection: none" and exit 0
     assert "selection: none (no backend can run on cuda" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("devices, probe", [("cpu,cuda", None), (("gpu",), None), ((), None), (("cpu",), "pkg.mod")])
+def test_a_spec_with_bad_devices_or_probe_is_refused_naming_it(devices, probe) -> None:
+    """A string of devices was split into characters (listed as 'c,p,u,...' and shown available on cpu); a device
+    kind that does not exist was 'unavailable: not detected'; a probe path without ':' failed at selection."""
+    with pytest.raises(ValueError, match="devices must be|'module:attribute'"):
+        BackendSpec("mine", "m:f", devices, probe)
