@@ -148,7 +148,9 @@ def test_bad_template_options_are_a_400_naming_the_field(hf_chat: Any, extra: di
 def test_a_tokenizer_without_options_refuses_them_but_serves_plain_chats(make_client: Any) -> None:
     client, _ = make_client()  # the reference CharTokenizer: apply_chat_template(messages) only
     assert _chat(client, messages=USER, add_generation_prompt=True, echo=True).status_code == 200
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     for extra, param in (({"chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
+                         ({"tools": tools}, "tools"),  # the client sent no chat_template_kwargs: name its field
                          ({"add_generation_prompt": False}, "add_generation_prompt"),
                          ({"continue_final_message": True}, "continue_final_message")):
         response = _chat(client, messages=STORY, **extra)

@@ -279,9 +279,11 @@ def _check_template_options(tokenizer: Tokenizer, options: dict[str, Any]) -> No
         parameters = {}
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return
-    for option in options:
+    for option, value in options.items():
         if option not in parameters:
             field = _OPTION_FIELDS[option]
+            if option == "template_kwargs" and isinstance(value, dict) and set(value) == {"tools"}:
+                field = "tools"  # only the request's tools reach the template as a variable
             raise APIError(400, f"{field} is not supported by this backend's tokenizer (its chat template takes "
                            "the messages only); leave it at its default", param=field, code="invalid_value")
 
