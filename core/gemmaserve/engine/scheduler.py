@@ -222,7 +222,7 @@ class ContinuousBatchScheduler:
         allowed-token masks (it cannot serve structured output). Thread-safe."""
         if self._streaming or not self._caps.allowed_token_masks:
             raise InvalidRequestError(
-                f"backend {self.backend.model_info.name!r} does not apply allowed-token masks "
+                f"the backend serving {self.backend.model_info.name!r} does not apply allowed-token masks "
                 "(capabilities.allowed_token_masks), so it cannot serve structured output; send the request "
                 "without structured_outputs / response_format")
         return self._grammar_compiler()
@@ -232,7 +232,7 @@ class ContinuousBatchScheduler:
         special tokens; distinct sequences only. Raises InvalidRequestError for a streaming-only backend or a
         word of more than MAX_BAD_WORD_TOKENS tokens."""
         if self._streaming:
-            raise InvalidRequestError(f"backend {self.backend.model_info.name!r} streams whole generations "
+            raise InvalidRequestError(f"the backend serving {self.backend.model_info.name!r} streams whole generations "
                                       "(no per-step sampling), so it cannot ban bad_words; send none")
         sequences: dict[tuple[int, ...], None] = {}
         for word in words:

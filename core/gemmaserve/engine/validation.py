@@ -69,11 +69,12 @@ def validate_request(
                 f"integers in [0, {vocab_size})"
             )
     if request.want_logprobs and not backend.capabilities.logprobs:
-        raise InvalidRequestError(f"backend {backend.model_info.name!r} cannot return logprobs; do not request them")
+        raise InvalidRequestError(f"the backend serving {backend.model_info.name!r} cannot return logprobs; do not "
+                                  "request them")
     if request.params.logprobs and not backend.capabilities.top_logprobs:
-        raise InvalidRequestError(f"backend {backend.model_info.name!r} returns only the sampled token's logprob: "
-                                  f"logprobs={request.params.logprobs} asks for alternatives; send logprobs=0 "
-                                  "(completions) or top_logprobs=0 (chat), or use another backend")
+        raise InvalidRequestError(f"the backend serving {backend.model_info.name!r} returns only the sampled "
+                                  f"token's logprob: logprobs={request.params.logprobs} asks for alternatives; send "
+                                  "logprobs=0 (completions) or top_logprobs=0 (chat), or use another backend")
     max_tokens = request.params.max_tokens
     total = num_prompt + max_tokens
     pool = backend.max_request_tokens()
