@@ -3,6 +3,7 @@ an in-thread uvicorn over an in-process engine, SSE and Prometheus parsing."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
 import json
@@ -14,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -287,3 +288,32 @@ def parse_prometheus(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], 
 def metric(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
     """One sample's value (0 when absent: counters with a label set not seen yet)."""
     return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+async def asgi_post(app: Any, path: str, body: bytes,
+                    pace: Callable[[dict[str, Any], list[dict[str, Any]]], Awaitable[None]],
+                    state: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
+    """POST ``body`` to ``path`` of ``app`` as one ASGI call whose client never disconnects: every message sent goes
+    to the returned list, then ``send`` awaits ``pace(message, sent)`` (the client's transport: its reading pace);
+    ``state`` is the request scope's state (the connection guards' keys)."""
+    sent: list[dict[str, Any]] = []
+    inbox = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if inbox:
+            return inbox.pop()
+        await asyncio.Event().wait()  # the client never disconnects
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        await pace(message, sent)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000),
+             "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode())],
+             "state": state}
+    await asyncio.wait_for(app(scope, receive, send), timeout_s)
+    return sent

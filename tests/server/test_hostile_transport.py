@@ -9,7 +9,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -20,7 +20,7 @@ from gemmaserve.server.app import create_app
 from gemmaserve.server.connections import ConnectionLimits, guarded_protocol_class
 from gemmaserve.server.metrics import ServerMetrics
 from gemmaserve.testing.reference_backend import ReferenceBackend
-from server_harness import REFERENCE_MODEL, ThreadedServer, reference_engine, wait_until
+from server_harness import REFERENCE_MODEL, ThreadedServer, asgi_post, reference_engine, wait_until
 
 
 class _Wedgeable(ReferenceBackend):
@@ -284,34 +284,6 @@ def test_a_slow_second_request_on_a_keep_alive_connection_gets_the_408() -> None
 
 
 # -- 7. a client that never reads its stream ---------------------------------------------------------------
-async def _post_stream(app: Any, body: bytes, stall: Callable[[dict[str, Any], list[dict[str, Any]]], Any],
-                       state: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
-    """POST ``body`` to ``app``'s /v1/completions as one ASGI call whose client never disconnects; every message
-    sent goes to the returned list, then ``send`` awaits ``stall(message, sent)`` (the client's reading pace);
-    ``state`` is the request scope's state (the connection guards' keys)."""
-    sent: list[dict[str, Any]] = []
-    inbox = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def receive() -> dict[str, Any]:
-        if inbox:
-            return inbox.pop()
-        await asyncio.Event().wait()  # the client never disconnects
-        raise AssertionError("unreachable")
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-        await stall(message, sent)
-
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000),
-             "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"),
-                         (b"content-length", str(len(body)).encode())],
-             "state": state}
-    await asyncio.wait_for(app(scope, receive, send), timeout_s)
-    return sent
-
-
 def test_a_stream_whose_client_stops_reading_is_cancelled_and_its_connection_dropped() -> None:
     from gemmaserve.server.connections import ABORT_KEY
 
@@ -325,7 +297,7 @@ def test_a_stream_whose_client_stops_reading_is_cancelled_and_its_connection_dro
 
     async def serve_one() -> tuple[bool, list[dict[str, Any]]]:
         aborted = asyncio.Event()
-        sent = await _post_stream(app, body, full_socket, {ABORT_KEY: aborted.set}, 10)
+        sent = await asgi_post(app, "/v1/completions", body, full_socket, {ABORT_KEY: aborted.set}, 10)
         return aborted.is_set(), sent
 
     try:
@@ -429,7 +401,7 @@ def test_a_slow_reader_that_keeps_taking_bytes_is_not_cut() -> None:
                 ended.set()
 
         aborted = asyncio.Event()
-        sent = await _post_stream(app, body, slow_reader, {ABORT_KEY: aborted.set, UNSENT_KEY: unsent}, 30)
+        sent = await asgi_post(app, "/v1/completions", body, slow_reader, {ABORT_KEY: aborted.set, UNSENT_KEY: unsent}, 30)
         return aborted.is_set(), sent
 
     try:

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_harness import REFERENCE_MODEL, ThreadedServer, reference_engine, wait_until
+from server_harness import REFERENCE_MODEL, ThreadedServer, asgi_post, reference_engine, wait_until
 
 from gemmaserve.server.app import create_app
 from gemmaserve.server.connections import ABORT_KEY, UNSENT_KEY
@@ -34,29 +34,8 @@ class _Slow(ReferenceBackend):
 
 async def _call(app: Any, path: str, body: bytes, send_pace: Any, state: dict[str, Any],
                 timeout_s: float) -> list[dict[str, Any]]:
-    """POST ``body`` to ``path`` as one ASGI call whose client never disconnects; each message sent is recorded,
-    then ``send`` awaits ``send_pace(message)`` (the client's transport); ``state``: the connection guards' keys."""
-    sent: list[dict[str, Any]] = []
-    inbox = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def receive() -> dict[str, Any]:
-        if inbox:
-            return inbox.pop()
-        await asyncio.Event().wait()  # the client never disconnects
-        raise AssertionError("unreachable")
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-        await send_pace(message)
-
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-             "root_path": "", "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000),
-             "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"),
-                         (b"content-length", str(len(body)).encode())],
-             "state": state}
-    await asyncio.wait_for(app(scope, receive, send), timeout_s)
-    return sent
+    """:func:`asgi_post` with a pace that sees only the message."""
+    return await asgi_post(app, path, body, lambda message, sent: send_pace(message), state, timeout_s)
 
 
 async def _into_buffer(message: dict[str, Any]) -> None:
