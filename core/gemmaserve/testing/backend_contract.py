@@ -151,7 +151,8 @@ class BackendContractTests:
     def test_forward_step_equals_prefill_chunks_then_decode(self, backend: InferenceBackend) -> None:
         """``forward_step`` (backends with ``mixed_step``): decoding rows keep their solo greedy tokens while
         prefill states advance by at least one and at most their chunk each tick and end with one-shot
-        prefill's first token; a tick with no chunks decodes, a tick with no rows prefills."""
+        prefill's first token; a tick with no chunks decodes, a tick with no rows (``batch=None``, as the engine
+        passes it) prefills."""
         self._batched(backend)
         if not backend.capabilities.mixed_step:
             pytest.skip("backend does not declare mixed_step")
@@ -190,6 +191,13 @@ class BackendContractTests:
                 backend.free_row_kv(state.kv)
             for _ in decoding:
                 backend.remove_row_from_cache(batch, 0)
+            alone = backend.prefill_lookup(prefilling[0])  # ticks with no decoding rows: the engine passes None
+            while not alone.is_complete:
+                out = backend.forward_step([alone], [size], None, [])
+                assert list(out.prefill_errors) == [None], out.prefill_errors
+                assert out.decode_logits is None or len(out.decode_logits) == 0, "no rows, no decode logits"
+            assert greedy_rows(backend, alone.last_logits, [0]) == expected[0]
+            backend.free_row_kv(alone.kv)
         self._finish(backend)
 
     def test_decode_step_async_feeds_on_the_previous_step(self, backend: InferenceBackend) -> None:
