@@ -51,6 +51,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol, runtime_checkable
 
+from gemmaserve.errors import GemmaserveError
+
 if TYPE_CHECKING:
     from gemmaserve.kv.cache_manager import CacheManager
     from gemmaserve.sampling_params import RowSampling, SamplingParams
@@ -70,6 +72,7 @@ __all__ = [
     "StepOutput",
     "InferenceBackend",
     "StreamingBackend",
+    "StreamingOnlyError",
     "RowKV",
     "BatchKV",
     "Logits",
@@ -574,13 +577,19 @@ class InferenceBackend(ABC):
         by a live prefill state (prefilled, not yet spliced) is not a leak. Default: checks nothing."""
 
 
+class StreamingOnlyError(GemmaserveError, NotImplementedError):
+    """A continuous-batching primitive was called on a streaming-only backend."""
+
+
 class StreamingBackend(InferenceBackend):
     """Base of a streaming-only backend (``continuous_batching=False``): implement :meth:`generate_stream` (and set
     ``model_info`` and ``tokenizer``); the batched primitives, which the scheduler never calls on such a backend,
     raise NotImplementedError here. Its capabilities may not claim ``logprobs`` / ``top_logprobs`` (a stream yields
-    token ids only) or ``mixed_step``; the engine refuses such a backend at build time."""
+    token ids only) or ``mixed_step``; the engine refuses such a backend at build time. ``batched_hint``: what a
+    caller of a batched primitive should use instead (appended to the error)."""
 
     capabilities = BackendCapabilities(continuous_batching=False)
+    batched_hint = "drive it through generate_stream"
 
     @abstractmethod
     def generate_stream(
@@ -589,8 +598,8 @@ class StreamingBackend(InferenceBackend):
         """Yield the generated token ids one at a time (see :meth:`InferenceBackend.generate_stream`)."""
 
     def _batched_only(self, name: str) -> NoReturn:
-        raise NotImplementedError(f"{type(self).__name__} is streaming-only (continuous_batching=False): {name} is "
-                                  "a batched primitive the scheduler does not call on it")
+        raise StreamingOnlyError(f"{name}: {type(self).__name__} is streaming-only (continuous_batching=False); "
+                                 f"{self.batched_hint}")
 
     def prefill_lookup(self, prompt_ids: Sequence[int]) -> PrefillState:
         self._batched_only("prefill_lookup")

@@ -30,7 +30,9 @@ from .parsers import (GEMMA4_BARE_KEY, GEMMA4_CALL_CLOSE, GEMMA4_CALL_OPEN, GEMM
 
 __all__ = ["tool_call_constraint"]
 
-_MARKERS = "|".join(re.escape(m) for m in (GEMMA4_STRING, GEMMA4_CALL_CLOSE, GEMMA4_CHANNEL_OPEN, GEMMA4_CHANNEL_CLOSE))
+_IN_STRING_MARKERS = (GEMMA4_STRING, GEMMA4_CALL_CLOSE, GEMMA4_CHANNEL_OPEN, GEMMA4_CHANNEL_CLOSE)
+"""Markers a string of a call cannot hold: the parsers would end the string or the call there, or open a channel."""
+_MARKERS = "|".join(re.escape(m) for m in _IN_STRING_MARKERS)
 _NO_MARKER = f"~/(?s:.*)({_MARKERS})(?s:.*)/"
 """Lark: any text without the string marker, the call's closing marker or the reasoning channel's markers in it (the
 parsers would end the string or the call there, or open a channel), intersected with a string's own lexeme."""
@@ -202,10 +204,6 @@ def _regex_compiles(body: str) -> bool:
         return True
     grammar = llguidance.LLMatcher.grammar_from_lark(f"start: S\nS: /{body}/")
     return not llguidance.LLMatcher.validate_grammar(grammar)
-
-
-_IN_STRING_MARKERS = (GEMMA4_STRING, GEMMA4_CALL_CLOSE, GEMMA4_CHANNEL_OPEN, GEMMA4_CHANNEL_CLOSE)
-"""Markers a string of a call cannot hold: the parsers would end the string or the call there, or open a channel."""
 
 
 def _string(text: str, what: str) -> str:

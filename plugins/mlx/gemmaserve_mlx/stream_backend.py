@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from gemmaserve.backend import BackendCapabilities, InferenceBackend, PrefillState, SampledTokens
-from gemmaserve.errors import GemmaserveError
+from gemmaserve.backend import BackendCapabilities, SampledTokens, StreamingBackend, StreamingOnlyError
 
 from gemmaserve_mlx.loader import LoadedModel, load_model
 from gemmaserve_mlx.sampling import StreamSampler, sample_rows
@@ -32,17 +31,16 @@ if TYPE_CHECKING:
 __all__ = ["MlxStreamBackend", "StreamingOnlyError", "create_backend"]
 
 
-class StreamingOnlyError(GemmaserveError, NotImplementedError):
-    """A continuous-batching primitive was called on the streaming-only backend."""
-
-
 def create_backend(model_path: str, device: str, settings: CoreSettings) -> MlxStreamBackend:
     """Registry factory: load ``model_path`` and build the streaming backend."""
     return MlxStreamBackend(load_model(model_path, device, settings), load_mlx_settings())
 
 
-class MlxStreamBackend(InferenceBackend):
-    """mlx_lm generation, one stream at a time, reusing recent streams' KV for shared prefixes."""
+class MlxStreamBackend(StreamingBackend):
+    """mlx_lm generation, one stream at a time, reusing recent streams' KV for shared prefixes (the batched
+    primitives raise :class:`StreamingOnlyError`, from :class:`StreamingBackend`)."""
+
+    batched_hint = "drive it through generate_stream, or use BACKEND=mlx for continuous batching"
 
     def __init__(self, loaded: LoadedModel, mlx_settings: MlxSettings) -> None:
         super().__init__()
@@ -103,31 +101,6 @@ class MlxStreamBackend(InferenceBackend):
         with mx.stream(self._device):
             return sample_rows(logits, rows, want_logprobs=want_logprobs)
 
-    # -- the continuous-batching primitives do not exist here -----------------------------------------
-    def prefill_lookup(self, prompt_ids: Sequence[int]) -> PrefillState:
-        _streaming_only("prefill_lookup")
-
-    def prefill_chunk(self, state: PrefillState, num_tokens: int) -> None:
-        _streaming_only("prefill_chunk")
-
-    def prefill_store(self, state: PrefillState) -> None:
-        _streaming_only("prefill_store")
-
-    def stack_caches_left_padded(self, rows: Sequence[Any]) -> Any:
-        _streaming_only("stack_caches_left_padded")
-
-    def splice_into_batched(self, batched: Any, new_kv: Any, kv_len: int) -> Any:
-        _streaming_only("splice_into_batched")
-
-    def remove_row_from_cache(self, batched: Any, row_idx: int) -> None:
-        _streaming_only("remove_row_from_cache")
-
-    def decode_step_batched(self, batched: Any, input_ids: Sequence[int]) -> Any:
-        _streaming_only("decode_step_batched")
-
-    def kv_length(self, kv: Any, row_idx: int | None = None) -> int:
-        _streaming_only("kv_length")
-
     # -- bookkeeping ------------------------------------------------------------------------------
     def kv_stats(self) -> dict[str, int]:
         return {"prompt_caches": len(self._sessions), "streams_active": self._active_streams}
@@ -141,9 +114,3 @@ class MlxStreamBackend(InferenceBackend):
             raise RuntimeError(f"MlxStreamBackend: {self._active_streams} active streams")
         self._sessions.check_integrity()
 
-
-def _streaming_only(method: str) -> NoReturn:
-    raise StreamingOnlyError(
-        f"{method}: BACKEND=mlx-stream is streaming-only (continuous_batching=False); drive it through "
-        "generate_stream, or use BACKEND=mlx for continuous batching"
-    )
