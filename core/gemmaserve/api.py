@@ -718,12 +718,10 @@ def _check_options(options: dict[str, Any]) -> None:
         if name in known:
             continue
         if name in VLLM_OPTIONS_NOT_IMPLEMENTED:
-            accepted, why = VLLM_OPTIONS_NOT_IMPLEMENTED[name]
-            if _is_one_of(value, accepted):
+            problem = _not_implemented("LLM", name, value, VLLM_OPTIONS_NOT_IMPLEMENTED[name])
+            if problem is None:
                 continue
-            shown = " or ".join(repr(a) for a in accepted)
-            raise ConfigurationError(f"LLM({name}={value!r}) is not implemented by gemmaserve ({why}); leave it "
-                                     f"unset or {shown}")
+            raise ConfigurationError(problem)
         candidates = (*_LLM_PARAMETERS, *known, *VLLM_OPTIONS_NOT_IMPLEMENTED)
         close = get_close_matches(name, candidates, n=3, cutoff=0.6)
         hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else (
@@ -767,15 +765,22 @@ def _check_call_options(method: str, **options: Any) -> None:
     :data:`CALL_OPTIONS_NOT_IMPLEMENTED`) given at a value gemmaserve does not implement, naming it, why, and the
     values accepted. ``priority``: None or a list of zeros."""
     for name, value in options.items():
-        accepted, why = CALL_OPTIONS_NOT_IMPLEMENTED[name]
         if name == "priority" and isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and all(
                 _is_one_of(entry, (0,)) for entry in value):
             continue
-        if _is_one_of(value, accepted):
-            continue
-        shown = " or ".join(repr(a) for a in accepted)
-        raise InvalidRequestError(f"LLM.{method}({name}={_shown(value)}) is not implemented by gemmaserve ({why}); "
-                                  f"leave it unset or {shown}")
+        problem = _not_implemented(f"LLM.{method}", name, value, CALL_OPTIONS_NOT_IMPLEMENTED[name])
+        if problem is not None:
+            raise InvalidRequestError(problem)
+
+
+def _not_implemented(call: str, name: str, value: object, rule: tuple[tuple[Any, ...], str]) -> str | None:
+    """The refusal of vLLM's option ``name`` given to ``call`` at ``value`` (``rule``: the values accepted because
+    they change nothing, and why others are not implemented), or None when ``value`` is one of those."""
+    accepted, why = rule
+    if _is_one_of(value, accepted):
+        return None
+    shown = " or ".join(repr(a) for a in accepted)
+    return f"{call}({name}={_shown(value)}) is not implemented by gemmaserve ({why}); leave it unset or {shown}"
 
 
 def _shown(value: object, limit: int = 80) -> str:
