@@ -362,7 +362,7 @@ class LLM:
             raise InvalidRequestError("LLM.chat: continue_final_message=True continues the last message, so it takes "
                                       "add_generation_prompt=False")
         conversations = _conversations(messages)
-        kwargs = {**_template_kwargs(chat_template_kwargs), **({"tools": tools} if tools is not None else {})}
+        kwargs = _template_kwargs(chat_template_kwargs)
         rendered = [_template_messages(conversation, f"conversation {index}, " if len(conversations) > 1 else "")
                     for index, conversation in enumerate(conversations)]
         tokenizer = self.tokenizer if chat_template is None else self._tokenizer_with_template(chat_template)
@@ -373,6 +373,8 @@ class LLM:
             options["continue_final_message"] = True
         if kwargs:
             options["template_kwargs"] = kwargs
+        if tools is not None:
+            options["tools"] = tools
         encoded = [self._render(conversation, tokenizer, options) for conversation in rendered]
         params = SamplingParams() if sampling_params is None else sampling_params
         many = isinstance(params, Sequence)

@@ -449,10 +449,9 @@ class _Server:
                            f"a queued request, so this request could never be admitted; send n <= {bound}",
                            param="n", code="invalid_value")
 
-    def json_response(self, request: Request, payload: Any, what: str,
-                      on_end: Callable[[int], None] | None = None) -> Response:
+    def json_response(self, request: Request, payload: Any, what: str) -> Response:
         """``payload`` as a JSON response, sent under the STREAM_STALL_TIMEOUT_S rule (:class:`_SendGuard`)."""
-        return _GuardedBody(json_bytes(payload), _SendGuard(request, self.stream_stall_s, what), on_end)
+        return _GuardedBody(json_bytes(payload), _SendGuard(request, self.stream_stall_s, what), None)
 
     # -- /tokenize, /detokenize ----------------------------------------------------------------------------
     async def run_json(self, request: Request, work: Callable[[bytes], dict[str, Any]]) -> dict[str, Any]:
@@ -655,12 +654,10 @@ class _Server:
             self.metrics.record_request(endpoint, status)
 
     def _observe(self, generation: Generation) -> None:
-        """Record ``generation``'s latencies once, however it ended (as vLLM records a first token and the gaps
-        between tokens when they happen: a request cancelled or failed later still counts them; the end-to-end
-        latency only when it reached its end)."""
-        if generation.observed:
-            return
-        generation.observed = True
+        """Record ``generation``'s latencies, however it ended (as vLLM records a first token and the gaps between
+        tokens when they happen: a request cancelled or failed later still counts them; the end-to-end latency only
+        when it reached its end). Each generation comes here once: on its response's success path, or when the
+        request fails before one exists, or when its stream ends."""
         timing = generation.timing
         self.metrics.observe(timing.ttft, timing.tpot(len(generation.token_ids)), timing.e2e, timing.gaps)
 

@@ -84,7 +84,7 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limi
     options = body.template_options
     parser = None
     if mode is not None:
-        options = {**options, "template_kwargs": {**options.get("template_kwargs", {}), "tools": body.tool_functions}}
+        options = {**options, "tools": body.tool_functions}
         parser = resolve_tool_parser(tokenizer, tool_call_parser)
     prompt_ids = render_chat([message.as_template_dict() for message in body.messages], tokenizer, context_limit,
                              options, pool)
@@ -181,8 +181,9 @@ def render_chat(messages: list[dict[str, Any]], tokenizer: Tokenizer, context_li
                 options: dict[str, Any] | None = None, pool: RenderPool | None = None) -> list[int]:
     """The chat template applied to ``messages`` (with the generation prompt); 400 without a template, for
     messages that cannot fit ``context_limit`` (checked before rendering) or that render to nothing. ``options``:
-    ``apply_chat_template`` keywords (``add_generation_prompt``, ``continue_final_message``, ``template_kwargs``),
-    given only when they differ from the default; a tokenizer that does not take one is a 400 naming it.
+    ``apply_chat_template`` keywords (``add_generation_prompt``, ``continue_final_message``, ``template_kwargs``)
+    and ``tools`` (the template's ``tools`` variable, passed among ``template_kwargs``), given only when they differ
+    from the default; a tokenizer that does not take one is a 400 naming its request field.
     Messages of at least ``RENDER_POOL_MIN_CHARS`` characters are rendered in ``pool`` (a copy of
     ``tokenizer`` in a worker process) when one is given and still :meth:`~RenderPool.serves` it; a worker that
     dies twice is a 500."""
@@ -200,8 +201,11 @@ def render_chat(messages: list[dict[str, Any]], tokenizer: Tokenizer, context_li
     chars = _check_template_input(messages, options, tokenizer, context_limit)
     pooled = pool is not None and chars >= RENDER_POOL_MIN_CHARS and pool.serves(tokenizer)
     render = pool.apply_chat_template if pool is not None and pooled else tokenizer.apply_chat_template
+    keywords = {name: value for name, value in options.items() if name != "tools"}
+    if "tools" in options:
+        keywords["template_kwargs"] = {**options.get("template_kwargs", {}), "tools": options["tools"]}
     try:
-        prompt_ids = render(messages, **options)
+        prompt_ids = render(messages, **keywords)
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param="messages", code="invalid_value") from None
     except RenderWorkerDied as exc:
@@ -222,8 +226,7 @@ def _check_template_input(messages: list[dict[str, Any]], options: dict[str, Any
     longest = getattr(tokenizer, "max_token_chars", None)
     bounded = isinstance(longest, int) and not isinstance(longest, bool) and longest > 0
     limit = context_limit * longest if bounded else sys.maxsize
-    kwargs = dict(options.get("template_kwargs") or {})
-    parts = {"tools": kwargs.pop("tools", None), "chat_template_kwargs": kwargs}
+    parts = {"tools": options.get("tools"), "chat_template_kwargs": options.get("template_kwargs")}
     counts = {"messages": sum(_rendered_chars(value, limit) for message in messages for value in message.values())}
     for name, value in parts.items():
         counts[name] = _rendered_chars(value, limit - counts["messages"])
@@ -265,7 +268,9 @@ def _rendered_chars(value: Any, budget: int) -> int:
 
 
 _OPTION_FIELDS = {"add_generation_prompt": "add_generation_prompt", "continue_final_message": "continue_final_message",
-                  "template_kwargs": "chat_template_kwargs"}
+                  "template_kwargs": "chat_template_kwargs", "tools": "tools"}
+_KEYWORDS = {"tools": "template_kwargs"}
+"""Options that reach ``apply_chat_template`` through another keyword."""
 
 
 def _check_template_options(tokenizer: Tokenizer, options: dict[str, Any]) -> None:
@@ -279,11 +284,9 @@ def _check_template_options(tokenizer: Tokenizer, options: dict[str, Any]) -> No
         parameters = {}
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return
-    for option, value in options.items():
-        if option not in parameters:
+    for option in options:
+        if _KEYWORDS.get(option, option) not in parameters:
             field = _OPTION_FIELDS[option]
-            if option == "template_kwargs" and isinstance(value, dict) and set(value) == {"tools"}:
-                field = "tools"  # only the request's tools reach the template as a variable
             raise APIError(400, f"{field} is not supported by this backend's tokenizer (its chat template takes "
                            "the messages only); leave it at its default", param=field, code="invalid_value")
 
