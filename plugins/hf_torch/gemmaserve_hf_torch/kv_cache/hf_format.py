@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from gemmaserve.kv.cache_manager import BlockWrite
 
 __all__ = ["LayerShape", "WindowedLayer", "CacheLayout", "BlockPools", "detect_layout", "storing_layers",
-           "sliding_windows", "set_layer_kv"]
+           "set_layer_kv"]
 
 _STORING_LAYER_TYPES = (DynamicLayer, DynamicSlidingWindowLayer)
 
@@ -166,22 +166,28 @@ def set_layer_kv(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) 
 
 
 def storing_layers(text_config: object) -> list[bool]:
-    """For each decoder layer, whether it stores its own KV, from the cache transformers would build
-    for ``text_config``. Raises ModelLoadError for cache layers this backend cannot manage
-    (linear-attention / recurrent state, quantized or indexed caches)."""
+    """For each decoder layer, whether it stores its own KV (see :func:`_cache_layers`)."""
+    return [stores for stores, _ in _cache_layers(text_config)]
+
+
+def _cache_layers(text_config: object) -> list[tuple[bool, int | None]]:
+    """For each decoder layer, from the cache transformers would build for ``text_config``: whether it stores its
+    own KV, and the window of its ``DynamicSlidingWindowLayer`` (None: another layer). Raises ModelLoadError for
+    cache layers this backend cannot manage (linear-attention / recurrent state, quantized or indexed caches)."""
     reference = DynamicCache(config=text_config)
     if not reference.layers:  # lazily-built cache: one plain layer per decoder layer
-        return [True] * int(getattr(text_config, "num_hidden_layers"))
-    result = []
+        return [(True, None)] * int(getattr(text_config, "num_hidden_layers"))
+    result: list[tuple[bool, int | None]] = []
     for index, layer in enumerate(reference.layers):
         if DummyLayer is not None and isinstance(layer, DummyLayer):
-            result.append(False)
+            result.append((False, None))
         elif type(layer) in _STORING_LAYER_TYPES:
             if getattr(layer, "sliding_window", None) == 1:
                 raise ModelLoadError(
                     f"unsupported configuration for the hf backend: decoder layer {index} has sliding_window=1; "
                     f"{WINDOW_OF_ONE}")
-            result.append(True)
+            sliding = isinstance(layer, DynamicSlidingWindowLayer)
+            result.append((True, int(layer.sliding_window) if sliding else None))
         else:
             raise ModelLoadError(
                 f"unsupported architecture for the hf backend: decoder layer {index} uses cache layer "
@@ -189,16 +195,7 @@ def storing_layers(text_config: object) -> list[bool]:
                 "(DynamicLayer / DynamicSlidingWindowLayer) are supported"
             )
     num_layers = int(getattr(text_config, "num_hidden_layers", len(result)))
-    return result + [False] * (num_layers - len(result))  # transformers < 5.23: no layer for the KV-shared tail
-
-
-def sliding_windows(text_config: object) -> list[int | None]:
-    """For each decoder layer, the window of the ``DynamicSlidingWindowLayer`` transformers' own cache gives it for
-    ``text_config`` (None: any other layer)."""
-    layers = DynamicCache(config=text_config).layers
-    windows = [int(layer.sliding_window) if isinstance(layer, DynamicSlidingWindowLayer) else None for layer in layers]
-    num_layers = int(getattr(text_config, "num_hidden_layers", len(windows)))
-    return windows + [None] * (num_layers - len(windows))
+    return result + [(False, None)] * (num_layers - len(result))  # transformers < 5.23: no KV-shared tail layers
 
 
 def detect_layout(
@@ -206,8 +203,8 @@ def detect_layout(
 ) -> CacheLayout:
     """Find the model's KV layout: which layers store KV (from the config) and their K/V shapes
     (from one probe forward ``probe_forward(cache)`` over an empty layout cache)."""
-    stores = storing_layers(text_config)
-    windows = sliding_windows(text_config)
+    layers = _cache_layers(text_config)
+    stores, windows = [stores for stores, _ in layers], [window for _, window in layers]
     provisional = CacheLayout(
         len(stores), tuple(LayerShape(i, 0, 0) for i, s in enumerate(stores) if s), dtype, device
     )
