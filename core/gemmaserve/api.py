@@ -314,7 +314,9 @@ class LLM:
         ``tokenization_kwargs`` are accepted at the values that change nothing (None; ``priority`` all zeros;
         ``tokenization_kwargs`` empty); any other is an InvalidRequestError naming it."""
         _check_use_tqdm(use_tqdm)
-        _check_call_options("generate", lora_request=lora_request, priority=priority,
+        zeros = isinstance(priority, Sequence) and not isinstance(priority, (str, bytes)) and all(
+            _is_one_of(entry, (0,)) for entry in priority)  # vLLM's default priority, one per prompt
+        _check_call_options("generate", lora_request=lora_request, priority=None if zeros else priority,
                             tokenization_kwargs=tokenization_kwargs)
         encoded = self._normalize(prompts)
         if priority is not None and len(priority) != len(encoded):
@@ -765,11 +767,8 @@ listed (which mean what gemmaserve does anyway), anything else an InvalidRequest
 def _check_call_options(method: str, **options: Any) -> None:
     """InvalidRequestError for the first of ``options`` (vLLM's ``LLM.<method>`` keywords in
     :data:`CALL_OPTIONS_NOT_IMPLEMENTED`) given at a value gemmaserve does not implement, naming it, why, and the
-    values accepted. ``priority``: None or a list of zeros."""
+    values accepted."""
     for name, value in options.items():
-        if name == "priority" and isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and all(
-                _is_one_of(entry, (0,)) for entry in value):
-            continue
         problem = _not_implemented(f"LLM.{method}", name, value, CALL_OPTIONS_NOT_IMPLEMENTED[name])
         if problem is not None:
             raise InvalidRequestError(problem)
