@@ -130,8 +130,9 @@ class Generation:
                                      [g.prepared.params for g in generations], [g.request_id for g in generations],
                                      [g._on_event for g in generations], logprobs=prepared[0].want_logprobs,
                                      keep_events=False)
+        eos_ids = primary_eos_ids(tokenizer, engine.backend.model_info.eos_token_ids)
         for generation, handle in zip(generations, handles):
-            generation._handle, generation._engine_done = handle, False
+            generation._handle, generation._engine_done, generation._eos_ids = handle, False, eos_ids
         return generations
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, prepared: Prepared, *, timing: Timing,
@@ -143,7 +144,7 @@ class Generation:
         self.stop_reason: int | str | None = None
         """vLLM's: the stop string that ended the reply, or the token id that did (:meth:`SamplingParams.stop_reason`:
         a stop token, or an EOS id other than the tokenizer's own); None for EOS, ``length`` and the rest."""
-        self._eos_ids = primary_eos_ids(tokenizer, engine.backend.model_info.eos_token_ids)  # stop_reason None
+        self._eos_ids: frozenset[int] = frozenset()  # the EOS ids whose stop reports None, read when submitted
         self.cached_tokens = 0
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
@@ -169,6 +170,7 @@ class Generation:
             prepared.prompt_ids, prepared.params, self.request_id, self._on_event, logprobs=prepared.want_logprobs,
             keep_events=False,
         )
+        self._eos_ids = primary_eos_ids(tokenizer, engine.backend.model_info.eos_token_ids)
 
     @property
     def text(self) -> str:
