@@ -66,6 +66,24 @@ def test_the_kit_catches_a_padding_bug() -> None:
         assert drive_rows(backend, [RowPlan(p, 0, 4) for p in prompts]) == solo
 
 
+@pytest.mark.parametrize("field,ignored", [
+    ("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("min_p", 0.0),
+    ("banned", ()), ("logit_bias", ()), ("top_k", 0), ("top_p", 1.0), ("step", 0)])
+def test_the_kit_catches_a_sampler_that_ignores_a_field(field: str, ignored: object) -> None:
+    """A backend whose ``sample`` drops one ``RowSampling`` field fails the kit's sampling-definition check."""
+    import dataclasses
+
+    class _Ignoring(ReferenceBackend):
+        def sample(self, logits, rows, *, want_logprobs=False):  # type: ignore[no-untyped-def]
+            rows = [dataclasses.replace(row, **{field: ignored}) for row in rows]
+            return super().sample(logits, rows, want_logprobs=want_logprobs)
+
+    kit = TestReferenceBackendContract()
+    kit.test_sample_follows_the_sampling_definition(ReferenceBackend())
+    with pytest.raises(AssertionError):
+        kit.test_sample_follows_the_sampling_definition(_Ignoring())
+
+
 def test_logits_depend_on_every_kv_entry_and_its_position() -> None:
     entries = [KVEntry(t, i) for i, t in enumerate([7, 8, 9, 10])]
     base = next_token_logits(entries, 64)

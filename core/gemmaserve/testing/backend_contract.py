@@ -316,6 +316,26 @@ class BackendContractTests:
                 backend.remove_row_from_cache(batch, index)
         self._finish(backend)
 
+    def test_sample_follows_the_sampling_definition(self, backend: InferenceBackend) -> None:
+        """``sample`` implements every ``RowSampling`` field as ``gemmaserve.engine.sampling_cpu`` defines it
+        (temperature, top-k, top-p, min-p, ``logit_bias``, ``banned``, the three penalties, the Gumbel draw of
+        (seed, step)): on the backend's own logits each row picks the definition's token, or one whose score ties
+        the definition's within float rounding; the reported logprob is the definition's."""
+        self._batched(backend)
+        prompts = self.make_prompts(backend)[:3]
+        with backend.lock:
+            batch = _prefilled_batch(backend, prompts)
+            logits = backend.decode_step_batched(batch, [p[-1] for p in prompts])
+            host = _host_rows(logits)
+            for rows in _definition_cases(host, prompts):
+                out = backend.sample(logits, rows, want_logprobs=backend.capabilities.logprobs)
+                for i, row in enumerate(rows):
+                    _check_definition_pick(host[i], row, out.token_ids[i],
+                                           out.logprobs[i] if out.logprobs is not None else None)
+            for index in (2, 1, 0):
+                backend.remove_row_from_cache(batch, index)
+        self._finish(backend)
+
     def test_allowed_token_masks_are_honoured(self, backend: InferenceBackend) -> None:
         """``capabilities.allowed_token_masks``: greedy and sampled rows only ever pick a token their
         ``RowSampling.allowed`` bitmask sets (given as the engine gives them: consecutive rows of one batched mask
@@ -518,6 +538,59 @@ def _host_rows(logits: object) -> list[list[float]]:
             return detach().float().cpu().tolist()
         return to_list()
     return [list(row) for row in logits]  # type: ignore[union-attr]
+
+
+def _definition_cases(host: list[list[float]], prompts: Sequence[Sequence[int]]) -> list[list[RowSampling]]:
+    """Batches of three rows that each exercise part of the sampling definition on these logits: the biases,
+    bans and penalties aim at each row's most likely tokens, so ignoring them changes the pick."""
+    top = [sorted(range(len(row)), key=lambda t: -row[t])[:4] for row in host]
+    cases: list[list[RowSampling]] = []
+    for seed in (3, 11):
+        cases.append([RowSampling(0.0, 1.0, 0, seed, 0, logit_bias=((top[0][3], 50.0),)),
+                      RowSampling(0.0, 1.0, 0, seed, 1, banned=(top[1][0], top[1][1])),
+                      RowSampling(0.0, 1.0, 0, seed, 2, repetition_penalty=50.0,
+                                  prompt_tokens=frozenset({top[2][0], *prompts[2]}))])
+        cases.append([RowSampling(0.0, 1.0, 0, seed, 3, presence_penalty=40.0, output_counts=((top[0][0], 1),)),
+                      RowSampling(0.0, 1.0, 0, seed, 4, frequency_penalty=15.0,
+                                  output_counts=((top[1][0], 3), (top[1][1], 1))),
+                      RowSampling(0.0, 1.0, 0, seed, 5, repetition_penalty=0.5, frequency_penalty=-2.0,
+                                  prompt_tokens=frozenset({top[2][2]}), output_counts=((top[2][3], 2),))])
+        for step in range(4):
+            cases.append([RowSampling(1.0, 1.0, 2, seed, step), RowSampling(0.8, 0.6, 0, seed + 1, step),
+                          RowSampling(1.5, 1.0, 0, seed + 2, step, min_p=0.2)])
+            cases.append([RowSampling(2.0, 0.9, 3, seed, step, logit_bias=((top[0][3], 2.0),)),
+                          RowSampling(1.0, 1.0, 0, seed, step, presence_penalty=1.5,
+                                      output_counts=((top[1][0], 1),)),
+                          RowSampling(50.0, 1.0, 0, seed, step)])
+    return cases
+
+
+def _check_definition_pick(logits: list[float], row: RowSampling, token: int, logprob: float | None) -> None:
+    """``token`` is the definition's pick for ``row``, or ties it within rounding (the backend's logits may
+    round differently from the definition's float64, and a fused sampler adds the noise in its own order)."""
+    from gemmaserve.engine.sampling_cpu import (_filtered_probs, adjust_logits, gumbel_noise, log_softmax,
+                                                sample_row, sampling_seed)
+
+    expected, expected_logprob = sample_row(logits, row, want_logprob=True)
+    values = adjust_logits(logits, row) if row.adjusts_logits else logits
+    if token != expected:
+        assert 0 <= token < len(logits) and values[token] != -math.inf, (
+            f"{row}: picked {token}, which the row's bans, biases or penalties exclude (expected {expected})")
+        if row.is_greedy:
+            score = {t: values[t] for t in (token, expected)}
+        else:
+            kept = {t for t, _ in _filtered_probs(values, row)}
+            assert token in kept, f"{row}: picked {token}, outside the top-k / top-p / min-p set (expected {expected})"
+            key = sampling_seed(row.seed, row.step)
+            score = {t: values[t] / row.temperature + gumbel_noise(key, t) for t in (token, expected)}
+        tolerance = 1e-3 * max(1.0, abs(score[expected]))
+        assert score[expected] - score[token] <= tolerance, (
+            f"{row}: picked {token} (score {score[token]:.6f}) where the sampling definition picks {expected} "
+            f"(score {score[expected]:.6f}); see gemmaserve.engine.sampling_cpu")
+    if logprob is not None:
+        want = log_softmax(values)[token] if token != expected else expected_logprob
+        assert want is not None and abs(logprob - want) < 1e-2 * max(1.0, abs(want)), (
+            f"{row}: logprob {logprob} of token {token}, the definition's is {want}")
 
 
 def _prefilled_batch(backend: InferenceBackend, prompts: Sequence[Sequence[int]]) -> Any:
