@@ -527,7 +527,7 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
               metavar="FILE")
     _env_flag(g, "--tool-call-parser", "how tool calls are read from chat replies (vLLM's flag): gemma4, json, or "
               "auto (gemma4 when the tokenizer has Gemma 4's <|tool_call> token)", choices=["auto", "gemma4", "json"])
-    _env_flag(g, "--reasoning-parser", "gemma4: Gemma 4's reasoning channel goes to message.reasoning_content "
+    _env_flag(g, "--reasoning-parser", "gemma4: Gemma 4's reasoning channel goes to message.reasoning "
               "(vLLM's flag); unset = off", choices=["", "gemma4"])
     _env_flag(g, "--kv-events-config", "KV-cache events for KV-aware routers (vLLM's flag): a JSON object of vLLM's "
               "KVEventsConfig keys, e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}'; see "

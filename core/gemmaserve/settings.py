@@ -207,7 +207,8 @@ class CoreSettings(BaseSettings):
     reasoning_parser: Literal["", "gemma4"] = Field(
         "", validation_alias=env_alias("REASONING_PARSER"),
         description="HTTP server: gemma4 moves Gemma 4's reasoning channel (<|channel>thought...<channel|>) of a chat "
-        "reply into message.reasoning_content (vLLM's --reasoning-parser); empty = off (the channel is content).",
+        "reply into message.reasoning (and reasoning_content; vLLM's --reasoning-parser); empty = off (the channel "
+        "is content).",
     )
     render_processes: int = Field(
         -1, ge=-1, validation_alias=env_alias("RENDER_PROCESSES"),

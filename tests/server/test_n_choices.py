@@ -48,3 +48,38 @@ def test_n_is_bounded(ref: Any) -> None:
     client, _ = ref
     response = _post(client, "/v1/completions", prompt="x", n=65, max_tokens=2)
     assert response.status_code == 400 and response.json()["error"]["param"] == "n"
+
+
+def test_a_batch_of_prompts_answers_each_with_its_n_choices(ref: Any) -> None:
+    """``prompt`` as a list (OpenAI's and vLLM's batch): choice ``i * n + j`` is prompt ``i``'s ``j``-th, equal to
+    that prompt sent alone with ``seed + j``; usage counts each prompt once; token-id prompts, echo and streaming
+    too; a batch that would hold more choices than the queue bound is a 400."""
+    client, _ = ref
+    prompts = ["hello there", [5, 6, 7, 8], "the quick brown fox"]
+    fields = {"max_tokens": 5, "temperature": 1.1, "seed": 7, "ignore_eos": True}
+    body = _post(client, "/v1/completions", prompt=prompts, n=2, echo=True, **fields).json()
+    singles = [[_post(client, "/v1/completions", prompt=p, echo=True, **{**fields, "seed": 7 + j}).json()
+                for j in range(2)] for p in prompts]
+    assert [c["index"] for c in body["choices"]] == list(range(6))
+    assert [c["text"] for c in body["choices"]] == [s["choices"][0]["text"] for pair in singles for s in pair]
+    assert body["choices"][0]["text"].startswith("hello there")  # echo: each choice carries its own prompt
+    usage = body["usage"]
+    assert usage["prompt_tokens"] == sum(pair[0]["usage"]["prompt_tokens"] for pair in singles)
+    assert usage["completion_tokens"] == 30 and usage["total_tokens"] == usage["prompt_tokens"] + 30
+    streamed = _post(client, "/v1/completions", prompt=prompts, n=2, stream=True,
+                     stream_options={"include_usage": True}, **fields)
+    events = [e for e in sse_events(streamed.text) if e != "[DONE]"]
+    texts: dict[int, str] = {}
+    for event in events[:-1]:
+        for choice in event["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    plain = _post(client, "/v1/completions", prompt=prompts, n=2, **fields).json()
+    assert [texts[i] for i in range(6)] == [c["text"] for c in plain["choices"]]
+    for k, (echoed, generated) in enumerate(zip(body["choices"], plain["choices"])):  # each choice, its own prompt
+        prompt = prompts[k // 2]
+        assert echoed["text"].endswith(generated["text"]) and (
+            echoed["text"] == prompt + generated["text"] if isinstance(prompt, str) else len(echoed["text"]) > 5)
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # cached_tokens: what the earlier runs left
+    assert [events[-1]["usage"][c] for c in counts] == [plain["usage"][c] for c in counts] == [usage[c] for c in counts]
+    wide = _post(client, "/v1/completions", prompt=["a"] * 40, n=40, max_tokens=1)
+    assert wide.status_code == 400 and wide.json()["error"]["param"] == "prompt", wide.text

@@ -193,3 +193,44 @@ def test_stop_reason_names_the_stop_string_or_token(ref: Client) -> None:
     eos = ok(client, COMPLETIONS, prompt=prompt, max_tokens=20, stop_token_ids=[EOS_ID], temperature=0)["choices"][0]
     if eos["finish_reason"] == "stop":
         assert eos["stop_reason"] is None  # an EOS id reports None, as vLLM's
+
+
+def test_model_cards_carry_vllms_fields(ref: Client) -> None:
+    """/v1/models entries in vLLM's shape: ``root`` (the model the server was given), ``parent``, a ``permission``
+    list and ``created`` (the server's start, not 1970)."""
+    import time
+
+    client, _ = ref
+    card = client.get("/v1/models").json()["data"][0]
+    assert card["root"] and card["parent"] is None and card["permission"][0]["object"] == "model_permission"
+    assert abs(card["created"] - time.time()) < 24 * 3600
+    assert client.get(f"/v1/models/{card['id']}").json() == card
+
+
+def test_reasoning_field_names_and_refusal_parts_sent_back(ref: Client) -> None:
+    """An assistant message sent back with vLLM's ``reasoning`` (or the older ``reasoning_content``) and OpenAI's
+    ``refusal`` content parts is accepted (the refusal read as text); an image part is refused naming its type."""
+    client, _ = ref
+    for field in ("reasoning", "reasoning_content"):
+        history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x", field: "thought"},
+                   {"role": "user", "content": "b"}]
+        ok(client, CHAT, messages=history, max_tokens=2)
+    refusal = [{"role": "user", "content": "a"},
+               {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+               {"role": "user", "content": "b"}]
+    as_text = [*refusal[:1], {"role": "assistant", "content": "no"}, *refusal[2:]]
+    tokens = [client.post("/tokenize", json={"messages": m}).json()["tokens"] for m in (refusal, as_text)]
+    assert tokens[0] == tokens[1]
+    ok(client, CHAT, messages=refusal, max_tokens=2)
+    user_refusal = [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]
+    refused(client, CHAT, "messages.0.content", "'refusal'", messages=user_refusal, max_tokens=2)
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+    refused(client, CHAT, "messages.0.content", "'image_url'", "text only", messages=image, max_tokens=2)
+
+
+def test_empty_stream_options_without_stream(ref: Client) -> None:
+    """vLLM refuses ``stream_options`` without ``stream`` only when it sets something: ``{}`` is accepted."""
+    client, _ = ref
+    ok(client, COMPLETIONS, prompt="a", max_tokens=2, stream_options={})
+    refused(client, COMPLETIONS, "stream_options", "stream", prompt="a", max_tokens=2,
+            stream_options={"include_usage": False})

@@ -17,6 +17,7 @@ import hmac
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -399,6 +400,7 @@ class _Server:
         self.accepted = accepted
         self.listed = tuple(listed) or (model_name,)
         self.metrics = metrics
+        self.created = int(time.time())
         self.body_budget = BodyBudget(int(server_setting(engine, "max_buffered_body_bytes")))
         self.stream_stall_s = float(server_setting(engine, "stream_stall_timeout_s"))
         self.tokenizer = engine.backend.tokenizer
@@ -420,12 +422,23 @@ class _Server:
         return min(self.engine.scheduler.max_model_len, self.engine.settings.max_active_kv_tokens)
 
     def model_card(self, name: str | None = None) -> dict[str, Any]:
+        """One ``/v1/models`` entry in vLLM's shape (``root``: the model as the server was given it, ``created``: when
+        this server started), plus ``vocab_size`` and ``backend``."""
+        model_id = name or self.model_name
         return {
-            "id": name or self.model_name,
+            "id": model_id,
             "object": "model",
-            "created": 0,
+            "created": self.created,
             "owned_by": "gemmaserve",
+            "root": getattr(self.engine.settings, "model", None) or self.model_name,
+            "parent": None,
             "max_model_len": self.context_limit,
+            "permission": [{
+                "id": f"modelperm-{model_id}", "object": "model_permission", "created": self.created,
+                "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+                "group": None, "is_blocking": False,
+            }],
             "vocab_size": self.info.vocab_size,
             "backend": self.engine.backend_name,
         }
@@ -440,14 +453,16 @@ class _Server:
                 param="model", code="model_not_found",
             )
 
-    def check_n(self, n: int | None) -> None:
-        """400 for ``n`` above MAX_WAITING_REQUESTS: the choices are queued together, so such a request could
-        never be admitted (a 429 would tell the client to retry something that cannot succeed)."""
+    def check_n(self, n: int | None, prompts: int = 1) -> None:
+        """400 for ``n`` × ``prompts`` above MAX_WAITING_REQUESTS: the choices are queued together, so such a
+        request could never be admitted (a 429 would tell the client to retry something that cannot succeed)."""
         bound = self.engine.settings.max_waiting_requests
-        if n is not None and n > bound:
-            raise APIError(400, f"n={n} exceeds the engine's queue bound MAX_WAITING_REQUESTS={bound}: each choice is "
-                           f"a queued request, so this request could never be admitted; send n <= {bound}",
-                           param="n", code="invalid_value")
+        if (n or 1) * prompts > bound:
+            what = f"n={n or 1} choices for each of {prompts} prompts" if prompts > 1 else f"n={n}"
+            raise APIError(400, f"{what} exceed the engine's queue bound MAX_WAITING_REQUESTS={bound}: each choice is "
+                           "a queued request, so this request could never be admitted; send "
+                           + (f"n <= {bound}" if prompts == 1 else f"at most {bound} choices in all (n x prompts)"),
+                           param="n" if prompts == 1 else "prompt", code="invalid_value")
 
     def json_response(self, request: Request, payload: Any, what: str) -> Response:
         """``payload`` as a JSON response, sent under the STREAM_STALL_TIMEOUT_S rule (:class:`_SendGuard`)."""
@@ -517,18 +532,18 @@ class _Server:
 
     async def _handle(self, request: Request, endpoint: str, timing: Timing) -> Response:
         reply, prepared = await self._read(request, endpoint)
-        spec = prepared.params.structured_outputs
+        spec = prepared[0].params.structured_outputs
         if spec is not None:  # compiled here, off the event loop; the engine's submit then only copies it
             try:
                 await self.offload(self.engine.compile_constraint, spec)
             except InvalidRequestError as exc:
-                raise constraint_error(str(exc), prepared.constraint_field) from None
+                raise constraint_error(str(exc), prepared[0].constraint_field) from None
             except GemmaserveError as exc:
-                raise from_engine_error(exc, engine_alive=self.engine.is_alive(), prompt_param=prepared.prompt_param,
+                raise from_engine_error(exc, engine_alive=self.engine.is_alive(), prompt_param=prepared[0].prompt_param,
                                         prompt_fits=True) from None
         return await self._handle_choices(request, endpoint, reply, prepared, timing)
 
-    async def _read(self, request: Request, endpoint: str) -> tuple[_Reply, Prepared]:
+    async def _read(self, request: Request, endpoint: str) -> tuple[_Reply, list[Prepared]]:
         """Read and prepare the body. Its bytes and the parsed body are dropped when this returns, once they have
         left MAX_BUFFERED_BODY_BYTES' count: the request keeps only what it runs with (no reference to them may
         outlive this call)."""
@@ -537,8 +552,9 @@ class _Server:
             return await self.offload(self._prepare, raw, endpoint)
         return self._prepare(raw, endpoint)
 
-    def _prepare(self, raw: bytes, endpoint: str) -> tuple[_Reply, Prepared]:
-        """Parse, check the model, tokenize. Pure CPU work: runs on the loop or a worker thread."""
+    def _prepare(self, raw: bytes, endpoint: str) -> tuple[_Reply, list[Prepared]]:
+        """Parse, check the model, tokenize: one Prepared per prompt (a chat has one). Pure CPU work: runs on the
+        loop or a worker thread."""
         if endpoint == "chat":
             chat = parse_body(ChatCompletionRequest, raw, max_messages=self.context_limit)
             self.check_model(chat.model)
@@ -546,40 +562,42 @@ class _Server:
             prepared = prepare_chat(chat, self.tokenizer, self.context_limit, self.engine.settings.default_max_tokens,
                                     self.engine.settings.tool_call_parser, self.engine.settings.reasoning_parser,
                                     self.render_pool, self.info.eos_token_ids)
-            return _Reply.of(chat, chat.echo_text), prepared
+            return _Reply.of(chat, [chat.echo_text]), [prepared]
         completion = parse_body(CompletionRequest, raw)
         self.check_model(completion.model)
-        self.check_n(completion.n)
-        prepared = prepare_completion(completion, self.tokenizer, self.context_limit, self.render_pool)
-        echo = ""
-        if completion.echo:
-            prompt = completion.prompt
-            echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
-        return _Reply.of(completion, echo), prepared
+        self.check_n(completion.n, len(completion.prompt))
+        prompts = [prepare_completion(completion, self.tokenizer, self.context_limit, self.render_pool, index)
+                   for index in range(len(completion.prompt))]
+        echoes = [("" if not completion.echo else prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt))
+                  for prompt in completion.prompt]
+        return _Reply.of(completion, echoes), prompts
 
     def _submit(self, prepared: Sequence[Prepared], timings: Sequence[Timing]) -> list[Generation]:
         """The choices' generations, queued together (all or none)."""
         try:
             return Generation.submit_many(self.engine, self.tokenizer, prepared, timings)
         except GemmaserveError as exc:
-            fits = len(prepared[0].prompt_ids) < self.context_limit
+            fits = all(len(p.prompt_ids) < self.context_limit for p in prepared)
             alive = self.engine.is_alive()
             param = prepared[0].prompt_param
             raise from_engine_error(exc, engine_alive=alive, prompt_param=param, prompt_fits=fits) from None
 
-    async def _handle_choices(self, request: Request, endpoint: str, reply: _Reply, prepared: Prepared,
+    async def _handle_choices(self, request: Request, endpoint: str, reply: _Reply, prompts: list[Prepared],
                               timing: Timing) -> Response:
-        """One engine request per choice (``n``, default 1; choice ``i`` samples with ``seed + i`` when a seed is
-        given), answered as one response whose ``choices`` carry their ``index``; usage counts the prompt once.
-        Streamed, the choices' chunks interleave as their tokens arrive. Either way the response is sent under
-        the STREAM_STALL_TIMEOUT_S no-progress rule (:class:`_SendGuard`)."""
+        """One engine request per choice (``n`` per prompt, default 1; choice ``j`` samples with ``seed + j`` when a
+        seed is given), answered as one response whose ``choices`` carry their ``index`` (``i * n + j`` for prompt
+        ``i``'s ``j``-th, vLLM's order); usage counts each prompt once. Streamed, the choices' chunks interleave as
+        their tokens arrive. Either way the response is sent under the STREAM_STALL_TIMEOUT_S no-progress rule
+        (:class:`_SendGuard`)."""
         n = reply.n
-        every = dataclasses.replace(prepared.params, n=n)
-        generations = self._submit([dataclasses.replace(prepared, params=every.for_sample(i)) for i in range(n)],
-                                   [timing, *(Timing(start=timing.start) for _ in range(n - 1))])
+        choices = []
+        for prepared in prompts:
+            every = dataclasses.replace(prepared.params, n=n)
+            choices += [dataclasses.replace(prepared, params=every.for_sample(j)) for j in range(n)]
+        generations = self._submit(choices, [timing, *(Timing(start=timing.start) for _ in choices[1:])])
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
         meta = ResponseMeta.new(prefix, generations[0].request_id, self.model_name)  # one id for every choice
-        views = [_View(reply, generation, self, meta) for generation in generations]
+        views = [_View(reply, generation, self, meta, k // n) for k, generation in enumerate(generations)]
         group = _Choices(generations)
         try:
             async with _cancel_on_disconnect(request, group):
@@ -788,29 +806,32 @@ class _Reply:
     n: int
     stream: bool
     include_usage: bool
-    echo: str
-    """Text prepended to each choice (``echo``), or empty."""
+    echoes: tuple[str, ...]
+    """Per prompt (a chat has one), the text prepended to each of its choices (``echo``), or empty."""
 
     @classmethod
-    def of(cls, body: CompletionRequest | ChatCompletionRequest, echo: str) -> _Reply:
-        return cls(isinstance(body, ChatCompletionRequest), body.n or 1, bool(body.stream), body.include_usage, echo)
+    def of(cls, body: CompletionRequest | ChatCompletionRequest, echoes: Sequence[str]) -> _Reply:
+        return cls(isinstance(body, ChatCompletionRequest), body.n or 1, bool(body.stream), body.include_usage,
+                   tuple(echoes))
 
 
 def _full_response(views: list[_View]) -> bytes:
     """The encoded non-streamed response of ``views``' generations (all finished)."""
-    return json_bytes(_merge_bodies([view.full_body() for view in views]))
+    return json_bytes(_merge_bodies([view.full_body() for view in views], [view.prompt_index for view in views]))
 
 
 class _View:
     """Formats one generation as a completions or chat response (full body or SSE chunks)."""
 
-    def __init__(self, reply: _Reply, generation: Generation, server: _Server, meta: ResponseMeta) -> None:
+    def __init__(self, reply: _Reply, generation: Generation, server: _Server, meta: ResponseMeta,
+                 prompt_index: int = 0) -> None:
         chat = self.chat = reply.chat
         self.generation = generation
+        self.prompt_index = prompt_index  # which prompt of the request (a batch of completion prompts) it answers
         self.include_usage = reply.include_usage
         self.tokenizer = server.tokenizer
         self.meta = meta  # the response's id and time, shared by its choices
-        self.echo = reply.echo
+        self.echo = reply.echoes[prompt_index]
         self._offset = len(self.echo)
         parser = generation.prepared.tool_parser if chat else None
         self.tools: ToolParser | None = PARSERS[parser]() if parser else None
@@ -927,23 +948,29 @@ def _indexed(chunk: dict[str, Any], index: int) -> dict[str, Any]:
     return chunk
 
 
-def _merge_bodies(bodies: list[dict[str, Any]]) -> dict[str, Any]:
+def _merge_bodies(bodies: list[dict[str, Any]], prompt_indexes: Sequence[int]) -> dict[str, Any]:
     """One response of the choices' bodies: their ``choices`` in order (``index`` set), usage summed over the
-    completions, the prompt counted once."""
+    completions, each prompt counted once."""
     merged = dict(bodies[0])
     merged["choices"] = [_indexed(body, i)["choices"][0] for i, body in enumerate(bodies)]
-    merged["usage"] = _summed_usage([body["usage"] for body in bodies])
+    merged["usage"] = _summed_usage([body["usage"] for body in bodies], prompt_indexes)
     return merged
 
 
-def _summed_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
+def _summed_usage(usages: list[dict[str, Any]], prompt_indexes: Sequence[int]) -> dict[str, Any]:
+    """The choices' usages as one: completion tokens summed, each prompt's tokens (and cached tokens) counted once
+    (``prompt_indexes[k]``: the prompt choice ``k`` answers)."""
+    firsts = [usages[k] for k, index in enumerate(prompt_indexes) if k == 0 or index != prompt_indexes[k - 1]]
+    prompt = sum(u["prompt_tokens"] for u in firsts)
     completion = sum(u["completion_tokens"] for u in usages)
-    return {**usages[0], "completion_tokens": completion, "total_tokens": usages[0]["prompt_tokens"] + completion}
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in firsts)
+    return {**usages[0], "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {**usages[0]["prompt_tokens_details"], "cached_tokens": cached}}
 
 
 def _usage_chunk(views: list[_View]) -> dict[str, Any]:
     chunk = views[0].usage_chunk()
-    chunk["usage"] = _summed_usage([view.generation.usage() for view in views])
+    chunk["usage"] = _summed_usage([view.generation.usage() for view in views], [view.prompt_index for view in views])
     return chunk
 
 

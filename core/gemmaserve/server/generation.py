@@ -46,7 +46,7 @@ class Prepared:
     parallel_tool_calls: bool = True
     """False: at most one tool call is returned (later ones are dropped, as OpenAI's flag promises)."""
     reasoning_parser: str | None = None
-    """Chat: ``gemma4`` reads the reasoning channel out of the reply (``message.reasoning_content``)."""
+    """Chat: ``gemma4`` reads the reasoning channel out of the reply (``message.reasoning``)."""
     constraint_field: str | None = None
     """The request field ``params.structured_outputs`` came from (``tools`` for a tool_choice call constraint):
     what errors about the constraint name (:func:`~gemmaserve.server.errors.constraint_error`)."""

@@ -50,11 +50,11 @@ def _refuse_text_that_cannot_fit(chars: int, tokenizer: Tokenizer, context_limit
 
 
 def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer, context_limit: int,
-                       pool: RenderPool | None = None) -> Prepared:
-    """Tokenize the prompt (a string, with the tokenizer's special tokens unless ``add_special_tokens`` is false; a
-    token-id list is taken as is) and build the params. A text prompt that cannot fit ``context_limit`` is refused
-    before it is tokenized; a long one is tokenized in ``pool``."""
-    prompt = body.prompt
+                       pool: RenderPool | None = None, index: int = 0) -> Prepared:
+    """Tokenize prompt ``index`` of the body (a string, with the tokenizer's special tokens unless
+    ``add_special_tokens`` is false; a token-id list is taken as is) and build the params. A text prompt that cannot
+    fit ``context_limit`` is refused before it is tokenized; a long one is tokenized in ``pool``."""
+    prompt = body.prompt[index]
     special = body.add_special_tokens is not False
     prompt_ids = (tokenize_text(prompt, tokenizer, context_limit, add_special_tokens=special, pool=pool)
                   if isinstance(prompt, str) else list(prompt))

@@ -66,17 +66,23 @@ _STRICT = ConfigDict(strict=True, extra="ignore")
 _NULL: dict[str, Any] = {"type": "null"}
 _TEXT: dict[str, Any] = {"type": "string", "minLength": 1}
 _TOKEN_IDS: dict[str, Any] = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": _MAX_TOKEN_ID}}
+MAX_COMPLETION_PROMPTS = 1024
+"""Most prompts one /v1/completions request may batch (``prompt`` as a list); each is also a queued request, so
+``n`` × prompts is bounded by MAX_WAITING_REQUESTS as well."""
 _PROMPT_SCHEMA: dict[str, Any] = {"anyOf": [
     _TEXT, {**_TOKEN_IDS, "minItems": 1},
-    {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [_TEXT, {**_TOKEN_IDS, "minItems": 1}]}},
+    {"type": "array", "minItems": 1, "maxItems": MAX_COMPLETION_PROMPTS,
+     "items": {"anyOf": [_TEXT, {**_TOKEN_IDS, "minItems": 1}]}},
 ]}
 _STOP_SCHEMA: dict[str, Any] = {
     "anyOf": [_TEXT, {"type": "array", "maxItems": MAX_STOP_STRINGS, "items": _TEXT}, _NULL]
 }
-_CONTENT_SCHEMA: dict[str, Any] = {"anyOf": [{"type": "string"}, _NULL, {"type": "array", "items": {
-    "type": "object", "required": ["type", "text"], "additionalProperties": False,
-    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-}}]}
+_CONTENT_SCHEMA: dict[str, Any] = {"anyOf": [{"type": "string"}, _NULL, {"type": "array", "items": {"anyOf": [
+    {"type": "object", "required": ["type", "text"], "additionalProperties": False,
+     "properties": {"type": {"const": "text"}, "text": {"type": "string"}}},
+    {"type": "object", "required": ["type", "refusal"], "additionalProperties": False,  # assistant messages only
+     "properties": {"type": {"const": "refusal"}, "refusal": {"type": "string"}}},
+]}}]}
 
 
 _RESPONSE_FORMAT_SCHEMA: dict[str, Any] = {"type": "object", "required": ["type"], "additionalProperties": False,
@@ -308,7 +314,7 @@ class SamplingFields(BaseModel):
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> SamplingFields:
-        if self.stream_options is not None and not self.stream:
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise APIError(400, "stream_options applies to streamed responses only; send it with stream: true or "
                            "leave it unset (a non-streamed response always carries usage)", param="stream_options",
                            code="invalid_value")
@@ -367,8 +373,8 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    """POST /v1/completions. ``prompt``: one string or one list of token ids (also accepted wrapped
-    in a one-element list, as the OpenAI client sends batches)."""
+    """POST /v1/completions. ``prompt``: one string or one list of token ids, or a batch: a list of them (OpenAI's
+    and vLLM's form; choice ``i * n + j`` is prompt ``i``'s ``j``-th). Validated into :attr:`prompts`' list form."""
 
     prompt: Any = Field(json_schema_extra=_PROMPT_SCHEMA)
     echo: bool | None = False
@@ -380,23 +386,24 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _check_prompt(cls, value: Any) -> str | list[int]:
-        if isinstance(value, list) and value and all(isinstance(item, (str, list)) for item in value):
-            if len(value) != 1:
-                raise ValueError(
-                    f"exactly one prompt per request is supported, got {len(value)}; send one request per prompt"
-                )
-            value = value[0]
-        if isinstance(value, str):
-            if not value:
-                raise ValueError("prompt must not be empty")
-            return value
-        if isinstance(value, list):
-            if not value:
-                raise ValueError("prompt must not be empty")
-            if all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _MAX_TOKEN_ID for t in value):
-                return value
-        raise ValueError("prompt must be a non-empty string or a non-empty list of non-negative integer token ids")
+    def _check_prompt(cls, value: Any) -> list[str | list[int]]:
+        """The prompts, one or more (a single prompt becomes a one-element list)."""
+        batch = isinstance(value, list) and bool(value) and all(isinstance(item, (str, list)) for item in value)
+        prompts = value if batch else [value]
+        if len(prompts) > MAX_COMPLETION_PROMPTS:
+            raise ValueError(f"at most {MAX_COMPLETION_PROMPTS} prompts per request are accepted, got {len(prompts)}")
+        for index, prompt in enumerate(prompts):
+            where = f"prompt {index} of the batch" if batch else "prompt"
+            if isinstance(prompt, str) and prompt:
+                continue
+            if isinstance(prompt, list) and prompt and all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _MAX_TOKEN_ID for t in prompt):
+                continue
+            if isinstance(prompt, (str, list)) and not prompt:
+                raise ValueError(f"{where} is empty")
+            raise ValueError(f"{where} must be a non-empty string or a non-empty list of non-negative integer "
+                             "token ids")
+        return prompts
 
     @field_validator("suffix")
     @classmethod
@@ -417,6 +424,8 @@ class CompletionRequest(SamplingFields):
 
 
 _ECHOED_REPLY_FIELDS = frozenset({"refusal", "annotations", "audio", "function_call"})
+_REASONING_FIELDS = frozenset({"reasoning", "reasoning_content"})
+"""A reply's reasoning (vLLM's name and the older one), accepted on messages sent back and not templated."""
 
 
 class ChatMessage(BaseModel):
@@ -432,11 +441,11 @@ class ChatMessage(BaseModel):
     def _refuse_unknown_fields(cls, data: Any) -> Any:
         """A message field the template would not see is refused, except the fields an OpenAI reply carries when
         a client sends it back unchanged (``refusal``, ``annotations``, ``audio``, ``function_call`` when empty;
-        ``reasoning_content``, which the next turn does not take)."""
+        ``reasoning`` / ``reasoning_content``, which the next turn does not take)."""
         if not isinstance(data, dict):
             return data
         for name, value in data.items():
-            if name in cls.model_fields or name == "reasoning_content":
+            if name in cls.model_fields or name in _REASONING_FIELDS:
                 continue
             if name in _ECHOED_REPLY_FIELDS and value in (None, []):
                 continue
@@ -446,16 +455,25 @@ class ChatMessage(BaseModel):
 
     @field_validator("content")
     @classmethod
-    def _check_content(cls, value: Any) -> str:
+    def _check_content(cls, value: Any, info: ValidationInfo) -> str:
+        """A string, null, or a list of text parts (and, on an assistant message sent back, OpenAI's ``refusal``
+        parts, read as text as vLLM does), joined with newlines."""
         if value is None or isinstance(value, str):
             return value or ""
         if isinstance(value, list):
+            assistant = info.data.get("role") == "assistant"
             texts = []
             for part in value:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError('only text content parts ({"type": "text", "text": "..."}) are supported')
-                _refuse_keys(part, ("type", "text"), "a text content part")
-                texts.append(part["text"])
+                kind = part.get("type") if isinstance(part, dict) else None
+                key = "refusal" if kind == "refusal" and assistant else "text"
+                if kind != key or not isinstance(part.get(key), str):
+                    named = (f"a {_short(kind)} part is not" if isinstance(kind, str)
+                             else "parts other than text are not")
+                    raise ValueError(f'{named} supported: this server serves text only; send text parts '
+                                     '({"type": "text", "text": "..."})'
+                                     + (' (or "refusal" parts on assistant messages)' if assistant else ""))
+                _refuse_keys(part, ("type", key), f"a {key} content part")
+                texts.append(part[key])
             return "\n".join(texts)  # vLLM's rule for templates that take a string
         raise ValueError("content must be a string, a list of text parts, or null")
 

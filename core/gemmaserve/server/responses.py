@@ -92,8 +92,8 @@ class ResponseMeta:
              tool_calls: list[dict[str, Any]] | None = None, reasoning: str | None = None,
              stop_reason: int | str | None = None) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": text or (None if tool_calls else text)}
-        if reasoning is not None:
-            message["reasoning_content"] = reasoning or None
+        if reasoning is not None:  # vLLM's name since 0.11, and the older one (DeepSeek's) that many clients read
+            message["reasoning"] = message["reasoning_content"] = reasoning or None
         if tool_calls:
             message["tool_calls"] = tool_calls
         choice = {"index": 0, "message": message, "finish_reason": finish_reason, "stop_reason": stop_reason,
@@ -108,7 +108,7 @@ class ResponseMeta:
         """A chunk; the one carrying ``finish_reason`` also carries ``stop_reason``."""
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
         if reasoning:
-            delta["reasoning_content"] = reasoning
+            delta["reasoning"] = delta["reasoning_content"] = reasoning
         if text:
             delta["content"] = text
         if tool_calls:
