@@ -520,3 +520,67 @@ def test_a_gbnf_grammar_of_too_many_rules_is_refused_before_conversion() -> None
     compiler.compile(StructuredOutputs(grammar=lark))
     small = "root ::= item+\nitem ::= [a-c]"
     compiler.compile(StructuredOutputs(grammar=small))
+
+
+def test_long_chains_of_rule_references_compile_without_crashing_the_process() -> None:
+    """llguidance's native compiler recurses once per link of a rule-reference chain: a 3,000-rule Lark chain or a
+    3,000-link ``$ref`` chain (well inside the 256 KiB a constraint may hold) overflowed an 8 MiB thread stack and
+    killed the process with SIGSEGV. Compiled on the compile threads' large stacks, both compile and decode; run in
+    a child process so that a crash fails this test instead of the suite."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent('''
+        import threading
+        from gemmaserve.structured import GrammarCompiler, StructuredOutputs
+        from gemmaserve.structured.grammar import start_masks
+        from gemmaserve.testing.reference_backend import ReferenceBackend
+
+        threading.stack_size(8 * 2**20)  # what an ordinary thread gets on Linux; the caller's stack must not matter
+        backend = ReferenceBackend(vocab_size=64)
+        compiler = GrammarCompiler(backend.tokenizer, 64, backend.model_info.eos_token_ids)
+        n, a = 3000, backend.tokenizer.encode("a", add_special_tokens=False)[0]
+        lark = "\\n".join(["start: r0", *(f'r{i}: "a" r{i + 1} | "b"' for i in range(n)), f'r{n}: "c"'])
+        defs = {f"d{i}": {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}} for i in range(n)}
+        defs[f"d{n}"] = {"type": "integer"}
+        def run():
+            compiler.compile(StructuredOutputs(json={"$defs": defs, "$ref": "#/$defs/d0"}))  # its first mask too
+            constraint = compiler.compile(StructuredOutputs(grammar=lark))
+            for _ in range(20):  # down the chain: "a" after "a"
+                mask = bytes(start_masks([constraint]).result()[0])
+                assert mask[a >> 3] >> (a & 7) & 1 and not constraint.accept(a)  # allowed, not yet complete
+            print("compiled")
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+    ''')
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "compiled" in done.stdout, (done.returncode, done.stderr[-2000:])
+
+
+def test_schema_text_nested_past_pythons_recursion_limit_is_refused_by_name() -> None:
+    """A ``json`` constraint given as text may nest deeper than Python's recursion limit: refused as invalid (an
+    InvalidRequestError, a 400 over HTTP), never a RecursionError (a 500)."""
+    depth = 600
+    schema = '{"type": "array", "items": ' * depth + '{"type": "integer"}' + "}" * depth
+    with pytest.raises(InvalidRequestError, match="structured_outputs.json"):
+        _reference_compiler().compile(StructuredOutputs.from_mapping({"json": schema}))
+
+
+def test_the_gbnf_rule_limit_counts_lines_ended_by_a_carriage_return() -> None:
+    """llguidance reads ``\\r`` as a line end too, so the GBNF rule limit must count such lines."""
+    rules = [f'r{i} ::= "a" r{i + 1} | "b"' for i in range(600)] + ['r600 ::= "c"']
+    for end in ("\n", "\r\n", "\r"):
+        with pytest.raises(InvalidRequestError, match="GBNF rules"):
+            _reference_compiler().compile(StructuredOutputs(grammar=end.join(['root ::= r0', *rules])))
+
+
+def test_constraint_sizes_count_characters_not_json_escapes() -> None:
+    """The 256 Ki-character limit counts a non-ASCII character once (``json.dumps`` wrote it as a 6-character
+    ``\\uXXXX`` escape, so a 53,248-character CJK choice list was refused as 303,104 characters)."""
+    choices = [f"{i}" + "日本語" * 16 for i in range(1024)]
+    StructuredOutputs(choice=choices)
+    StructuredOutputs(json={"enum": choices})
+    with pytest.raises(InvalidRequestError, match="characters"):
+        StructuredOutputs(choice=["日本語" * 1000] * 100)

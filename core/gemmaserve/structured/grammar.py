@@ -23,6 +23,7 @@ under load (docs/benchmarks.md, run 27).
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import os
@@ -410,7 +411,7 @@ class GrammarCompiler:
                 raise InvalidRequestError(refusal)
         vocabulary = self._vocabulary_for(spec)
         try:
-            template = _template(vocabulary, spec)
+            template = _compile_threads().run(_template, vocabulary, spec)
         except InvalidRequestError as exc:
             with self._lock:
                 self._refused[key] = str(exc)
@@ -424,12 +425,75 @@ class GrammarCompiler:
         return template
 
 
+class _CompileThreads:
+    """The threads that compile constraints (:func:`_template`), with :data:`COMPILE_STACK_BYTES` of stack each:
+    llguidance's native grammar compiler recurses once per link of a chain of rule references (a Lark rule that
+    names the next one, a JSON schema's ``$ref`` chain through ``$defs``), and a chain a constraint's 256 KiB can
+    hold overflowed the 8 MiB stack of an ordinary thread: a segmentation fault that killed the whole server, not
+    an exception (3,000 links crashed; 2,000 Lark rules or 1,000 ``$ref`` links were the most that compiled).
+    ``run`` hands a call to them and waits for its result (or exception)."""
+
+    def __init__(self, count: int) -> None:
+        self.pid = os.getpid()
+        self._jobs: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...]]] = \
+            queue.SimpleQueue()
+        with _executor_lock:  # threading.stack_size is process-wide: set it only around these threads' start
+            previous = threading.stack_size(COMPILE_STACK_BYTES)
+            try:
+                self.threads = [threading.Thread(target=self._serve, name=f"gemmaserve-grammar-{i}", daemon=True)
+                                for i in range(count)]
+                for thread in self.threads:
+                    thread.start()
+            finally:
+                threading.stack_size(previous)
+
+    def _serve(self) -> None:
+        while True:
+            future, call, args = self._jobs.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(call(*args))
+                except BaseException as exc:  # handed to the caller
+                    future.set_exception(exc)
+
+    def run(self, call: Callable[..., Any], *args: Any) -> Any:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._jobs.put((future, call, args))
+        return future.result()
+
+
+COMPILE_STACK_BYTES = 256 * 2**20
+"""Each compile thread's stack. The most a 256 KiB constraint can chain (~10,500 Lark rules, ~4,000 ``$ref``
+links) compiled with 64 MiB; only the pages a compile touches are committed."""
+
+_compile_pool: _CompileThreads | None = None
+
+
+def _compile_threads() -> _CompileThreads:
+    """The process's compile threads (min(4, CPUs)), started on first use (again in a forked child)."""
+    global _compile_pool
+    pool = _compile_pool
+    if pool is None or pool.pid != os.getpid():
+        with _compile_pool_lock:
+            if _compile_pool is None or _compile_pool.pid != os.getpid():
+                _compile_pool = _CompileThreads(max(1, min(4, os.cpu_count() or 1)))
+            pool = _compile_pool
+    return pool
+
+
+_compile_pool_lock = threading.Lock()
+
+
 def _template(vocabulary: Any, spec: StructuredOutputs) -> Any:
     """llguidance's matcher of ``spec`` at its start, its first step taken (:func:`_first_step`), under
-    :func:`_limits`. Raises InvalidRequestError."""
+    :func:`_limits`. Run on :func:`_compile_threads`. Raises InvalidRequestError."""
     import llguidance
 
-    template = llguidance.LLMatcher(vocabulary, _grammar_text(spec), log_level=0, limits=_limits())
+    try:
+        text = _grammar_text(spec)
+    except RecursionError:  # llguidance's GBNF-to-Lark conversion is Python
+        raise InvalidRequestError(f"structured_outputs.{spec.kind} is nested too deeply to compile") from None
+    template = llguidance.LLMatcher(vocabulary, text, log_level=0, limits=_limits())
     if template.is_error():
         raise InvalidRequestError(f"structured_outputs.{spec.kind} is invalid: {template.get_error().strip()}")
     _first_step(template, spec.kind)
@@ -518,14 +582,20 @@ _ESCAPED = re.compile(r"\\([^A-Za-z0-9])")
 
 
 def _strings(value: Any) -> list[str]:
-    """Every string of a JSON value (keys included)."""
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, dict):
-        return [text for key, item in value.items() for text in (*_strings(key), *_strings(item))]
-    if isinstance(value, list):
-        return [text for item in value for text in _strings(item)]
-    return []
+    """Every string of a JSON value (keys included), at any depth (no recursion: a schema may nest deeper than
+    Python's recursion limit)."""
+    found: list[str] = []
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            found.append(item)
+        elif isinstance(item, dict):
+            found.extend(key for key in item if isinstance(key, str))
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return found
 
 
 def _grammar_literals(text: str, specials: re.Pattern[str]) -> list[str]:
@@ -636,12 +706,14 @@ _MAX_GBNF_RULES = 500
 (0.23 s at 500, 3.5 s at 2,000, 8.9 s at 3,000 on one CPU core, holding the GIL between switches), while Lark
 syntax goes straight to its native compiler."""
 
-_GBNF_RULE = re.compile(r"^[ \t]*[A-Za-z0-9_-]+[ \t]*::=", re.MULTILINE)
+_GBNF_RULE = re.compile(r"(?:^|[\r\n])[ \t]*[A-Za-z0-9_-]+[ \t]*::=")
+"""A GBNF rule's start: a name and ``::=`` at the start of a line, lines ended by ``\n``, ``\r\n`` or a lone ``\r``
+(llguidance reads all three: counting ``\n`` lines only let a ``\r``-joined grammar past the rule limit)."""
 
 
 def _check_gbnf_size(text: str) -> None:
     """Refuse a GBNF grammar of more than :data:`_MAX_GBNF_RULES` rules before converting it (a rule starts a line
-    with ``name ::=``; Lark rules, ``name: ...``, are not counted)."""
+    with ``name ::=``, :data:`_GBNF_RULE`; Lark rules, ``name: ...``, are not counted)."""
     rules = len(_GBNF_RULE.findall(text))
     if rules > _MAX_GBNF_RULES:
         raise InvalidRequestError(

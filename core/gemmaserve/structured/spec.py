@@ -68,7 +68,7 @@ class StructuredOutputs:
                 raise InvalidRequestError(
                     f"structured_outputs.json must be a JSON schema object, got {type(self.json).__name__}")
             try:
-                text = json.dumps(self.json)
+                text = json.dumps(self.json, ensure_ascii=False)  # counted in characters, not \u escapes
             except (RecursionError, ValueError, TypeError) as exc:  # too deep, circular, or not JSON data
                 raise InvalidRequestError(f"structured_outputs.json cannot be written as JSON: {type(exc).__name__}: "
                                           f"{str(exc)[:200]}") from None
@@ -85,7 +85,7 @@ class StructuredOutputs:
                                           f"got {len(self.choice)}")
             if not all(isinstance(c, str) and c for c in self.choice):
                 raise InvalidRequestError("structured_outputs.choice must hold non-empty strings")
-            _check_size("choice", json.dumps(self.choice))
+            _check_size("choice", json.dumps(self.choice, ensure_ascii=False))
         if not isinstance(self.json_object, bool):
             raise InvalidRequestError("structured_outputs.json_object must be true or false")
 
