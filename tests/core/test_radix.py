@@ -168,6 +168,17 @@ def test_exact_remove_value_drops_every_entry_through_it() -> None:
     index.check_integrity()
 
 
+def test_exact_pop_hands_the_entry_and_its_tail_over() -> None:
+    index = ExactMatchIndex(2)
+    index.add([1, 2, 3], ["p"], "t")
+    index.add([1, 2, 4], ["p"], "u")
+    entry = index.pop([1, 2, 3])
+    assert entry is not None and entry.tail_value == "t" and [1, 2, 3] not in index
+    assert index.pop((1, 2, 3)) is None and index.remove_value("t") == [] and index.num_tails == 1
+    assert index.add([1, 2, 3], ["p"], "t")  # the tail is free to be recorded again
+    index.check_integrity()
+
+
 def test_exact_evict_tails_is_lru_and_skips_rejected() -> None:
     index = ExactMatchIndex(2)
     index.add([1, 2, 3], ["p"], "t1")

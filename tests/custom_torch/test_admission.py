@@ -196,3 +196,48 @@ def test_a_request_that_can_never_fit_names_the_setting_of_its_pool() -> None:
     with pytest.raises(KVCapacityError, match="raise CUSTOM_BACKEND_KV_MEMORY_GB") as refused:
         admission.reserve("r", 20)
     assert "SLIDING_BLOCKS" not in str(refused.value)
+
+
+@pytest.mark.parametrize("block_size,prompt_len,max_tokens", [(4, 6, 1), (4, 7, 1), (4, 9, 2), (4, 8, 1),
+                                                              (16, 20, 12), (16, 17, 15)])
+def test_an_exact_repeat_fits_its_reservation_while_the_pools_are_fully_reserved(
+        tiny_gemma4_dir, block_size, prompt_len, max_tokens):
+    """An exact repeat of a cached prompt whose tail block is partial hits every token but the last, which it
+    writes into that tail: the row takes the tail from the cache instead of copying it on write (a copy needs a
+    block beyond the ``ceil((len + max_tokens) / bs)`` it reserved whenever the reply ends inside the tail block),
+    so it finishes with the cold run's tokens while other requests hold every other reserved block (before: it
+    failed mid-prefill with the pool exhausted, an admitted request's allocation failing). Block-aligned repeats
+    copy their last full block, which their reservation covers."""
+    from gemmaserve.engine.request import Request
+    from gemmaserve.engine.scheduler import ContinuousBatchScheduler
+    from gemmaserve.sampling_params import SamplingParams
+    from gemmaserve.settings import CoreSettings
+
+    backend = make_backend(tiny_gemma4_dir, block_size=block_size, kv_blocks=6, sliding_blocks=6)
+    scheduler = ContinuousBatchScheduler(backend, CoreSettings(
+        max_batch_size=8, prefill_chunk_tokens=64, max_active_kv_tokens=100_000, max_num_batched_tokens=512))
+    prompt = tuple(range(5, 5 + prompt_len))
+
+    def drain() -> None:
+        while scheduler.has_work:
+            scheduler.step()
+            scheduler.check_integrity()
+
+    cold = Request("cold", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    scheduler.add_request(cold)
+    drain()
+    need = backend.admission.footprint(prompt_len + max_tokens)
+    others = [Request(f"q{i}", tuple(100 + 50 * i + k for k in range(block_size)),
+                      SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+              for i in range(min(backend.admission.capacity[g] // need[g] for g in need) - 1)]
+    for request in others:
+        scheduler.add_request(request)
+    for _ in range(3):
+        scheduler.step()
+    repeat = Request("repeat", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    scheduler.add_request(repeat)
+    drain()
+    assert repeat.error is None and repeat.finish_reason == FinishReason.LENGTH, repeat.error
+    assert repeat.cached_tokens == prompt_len - 1 and repeat.output_token_ids == cold.output_token_ids
+    assert all(other.error is None for other in others)
+    assert_no_leaks(backend)

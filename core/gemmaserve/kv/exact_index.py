@@ -103,6 +103,12 @@ class ExactMatchIndex:
             self._tails[tail_value] = key
         return True
 
+    def pop(self, token_ids: Sequence[int]) -> ExactEntry | None:
+        """Remove and return the entry for exactly ``token_ids`` (None if there is none): the caller now owns its
+        tail (frees it, or hands it on)."""
+        key = tuple(token_ids)
+        return self._remove(key) if key in self._entries else None
+
     def remove_value(self, value: BlockValue) -> list[ExactEntry]:
         """Drop every entry whose path or tail holds ``value``; returns them (caller frees their tails)."""
         keys = self._by_value.get(value)

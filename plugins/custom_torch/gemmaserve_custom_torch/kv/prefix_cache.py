@@ -12,7 +12,13 @@ far, so when the row later drops a sliding block that left its window, the cache
 
 A hit of ``c`` computed tokens is valid only if the sliding blocks the next query sees (positions >=
 ``first_visible(c)``) are all cached; the longest valid hit wins. A hit covering the whole prompt keeps
-``c = len - 1`` (the last token is recomputed for its logits; its block is copied on write).
+``c = len - 1`` (the last token is recomputed for its logits). An exact-index hit *takes* its tail: the entry
+leaves the index and the row keeps the tail's blocks as its own (no copy), and ``store`` copies a tail again once
+the row's prompt is complete. Writing into a tail the cache still held needed a copy-on-write block on top of the
+blocks the row holds, one more than a request of ``len + max_tokens <`` the tail block's end reserves
+(``KVAdmission``), so an admitted request could fail with the pool exhausted. A block-aligned whole-prompt hit still
+copies its last (full, radix) block on write, which its reservation covers: ``len / bs + 1 <= ceil((len + m) / bs)``
+blocks for any ``max_tokens`` ``m >= 1``.
 
 Refcounts: the cache holds one reference per id in its values and tails; a row holds its own. Everything
 the cache holds alone (refcount 1) is reclaimable (tails and LRU leaves, then LRU sliding trims) and nothing
@@ -88,8 +94,10 @@ class PrefixCache:
         values: tuple[CachedBlock, ...] = ()
         hit = 0
         entry = self.exact.get(prompt) if len(prompt) % self.block_size else None
+        taken: CachedBlock | None = None
         if entry is not None and self._valid(entry.values, len(prompt) - 1):  # type: ignore[arg-type]
             values, hit = entry.values, len(prompt) - 1  # type: ignore[assignment]
+            taken = entry.tail_value  # type: ignore[assignment]
         else:
             matched = self.radix.match(prompt).values
             for k in range(len(matched), 0, -1):
@@ -100,6 +108,10 @@ class PrefixCache:
         if hit > 0:
             self._indexing += 1
             row.adopt(self._tables(values, hit), hit)
+            if taken is not None:  # the row's now (see the module docstring): the cache drops its references
+                self.exact.pop(prompt)
+                self._release(taken)
+                self.stats["taken_tails"] += 1
             if hit >= self.block_size:  # the next cache_prefix resumes below the hit's full blocks
                 row.indexed_last = row.cache_anchor = values[hit // self.block_size - 1]  # adopted: held
             trimmable = self._trimmable  # sliding trims go least recently used first; a hit runs this per block
