@@ -49,10 +49,40 @@ def _build_gemma3(path: Path) -> Path:
     return shared_builders().build_tiny_gemma3(path)
 
 
+def _without(path: Path, *keys: str, **replace: Any) -> Path:
+    """Drop ``keys`` from config.json and set ``replace``: a sparser or older config of the same weights."""
+    raw: dict[str, Any] = json.loads((path / "config.json").read_text())
+    for key in keys:
+        raw.pop(key, None)
+    (path / "config.json").write_text(json.dumps({**raw, **replace}, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def build_gemma4_without_layer_types(path: Path) -> Path:
+    """Seven layers, one head size for both layer types and no ``layer_types`` in config.json: transformers makes
+    layers 6 and 7 full (every 6th, and the last always), mlx_lm alone made layer 5 full."""
+    types = ["sliding_attention"] * 5 + ["full_attention"] * 2
+    built = shared_builders().build_tiny_gemma4(path, num_hidden_layers=7, layer_types=types, global_head_dim=16,
+                                                num_kv_shared_layers=1)
+    return _without(built, "layer_types")
+
+
+def build_gemma3_legacy_rope_type(path: Path) -> Path:
+    """Gemma 3 with a legacy ``rope_scaling`` spelled with ``type`` (no ``rope_type``), which transformers 5 reads
+    as default RoPE and mlx_lm alone read as linear scaling."""
+    built = shared_builders().build_tiny_gemma3(path, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 50.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 500.0}})
+    return _without(built, "rope_parameters", "layer_types", rope_theta=500.0, rope_local_base_freq=50.0,
+                    sliding_window_pattern=3, rope_scaling={"type": "linear", "factor": 8.0})
+
+
 BUILDERS = {
     "gemma4": _build_gemma4,
     "gemma4_per_layer_config": build_gemma4_per_layer_config,
     "gemma4_k_eq_v": _build_gemma4_k_eq_v,  # K = V on full layers, one global KV head
     "gemma3": _build_gemma3,
     "llama": build_tiny_llama,
+    "gemma4_without_layer_types": build_gemma4_without_layer_types,
+    "gemma3_legacy_rope_type": build_gemma3_legacy_rope_type,
 }

@@ -57,6 +57,21 @@ def test_greedy_matches_mlx_lm_and_transformers(
     assert backend.kv_stats()["rows_in_flight"] == 0
 
 
+@pytest.mark.parametrize("name", ["gemma4_without_layer_types", "gemma3_legacy_rope_type"])
+def test_configs_mlx_lm_reads_differently_from_transformers_match_transformers(
+    checkpoint: Callable[[str], Path], name: str
+) -> None:
+    """Sparse or legacy configs whose omitted fields mlx_lm defaults differently from transformers (Gemma 4's
+    layer types; a Gemma 3 ``rope_scaling`` with ``type`` only) give transformers' greedy tokens."""
+    model_dir = checkpoint(name)
+    backend = batch_backend(model_dir, kv_growth=2)
+    prompts = _prompts(backend)
+    arrivals = [Arrival(i, f"r{i}", prompt, GREEDY) for i, prompt in enumerate(prompts)]
+    outputs = run_scheduled(backend, arrivals, settings=settings_for(prefill_chunk_tokens=5))
+    for i, prompt in enumerate(prompts):
+        assert outputs[f"r{i}"].token_ids == hf_greedy(model_dir, prompt, GREEDY.max_tokens), f"prompt {i}"
+
+
 def test_eight_requests_joining_and_leaving_match_their_solo_runs(gemma4_dir: Path) -> None:
     backend = batch_backend(gemma4_dir, kv_growth=2)
     encode = backend.tokenizer.encode

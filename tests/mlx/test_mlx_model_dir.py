@@ -76,7 +76,35 @@ def test_gemma4_per_layer_config_becomes_global_head_dim(checkpoint: Callable[[s
 
 def test_multimodal_wrapper_gets_its_text_vocab() -> None:
     text = {"model_type": "gemma4_text", "vocab_size": 512, "global_head_dim": 32}
-    assert config_overrides({"model_type": "gemma4", "text_config": text}) == {"vocab_size": 512}
+    overrides = config_overrides({"model_type": "gemma4", "text_config": text})
+    assert overrides["vocab_size"] == 512 and overrides["text_config"]["vocab_size"] == 512
+
+
+def test_omitted_gemma_fields_take_transformers_defaults_not_mlx_lms() -> None:
+    """A sparse config: every field mlx_lm defaults differently is given transformers' value; Gemma 4's layer types
+    are transformers' (every 6th full, the last always full)."""
+    text = {"model_type": "gemma4_text", "vocab_size": 512, "global_head_dim": 32, "num_hidden_layers": 7}
+    fixed = config_overrides(text)
+    assert fixed["num_kv_shared_layers"] == 0 and fixed["use_double_wide_mlp"] is False
+    assert fixed["final_logit_softcapping"] is None and fixed["num_key_value_heads"] == 4
+    assert fixed["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"] * 2
+    given = {**text, "layer_types": ["sliding_attention"] * 7}
+    assert config_overrides(given)["layer_types"][-1] == "full_attention"
+    assert config_overrides({"model_type": "gemma3_text", "vocab_size": 512})["sliding_window"] == 4096
+
+
+def test_gemma3_rope_scaling_as_transformers_reads_it() -> None:
+    """Scaling on Gemma 3's sliding layers, which mlx_lm cannot apply, is refused; a legacy ``rope_scaling`` with
+    ``type`` only is default RoPE (transformers 5 reads ``rope_type`` alone); with ``rope_type`` it is kept."""
+    nested = {"model_type": "gemma3_text", "layer_types": ["sliding_attention", "full_attention"], "rope_parameters": {
+        "sliding_attention": {"rope_type": "linear", "rope_theta": 100.0, "factor": 4.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 50.0}}}
+    with pytest.raises(ModelLoadError, match="sliding_attention.*linear.*BACKEND=hf"):
+        config_overrides(nested)
+    legacy = {"model_type": "gemma3_text", "rope_theta": 500.0, "rope_scaling": {"type": "linear", "factor": 8.0}}
+    assert config_overrides(legacy)["rope_scaling"] is None
+    explicit = {**legacy, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    assert "rope_scaling" not in config_overrides(explicit)
 
 
 def test_gemma3_rope_parameters_and_layer_pattern(checkpoint: Callable[[str], Path]) -> None:

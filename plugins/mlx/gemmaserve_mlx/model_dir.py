@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from gemmaserve.errors import WINDOW_OF_ONE, ModelLoadError
+from gemmaserve.models.gemma_defaults import GEMMA3_TEXT_DEFAULTS, GEMMA4_TEXT_DEFAULTS, gemma_layer_types
 
 __all__ = [
     "BATCHED_ARCHITECTURES",
@@ -138,10 +139,15 @@ def config_overrides(config: dict[str, Any]) -> dict[str, Any]:
       transformers 5 no longer saves; derive it from ``layer_types``.
     - mlx_lm's multimodal wrappers copy a top-level ``vocab_size`` (default 262144) over the text
       config's: pass the text config's own when the top level has none.
+    - Gemma 3 / 4 fields the config omits take transformers' defaults, not mlx_lm's (which differ:
+      ``num_kv_shared_layers`` 20, ``use_double_wide_mlp``, a softcap of 30, a 512-token Gemma 3 window), and a
+      Gemma 4 model gets transformers' layer types (every 6th full when none are given, the last always full;
+      mlx_lm made every 5th full and left the last alone).
     """
     inner = text_config(config)
     model_type = str(inner.get("model_type", config["model_type"]))
     fixes = {
+        **_transformers_defaults(inner, model_type),
         **_gemma4_head_dims(inner, model_type),
         **_rope_fields(inner, model_type),
         **_gemma3_pattern(inner, model_type),
@@ -154,6 +160,38 @@ def config_overrides(config: dict[str, Any]) -> dict[str, Any]:
             overrides["text_config"] = {**inner, **fixes}
         return overrides
     return fixes
+
+
+def _transformers_defaults(config: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The Gemma fields ``config`` omits at transformers' defaults (RoPE left to :func:`_rope_fields`), and Gemma 4's
+    layer types as transformers resolves them."""
+    family = "gemma4" if model_type.startswith("gemma4") else "gemma3" if model_type.startswith("gemma3") else None
+    if family is None:
+        return {}
+    table = GEMMA4_TEXT_DEFAULTS if family == "gemma4" else GEMMA3_TEXT_DEFAULTS
+    rope = ("rope_parameters", "rope_scaling", "rope_theta", "rope_local_base_freq", "layer_types")
+    theirs = _mlx_lm_defaults(f"{family}_text")
+    fixes = {key: value for key, value in table.items()
+             if key not in config and key not in rope and (theirs is None or key in theirs and theirs[key] != value)}
+    if family == "gemma4":
+        layers = int(config.get("num_hidden_layers", table["num_hidden_layers"]))
+        given = config.get("layer_types")
+        resolved = gemma_layer_types(family, layers, given if isinstance(given, list) else None)
+        if resolved != given:
+            fixes["layer_types"] = resolved
+    return fixes
+
+
+def _mlx_lm_defaults(module: str) -> dict[str, Any] | None:
+    """The field defaults of ``mlx_lm.models.<module>.ModelArgs`` (None if mlx_lm cannot be imported here: then
+    every omitted field is filled)."""
+    import dataclasses
+
+    try:
+        args = importlib.import_module(f"mlx_lm.models.{module}").ModelArgs
+    except ImportError:
+        return None
+    return {f.name: f.default for f in dataclasses.fields(args) if f.default is not dataclasses.MISSING}
 
 
 def _gemma4_head_dims(config: dict[str, Any], model_type: str) -> dict[str, Any]:
@@ -172,14 +210,26 @@ def _gemma4_head_dims(config: dict[str, Any], model_type: str) -> dict[str, Any]
 
 
 def _rope_fields(config: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """mlx_lm's flat RoPE fields from transformers-5 ``rope_parameters`` (Gemma 4 reads those itself)."""
+    """mlx_lm's flat RoPE fields from transformers-5 ``rope_parameters`` (Gemma 4 reads those itself). Gemma 3's
+    full-layer scaling is resolved as transformers resolves it (a legacy ``rope_scaling`` over the nested
+    full-attention entry; its rope type from ``rope_type`` alone, default when absent, where mlx_lm read ``type``);
+    scaling on its sliding layers, which mlx_lm cannot apply, is a ModelLoadError."""
     params = config.get("rope_parameters")
-    if model_type.startswith("gemma4") or not isinstance(params, dict):
+    legacy = config.get("rope_scaling")
+    gemma3 = model_type.startswith("gemma3")
+    if model_type.startswith("gemma4") or (not isinstance(params, dict) and not (gemma3 and isinstance(legacy, dict))):
         return {}
+    params = params if isinstance(params, dict) else {}
     fixes: dict[str, Any] = {}
     if "full_attention" in params or "sliding_attention" in params:
         full = params.get("full_attention") or {}
         sliding = params.get("sliding_attention") or {}
+        kind = sliding.get("rope_type", "default")
+        if kind != "default":  # mlx_lm's gemma3 builds its sliding layers' RoPE from a base frequency alone
+            raise ModelLoadError(
+                f"rope_parameters['sliding_attention'].rope_type is {kind!r}: mlx_lm's gemma3 applies RoPE scaling "
+                "to full-attention layers only, so its sliding layers would silently use plain RoPE; use BACKEND=hf "
+                "for this checkpoint")
         if "rope_theta" in full and "rope_theta" not in config:
             fixes["rope_theta"] = full["rope_theta"]
         if "rope_theta" in sliding and "rope_local_base_freq" not in config:
@@ -189,7 +239,14 @@ def _rope_fields(config: dict[str, Any], model_type: str) -> dict[str, Any]:
         scaling = params
         if "rope_theta" in params and "rope_theta" not in config:
             fixes["rope_theta"] = params["rope_theta"]
-    if config.get("rope_scaling") is None and scaling.get("rope_type", "default") != "default":
+    if gemma3:
+        resolved = {"rope_type": "default", **scaling, **(legacy if isinstance(legacy, dict) else {})}
+        kind = resolved["rope_type"]  # a legacy "type" is not read (transformers 5 reads rope_type alone here)
+        kept = {key: value for key, value in resolved.items() if key not in ("rope_theta", "type")}
+        wanted = None if kind == "default" else {**kept, "rope_type": kind}
+        if wanted != legacy:
+            fixes["rope_scaling"] = wanted
+    elif legacy is None and scaling.get("rope_type", "default") != "default":
         fixes["rope_scaling"] = {key: value for key, value in scaling.items() if key != "rope_theta"}
     return fixes
 

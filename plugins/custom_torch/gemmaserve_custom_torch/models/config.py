@@ -23,6 +23,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gemmaserve.errors import WINDOW_OF_ONE
+from gemmaserve.models.gemma_defaults import (
+    GEMMA3_TEXT_DEFAULTS,
+    GEMMA4_DEFAULT_ROPE,
+    GEMMA4_TEXT_DEFAULTS,
+    gemma_layer_types,
+)
 
 LayerType = Literal["sliding_attention", "full_attention"]
 NormStyle = Literal["w", "one_plus_w"]
@@ -35,73 +41,6 @@ LAYER_TYPES: tuple[LayerType, ...] = (SLIDING, FULL)
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("gemma4_text", "gemma4", "gemma3_text", "gemma3")
 _TEXT_MODEL_TYPE: dict[str, str] = {"gemma4": "gemma4_text", "gemma3": "gemma3_text"}
-
-# Defaults of transformers' Gemma4TextConfig / Gemma3TextConfig (5.24) for fields a config.json may omit.
-_GEMMA4_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 262_144,
-    "hidden_size": 2304,
-    "intermediate_size": 9216,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 256,
-    "global_head_dim": 512,
-    "num_global_key_value_heads": None,
-    "hidden_activation": "gelu_pytorch_tanh",
-    "max_position_embeddings": 131_072,
-    "rms_norm_eps": 1e-6,
-    "pad_token_id": 0,
-    "eos_token_id": 1,
-    "bos_token_id": 2,
-    "tie_word_embeddings": True,
-    "rope_parameters": None,
-    "attention_bias": False,
-    "sliding_window": 512,
-    "layer_types": None,
-    "final_logit_softcapping": None,
-    "use_bidirectional_attention": None,
-    "vocab_size_per_layer_input": 262_144,
-    "hidden_size_per_layer_input": 256,
-    "attention_k_eq_v": False,
-    "num_kv_shared_layers": 0,
-    "enable_moe_block": False,
-    "use_double_wide_mlp": False,
-    "num_experts": None,
-    "top_k_experts": None,
-    "moe_intermediate_size": None,
-}
-_GEMMA4_DEFAULT_ROPE: dict[str, dict[str, Any]] = {
-    SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
-    FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
-}
-_GEMMA3_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 262_208,
-    "hidden_size": 2304,
-    "intermediate_size": 9216,
-    "num_hidden_layers": 26,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 256,
-    "hidden_activation": "gelu_pytorch_tanh",
-    "max_position_embeddings": 131_072,
-    "rms_norm_eps": 1e-6,
-    "pad_token_id": 0,
-    "eos_token_id": 1,
-    "bos_token_id": 2,
-    "tie_word_embeddings": True,
-    "rope_parameters": None,
-    "rope_scaling": None,
-    "rope_theta": 1_000_000.0,
-    "rope_local_base_freq": 10_000.0,
-    "attention_bias": False,
-    "query_pre_attn_scalar": 256,
-    "sliding_window": 4096,
-    "sliding_window_pattern": 6,
-    "layer_types": None,
-    "final_logit_softcapping": None,
-    "use_bidirectional_attention": False,
-}
-
 
 @dataclass(frozen=True)
 class RopeParams:
@@ -219,7 +158,7 @@ class GemmaTextConfig:
         else:
             text = raw
         family: Family = "gemma4" if model_type.startswith("gemma4") else "gemma3"
-        defaults = _GEMMA4_DEFAULTS if family == "gemma4" else _GEMMA3_DEFAULTS
+        defaults = GEMMA4_TEXT_DEFAULTS if family == "gemma4" else GEMMA3_TEXT_DEFAULTS
         c = {**defaults, **text}
         outer = raw if text is not raw else {}
 
@@ -323,16 +262,11 @@ def _require(ok: bool, message: str) -> None:
 
 def _parse_layer_types(c: dict[str, Any], family: Family, num_layers: int) -> tuple[LayerType, ...]:
     raw = c["layer_types"]
-    if raw is None:
-        pattern = 6 if family == "gemma4" else int(c.get("sliding_window_pattern") or 6)
-        raw = [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
-    types = list(raw)
-    _require(len(types) == num_layers, f"layer_types has {len(types)} entries but num_hidden_layers={num_layers}.")
-    for t in types:
-        _require(t in LAYER_TYPES, f"unknown layer type {t!r}; expected one of {LAYER_TYPES}.")
-    if family == "gemma4" and types and types[-1] != FULL:
-        types[-1] = FULL  # transformers forces the last Gemma 4 layer to full attention
-    return tuple(types)
+    if raw is not None:
+        _require(len(raw) == num_layers, f"layer_types has {len(raw)} entries but num_hidden_layers={num_layers}.")
+        for t in raw:
+            _require(t in LAYER_TYPES, f"unknown layer type {t!r}; expected one of {LAYER_TYPES}.")
+    return tuple(gemma_layer_types(family, num_layers, raw, c.get("sliding_window_pattern")))  # type: ignore[misc]
 
 
 def _parse_head_geometry(
@@ -407,7 +341,7 @@ def _rope_params(raw: dict[str, Any], where: str) -> RopeParams:
 
 
 def _parse_rope_gemma4(c: dict[str, Any], layer_types: tuple[LayerType, ...]) -> dict[str, RopeParams]:
-    nested = c["rope_parameters"] or _GEMMA4_DEFAULT_ROPE
+    nested = c["rope_parameters"] or GEMMA4_DEFAULT_ROPE
     out: dict[str, RopeParams] = {}
     for t in sorted(set(layer_types)):
         _require(isinstance(nested.get(t), dict), f"rope_parameters has no entry for layer type {t!r}.")
