@@ -48,9 +48,6 @@ def test_echo_with_logprobs_is_refused(ref: Any) -> None:
 NESTED_UNKNOWN: list[tuple[str, str, dict[str, Any], str, tuple[str, ...]]] = [
     ("stream-options-foo", "/v1/completions", {**PROMPT, "stream": True, "stream_options": {"foo": 1}},
      "stream_options", ("'foo'", "include_usage")),
-    ("continuous-usage-stats", "/v1/completions",
-     {**PROMPT, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
-     "stream_options", ("continuous_usage_stats",)),
     ("response-format-extra", "/v1/completions", {**PROMPT, "response_format": {"type": "json_object", "foo": 1}},
      "response_format", ("'foo'",)),
     ("text-with-schema", "/v1/completions",

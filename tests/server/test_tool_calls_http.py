@@ -158,6 +158,12 @@ def test_reasoning_channel_goes_to_reasoning(tool_checkpoint) -> None:
             assert "".join(getattr(d, "reasoning", None) or "" for d in chunks) == thought
             assert "".join(getattr(d, "reasoning_content", None) or "" for d in chunks) == thought
             assert "".join(d.content or "" for d in chunks) == answer
+            hidden = {**kwargs, "extra_body": {**kwargs["extra_body"], "include_reasoning": False}}
+            quiet = client.chat.completions.create(**hidden).choices[0].message
+            assert quiet.content == answer and getattr(quiet, "reasoning", None) is None
+            chunks = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **hidden) if c.choices]
+            assert not any(getattr(d, "reasoning", None) for d in chunks)
+            assert "".join(d.content or "" for d in chunks) == answer
 
 
 def test_offering_tools_shows_no_other_special_tokens(client) -> None:

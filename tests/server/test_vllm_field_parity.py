@@ -234,3 +234,57 @@ def test_empty_stream_options_without_stream(ref: Client) -> None:
     ok(client, COMPLETIONS, prompt="a", max_tokens=2, stream_options={})
     refused(client, COMPLETIONS, "stream_options", "stream", prompt="a", max_tokens=2,
             stream_options={"include_usage": False})
+
+
+def test_continuous_usage_stats_gives_each_chunk_its_running_usage(ref: Client) -> None:
+    """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): every chunk carries its choice's
+    usage so far; the final usage chunk as before. Without ``include_usage`` it adds nothing (vLLM's rule)."""
+    client, _ = ref
+    for path, body in ((COMPLETIONS, {"prompt": "hello"}), (CHAT, {"messages": MESSAGES})):
+        events = streamed(client, path, max_tokens=5, ignore_eos=True, n=2,
+                          stream_options={"include_usage": True, "continuous_usage_stats": True}, **body)
+        final = events[-1]["usage"]
+        counts: dict[int, int] = {}
+        for event in events[:-1]:
+            choice = event["choices"][0]
+            piece = choice.get("text") if path == COMPLETIONS else choice["delta"].get("content")
+            counts[choice["index"]] = counts.get(choice["index"], 0) + (1 if piece else 0)
+            usage = event["usage"]
+            assert usage["prompt_tokens"] == final["prompt_tokens"] and usage["total_tokens"] == (
+                usage["prompt_tokens"] + usage["completion_tokens"]) and usage["completion_tokens"] <= 5
+        last = {}
+        for event in events[:-1]:
+            last[event["choices"][0]["index"]] = event["usage"]["completion_tokens"]
+        assert last == {0: 5, 1: 5} and final["completion_tokens"] == 10
+        plain = streamed(client, path, max_tokens=3, stream_options={"include_usage": False,
+                                                                     "continuous_usage_stats": True}, **body)
+        assert all("usage" not in event for event in plain)
+
+
+def test_return_token_ids_gives_the_prompt_and_reply_ids(ref: Client) -> None:
+    """vLLM's ``return_token_ids``: a completion choice carries ``prompt_token_ids`` and ``token_ids`` (a chat
+    response its ``prompt_token_ids`` at the top); streamed, each chunk its own ids and the prompt's once; the ids
+    decode to the text."""
+    client, engine = ref
+    tokenizer = engine.backend.tokenizer
+    body = ok(client, COMPLETIONS, prompt=[5, 6, 7], max_tokens=4, ignore_eos=True, return_token_ids=True)
+    choice = body["choices"][0]
+    assert choice["prompt_token_ids"] == [5, 6, 7] and len(choice["token_ids"]) == 4
+    assert tokenizer.decode(choice["token_ids"]) == choice["text"]
+    chat = ok(client, CHAT, messages=MESSAGES, max_tokens=3, ignore_eos=True, return_token_ids=True)
+    assert chat["prompt_token_ids"] == client.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    assert len(chat["choices"][0]["token_ids"]) == 3
+    for path, extra in ((COMPLETIONS, {"prompt": [5, 6, 7]}), (CHAT, {"messages": MESSAGES})):
+        events = streamed(client, path, max_tokens=4, ignore_eos=True, return_token_ids=True, **extra)
+        with_prompt = [e for e in events if "prompt_token_ids" in e or "prompt_token_ids" in e["choices"][0]]
+        assert len(with_prompt) == 1
+        ids = [t for e in events for t in e["choices"][0]["token_ids"]]
+        assert len(ids) == 4
+    assert "token_ids" not in ok(client, COMPLETIONS, prompt="a", max_tokens=2)["choices"][0]
+
+
+def test_include_reasoning_false_needs_the_reasoning_parser(ref: Client) -> None:
+    client, _ = ref
+    refused(client, CHAT, "include_reasoning", "--reasoning-parser", messages=MESSAGES, max_tokens=2,
+            include_reasoning=False)
+    ok(client, CHAT, messages=MESSAGES, max_tokens=2, include_reasoning=True)

@@ -806,13 +806,15 @@ class _Reply:
     n: int
     stream: bool
     include_usage: bool
+    continuous_usage: bool
+    return_token_ids: bool
     echoes: tuple[str, ...]
     """Per prompt (a chat has one), the text prepended to each of its choices (``echo``), or empty."""
 
     @classmethod
     def of(cls, body: CompletionRequest | ChatCompletionRequest, echoes: Sequence[str]) -> _Reply:
         return cls(isinstance(body, ChatCompletionRequest), body.n or 1, bool(body.stream), body.include_usage,
-                   tuple(echoes))
+                   body.continuous_usage, bool(body.return_token_ids), tuple(echoes))
 
 
 def _full_response(views: list[_View]) -> bytes:
@@ -829,6 +831,10 @@ class _View:
         self.generation = generation
         self.prompt_index = prompt_index  # which prompt of the request (a batch of completion prompts) it answers
         self.include_usage = reply.include_usage
+        self.continuous_usage = reply.continuous_usage
+        self._streamed = 0  # tokens of this choice sent so far (continuous usage)
+        self.return_token_ids = reply.return_token_ids
+        self._sent_prompt_ids = False
         self.tokenizer = server.tokenizer
         self.meta = meta  # the response's id and time, shared by its choices
         self.echo = reply.echoes[prompt_index]
@@ -838,6 +844,7 @@ class _View:
         self._num_calls = 0  # tool calls streamed so far
         reasoning = generation.prepared.reasoning_parser if chat else None
         self.reasoning = Gemma4ReasoningParser() if reasoning == "gemma4" else None
+        self.show_reasoning = generation.prepared.include_reasoning  # False: parsed out, then left out
 
     def size(self) -> int:
         """The work :meth:`full_body` does, in :data:`OFFLOAD_RESPONSE_UNITS`' units."""
@@ -846,8 +853,26 @@ class _View:
         return len(gen.token_ids) * (2 + alternatives if gen.prepared.want_logprobs else 1)
 
     def full_body(self) -> dict[str, Any]:
-        """The non-streamed response of the finished generation. Touches nothing but this view and its generation
-        (it may run on a preparation thread)."""
+        """The non-streamed response of the finished generation (with vLLM's ``return_token_ids``: the prompt's and
+        the reply's token ids). Touches nothing but this view and its generation (it may run on a preparation
+        thread)."""
+        body = self._full_body()
+        if self.return_token_ids:
+            self._with_prompt_ids(body)
+            body["choices"][0]["token_ids"] = list(self.generation.token_ids)
+        return body
+
+    def _with_prompt_ids(self, body: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's places: a completion choice's ``prompt_token_ids`` (a batch has several prompts), a chat
+        response's top-level one."""
+        ids = list(self.generation.prepared.prompt_ids)
+        if self.chat:
+            body["prompt_token_ids"] = ids
+        else:
+            body["choices"][0]["prompt_token_ids"] = ids
+        return body
+
+    def _full_body(self) -> dict[str, Any]:
         gen = self.generation
         assert gen.finish_reason is not None
         logprobs = (self._logprobs(gen.token_ids, gen.logprobs, len(self.echo), gen.top_logprobs)
@@ -856,7 +881,8 @@ class _View:
             thought, parsed = self._parse(gen.text, final=True)
             calls = [call.to_openai() for call in parsed.calls]
             return self.meta.chat(self.echo + parsed.content, self._finish_reason(gen.finish_reason), logprobs,
-                                  gen.usage(), calls, reasoning=thought if self.reasoning is not None else None,
+                                  gen.usage(), calls,
+                                  reasoning=thought if self.reasoning is not None and self.show_reasoning else None,
                                   stop_reason=gen.stop_reason)
         if self.chat:
             return self.meta.chat(self.echo + gen.text, gen.finish_reason, logprobs, gen.usage(),
@@ -866,10 +892,36 @@ class _View:
     def opening_chunks(self) -> list[dict[str, Any]]:
         if self.chat:
             role = self.meta.chat_chunk(None, None, role=True)
-            return [role, self.meta.chat_chunk(self.echo, None)] if self.echo else [role]
-        return [self.meta.completion_chunk(self.echo, None)] if self.echo else []
+            chunks = [role, self.meta.chat_chunk(self.echo, None)] if self.echo else [role]
+        else:
+            chunks = [self.meta.completion_chunk(self.echo, None)] if self.echo else []
+        if chunks and self.return_token_ids:
+            self._sent_prompt_ids = True
+            self._with_prompt_ids(chunks[0])
+            for chunk in chunks:
+                chunk["choices"][0]["token_ids"] = []
+        return [self._with_usage(chunk) for chunk in chunks]
 
     def chunk(self, step: Step) -> dict[str, Any]:
+        """The SSE chunk of ``step`` (with the choice's running usage under ``continuous_usage_stats``; with
+        ``return_token_ids`` its token ids, and the prompt's on the choice's first chunk)."""
+        self._streamed += len(step.token_ids)
+        chunk = self._with_usage(self._chunk(step))
+        if self.return_token_ids:
+            chunk["choices"][0]["token_ids"] = list(step.token_ids)
+            if not self._sent_prompt_ids:
+                self._sent_prompt_ids = True
+                self._with_prompt_ids(chunk)
+        return chunk
+
+    def _with_usage(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        if self.continuous_usage:
+            prompt = self.generation.num_prompt_tokens
+            chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": self._streamed,
+                              "total_tokens": prompt + self._streamed}
+        return chunk
+
+    def _chunk(self, step: Step) -> dict[str, Any]:
         logprobs = None
         if step.logprobs is not None:
             logprobs = self._logprobs(step.token_ids, step.logprobs, self._offset, step.top_logprobs)
@@ -879,7 +931,8 @@ class _View:
             thought, parsed = self._parse(step.text, final=step.finish_reason is not None)
             calls = [call.to_openai(first + i) for i, call in enumerate(parsed.calls)]
             return self.meta.chat_chunk(parsed.content, self._finish_reason(step.finish_reason), logprobs,
-                                        tool_calls=calls, reasoning=thought, stop_reason=step.stop_reason)
+                                        tool_calls=calls, reasoning=thought if self.show_reasoning else None,
+                                        stop_reason=step.stop_reason)
         if self.chat:
             return self.meta.chat_chunk(step.text, step.finish_reason, logprobs, stop_reason=step.stop_reason)
         return self.meta.completion_chunk(step.text, step.finish_reason, logprobs, step.stop_reason)

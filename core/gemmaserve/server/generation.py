@@ -56,6 +56,9 @@ class Prepared:
     shown_special_ids: frozenset[int] = frozenset()
     """Special tokens the reply's text shows although ``params.skip_special_tokens`` hides the others: the markers
     the tool-call / reasoning parsers read."""
+    include_reasoning: bool = True
+    """Chat with a reasoning parser: False leaves the channel's text out of the response (vLLM's
+    ``include_reasoning``)."""
 
 
 @dataclass(slots=True)

@@ -112,9 +112,13 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limi
     markers = ((GEMMA4_CALL_OPEN, GEMMA4_CALL_CLOSE, GEMMA4_STRING) if parser == "gemma4" else ()) + (
         (GEMMA4_CHANNEL_OPEN, GEMMA4_CHANNEL_CLOSE) if reasoning_parser else ())
     shown = frozenset(marker_ids(tokenizer, markers)) if params.skip_special_tokens else frozenset()
+    if body.include_reasoning is False and not reasoning_parser:
+        raise APIError(400, "include_reasoning: false needs the server's --reasoning-parser (REASONING_PARSER): "
+                       "without it the reasoning channel is part of the content and cannot be left out; leave "
+                       "include_reasoning unset or true", param="include_reasoning", code="invalid_value")
     return Prepared(prompt_ids, params, body.stop_strings, bool(body.logprobs), "messages", parser,
                     body.parallel_tool_calls is not False, reasoning_parser or None, constraint_field,
-                    mode == "function", shown)
+                    mode == "function", shown, body.include_reasoning is not False)
 
 
 def marker_ids(tokenizer: Tokenizer, markers: Sequence[str]) -> list[int]:

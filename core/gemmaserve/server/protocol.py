@@ -157,9 +157,11 @@ class _Closed(BaseModel):
 
 
 class StreamOptions(_Closed):
-    """``{"include_usage": bool}``; vLLM's ``continuous_usage_stats`` is not implemented (refused as unknown)."""
+    """``{"include_usage": bool, "continuous_usage_stats": bool}`` (the second is vLLM's: with ``include_usage``,
+    every chunk also carries its choice's running usage)."""
 
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
 NEUTRAL_EXTRAS: dict[str, tuple[Any, ...]] = {
@@ -240,6 +242,8 @@ class SamplingFields(BaseModel):
     user: str | None = Field(None, max_length=MAX_CARRIED_TEXT_CHARS)
     response_format: dict[str, Any] | None = Field(None, json_schema_extra=_only(_RESPONSE_FORMAT_SCHEMA))
     structured_outputs: dict[str, Any] | None = Field(None, json_schema_extra=_only(_STRUCTURED_SCHEMA))
+    return_token_ids: bool | None = None
+    """vLLM's: the prompt's and the reply's token ids in the response (streamed: each chunk's, the prompt's once)."""
     guided_json: Any = Field(None, json_schema_extra=_only({"type": ["object", "string"]}))
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -365,6 +369,11 @@ class SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's rule: running usage on every chunk only with ``include_usage`` too."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     @property
     def stop_strings(self) -> list[str]:
@@ -630,6 +639,8 @@ class ChatCompletionRequest(ChatTemplateOptions, SamplingFields):
             "function": {"type": "object", "required": ["name"], "additionalProperties": False,
                          "properties": {"name": {"type": "string"}}}}}]}))
     parallel_tool_calls: bool | None = None
+    include_reasoning: bool | None = None
+    """vLLM's (default true): false leaves the reasoning channel out of the reply (needs --reasoning-parser)."""
     add_special_tokens: bool | None = Field(None, json_schema_extra=_only({"const": False}))
     """vLLM's (default false): true (special tokens added on top of what the chat template writes) is refused."""
 
