@@ -84,6 +84,11 @@ class HFTokenizerAdapter:
             return str(self._rust_decode(list(token_ids), skip_special_tokens=skip_special_tokens))
         return str(self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
+    def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
+        """The vocabulary's own strings of ``token_ids`` (``▁``-prefixed pieces, byte tokens as written), as
+        transformers' ``convert_ids_to_tokens``: what vLLM's ``/tokenize`` returns as ``token_strs``."""
+        return [str(token) for token in self.hf.convert_ids_to_tokens(list(token_ids))]
+
     def tokenizer_json(self) -> str:
         """The fast tokenizer's ``tokenizer.json`` text (added tokens included; padding and truncation off): the
         vocabulary structured output compiles against. Serialized on the first call and kept (the tokenizer does

@@ -56,7 +56,7 @@ def test_tokenize_messages_is_what_chat_prefills(client: TestClient, engine: Eng
     ({}, "prompt", "either 'prompt'"),
     ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "messages", "not both"),
     ({"prompt": 5}, "prompt", "string"),
-    ({"prompt": "a", "return_token_strs": True}, "return_token_strs", "not supported"),
+    ({"prompt": "a", "return_token_strs": True}, "return_token_strs", "does not expose"),  # a toy vocabulary
     # the reference tokenizer renders messages only (tests/server/test_chat_template_options.py has the options)
     ({"messages": [{"role": "user", "content": "b"}], "add_generation_prompt": False}, "add_generation_prompt",
      "not supported"),
@@ -116,3 +116,17 @@ def test_served_model_name_setting_and_flag(monkeypatch: pytest.MonkeyPatch, tmp
     assert main(["serve", "--served-model-name", "gemma", "my-alias"]) == 0
     assert seen["s"].served_model_name == "gemma,my-alias"
     assert main(["serve", "--served-model-name", "a,b"]) == 2
+
+
+def test_tokenize_returns_the_vocabularys_token_strings(chat_checkpoint) -> None:
+    """vLLM's ``return_token_strs: true`` on a Hugging Face tokenizer: ``token_strs`` are transformers'
+    ``convert_ids_to_tokens`` of the ids."""
+    from server_harness import custom_cpu_openai_client
+    from transformers import AutoTokenizer
+
+    with custom_cpu_openai_client(chat_checkpoint, "m") as openai_client:
+        http = openai_client._client
+        body = http.post("/tokenize", json={"prompt": "hello world", "return_token_strs": True}).json()
+        assert body["token_strs"] == AutoTokenizer.from_pretrained(chat_checkpoint).convert_ids_to_tokens(
+            body["tokens"]) and len(body["token_strs"]) == body["count"]
+        assert http.post("/tokenize", json={"prompt": "hi"}).json()["token_strs"] is None

@@ -499,7 +499,15 @@ class _Server:
         if len(ids) > self.context_limit:
             raise APIError(400, f"the {param} is {len(ids)} tokens; this model's context holds {self.context_limit}",
                            param=param, code="context_length_exceeded")
-        return {"count": len(ids), "max_model_len": self.context_limit, "tokens": ids, "token_strs": None}
+        strings = None
+        if body.return_token_strs:
+            convert = getattr(self.tokenizer, "convert_ids_to_tokens", None)
+            if convert is None:
+                raise APIError(400, "return_token_strs needs a tokenizer with a vocabulary of token strings, which "
+                               f"this backend's ({self.engine.backend_name}) does not expose; use /detokenize to "
+                               "read tokens back", param="return_token_strs", code="invalid_value")
+            strings = convert(ids)
+        return {"count": len(ids), "max_model_len": self.context_limit, "tokens": ids, "token_strs": strings}
 
     def detokenize(self, raw: bytes) -> dict[str, Any]:
         """vLLM's /detokenize: ``{prompt}``, special tokens included (the text the ids stand for)."""

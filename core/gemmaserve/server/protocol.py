@@ -741,7 +741,8 @@ class TokenizeRequest(ChatTemplateOptions):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
-    return_token_strs: bool | None = Field(None, json_schema_extra=_only({"const": False}))
+    return_token_strs: bool | None = None
+    """vLLM's: ``token_strs``, the vocabulary's string of each token (tokenizers with ``convert_ids_to_tokens``)."""
     chat_template: str | None = Field(None, json_schema_extra=_NULL)
     tools: list[Any] | None = Field(None, json_schema_extra=_NULL)
     mm_processor_kwargs: dict[str, Any] | None = Field(None, json_schema_extra=_NULL)
@@ -750,13 +751,6 @@ class TokenizeRequest(ChatTemplateOptions):
     @classmethod
     def _count_messages(cls, value: Any, info: ValidationInfo) -> Any:
         return _bounded_messages(value, info)
-
-    @field_validator("return_token_strs")
-    @classmethod
-    def _check_token_strs(cls, value: bool | None) -> bool | None:
-        if value:
-            raise ValueError("return_token_strs is not supported; use /detokenize to read tokens back")
-        return value
 
     @field_validator("chat_template", "tools", "mm_processor_kwargs")
     @classmethod
