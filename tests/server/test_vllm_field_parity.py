@@ -288,3 +288,14 @@ def test_include_reasoning_false_needs_the_reasoning_parser(ref: Client) -> None
     refused(client, CHAT, "include_reasoning", "--reasoning-parser", messages=MESSAGES, max_tokens=2,
             include_reasoning=False)
     ok(client, CHAT, messages=MESSAGES, max_tokens=2, include_reasoning=True)
+
+
+def test_request_id_names_the_response(ref: Client) -> None:
+    """vLLM's ``request_id``: the response's ``id`` is ``cmpl-<request_id>`` / ``chatcmpl-<request_id>``, streamed
+    too; an empty or over-long one is a 400."""
+    client, _ = ref
+    assert ok(client, COMPLETIONS, prompt="a", max_tokens=2, request_id="job-7")["id"] == "cmpl-job-7"
+    assert {e["id"] for e in streamed(client, CHAT, messages=MESSAGES, max_tokens=2, request_id="job-8")} == {
+        "chatcmpl-job-8"}
+    refused(client, COMPLETIONS, "request_id", prompt="a", max_tokens=2, request_id="")
+    refused(client, COMPLETIONS, "request_id", prompt="a", max_tokens=2, request_id="x" * 257)

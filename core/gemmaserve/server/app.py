@@ -604,7 +604,7 @@ class _Server:
             choices += [dataclasses.replace(prepared, params=every.for_sample(j)) for j in range(n)]
         generations = self._submit(choices, [timing, *(Timing(start=timing.start) for _ in choices[1:])])
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
-        meta = ResponseMeta.new(prefix, generations[0].request_id, self.model_name)  # one id for every choice
+        meta = ResponseMeta.new(prefix, reply.request_id or generations[0].request_id, self.model_name)  # one id
         views = [_View(reply, generation, self, meta, k // n) for k, generation in enumerate(generations)]
         group = _Choices(generations)
         try:
@@ -816,13 +816,15 @@ class _Reply:
     include_usage: bool
     continuous_usage: bool
     return_token_ids: bool
+    request_id: str | None
+    """The caller's id (vLLM's ``request_id``), or None for the engine's."""
     echoes: tuple[str, ...]
     """Per prompt (a chat has one), the text prepended to each of its choices (``echo``), or empty."""
 
     @classmethod
     def of(cls, body: CompletionRequest | ChatCompletionRequest, echoes: Sequence[str]) -> _Reply:
         return cls(isinstance(body, ChatCompletionRequest), body.n or 1, bool(body.stream), body.include_usage,
-                   body.continuous_usage, bool(body.return_token_ids), tuple(echoes))
+                   body.continuous_usage, bool(body.return_token_ids), body.request_id, tuple(echoes))
 
 
 def _full_response(views: list[_View]) -> bytes:

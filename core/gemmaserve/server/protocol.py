@@ -66,6 +66,8 @@ _STRICT = ConfigDict(strict=True, extra="ignore")
 _NULL: dict[str, Any] = {"type": "null"}
 _TEXT: dict[str, Any] = {"type": "string", "minLength": 1}
 _TOKEN_IDS: dict[str, Any] = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": _MAX_TOKEN_ID}}
+MAX_REQUEST_ID_CHARS = 256
+"""Longest ``request_id`` a caller may set (it is echoed in every chunk's ``id``)."""
 MAX_COMPLETION_PROMPTS = 1024
 """Most prompts one /v1/completions request may batch (``prompt`` as a list); each is also a queued request, so
 ``n`` × prompts is bounded by MAX_WAITING_REQUESTS as well."""
@@ -244,6 +246,9 @@ class SamplingFields(BaseModel):
     structured_outputs: dict[str, Any] | None = Field(None, json_schema_extra=_only(_STRUCTURED_SCHEMA))
     return_token_ids: bool | None = None
     """vLLM's: the prompt's and the reply's token ids in the response (streamed: each chunk's, the prompt's once)."""
+    request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)
+    """vLLM's: the caller's id for the request; the response's ``id`` is ``cmpl-<request_id>`` /
+    ``chatcmpl-<request_id>`` (and logs name it). Default: a random one."""
     guided_json: Any = Field(None, json_schema_extra=_only({"type": ["object", "string"]}))
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
