@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, TypedDict, Union
 
-from gemmaserve.detokenize import IncrementalDetokenizer, hides_stop_token
+from gemmaserve.detokenize import IncrementalDetokenizer, detokenize, hides_stop_token
 from gemmaserve.engine.request import FinishReason
 from gemmaserve.engine.validation import check_text_can_fit
 from gemmaserve.errors import ConfigurationError, InvalidRequestError, LLMClosedError, PromptTooLongError
@@ -502,7 +502,8 @@ class LLM:
             text = watcher.text
         else:
             shown = token_ids[:-1] if hides_stop_token(out, params) else token_ids
-            text = self.tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens)
+            text = detokenize(self.tokenizer, shown, prompt_ids=out.prompt_token_ids,
+                              skip_special_tokens=params.skip_special_tokens)
         return CompletionOutput(
             request_id=out.request_id,
             prompt=prompt_text,
@@ -543,11 +544,12 @@ class LLM:
         return dicts
 
     def _up_to_context(self, params: SamplingParams, prompt_ids: Sequence[int]) -> SamplingParams:
-        """``max_tokens=None`` (vLLM's offline meaning) as the rest of the context after the prompt (within
-        ``max_active_kv_tokens``), at least 1: a prompt that fills the context is then refused as too long."""
+        """``max_tokens=None`` (vLLM's offline meaning) as the rest of what the request may hold after the prompt
+        (the context, within ``max_active_kv_tokens`` and the backend's KV pool: ``request_token_limit``), at least
+        1: a prompt that fills it is then refused as too long."""
         if params.max_tokens is not None:
             return params
-        limit = min(self.engine.scheduler.max_model_len, self.engine.settings.max_active_kv_tokens)
+        limit = self.engine.scheduler.request_token_limit
         return replace(params, max_tokens=max(1, limit - len(prompt_ids), params.min_tokens))
 
     def _check_open(self) -> None:

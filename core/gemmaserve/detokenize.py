@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from gemmaserve.engine.request import RequestOutput
     from gemmaserve.sampling_params import SamplingParams
 
-__all__ = ["IncrementalDetokenizer", "DetokenizedDelta", "StopPrefixMatcher", "hides_stop_token"]
+__all__ = ["IncrementalDetokenizer", "DetokenizedDelta", "StopPrefixMatcher", "detokenize", "hides_stop_token"]
 
 _REPLACEMENT = "\ufffd"
 _PROMPT_CONTEXT_TOKENS = 5
@@ -91,6 +91,17 @@ class StopPrefixMatcher:
             while border and stop[index] != stop[border]:
                 border = borders[border - 1]
             borders.append(border + 1 if stop[index] == stop[border] else 0)
+
+
+def detokenize(tokenizer: Tokenizer, token_ids: Sequence[int], *, prompt_ids: Sequence[int] | None = None,
+               skip_special_tokens: bool = True) -> str:
+    """The final text of ``token_ids`` exactly as :class:`IncrementalDetokenizer` streams it (the prompt's last
+    tokens as context; an unfinished last character as one U+FFFD, where a byte-fallback ``decode`` writes one per
+    byte): what a non-streamed result shows, so it equals the streamed text of the same tokens."""
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids=prompt_ids, skip_special_tokens=skip_special_tokens)
+    detok.add(token_ids)
+    detok.flush()
+    return detok.text
 
 
 class IncrementalDetokenizer:

@@ -142,7 +142,7 @@ def test_chat_gives_the_template_tool_call_arguments_as_objects(hf_llm) -> None:
 
 @pytest.mark.parametrize(("messages", "words"), [
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}],
-     "LLM.chat: message 0 field 'content': only text content parts"),
+     "LLM.chat: message 0 field 'content': a 'image_url' part is not supported"),
     ([{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}],
      "LLM.chat: message 1 field 'role': Input should be 'system', 'user', 'assistant', 'tool' or 'developer'"),
     ([{"role": "user", "content": "hi", "images": ["x"]}], "LLM.chat: message 0: message field 'images' is not "

@@ -282,6 +282,24 @@ def test_max_tokens_none_runs_to_the_end_of_the_context() -> None:
         model.close()
 
 
+def test_max_tokens_none_stops_at_what_the_kv_pool_holds() -> None:
+    """A backend whose KV pool holds fewer tokens per request than the context: ``max_tokens=None`` runs to the
+    pool's bound (it asked the whole context before, which every request was then refused for)."""
+
+    class _SmallPool(ReferenceBackend):
+        def max_request_tokens(self) -> int | None:
+            return 30
+
+    settings = CoreSettings(max_batch_size=2, prefill_chunk_tokens=8, max_active_kv_tokens=8192)
+    model = LLM(settings=settings, engine=Engine(_SmallPool(max_model_len=512), settings, owns_backend=True))
+    try:
+        ids = model.tokenizer.encode("up to the end")
+        out = model.generate("up to the end", SamplingParams(max_tokens=None, ignore_eos=True))[0]
+        assert out.finish_reason == "length" and len(out.token_ids) == 30 - len(ids)
+    finally:
+        model.close()
+
+
 def test_max_num_seqs_is_vllms_name_for_max_batch_size(fake_plugins) -> None:
     from gemmaserve import BackendSpec
     from gemmaserve.errors import ConfigurationError

@@ -285,3 +285,23 @@ def test_auto_dtype_is_bfloat16_except_on_cpus_without_bfloat16_instructions(
     monkeypatch.setattr("gemmaserve_custom_torch.backend.cpu_has_native_bfloat16", lambda: native_bf16)
     assert auto_dtype("cpu") == (torch.bfloat16 if native_bf16 else torch.float32)
     assert auto_dtype("cuda") == torch.bfloat16 and auto_dtype("mps") == torch.bfloat16
+
+
+def test_offline_text_equals_the_streamed_text_when_a_reply_ends_inside_a_character(tiny_gemma4_dir) -> None:
+    """``LLM.generate`` without stop strings detokenizes as streaming does (one U+FFFD for a character the last
+    tokens leave unfinished, the prompt's last tokens as context), so its text equals ``LLM.stream``'s and that of
+    ``generate`` with a stop string that never matches (a byte-level decode of the whole reply wrote one U+FFFD per
+    byte)."""
+    from gemmaserve import LLM, SamplingParams
+
+    with LLM(str(tiny_gemma4_dir), backend="custom-cpu", device="cpu", dtype="float32") as model:
+        unfinished = 0
+        for max_tokens in range(14, 24):
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            plain = model.generate("The quick brown fox", params)[0]
+            stopped = model.generate("The quick brown fox", SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                                           stop=["\u2603"]))[0]
+            streamed = "".join(chunk.text for chunk in model.stream("The quick brown fox", params))
+            assert plain.text == stopped.text == streamed, max_tokens
+            unfinished += plain.text.endswith("\ufffd")
+        assert unfinished, "no reply ended inside a character: the case this test is for did not occur"

@@ -135,6 +135,11 @@ class ContinuousBatchScheduler:
                 f"MAX_MODEL_LEN={settings.max_model_len} (--max-model-len) exceeds the model's context of {model_len} "
                 f"tokens (its positions end there); set at most {model_len}, or leave it unset to use the model's")
         self.max_model_len = settings.max_model_len or model_len
+        pool = backend.max_request_tokens()
+        self.request_token_limit = min(self.max_model_len, settings.max_active_kv_tokens,
+                                       pool if pool is not None else self.max_model_len)
+        """The most tokens (prompt + max_tokens) one request may hold: the model length, MAX_ACTIVE_KV_TOKENS and
+        what one request can hold in the backend's KV pool (``validate_request`` refuses more, naming which)."""
         self._streaming = not self._caps.continuous_batching
         self._max_running = self._caps.max_concurrent_streams if self._streaming else settings.max_batch_size
         self._q = RequestQueues(backend)

@@ -418,8 +418,8 @@ class _Server:
 
     @property
     def context_limit(self) -> int:
-        """Most prompt + output tokens one request may hold."""
-        return min(self.engine.scheduler.max_model_len, self.engine.settings.max_active_kv_tokens)
+        """Most prompt + output tokens one request may hold (the scheduler's ``request_token_limit``)."""
+        return self.engine.scheduler.request_token_limit
 
     def model_card(self, name: str | None = None) -> dict[str, Any]:
         """One ``/v1/models`` entry in vLLM's shape (``root``: the model as the server was given it, ``created``: when

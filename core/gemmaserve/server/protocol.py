@@ -483,7 +483,7 @@ class ChatMessage(BaseModel):
                 if kind != key or not isinstance(part.get(key), str):
                     named = (f"a {_short(kind)} part is not" if isinstance(kind, str)
                              else "parts other than text are not")
-                    raise ValueError(f'{named} supported: this server serves text only; send text parts '
+                    raise ValueError(f'{named} supported (gemmaserve serves text only); send text parts '
                                      '({"type": "text", "text": "..."})'
                                      + (' (or "refusal" parts on assistant messages)' if assistant else ""))
                 _refuse_keys(part, ("type", key), f"a {key} content part")
