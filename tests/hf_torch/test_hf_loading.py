@@ -182,3 +182,66 @@ def test_the_default_sdpa_falls_back_to_eager_where_an_architecture_lacks_it(tmp
 
     loaded = load_model(str(path), "cpu", cpu_settings(), HFTorchSettings(compile_model=False))  # the default
     assert loaded.model.config._attn_implementation == "eager"
+
+
+def _phi3_longrope(path: Path) -> Path:
+    """A tiny Phi-3 with a longrope RoPE switching at 16 positions (real Phi-3 / 3.5 / 4-mini: 4,096)."""
+    from tiny_checkpoints import save_tiny_tokenizer
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Phi3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        original_max_position_embeddings=16, sliding_window=None, pad_token_id=0, eos_token_id=1,
+                        bos_token_id=2, rope_parameters={
+                            "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                            "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0],
+                            "original_max_position_embeddings": 16})
+    model = Phi3ForCausalLM(config)
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            tensor.normal_(1.0 if "norm" in name else 0.0, 0.15)
+    model.save_pretrained(str(path))
+    save_tiny_tokenizer(path)
+    return path
+
+
+def test_position_factors_chosen_per_forward_call_bound_the_context(tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A longrope (or dynamic) RoPE picks its factors from the largest position of each forward call, which the hf
+    backend shares between rows and splits into prefill chunks: beyond the original length a short row beside a
+    long one, a chunked prompt and a prefix-cache hit each got other factors than ``generate`` (wrong tokens). The
+    context is bounded to the original length (a warning says why; a larger MAX_MODEL_LEN is refused), and within
+    it a row's tokens are ``generate``'s however it is batched."""
+    from gemmaserve.errors import ConfigurationError
+    from gemmaserve.engine.request import Request
+    from gemmaserve.engine.scheduler import ContinuousBatchScheduler
+
+    path = _phi3_longrope(tmp_path / "phi3")
+    with caplog.at_level("WARNING"):
+        loaded = load_model(str(path), "cpu", cpu_settings(), hf_settings())
+    assert loaded.max_model_len == 16 and "'longrope' RoPE" in caplog.text
+    with pytest.raises(ConfigurationError, match="longrope.*at most 16"):
+        load_model(str(path), "cpu", cpu_settings(max_model_len=64), hf_settings())
+    backend = HFTorchBackend(loaded)
+    prompts = {"a": [7, 8, 9, 10, 11], "b": list(range(100, 111))}
+    scheduler = ContinuousBatchScheduler(backend, cpu_settings(max_batch_size=4, prefill_chunk_tokens=3))
+    for rid, prompt in prompts.items():
+        scheduler.add_request(Request(rid, tuple(prompt), SamplingParams(max_tokens=4, ignore_eos=True)))
+    done = {}
+    while scheduler.has_work:
+        for event in scheduler.step():
+            if event.finished:
+                done[event.request_id] = list(event.output.token_ids)
+    assert done == {rid: hf_greedy(loaded.model, prompt, 4) for rid, prompt in prompts.items()}
+
+
+def test_llama4_temperature_tuning_bounds_the_context() -> None:
+    """Llama 4's attention-temperature tuning on NoPE layers reads the padded batch length: the context stops
+    below ``floor_scale``, where it scales nothing."""
+    from transformers import Llama4TextConfig
+
+    config = Llama4TextConfig(attn_temperature_tuning=True, no_rope_layers=[1, 0], num_hidden_layers=2,
+                              floor_scale=64, max_position_embeddings=1024)
+    assert loader._batch_invariant_length(config)[0] == 63
+    assert loader._batch_invariant_length(Llama4TextConfig(attn_temperature_tuning=False)) is None

@@ -255,12 +255,53 @@ def _left_padding_problem(model: torch.nn.Module, device: torch.device) -> str |
 
 
 def _max_model_len(text_config: Any, settings: CoreSettings) -> int:
+    """The context served: ``max_position_embeddings`` (or ``MAX_MODEL_LEN`` when lower), within
+    :func:`_batch_invariant_length`; a ``MAX_MODEL_LEN`` beyond that bound is a ConfigurationError naming it."""
     model_limit = getattr(text_config, "max_position_embeddings", None)
     if isinstance(model_limit, int) and model_limit > 0:
-        return min(model_limit, settings.max_model_len) if settings.max_model_len else model_limit
+        limit = min(model_limit, settings.max_model_len) if settings.max_model_len else model_limit
+    elif settings.max_model_len:
+        limit = settings.max_model_len
+    else:
+        raise ConfigurationError("the model's config.json has no max_position_embeddings; set MAX_MODEL_LEN")
+    bound = _batch_invariant_length(text_config)
+    if bound is None or limit <= bound[0]:
+        return limit
+    most, why = bound
     if settings.max_model_len:
-        return settings.max_model_len
-    raise ConfigurationError("the model's config.json has no max_position_embeddings; set MAX_MODEL_LEN")
+        raise ConfigurationError(f"MAX_MODEL_LEN={settings.max_model_len} is more than the hf backend serves this "
+                                 f"model exactly: {why}; set MAX_MODEL_LEN to at most {most}")
+    logger.warning("hf: serving a context of %d tokens instead of %d: %s", most, limit, why)
+    return most
+
+
+def _batch_invariant_length(text_config: Any) -> tuple[int, str] | None:
+    """The longest context over which this model's tokens do not depend on the rest of the batch, the prefill
+    chunking or the prefix cache, and why (None: no such bound). transformers computes some position-dependent
+    factors from the whole forward call's positions, where the hf backend runs many rows, or one chunk of a prompt,
+    per call: a ``longrope`` / ``dynamic`` RoPE picks its factors from the largest position in the call (below the
+    original length the short, unscaled ones), and Llama 4's attention-temperature tuning on its NoPE layers reads
+    the padded cache length. Within the bound each sees the values of a single short sequence."""
+    scaled: list[tuple[str, dict[str, Any]]] = []
+    for params in (getattr(text_config, "rope_parameters", None), getattr(text_config, "rope_scaling", None)):
+        if isinstance(params, dict):
+            entries = [v for v in params.values() if isinstance(v, dict)] or [params]
+            scaled += [(kind, entry) for entry in entries
+                       if (kind := entry.get("rope_type") or entry.get("type")) in ("longrope", "dynamic")]
+    for kind, entry in scaled:
+        original = (entry.get("original_max_position_embeddings")
+                    or getattr(text_config, "original_max_position_embeddings", None)
+                    or getattr(text_config, "max_position_embeddings", None))
+        if isinstance(original, int) and original > 0:
+            return original, (f"its {kind!r} RoPE switches factors past {original} positions, chosen per forward call "
+                              "from the largest position in it (every row and chunk of the call), so longer contexts "
+                              "would change other requests' tokens")
+    no_rope = getattr(text_config, "no_rope_layers", None)
+    if getattr(text_config, "attn_temperature_tuning", False) and isinstance(no_rope, (list, tuple)) and 0 in no_rope:
+        floor = int(getattr(text_config, "floor_scale", 8192))
+        return floor - 1, (f"its attention-temperature tuning (NoPE layers) scales by the padded batch length past "
+                           f"{floor} positions, not by the row's own")
+    return None
 
 
 def _eos_token_ids(model: torch.nn.Module, tokenizer: HFTokenizer) -> tuple[int, ...]:
