@@ -2,7 +2,8 @@
 
 - :func:`resolve_dtype`: ``DTYPE=auto`` is bfloat16 on CUDA (float16 on GPUs without bf16), bfloat16 on CPUs
   with bfloat16 matmul instructions (AVX512_BF16 or AMX, :func:`~gemmaserve.hardware.cpu_has_native_bfloat16`),
-  float32 on other CPUs and on MPS. float16 is never chosen automatically: Gemma activations overflow it.
+  float32 on other CPUs and on MPS. float16 is chosen only on CUDA GPUs without bfloat16 (Gemma activations can
+  overflow it: DTYPE=float32 there).
 - :func:`load_model`: validates the directory (config.json, weights, architecture, dtype) and loads
   model + tokenizer, raising :class:`~gemmaserve.errors.ModelLoadError` with what is wrong.
 - ``QUANTIZATION=int8`` (CPU): every ``nn.Linear`` becomes an :class:`~gemmaserve_hf_torch.int8.Int8Linear`
