@@ -365,9 +365,10 @@ class InferenceBackend(ABC):
         ``decode_step_batched`` would, but meant as one forward over all of it.
 
         A chunk's exception is reported in ``prefill_errors`` (that request fails alone). If the call raises,
-        the batch's rows must hold the KV they held before (the scheduler retries them alone, as after a
-        failed ``decode_step_batched``) and states that did not advance are retried with ``prefill_chunk``.
-        The states and the batch's rows are disjoint."""
+        ``remove_row_from_cache`` must still empty the batch: the scheduler drops it (freeing every row's KV) and
+        recomputes each row's step alone from its tokens, never reusing the failed batch's KV; states that did not
+        advance are retried with ``prefill_chunk``. ``batched`` is None on a tick without decoding rows (the
+        decode logits are then None). The states and the batch's rows are disjoint."""
         raise NotImplementedError(f"{type(self).__name__} does not implement forward_step (a backend that does "
                                   "declares capabilities.mixed_step)")
 
