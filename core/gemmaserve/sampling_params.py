@@ -14,12 +14,15 @@ from gemmaserve.structured.spec import StructuredOutputs
 
 __all__ = ["VLLM_SAMPLING_OPTIONS_NOT_IMPLEMENTED", "MAX_BAD_WORDS", "MAX_LOGPROBS", "SamplingParams", "RowSampling",
            "allowed_tokens", "MIN_TEMPERATURE", "MIN_REPETITION_PENALTY", "MAX_REPETITION_PENALTY", "SEED_SPACE",
-           "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "MAX_CHAT_STOP_TOKEN_IDS", "MAX_LOGIT_BIAS", "MAX_N"]
+           "MAX_STOP_STRINGS", "MAX_STOP_STRING_CHARS", "MAX_STOP_TOKEN_IDS", "MAX_CHAT_STOP_TOKEN_IDS", "MAX_LOGIT_BIAS", "MAX_N"]
 
 MIN_TEMPERATURE = 1e-5
 """Temperatures in (0, MIN_TEMPERATURE) are treated as greedy (0): logits / T would overflow."""
 MAX_STOP_STRINGS = 16
 """Stop strings per request (each is matched against the text as it streams)."""
+MAX_STOP_STRING_CHARS = 4096
+"""Characters of one stop string: a request keeps its stop strings while it runs, so without a bound 16 strings of
+a million characters each let one client hold gigabytes over a full queue (no reply that long fits a context)."""
 MAX_STOP_TOKEN_IDS = 1024
 """Stop token ids per request: more than any tokenizer's special tokens, few enough to check in O(1)."""
 MAX_CHAT_STOP_TOKEN_IDS = 16
@@ -175,6 +178,9 @@ class SamplingParams:
         for text in self.stop:
             if not isinstance(text, str) or not text:
                 raise InvalidRequestError(f"stop must hold non-empty strings, got {text!r}")
+            if len(text) > MAX_STOP_STRING_CHARS:
+                raise InvalidRequestError(f"a stop string has {len(text)} characters; at most {MAX_STOP_STRING_CHARS} "
+                                          "are accepted")
         if not _is_real(self.min_p) or not (0.0 <= self.min_p <= 1.0):
             raise InvalidRequestError(f"min_p must be a number in [0, 1] (0 = off), got {self.min_p!r}")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or not (

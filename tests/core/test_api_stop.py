@@ -123,3 +123,12 @@ def test_a_stop_string_before_min_tokens_does_not_stop(llm):
         assert out.finish_reason == "length" and out.text == text
     assert streamed == out.text and stop in out.text
     _idle(llm)
+
+
+def test_stop_strings_are_bounded_in_length() -> None:
+    """A request keeps its stop strings while it runs: each is at most MAX_STOP_STRING_CHARS characters."""
+    from gemmaserve.sampling_params import MAX_STOP_STRING_CHARS
+
+    SamplingParams(stop=["x" * MAX_STOP_STRING_CHARS])
+    with pytest.raises(InvalidRequestError, match=f"at most {MAX_STOP_STRING_CHARS}"):
+        SamplingParams(stop=["ok", "x" * (MAX_STOP_STRING_CHARS + 1)])

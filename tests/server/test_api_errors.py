@@ -39,6 +39,7 @@ COMPLETION_CASES: list[tuple[str, Any, int, str | None, tuple[str, ...]]] = [
     ("missing-prompt", {"prompt": None}, 400, "prompt", ("required",)),
     ("empty-prompt", {"prompt": ""}, 400, "prompt", ("empty",)),
     ("empty-token-prompt", {"prompt": []}, 400, "prompt", ("empty",)),
+    ("stop-string-too-long", {"stop": ["x" * 4097]}, 400, "stop", ("4097 characters", "4096")),
     ("empty-prompt-in-a-batch", {"prompt": ["a", ""]}, 400, "prompt", ("prompt 1 of the batch", "empty")),
     ("bad-prompt-in-a-batch", {"prompt": ["a", [1, "b"]]}, 400, "prompt", ("prompt 1 of the batch", "token ids")),
     ("token-outside-vocab-in-a-batch", {"prompt": [[5], [5, 999]]}, 400, "prompt", ("999",)),

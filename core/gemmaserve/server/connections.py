@@ -110,6 +110,13 @@ def guarded_protocol_class(limits: ConnectionLimits) -> type[asyncio.Protocol]:
             self._set_deadline(None)
             super().connection_lost(exc)
 
+        def _should_upgrade(self) -> bool:
+            """Never: the server has no WebSocket route, and an upgrade would hand the transport to another
+            protocol, so this one would never see ``connection_lost`` and its place among the admitted
+            connections would leak (LIMIT_CONCURRENCY upgrade requests locked every client out with 503s).
+            An ``Upgrade`` header is ignored: the request is served as plain HTTP, with no warning to log."""
+            return False
+
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
             self._track_phase()

@@ -23,6 +23,7 @@ from gemmaserve.sampling_params import (
     MAX_REPETITION_PENALTY,
     MIN_REPETITION_PENALTY,
     SEED_SPACE,
+    MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
 )
@@ -76,8 +77,9 @@ _PROMPT_SCHEMA: dict[str, Any] = {"anyOf": [
     {"type": "array", "minItems": 1, "maxItems": MAX_COMPLETION_PROMPTS,
      "items": {"anyOf": [_TEXT, {**_TOKEN_IDS, "minItems": 1}]}},
 ]}
+_STOP_TEXT: dict[str, Any] = {**_TEXT, "maxLength": MAX_STOP_STRING_CHARS}
 _STOP_SCHEMA: dict[str, Any] = {
-    "anyOf": [_TEXT, {"type": "array", "maxItems": MAX_STOP_STRINGS, "items": _TEXT}, _NULL]
+    "anyOf": [_STOP_TEXT, {"type": "array", "maxItems": MAX_STOP_STRINGS, "items": _STOP_TEXT}, _NULL]
 }
 _CONTENT_SCHEMA: dict[str, Any] = {"anyOf": [{"type": "string"}, _NULL, {"type": "array", "items": {"anyOf": [
     {"type": "object", "required": ["type", "text"], "additionalProperties": False,
@@ -264,6 +266,9 @@ class SamplingFields(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are accepted, got {len(stops)}")
         if any(not stop for stop in stops):
             raise ValueError("stop strings must be non-empty")
+        longest = max(map(len, stops), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"a stop string has {longest} characters; at most {MAX_STOP_STRING_CHARS} are accepted")
         return stops
 
     @field_validator("stop_token_ids")

@@ -247,6 +247,7 @@ def _serve_on(settings: CoreSettings, listeners: list[socket.socket], template: 
             log_level=settings.log_level,
             access_log=settings.log_level == "debug",
             http=guarded_protocol_class(limits),
+            ws="none",  # no WebSocket routes (and see GuardedH11Protocol._should_upgrade)
             timeout_keep_alive=limits.timeout_keep_alive,  # type: ignore[arg-type]  # a float works
             timeout_graceful_shutdown=settings.shutdown_timeout + CANCEL_GRACE_S,  # type: ignore[arg-type]
         )
