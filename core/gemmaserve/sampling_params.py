@@ -14,7 +14,8 @@ from gemmaserve.structured.spec import StructuredOutputs
 
 __all__ = ["VLLM_SAMPLING_OPTIONS_NOT_IMPLEMENTED", "MAX_BAD_WORDS", "MAX_LOGPROBS", "SamplingParams", "RowSampling",
            "allowed_tokens", "MIN_TEMPERATURE", "MIN_REPETITION_PENALTY", "MAX_REPETITION_PENALTY", "SEED_SPACE",
-           "MAX_STOP_STRINGS", "MAX_STOP_STRING_CHARS", "MAX_STOP_TOKEN_IDS", "MAX_CHAT_STOP_TOKEN_IDS", "MAX_LOGIT_BIAS", "MAX_N"]
+           "MAX_STOP_STRINGS", "MAX_STOP_STRING_CHARS", "MAX_STOP_TOKEN_IDS", "MAX_CHAT_STOP_TOKEN_IDS",
+           "MAX_LOGIT_BIAS", "MAX_N"]
 
 MIN_TEMPERATURE = 1e-5
 """Temperatures in (0, MIN_TEMPERATURE) are treated as greedy (0): logits / T would overflow."""
