@@ -497,7 +497,8 @@ class _Server:
                               body.template_options, self.render_pool)
             param = "messages"
         if len(ids) > self.context_limit:
-            raise APIError(400, f"the {param} is {len(ids)} tokens; this model's context holds {self.context_limit}",
+            what = "the prompt is" if param == "prompt" else "the messages are"
+            raise APIError(400, f"{what} {len(ids)} tokens; this model's context holds {self.context_limit}",
                            param=param, code="context_length_exceeded")
         strings = None
         if body.return_token_strs:
