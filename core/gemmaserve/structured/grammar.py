@@ -437,15 +437,23 @@ class _CompileThreads:
         self.pid = os.getpid()
         self._jobs: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...]]] = \
             queue.SimpleQueue()
+        self.threads: list[threading.Thread] = []
         with _executor_lock:  # threading.stack_size is process-wide: set it only around these threads' start
-            previous = threading.stack_size(COMPILE_STACK_BYTES)
-            try:
-                self.threads = [threading.Thread(target=self._serve, name=f"gemmaserve-grammar-{i}", daemon=True)
-                                for i in range(count)]
-                for thread in self.threads:
-                    thread.start()
-            finally:
-                threading.stack_size(previous)
+            for size in (COMPILE_STACK_BYTES, COMPILE_STACK_BYTES // 4):  # the smaller one where memory is tight
+                previous = threading.stack_size(size)
+                try:
+                    for index in range(len(self.threads), count):
+                        thread = threading.Thread(target=self._serve, name=f"gemmaserve-grammar-{index}", daemon=True)
+                        thread.start()
+                        self.threads.append(thread)
+                except RuntimeError:  # "can't start new thread": no room for such a stack (strict overcommit)
+                    continue
+                finally:
+                    threading.stack_size(previous)
+                break
+        if not self.threads:
+            raise RuntimeError(f"could not start a structured-output compile thread with a "
+                               f"{COMPILE_STACK_BYTES // 4 >> 20} MiB stack (the memory for it is not available)")
 
     def _serve(self) -> None:
         while True:
@@ -463,8 +471,9 @@ class _CompileThreads:
 
 
 COMPILE_STACK_BYTES = 256 * 2**20
-"""Each compile thread's stack. The most a 256 KiB constraint can chain (~10,500 Lark rules, ~4,000 ``$ref``
-links) compiled with 64 MiB; only the pages a compile touches are committed."""
+"""Each compile thread's stack (a quarter of it where a thread with this much cannot start). The most a 256 KiB
+constraint can chain (~10,500 Lark rules, ~4,000 ``$ref`` links) compiled with 64 MiB; only the pages a compile
+touches are committed."""
 
 _compile_pool: _CompileThreads | None = None
 
