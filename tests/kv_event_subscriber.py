@@ -84,8 +84,10 @@ class BlockSet:
                 self.hashes.clear()
 
 
-def replay(context: zmq.Context, endpoint: str, start_seq: int, timeout_s: float = 5.0) -> list[tuple[int, bytes]]:
-    """Every buffered batch from ``start_seq`` on, as ``(seq, payload)``, up to the end marker."""
+def replay(context: zmq.Context, endpoint: str, start_seq: int, timeout_s: float = 5.0,
+           topic: bytes | None = None) -> list[tuple[int, bytes]]:
+    """Every buffered batch from ``start_seq`` on, as ``(seq, payload)``, up to the end marker. Each reply is
+    vLLM's (0.26 on): ``[b"", topic, seq, payload]``, the end marker ``[b"", b"", END_SEQ, b""]``."""
     dealer = context.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(endpoint)
@@ -94,11 +96,12 @@ def replay(context: zmq.Context, endpoint: str, start_seq: int, timeout_s: float
         got: list[tuple[int, bytes]] = []
         while True:
             assert dealer.poll(int(timeout_s * 1000)), "the replay socket did not answer"
-            empty, seq, payload = dealer.recv_multipart()
+            empty, got_topic, seq, payload = dealer.recv_multipart()  # four frames: the topic is one (vLLM 0.26)
             assert empty == b""
             if seq == END_SEQ:
-                assert payload == b""
+                assert payload == b"" and got_topic == b""
                 return got
+            assert topic is None or got_topic == topic, (got_topic, topic)
             got.append((int.from_bytes(seq, "big"), payload))
     finally:
         dealer.close()
@@ -149,7 +152,7 @@ class EventSubscriber:
         """Batches 0..last_seq: the live ones, the missing ones replayed (which must agree with the live)."""
         missing = [seq for seq in range(last_seq + 1) if seq not in self.live]
         if missing:
-            for seq, payload in replay(self.context, self.replay_endpoint, missing[0]):
+            for seq, payload in replay(self.context, self.replay_endpoint, missing[0], topic=self.topic):
                 self.replayed[seq] = payload
         for seq, payload in self.replayed.items():
             assert seq not in self.live or self.live[seq] == payload, f"replayed batch {seq} differs from the live one"

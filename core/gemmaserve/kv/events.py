@@ -347,8 +347,8 @@ class ZmqEventPublisher:
     ``[topic, seq (8 bytes, big-endian), payload]`` with ``seq`` = 0, 1, 2..., keeps the last ``buffer_steps``
     batches (stamped with ``data_parallel_rank``, whose endpoints are vLLM's per-rank ones: :func:`offset_endpoint`),
     and answers replay requests ``[identity, b"", start_seq]`` on ``replay_endpoint`` with
-    ``[identity, b"", seq, payload]`` for each buffered batch from ``start_seq`` on, then
-    ``[identity, b"", END_SEQ, b""]``. Raises ConfigurationError if pyzmq or msgpack is missing or an endpoint
+    ``[identity, b"", topic, seq, payload]`` for each buffered batch from ``start_seq`` on, then
+    ``[identity, b"", b"", END_SEQ, b""]`` (vLLM 0.26's replay, which added the topic frame). Raises ConfigurationError if pyzmq or msgpack is missing or an endpoint
     cannot be bound / connected. ``close`` publishes what is queued, then releases the sockets.
     """
 
@@ -569,7 +569,7 @@ class ZmqEventPublisher:
                 continue
             identity, _, start = frames
             start_seq = int.from_bytes(start, "big")
-            for seq, payload in list(self._buffer):
+            for seq, payload in list(self._buffer):  # the PUB frames, topic included (vLLM >= 0.26's replay)
                 if seq >= start_seq:
-                    self._replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
-            self._replay.send_multipart((identity, b"", END_SEQ, b""))
+                    self._replay.send_multipart((identity, b"", self._topic, seq.to_bytes(8, "big"), payload))
+            self._replay.send_multipart((identity, b"", b"", END_SEQ, b""))
