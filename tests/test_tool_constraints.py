@@ -211,7 +211,7 @@ def test_object_and_list_enum_values_are_enforced(vocabulary) -> None:
     schemas = [{"const": options[0]}, {"enum": options}]
     compiler = GrammarCompiler(vocabulary, 512, [1])
     for schema in schemas:
-        tools = [{"name": "f", "parameters": {"type": "object", "properties": {"c": schema}}}]
+        tools = [{"name": "f", "parameters": {"type": "object", "properties": {"c": schema}, "required": ["c"]}}]
         for seed in range(4):
             constraint = compiler.compile(tool_call_constraint(tools, "f", "gemma4", False))
             text = _walk(vocabulary, constraint, seed)
@@ -247,3 +247,42 @@ def test_json_forced_arguments_are_an_object_without_type_object(vocabulary, par
             rest = reader.finish()
             assert [call.name for call in out.calls + rest.calls] == ["f"], text
     assert done
+
+
+def _accepts(compiler, tools, text: str, vocabulary) -> bool:
+    """Whether a forced call to ``tools[0]`` may be written as ``text`` (token by token through its mask)."""
+    constraint = compiler.compile(tool_call_constraint(tools, tools[0]["name"], "gemma4", False))
+    for token in vocabulary.tokenizer.encode(text, add_special_tokens=False).ids:
+        mask = constraint.allowed()
+        if not mask[token >> 3] >> (token & 7) & 1:
+            return False
+        constraint.accept(token)
+    return True
+
+
+def test_forced_gemma4_calls_write_keys_as_the_template_does_and_leave_optional_ones_out(vocabulary) -> None:
+    """A forced Gemma 4 call writes its keys in the chat template's order (``dictsort``: sorted, ignoring case)
+    and only the ``required`` properties must appear (an optional one was forced, so the model had to invent a
+    value); free-form objects take keys such as ``Content-Type`` (only identifiers were allowed)."""
+    compiler = GrammarCompiler(vocabulary, 512, [1])
+    weather = [{"name": "w", "parameters": {"type": "object", "required": ["query"], "properties": {
+        "query": {"type": "string"}, "Limit": {"type": "integer"}, "headers": {"type": "object"}}}}]
+    call = '<|tool_call>call:w{{{}}}<tool_call|>'
+    assert _accepts(compiler, weather, call.format('query:<|"|>x<|"|>'), vocabulary)
+    assert _accepts(compiler, weather, call.format('Limit:3,query:<|"|>x<|"|>'), vocabulary)
+    assert _accepts(compiler, weather, call.format('headers:{Content-Type:<|"|>json<|"|>},query:<|"|>x<|"|>'),
+                    vocabulary)
+    assert not _accepts(compiler, weather, call.format('query:<|"|>x<|"|>,Limit:3'), vocabulary)  # order
+    assert not _accepts(compiler, weather, call.format('Limit:3}'), vocabulary)  # the required one missing
+    loose = [{"name": "w", "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                                          "b": {"type": "integer"}}}}]
+    for body in ("", "a:1", "b:2", "a:1,b:2"):
+        assert _accepts(compiler, loose, call.format(body), vocabulary), body
+
+
+def test_the_gemma4_parser_reads_python_literals_the_template_writes() -> None:
+    """Gemma 4's chat template prints a null argument back into the history as ``None`` (``{{ argument }}``);
+    a model that repeats it gets its call parsed instead of the whole block left as text."""
+    reader = Gemma4ToolParser()
+    (call,) = reader.feed('<|tool_call>call:f{x:None,y:True,z:False}<tool_call|>').calls + reader.finish().calls
+    assert json.loads(call.arguments) == {"x": None, "y": True, "z": False}

@@ -211,10 +211,16 @@ def test_reasoning_field_names_and_refusal_parts_sent_back(ref: Client) -> None:
     """An assistant message sent back with vLLM's ``reasoning`` (or the older ``reasoning_content``) and OpenAI's
     ``refusal`` content parts is accepted (the refusal read as text); an image part is refused naming its type."""
     client, _ = ref
+    from gemmaserve.server.protocol import ChatMessage
+
     for field in ("reasoning", "reasoning_content"):
         history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x", field: "thought"},
                    {"role": "user", "content": "b"}]
         ok(client, CHAT, messages=history, max_tokens=2)
+        # the template gets it as `reasoning` (Gemma 4's shows it before a tool-call turn's calls)
+        assert ChatMessage.model_validate(history[1]).as_template_dict()["reasoning"] == "thought"
+    refused(client, CHAT, "messages.1", "'reasoning'", "string", max_tokens=2, messages=[
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "x", "reasoning": 5}])
     refusal = [{"role": "user", "content": "a"},
                {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
                {"role": "user", "content": "b"}]

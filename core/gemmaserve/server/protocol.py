@@ -460,10 +460,12 @@ class ChatMessage(BaseModel):
     def _refuse_unknown_fields(cls, data: Any) -> Any:
         """A message field the template would not see is refused, except the fields an OpenAI reply carries when
         a client sends it back unchanged (``refusal``, ``annotations``, ``audio``, ``function_call`` when empty;
-        ``reasoning`` / ``reasoning_content``, which the next turn does not take)."""
+        ``reasoning`` / ``reasoning_content``: an assistant message's is given to the template as ``reasoning``)."""
         if not isinstance(data, dict):
             return data
         for name, value in data.items():
+            if name in _REASONING_FIELDS and value is not None and not isinstance(value, str):
+                raise ValueError(f"message field {name!r} must be a string or null")
             if name in cls.model_fields or name in _REASONING_FIELDS:
                 continue
             if name in _ECHOED_REPLY_FIELDS and value in (None, []):
@@ -502,9 +504,13 @@ class ChatMessage(BaseModel):
 
     def as_template_dict(self) -> dict[str, Any]:
         """What the chat template sees: role and plain-text content; an assistant message's ``tool_calls`` (their
-        JSON ``arguments`` as objects, as Hugging Face templates expect), a tool message's ``tool_call_id`` and
-        ``name``."""
+        JSON ``arguments`` as objects, as Hugging Face templates expect) and its ``reasoning`` (sent back as
+        ``reasoning`` or ``reasoning_content``), a tool message's ``tool_call_id`` and ``name``."""
         out: dict[str, Any] = {"role": self.role, "content": self.content}
+        extra = self.model_extra or {}
+        reasoning = extra.get("reasoning") or extra.get("reasoning_content")
+        if self.role == "assistant" and isinstance(reasoning, str) and reasoning:
+            out["reasoning"] = reasoning  # Gemma 4's template shows it before a tool-call turn's calls
         if self.tool_calls:
             out["tool_calls"] = [call.as_template_dict() for call in self.tool_calls]
         if self.tool_call_id is not None:

@@ -5,7 +5,8 @@ parses, of a function the request offered.
   (a list of them for ``required`` with ``parallel_tool_calls``); the arguments validate against the schema
   as far as llguidance's JSON schema support goes.
 - ``gemma4`` parser: a Lark grammar of Gemma 4's call blocks (``<|tool_call>call:NAME{...}<tool_call|>``) whose
-  arguments follow the parameter schema's structure: every property of an object (in the schema's order; keys
+  arguments follow the parameter schema's structure: an object's required properties and any others (sorted as
+  the chat template's ``dictsort`` writes them; keys
   bare where :data:`~gemmaserve.tools.parsers.GEMMA4_BARE_KEY` allows, else as strings), the declared types,
   ``enum`` / ``const`` values, string ``pattern`` s (searched, as JSON Schema does: anchor with ``^`` / ``$``
   for a whole-string match) and lengths; numeric bounds and item counts are not enforced in this syntax, and
@@ -42,8 +43,8 @@ value: gstring | GNUMBER | "true" | "false" | "null" | gobject | glist
 gstring: {GEMMA4_STRING} GTEXT {GEMMA4_STRING}
 GTEXT: /(?s:.*)/ & {_NO_MARKER}
 gobject: "{{" (gpair ("," gpair)*)? "}}"
-gpair: GKEY ":" value
-GKEY: /[A-Za-z_][A-Za-z0-9_]*/
+gpair: (GKEY | gstring) ":" value
+GKEY: /[^\s:{{}}\[\],<](?:[^:{{}}\[\],<]*[^\s:{{}}\[\],<])?/
 glist: "[" (value ("," value)*)? "]"
 GNUMBER: /-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]+)?/
 GINTEGER: /-?(0|[1-9][0-9]*)/
@@ -77,16 +78,36 @@ def tool_call_constraint(tools: Sequence[Mapping[str, Any]], name: str | None, p
 
 
 def _object_rule(schema: Mapping[str, Any], prefix: str, rules: list[str]) -> str:
-    """A rule for a parameters object (no properties declared: any object)."""
+    """A rule for a parameters object (no properties declared: any object): its properties in the order Gemma 4's
+    chat template writes a call's keys (Jinja's ``dictsort``: sorted ignoring case), the ``required`` ones always and the others
+    optional (OpenAI and vLLM never force an optional argument). Linear in the properties: ``rest_i`` is what may
+    follow once property ``i - 1`` was written (``"," pair`` for each later property, optional ones optional) and
+    the object's body starts at any property that no required one precedes."""
     properties = schema.get("properties") if isinstance(schema, Mapping) else None
     if not isinstance(properties, Mapping) or not properties:
         return "gobject"
     name = f"{prefix}obj"
-    pairs = []
-    for index, (key, sub) in enumerate(properties.items()):
-        pairs.append(f"{_key(str(key))} \":\" {_value_rule(sub, f'{prefix}p{index}', rules)}")
-    comma = ' "," '
-    rules.append(f'{name}: "{{" {comma.join(pairs)} "}}"')
+    required = schema.get("required")
+    needed = {str(key) for key in required} if isinstance(required, list) else set()
+    ordered = sorted(((str(key), sub) for key, sub in properties.items()), key=lambda item: item[0].lower())
+    pairs = [f"{_key(key)} \":\" {_value_rule(sub, f'{prefix}p{index}', rules)}"
+             for index, (key, sub) in enumerate(ordered)]
+    count = len(ordered)
+
+    def rest(index: int) -> str:  # what may follow property index - 1 ("" past the last)
+        return f" {name}r{index}" if index < count else ""
+
+    for index in range(count - 1, 0, -1):
+        item = f'"," {pairs[index]}'
+        item = item if ordered[index][0] in needed else f"({item})?"
+        rules.append(f"{name}r{index}: {item}{rest(index + 1)}")
+    starts = []
+    for index, (key, _) in enumerate(ordered):
+        starts.append(f"({pairs[index]}{rest(index + 1)})")
+        if key in needed:
+            break
+    optional = not needed.intersection(key for key, _ in ordered)  # no required property: {} too
+    rules.append(f'{name}: "{{" ({" | ".join(starts)}){"?" if optional else ""} "}}"')
     return name
 
 

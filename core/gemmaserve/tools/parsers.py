@@ -30,6 +30,10 @@ __all__ = ["GEMMA4_BARE_KEY", "GEMMA4_CALL_CLOSE", "GEMMA4_CALL_OPEN", "GEMMA4_C
 GEMMA4_CALL_OPEN = "<|tool_call>"
 GEMMA4_CALL_CLOSE = "<tool_call|>"
 GEMMA4_STRING = '<|"|>'
+_WORDS = (("true", True), ("false", False), ("null", None), ("None", None), ("True", True), ("False", False))
+"""The literal words of a Gemma 4 call's values: JSON's, and Python's as the chat template prints a null (and a
+boolean it did not recognise) back into the history (``{{ argument }}``)."""
+
 GEMMA4_BARE_KEY = re.compile(r"[^\s:{}\[\],<](?:[^:{}\[\],<]*[^\s:{}\[\],<])?")
 """A key Gemma 4's syntax writes bare (its chat template writes every key so); any other key is written as a string."""
 
@@ -201,7 +205,7 @@ class _GemmaValues:
             return self._object(at + 1)
         if text.startswith("[", at):
             return self._list(at + 1)
-        for word, value in (("true", True), ("false", False), ("null", None)):
+        for word, value in _WORDS:  # "None" / "True" / "False": what Gemma 4's template writes for Python values
             if text.startswith(word, at):
                 return value, at + len(word)
         match = self._NUMBER.match(text, at)
