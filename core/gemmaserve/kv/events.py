@@ -348,7 +348,8 @@ class ZmqEventPublisher:
     batches (stamped with ``data_parallel_rank``, whose endpoints are vLLM's per-rank ones: :func:`offset_endpoint`),
     and answers replay requests ``[identity, b"", start_seq]`` on ``replay_endpoint`` with
     ``[identity, b"", topic, seq, payload]`` for each buffered batch from ``start_seq`` on, then
-    ``[identity, b"", b"", END_SEQ, b""]`` (vLLM 0.26's replay, which added the topic frame). Raises ConfigurationError if pyzmq or msgpack is missing or an endpoint
+    ``[identity, b"", b"", END_SEQ, b""]`` (vLLM 0.26's replay, which added the topic frame). Raises
+    ConfigurationError if pyzmq or msgpack is missing or an endpoint
     cannot be bound / connected. ``close`` publishes what is queued, then releases the sockets.
     """
 

@@ -79,8 +79,8 @@ def tool_call_constraint(tools: Sequence[Mapping[str, Any]], name: str | None, p
 
 def _object_rule(schema: Mapping[str, Any], prefix: str, rules: list[str]) -> str:
     """A rule for a parameters object (no properties declared: any object): its properties in the order Gemma 4's
-    chat template writes a call's keys (Jinja's ``dictsort``: sorted ignoring case), the ``required`` ones always and the others
-    optional (OpenAI and vLLM never force an optional argument). Linear in the properties: ``rest_i`` is what may
+    chat template writes a call's keys (Jinja's ``dictsort``: sorted ignoring case), the ``required`` ones always
+    and the others optional (OpenAI and vLLM never force an optional argument). Linear in the properties: ``rest_i`` is what may
     follow once property ``i - 1`` was written (``"," pair`` for each later property, optional ones optional) and
     the object's body starts at any property that no required one precedes."""
     properties = schema.get("properties") if isinstance(schema, Mapping) else None
