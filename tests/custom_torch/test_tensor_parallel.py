@@ -527,3 +527,52 @@ def test_a_second_tensor_parallel_engine_in_one_process_is_refused_before_spawni
     finally:
         first.close()
     _no_children_left()
+
+
+def test_a_config_that_disagrees_with_the_weights_is_refused_at_every_size(checkpoint, tmp_path) -> None:
+    """Each rank reads the slices config.json implies, which always fit the sharded model: the check that the
+    checkpoint's tensors have the sizes config.json gives compares the whole tensors (a halved intermediate_size
+    loaded silently at tensor_parallel_size 2 and served nonsense)."""
+    import json
+    import shutil
+
+    from gemmaserve.errors import ModelLoadError
+
+    path = tmp_path / "mismatched"
+    shutil.copytree(checkpoint("gemma3_untied"), path)
+    config = json.loads((path / "config.json").read_text())
+    config["intermediate_size"] //= 2
+    (path / "config.json").write_text(json.dumps(config))
+    for size in (1, 2):
+        with pytest.raises(ModelLoadError, match="config.json disagrees with the weights.*down_proj"):
+            _backend(path, size)
+    _no_children_left()
+
+
+_NO_CLOSE_SCRIPT = """
+import sys
+from gemmaserve import LLM, SamplingParams
+
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], backend="custom-cpu", device="cpu", dtype="float32", tensor_parallel_size=2)
+    print(llm.engine.backend.workers.rendezvous_file, flush=True)
+    llm.generate([[2, 5, 6]], SamplingParams(max_tokens=2))
+    raise SystemExit(0)  # no close(), no `with`
+"""
+
+
+def test_an_engine_that_exits_without_close_removes_its_rendezvous_file(checkpoint, tmp_path) -> None:
+    """A process that ends without closing its tensor-parallel LLM (no ``with``, an uncaught exception) still
+    stops the workers and removes the rendezvous file (multiprocessing's exit handler killed the workers first,
+    so neither they nor close() removed it)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_close.py"
+    script.write_text(_NO_CLOSE_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(checkpoint("k_eq_v"))], capture_output=True, text=True,
+                          timeout=240, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    rendezvous = done.stdout.split()[0]
+    assert rendezvous.endswith(".rendezvous") and not Path(rendezvous).exists()

@@ -27,6 +27,7 @@ anything else.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import multiprocessing.connection as mp_connection
@@ -134,6 +135,10 @@ class TensorParallelWorkers:
                 finally:
                     theirs.close()
                 processes.append(process)
+            # registered after the spawns, so it runs before multiprocessing's own exit handler (atexit is LIFO),
+            # which would terminate the daemon workers first: a process that ends without close() (no `with`, an
+            # uncaught exception) still stops them and removes the rendezvous file
+            atexit.register(workers.close)
             workers._expect("started", START_TIMEOUT_S)
             workers.tp = init_tensor_parallel(0, world_size, rendezvous_file, rank_device(device, 0),
                                               expert_parallel)
@@ -225,10 +230,11 @@ class TensorParallelWorkers:
 
     def close(self) -> None:
         """Tell every worker to exit, wait for them (terminate, then kill, stragglers), leave the group and
-        remove the rendezvous file. Idempotent."""
+        remove the rendezvous file. Idempotent (also registered to run at interpreter exit, see :meth:`start`)."""
         if self.closed:
             return
         self.closed = True
+        atexit.unregister(self.close)
         for pipe in self.pipes:
             try:
                 pipe.send(("close",))

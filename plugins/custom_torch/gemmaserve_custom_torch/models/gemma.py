@@ -529,11 +529,21 @@ class GemmaForCausalLM(nn.Module):
         by_file: dict[str, list[str]] = {}
         for key in wanted:
             by_file.setdefault(key_to_file[key], []).append(key)
+        whole: dict[str, torch.Size] = {}  # with tp: the unsharded shapes config.json implies (slices would fit them)
+        wrong_whole: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+        if tp.enabled:
+            unsharded = cls(config, device="meta", dtype=dtype)
+            if scheme is not None:
+                prepare_fp8(unsharded, scheme, prefix)
+            whole = {key: tensor.shape for key, tensor in unsharded.state_dict().items()}
         for file, keys in by_file.items():
             try:
                 with safe_open(file, framework="pt", device=str(device)) as f:
                     for key in keys:
                         local = wanted[key]
+                        if local in whole and tuple(f.get_slice(key).get_shape()) != tuple(whole[local]):
+                            wrong_whole.append((local, tuple(f.get_slice(key).get_shape()), tuple(whole[local])))
+                            continue
                         shard = (shard_for(local, config, tp.rank, tp.world_size, tp.expert_parallel) if tp.enabled
                                  else None)
                         if local.endswith(".weight_scale"):
@@ -545,8 +555,8 @@ class GemmaForCausalLM(nn.Module):
             except Exception as exc:
                 raise ValueError(f"{file}: reading its tensors failed: {type(exc).__name__}: {exc}; the file is "
                                  "probably corrupt: fetch or convert it again") from None
-        wrong = [(key, tuple(tensor.shape), tuple(meta_state[key].shape)) for key, tensor in state.items()
-                 if tensor.shape != meta_state[key].shape]
+        wrong = wrong_whole + [(key, tuple(tensor.shape), tuple(meta_state[key].shape))
+                               for key, tensor in state.items() if tensor.shape != meta_state[key].shape]
         if wrong:
             shown = "; ".join(f"{key} is {got} in the checkpoint but {want} by config.json" for key, got, want in wrong[:4])
             raise ValueError(f"{folder}: config.json disagrees with the weights ({shown}): its sizes (hidden_size, "
