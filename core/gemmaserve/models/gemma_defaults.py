@@ -11,16 +11,12 @@ from typing import Any
 
 __all__ = ["GEMMA3_TEXT_DEFAULTS", "GEMMA4_DEFAULT_ROPE", "GEMMA4_TEXT_DEFAULTS", "gemma_layer_types"]
 
-GEMMA4_TEXT_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 262_144,
+_SHARED: dict[str, Any] = {  # the two classes' common defaults
     "hidden_size": 2304,
     "intermediate_size": 9216,
-    "num_hidden_layers": 30,
     "num_attention_heads": 8,
     "num_key_value_heads": 4,
     "head_dim": 256,
-    "global_head_dim": 512,
-    "num_global_key_value_heads": None,
     "hidden_activation": "gelu_pytorch_tanh",
     "max_position_embeddings": 131_072,
     "rms_norm_eps": 1e-6,
@@ -30,9 +26,16 @@ GEMMA4_TEXT_DEFAULTS: dict[str, Any] = {
     "tie_word_embeddings": True,
     "rope_parameters": None,
     "attention_bias": False,
-    "sliding_window": 512,
     "layer_types": None,
     "final_logit_softcapping": None,
+}
+GEMMA4_TEXT_DEFAULTS: dict[str, Any] = {
+    **_SHARED,
+    "vocab_size": 262_144,
+    "num_hidden_layers": 30,
+    "global_head_dim": 512,
+    "num_global_key_value_heads": None,
+    "sliding_window": 512,
     "use_bidirectional_attention": None,
     "vocab_size_per_layer_input": 262_144,
     "hidden_size_per_layer_input": 256,
@@ -49,30 +52,15 @@ GEMMA4_DEFAULT_ROPE: dict[str, dict[str, Any]] = {
     "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
 }
 GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    **_SHARED,
     "vocab_size": 262_208,
-    "hidden_size": 2304,
-    "intermediate_size": 9216,
     "num_hidden_layers": 26,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 256,
-    "hidden_activation": "gelu_pytorch_tanh",
-    "max_position_embeddings": 131_072,
-    "rms_norm_eps": 1e-6,
-    "pad_token_id": 0,
-    "eos_token_id": 1,
-    "bos_token_id": 2,
-    "tie_word_embeddings": True,
-    "rope_parameters": None,
     "rope_scaling": None,
     "rope_theta": 1_000_000.0,
     "rope_local_base_freq": 10_000.0,
-    "attention_bias": False,
     "query_pre_attn_scalar": 256,
     "sliding_window": 4096,
     "sliding_window_pattern": 6,
-    "layer_types": None,
-    "final_logit_softcapping": None,
     "use_bidirectional_attention": False,
 }
 
