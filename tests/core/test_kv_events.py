@@ -266,21 +266,27 @@ def test_a_replay_request_gets_every_buffered_batch_and_the_end_marker(publisher
         index.insert([n, n, n, n], [f"{n}a", f"{n}b"])
         assert publisher.flush()
     context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
     try:
-        dealer = context.socket(zmq.DEALER)
         dealer.connect(publisher.replay_endpoint)
         dealer.send_multipart([b"", (2).to_bytes(8, "big")])
-        frames = [dealer.recv_multipart() for _ in range(3)]
-        assert [f[1] for f in frames] == [(2).to_bytes(8, "big"), (3).to_bytes(8, "big"), END_SEQ]
-        assert frames[-1] == [b"", END_SEQ, b""]
-        ts, events, rank = msgpack.unpackb(frames[0][2])
+        frames = []
+        for _ in range(3):
+            assert dealer.poll(5000), "the replay socket did not answer"
+            frames.append(dealer.recv_multipart())
+        # vLLM 0.26's replay: [b"", topic, seq, payload] per batch, then [b"", b"", END_SEQ, b""]
+        assert [f[2] for f in frames] == [(2).to_bytes(8, "big"), (3).to_bytes(8, "big"), END_SEQ]
+        assert [f[1] for f in frames[:2]] == [b"kv"] * 2  # the fixture's topic
+        assert frames[-1] == [b"", b"", END_SEQ, b""]
+        ts, events, rank = msgpack.unpackb(frames[0][3])
         assert events[0]["token_ids"] == [2, 2, 2, 2] and events[0]["parent_block_hash"] is None
         dealer.send_multipart([b"", b"short"])  # malformed: ignored, the socket keeps serving
         dealer.send_multipart([b"", (3).to_bytes(8, "big")])
         assert dealer.poll(5000)
-        assert dealer.recv_multipart()[1] == (3).to_bytes(8, "big")
-        dealer.close()
+        assert dealer.recv_multipart()[2] == (3).to_bytes(8, "big")
     finally:
+        dealer.close()
         context.term()
 
 
