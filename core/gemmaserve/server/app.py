@@ -873,15 +873,10 @@ class _View:
             body["choices"][0]["token_ids"] = list(self.generation.token_ids)
         return body
 
-    def _with_prompt_ids(self, body: dict[str, Any]) -> dict[str, Any]:
-        """vLLM's places: a completion choice's ``prompt_token_ids`` (a batch has several prompts), a chat
-        response's top-level one."""
-        ids = list(self.generation.prepared.prompt_ids)
-        if self.chat:
-            body["prompt_token_ids"] = ids
-        else:
-            body["choices"][0]["prompt_token_ids"] = ids
-        return body
+    def _with_prompt_ids(self, body: dict[str, Any]) -> None:
+        """Put the prompt's ids where vLLM does (mutates ``body``): a completion choice's ``prompt_token_ids`` (a
+        batch has several prompts), a chat response's top-level one."""
+        (body if self.chat else body["choices"][0])["prompt_token_ids"] = list(self.generation.prepared.prompt_ids)
 
     def _full_body(self) -> dict[str, Any]:
         gen = self.generation
