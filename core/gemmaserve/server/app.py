@@ -842,9 +842,8 @@ class _View:
         self.generation = generation
         self.prompt_index = prompt_index  # which prompt of the request (a batch of completion prompts) it answers
         self.include_usage = reply.include_usage
-        self.continuous_usage = reply.continuous_usage
+        self.reply = reply
         self._streamed = 0  # tokens of this choice sent so far (continuous usage)
-        self.return_token_ids = reply.return_token_ids
         self._sent_prompt_ids = False
         self.tokenizer = server.tokenizer
         self.meta = meta  # the response's id and time, shared by its choices
@@ -868,7 +867,7 @@ class _View:
         the reply's token ids). Touches nothing but this view and its generation (it may run on a preparation
         thread)."""
         body = self._full_body()
-        if self.return_token_ids:
+        if self.reply.return_token_ids:
             self._with_prompt_ids(body)
             body["choices"][0]["token_ids"] = list(self.generation.token_ids)
         return body
@@ -901,7 +900,7 @@ class _View:
             chunks = [role, self.meta.chat_chunk(self.echo, None)] if self.echo else [role]
         else:
             chunks = [self.meta.completion_chunk(self.echo, None)] if self.echo else []
-        if chunks and self.return_token_ids:
+        if chunks and self.reply.return_token_ids:
             self._sent_prompt_ids = True
             self._with_prompt_ids(chunks[0])
             for chunk in chunks:
@@ -913,7 +912,7 @@ class _View:
         ``return_token_ids`` its token ids, and the prompt's on the choice's first chunk)."""
         self._streamed += len(step.token_ids)
         chunk = self._with_usage(self._chunk(step))
-        if self.return_token_ids:
+        if self.reply.return_token_ids:
             chunk["choices"][0]["token_ids"] = list(step.token_ids)
             if not self._sent_prompt_ids:
                 self._sent_prompt_ids = True
@@ -921,7 +920,7 @@ class _View:
         return chunk
 
     def _with_usage(self, chunk: dict[str, Any]) -> dict[str, Any]:
-        if self.continuous_usage:
+        if self.reply.continuous_usage:
             prompt = self.generation.num_prompt_tokens
             chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": self._streamed,
                               "total_tokens": prompt + self._streamed}
