@@ -286,3 +286,138 @@ def test_the_gemma4_parser_reads_python_literals_the_template_writes() -> None:
     reader = Gemma4ToolParser()
     (call,) = reader.feed('<|tool_call>call:f{x:None,y:True,z:False}<tool_call|>').calls + reader.finish().calls
     assert json.loads(call.arguments) == {"x": None, "y": True, "z": False}
+
+
+class _EncodingVocabulary(_Vocabulary):
+    """The test tokenizer with ``encode`` too (a trigger's token id is looked up with it)."""
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+
+@pytest.fixture(scope="module")
+def encoding_vocabulary() -> _EncodingVocabulary:
+    return _EncodingVocabulary()
+
+
+def _allowed_ids(mask) -> list[int]:
+    return [t for t in range(len(mask) * 8) if mask[t >> 3] >> (t & 7) & 1]
+
+
+@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
+                                                                                     HealthCheck.function_scoped_fixture])
+@given(schemas=st.lists(_parameters, min_size=1, max_size=3), strict=st.lists(st.booleans(), min_size=3, max_size=3),
+       seed=st.integers(0, 2**20))
+def test_strict_tools_under_auto_hold_every_call_and_leave_text_free(encoding_vocabulary, schemas, strict,
+                                                                      seed) -> None:
+    """``strict: true`` under ``tool_choice: "auto"``: a walk through the triggered constraint's masks (free text,
+    where every token is allowed, and calls opened by ``<|tool_call>``) gives text whose every call names an
+    offered function, with arguments valid under the parameters of the strict ones; free steps allow the whole
+    vocabulary and the constraint never ends the output."""
+    from gemmaserve.tools import strict_calls_constraint
+
+    vocabulary = encoding_vocabulary
+    tools = [{"name": f"fn{i}", "parameters": schema, "strict": flag} for i, (schema, flag) in
+             enumerate(zip(schemas, strict))]
+    spec = strict_calls_constraint(tools, "gemma4")
+    if not any(strict[:len(schemas)]):
+        assert spec is None
+        return
+    compiler = GrammarCompiler(vocabulary, 512, [1])
+    constraint = compiler.compile(spec)
+    opener = vocabulary.encode("<|tool_call>", add_special_tokens=False)[0]
+    closing = {vocabulary.encode(text, add_special_tokens=False)[-1] for text in ("<tool_call|>", '<|"|>', "}", "]")}
+    rng = random.Random(seed)
+    tokens: list[int] = []
+    while len(tokens) < 150 or constraint.is_triggered and len(tokens) < 600:
+        allowed = _allowed_ids(constraint.allowed())
+        if not constraint.is_triggered:
+            assert allowed == list(range(512))
+            token = opener if rng.random() < 0.2 else rng.choice([t for t in allowed if t not in (1, opener)])
+        else:  # any allowed token, but an allowed closing one half the time (calls end within the walk)
+            ends = [t for t in allowed if t in closing]
+            token = rng.choice(ends if ends and rng.random() < 0.5 else allowed)
+        tokens.append(token)
+        assert constraint.accept(token) is False
+    if constraint.is_triggered:  # a call the walk did not finish is not checked
+        tokens = tokens[:len(tokens) - tokens[::-1].index(opener) - 1]
+    assert tokens.count(opener) >= 2
+    text = vocabulary.tokenizer.decode(tokens, skip_special_tokens=False)
+    reader = Gemma4ToolParser()
+    out = reader.feed(text)
+    calls = out.calls + reader.finish().calls
+    assert len(calls) == tokens.count(opener)
+    offered = {tool["name"]: tool for tool in tools}
+    for call in calls:
+        assert call.name in offered
+        arguments = json.loads(call.arguments)
+        assert isinstance(arguments, dict)
+        if offered[call.name]["strict"]:
+            jsonschema.validate(arguments, offered[call.name]["parameters"])
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
+                                                                                     HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**20), steps=st.integers(1, 80))
+def test_a_triggered_constraint_rolls_back_and_copies_like_a_replay(encoding_vocabulary, seed, steps) -> None:
+    """Advancing (also by rejected tokens, which change nothing), rolling one token back and copying leave the
+    triggered constraint where replaying the kept tokens on a fresh one leaves it: the same mask, the same
+    phase; a batch of masks (free, triggered and ordinary constraints together) equals each one's own mask."""
+    from gemmaserve.structured.grammar import start_masks
+    from gemmaserve.tools import strict_calls_constraint
+
+    vocabulary = encoding_vocabulary
+    tools = [{"name": "f", "strict": True, "parameters": {"type": "object", "required": ["a"], "properties": {
+        "a": {"type": "integer"}, "b": {"enum": ["x", "y"]}}}}]
+    spec = strict_calls_constraint(tools, "gemma4")
+    compiler = GrammarCompiler(vocabulary, 512, [1])
+    constraint = compiler.compile(spec)
+    opener = vocabulary.encode("<|tool_call>", add_special_tokens=False)[0]
+    rng = random.Random(seed)
+    kept: list[int] = []
+    for _ in range(steps):
+        allowed = _allowed_ids(constraint.allowed())
+        token = opener if not constraint.is_triggered and rng.random() < 0.4 else rng.choice(allowed)
+        if rng.random() < 0.15:
+            token = rng.randrange(512)  # perhaps rejected: then nothing changes
+        result = constraint.advance_if_valid(token)
+        if isinstance(result, Exception):
+            assert constraint.is_triggered and token not in allowed
+            continue
+        assert result is False
+        if rng.random() < 0.25:
+            constraint.rollback()
+        else:
+            kept.append(token)
+        replay = compiler.compile(spec)
+        for kept_token in kept:
+            replay.accept(kept_token)
+        assert replay.is_triggered == constraint.is_triggered
+        assert bytes(replay.allowed()) == bytes(constraint.allowed())
+        twin = constraint.copy()
+        assert bytes(twin.allowed()) == bytes(constraint.allowed())
+    plain = compiler.compile(tool_call_constraint(tools, "f", "gemma4", False))
+    free = compiler.compile(spec)
+    rows = [constraint, free, plain, constraint.copy()]
+    expected = [bytes(row.allowed()) for row in rows]
+    for overlap in (False, True):
+        assert [bytes(view) for view in start_masks(rows, overlap=overlap).result()] == expected
+
+
+def test_strict_tools_under_auto_need_a_trigger_token(encoding_vocabulary) -> None:
+    """The json parser has no opening token: strict under auto is refused with what to do instead; a trigger that is
+    not one token, or that the grammar does not begin with, is refused when compiled."""
+    from gemmaserve.structured import StructuredOutputs
+    from gemmaserve.tools import strict_calls_constraint
+
+    tools = [{"name": "f", "strict": True, "parameters": {"type": "object"}}]
+    with pytest.raises(InvalidRequestError, match="tool_choice \"required\""):
+        strict_calls_constraint(tools, "json")
+    assert strict_calls_constraint([{"name": "f", "strict": False}], "json") is None
+    compiler = GrammarCompiler(encoding_vocabulary, 512, [1])
+    with pytest.raises(InvalidRequestError, match="exactly one token"):
+        compiler.compile(StructuredOutputs(regex="ab+", trigger="abcdefgh zzz"))
+    with pytest.raises(InvalidRequestError, match="must begin with its trigger"):
+        compiler.compile(StructuredOutputs(regex="ab+", trigger="<|tool_call>"))
+    with pytest.raises(InvalidRequestError, match="trigger must be"):
+        StructuredOutputs(regex="ab+", trigger="")

@@ -188,7 +188,7 @@ class SamplingParams:
                 0 <= self.min_tokens <= (math.inf if self.max_tokens is None else self.max_tokens)):
             raise InvalidRequestError(
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
-        if self.min_tokens and self.structured_outputs is not None:
+        if self.min_tokens and self.structured_outputs is not None and self.structured_outputs.trigger is None:
             raise InvalidRequestError(
                 f"min_tokens ({self.min_tokens}) cannot be combined with an output constraint (structured_outputs, "
                 "response_format, a forced tool call): the constraint ends the output when it is complete, which "

@@ -328,3 +328,44 @@ def test_a_forced_enum_value_holding_a_marker_is_a_400(client) -> None:
                 tools=[{"type": "function", "function": {"name": "f", "parameters": schema}}])
         body = caught.value.body
         assert body["param"] == "tools" and "cannot write inside a string" in body["message"], body
+
+
+def test_strict_tools_under_auto_hold_the_calls_the_model_makes(client, tool_checkpoint) -> None:
+    """``strict: true`` under ``tool_choice: "auto"``: the reply is free until the model opens a call (here pushed
+    to by ``logit_bias`` on ``<|tool_call>``, which random weights rarely pick), and each call it opens follows the
+    strict function's schema; a function without strict is still called by name with any object. The json
+    parser has no opening token: a 400 naming ``tools`` says what to do instead."""
+    from transformers import AutoTokenizer
+
+    client, parser = client
+    strict = [{**WEATHER, "function": {**WEATHER["function"], "strict": True}}, CLOCK]
+    messages = [{"role": "user", "content": "what is the weather"}]
+    if parser == "json":
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=MODEL, messages=messages, tools=strict, max_tokens=8)
+        assert caught.value.body["param"] == "tools" and "required" in caught.value.body["message"]
+        return
+    opener = AutoTokenizer.from_pretrained(tool_checkpoint).convert_tokens_to_ids("<|tool_call>")
+    weather_calls = 0
+    for seed in range(4):
+        for stream in (False, True):
+            kwargs = dict(model=MODEL, messages=messages, tools=strict, tool_choice="auto", max_tokens=120,
+                          temperature=1.0, seed=seed, logit_bias={str(opener): 100})
+            if stream:
+                chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+                calls = [call for c in chunks for call in c.delta.tool_calls or []]
+            else:
+                calls = client.chat.completions.create(**kwargs).choices[0].message.tool_calls or []
+            assert calls, (seed, stream)
+            for call in calls:
+                assert call.function.name in SCHEMAS
+                arguments = json.loads(call.function.arguments)
+                assert isinstance(arguments, dict)
+                if call.function.name == "get_weather":
+                    weather_calls += 1
+                    jsonschema.validate(arguments, SCHEMAS["get_weather"])
+    assert weather_calls
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=messages, tools=strict, max_tokens=8,
+                                       response_format={"type": "json_object"})
+    assert caught.value.body["param"] == "tools"

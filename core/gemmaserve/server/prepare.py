@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from gemmaserve.engine.validation import check_text_can_fit
 from gemmaserve.errors import InvalidRequestError, PromptTooLongError
 from gemmaserve.render_pool import RENDER_POOL_MIN_CHARS, RenderWorkerDied
-from gemmaserve.tools.constraints import tool_call_constraint
+from gemmaserve.tools.constraints import strict_calls_constraint, tool_call_constraint
 from gemmaserve.tools.parsers import (GEMMA4_CALL_CLOSE, GEMMA4_CALL_OPEN, GEMMA4_CHANNEL_CLOSE, GEMMA4_CHANNEL_OPEN,
                                       GEMMA4_STRING)
 from gemmaserve.sampling_params import SamplingParams
@@ -109,6 +109,19 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limi
         except InvalidRequestError as exc:  # min_tokens
             raise APIError(400, str(exc), param="min_tokens", code="invalid_value") from None
         constraint_field = "tools"
+    elif mode == "auto":
+        try:
+            constraint = strict_calls_constraint([tool["function"] for tool in body.tool_functions], parser or "json")
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), param="tools", code="invalid_value") from None
+        if constraint is not None:
+            if params.structured_outputs is not None:
+                raise APIError(400, "tools with strict: true under tool_choice \"auto\" hold the reply's calls to "
+                               "their schemas; they cannot be combined with response_format / structured_outputs "
+                               "(leave strict unset, or drop the response format)", param="tools",
+                               code="invalid_value")
+            params = dataclasses.replace(params, structured_outputs=constraint)
+            constraint_field = "tools"
     markers = ((GEMMA4_CALL_OPEN, GEMMA4_CALL_CLOSE, GEMMA4_STRING) if parser == "gemma4" else ()) + (
         (GEMMA4_CHANNEL_OPEN, GEMMA4_CHANNEL_CLOSE) if reasoning_parser else ())
     shown = frozenset(marker_ids(tokenizer, markers)) if params.skip_special_tokens else frozenset()

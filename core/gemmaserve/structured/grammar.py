@@ -70,19 +70,34 @@ class TokenConstraint:
     def allowed(self) -> bytes:
         """Bitmask of the tokens that may come next (``RowSampling.allowed``'s layout). Raises ConstraintError
         when the grammar is in an error state or allows no token at all."""
-        mask = self._matcher.compute_bitmask()[:self.mask_bytes]
+        matcher = self._mask_matcher()
+        if matcher is None:
+            return self._unconstrained()
+        mask = matcher.compute_bitmask()[:self.mask_bytes]
         if self._cannot_continue(mask):
             raise self._stuck()
         return mask
 
+    def _mask_matcher(self) -> Any:
+        """The llguidance matcher whose mask is the next token's, or None when every token may come next (a
+        :class:`~gemmaserve.structured.triggered.TriggeredConstraint` waiting for its trigger)."""
+        return self._matcher
+
+    def _unconstrained(self) -> bytes:
+        """The mask that allows every token of the vocabulary (for :meth:`_mask_matcher` None)."""
+        raise NotImplementedError("a constraint without a matcher must say what it allows")
+
     def _cannot_continue(self, mask: bytes | memoryview) -> bool:
         """True when the grammar is in an error state or ``mask`` (``mask_bytes`` long) allows nothing (compared
         with memcmp, which stops at the first allowed token: at most ~1.3 µs for Gemma's vocabulary)."""
-        return bool(self._matcher.is_error()) or _zeros(self.mask_bytes).startswith(mask)
+        matcher = self._mask_matcher()
+        if matcher is None:
+            return False
+        return bool(matcher.is_error()) or _zeros(self.mask_bytes).startswith(mask)
 
     def _stuck(self) -> ConstraintError:
         """Why no token can come next: the grammar's error, or (none recorded) a mask that allows nothing."""
-        matcher = self._matcher
+        matcher = self._mask_matcher()
         detail = f" ({_first_line(matcher.get_error())})" if matcher.is_error() else ""
         return ConstraintError(f"no token can continue the {self._what} constraint from here{detail}")
 
@@ -259,9 +274,16 @@ class MaskBatch:
                 return
             self._started.set()
         try:
-            _llguidance_executor().unsafe_compute_mask_ptr([(c._matcher, i) for i, c in enumerate(self._constraints)],
-                                                           ctypes.addressof(self._block), self._width,
-                                                           len(self._constraints))
+            address = ctypes.addressof(self._block)
+            native = []
+            for i, constraint in enumerate(self._constraints):
+                matcher = constraint._mask_matcher()
+                if matcher is None:  # every token allowed (a trigger not seen yet): no native work
+                    ctypes.memmove(address + i * self._width, constraint._unconstrained(), self._width)
+                else:
+                    native.append((matcher, i))
+            if native:
+                _llguidance_executor().unsafe_compute_mask_ptr(native, address, self._width, len(self._constraints))
         except BaseException as exc:  # handed to result()
             self._error = exc
         finally:
@@ -393,8 +415,30 @@ class GrammarCompiler:
         InvalidRequestError naming what is wrong with the schema, regex, choice or grammar, or the limit of the
         constraint engine it exceeds (refusals are remembered too, so a repeated one costs no second compile).
         The first mask is computed here (see :func:`_first_step`), on the caller's thread: a request's first
-        step on the engine thread then finds the lexer built."""
-        return TokenConstraint(self.prepare(spec).deep_copy(), spec.kind, self._mask_bytes)
+        step on the engine thread then finds the lexer built. A ``trigger`` gives a
+        :class:`~gemmaserve.structured.triggered.TriggeredConstraint`; InvalidRequestError unless the trigger is one
+        token of the vocabulary that the constraint accepts first."""
+        template = self.prepare(spec)
+        if spec.trigger is None:
+            return TokenConstraint(template.deep_copy(), spec.kind, self._mask_bytes)
+        from .triggered import TriggeredConstraint
+
+        trigger_id = self._trigger_id(spec.trigger)
+        if template.deep_copy().try_consume_tokens([trigger_id]) != 1:
+            raise InvalidRequestError(f"structured_outputs.trigger {spec.trigger!r} is not the first token the "
+                                      f"{spec.kind} constraint allows; the constraint must begin with its trigger")
+        return TriggeredConstraint(template, trigger_id, spec.kind, self._mask_bytes, self._vocab_size)
+
+    def _trigger_id(self, text: str) -> int:
+        """The id of the one token ``text`` is; InvalidRequestError when the vocabulary writes it otherwise."""
+        try:
+            ids = list(self._tokenizer.encode(text, add_special_tokens=False))
+        except Exception as exc:
+            raise InvalidRequestError(f"structured_outputs.trigger {text!r} cannot be tokenized: {exc}") from None
+        if len(ids) != 1:
+            raise InvalidRequestError(f"structured_outputs.trigger {text!r} is {len(ids)} tokens of this vocabulary; "
+                                      "a trigger is the text of exactly one token (such as a special token)")
+        return int(ids[0])
 
     def prepare(self, spec: StructuredOutputs) -> Any:
         """``spec``'s compiled template (llguidance's matcher at the start; compiled and cached now if it is not

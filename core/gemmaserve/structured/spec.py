@@ -34,13 +34,20 @@ class StructuredOutputs:
     - ``grammar``: a context-free grammar in GBNF / EBNF (llama.cpp's format, ``root ::= ...``) or Lark.
 
     When the constraint is complete the request finishes with ``finish_reason="stop"``. Raises
-    :class:`InvalidRequestError` naming the problem when not exactly one is given or one is malformed."""
+    :class:`InvalidRequestError` naming the problem when not exactly one is given or one is malformed.
+
+    ``trigger`` (optional; llama.cpp's lazy grammars): the text of one token of the vocabulary (a special token
+    such as Gemma 4's ``<|tool_call>``) that the constraint must begin with. The output is then free until that
+    token is generated; from it the output follows the constraint until the constraint is complete, then is free
+    again until the token comes next (each time a fresh start). Such a constraint never ends the request: EOS,
+    stop tokens, stop strings and ``max_tokens`` do, as without a constraint (``min_tokens`` may be combined)."""
 
     json: Any = None
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool = False
+    trigger: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.json, str):
@@ -88,6 +95,9 @@ class StructuredOutputs:
             _check_size("choice", json.dumps(self.choice, ensure_ascii=False))
         if not isinstance(self.json_object, bool):
             raise InvalidRequestError("structured_outputs.json_object must be true or false")
+        if self.trigger is not None and (not isinstance(self.trigger, str) or not 0 < len(self.trigger) <= 256):
+            raise InvalidRequestError("structured_outputs.trigger must be the text of one token (1 to 256 characters), "
+                                      f"got {self.trigger!r:.300}")
 
     def _value(self, kind: str) -> Any:
         return getattr(self, kind)
@@ -104,7 +114,8 @@ class StructuredOutputs:
     @property
     def key(self) -> str:
         """The constraint as text (compiled grammars are cached by it). Key order is kept: a schema's property
-        order is the order its output writes them in."""
+        order is the order its output writes them in. The ``trigger`` is not part of it (it does not change what
+        is compiled)."""
         return self.kind + ":" + json.dumps(self._value(self.kind), separators=(",", ":"))
 
     @classmethod

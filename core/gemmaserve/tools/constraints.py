@@ -29,7 +29,7 @@ from gemmaserve.structured.spec import StructuredOutputs
 from .parsers import (GEMMA4_BARE_KEY, GEMMA4_CALL_CLOSE, GEMMA4_CALL_OPEN, GEMMA4_CHANNEL_CLOSE, GEMMA4_CHANNEL_OPEN,
                       GEMMA4_STRING)
 
-__all__ = ["tool_call_constraint"]
+__all__ = ["strict_calls_constraint", "tool_call_constraint"]
 
 _IN_STRING_MARKERS = (GEMMA4_STRING, GEMMA4_CALL_CLOSE, GEMMA4_CHANNEL_OPEN, GEMMA4_CHANNEL_CLOSE)
 """Markers a string of a call cannot hold: the parsers would end the string or the call there, or open a channel."""
@@ -65,16 +65,42 @@ def tool_call_constraint(tools: Sequence[Mapping[str, Any]], name: str | None, p
             for tool in offered]  # the parsers take only an object as a call's arguments
         call: dict[str, Any] = one[0] if len(one) == 1 else {"anyOf": one}
         return StructuredOutputs(json={"type": "array", "minItems": 1, "items": call} if many else call)
+    return StructuredOutputs(grammar=_gemma4_calls(offered, "call+" if many else "call", strict_only=False))
+
+
+def strict_calls_constraint(tools: Sequence[Mapping[str, Any]], parser: str) -> StructuredOutputs | None:
+    """``tool_choice: "auto"`` with ``strict: true`` on some of ``tools`` (OpenAI's ``function`` objects): a
+    constraint that leaves the reply free until it opens a call (Gemma 4's ``<|tool_call>`` token, the
+    constraint's trigger) and then holds the call to the offered functions, a strict function's arguments to its
+    ``parameters`` (as a forced call's are) and any other function's to any object; after the call the reply is
+    free again. None when no tool is strict. Raises InvalidRequestError for the ``json`` parser, whose calls have
+    no opening token to trigger on, and as :func:`tool_call_constraint` does."""
+    if not any(tool.get("strict") is True for tool in tools):
+        return None
+    if parser != "gemma4":
+        raise InvalidRequestError(
+            f"tools[].function.strict: true under tool_choice \"auto\" is enforced with the gemma4 tool-call parser "
+            f"(a call opens with its {GEMMA4_CALL_OPEN} token); this model's parser is {parser!r}, whose calls "
+            "cannot be told from text until they end. Use tool_choice \"required\" or a named function (the "
+            "arguments are then always held to the schema), or leave strict unset")
+    return StructuredOutputs(grammar=_gemma4_calls(tools, "call", strict_only=True), trigger=GEMMA4_CALL_OPEN)
+
+
+def _gemma4_calls(offered: Sequence[Mapping[str, Any]], start: str, strict_only: bool) -> str:
+    """The Lark grammar of Gemma 4 call blocks (``start``: one ``call`` or ``call+``) of the ``offered``
+    functions; each function's arguments follow its ``parameters`` (with ``strict_only``, only a function marked
+    ``strict: true``; the others take any object)."""
     rules: list[str] = []
     names = []
     for index, tool in enumerate(offered):
         names.append(f"tool{index}")
-        arguments = _object_rule(tool.get("parameters") or {}, f"t{index}", rules)
+        if strict_only and tool.get("strict") is not True:
+            arguments = "gobject"
+        else:
+            arguments = _object_rule(tool.get("parameters") or {}, f"t{index}", rules)
         rules.append(f"tool{index}: {json.dumps(tool['name'])} {arguments}")
-    start = "call+" if many else "call"
-    grammar = "\n".join([f"start: {start}", f"call: {GEMMA4_CALL_OPEN} \"call:\" ({' | '.join(names)}) "
-                         f"{GEMMA4_CALL_CLOSE}", *rules, _GENERIC])
-    return StructuredOutputs(grammar=grammar)
+    return "\n".join([f"start: {start}", f"call: {GEMMA4_CALL_OPEN} \"call:\" ({' | '.join(names)}) "
+                      f"{GEMMA4_CALL_CLOSE}", *rules, _GENERIC])
 
 
 def _object_rule(schema: Mapping[str, Any], prefix: str, rules: list[str]) -> str:
