@@ -318,6 +318,28 @@ def test_text_that_can_never_fit_is_refused_before_it_is_tokenized(make_client: 
     assert backend.tokenizer.encoded_chars == 400
 
 
+def test_token_prompts_that_cannot_fit_are_refused_before_the_engine_sees_them(make_client: Any) -> None:
+    """A token-id prompt (or a rendered chat) that leaves no room for one output token is a 400
+    context_length_exceeded from the preparation step: the engine's own check scans the ids on the event loop,
+    which for millions of ids stalled every other stream."""
+    client, engine = make_client()
+    submitted: list[int] = []
+    original = engine.submit_many
+
+    def counting(requests: Any, *args: Any, **kwargs: Any) -> Any:
+        submitted.append(len(requests))
+        return original(requests, *args, **kwargs)
+
+    engine.submit_many = counting  # type: ignore[method-assign]
+    for prompt in ([5] * 512, [[5] * 3, [6] * 100_000]):
+        error = assert_error(client.post("/v1/completions", json={**OK_PROMPT, "prompt": prompt}), 400, "prompt",
+                             words=("shorten the prompt to under 512 tokens",))
+        assert error["code"] == "context_length_exceeded"
+    assert submitted == []
+    assert client.post("/v1/completions", json={**OK_PROMPT, "prompt": [5] * 500}).status_code == 200
+    assert submitted == [1]
+
+
 def test_stop_token_ids_are_bounded(make_client: Any) -> None:
     from gemmaserve.errors import InvalidRequestError
     from gemmaserve.sampling_params import MAX_STOP_TOKEN_IDS

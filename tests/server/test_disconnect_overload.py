@@ -55,6 +55,10 @@ def test_stream_disconnect_cancels_and_frees_kv(served: Any) -> None:
     samples = parse_prometheus(httpx.get(f"{server.base_url}/metrics").text)
     assert metric(samples, "gemmaserve_requests_total", endpoint="completions", status="499") == 1
     assert metric(samples, "gemmaserve_request_finished_total", reason="cancelled") == 1
+    # it produced tokens (counted as they came) but never reached its end: no end-to-end latency of a request
+    labels = {"model_name": "tiny-ref", "engine": "0"}
+    assert metric(samples, "vllm:time_to_first_token_seconds_count", **labels) == 1
+    assert metric(samples, "vllm:e2e_request_latency_seconds_count", **labels) == 0
 
 
 def test_non_streaming_disconnect_cancels_and_frees_kv(served: Any) -> None:

@@ -90,6 +90,8 @@ def test_required_and_named_tool_choice_give_valid_calls(client) -> None:
                                                     seed=seed, stream=True)
             deltas = [c.choices[0] for c in stream if c.choices]
             streamed = [call for d in deltas for call in d.delta.tool_calls or []]
+            # no empty chunk for the tokens the parser holds back (only the opening one names the role)
+            assert all(d.delta.role or d.delta.content or d.delta.tool_calls or d.finish_reason for d in deltas)
             assert [c.index for c in streamed] == list(range(len(streamed)))
             assert [(c.function.name, c.function.arguments) for c in streamed] == [
                 (c.function.name, c.function.arguments) for c in choice0.message.tool_calls]

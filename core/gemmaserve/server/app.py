@@ -638,11 +638,12 @@ class _Server:
                 for chunk in view.opening_chunks():
                     yield sse(_indexed(chunk, index))
             for index, (view, step) in enumerate(zip(views, firsts)):
-                if step is not None:
-                    yield sse(_indexed(view.chunk(step), index))
+                if step is not None and (chunk := view.chunk(step)) is not None:
+                    yield sse(_indexed(chunk, index))
             if len(generations) == 1:  # one choice: read it directly (no task and no wait per step)
                 while not generations[0].done and (step := await generations[0].next_step()) is not None:
-                    yield sse(_indexed(views[0].chunk(step), 0))
+                    if (chunk := views[0].chunk(step)) is not None:
+                        yield sse(_indexed(chunk, 0))
             waiting = {asyncio.ensure_future(g.next_step()): i for i, g in enumerate(generations) if not g.done}
             try:
                 while waiting:
@@ -652,7 +653,8 @@ class _Server:
                         step = task.result()
                         if step is None:
                             continue
-                        yield sse(_indexed(views[index].chunk(step), index))
+                        if (chunk := views[index].chunk(step)) is not None:
+                            yield sse(_indexed(chunk, index))
                         if not generations[index].done:
                             waiting[asyncio.ensure_future(generations[index].next_step())] = index
             finally:
@@ -907,11 +909,15 @@ class _View:
                 chunk["choices"][0]["token_ids"] = []
         return [self._with_usage(chunk) for chunk in chunks]
 
-    def chunk(self, step: Step) -> dict[str, Any]:
+    def chunk(self, step: Step) -> dict[str, Any] | None:
         """The SSE chunk of ``step`` (with the choice's running usage under ``continuous_usage_stats``; with
-        ``return_token_ids`` its token ids, and the prompt's on the choice's first chunk)."""
+        ``return_token_ids`` its token ids, and the prompt's on the choice's first chunk), or None when it has
+        nothing to show (tokens a tool-call or reasoning parser holds back, no logprobs or ids to report)."""
         self._streamed += len(step.token_ids)
-        chunk = self._with_usage(self._chunk(step))
+        body = self._chunk(step)
+        if body is None:
+            return None
+        chunk = self._with_usage(body)
         if self.reply.return_token_ids:
             chunk["choices"][0]["token_ids"] = list(step.token_ids)
             if not self._sent_prompt_ids:
@@ -926,7 +932,7 @@ class _View:
                               "total_tokens": prompt + self._streamed}
         return chunk
 
-    def _chunk(self, step: Step) -> dict[str, Any]:
+    def _chunk(self, step: Step) -> dict[str, Any] | None:
         logprobs = None
         if step.logprobs is not None:
             logprobs = self._logprobs(step.token_ids, step.logprobs, self._offset, step.top_logprobs)
@@ -935,6 +941,10 @@ class _View:
             first = self._num_calls
             thought, parsed = self._parse(step.text, final=step.finish_reason is not None)
             calls = [call.to_openai(first + i) for i, call in enumerate(parsed.calls)]
+            shown_thought = thought if self.show_reasoning else ""
+            if not (parsed.content or calls or shown_thought or step.finish_reason or logprobs
+                    or self.reply.return_token_ids):
+                return None  # held back by the parsers: vLLM sends no chunk for it either
             return self.meta.chat_chunk(parsed.content, self._finish_reason(step.finish_reason), logprobs,
                                         tool_calls=calls, reasoning=thought if self.show_reasoning else None,
                                         stop_reason=step.stop_reason)

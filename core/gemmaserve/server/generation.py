@@ -226,13 +226,13 @@ class Generation:
                 self._handle.cancel()
 
     def close(self) -> None:
-        """Consumer side, when it stops reading: cancel the engine request if it still runs. Idempotent."""
+        """Consumer side, when it stops reading: cancel the engine request if it still runs. Idempotent. A
+        generation closed before its end (the client went away) gets no end time: its end-to-end latency is not
+        a request's."""
         if not self._engine_done:
             self._engine_done = True
             # a stop string ended it: the engine records "stop", not a client cancellation
             self._handle.cancel(reason=FinishReason.STOP if self.finish_reason == "stop" else FinishReason.CANCELLED)
-        if self.timing.end is None:
-            self.timing.end = time.monotonic()
 
     def __del__(self) -> None:
         """Safety net: a generation dropped unread (e.g. a stream never started) must not keep
@@ -309,8 +309,8 @@ class Generation:
         return step
 
     def _fail(self, reason: str, error_type: str | None, message: str | None) -> None:
-        self.timing.end = time.monotonic()
-        if reason == "error":
+        if reason == "error":  # an end, if not a good one; a cancelled request has none (close)
+            self.timing.end = time.monotonic()
             raise from_output_error(error_type, message, prompt_param=self.prepared.prompt_param,
                                     constraint_field=self.prepared.constraint_field)
         if self._client_gone:
