@@ -377,6 +377,10 @@ class LLM:
             options["template_kwargs"] = kwargs
         if tools is not None:
             options["tools"] = tools
+        for index, conversation in enumerate(rendered):
+            _check_unicode_strings(conversation, "LLM.chat: the messages" + (
+                f" of conversation {index}" if len(rendered) > 1 else ""))
+        _check_unicode_strings([tools, kwargs], "LLM.chat: tools / chat_template_kwargs")
         encoded = [self._render(conversation, tokenizer, options) for conversation in rendered]
         params = SamplingParams() if sampling_params is None else sampling_params
         many = isinstance(params, Sequence)
@@ -550,7 +554,18 @@ class LLM:
         if params.max_tokens is not None:
             return params
         limit = self.engine.scheduler.request_token_limit
-        return replace(params, max_tokens=max(1, limit - len(prompt_ids), params.min_tokens))
+        room = limit - len(prompt_ids)
+        if 0 < room < params.min_tokens:
+            raise InvalidRequestError(f"min_tokens={params.min_tokens} cannot be met: max_tokens=None leaves {room} "
+                                      f"tokens after the {len(prompt_ids)}-token prompt (this model's requests hold "
+                                      f"{limit}); lower min_tokens or shorten the prompt")
+        return replace(params, max_tokens=max(1, room))
+
+    def beam_search(self, *args: Any, **kwargs: Any) -> list[CompletionOutput]:
+        """vLLM's ``LLM.beam_search``: not implemented (gemmaserve samples each sequence on its own). Raises
+        InvalidRequestError saying what to use instead."""
+        raise InvalidRequestError("LLM.beam_search is not supported: gemmaserve has no beam search; use generate() "
+                                  "with SamplingParams(n=k, temperature=...) for k samples, or greedy decoding")
 
     def _check_open(self) -> None:
         if self._closed:
@@ -848,6 +863,26 @@ def _check_unicode(text: str) -> None:
             f"prompt is not valid Unicode text: {exc.object[exc.start:exc.end]!r} at position {exc.start} is a "
             "lone surrogate; send text that encodes as UTF-8"
         ) from None
+
+
+def _check_unicode_strings(value: Any, where: str) -> None:
+    """Raise InvalidRequestError naming ``where`` if a string anywhere in ``value`` (dicts, lists, keys included)
+    cannot be encoded as UTF-8 (a lone surrogate: the tokenizer would fail on it with a confusing error)."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise InvalidRequestError(
+                    f"{where} hold text that is not valid Unicode: {exc.object[exc.start:exc.end]!r} is a lone "
+                    "surrogate; send text that encodes as UTF-8") from None
+        elif isinstance(item, Mapping):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
 
 
 def _by_prompt(results: list[CompletionOutput], counts: list[int]) -> list[CompletionOutput]:

@@ -45,11 +45,22 @@ MAX_N = 64
 """Samples (``n``) per request: each is its own engine request."""
 
 
+class _DefaultTemperature(float):
+    """The type of ``SamplingParams.temperature``'s default (0.0, greedy), to tell it from a 0 the caller gave."""
+
+
+_GREEDY_BY_DEFAULT = _DefaultTemperature(0.0)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
     """How to pick tokens for one request.
 
-    ``temperature == 0`` (the default) means greedy; so does any temperature below ``MIN_TEMPERATURE``. ``top_k`` 0 or -1 and ``top_p == 1`` disable
+    ``temperature == 0`` (the default, unlike vLLM's 1.0) means greedy; so does any temperature below
+    ``MIN_TEMPERATURE``. Left at its default, it refuses the options that only change sampling (``n`` > 1,
+    ``top_p``, ``top_k``, ``min_p``, ``seed``): a script written for vLLM's default would otherwise get greedy
+    copies; give ``temperature`` (0 keeps greedy and accepts them, as vLLM does). ``top_k`` 0 or -1 and
+    ``top_p == 1`` disable
     those filters.
     ``min_p`` drops tokens less likely than ``min_p`` times the most likely one (after temperature, top-k and
     top-p; transformers' order). ``min_tokens``: EOS and ``stop_token_ids`` cannot be sampled before that many
@@ -88,7 +99,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     """Tokens to generate at most; None (vLLM's offline meaning): up to the end of the context, resolved per prompt
     by :class:`gemmaserve.LLM` (an engine request takes an int)."""
-    temperature: float = 0.0
+    temperature: float = _GREEDY_BY_DEFAULT
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
@@ -114,6 +125,10 @@ class SamplingParams:
     ``MAX_CHAT_STOP_TOKEN_IDS``."""
 
     def __post_init__(self) -> None:
+        _plain_numbers(self)
+        greedy_by_default = type(self.temperature) is _DefaultTemperature
+        if greedy_by_default:
+            object.__setattr__(self, "temperature", 0.0)
         spec = self.structured_outputs
         if spec is not None and not isinstance(spec, StructuredOutputs):
             object.__setattr__(self, "structured_outputs", StructuredOutputs.from_mapping(spec))
@@ -129,6 +144,8 @@ class SamplingParams:
         if self.top_k == -1 and not isinstance(self.top_k, bool):  # vLLM's spelling of "disabled"
             object.__setattr__(self, "top_k", 0)
         self.validate()
+        if greedy_by_default:
+            _refuse_sampling_options_under_default_greedy(self)
         if 0.0 < self.temperature < MIN_TEMPERATURE:  # dividing logits by ~0 overflows: that is greedy
             object.__setattr__(self, "temperature", 0.0)
 
@@ -246,6 +263,41 @@ def primary_eos_ids(tokenizer: object, model_eos_token_ids: Collection[int]) -> 
     model's EOS ids."""
     own = getattr(tokenizer, "eos_token_ids", ())
     return frozenset(own) if own else frozenset(model_eos_token_ids)
+
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_INT_FIELDS = ("max_tokens", "top_k", "seed", "min_tokens", "logprobs", "n")
+
+
+def _plain_numbers(params: SamplingParams) -> None:
+    """numpy (or other ``numbers``) scalars in the numeric fields become Python floats and ints (validation then
+    checks their values, not their types); the temperature's default marker is kept."""
+    import numbers
+
+    for name in _FLOAT_FIELDS:
+        value = getattr(params, name)
+        if (type(value) not in (float, _DefaultTemperature) and isinstance(value, numbers.Real)
+                and not isinstance(value, bool)):
+            object.__setattr__(params, name, float(value))
+    for name in _INT_FIELDS:
+        value = getattr(params, name)
+        if type(value) is not int and isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            object.__setattr__(params, name, int(value))
+
+
+def _refuse_sampling_options_under_default_greedy(params: SamplingParams) -> None:
+    """Raise InvalidRequestError naming the sampling-only options given while ``temperature`` was left at its
+    greedy default."""
+    options = ((f"n={params.n}", params.n != 1), (f"top_p={params.top_p}", params.top_p != 1.0),
+               (f"top_k={params.top_k}", params.top_k not in (0, -1)), (f"min_p={params.min_p}", params.min_p != 0.0),
+               (f"seed={params.seed}", params.seed is not None))  # seed -1 is None by now
+    given = [text for text, present in options if present]
+    if given:
+        raise InvalidRequestError(
+            f"options that only change sampling ({', '.join(given)}) were given, but temperature was left at "
+            "SamplingParams' default 0 "
+            "(greedy; vLLM's default is 1.0): give temperature=1.0 (or another > 0) to sample, or temperature=0 "
+            "to keep greedy decoding")
 
 
 def _is_real(value: object) -> bool:

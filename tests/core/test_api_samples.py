@@ -43,7 +43,8 @@ def test_n_samples_are_the_per_sample_requests(llm: LLM) -> None:
 
 def test_prompts_with_different_n_keep_their_order(llm: LLM) -> None:
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
-    params = [SamplingParams(max_tokens=3, ignore_eos=True), SamplingParams(n=2, max_tokens=3, ignore_eos=True),
+    params = [SamplingParams(max_tokens=3, ignore_eos=True),
+              SamplingParams(n=2, max_tokens=3, temperature=0, ignore_eos=True),
               SamplingParams(n=4, max_tokens=2, temperature=0.8, seed=1, ignore_eos=True, stop=["\x00\x01"])]
     out = llm.generate(prompts, params)
     assert [len(o.outputs) for o in out] == [1, 2, 4]
@@ -64,13 +65,13 @@ def test_the_samples_share_the_prompts_prefill(llm: LLM) -> None:
 
 def test_n_is_refused_where_one_sample_comes_back(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError, match="n=2"):
-        list(llm.stream([5, 6], SamplingParams(n=2)))
+        list(llm.stream([5, 6], SamplingParams(n=2, temperature=0)))
     with pytest.raises(InvalidRequestError, match="one sample"):
-        llm.engine.submit([5, 6], SamplingParams(n=2))
+        llm.engine.submit([5, 6], SamplingParams(n=2, temperature=0))
     for bad in (0, MAX_N + 1, True, 2.0):
         with pytest.raises(InvalidRequestError, match="n must be an integer"):
-            SamplingParams(n=bad)
+            SamplingParams(n=bad, temperature=0)
     with pytest.raises(ValueError, match="outside"):
-        SamplingParams(n=2).for_sample(2)
-    assert SamplingParams(n=3, seed=2**63 - 1).for_sample(2).seed == 1
-    assert SamplingParams(n=3).for_sample(1).seed is None
+        SamplingParams(n=2, temperature=0).for_sample(2)
+    assert SamplingParams(n=3, temperature=1.0, seed=2**63 - 1).for_sample(2).seed == 1
+    assert SamplingParams(n=3, temperature=1.0).for_sample(1).seed is None

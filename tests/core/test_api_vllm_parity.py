@@ -199,7 +199,7 @@ def test_sampling_params_are_keyword_only() -> None:
         SamplingParams(2)  # type: ignore[misc]  # vLLM's first positional is n
     with pytest.raises(TypeError, match="did you mean 'max_tokens'"):
         SamplingParams(max_token=2)  # type: ignore[call-arg]
-    assert dataclasses.replace(SamplingParams(n=2), n=1).n == 1
+    assert dataclasses.replace(SamplingParams(n=2, temperature=0), n=1).n == 1
 
 
 @pytest.mark.parametrize(("options", "words"), [
@@ -217,8 +217,8 @@ def test_vllm_options_not_implemented_are_refused_by_name(options, words) -> Non
 def test_vllm_options_at_their_neutral_value_are_accepted() -> None:
     neutral = {"best_of": 2, "n": 2, "prompt_logprobs": None, "allowed_token_ids": None, "truncate_prompt_tokens": None,
                "spaces_between_special_tokens": True, "detokenize": True, "guided_decoding": None,
-               "logits_processors": [], "output_kind": None, "extra_args": None}
-    assert SamplingParams(**neutral) == SamplingParams(n=2)
+               "logits_processors": [], "output_kind": None, "extra_args": None, "temperature": 0}
+    assert SamplingParams(**neutral) == SamplingParams(n=2, temperature=0)
 
 
 # -- item 6: logit_bias keys -------------------------------------------------------------------------------------
@@ -320,3 +320,46 @@ def test_an_engine_request_refuses_max_tokens_none() -> None:
             engine.submit([5, 6], SamplingParams(max_tokens=None))
     finally:
         engine.shutdown()
+
+
+def test_sampling_options_under_the_default_greedy_temperature_are_refused() -> None:
+    """SamplingParams defaults to greedy (vLLM to temperature 1.0): n, top_p, top_k, min_p or seed given without a
+    temperature would silently do nothing, so they are refused with what to pass; an explicit temperature (0
+    included) takes them, and numpy scalars are plain numbers."""
+    np = pytest.importorskip("numpy")
+    for options in ({"n": 4}, {"top_p": 0.9}, {"top_k": 5}, {"min_p": 0.1}, {"seed": 7}):
+        with pytest.raises(InvalidRequestError, match="temperature=1.0"):
+            SamplingParams(**options)
+        assert SamplingParams(**options, temperature=0).temperature == 0.0
+        assert SamplingParams(**options, temperature=1.0).temperature == 1.0
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(top_k=-1).top_k == 0  # vLLM's "off" values
+    with pytest.raises(InvalidRequestError, match="top_k must be"):  # a bad value is named first
+        SamplingParams(top_k=-2)
+    params = SamplingParams(temperature=np.float32(0.5), top_p=np.float64(0.25), max_tokens=np.int64(8),
+                            seed=np.uint32(3), n=np.int8(2))
+    assert (params.temperature, params.top_p, params.max_tokens, params.seed, params.n) == (0.5, 0.25, 8, 3, 2)
+    assert [type(v) for v in (params.temperature, params.top_p, params.max_tokens, params.seed)] == [
+        float, float, int, int]
+
+
+def test_beam_search_and_bad_structured_flags_are_refused_by_name(llm) -> None:
+    with pytest.raises(InvalidRequestError, match="beam_search is not supported"):
+        llm.beam_search(["hi"], None)
+    with pytest.raises(InvalidRequestError, match="disable_any_whitespace must be a boolean"):
+        SamplingParams(structured_outputs={"regex": "a+", "disable_any_whitespace": "x"})
+
+
+def test_min_tokens_beyond_the_room_max_tokens_none_leaves_names_min_tokens() -> None:
+    model = _llm(max_model_len=64)
+    try:
+        with pytest.raises(InvalidRequestError, match="min_tokens=100 cannot be met"):
+            model.generate([5, 6, 7], SamplingParams(max_tokens=None, min_tokens=100))
+        out = model.generate([5, 6, 7], SamplingParams(max_tokens=None, min_tokens=10, ignore_eos=True))[0]
+        assert len(out.token_ids) == 64 - 3
+    finally:
+        model.close()
+
+
+def test_chat_names_a_lone_surrogate(llm) -> None:
+    with pytest.raises(InvalidRequestError, match="lone surrogate"):
+        llm.chat([{"role": "user", "content": "a\ud800b"}], SamplingParams(max_tokens=2))

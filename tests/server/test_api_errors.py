@@ -66,7 +66,8 @@ COMPLETION_CASES: list[tuple[str, Any, int, str | None, tuple[str, ...]]] = [
     ("unknown-field", {"frobnicate": 1}, 400, "frobnicate", ("unknown field",)),
     ("beam-search", {"use_beam_search": True}, 400, "use_beam_search", ("not supported",)),
     ("store", {"store": True}, 400, "store", ("not supported",)),
-    ("best-of-two", {"best_of": 2}, 400, "best_of", ()),
+    ("best-of-two", {"best_of": 2}, 400, "best_of", ("equal to n",)),
+    ("best-of-more-than-n", {"best_of": 3, "n": 2}, 400, "best_of", ("equal to n",)),
     ("stop-empty-string", {"stop": [""]}, 400, "stop", ("non-empty",)),
     ("too-many-stops", {"stop": [str(i) for i in range(17)]}, 400, "stop", ("16",)),
     ("stop-wrong-type", {"stop": 5}, 400, "stop", ()),
@@ -316,6 +317,13 @@ def test_text_that_can_never_fit_is_refused_before_it_is_tokenized(make_client: 
     assert error["code"] == "context_length_exceeded" and backend.tokenizer.encoded_chars == 0
     assert client.post("/v1/completions", json={**OK_PROMPT, "prompt": "a" * 400}).status_code == 200
     assert backend.tokenizer.encoded_chars == 400
+
+
+def test_best_of_equal_to_n_returns_every_sample(make_client: Any) -> None:
+    """best_of equal to n asks for nothing beyond n (as the offline SamplingParams accepts it)."""
+    client, _ = make_client()
+    reply = client.post("/v1/completions", json={**OK_PROMPT, "n": 2, "best_of": 2, "temperature": 1.0})
+    assert reply.status_code == 200 and [c["index"] for c in reply.json()["choices"]] == [0, 1]
 
 
 def test_token_prompts_that_cannot_fit_are_refused_before_the_engine_sees_them(make_client: Any) -> None:

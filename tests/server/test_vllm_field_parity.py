@@ -111,7 +111,8 @@ def test_with_chat_stops_keeps_a_full_request_valid(chat_ends: Client) -> None:
 
     _, engine = chat_ends
     given = tuple(range(5, 5 + MAX_STOP_TOKEN_IDS))
-    params = with_chat_stops(SamplingParams(stop_token_ids=given, n=2, seed=3), engine.backend.tokenizer)
+    params = with_chat_stops(SamplingParams(stop_token_ids=given, n=2, temperature=1.0, seed=3),
+                             engine.backend.tokenizer)
     assert params.stop_token_ids == (*given, EOT_ID) and params.chat_stop_token_ids == (EOT_ID,)
     assert params.for_sample(1).stop_token_ids == params.stop_token_ids
     assert with_chat_stops(params, engine.backend.tokenizer) is params
@@ -163,7 +164,7 @@ def test_negative_seeds_are_accepted(ref: Client) -> None:
              for seed in (-5, 2**63 - 5, -(2**63), 0, 7)}
     assert texts[-5] == texts[2**63 - 5] and texts[-(2**63)] == texts[0] and texts[7] != texts[0]
     assert ok(client, COMPLETIONS, seed=-1, **body)["choices"][0]["text"]  # vLLM's "no seed"
-    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-5).seed == 2**63 - 5
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-5, temperature=1.0).seed == 2**63 - 5
     refused(client, COMPLETIONS, "seed", seed=2**63, **body)
 
 

@@ -398,7 +398,9 @@ class CompletionRequest(SamplingFields):
     prompt: Any = Field(json_schema_extra=_PROMPT_SCHEMA)
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    best_of: int | None = Field(None, ge=1, le=1)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    """OpenAI's: accepted when it equals ``n`` (every sample is returned, as the offline ``SamplingParams``
+    accepts it); choosing the best ``n`` of more is refused (:meth:`_check_best_of`)."""
     suffix: str | None = Field(None, json_schema_extra=_only({"type": "string", "maxLength": 0}))
     add_special_tokens: bool | None = None
     """vLLM's (default true): false tokenizes a text prompt without the tokenizer's special tokens (no BOS)."""
@@ -430,6 +432,15 @@ class CompletionRequest(SamplingFields):
         if value:
             raise ValueError("suffix (insertion) is not supported; leave it unset")
         return value
+
+    @model_validator(mode="after")
+    def _check_best_of(self) -> CompletionRequest:
+        n = self.n or 1
+        if self.best_of is not None and self.best_of != n:
+            raise APIError(400, f"best_of={self.best_of} with n={n}: returning the best n of more samples is not "
+                           "supported; every sample is returned, so leave best_of unset or equal to n",
+                           param="best_of", code="invalid_value")
+        return self
 
     @model_validator(mode="after")
     def _check_echo_logprobs(self) -> CompletionRequest:

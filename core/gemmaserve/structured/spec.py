@@ -131,6 +131,9 @@ class StructuredOutputs:
         if unknown:
             raise InvalidRequestError(f"structured_outputs.{unknown[0]} is not a known field; accepted: "
                                       f"{', '.join(_KINDS)}, disable_any_whitespace")
+        flag = fields.get("disable_any_whitespace")
+        if flag is not None and not isinstance(flag, bool):  # JSON is written without free whitespace either way
+            raise InvalidRequestError(f"structured_outputs.disable_any_whitespace must be a boolean, got {flag!r:.100}")
         return cls(**{k: v for k, v in fields.items() if k in _KINDS})
 
 
