@@ -351,6 +351,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         default_max_tokens=args.default_max_tokens, served_model_name=_served_names(args.served_model_name),
         chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, kv_events_config=args.kv_events_config,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
     )
     settings = _comma_lists(settings)
     if args.enable_prefix_caching:
@@ -527,6 +528,8 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
               metavar="FILE")
     _env_flag(g, "--tool-call-parser", "how tool calls are read from chat replies (vLLM's flag): gemma4, json, or "
               "auto (gemma4 when the tokenizer has Gemma 4's <|tool_call> token)", choices=["auto", "gemma4", "json"])
+    _env_flag(g, "--exclude-tools-when-tool-choice-none", "with tool_choice \"none\" the chat template gets no tools "
+              "(vLLM's flag); unset: it gets them and the reply is plain content", action="store_true", default=None)
     _env_flag(g, "--reasoning-parser", "gemma4: Gemma 4's reasoning channel goes to message.reasoning "
               "(vLLM's flag); unset = off", choices=["", "gemma4"])
     _env_flag(g, "--kv-events-config", "KV-cache events for KV-aware routers (vLLM's flag): a JSON object of vLLM's "

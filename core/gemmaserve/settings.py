@@ -204,6 +204,11 @@ class CoreSettings(BaseSettings):
         "(<|tool_call>call:NAME{...}<tool_call|>), json ({\"name\": ..., \"arguments\": {...}}), or auto: gemma4 when "
         "the tokenizer has Gemma 4's <|tool_call> token, else json.",
     )
+    exclude_tools_when_tool_choice_none: bool = Field(
+        False, validation_alias=env_alias("EXCLUDE_TOOLS_WHEN_TOOL_CHOICE_NONE"),
+        description="HTTP server: with tool_choice \"none\" the chat template does not get the request's tools "
+        "(vLLM's --exclude-tools-when-tool-choice-none); off: it gets them, and the reply is read as plain content.",
+    )
     reasoning_parser: Literal["", "gemma4"] = Field(
         "", validation_alias=env_alias("REASONING_PARSER"),
         description="HTTP server: gemma4 moves Gemma 4's reasoning channel (<|channel>thought...<channel|>) of a chat "

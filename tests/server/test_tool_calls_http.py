@@ -139,7 +139,10 @@ def test_the_template_sees_tools_and_earlier_calls(tool_checkpoint) -> None:
     assert "(result of call_9)" in text and prepared.tool_parser == "gemma4"
     none = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
                                                  "tool_choice": "none"})
-    assert prepare_chat(none, tokenizer, 512).tool_parser is None
+    kept = prepare_chat(none, tokenizer, 512)  # vLLM's default: the model knows the tools, the reply is content
+    assert kept.tool_parser is None and "tools: get_weather clock" in tokenizer.decode(kept.prompt_ids)
+    dropped = prepare_chat(none, tokenizer, 512, exclude_tools_when_none=True)  # --exclude-tools-when-tool-choice-none
+    assert dropped.tool_parser is None and "tools:" not in tokenizer.decode(dropped.prompt_ids)
 
 
 def test_reasoning_channel_goes_to_reasoning(tool_checkpoint) -> None:

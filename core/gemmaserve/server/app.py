@@ -570,7 +570,8 @@ class _Server:
             self.check_n(chat.n)
             prepared = prepare_chat(chat, self.tokenizer, self.context_limit, self.engine.settings.default_max_tokens,
                                     self.engine.settings.tool_call_parser, self.engine.settings.reasoning_parser,
-                                    self.render_pool, self.info.eos_token_ids)
+                                    self.render_pool, self.info.eos_token_ids,
+                                    self.engine.settings.exclude_tools_when_tool_choice_none)
             return _Reply.of(chat, [chat.echo_text]), [prepared]
         completion = parse_body(CompletionRequest, raw)
         self.check_model(completion.model)

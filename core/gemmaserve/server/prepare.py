@@ -79,11 +79,13 @@ def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer, context_li
 
 def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limit: int,
                  default_max_tokens: int = 0, tool_call_parser: str = "auto", reasoning_parser: str = "",
-                 pool: RenderPool | None = None, eos_token_ids: Sequence[int] = ()) -> Prepared:
+                 pool: RenderPool | None = None, eos_token_ids: Sequence[int] = (),
+                 exclude_tools_when_none: bool = False) -> Prepared:
     """Render the messages with the model's chat template; without ``max_tokens`` the request may generate
     ``default_max_tokens`` tokens, or fewer if the rest of ``context_limit`` is smaller (0: the rest of it).
     With ``tools`` (and ``tool_choice`` other than ``"none"``) the template gets them, the reply is read with
-    the tool-call parser, and ``"required"`` or a named function constrains the reply to a call. A long chat
+    the tool-call parser, and ``"required"`` or a named function constrains the reply to a call; with ``"none"``
+    the template gets them too (vLLM's default) unless ``exclude_tools_when_none``, and the reply is plain content. A long chat
     is rendered in ``pool`` (see :func:`render_chat`). ``eos_token_ids``: unused (kept for callers; the text of
     the EOS or stop token that ends a reply is left out of it by :func:`~gemmaserve.detokenize.hides_stop_token`)."""
     body.check_generation_prompt()
@@ -96,6 +98,8 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limi
     if mode is not None:
         options = {**options, "tools": body.tool_functions}
         parser = resolve_tool_parser(tokenizer, tool_call_parser)
+    elif body.tools and not exclude_tools_when_none:  # tool_choice "none": the model knows them, calls none
+        options = {**options, "tools": body.tool_functions}
     prompt_ids = render_chat([message.as_template_dict() for message in body.messages], tokenizer, context_limit,
                              options, pool)
     _refuse_prompt_that_cannot_fit(len(prompt_ids), context_limit, "messages")
