@@ -125,14 +125,19 @@ def test_one_seed_gives_the_same_tokens_on_every_backend(tmp_path) -> None:
         SamplingParams(max_tokens=8, temperature=0.0, min_tokens=8, stop_token_ids=[prompts[0][0]]),
         SamplingParams(max_tokens=10, temperature=0.9, seed=7, repetition_penalty=1.4, presence_penalty=0.5,
                        frequency_penalty=0.3, ignore_eos=True),  # penalties
+        SamplingParams(max_tokens=8, temperature=1.1, seed=8, allowed_token_ids=[9, 40, 41, 300], ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=0.0, allowed_token_ids=[17, 250], ignore_eos=True),  # allowed ids
     ]
-    prompts = (prompts * 3)[: len(params)]
+    prompts = (prompts * 4)[: len(params)]
     backends = ["custom-cpu", "hf"]
     if _mlx_sample() is not None:
         backends.append("mlx")
     runs = {name: _generate(path, name, params, prompts) for name in backends}
     for name in backends[1:]:
         assert runs[name] == runs["custom-cpu"], name
+    for param, tokens in zip(params, runs["custom-cpu"]):
+        if param.allowed_token_ids is not None:
+            assert tokens and set(tokens) <= set(param.allowed_token_ids), tokens
 
 
 _adjusted_row = st.tuples(

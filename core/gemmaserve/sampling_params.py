@@ -15,7 +15,7 @@ from gemmaserve.structured.spec import StructuredOutputs
 __all__ = ["VLLM_SAMPLING_OPTIONS_NOT_IMPLEMENTED", "MAX_BAD_WORDS", "MAX_LOGPROBS", "SamplingParams", "RowSampling",
            "allowed_tokens", "MIN_TEMPERATURE", "MIN_REPETITION_PENALTY", "MAX_REPETITION_PENALTY", "SEED_SPACE",
            "MAX_STOP_STRINGS", "MAX_STOP_STRING_CHARS", "MAX_STOP_TOKEN_IDS", "MAX_CHAT_STOP_TOKEN_IDS",
-           "MAX_LOGIT_BIAS", "MAX_N"]
+           "MAX_LOGIT_BIAS", "MAX_N", "MAX_ALLOWED_TOKEN_IDS", "allowed_mask"]
 
 MIN_TEMPERATURE = 1e-5
 """Temperatures in (0, MIN_TEMPERATURE) are treated as greedy (0): logits / T would overflow."""
@@ -35,6 +35,8 @@ positive one) multiplies logits past what float16 holds and a denormal one divid
 probabilities become NaN."""
 SEED_SPACE = 2**63
 """Seeds the engine draws with: [0, 2**63). A request may give any int64 (:meth:`SamplingParams.__post_init__`)."""
+MAX_ALLOWED_TOKEN_IDS = 262_144
+"""``allowed_token_ids`` entries per request (Gemma's whole vocabulary)."""
 MAX_BAD_WORDS = 128
 """``bad_words`` entries per request (vLLM's limit)."""
 MAX_LOGPROBS = 20
@@ -118,6 +120,9 @@ class SamplingParams:
     n: int = 1
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    allowed_token_ids: tuple[int, ...] | None = None
+    """vLLM's: only these token ids may be generated (None: any). A backend applies it as the mask structured
+    output uses (``capabilities.allowed_token_masks``); it cannot be combined with ``structured_outputs``."""
     chat_stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     """The chat template's end-of-turn ids that :func:`gemmaserve.server.prepare.with_chat_stops` appended to
     ``stop_token_ids`` (those not given already): they end the reply like the others, but do not count toward
@@ -133,6 +138,9 @@ class SamplingParams:
         if spec is not None and not isinstance(spec, StructuredOutputs):
             object.__setattr__(self, "structured_outputs", StructuredOutputs.from_mapping(spec))
         object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", _as_tuple(self.allowed_token_ids, "allowed_token_ids", int,
+                                                                    "a list of token IDs"))
         for name, single, accepted in (("stop", str, "a string or a list of strings"),
                                        ("bad_words", str, "a list of strings"),
                                        ("stop_token_ids", int, "a list of token IDs"),
@@ -205,6 +213,16 @@ class SamplingParams:
                 0 <= self.min_tokens <= (math.inf if self.max_tokens is None else self.max_tokens)):
             raise InvalidRequestError(
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not 0 < len(allowed) <= MAX_ALLOWED_TOKEN_IDS or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in allowed):
+                raise InvalidRequestError(f"allowed_token_ids must be 1 to {MAX_ALLOWED_TOKEN_IDS} non-negative token "
+                                          f"IDs, got {len(allowed)} entries{'' if allowed else ' (none)'}")
+            if self.structured_outputs is not None:
+                raise InvalidRequestError("allowed_token_ids cannot be combined with an output constraint "
+                                          "(structured_outputs, response_format, a tool call constraint): keep the "
+                                          "allowed tokens in the constraint itself, or drop one of them")
         if self.min_tokens and self.structured_outputs is not None and self.structured_outputs.trigger is None:
             raise InvalidRequestError(
                 f"min_tokens ({self.min_tokens}) cannot be combined with an output constraint (structured_outputs, "
@@ -361,8 +379,6 @@ VLLM_SAMPLING_OPTIONS_NOT_IMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = 
     "spaces_between_special_tokens": ((True,), "special tokens are decoded the tokenizer's way"),
     "detokenize": ((True,), "the text is always decoded, next to token_ids"),
     "prompt_logprobs": ((None,), "the engine computes no prompt logprobs"),
-    "allowed_token_ids": ((None,), "restrict the output with structured_outputs (e.g. {'choice': [...]} or a "
-                          "regex), or logit_bias / bad_words"),
     "truncate_prompt_tokens": ((None,), "prompts are never truncated: shorten the prompt"),
     "output_kind": ((None,), "LLM.generate returns final outputs; LLM.stream yields deltas"),
     "guided_decoding": ((None,), "use structured_outputs=StructuredOutputs(...) or its dict (vLLM's new name)"),
@@ -495,6 +511,15 @@ class RowSampling:
                    params.min_p, params.logit_bias, bans, params.repetition_penalty,
                    params.presence_penalty, params.frequency_penalty, prompt_tokens, output_counts, allowed,
                    params.logprobs or 0)
+
+
+def allowed_mask(token_ids: Collection[int], vocab_size: int) -> bytes:
+    """The ``RowSampling.allowed`` bitmask (little-endian 32-bit words, as llguidance writes them) that allows
+    exactly ``token_ids`` (each in ``[0, vocab_size)``)."""
+    mask = bytearray((vocab_size + 31) // 32 * 4)
+    for token_id in token_ids:
+        mask[token_id >> 3] |= 1 << (token_id & 7)
+    return bytes(mask)
 
 
 def allowed_tokens(mask: bytes | memoryview, vocab_size: int) -> list[bool]:

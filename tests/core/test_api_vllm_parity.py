@@ -204,7 +204,7 @@ def test_sampling_params_are_keyword_only() -> None:
 
 @pytest.mark.parametrize(("options", "words"), [
     ({"best_of": 3}, "best_of"), ({"prompt_logprobs": 1}, "prompt_logprobs"),
-    ({"allowed_token_ids": [5]}, "structured_outputs"), ({"truncate_prompt_tokens": 8}, "truncate"),
+    ({"truncate_prompt_tokens": 8}, "truncate"),
     ({"spaces_between_special_tokens": False}, "spaces_between"), ({"detokenize": False}, "detokenize"),
     ({"guided_decoding": {"regex": "a"}}, "structured_outputs"), ({"logits_processors": [print]}, "logits"),
     ({"output_kind": 1}, "stream"), ({"extra_args": {"a": 1}}, "extra_args"),
@@ -363,3 +363,19 @@ def test_min_tokens_beyond_the_room_max_tokens_none_leaves_names_min_tokens() ->
 def test_chat_names_a_lone_surrogate(llm) -> None:
     with pytest.raises(InvalidRequestError, match="lone surrogate"):
         llm.chat([{"role": "user", "content": "a\ud800b"}], SamplingParams(max_tokens=2))
+
+
+def test_allowed_token_ids_restrict_the_output(llm) -> None:
+    """vLLM's allowed_token_ids: only those ids are generated (greedy and seeded); ids outside the vocabulary, an
+    empty list, or a combination with structured_outputs are refused by name."""
+    allowed = [7, 21, 22]
+    for temperature in (0.0, 1.3):
+        out = llm.generate([5, 6], SamplingParams(max_tokens=10, temperature=temperature, seed=1, ignore_eos=True,
+                                                  allowed_token_ids=allowed))[0]
+        assert len(out.token_ids) == 10 and set(out.token_ids) <= set(allowed)
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        llm.generate([5, 6], SamplingParams(max_tokens=2, allowed_token_ids=[10**7]))
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids must be"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(InvalidRequestError, match="cannot be combined"):
+        SamplingParams(allowed_token_ids=[5], structured_outputs={"regex": "a"})

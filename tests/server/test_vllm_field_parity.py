@@ -306,3 +306,25 @@ def test_request_id_names_the_response(ref: Client) -> None:
         "chatcmpl-job-8"}
     refused(client, COMPLETIONS, "request_id", prompt="a", max_tokens=2, request_id="")
     refused(client, COMPLETIONS, "request_id", prompt="a", max_tokens=2, request_id="x" * 257)
+
+
+def test_allowed_token_ids_restrict_every_token(ref: Client) -> None:
+    """vLLM's ``allowed_token_ids``: every generated token is one of them, greedy or sampled, streamed or not, on
+    both endpoints; ids outside the vocabulary, an empty list, or a combination with an output constraint are a
+    400 naming the field."""
+    client, _ = ref
+    allowed = [11, 12, 30]
+    for path, extra in ((COMPLETIONS, {"prompt": "abc"}), (CHAT, {"messages": MESSAGES})):
+        for temperature in (0.0, 1.0):
+            body = dict(model=REFERENCE_MODEL, max_tokens=12, ignore_eos=True, temperature=temperature, seed=3,
+                        return_token_ids=True, allowed_token_ids=allowed, **extra)
+            reply = ok(client, path, **body)["choices"][0]
+            assert len(reply["token_ids"]) == 12 and set(reply["token_ids"]) <= set(allowed), reply
+            events = streamed(client, path, **body)
+            ids = [t for event in events for choice in event["choices"] for t in choice.get("token_ids") or []]
+            assert ids == reply["token_ids"]  # the same seed, streamed or not
+    base = dict(model=REFERENCE_MODEL, prompt="abc", max_tokens=4)
+    refused(client, COMPLETIONS, "allowed_token_ids", "outside the vocabulary", allowed_token_ids=[10**6], **base)
+    refused(client, COMPLETIONS, "allowed_token_ids", allowed_token_ids=[], **base)
+    refused(client, COMPLETIONS, "allowed_token_ids", "cannot be combined", allowed_token_ids=allowed,
+            structured_outputs={"regex": "a+"}, **base)

@@ -198,6 +198,9 @@ class Request:
     constraint: TokenConstraint | None = None
     """Structured output: the request's position in its grammar (compiled by the scheduler's validation)."""
     bad_word_ids: tuple[tuple[int, ...], ...] = ()
+    allowed_mask: bytes | None = None
+    """``allowed_token_ids`` as a ``RowSampling.allowed`` mask (set by the scheduler's validation); the same every
+    step."""
     """``bad_words`` as token sequences (set by the scheduler's validation, with the backend's tokenizer)."""
     constraint_error: ConstraintError | None = None
     """Why the constraint cannot continue; the next appended token ends the request with it."""
@@ -245,7 +248,7 @@ class Request:
         params = self.params
         step = len(self.output_token_ids) + ahead
         if (self.constraint is None and not self.bad_word_ids and step >= params.min_tokens
-                and not params.has_penalties):  # per row per tick: nothing but the params shapes it
+                and not params.has_penalties and self.allowed_mask is None):  # per row per tick: only params
             if not ahead:
                 self._ahead = None  # nothing to roll back without a constraint (_forget_ahead)
             return RowSampling.for_params(params, self.seed, step, top_k=min(params.top_k, MAX_TOP_K))
@@ -330,7 +333,7 @@ class Request:
         constraint that cannot continue gives an empty mask and records why: the token sampled under it ends
         the request (:meth:`append_token`)."""
         if self.constraint is None:
-            return None
+            return self.allowed_mask
         constraint = self._mask_constraint(ahead)
         if constraint is None:
             return None if ahead else b""

@@ -52,6 +52,7 @@ from gemmaserve.engine.request import (
 from gemmaserve.engine.shared_prefix import should_wait
 from gemmaserve.engine.validation import backend_error, validate_request
 from gemmaserve.errors import ConfigurationError, EngineOverloadedError, InvalidRequestError, KVCapacityError
+from gemmaserve.sampling_params import allowed_mask
 from gemmaserve.structured.grammar import GrammarCompiler, TokenConstraint
 
 if TYPE_CHECKING:
@@ -203,6 +204,9 @@ class ContinuousBatchScheduler:
         spec = request.params.structured_outputs
         if spec is not None and request.constraint is None:
             request.constraint = self.compile_constraint(spec)
+        allowed = request.params.allowed_token_ids
+        if allowed is not None and request.allowed_mask is None:
+            request.allowed_mask = self._allowed_mask(allowed)
         if request.params.bad_words and not request.bad_word_ids:
             request.bad_word_ids = self._bad_word_ids(request.params.bad_words)
         if self._streaming and request.params.has_penalties:
@@ -231,6 +235,21 @@ class ContinuousBatchScheduler:
                 "(capabilities.allowed_token_masks), so it cannot serve structured output; send the request "
                 "without structured_outputs / response_format")
         return self._grammar_compiler()
+
+    def _allowed_mask(self, token_ids: tuple[int, ...]) -> bytes:
+        """``allowed_token_ids`` as a mask. Raises InvalidRequestError for an id outside the vocabulary or a backend
+        that applies no masks."""
+        vocab_size = self.backend.model_info.vocab_size
+        outside = [token for token in token_ids if token >= vocab_size]
+        if outside:
+            raise InvalidRequestError(f"allowed_token_ids names token {outside[0]}, outside the vocabulary; token ids "
+                                      f"are integers in [0, {vocab_size})")
+        if self._streaming or not self._caps.allowed_token_masks:
+            raise InvalidRequestError(
+                f"the backend serving {self.backend.model_info.name!r} does not apply allowed-token masks "
+                "(capabilities.allowed_token_masks), so it cannot serve allowed_token_ids; send the request without "
+                "it")
+        return allowed_mask(token_ids, vocab_size)
 
     def _bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """Each bad word tokenized as it is (leading blanks dropped) and with one leading space, without

@@ -132,7 +132,7 @@ def guess_param(message: str, default: str) -> str | None:
     found = []
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "logit_bias", "logprobs",
                  "min_tokens", "bad_words", "structured_outputs", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty"):
+                 "frequency_penalty", "allowed_token_ids"):
         match = re.search(rf"\b{name}\b", message)
         if match is not None:
             found.append((match.start(), name))

@@ -121,8 +121,9 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limi
             raise APIError(400, str(exc), param="tools", code="invalid_value") from None
         try:
             params = dataclasses.replace(params, structured_outputs=constraint)
-        except InvalidRequestError as exc:  # min_tokens
-            raise APIError(400, str(exc), param="min_tokens", code="invalid_value") from None
+        except InvalidRequestError as exc:  # min_tokens, allowed_token_ids
+            raise APIError(400, str(exc), param=guess_param(str(exc), "tools") or "tools",
+                           code="invalid_value") from None
         constraint_field = "tools"
     elif mode == "auto":
         try:
@@ -135,7 +136,11 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limi
                                "their schemas; they cannot be combined with response_format / structured_outputs "
                                "(leave strict unset, or drop the response format)", param="tools",
                                code="invalid_value")
-            params = dataclasses.replace(params, structured_outputs=constraint)
+            try:
+                params = dataclasses.replace(params, structured_outputs=constraint)
+            except InvalidRequestError as exc:  # allowed_token_ids
+                raise APIError(400, str(exc), param=guess_param(str(exc), "tools") or "tools",
+                               code="invalid_value") from None
             constraint_field = "tools"
     markers = ((GEMMA4_CALL_OPEN, GEMMA4_CALL_CLOSE, GEMMA4_STRING) if parser == "gemma4" else ()) + (
         (GEMMA4_CHANNEL_OPEN, GEMMA4_CHANNEL_CLOSE) if reasoning_parser else ())
@@ -353,6 +358,7 @@ def _sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
             presence_penalty=0.0 if body.presence_penalty is None else body.presence_penalty,
             frequency_penalty=0.0 if body.frequency_penalty is None else body.frequency_penalty,
             bad_words=tuple(body.bad_words or ()),
+            allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
             # vLLM's fields; the request model holds them once protocol.py accepts values other than the default
             include_stop_str_in_output=bool(getattr(body, "include_stop_str_in_output", None)),
             skip_special_tokens=getattr(body, "skip_special_tokens", None) is not False,

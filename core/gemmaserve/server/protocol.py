@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from gemmaserve.errors import InvalidRequestError
 from gemmaserve.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -175,7 +176,7 @@ NEUTRAL_EXTRAS: dict[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (None, True),
     "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
     "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,),
-    "allowed_token_ids": (None,), "priority": (None, 0),
+    "priority": (None, 0),
     "return_tokens_as_token_ids": (None, False), "detokenize": (None, True),
     # SGLang's fields, which vllm-router adds to every body it forwards (at these values: the defaults)
     "no_stop_trim": (None, False), "return_hidden_states": (None, False), "separate_reasoning": (None, True),
@@ -243,6 +244,9 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY,
                                              allow_inf_nan=False)
     bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
+    allowed_token_ids: list[int] | None = Field(
+        None, json_schema_extra=_only({**_TOKEN_IDS, "minItems": 1, "maxItems": MAX_ALLOWED_TOKEN_IDS}))
+    """vLLM's: only these token ids may be generated."""
     user: str | None = Field(None, max_length=MAX_CARRIED_TEXT_CHARS)
     response_format: dict[str, Any] | None = Field(None, json_schema_extra=_only(_RESPONSE_FORMAT_SCHEMA))
     structured_outputs: dict[str, Any] | None = Field(None, json_schema_extra=_only(_STRUCTURED_SCHEMA))
@@ -270,6 +274,15 @@ class SamplingFields(BaseModel):
         if longest > MAX_STOP_STRING_CHARS:
             raise ValueError(f"a stop string has {longest} characters; at most {MAX_STOP_STRING_CHARS} are accepted")
         return stops
+
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _check_allowed_ids(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and not 0 < len(value) <= MAX_ALLOWED_TOKEN_IDS:
+            raise ValueError(f"allowed_token_ids takes 1 to {MAX_ALLOWED_TOKEN_IDS} token ids, got {len(value)}")
+        if value is not None and any(not 0 <= token <= _MAX_TOKEN_ID for token in value):
+            raise ValueError("allowed_token_ids must be non-negative token ids")
+        return value
 
     @field_validator("stop_token_ids")
     @classmethod
