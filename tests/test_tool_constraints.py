@@ -17,7 +17,12 @@ pytest.importorskip("tokenizers")
 
 from gemmaserve.errors import InvalidRequestError  # noqa: E402
 from gemmaserve.structured import GrammarCompiler  # noqa: E402
-from gemmaserve.tools import Gemma4ToolParser, JsonToolParser, tool_call_constraint  # noqa: E402
+from gemmaserve.tools import (  # noqa: E402
+    Gemma4ToolParser,
+    JsonToolParser,
+    strict_calls_constraint,
+    tool_call_constraint,
+)
 
 
 class _Vocabulary:
@@ -314,7 +319,6 @@ def test_strict_tools_under_auto_hold_every_call_and_leave_text_free(encoding_vo
     where every token is allowed, and calls opened by ``<|tool_call>``) gives text whose every call names an
     offered function, with arguments valid under the parameters of the strict ones; free steps allow the whole
     vocabulary and the constraint never ends the output."""
-    from gemmaserve.tools import strict_calls_constraint
 
     vocabulary = encoding_vocabulary
     tools = [{"name": f"fn{i}", "parameters": schema, "strict": flag} for i, (schema, flag) in
@@ -364,7 +368,6 @@ def test_a_triggered_constraint_rolls_back_and_copies_like_a_replay(encoding_voc
     triggered constraint where replaying the kept tokens on a fresh one leaves it: the same mask, the same
     phase; a batch of masks (free, triggered and ordinary constraints together) equals each one's own mask."""
     from gemmaserve.structured.grammar import start_masks
-    from gemmaserve.tools import strict_calls_constraint
 
     vocabulary = encoding_vocabulary
     tools = [{"name": "f", "strict": True, "parameters": {"type": "object", "required": ["a"], "properties": {
@@ -386,6 +389,8 @@ def test_a_triggered_constraint_rolls_back_and_copies_like_a_replay(encoding_voc
             continue
         assert result is False
         if rng.random() < 0.25:
+            if rng.random() < 0.5:  # a copy undoes what the original would
+                constraint = constraint.copy()
             constraint.rollback()
         else:
             kept.append(token)
@@ -408,7 +413,6 @@ def test_strict_tools_under_auto_need_a_trigger_token(encoding_vocabulary) -> No
     """The json parser has no opening token: strict under auto is refused with what to do instead; a trigger that is
     not one token, or that the grammar does not begin with, is refused when compiled."""
     from gemmaserve.structured import StructuredOutputs
-    from gemmaserve.tools import strict_calls_constraint
 
     tools = [{"name": "f", "strict": True, "parameters": {"type": "object"}}]
     with pytest.raises(InvalidRequestError, match="tool_choice \"required\""):
@@ -421,3 +425,64 @@ def test_strict_tools_under_auto_need_a_trigger_token(encoding_vocabulary) -> No
         compiler.compile(StructuredOutputs(regex="ab+", trigger="<|tool_call>"))
     with pytest.raises(InvalidRequestError, match="trigger must be"):
         StructuredOutputs(regex="ab+", trigger="")
+
+
+def _walk_accepts(compiler, spec, text: str, vocabulary) -> bool:
+    """Whether ``text`` can be written token by token through ``spec``'s masks."""
+    constraint = compiler.compile(spec)
+    for token in vocabulary.encode(text, add_special_tokens=False):
+        mask = constraint.allowed()
+        if not mask[token >> 3] >> (token & 7) & 1:
+            return False
+        constraint.accept(token)
+    return True
+
+
+def test_json_forced_calls_keep_the_parameters_references(encoding_vocabulary) -> None:
+    """Parameters with ``$defs`` / ``definitions`` and ``$ref`` s (pydantic writes them; ``#`` recurses) keep
+    their meaning inside the call's schema: the call of one, of several tools, and the parallel list."""
+    vocabulary = encoding_vocabulary
+    compiler = GrammarCompiler(vocabulary, 512, [1])
+    tree = {"type": "object", "$defs": {"Unit": {"enum": ["c", "f"]}}, "required": ["u"], "properties": {
+        "u": {"$ref": "#/$defs/Unit"}, "kids": {"type": "array", "items": {"$ref": "#"}}}}
+    other = {"type": "object", "definitions": {"a/b": {"type": "integer"}}, "required": ["x"],
+             "properties": {"x": {"$ref": "#/definitions/a~1b"}}}
+    tools = [{"name": "tree", "parameters": tree}, {"name": "other", "parameters": other}]
+    good = '{"name":"tree","arguments":{"u":"c","kids":[{"u":"f","kids":[]}]}}'
+    bad = '{"name":"tree","arguments":{"u":"c","kids":[{"name":"tree"}]}}'  # the wrapper's shape, not the tree's
+    for name, parallel in ((None, True), (None, False), ("tree", False)):
+        spec = tool_call_constraint(tools, name, "json", parallel)
+        wrap = (lambda text: f"[{text}]") if parallel and name is None else (lambda text: text)
+        assert _walk_accepts(compiler, spec, wrap(good), vocabulary), (name, parallel)
+        assert not _walk_accepts(compiler, spec, wrap(bad), vocabulary), (name, parallel)
+        if name is None:
+            assert _walk_accepts(compiler, spec, wrap('{"name":"other","arguments":{"x":3}}'), vocabulary)
+            assert not _walk_accepts(compiler, spec, wrap('{"name":"other","arguments":{"x":"3"}}'), vocabulary)
+
+
+def test_gemma4_calls_hold_required_names_and_closed_empty_objects(encoding_vocabulary) -> None:
+    """A required property without a schema of its own must still be written (any value); no properties and
+    ``additionalProperties: false`` (OpenAI's strict function without parameters) is ``{}`` only; forced and
+    under strict auto alike."""
+    vocabulary = encoding_vocabulary
+    compiler = GrammarCompiler(vocabulary, 512, [1])
+    call = "<|tool_call>call:f{{{}}}<tool_call|>"
+    cases = [({"type": "object", "properties": {}, "additionalProperties": False}, ["", ], ["x:1"]),
+             ({"type": "object", "required": ["city"]}, ["city:1", 'city:<|"|>a<|"|>'], ["", "x:1"]),
+             ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"]}, ["a:1,b:2", "b:2"],
+              ["", "a:1"])]
+    for parameters, accepted, refused in cases:
+        tools = [{"name": "f", "parameters": parameters, "strict": True}]
+        for spec in (tool_call_constraint(tools, "f", "gemma4", False), strict_calls_constraint(tools, "gemma4")):
+            for body in accepted:
+                assert _walk_accepts(compiler, spec, call.format(body), vocabulary), (parameters, body)
+            for body in refused:
+                assert not _walk_accepts(compiler, spec, call.format(body), vocabulary), (parameters, body)
+
+
+def test_a_key_ending_in_a_separator_control_character_is_read_as_written() -> None:
+    """The grammar's bare keys end at Rust's ``\\s`` (which has no U+001C..U+001F); the parser strips only the blanks
+    it skips, so such a key reaches the arguments as the model wrote it."""
+    parser = Gemma4ToolParser()
+    calls = parser.feed("<|tool_call>call:f{o:{a\x1c:1}}<tool_call|>").calls + parser.finish().calls
+    assert json.loads(calls[0].arguments) == {"o": {"a\x1c": 1}}

@@ -4,6 +4,7 @@ looks like the start of a marker, bodies that do not parse, replies that end ins
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -106,7 +107,9 @@ def test_json_calls_in_any_chunking(calls, shape, cuts) -> None:
 
 
 @pytest.mark.parametrize("text", ["plain words", "{not json", '{"x": 1}', '[{"name": 3}]', "```\nhello\n```",
-                                  '{"name": "f", "arguments": "not json"}', '{"name": "f", "arguments": [1]}', ""])
+                                  '{"name": "f", "arguments": "not json"}', '{"name": "f", "arguments": [1]}', "",
+                                  '{"name": "Alice Smith", "email": "a@b.c", "age": 30}',  # an answer with a name
+                                  '[{"name": "Paris"}, {"name": "Lyon"}]', '```json\n{"name": "Ann"}\n```'])
 def test_json_text_that_is_not_a_call_is_content(text) -> None:
     for cuts in ([], list(range(len(text)))):
         content, calls = _feed_in_pieces(JsonToolParser(), text, cuts)
@@ -223,3 +226,23 @@ def test_a_json_reply_starting_with_a_backtick_streams_once_it_is_no_fence() -> 
     assert out.content == "" and [(c.name, c.arguments) for c in out.calls] == [("f", '{"a": 1}')]
     short = JsonToolParser()
     assert short.feed("``").content == "" and short.finish().content == "``"
+
+
+_OLD_FENCE = re.compile(r"^\s*```[a-zA-Z_]*\s*\n?(.*?)\n?\s*```\s*$", re.DOTALL)
+"""The fence pattern the JSON parser used (backtracking: a minute on a fence holding 2,000 blank lines)."""
+
+
+@settings(max_examples=400, deadline=None)
+@given(text=st.lists(st.sampled_from(["```", "`", "json", "py_", " ", "\n", "\t", "{", "}", '"a"', "[1]", "x"]),
+                     max_size=10).map("".join))
+def test_the_linear_fence_reader_reads_what_the_old_pattern_read(text) -> None:
+    """The JSON parser's fence reader takes the body a backtracking regex took (as JSON: the same value), in
+    linear time; a fence holding thousands of blank lines is read at once."""
+    from gemmaserve.tools.parsers import _unfenced
+
+    old = _OLD_FENCE.match(text)
+    expected = old.group(1) if old is not None else text
+    assert _unfenced(text).strip() == expected.strip()
+    parser = JsonToolParser()
+    parser.feed("```" + "\n " * 20_000)
+    assert parser.finish().content.startswith("```")  # no call, the text kept

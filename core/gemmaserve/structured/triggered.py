@@ -99,8 +99,10 @@ class TriggeredConstraint(TokenConstraint):
             self._inside = grammar
 
     def copy(self) -> TriggeredConstraint:
+        """An independent constraint at the same position, its advances undoable as this one's are."""
         twin = TriggeredConstraint(self._template, self._trigger_id, self._what, self.mask_bytes, self._vocab_size)
         twin._inside = self._inside.copy() if self._inside is not None else None
+        twin._undo.extend((kind, grammar.copy() if grammar is not None else None) for kind, grammar in self._undo)
         return twin
 
     @property

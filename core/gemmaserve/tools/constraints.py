@@ -60,11 +60,19 @@ def tool_call_constraint(tools: Sequence[Mapping[str, Any]], name: str | None, p
     offered = [tool for tool in tools if name is None or tool["name"] == name]
     many = parallel and name is None
     if parser == "json":
-        one = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"], "properties": {
-            "name": {"const": tool["name"]}, "arguments": {**(tool.get("parameters") or {}), "type": "object"}}}
-            for tool in offered]  # the parsers take only an object as a call's arguments
+        root = "#/items" if many else "#"
+        definitions: dict[str, Any] = {}
+        one = []
+        for index, tool in enumerate(offered):
+            where = f"{root}/anyOf/{index}" if len(offered) > 1 else root
+            arguments = _rebased(tool.get("parameters") or {}, f"{where}/properties/arguments", f"t{index}_",
+                                 definitions)
+            one.append({"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                        "properties": {"name": {"const": tool["name"]}, "arguments": {**arguments, "type": "object"}}})
+        # the parsers take only an object as a call's arguments
         call: dict[str, Any] = one[0] if len(one) == 1 else {"anyOf": one}
-        return StructuredOutputs(json={"type": "array", "minItems": 1, "items": call} if many else call)
+        schema = {"type": "array", "minItems": 1, "items": call} if many else call
+        return StructuredOutputs(json={**schema, "$defs": definitions} if definitions else schema)
     return StructuredOutputs(grammar=_gemma4_calls(offered, "call+" if many else "call", strict_only=False))
 
 
@@ -103,18 +111,78 @@ def _gemma4_calls(offered: Sequence[Mapping[str, Any]], start: str, strict_only:
                       f"{GEMMA4_CALL_CLOSE}", *rules, _GENERIC])
 
 
+def _rebased(parameters: Mapping[str, Any], where: str, prefix: str, definitions: dict[str, Any]) -> dict[str, Any]:
+    """``parameters`` to be placed at JSON pointer ``where`` of a larger schema: its ``$defs`` / ``definitions``
+    move into ``definitions`` (the root's ``$defs``) under names starting with ``prefix``, and its local references
+    (``#``, ``#/$defs/X``, ``#/definitions/X``, ``#/properties/...``) are rewritten to point where those now are.
+    Iterative (a schema may nest deeper than Python's recursion limit)."""
+    def pointer(name: str) -> str:  # a JSON pointer token (RFC 6901)
+        return str(name).replace("~", "~0").replace("/", "~1")
+
+    def renamed(key: str, name: str) -> str:  # the definition's name in the root's $defs
+        return f"{prefix}{key.lstrip('$')}_{name}"
+
+    moved = {}
+    for key in ("$defs", "definitions"):
+        table = parameters.get(key)
+        if isinstance(table, Mapping):
+            for name in table:
+                moved[f"#/{key}/{pointer(name)}"] = f"#/$defs/{pointer(renamed(key, name))}"
+
+    def ref(target: str) -> str:
+        for old, new in moved.items():
+            if target == old or target.startswith(old + "/"):
+                return new + target[len(old):]
+        return where + target[1:] if target == "#" or target.startswith("#/") else target
+
+    def copy(value: Any) -> Any:  # a deep copy with references rewritten
+        top: list[Any] = [None]
+        pending: list[tuple[Any, Any, Any]] = [(value, top, 0)]
+        while pending:
+            item, parent, slot = pending.pop()
+            if isinstance(item, Mapping):
+                out: dict[str, Any] = {}
+                for key, sub in item.items():
+                    if key == "$ref" and isinstance(sub, str):
+                        out[key] = ref(sub)
+                    else:
+                        out[key] = None
+                        pending.append((sub, out, key))
+                parent[slot] = out
+            elif isinstance(item, list):
+                items: list[Any] = [None] * len(item)
+                pending.extend((sub, items, i) for i, sub in enumerate(item))
+                parent[slot] = items
+            else:
+                parent[slot] = item
+        return top[0]
+
+    body = copy({key: sub for key, sub in parameters.items() if key not in ("$defs", "definitions")})
+    for key in ("$defs", "definitions"):
+        table = parameters.get(key)
+        if isinstance(table, Mapping):
+            for name, sub in table.items():
+                definitions[renamed(key, name)] = copy(sub)
+    return body
+
+
 def _object_rule(schema: Mapping[str, Any], prefix: str, rules: list[str]) -> str:
     """A rule for a parameters object (no properties declared: any object): its properties in the order Gemma 4's
     chat template writes a call's keys (Jinja's ``dictsort``: sorted ignoring case), the ``required`` ones always
     and the others optional (OpenAI and vLLM never force an optional argument). Linear in the properties: ``rest_i`` is what may
     follow once property ``i - 1`` was written (``"," pair`` for each later property, optional ones optional) and
     the object's body starts at any property that no required one precedes."""
-    properties = schema.get("properties") if isinstance(schema, Mapping) else None
-    if not isinstance(properties, Mapping) or not properties:
+    if not isinstance(schema, Mapping):
         return "gobject"
-    name = f"{prefix}obj"
+    properties = schema.get("properties")
+    properties = dict(properties) if isinstance(properties, Mapping) else {}
     required = schema.get("required")
     needed = {str(key) for key in required} if isinstance(required, list) else set()
+    for key in needed - {str(key) for key in properties}:
+        properties[key] = {}  # required without a schema of its own: any value, but there
+    if not properties:
+        return '"{" "}"' if schema.get("additionalProperties") is False else "gobject"
+    name = f"{prefix}obj"
     ordered = sorted(((str(key), sub) for key, sub in properties.items()), key=lambda item: item[0].lower())
     pairs = [f"{_key(key)} \":\" {_value_rule(sub, f'{prefix}p{index}', rules)}"
              for index, (key, sub) in enumerate(ordered)]

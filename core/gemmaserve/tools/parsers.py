@@ -229,7 +229,7 @@ class _GemmaValues:
                 match = self._KEY.match(self.text, at)
                 if match is None:
                     raise ValueError(f"no key at {at}")
-                key, at = match.group(0).rstrip(), match.end()
+                key, at = match.group(0).rstrip(" \t\n\r"), match.end()  # skip()'s blanks, as the grammar's
             at = self.skip(at)
             if not self.text.startswith(":", at):
                 raise ValueError(f"':' expected at {at}")
@@ -284,7 +284,19 @@ def format_gemma_key(key: str) -> str:
     return key if GEMMA4_BARE_KEY.fullmatch(key) else GEMMA4_STRING + key + GEMMA4_STRING
 
 
-_FENCE = re.compile(r"^\s*```[a-zA-Z_]*\s*\n?(.*?)\n?\s*```\s*$", re.DOTALL)
+_FENCE_LANGUAGE = re.compile(r"[a-zA-Z_]*")
+
+
+def _unfenced(text: str) -> str:
+    """The body of a reply that is one Markdown code fence (```` ```json ... ``` ````: the language tag and the
+    whitespace around the body dropped), else ``text``. Linear in the text (a backtracking pattern took a minute
+    on a fence followed by 2,000 blank lines)."""
+    stripped = text.strip()
+    if len(stripped) < 6 or not stripped.startswith("```") or not stripped.endswith("```"):
+        return text
+    inner = stripped[3:-3]
+    language = _FENCE_LANGUAGE.match(inner)
+    return inner[language.end() if language is not None else 0:].strip()
 
 
 class JsonToolParser(ToolParser):
@@ -317,18 +329,15 @@ class JsonToolParser(ToolParser):
         text, self._buffer = self._buffer, ""
         if not self._decided:
             return ParsedText(text)
-        body = text
-        fenced = _FENCE.match(text)
-        if fenced is not None:
-            body = fenced.group(1)
         try:
-            value = _json_loads(body)
+            value = _json_loads(_unfenced(text))
         except (ValueError, RecursionError):
             return ParsedText(text)
         items = value if isinstance(value, list) else [value]
         calls = []
         for item in items:
-            if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
+            if not (isinstance(item, dict) and isinstance(item.get("name"), str)
+                    and ("arguments" in item or "parameters" in item)):  # {"name": "Ann", ...} is an answer
                 return ParsedText(text)
             arguments = item.get("arguments", item.get("parameters", {}))
             if isinstance(arguments, str):  # already JSON text
