@@ -245,3 +245,15 @@ def test_llama4_temperature_tuning_bounds_the_context() -> None:
                               floor_scale=64, max_position_embeddings=1024)
     assert loader._batch_invariant_length(config)[0] == 63
     assert loader._batch_invariant_length(Llama4TextConfig(attn_temperature_tuning=False)) is None
+
+
+@pytest.mark.parametrize("family, value", [("gemma4", "all"), ("gemma3", True)])
+def test_an_embedding_style_gemma_is_refused(tmp_path: Path, family: str, value: object) -> None:
+    """Gemma 4 with use_bidirectional_attention "all" (Gemma 3: true) attends over the whole sequence both ways:
+    served causally its tokens would not be the model's, so it is refused by name ("vision" is served)."""
+    from tiny_checkpoints import build_tiny_gemma3, build_tiny_gemma4
+
+    build = build_tiny_gemma4 if family == "gemma4" else build_tiny_gemma3
+    path = build(tmp_path / "ckpt", use_bidirectional_attention=value)
+    with pytest.raises(ModelLoadError, match="embedding model"):
+        create_backend(str(path), "cpu", cpu_settings())

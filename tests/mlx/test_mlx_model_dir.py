@@ -123,3 +123,38 @@ def test_gemma3_rope_parameters_and_layer_pattern(checkpoint: Callable[[str], Pa
 def test_llama_rope_parameters() -> None:
     config = {"model_type": "llama", "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}
     assert config_overrides(config) == {"rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+
+
+@pytest.mark.parametrize("config, refused", [
+    ({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 5}, True),
+    ({"model_type": "qwen3", "use_sliding_window": False, "sliding_window": 5}, False),  # off, as transformers reads it
+    ({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 5,
+      "layer_types": ["full_attention"] * 4}, False),  # no layer is windowed
+    ({"model_type": "mixtral", "sliding_window": 5}, True), ({"model_type": "phi3", "sliding_window": 4}, True),
+    ({"model_type": "mixtral", "sliding_window": None}, False),
+    ({"model_type": "gemma3_text", "sliding_window": 4}, False),  # mlx_lm's gemma3 windows its sliding layers
+])
+def test_a_window_the_mlx_lm_module_does_not_apply_is_refused(tmp_path: Path, config: dict, refused: bool) -> None:
+    """mlx_lm's qwen2/qwen3/mixtral/phi3/starcoder2 modules apply no sliding window: such a checkpoint would give
+    transformers' tokens without the window, so it is refused by name (BACKEND=hf serves it)."""
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096, **config}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    if refused:
+        with pytest.raises(ModelLoadError, match=r"applies no sliding window.*use BACKEND=hf"):
+            read_model_dir(tmp_path)
+    else:
+        assert read_model_dir(tmp_path).architecture
+
+
+@pytest.mark.parametrize("config, words", [
+    ({"model_type": "llama", "rope_parameters": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0],
+                                                 "original_max_position_embeddings": 16}}, "longrope RoPE"),
+    ({"model_type": "phi3", "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [3.0]}},
+     "longrope RoPE"),
+    ({"model_type": "gemma4_text", "use_bidirectional_attention": "all"}, "embedding model"),
+])
+def test_checkpoints_mlx_lm_would_answer_differently_are_refused(tmp_path: Path, config: dict, words: str) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match=words):
+        read_model_dir(tmp_path)

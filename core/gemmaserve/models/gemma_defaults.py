@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["GEMMA3_TEXT_DEFAULTS", "GEMMA4_DEFAULT_ROPE", "GEMMA4_TEXT_DEFAULTS", "gemma_layer_types"]
+__all__ = ["GEMMA3_TEXT_DEFAULTS", "GEMMA4_DEFAULT_ROPE", "GEMMA4_TEXT_DEFAULTS", "bidirectional_problem",
+           "gemma_layer_types"]
 
 _SHARED: dict[str, Any] = {  # the two classes' common defaults
     "hidden_size": 2304,
@@ -63,6 +64,19 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "sliding_window_pattern": 6,
     "use_bidirectional_attention": False,
 }
+
+
+def bidirectional_problem(config: dict[str, Any]) -> str | None:
+    """Why a checkpoint cannot be served for generation because its text model attends bidirectionally over the
+    whole sequence (Gemma 4's ``use_bidirectional_attention: "all"``, Gemma 3's ``true``: embedding-style models),
+    or None (``"vision"``, which is bidirectional over image tokens only, is fine for text)."""
+    inner = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    value = inner.get("use_bidirectional_attention")
+    if value == "all" or value is True:
+        return (f"{config.get('model_type')} checkpoint with use_bidirectional_attention={value!r} attends "
+                "bidirectionally over the whole sequence (an embedding model); gemmaserve generates causally, so its "
+                "tokens would not be the model's: it cannot serve it")
+    return None
 
 
 def gemma_layer_types(family: str, num_layers: int, layer_types: Sequence[str] | None,

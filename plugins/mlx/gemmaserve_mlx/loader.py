@@ -72,6 +72,11 @@ def load_model(model_path: str | Path, device: str, settings: CoreSettings) -> L
             _materialize(model)
     except (ValueError, FileNotFoundError, KeyError, OSError) as exc:
         raise ModelLoadError(f"mlx_lm cannot load {str(model_dir.path)!r}: {exc}") from exc
+    except TypeError as exc:  # mlx_lm's ModelArgs missing fields a transformers-5 config.json names otherwise
+        raise ModelLoadError(
+            f"mlx_lm's {model_dir.architecture!r} module cannot read {str(model_dir.path)!r}'s config.json ({exc}): "
+            "transformers 5 saves some fields under names this mlx_lm does not read; use BACKEND=hf for this "
+            "checkpoint, or upgrade mlx-lm") from exc
     tokenizer = MlxTokenizer(wrapper, model_dir.name)
     info = _model_info(model_dir, tokenizer, settings, dtype, "mps" if target == mx.gpu else "cpu")
     return LoadedModel(model, tokenizer, model_dir, target, dtype, info)

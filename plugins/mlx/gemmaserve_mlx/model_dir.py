@@ -12,7 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from gemmaserve.errors import WINDOW_OF_ONE, ModelLoadError
-from gemmaserve.models.gemma_defaults import GEMMA3_TEXT_DEFAULTS, GEMMA4_TEXT_DEFAULTS, gemma_layer_types
+from gemmaserve.models.gemma_defaults import (
+    GEMMA3_TEXT_DEFAULTS,
+    GEMMA4_TEXT_DEFAULTS,
+    bidirectional_problem,
+    gemma_layer_types,
+)
 
 __all__ = [
     "BATCHED_ARCHITECTURES",
@@ -68,13 +73,40 @@ def read_model_dir(model_path: str | Path) -> ModelDir:
         )
     architecture = mlx_architecture(config)
     _check_sliding_window(config, architecture)
+    _check_rope(config)
+    _check_causal(config)
     return ModelDir(path, config, architecture)
 
 
+def _check_rope(config: dict[str, Any]) -> None:
+    """ModelLoadError for longrope (Phi-3 style) RoPE whose short and long factors differ: mlx_lm applies the long
+    factors at every position, where transformers uses the short ones within ``original_max_position_embeddings``,
+    so even a short prompt gets other tokens than transformers'."""
+    inner = text_config(config)
+    for entry in (inner.get("rope_parameters"), inner.get("rope_scaling")):
+        if not isinstance(entry, dict):
+            continue
+        kind = entry.get("rope_type", entry.get("type"))
+        if kind in ("longrope", "su") and entry.get("short_factor") != entry.get("long_factor"):
+            raise ModelLoadError(
+                f"{config['model_type']} checkpoint with {kind} RoPE: mlx_lm applies its long_factor at every "
+                "position, where transformers uses short_factor up to original_max_position_embeddings, so the "
+                "tokens would differ from transformers'; use BACKEND=hf")
+
+
+def _check_causal(config: dict[str, Any]) -> None:
+    """ModelLoadError for an embedding-style Gemma (:func:`~gemmaserve.models.gemma_defaults.bidirectional_problem`)."""
+    problem = bidirectional_problem(config)
+    if problem is not None:
+        raise ModelLoadError(problem)
+
+
 def _check_sliding_window(config: dict[str, Any], architecture: str) -> None:
-    """ModelLoadError for a window of 1 (as every backend: see docs/architecture.md) and for a Llama-family
-    checkpoint (Mistral) whose ``sliding_window`` mlx_lm's ``llama`` module would not apply: it windows only the layers ``layer_types`` names, so without them every layer would attend
-    to the whole context and the tokens part from transformers' once a prompt outgrows the window."""
+    """ModelLoadError for a window of 1 (as every backend: see docs/architecture.md), for a Llama-family
+    checkpoint (Mistral) whose ``sliding_window`` mlx_lm's ``llama`` module would not apply (it windows only the
+    layers ``layer_types`` names), and for any other architecture whose mlx_lm module applies no window (Qwen2 /
+    Qwen3 with ``use_sliding_window``, Mixtral, Phi-3, Starcoder2): every layer would attend to the whole context
+    and the tokens part from transformers' once a prompt outgrows the window."""
     inner = text_config(config)
     window = inner.get("sliding_window")
     types = inner.get("layer_types")
@@ -82,13 +114,36 @@ def _check_sliding_window(config: dict[str, Any], architecture: str) -> None:
     if window == 1 and sliding:
         raise ModelLoadError(
             f"{config['model_type']} checkpoint with sliding_window=1: {WINDOW_OF_ONE}")
-    if architecture != "llama" or not isinstance(window, int) or isinstance(window, bool) or "layer_types" in inner:
+    if (not isinstance(window, int) or isinstance(window, bool) or inner.get("use_sliding_window") is False
+            or not sliding):
+        return
+    if architecture != "llama" and window < int(inner.get("max_position_embeddings") or window + 1) and not any(
+            _module_windows(str(name)) for name in (architecture, inner.get("model_type")) if name):  # a wrapper's
+        # text model (gemma4 -> gemma4_text) is where the window lives
+        raise ModelLoadError(
+            f"{config['model_type']} checkpoint with sliding_window={window}: mlx_lm's {architecture!r} module "
+            "applies no sliding window, so every layer would attend to the whole context (other tokens than "
+            "transformers' past the window); use BACKEND=hf")
+    if architecture != "llama" or "layer_types" in inner:
         return
     if window < int(inner.get("max_position_embeddings") or window + 1):
         raise ModelLoadError(
             f"{config['model_type']} checkpoint with sliding_window={window}: mlx_lm's llama module applies a "
             "window only to the layers config.json's layer_types names, and this config has none, so every layer "
             "would attend to the whole context (other tokens than transformers' past the window); use BACKEND=hf")
+
+
+def _module_windows(name: str) -> bool:
+    """Whether mlx_lm's ``models/<name>.py`` implements a sliding window (it names one: ``sliding_window`` or the
+    rotating cache), read without importing it."""
+    spec = importlib.util.find_spec("mlx_lm")
+    roots = spec.submodule_search_locations if spec is not None and spec.submodule_search_locations else []
+    for root in roots:
+        module = Path(root) / "models" / f"{name}.py"
+        if module.is_file():
+            text = module.read_text(errors="replace")
+            return "sliding_window" in text or "RotatingKVCache" in text
+    return False
 
 
 def mlx_architecture(config: dict[str, Any]) -> str:
