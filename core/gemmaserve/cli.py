@@ -121,7 +121,8 @@ def _add_sampling_flags(parser: argparse.ArgumentParser, default_max_tokens: int
     group = parser.add_argument_group("sampling")
     group.add_argument("--max-tokens", type=int, default=default_max_tokens, help="tokens to generate "
                        "(default: %(default)s)")
-    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, up to 100 (default: %(default)s)")
+    group.add_argument("--temperature", type=float, default=None, help="0 = greedy, up to 100 (default: 0; "
+                       "--top-p, --top-k and --seed need it given)")
     group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, in (0, 1] (default: %(default)s)")
     group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off "
                        "(default: %(default)s)")
@@ -148,14 +149,9 @@ def settings_from_args(args: argparse.Namespace) -> CoreSettings:
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-    )
+    given = {} if args.temperature is None else {"temperature": args.temperature}  # unset: SamplingParams' greedy
+    return SamplingParams(max_tokens=args.max_tokens, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                          ignore_eos=args.ignore_eos, **given)
 
 
 def _setup_logging(settings: CoreSettings) -> None:

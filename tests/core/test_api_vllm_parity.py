@@ -379,3 +379,22 @@ def test_allowed_token_ids_restrict_the_output(llm) -> None:
         SamplingParams(allowed_token_ids=[])
     with pytest.raises(InvalidRequestError, match="cannot be combined"):
         SamplingParams(allowed_token_ids=[5], structured_outputs={"regex": "a"})
+
+
+def test_allowed_token_ids_that_bans_cover_are_refused_or_end_the_request(llm) -> None:
+    """No token outside allowed_token_ids is ever generated: allowed ids that one-token bad_words (or, before
+    min_tokens, EOS and stop ids) all ban are refused; a step where multi-token bad_words ban every allowed id ends
+    the request with an error instead of picking a token outside the list."""
+    e = llm.tokenizer.encode("e", add_special_tokens=False)
+    assert len(e) == 1
+    with pytest.raises(InvalidRequestError, match="one of the bad_words"):
+        llm.generate([5, 6], SamplingParams(max_tokens=4, allowed_token_ids=e, bad_words=["e"]))
+    with pytest.raises(InvalidRequestError, match="min_tokens=3 bans"):
+        llm.generate([5, 6], SamplingParams(max_tokens=4, allowed_token_ids=[EOS_ID], min_tokens=3))
+    with pytest.raises(InvalidRequestError, match="min_tokens=2 bans"):
+        llm.generate([5, 6], SamplingParams(max_tokens=4, allowed_token_ids=[9], stop_token_ids=[9], min_tokens=2))
+    ee = llm.tokenizer.encode("ee", add_special_tokens=False)
+    assert ee == e * 2
+    out = llm.generate([5, 6], SamplingParams(max_tokens=4, allowed_token_ids=e, bad_words=["ee"],
+                                              ignore_eos=True))[0]
+    assert out.token_ids == e and out.finish_reason == "error" and "ban every token" in out.error

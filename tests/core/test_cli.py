@@ -61,6 +61,24 @@ def test_generate_rejects_an_empty_prompt_before_loading_the_model(monkeypatch: 
     assert "the prompt is empty" in capsys.readouterr().err
 
 
+def test_generate_refuses_sampling_flags_without_a_temperature(monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """--top-k / --top-p / --seed without --temperature would decode greedily (the default) and change nothing: the
+    command says so before loading the model; with a temperature they sample."""
+    from gemmaserve.cli import sampling_from_args
+
+    def no_model(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("gemmaserve.api.LLM", no_model)
+    assert main(["generate", "hi", "--top-k", "5", "--seed", "3"]) == 2
+    assert "temperature" in capsys.readouterr().err
+    parser = _subcommands()["generate"]
+    params = sampling_from_args(parser.parse_args(["hi", "--top-k", "5", "--temperature", "0.7"]))
+    assert (params.top_k, params.temperature) == (5, 0.7)
+    assert sampling_from_args(parser.parse_args(["hi"])).temperature == 0.0
+
+
 def _subcommands() -> dict[str, argparse.ArgumentParser]:
     parser = build_parser()
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]

@@ -198,12 +198,13 @@ class Request:
     constraint: TokenConstraint | None = None
     """Structured output: the request's position in its grammar (compiled by the scheduler's validation)."""
     bad_word_ids: tuple[tuple[int, ...], ...] = ()
+    """``bad_words`` as token sequences (set by the scheduler's validation, with the backend's tokenizer)."""
     allowed_mask: bytes | None = None
     """``allowed_token_ids`` as a ``RowSampling.allowed`` mask (set by the scheduler's validation); the same every
     step."""
-    """``bad_words`` as token sequences (set by the scheduler's validation, with the backend's tokenizer)."""
     constraint_error: ConstraintError | None = None
-    """Why the constraint cannot continue; the next appended token ends the request with it."""
+    """Why the constraint (or ``allowed_token_ids`` under bans) cannot continue; the next appended token ends the
+    request with it."""
     _next_mask: tuple[int, bytes | memoryview] | None = field(default=None, repr=False)
     """(step it is for, mask): computed by :func:`prepare_masks` for the next row_sampling()."""
     _ahead: _Ahead | None = field(default=None, repr=False)
@@ -272,6 +273,10 @@ class Request:
                 output[ready.token] += 1
             counts = tuple(output.items())
         banned = self._bad_word_bans(ready.token if ready is not None else None) if self.bad_word_ids else ()
+        allowed_ids = params.allowed_token_ids
+        if allowed_ids is not None and len(allowed_ids) <= len(banned) and set(allowed_ids) <= set(banned):
+            self._record_mask_error(ConstraintError(  # multi-token bad_words ban every allowed token here
+                "bad_words ban every token allowed_token_ids allows at this step: no token can be generated"), ahead)
         return RowSampling.for_params(params, self.seed, step, self.eos_token_ids, top_k=top_k,
                                       allowed=self._allowed(ahead), prompt_tokens=prompt_tokens,
                                       output_counts=counts, banned=banned)
@@ -382,6 +387,9 @@ class Request:
             if self.constraint_error is not None:  # the token is not kept: nothing valid could be sampled
                 self.finish(FinishReason.ERROR, self.constraint_error)
                 return True
+        elif self.constraint_error is not None:  # allowed_token_ids all banned (row_sampling): not kept either
+            self.finish(FinishReason.ERROR, self.constraint_error)
+            return True
         self.output_token_ids.append(token_id)
         if self.params.has_penalties:
             self._output_counts[token_id] += 1

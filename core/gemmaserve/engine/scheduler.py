@@ -204,11 +204,10 @@ class ContinuousBatchScheduler:
         spec = request.params.structured_outputs
         if spec is not None and request.constraint is None:
             request.constraint = self.compile_constraint(spec)
-        allowed = request.params.allowed_token_ids
-        if allowed is not None and request.allowed_mask is None:
-            request.allowed_mask = self._allowed_mask(allowed)
         if request.params.bad_words and not request.bad_word_ids:
             request.bad_word_ids = self._bad_word_ids(request.params.bad_words)
+        if request.params.allowed_token_ids is not None and request.allowed_mask is None:
+            request.allowed_mask = self._allowed_mask(request)
         if self._streaming and request.params.has_penalties:
             params = request.params
             given = [name for name, value, neutral in (("repetition_penalty", params.repetition_penalty, 1.0),
@@ -236,9 +235,22 @@ class ContinuousBatchScheduler:
                 "without structured_outputs / response_format")
         return self._grammar_compiler()
 
-    def _allowed_mask(self, token_ids: tuple[int, ...]) -> bytes:
-        """``allowed_token_ids`` as a mask. Raises InvalidRequestError for an id outside the vocabulary or a backend
-        that applies no masks."""
+    def _allowed_mask(self, request: Request) -> bytes:
+        """``request``'s ``allowed_token_ids`` as a mask. Raises InvalidRequestError for an id outside the vocabulary,
+        a backend that applies no masks, or allowed ids that its one-token ``bad_words`` (or, before
+        ``min_tokens``, its EOS and stop ids) ban all of: no token could be sampled."""
+        params = request.params
+        token_ids = params.allowed_token_ids or ()
+        allowed = set(token_ids)
+        bad = {sequence[0] for sequence in request.bad_word_ids if len(sequence) == 1}
+        if allowed <= bad:
+            raise InvalidRequestError("every token allowed_token_ids allows is one of the bad_words: no token could be "
+                                      "generated; drop those bad_words or allow more tokens")
+        ends = {*params.stop_token_ids, *(() if params.ignore_eos else self._eos)}
+        if params.min_tokens and allowed <= ends | bad:
+            raise InvalidRequestError(f"every token allowed_token_ids allows ends the request (EOS or stop_token_ids), "
+                                      f"which min_tokens={params.min_tokens} bans before then: no token could be "
+                                      "generated; allow more tokens or drop min_tokens")
         vocab_size = self.backend.model_info.vocab_size
         outside = [token for token in token_ids if token >= vocab_size]
         if outside:
