@@ -345,7 +345,7 @@ def test_strict_tools_under_auto_hold_every_call_and_leave_text_free(encoding_vo
         assert constraint.accept(token) is False
     if constraint.is_triggered:  # a call the walk did not finish is not checked
         tokens = tokens[:len(tokens) - tokens[::-1].index(opener) - 1]
-    assert tokens.count(opener) >= 2
+    assume(opener in tokens)  # a walk whose only call ran past its end checks nothing
     text = vocabulary.tokenizer.decode(tokens, skip_special_tokens=False)
     reader = Gemma4ToolParser()
     out = reader.feed(text)

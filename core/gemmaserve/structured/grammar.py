@@ -265,6 +265,16 @@ class MaskBatch:
         self._claim = threading.Lock()  # the mask thread starts the batch, or the submitter gives it up: not both
         self._abandoned = False
         self._error: BaseException | None = None
+        address = ctypes.addressof(block)
+        self._native: list[tuple[Any, int]] = []
+        """(matcher, row) of the rows llguidance computes; built here, on the submitter's thread, so the mask
+        thread runs no Python per row (it would wait for the GIL the engine thread holds)."""
+        for i, constraint in enumerate(self._constraints):
+            matcher = constraint._mask_matcher()
+            if matcher is None:  # every token allowed (a trigger not seen yet): written now, no native work
+                ctypes.memmove(address + i * width, constraint._unconstrained(), width)
+            else:
+                self._native.append((matcher, i))
 
     def _compute(self) -> None:
         """On the mask thread: the native call (no GIL held while llguidance's pool works), unless the submitter
@@ -274,16 +284,9 @@ class MaskBatch:
                 return
             self._started.set()
         try:
-            address = ctypes.addressof(self._block)
-            native = []
-            for i, constraint in enumerate(self._constraints):
-                matcher = constraint._mask_matcher()
-                if matcher is None:  # every token allowed (a trigger not seen yet): no native work
-                    ctypes.memmove(address + i * self._width, constraint._unconstrained(), self._width)
-                else:
-                    native.append((matcher, i))
-            if native:
-                _llguidance_executor().unsafe_compute_mask_ptr(native, address, self._width, len(self._constraints))
+            if self._native:
+                _llguidance_executor().unsafe_compute_mask_ptr(self._native, ctypes.addressof(self._block),
+                                                               self._width, len(self._constraints))
         except BaseException as exc:  # handed to result()
             self._error = exc
         finally:
