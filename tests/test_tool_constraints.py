@@ -256,13 +256,8 @@ def test_json_forced_arguments_are_an_object_without_type_object(vocabulary, par
 
 def _accepts(compiler, tools, text: str, vocabulary) -> bool:
     """Whether a forced call to ``tools[0]`` may be written as ``text`` (token by token through its mask)."""
-    constraint = compiler.compile(tool_call_constraint(tools, tools[0]["name"], "gemma4", False))
-    for token in vocabulary.tokenizer.encode(text, add_special_tokens=False).ids:
-        mask = constraint.allowed()
-        if not mask[token >> 3] >> (token & 7) & 1:
-            return False
-        constraint.accept(token)
-    return True
+    return _walk_accepts(compiler, tool_call_constraint(tools, tools[0]["name"], "gemma4", False), text,
+                         vocabulary.tokenizer.encode(text, add_special_tokens=False).ids)
 
 
 def test_forced_gemma4_calls_write_keys_as_the_template_does_and_leave_optional_ones_out(vocabulary) -> None:
@@ -428,9 +423,11 @@ def test_strict_tools_under_auto_need_a_trigger_token(encoding_vocabulary) -> No
 
 
 def _walk_accepts(compiler, spec, text: str, vocabulary) -> bool:
-    """Whether ``text`` can be written token by token through ``spec``'s masks."""
+    """Whether ``text`` can be written token by token through ``spec``'s masks (``vocabulary``: a tokenizer with
+    ``encode``, or the text's token ids)."""
     constraint = compiler.compile(spec)
-    for token in vocabulary.encode(text, add_special_tokens=False):
+    tokens = vocabulary if isinstance(vocabulary, list) else vocabulary.encode(text, add_special_tokens=False)
+    for token in tokens:
         mask = constraint.allowed()
         if not mask[token >> 3] >> (token & 7) & 1:
             return False
