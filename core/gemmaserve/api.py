@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypedDict, Union
 
 from gemmaserve.detokenize import IncrementalDetokenizer, detokenize, hides_stop_token
 from gemmaserve.engine.request import FinishReason
-from gemmaserve.engine.validation import check_text_can_fit
+from gemmaserve.engine.validation import check_text_can_fit, truncate_prompt
 from gemmaserve.errors import ConfigurationError, InvalidRequestError, LLMClosedError, PromptTooLongError
 from gemmaserve.sampling_params import SamplingParams, primary_eos_ids
 from gemmaserve.settings import CoreSettings, load_settings
@@ -221,20 +221,22 @@ class LLM:
         as_hf = getattr(self.tokenizer, "as_hf", None)
         return as_hf() if callable(as_hf) else self.tokenizer
 
-    def encode_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+    def encode_prompt(self, prompt: PromptInput, *, fit_check: bool = True) -> tuple[str | None, list[int]]:
         """Text is tokenized; a list of ints is taken as token IDs; vLLM's ``{"prompt": text}`` and
         ``{"prompt_token_ids": [...]}`` are read as those. Raises InvalidRequestError for
         empty text, text that is not valid Unicode (lone surrogates), a list holding a non-int or an id outside
         the vocabulary, a prompt dict with other keys (multimodal data: only text prompts are supported), and
-        PromptTooLongError, before tokenizing, for text that cannot fit the model's context."""
+        PromptTooLongError, before tokenizing, for text that cannot fit the model's context (unless not
+        ``fit_check``: a prompt to be truncated, ``truncate_prompt_tokens``)."""
         self._check_open()
         if isinstance(prompt, Mapping):
-            return self._encode_prompt_dict(prompt)
+            return self._encode_prompt_dict(prompt, fit_check)
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty")
             _check_unicode(prompt)
-            check_text_can_fit(len(prompt), self.tokenizer, self.engine.scheduler.max_model_len)
+            if fit_check:
+                check_text_can_fit(len(prompt), self.tokenizer, self.engine.scheduler.max_model_len)
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (bytes, bytearray, memoryview)):
             raise InvalidRequestError(f"a prompt must be a string or a list of token IDs (ints), got "
@@ -259,7 +261,7 @@ class LLM:
             f"a prompt must be a string or a list of token IDs (ints), got {type(prompt).__name__}"
         )
 
-    def _encode_prompt_dict(self, prompt: Mapping[str, Any]) -> tuple[str | None, list[int]]:
+    def _encode_prompt_dict(self, prompt: Mapping[str, Any], fit_check: bool) -> tuple[str | None, list[int]]:
         """vLLM's TextPrompt / TokensPrompt: ``prompt`` (text) or ``prompt_token_ids`` (when both are given, the
         ids are the prompt and the text names it, as vLLM); any other key is refused by name."""
         for key, value in prompt.items():
@@ -286,15 +288,16 @@ class LLM:
         if not isinstance(prompt["prompt"], str):
             raise InvalidRequestError(f"prompt dict: 'prompt' must be a string, got {type(prompt['prompt']).__name__}"
                                       "; use 'prompt_token_ids' for token IDs")
-        return self.encode_prompt(prompt["prompt"])
+        return self.encode_prompt(prompt["prompt"], fit_check=fit_check)
 
-    def _normalize(self, prompts: PromptInput | Sequence[PromptInput]) -> list[tuple[str | None, list[int]]]:
+    def _normalize(self, prompts: PromptInput | Sequence[PromptInput],
+                   fit_check: bool = True) -> list[tuple[str | None, list[int]]]:
         if _is_one_prompt(prompts):
-            return [self.encode_prompt(prompts)]  # type: ignore[arg-type]  # refused there if it is no prompt
+            return [self.encode_prompt(prompts, fit_check=fit_check)]  # type: ignore[arg-type]  # refused there
         if not isinstance(prompts, Sequence) or not prompts:
             raise InvalidRequestError("prompts must be a string, a token-ID list, a prompt dict, or a non-empty list "
                                       "of them")
-        return [self.encode_prompt(p) for p in prompts]  # type: ignore[arg-type]
+        return [self.encode_prompt(p, fit_check=fit_check) for p in prompts]  # type: ignore[arg-type]
 
     # -- generation ---------------------------------------------------------------------------
     def generate(
@@ -318,7 +321,9 @@ class LLM:
             _is_one_of(entry, (0,)) for entry in priority)  # vLLM's default priority, one per prompt
         _check_call_options("generate", lora_request=lora_request, priority=None if zeros else priority,
                             tokenization_kwargs=tokenization_kwargs)
-        encoded = self._normalize(prompts)
+        listed = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params]
+        truncating = any(p is not None and getattr(p, "truncate_prompt_tokens", None) is not None for p in listed)
+        encoded = self._normalize(prompts, fit_check=not truncating)  # a prompt to be truncated may be any length
         if priority is not None and len(priority) != len(encoded):
             raise InvalidRequestError(f"LLM.generate: priority has {len(priority)} entries for {len(encoded)} "
                                       "prompts; give one per prompt")
@@ -429,6 +434,9 @@ class LLM:
             raise InvalidRequestError(f"{len(params_list)} SamplingParams given for {len(encoded)} prompts")
         for item in params_list:
             _check_params(item)
+        limit = self.engine.scheduler.request_token_limit
+        encoded = [(text, truncate_prompt(ids, item.truncate_prompt_tokens, limit))
+                   for (text, ids), item in zip(encoded, params_list)]
         runs = [(text, ids, self._up_to_context(item.for_sample(i), ids)) for (text, ids), item
                 in zip(encoded, params_list) for i in range(item.n)]
         if not any(item.stop for item in params_list):  # decoded once at the end, on this thread
@@ -457,9 +465,11 @@ class LLM:
             raise InvalidRequestError(f"stream() takes one prompt (a string, a token-ID list or a prompt dict), got "
                                       f"a list of {len(prompt)} prompts: call stream() for each, or generate() for "
                                       "all of them")
-        text, prompt_ids = self.encode_prompt(prompt)
         params = SamplingParams() if sampling_params is None else sampling_params
         _check_params(params)
+        keep = params.truncate_prompt_tokens
+        text, prompt_ids = self.encode_prompt(prompt, fit_check=keep is None)
+        prompt_ids = truncate_prompt(prompt_ids, keep, self.engine.scheduler.request_token_limit)
         if params.n != 1:
             raise InvalidRequestError(f"stream() yields one sample; got n={params.n}: use generate() for n > 1, "
                                       "or stream each params.for_sample(i)")

@@ -120,6 +120,9 @@ class SamplingParams:
     n: int = 1
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    """vLLM's: keep only the prompt's last k tokens (-1: the last the model's context holds; None: all). Applied
+    where prompts are tokenized (:class:`gemmaserve.LLM`, the HTTP server); an engine request must already fit it."""
     allowed_token_ids: tuple[int, ...] | None = None
     """vLLM's: only these token ids may be generated (None: any). A backend applies it as the mask structured
     output uses (``capabilities.allowed_token_masks``); it cannot be combined with ``structured_outputs``."""
@@ -213,6 +216,10 @@ class SamplingParams:
                 0 <= self.min_tokens <= (math.inf if self.max_tokens is None else self.max_tokens)):
             raise InvalidRequestError(
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        keep = self.truncate_prompt_tokens
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or not (keep == -1 or keep >= 1)):
+            raise InvalidRequestError("truncate_prompt_tokens must be None, -1 (the model's context) or an integer "
+                                      f">= 1 (the prompt's last tokens to keep), got {keep!r}")
         allowed = self.allowed_token_ids
         if allowed is not None:
             if not 0 < len(allowed) <= MAX_ALLOWED_TOKEN_IDS or not all(
@@ -284,7 +291,7 @@ def primary_eos_ids(tokenizer: object, model_eos_token_ids: Collection[int]) -> 
 
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-_INT_FIELDS = ("max_tokens", "top_k", "seed", "min_tokens", "logprobs", "n")
+_INT_FIELDS = ("max_tokens", "top_k", "seed", "min_tokens", "logprobs", "n", "truncate_prompt_tokens")
 
 
 def _plain_numbers(params: SamplingParams) -> None:
@@ -379,7 +386,6 @@ VLLM_SAMPLING_OPTIONS_NOT_IMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = 
     "spaces_between_special_tokens": ((True,), "special tokens are decoded the tokenizer's way"),
     "detokenize": ((True,), "the text is always decoded, next to token_ids"),
     "prompt_logprobs": ((None,), "the engine computes no prompt logprobs"),
-    "truncate_prompt_tokens": ((None,), "prompts are never truncated: shorten the prompt"),
     "output_kind": ((None,), "LLM.generate returns final outputs; LLM.stream yields deltas"),
     "guided_decoding": ((None,), "use structured_outputs=StructuredOutputs(...) or its dict (vLLM's new name)"),
     "logits_processors": ((None, [], ()), "custom logits processors are not supported; use logit_bias, bad_words "

@@ -204,7 +204,7 @@ def test_sampling_params_are_keyword_only() -> None:
 
 @pytest.mark.parametrize(("options", "words"), [
     ({"best_of": 3}, "best_of"), ({"prompt_logprobs": 1}, "prompt_logprobs"),
-    ({"truncate_prompt_tokens": 8}, "truncate"),
+
     ({"spaces_between_special_tokens": False}, "spaces_between"), ({"detokenize": False}, "detokenize"),
     ({"guided_decoding": {"regex": "a"}}, "structured_outputs"), ({"logits_processors": [print]}, "logits"),
     ({"output_kind": 1}, "stream"), ({"extra_args": {"a": 1}}, "extra_args"),
@@ -398,3 +398,32 @@ def test_allowed_token_ids_that_bans_cover_are_refused_or_end_the_request(llm) -
     out = llm.generate([5, 6], SamplingParams(max_tokens=4, allowed_token_ids=e, bad_words=["ee"],
                                               ignore_eos=True))[0]
     assert out.token_ids == e and out.finish_reason == "error" and "ban every token" in out.error
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens() -> None:
+    """vLLM's truncate_prompt_tokens: only the prompt's last k tokens are the prompt (text or ids, generate and
+    stream); -1 keeps what the context holds; text longer than the whole context is accepted when it is truncated;
+    an engine request must already fit it; 0 and other values are refused by name."""
+    model = _llm(max_model_len=64)
+    try:
+        ids = list(range(5, 45))
+        out = model.generate([ids], SamplingParams(max_tokens=3, truncate_prompt_tokens=6, ignore_eos=True))[0]
+        assert out.prompt_token_ids == ids[-6:] and len(out.token_ids) == 3
+        alone = model.generate([ids[-6:]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+        assert out.token_ids == alone.token_ids
+        short = model.generate([ids[:5]], SamplingParams(max_tokens=3, truncate_prompt_tokens=-1, ignore_eos=True))[0]
+        assert short.prompt_token_ids == ids[:5]
+        text = "a" * 100_000  # far more than 64 tokens' worth of text
+        out = model.generate(text, SamplingParams(max_tokens=2, truncate_prompt_tokens=10, ignore_eos=True))[0]
+        assert len(out.prompt_token_ids) == 10 and out.prompt == text
+        chunks = list(model.stream(text, SamplingParams(max_tokens=2, truncate_prompt_tokens=10, ignore_eos=True)))
+        assert chunks
+        with pytest.raises(PromptTooLongError):
+            model.generate(text, SamplingParams(max_tokens=2))
+        with pytest.raises(InvalidRequestError, match="truncate it first"):
+            model.engine.submit(ids, SamplingParams(max_tokens=2, truncate_prompt_tokens=6))
+        for bad in (0, -2, 1.5, True):
+            with pytest.raises(InvalidRequestError, match="truncate_prompt_tokens must be"):
+                SamplingParams(truncate_prompt_tokens=bad)
+    finally:
+        model.close()

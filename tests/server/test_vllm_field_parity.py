@@ -328,3 +328,24 @@ def test_allowed_token_ids_restrict_every_token(ref: Client) -> None:
     refused(client, COMPLETIONS, "allowed_token_ids", allowed_token_ids=[], **base)
     refused(client, COMPLETIONS, "allowed_token_ids", "cannot be combined", allowed_token_ids=allowed,
             structured_outputs={"regex": "a+"}, **base)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(ref: Client) -> None:
+    """vLLM's truncate_prompt_tokens on both endpoints: the prompt is its last k tokens (usage counts those); text
+    longer than the context is served when truncated; 0 and values below -1 are a 400 naming the field."""
+    client, _ = ref
+    ids = list(range(5, 45))
+    reply = ok(client, COMPLETIONS, model=REFERENCE_MODEL, prompt=ids, max_tokens=3, truncate_prompt_tokens=6,
+               ignore_eos=True, return_token_ids=True, temperature=0)
+    assert reply["usage"]["prompt_tokens"] == 6 and reply["choices"][0]["prompt_token_ids"] == ids[-6:]
+    alone = ok(client, COMPLETIONS, model=REFERENCE_MODEL, prompt=ids[-6:], max_tokens=3, ignore_eos=True,
+               return_token_ids=True, temperature=0)
+    assert reply["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
+    long_text = "a" * 200_000
+    reply = ok(client, COMPLETIONS, model=REFERENCE_MODEL, prompt=long_text, max_tokens=2, truncate_prompt_tokens=9)
+    assert reply["usage"]["prompt_tokens"] == 9
+    chat = ok(client, CHAT, model=REFERENCE_MODEL, messages=MESSAGES, max_tokens=2, truncate_prompt_tokens=3)
+    assert chat["usage"]["prompt_tokens"] == 3
+    for bad in (0, -2):
+        refused(client, COMPLETIONS, "truncate_prompt_tokens", model=REFERENCE_MODEL, prompt="ab", max_tokens=2,
+                truncate_prompt_tokens=bad)

@@ -6,6 +6,7 @@ can answer 4xx synchronously).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from gemmaserve.errors import (BackendStepError, GemmaserveError, InvalidRequestError, KVCapacityError,
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
     from gemmaserve.backend import InferenceBackend
     from gemmaserve.engine.request import Request
 
-__all__ = ["validate_request", "backend_error", "check_text_can_fit"]
+__all__ = ["validate_request", "backend_error", "check_text_can_fit", "truncate_prompt"]
 
 
 def check_text_can_fit(chars: int, tokenizer: object, context_limit: int, what: str = "prompt") -> None:
@@ -29,6 +30,16 @@ def check_text_can_fit(chars: int, tokenizer: object, context_limit: int, what: 
             f"the {what} has {chars} characters: even at {longest} characters per token (this tokenizer's longest "
             f"token) that is more than the model's {context_limit}-token context; shorten it"
         )
+
+
+def truncate_prompt(prompt_ids: Sequence[int], keep: int | None, limit: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the last ``keep`` ids of the prompt (-1: the last ``limit``, the most a
+    request may hold; None: all of them)."""
+    ids = list(prompt_ids)
+    if keep is None:
+        return ids
+    keep = limit if keep == -1 else keep
+    return ids[len(ids) - keep:] if len(ids) > keep else ids
 
 
 def validate_request(
@@ -52,6 +63,11 @@ def validate_request(
                     f"prompt token {token_id!r} at position {position} is not a valid token id; "
                     f"token ids are integers in [0, {vocab_size})"
                 )
+    keep = request.params.truncate_prompt_tokens
+    if keep is not None and keep != -1 and num_prompt > keep:
+        raise InvalidRequestError(f"the prompt has {num_prompt} tokens, more than truncate_prompt_tokens={keep}: an "
+                                  "engine request takes its prompt as it is; truncate it first (gemmaserve.LLM and the "
+                                  "HTTP server do, with gemmaserve.engine.validation.truncate_prompt)")
     if request.params.n != 1:
         raise InvalidRequestError(
             f"an engine request is one sample, got n={request.params.n}: submit params.for_sample(i) for each sample "

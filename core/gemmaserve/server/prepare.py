@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from gemmaserve.engine.validation import check_text_can_fit
+from gemmaserve.engine.validation import check_text_can_fit, truncate_prompt
 from gemmaserve.errors import InvalidRequestError, PromptTooLongError
 from gemmaserve.render_pool import RENDER_POOL_MIN_CHARS, RenderWorkerDied
 from gemmaserve.tools.constraints import strict_calls_constraint, tool_call_constraint
@@ -65,8 +65,10 @@ def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer, context_li
     fit ``context_limit`` is refused before it is tokenized; a long one is tokenized in ``pool``."""
     prompt = body.prompt[index]
     special = body.add_special_tokens is not False
-    prompt_ids = (tokenize_text(prompt, tokenizer, context_limit, add_special_tokens=special, pool=pool)
-                  if isinstance(prompt, str) else list(prompt))
+    keep = body.truncate_prompt_tokens
+    prompt_ids = (tokenize_text(prompt, tokenizer, context_limit, add_special_tokens=special, pool=pool,
+                                fit_check=keep is None) if isinstance(prompt, str) else list(prompt))
+    prompt_ids = truncate_prompt(prompt_ids, keep, context_limit)
     if not prompt_ids:
         raise APIError(400, "the prompt tokenizes to zero tokens; send a non-empty prompt", param="prompt",
                        code="invalid_value")
@@ -102,6 +104,7 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limi
         options = {**options, "tools": body.tool_functions}
     prompt_ids = render_chat([message.as_template_dict() for message in body.messages], tokenizer, context_limit,
                              options, pool)
+    prompt_ids = truncate_prompt(prompt_ids, body.truncate_prompt_tokens, context_limit)
     _refuse_prompt_that_cannot_fit(len(prompt_ids), context_limit, "messages")
     max_tokens = body.requested_max_tokens or default_max_tokens_for(len(prompt_ids), context_limit,
                                                                       default_max_tokens)
@@ -202,10 +205,12 @@ def with_chat_stops(params: SamplingParams, tokenizer: Tokenizer) -> SamplingPar
 
 
 def tokenize_text(text: str, tokenizer: Tokenizer, context_limit: int, *, add_special_tokens: bool = True,
-                  pool: RenderPool | None = None) -> list[int]:
-    """``text``'s token ids; text that cannot fit ``context_limit`` is refused before it is tokenized. Text of
-    at least ``RENDER_POOL_MIN_CHARS`` characters is tokenized in ``pool`` when one is given."""
-    _refuse_text_that_cannot_fit(len(text), tokenizer, context_limit, "prompt")
+                  pool: RenderPool | None = None, fit_check: bool = True) -> list[int]:
+    """``text``'s token ids; text that cannot fit ``context_limit`` is refused before it is tokenized (unless not
+    ``fit_check``: a prompt to be truncated; the request body's size bounds it). Text of at least
+    ``RENDER_POOL_MIN_CHARS`` characters is tokenized in ``pool`` when one is given."""
+    if fit_check:
+        _refuse_text_that_cannot_fit(len(text), tokenizer, context_limit, "prompt")
     if pool is not None and len(text) >= RENDER_POOL_MIN_CHARS and pool.serves(tokenizer):
         try:
             return pool.encode(text, add_special_tokens=add_special_tokens)
@@ -359,6 +364,7 @@ def _sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
             frequency_penalty=0.0 if body.frequency_penalty is None else body.frequency_penalty,
             bad_words=tuple(body.bad_words or ()),
             allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
+            truncate_prompt_tokens=body.truncate_prompt_tokens,
             # vLLM's fields; the request model holds them once protocol.py accepts values other than the default
             include_stop_str_in_output=bool(getattr(body, "include_stop_str_in_output", None)),
             skip_special_tokens=getattr(body, "skip_special_tokens", None) is not False,

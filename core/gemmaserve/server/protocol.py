@@ -175,7 +175,7 @@ NEUTRAL_EXTRAS: dict[str, tuple[Any, ...]] = {
     # vLLM's extra sampling fields, accepted at their defaults (which is what gemmaserve does)
     "spaces_between_special_tokens": (None, True),
     "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
-    "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,),
+    "prompt_logprobs": (None,),
     "priority": (None, 0),
     "return_tokens_as_token_ids": (None, False), "detokenize": (None, True),
     # SGLang's fields, which vllm-router adds to every body it forwards (at these values: the defaults)
@@ -244,6 +244,8 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY,
                                              allow_inf_nan=False)
     bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    """vLLM's: keep only the prompt's last k tokens (-1: the last the context holds)."""
     allowed_token_ids: list[int] | None = Field(
         None, json_schema_extra=_only({**_TOKEN_IDS, "minItems": 1, "maxItems": MAX_ALLOWED_TOKEN_IDS}))
     """vLLM's: only these token ids may be generated."""
@@ -274,6 +276,14 @@ class SamplingFields(BaseModel):
         if longest > MAX_STOP_STRING_CHARS:
             raise ValueError(f"a stop string has {longest} characters; at most {MAX_STOP_STRING_CHARS} are accepted")
         return stops
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _check_truncation(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (the model's context) or at least 1 (the prompt's last "
+                             "tokens to keep)")
+        return value
 
     @field_validator("allowed_token_ids")
     @classmethod
