@@ -141,9 +141,9 @@ class SamplingParams:
         if spec is not None and not isinstance(spec, StructuredOutputs):
             object.__setattr__(self, "structured_outputs", StructuredOutputs.from_mapping(spec))
         object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
-        if self.allowed_token_ids is not None:
-            object.__setattr__(self, "allowed_token_ids", _as_tuple(self.allowed_token_ids, "allowed_token_ids", int,
-                                                                    "a list of token IDs"))
+        if self.allowed_token_ids is not None:  # distinct ids, in their order
+            ids = _as_tuple(self.allowed_token_ids, "allowed_token_ids", int, "a list of token IDs")
+            object.__setattr__(self, "allowed_token_ids", tuple(dict.fromkeys(ids)) if _hashable(ids) else ids)
         for name, single, accepted in (("stop", str, "a string or a list of strings"),
                                        ("bad_words", str, "a list of strings"),
                                        ("stop_token_ids", int, "a list of token IDs"),
@@ -323,6 +323,14 @@ def _refuse_sampling_options_under_default_greedy(params: SamplingParams) -> Non
             "SamplingParams' default 0 "
             "(greedy; vLLM's default is 1.0): give temperature=1.0 (or another > 0) to sample, or temperature=0 "
             "to keep greedy decoding")
+
+
+def _hashable(values: tuple[Any, ...]) -> bool:
+    try:
+        hash(values)
+    except TypeError:
+        return False
+    return True
 
 
 def _is_real(value: object) -> bool:

@@ -395,8 +395,12 @@ def test_allowed_token_ids_that_bans_cover_are_refused_or_end_the_request(llm) -
         llm.generate([5, 6], SamplingParams(max_tokens=4, allowed_token_ids=[9], stop_token_ids=[9], min_tokens=2))
     ee = llm.tokenizer.encode("ee", add_special_tokens=False)
     assert ee == e * 2
-    out = llm.generate([5, 6], SamplingParams(max_tokens=4, allowed_token_ids=e, bad_words=["ee"],
-                                              ignore_eos=True))[0]
+    for allowed in (e, e * 2):  # repeated ids are one id
+        out = llm.generate([5, 6], SamplingParams(max_tokens=4, allowed_token_ids=allowed, bad_words=["ee"],
+                                                  ignore_eos=True))[0]
+        assert out.token_ids == e and out.finish_reason == "error" and "ban every token" in out.error
+    out = llm.generate([5, 6], SamplingParams(max_tokens=6, allowed_token_ids=[EOS_ID, *e], bad_words=["ee"],
+                                              min_tokens=4))[0]  # after e: e banned, EOS banned before min_tokens
     assert out.token_ids == e and out.finish_reason == "error" and "ban every token" in out.error
 
 

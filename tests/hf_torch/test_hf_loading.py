@@ -255,5 +255,11 @@ def test_an_embedding_style_gemma_is_refused(tmp_path: Path, family: str, value:
 
     build = build_tiny_gemma4 if family == "gemma4" else build_tiny_gemma3
     path = build(tmp_path / "ckpt", use_bidirectional_attention=value)
-    with pytest.raises(ModelLoadError, match="embedding model"):
+    with pytest.raises(ModelLoadError, match="embedding model") as caught:
         create_backend(str(path), "cpu", cpu_settings())
+    assert "cannot run on" not in str(caught.value)
+    from gemmaserve import LLM
+
+    with pytest.raises(ModelLoadError, match="embedding model") as caught:  # through backend selection too
+        LLM(str(path), backend="hf", device="cpu")
+    assert "cannot run on" not in str(caught.value)  # a model problem, not the device's

@@ -349,3 +349,16 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(ref: Client) -> No
     for bad in (0, -2):
         refused(client, COMPLETIONS, "truncate_prompt_tokens", model=REFERENCE_MODEL, prompt="ab", max_tokens=2,
                 truncate_prompt_tokens=bad)
+
+
+def test_allowed_tokens_running_out_and_tool_choice_none_on_a_plain_template(ref: Client) -> None:
+    """A request whose allowed_token_ids the bans cover at some step is a 400 naming allowed_token_ids (the engine
+    ends it; no token outside the list); tool_choice "none" on a tokenizer whose template takes only the messages
+    leaves the tools out instead of refusing the request."""
+    client, engine = ref
+    e = engine.backend.tokenizer.encode("e", add_special_tokens=False)
+    error = refused(client, COMPLETIONS, "allowed_token_ids", model=REFERENCE_MODEL, prompt="ab", max_tokens=4,
+                    allowed_token_ids=e * 2, bad_words=["ee"], ignore_eos=True)
+    assert error["code"] == "constraint_unsatisfiable"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert ok(client, CHAT, model=REFERENCE_MODEL, messages=MESSAGES, max_tokens=2, tools=tools, tool_choice="none")

@@ -273,10 +273,15 @@ class Request:
                 output[ready.token] += 1
             counts = tuple(output.items())
         banned = self._bad_word_bans(ready.token if ready is not None else None) if self.bad_word_ids else ()
-        allowed_ids = params.allowed_token_ids
-        if allowed_ids is not None and len(allowed_ids) <= len(banned) and set(allowed_ids) <= set(banned):
-            self._record_mask_error(ConstraintError(  # multi-token bad_words ban every allowed token here
-                "bad_words ban every token allowed_token_ids allows at this step: no token can be generated"), ahead)
+        allowed_ids = params.allowed_token_ids  # distinct (SamplingParams)
+        if allowed_ids is not None:
+            bans = set(banned)
+            if step < params.min_tokens:  # what for_params bans before min_tokens
+                bans.update(params.stop_token_ids, () if params.ignore_eos else self.eos_token_ids)
+            if len(allowed_ids) <= len(bans) and bans.issuperset(allowed_ids):
+                self._record_mask_error(ConstraintError(  # multi-token bad_words ban every allowed token here
+                    "bad_words (and, before min_tokens, EOS and stop_token_ids) ban every token allowed_token_ids "
+                    "allows at this step: no token can be generated"), ahead)
         return RowSampling.for_params(params, self.seed, step, self.eos_token_ids, top_k=top_k,
                                       allowed=self._allowed(ahead), prompt_tokens=prompt_tokens,
                                       output_counts=counts, banned=banned)

@@ -53,9 +53,10 @@ def _refuse_prompt_that_cannot_fit(count: int, context_limit: int, param: str) -
     """A prompt of ``count`` tokens that leaves no room for one output token is refused here, off the event loop
     for a large body (the engine's own check scans the ids on the loop: ~0.5 s for 7 million of them)."""
     if count >= context_limit:
-        raise APIError(400, f"the prompt is {count} tokens; this model's context holds {context_limit} tokens of "
-                       f"prompt and output, so shorten the prompt to under {context_limit} tokens", param=param,
-                       code="context_length_exceeded")
+        raise APIError(400, f"the prompt is {count} tokens; a request here holds at most {context_limit} tokens of "
+                       "prompt and output (the least of the maximum model length, MAX_ACTIVE_KV_TOKENS and what the "
+                       f"KV pool holds for one request), so shorten the prompt to under {context_limit} tokens",
+                       param=param, code="context_length_exceeded")
 
 
 def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer, context_limit: int,
@@ -100,8 +101,8 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limi
     if mode is not None:
         options = {**options, "tools": body.tool_functions}
         parser = resolve_tool_parser(tokenizer, tool_call_parser)
-    elif body.tools and not exclude_tools_when_none:  # tool_choice "none": the model knows them, calls none
-        options = {**options, "tools": body.tool_functions}
+    elif body.tools and not exclude_tools_when_none and _template_takes(tokenizer, "tools"):
+        options = {**options, "tools": body.tool_functions}  # tool_choice "none": the model knows them, calls none
     prompt_ids = render_chat([message.as_template_dict() for message in body.messages], tokenizer, context_limit,
                              options, pool)
     prompt_ids = truncate_prompt(prompt_ids, body.truncate_prompt_tokens, context_limit)
@@ -315,19 +316,21 @@ _KEYWORDS = {"tools": "template_kwargs"}
 """Options that reach ``apply_chat_template`` through another keyword."""
 
 
-def _check_template_options(tokenizer: Tokenizer, options: dict[str, Any]) -> None:
-    """400 naming the request field if this backend's tokenizer cannot take an option (the core protocol's
+def _template_takes(tokenizer: Tokenizer, option: str) -> bool:
+    """Whether this backend's tokenizer's ``apply_chat_template`` takes ``option`` (the core protocol's
     ``apply_chat_template(messages)`` takes none; :class:`~gemmaserve.hf_tokenizer.HFTokenizerAdapter` takes all)."""
-    if not options:
-        return
     try:
         parameters = inspect.signature(tokenizer.apply_chat_template).parameters
     except (TypeError, ValueError):
-        parameters = {}
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return
+        return False
+    return (any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+            or _KEYWORDS.get(option, option) in parameters)
+
+
+def _check_template_options(tokenizer: Tokenizer, options: dict[str, Any]) -> None:
+    """400 naming the request field if this backend's tokenizer cannot take an option (:func:`_template_takes`)."""
     for option in options:
-        if _KEYWORDS.get(option, option) not in parameters:
+        if not _template_takes(tokenizer, option):
             field = _OPTION_FIELDS[option]
             raise APIError(400, f"{field} is not supported by this backend's tokenizer (its chat template takes "
                            "the messages only); leave it at its default", param=field, code="invalid_value")

@@ -385,14 +385,17 @@ class SamplingFields(BaseModel):
 
     @property
     def constraint_field(self) -> str | None:
-        """The request field the output constraint comes from (errors about it name this field), or None."""
+        """The request field the output constraint comes from (errors about it name this field; with none,
+        ``allowed_token_ids``, whose mask can run out the same way), or None."""
         if self.structured_outputs is not None:
             return "structured_outputs"
         guided = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
                   if getattr(self, name) is not None]
         if guided:
             return guided[0]
-        return "response_format" if self.response_format is not None else None
+        if self.response_format is not None:
+            return "response_format"
+        return "allowed_token_ids" if self.allowed_token_ids is not None else None
 
     @property
     def requested_max_tokens(self) -> int | None:

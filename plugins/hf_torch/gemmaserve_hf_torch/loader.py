@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ import torch
 
 from gemmaserve.errors import ConfigurationError, ModelLoadError
 from gemmaserve.hardware import cpu_has_native_bfloat16, device_unavailable_reason
+from gemmaserve.models.gemma_defaults import bidirectional_problem
 from gemmaserve_hf_torch.probe import model_dir_problem
 from gemmaserve_hf_torch.tokenizer import HFTokenizer, load_tokenizer
 
@@ -172,6 +174,9 @@ def load_model(model_path: str, device: str, settings: CoreSettings, hf_settings
     path = Path(model_path).expanduser()
     problem = model_dir_problem(path, trust_remote_code=hf_settings.trust_remote_code) or device_unavailable_reason(device)
     if problem is not None:
+        raise ModelLoadError(problem)
+    problem = bidirectional_problem(json.loads((path / "config.json").read_text(encoding="utf-8")))
+    if problem is not None:  # a model problem, not the device's (the probe's problems read as the latter)
         raise ModelLoadError(problem)
     torch_device = torch.device(device)
     dtype = resolve_dtype(settings.dtype, device)

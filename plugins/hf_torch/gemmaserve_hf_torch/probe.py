@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gemmaserve.hardware import device_unavailable_reason
-from gemmaserve.models.gemma_defaults import bidirectional_problem
 
 if TYPE_CHECKING:
     from gemmaserve.settings import CoreSettings
@@ -72,7 +71,7 @@ def model_dir_problem(path: Path, *, trust_remote_code: bool) -> str | None:
         return f"cannot read {str(config_file)!r}: {exc}"
     if not isinstance(raw, dict):
         return f"{str(config_file)!r} is not a JSON object"
-    problem = _architecture_problem(raw, trust_remote_code=trust_remote_code) or bidirectional_problem(raw)
+    problem = _architecture_problem(raw, trust_remote_code=trust_remote_code)
     if problem is not None:
         return problem
     if not any(any(path.glob(pattern)) for pattern in WEIGHT_PATTERNS):
