@@ -339,9 +339,9 @@ def test_token_prompts_that_cannot_fit_are_refused_before_the_engine_sees_them(m
         return original(requests, *args, **kwargs)
 
     engine.submit_many = counting  # type: ignore[method-assign]
-    for prompt in ([5] * 512, [[5] * 3, [6] * 100_000]):
+    for prompt, which in (([5] * 512, "the prompt is 512 tokens"), ([[5] * 3, [6] * 100_000], "prompt 1 of the batch")):
         error = assert_error(client.post("/v1/completions", json={**OK_PROMPT, "prompt": prompt}), 400, "prompt",
-                             words=("shorten the prompt to under 512 tokens",))
+                             words=("shorten the prompt to under 512 tokens", which))
         assert error["code"] == "context_length_exceeded"
     assert submitted == []
     assert client.post("/v1/completions", json={**OK_PROMPT, "prompt": [5] * 500}).status_code == 200

@@ -49,11 +49,12 @@ def _refuse_text_that_cannot_fit(chars: int, tokenizer: Tokenizer, context_limit
         raise APIError(400, str(exc), param=param, code="context_length_exceeded") from None
 
 
-def _refuse_prompt_that_cannot_fit(count: int, context_limit: int, param: str) -> None:
+def _refuse_prompt_that_cannot_fit(count: int, context_limit: int, param: str, which: str = "the prompt") -> None:
     """A prompt of ``count`` tokens that leaves no room for one output token is refused here, off the event loop
-    for a large body (the engine's own check scans the ids on the loop: ~0.5 s for 7 million of them)."""
+    for a large body (the engine's own check scans the ids on the loop: ~0.5 s for 7 million of them). ``which``
+    names it (a batch's prompt by its position)."""
     if count >= context_limit:
-        raise APIError(400, f"the prompt is {count} tokens; a request here holds at most {context_limit} tokens of "
+        raise APIError(400, f"{which} is {count} tokens; a request here holds at most {context_limit} tokens of "
                        "prompt and output (the least of the maximum model length, MAX_ACTIVE_KV_TOKENS and what the "
                        f"KV pool holds for one request), so shorten the prompt to under {context_limit} tokens",
                        param=param, code="context_length_exceeded")
@@ -73,7 +74,8 @@ def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer, context_li
     if not prompt_ids:
         raise APIError(400, "the prompt tokenizes to zero tokens; send a non-empty prompt", param="prompt",
                        code="invalid_value")
-    _refuse_prompt_that_cannot_fit(len(prompt_ids), context_limit, "prompt")
+    _refuse_prompt_that_cannot_fit(len(prompt_ids), context_limit, "prompt",
+                                   f"prompt {index} of the batch" if len(body.prompt) > 1 else "the prompt")
     max_tokens = body.requested_max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
     params = dataclasses.replace(_sampling(body, max_tokens), logprobs=body.logprobs)
     return Prepared(prompt_ids, params, body.stop_strings, body.logprobs is not None, "prompt",
