@@ -322,7 +322,7 @@ class LLM:
         _check_call_options("generate", lora_request=lora_request, priority=None if zeros else priority,
                             tokenization_kwargs=tokenization_kwargs)
         listed = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params]
-        truncating = any(p is not None and getattr(p, "truncate_prompt_tokens", None) is not None for p in listed)
+        truncating = any(isinstance(p, SamplingParams) and p.truncate_prompt_tokens is not None for p in listed)
         encoded = self._normalize(prompts, fit_check=not truncating)  # a prompt to be truncated may be any length
         if priority is not None and len(priority) != len(encoded):
             raise InvalidRequestError(f"LLM.generate: priority has {len(priority)} entries for {len(encoded)} "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
@@ -15,7 +16,7 @@ from gemmaserve.structured.spec import StructuredOutputs
 __all__ = ["VLLM_SAMPLING_OPTIONS_NOT_IMPLEMENTED", "MAX_BAD_WORDS", "MAX_LOGPROBS", "SamplingParams", "RowSampling",
            "allowed_tokens", "MIN_TEMPERATURE", "MIN_REPETITION_PENALTY", "MAX_REPETITION_PENALTY", "SEED_SPACE",
            "MAX_STOP_STRINGS", "MAX_STOP_STRING_CHARS", "MAX_STOP_TOKEN_IDS", "MAX_CHAT_STOP_TOKEN_IDS",
-           "MAX_LOGIT_BIAS", "MAX_N", "MAX_ALLOWED_TOKEN_IDS", "allowed_mask"]
+           "MAX_LOGIT_BIAS", "MAX_N", "MAX_ALLOWED_TOKEN_IDS", "all_tokens_mask", "allowed_mask", "mask_allows"]
 
 MIN_TEMPERATURE = 1e-5
 """Temperatures in (0, MIN_TEMPERATURE) are treated as greedy (0): logits / T would overflow."""
@@ -141,9 +142,9 @@ class SamplingParams:
         if spec is not None and not isinstance(spec, StructuredOutputs):
             object.__setattr__(self, "structured_outputs", StructuredOutputs.from_mapping(spec))
         object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
-        if self.allowed_token_ids is not None:  # distinct ids, in their order
-            ids = _as_tuple(self.allowed_token_ids, "allowed_token_ids", int, "a list of token IDs")
-            object.__setattr__(self, "allowed_token_ids", tuple(dict.fromkeys(ids)) if _hashable(ids) else ids)
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", _as_tuple(self.allowed_token_ids, "allowed_token_ids", int,
+                                                                    "a list of token IDs"))
         for name, single, accepted in (("stop", str, "a string or a list of strings"),
                                        ("bad_words", str, "a list of strings"),
                                        ("stop_token_ids", int, "a list of token IDs"),
@@ -155,6 +156,8 @@ class SamplingParams:
         if self.top_k == -1 and not isinstance(self.top_k, bool):  # vLLM's spelling of "disabled"
             object.__setattr__(self, "top_k", 0)
         self.validate()
+        if self.allowed_token_ids is not None:  # valid ids by now: distinct, in their order
+            object.__setattr__(self, "allowed_token_ids", tuple(dict.fromkeys(self.allowed_token_ids)))
         if greedy_by_default:
             _refuse_sampling_options_under_default_greedy(self)
         if 0.0 < self.temperature < MIN_TEMPERATURE:  # dividing logits by ~0 overflows: that is greedy
@@ -297,8 +300,6 @@ _INT_FIELDS = ("max_tokens", "top_k", "seed", "min_tokens", "logprobs", "n", "tr
 def _plain_numbers(params: SamplingParams) -> None:
     """numpy (or other ``numbers``) scalars in the numeric fields become Python floats and ints (validation then
     checks their values, not their types); the temperature's default marker is kept."""
-    import numbers
-
     for name in _FLOAT_FIELDS:
         value = getattr(params, name)
         if (type(value) not in (float, _DefaultTemperature) and isinstance(value, numbers.Real)
@@ -323,14 +324,6 @@ def _refuse_sampling_options_under_default_greedy(params: SamplingParams) -> Non
             "SamplingParams' default 0 "
             "(greedy; vLLM's default is 1.0): give temperature=1.0 (or another > 0) to sample, or temperature=0 "
             "to keep greedy decoding")
-
-
-def _hashable(values: tuple[Any, ...]) -> bool:
-    try:
-        hash(values)
-    except TypeError:
-        return False
-    return True
 
 
 def _is_real(value: object) -> bool:
@@ -536,6 +529,17 @@ def allowed_mask(token_ids: Collection[int], vocab_size: int) -> bytes:
     return bytes(mask)
 
 
+@functools.lru_cache(maxsize=4)
+def all_tokens_mask(vocab_size: int) -> bytes:
+    """:func:`allowed_mask` of every token id in ``[0, vocab_size)`` (built at once, not id by id)."""
+    return ((1 << vocab_size) - 1).to_bytes((vocab_size + 31) // 32 * 4, "little")
+
+
+def mask_allows(mask: bytes | memoryview, token_id: int) -> bool:
+    """Whether the ``RowSampling.allowed`` bitmask allows ``token_id`` (tokens past its end are not allowed)."""
+    return 0 <= token_id < 8 * len(mask) and bool(mask[token_id >> 3] >> (token_id & 7) & 1)
+
+
 def allowed_tokens(mask: bytes | memoryview, vocab_size: int) -> list[bool]:
     """The ``RowSampling.allowed`` bitmask as one flag per token id in ``[0, vocab_size)`` (reference unpacking)."""
-    return [t < 8 * len(mask) and bool(mask[t >> 3] >> (t & 7) & 1) for t in range(vocab_size)]
+    return [t < 8 * len(mask) and bool(mask[t >> 3] >> (t & 7) & 1) for t in range(vocab_size)]  # mask_allows, inline

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from gemmaserve.sampling_params import RowSampling, SamplingParams
+from gemmaserve.sampling_params import RowSampling, SamplingParams, mask_allows
 from gemmaserve.structured.grammar import ConstraintError, MaskBatch, MaskMemory, TokenConstraint
 from gemmaserve.structured.grammar import start_masks as grammar_start_masks
 
@@ -203,8 +203,7 @@ class Request:
     """``allowed_token_ids`` as a ``RowSampling.allowed`` mask (set by the scheduler's validation); the same every
     step."""
     constraint_error: ConstraintError | None = None
-    """Why the constraint (or ``allowed_token_ids`` under bans) cannot continue; the next appended token ends the
-    request with it."""
+    """Why the constraint cannot continue; the next appended token ends the request with it."""
     _next_mask: tuple[int, bytes | memoryview] | None = field(default=None, repr=False)
     """(step it is for, mask): computed by :func:`prepare_masks` for the next row_sampling()."""
     _ahead: _Ahead | None = field(default=None, repr=False)
@@ -273,15 +272,6 @@ class Request:
                 output[ready.token] += 1
             counts = tuple(output.items())
         banned = self._bad_word_bans(ready.token if ready is not None else None) if self.bad_word_ids else ()
-        allowed_ids = params.allowed_token_ids  # distinct (SamplingParams)
-        if allowed_ids is not None:
-            bans = set(banned)
-            if step < params.min_tokens:  # what for_params bans before min_tokens
-                bans.update(params.stop_token_ids, () if params.ignore_eos else self.eos_token_ids)
-            if len(allowed_ids) <= len(bans) and bans.issuperset(allowed_ids):
-                self._record_mask_error(ConstraintError(  # multi-token bad_words ban every allowed token here
-                    "bad_words (and, before min_tokens, EOS and stop_token_ids) ban every token allowed_token_ids "
-                    "allows at this step: no token can be generated"), ahead)
         return RowSampling.for_params(params, self.seed, step, self.eos_token_ids, top_k=top_k,
                                       allowed=self._allowed(ahead), prompt_tokens=prompt_tokens,
                                       output_counts=counts, banned=banned)
@@ -392,8 +382,12 @@ class Request:
             if self.constraint_error is not None:  # the token is not kept: nothing valid could be sampled
                 self.finish(FinishReason.ERROR, self.constraint_error)
                 return True
-        elif self.constraint_error is not None:  # allowed_token_ids all banned (row_sampling): not kept either
-            self.finish(FinishReason.ERROR, self.constraint_error)
+        elif self.allowed_mask is not None and not mask_allows(self.allowed_mask, token_id):
+            # the bans (bad_words; EOS and stop ids before min_tokens) covered every allowed token, so the sampler
+            # had nothing to pick: the token is not kept, as one a constraint cannot accept
+            self.finish(FinishReason.ERROR, ConstraintError(
+                f"bad_words (or, before min_tokens, EOS and stop_token_ids) ban every token allowed_token_ids allows "
+                f"at step {len(self.output_token_ids)}: no token can be generated"))
             return True
         self.output_token_ids.append(token_id)
         if self.params.has_penalties:

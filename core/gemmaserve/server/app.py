@@ -942,12 +942,11 @@ class _View:
             first = self._num_calls
             thought, parsed = self._parse(step.text, final=step.finish_reason is not None)
             calls = [call.to_openai(first + i) for i, call in enumerate(parsed.calls)]
-            shown_thought = thought if self.show_reasoning else ""
-            if not (parsed.content or calls or shown_thought or step.finish_reason or logprobs
-                    or self.reply.return_token_ids):
+            shown = thought if self.show_reasoning else None
+            if not (parsed.content or calls or shown or step.finish_reason or logprobs or self.reply.return_token_ids):
                 return None  # held back by the parsers: vLLM sends no chunk for it either
             return self.meta.chat_chunk(parsed.content, self._finish_reason(step.finish_reason), logprobs,
-                                        tool_calls=calls, reasoning=thought if self.show_reasoning else None,
+                                        tool_calls=calls, reasoning=shown,
                                         stop_reason=step.stop_reason)
         if self.chat:
             return self.meta.chat_chunk(step.text, step.finish_reason, logprobs, stop_reason=step.stop_reason)

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from gemmaserve.backend import Tokenizer
     from gemmaserve.render_pool import RenderPool
     from gemmaserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+    from gemmaserve.structured.spec import StructuredOutputs
 
 __all__ = ["prepare_completion", "prepare_chat", "default_max_tokens_for", "tokenize_text", "render_chat",
            "chat_stop_token_ids", "with_chat_stops", "COMPLETION_DEFAULT_MAX_TOKENS"]
@@ -114,40 +115,14 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limi
     params = with_chat_stops(_sampling(body, max_tokens), tokenizer)
     params = dataclasses.replace(params, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     constraint_field = body.constraint_field
-    if mode in ("required", "function"):
-        name = body.tool_choice_function
-        if params.structured_outputs is not None:
-            what = "required" if name is None else f"naming function {name!r}"
-            raise APIError(400, f"tool_choice {what} constrains the reply to a tool call; it cannot be combined "
-                           "with response_format / structured_outputs", param="tool_choice", code="invalid_value")
-        functions = [tool["function"] for tool in body.tool_functions]
-        try:
-            constraint = tool_call_constraint(functions, name, parser or "json", body.parallel_tool_calls is not False)
-        except InvalidRequestError as exc:
-            raise APIError(400, str(exc), param="tools", code="invalid_value") from None
+    constraint = _tool_constraint(body, mode, parser or "json", params.structured_outputs is not None)
+    if constraint is not None:
         try:
             params = dataclasses.replace(params, structured_outputs=constraint)
         except InvalidRequestError as exc:  # min_tokens, allowed_token_ids
             raise APIError(400, str(exc), param=guess_param(str(exc), "tools") or "tools",
                            code="invalid_value") from None
         constraint_field = "tools"
-    elif mode == "auto":
-        try:
-            constraint = strict_calls_constraint([tool["function"] for tool in body.tool_functions], parser or "json")
-        except InvalidRequestError as exc:
-            raise APIError(400, str(exc), param="tools", code="invalid_value") from None
-        if constraint is not None:
-            if params.structured_outputs is not None:
-                raise APIError(400, "tools with strict: true under tool_choice \"auto\" hold the reply's calls to "
-                               "their schemas; they cannot be combined with response_format / structured_outputs "
-                               "(leave strict unset, or drop the response format)", param="tools",
-                               code="invalid_value")
-            try:
-                params = dataclasses.replace(params, structured_outputs=constraint)
-            except InvalidRequestError as exc:  # allowed_token_ids
-                raise APIError(400, str(exc), param=guess_param(str(exc), "tools") or "tools",
-                               code="invalid_value") from None
-            constraint_field = "tools"
     markers = ((GEMMA4_CALL_OPEN, GEMMA4_CALL_CLOSE, GEMMA4_STRING) if parser == "gemma4" else ()) + (
         (GEMMA4_CHANNEL_OPEN, GEMMA4_CHANNEL_CLOSE) if reasoning_parser else ())
     shown = frozenset(marker_ids(tokenizer, markers)) if params.skip_special_tokens else frozenset()
@@ -158,6 +133,32 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limi
     return Prepared(prompt_ids, params, body.stop_strings, bool(body.logprobs), "messages", parser,
                     body.parallel_tool_calls is not False, reasoning_parser or None, constraint_field,
                     mode == "function", shown, body.include_reasoning is not False)
+
+
+def _tool_constraint(body: ChatCompletionRequest, mode: str | None, parser: str,
+                     constrained: bool) -> StructuredOutputs | None:
+    """The constraint the tools put on the reply: a call (``tool_choice`` ``"required"`` or a named function), or
+    under ``"auto"`` the strict functions' calls; None when they put none. APIError 400 for tools the constraint
+    cannot be built from, or beside the request's own constraint (``constrained``: response_format /
+    structured_outputs)."""
+    functions = [tool["function"] for tool in body.tool_functions]
+    forced = mode in ("required", "function")
+    name = body.tool_choice_function if forced else None
+    if forced and constrained:
+        what = "required" if name is None else f"naming function {name!r}"
+        raise APIError(400, f"tool_choice {what} constrains the reply to a tool call; it cannot be combined "
+                       "with response_format / structured_outputs", param="tool_choice", code="invalid_value")
+    try:
+        if forced:
+            return tool_call_constraint(functions, name, parser, body.parallel_tool_calls is not False)
+        constraint = strict_calls_constraint(functions, parser) if mode == "auto" else None
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param="tools", code="invalid_value") from None
+    if constraint is not None and constrained:
+        raise APIError(400, "tools with strict: true under tool_choice \"auto\" hold the reply's calls to their "
+                       "schemas; they cannot be combined with response_format / structured_outputs (leave strict "
+                       "unset, or drop the response format)", param="tools", code="invalid_value")
+    return constraint
 
 
 def marker_ids(tokenizer: Tokenizer, markers: Sequence[str]) -> list[int]:

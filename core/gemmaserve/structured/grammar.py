@@ -375,6 +375,7 @@ class GrammarCompiler:
         self._specials: re.Pattern[str] | None = None  # the special tokens' texts (see _forces_special_text)
         self._mask_bytes = 0
         self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._triggers: dict[str, int] = {}  # trigger text -> its token id (a handful of texts per server)
         self._refused: OrderedDict[str, str] = OrderedDict()  # constraint key -> the InvalidRequestError text
 
     @staticmethod
@@ -433,7 +434,11 @@ class GrammarCompiler:
         return TriggeredConstraint(template, trigger_id, spec.kind, self._mask_bytes, self._vocab_size)
 
     def _trigger_id(self, text: str) -> int:
-        """The id of the one token ``text`` is; InvalidRequestError when the vocabulary writes it otherwise."""
+        """The id of the one token ``text`` is (tokenized once per text); InvalidRequestError when the vocabulary
+        writes it otherwise."""
+        known = self._triggers.get(text)
+        if known is not None:
+            return known
         try:
             ids = list(self._tokenizer.encode(text, add_special_tokens=False))
         except Exception as exc:
@@ -441,6 +446,9 @@ class GrammarCompiler:
         if len(ids) != 1:
             raise InvalidRequestError(f"structured_outputs.trigger {text!r} is {len(ids)} tokens of this vocabulary; "
                                       "a trigger is the text of exactly one token (such as a special token)")
+        with self._lock:
+            if len(self._triggers) < _CACHE_SIZE:
+                self._triggers[text] = int(ids[0])
         return int(ids[0])
 
     def prepare(self, spec: StructuredOutputs) -> Any:

@@ -11,9 +11,10 @@ unconstrained one would.
 
 from __future__ import annotations
 
-import functools
 from collections import deque
 from typing import Any
+
+from gemmaserve.sampling_params import all_tokens_mask
 
 from .grammar import ConstraintError, TokenConstraint
 
@@ -33,6 +34,7 @@ class TriggeredConstraint(TokenConstraint):
         self._template = template
         self._trigger_id = trigger_id
         self._vocab_size = vocab_size
+        assert len(all_tokens_mask(vocab_size)) == mask_bytes, "the vocabulary and the masks' width disagree"
         self._inside: TokenConstraint | None = None
         """The grammar the trigger started (None: free)."""
         self._undo: deque[tuple[str, TokenConstraint | None]] = deque(maxlen=_UNDO_DEPTH)
@@ -48,7 +50,7 @@ class TriggeredConstraint(TokenConstraint):
         return self._inside._matcher if self._inside is not None else None
 
     def _unconstrained(self) -> bytes:
-        return _all_tokens(self.mask_bytes, self._vocab_size)
+        return all_tokens_mask(self._vocab_size)
 
     def accept(self, token_id: int) -> bool:
         """Advance by ``token_id``. Returns False (the constraint never ends the request). Raises ConstraintError
@@ -108,10 +110,3 @@ class TriggeredConstraint(TokenConstraint):
     @property
     def is_complete(self) -> bool:
         return False
-
-
-@functools.lru_cache(maxsize=4)
-def _all_tokens(mask_bytes: int, vocab_size: int) -> bytes:
-    """The mask (``mask_bytes`` long, little-endian 32-bit words) that allows token ids 0 .. ``vocab_size`` - 1."""
-    bits = min(vocab_size, mask_bytes * 8)
-    return ((1 << bits) - 1).to_bytes(mask_bytes, "little")

@@ -295,8 +295,7 @@ def _unfenced(text: str) -> str:
     if len(stripped) < 6 or not stripped.startswith("```") or not stripped.endswith("```"):
         return text
     inner = stripped[3:-3]
-    language = _FENCE_LANGUAGE.match(inner)
-    return inner[language.end() if language is not None else 0:].strip()
+    return inner[_FENCE_LANGUAGE.match(inner).end():].strip()  # type: ignore[union-attr]  # [a-zA-Z_]* always matches
 
 
 class JsonToolParser(ToolParser):

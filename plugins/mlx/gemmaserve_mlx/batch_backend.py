@@ -22,7 +22,7 @@ from gemmaserve_mlx.kv_batch import KVBatch
 from gemmaserve_mlx.kv_format import KVPools
 from gemmaserve_mlx.layout import KVLayout, discover_layout
 from gemmaserve_mlx.loader import LoadedModel, load_model
-from gemmaserve_mlx.model_dir import BATCHED_ARCHITECTURES, text_config
+from gemmaserve_mlx.model_dir import BATCHED_ARCHITECTURES, rope_scalings
 from gemmaserve_mlx.runner import ModelRunner
 from gemmaserve_mlx.sampling import sample_rows
 from gemmaserve_mlx.settings import MlxSettings, load_mlx_settings
@@ -46,10 +46,7 @@ def create_backend(model_path: str, device: str, settings: CoreSettings) -> MlxB
             f"architecture {loaded.info.architecture!r} has no batched-KV support in BACKEND=mlx; "
             "use BACKEND=mlx-stream"
         )
-    inner = text_config(loaded.model_dir.config)
-    entries = (inner.get("rope_parameters"), inner.get("rope_scaling"))
-    kinds = {entry.get("rope_type", entry.get("type")) for entry in entries if isinstance(entry, dict)}
-    if "dynamic" in kinds:
+    if any(kind == "dynamic" for kind, _ in rope_scalings(loaded.model_dir.config)):
         raise ModelLoadError(
             f"{loaded.info.architecture!r} checkpoint with dynamic RoPE: mlx_lm rescales it from one cache offset, "
             "and the batched cache holds one per row (every decode step would fail); use BACKEND=mlx-stream or hf")

@@ -24,6 +24,7 @@ __all__ = [
     "ModelDir",
     "read_model_dir",
     "mlx_architecture",
+    "rope_scalings",
     "text_config",
     "config_overrides",
 ]
@@ -78,15 +79,19 @@ def read_model_dir(model_path: str | Path) -> ModelDir:
     return ModelDir(path, config, architecture)
 
 
+def rope_scalings(config: dict[str, Any]) -> list[tuple[str | None, dict[str, Any]]]:
+    """The text model's RoPE entries (transformers 5's ``rope_parameters``, the legacy ``rope_scaling``) with their
+    type (``rope_type``, else the legacy ``type``)."""
+    inner = text_config(config)
+    entries = (inner.get("rope_parameters"), inner.get("rope_scaling"))
+    return [(entry.get("rope_type", entry.get("type")), entry) for entry in entries if isinstance(entry, dict)]
+
+
 def _check_rope(config: dict[str, Any]) -> None:
     """ModelLoadError for longrope (Phi-3 style) RoPE whose short and long factors differ: mlx_lm applies the long
     factors at every position, where transformers uses the short ones within ``original_max_position_embeddings``,
     so even a short prompt gets other tokens than transformers'."""
-    inner = text_config(config)
-    for entry in (inner.get("rope_parameters"), inner.get("rope_scaling")):
-        if not isinstance(entry, dict):
-            continue
-        kind = entry.get("rope_type", entry.get("type"))
+    for kind, entry in rope_scalings(config):
         if kind in ("longrope", "su") and entry.get("short_factor") != entry.get("long_factor"):
             raise ModelLoadError(
                 f"{config['model_type']} checkpoint with {kind} RoPE: mlx_lm applies its long_factor at every "
@@ -115,18 +120,16 @@ def _check_sliding_window(config: dict[str, Any], architecture: str) -> None:
         raise ModelLoadError(
             f"{config['model_type']} checkpoint with sliding_window=1: {WINDOW_OF_ONE}")
     if (not isinstance(window, int) or isinstance(window, bool) or inner.get("use_sliding_window") is False
-            or not sliding):
-        return
-    if architecture != "llama" and window < int(inner.get("max_position_embeddings") or window + 1) and not any(
-            _module_windows(str(name)) for name in (architecture, inner.get("model_type")) if name):  # a wrapper's
-        # text model (gemma4 -> gemma4_text) is where the window lives
-        raise ModelLoadError(
-            f"{config['model_type']} checkpoint with sliding_window={window}: mlx_lm's {architecture!r} module "
-            "applies no sliding window, so every layer would attend to the whole context (other tokens than "
-            "transformers' past the window); use BACKEND=hf")
-    if architecture != "llama" or "layer_types" in inner:
-        return
-    if window < int(inner.get("max_position_embeddings") or window + 1):
+            or not sliding or window >= int(inner.get("max_position_embeddings") or window + 1)):
+        return  # no window that is narrower than the context
+    if architecture != "llama":
+        # a wrapper's text model (gemma4 -> gemma4_text) is where the window lives
+        if not any(_module_windows(str(name)) for name in (architecture, inner.get("model_type")) if name):
+            raise ModelLoadError(
+                f"{config['model_type']} checkpoint with sliding_window={window}: mlx_lm's {architecture!r} module "
+                "applies no sliding window, so every layer would attend to the whole context (other tokens than "
+                "transformers' past the window); use BACKEND=hf")
+    elif "layer_types" not in inner:
         raise ModelLoadError(
             f"{config['model_type']} checkpoint with sliding_window={window}: mlx_lm's llama module applies a "
             "window only to the layers config.json's layer_types names, and this config has none, so every layer "
@@ -136,14 +139,9 @@ def _check_sliding_window(config: dict[str, Any], architecture: str) -> None:
 def _module_windows(name: str) -> bool:
     """Whether mlx_lm's ``models/<name>.py`` implements a sliding window (it names one: ``sliding_window`` or the
     rotating cache), read without importing it."""
-    spec = importlib.util.find_spec("mlx_lm")
-    roots = spec.submodule_search_locations if spec is not None and spec.submodule_search_locations else []
-    for root in roots:
-        module = Path(root) / "models" / f"{name}.py"
-        if module.is_file():
-            text = module.read_text(errors="replace")
-            return "sliding_window" in text or "RotatingKVCache" in text
-    return False
+    module = _mlx_lm_module_file(name)
+    text = module.read_text(errors="replace") if module is not None else ""
+    return "sliding_window" in text or "RotatingKVCache" in text
 
 
 def mlx_architecture(config: dict[str, Any]) -> str:
@@ -166,14 +164,20 @@ def mlx_architecture(config: dict[str, Any]) -> str:
     return architecture
 
 
-def _has_mlx_lm_module(name: str) -> bool:
-    """Whether ``mlx_lm/models/<name>.py`` exists, found without importing mlx_lm."""
+def _mlx_lm_module_file(name: str) -> Path | None:
+    """``mlx_lm/models/<name>.py`` if it exists, found without importing mlx_lm. Raises ModelLoadError when mlx_lm
+    is not installed."""
     if not name.isidentifier():
-        return False
+        return None
     spec = importlib.util.find_spec("mlx_lm")
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError('mlx_lm is not installed: pip install "gemmaserve[mlx]"')
-    return any((Path(root) / "models" / f"{name}.py").is_file() for root in spec.submodule_search_locations)
+    files = (Path(root) / "models" / f"{name}.py" for root in spec.submodule_search_locations)
+    return next((file for file in files if file.is_file()), None)
+
+
+def _has_mlx_lm_module(name: str) -> bool:
+    return _mlx_lm_module_file(name) is not None
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:

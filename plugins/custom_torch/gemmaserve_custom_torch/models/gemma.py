@@ -541,10 +541,11 @@ class GemmaForCausalLM(nn.Module):
                 with safe_open(file, framework="pt", device=str(device)) as f:
                     for key in keys:
                         local = wanted[key]
-                        if (local in whole and not local.endswith(".weight_scale")  # stored [N, 1], held [N]
-                                and tuple(f.get_slice(key).get_shape()) != tuple(whole[local])):
-                            wrong_whole.append((local, tuple(f.get_slice(key).get_shape()), tuple(whole[local])))
-                            continue
+                        if local in whole and not local.endswith(".weight_scale"):  # stored [N, 1], held [N]
+                            stored = tuple(f.get_slice(key).get_shape())
+                            if stored != tuple(whole[local]):
+                                wrong_whole.append((local, stored, tuple(whole[local])))
+                                continue
                         shard = (shard_for(local, config, tp.rank, tp.world_size, tp.expert_parallel) if tp.enabled
                                  else None)
                         if local.endswith(".weight_scale"):
