@@ -404,15 +404,13 @@ def test_a_triggered_constraint_rolls_back_and_copies_like_a_replay(encoding_voc
         assert [bytes(view) for view in start_masks(rows, overlap=overlap).result()] == expected
 
 
-def test_strict_tools_under_auto_need_a_trigger_token(encoding_vocabulary) -> None:
-    """The json parser has no opening token: strict under auto is refused with what to do instead; a trigger that is
-    not one token, or that the grammar does not begin with, is refused when compiled."""
+def test_a_trigger_must_be_one_token_the_grammar_begins_with(encoding_vocabulary) -> None:
+    """A trigger that is not one token, or that the grammar does not begin with, is refused when compiled; tools
+    without strict put no constraint under auto, whatever the parser."""
     from gemmaserve.structured import StructuredOutputs
 
-    tools = [{"name": "f", "strict": True, "parameters": {"type": "object"}}]
-    with pytest.raises(InvalidRequestError, match="tool_choice \"required\""):
-        strict_calls_constraint(tools, "json")
-    assert strict_calls_constraint([{"name": "f", "strict": False}], "json") is None
+    for parser in ("json", "gemma4"):
+        assert strict_calls_constraint([{"name": "f", "strict": False}, {"name": "g"}], parser) is None
     compiler = GrammarCompiler(encoding_vocabulary, 512, [1])
     with pytest.raises(InvalidRequestError, match="exactly one token"):
         compiler.compile(StructuredOutputs(regex="ab+", trigger="abcdefgh zzz"))
@@ -483,3 +481,94 @@ def test_a_key_ending_in_a_separator_control_character_is_read_as_written() -> N
     parser = Gemma4ToolParser()
     calls = parser.feed("<|tool_call>call:f{o:{a\x1c:1}}<tool_call|>").calls + parser.finish().calls
     assert json.loads(calls[0].arguments) == {"o": {"a\x1c": 1}}
+
+
+_WEATHER = {"type": "object", "required": ["city"], "additionalProperties": False,
+            "properties": {"city": {"type": "string", "maxLength": 5}, "unit": {"enum": ["c", "f"]}}}
+
+
+def test_strict_tools_under_auto_with_the_json_parser_hold_whole_replies(encoding_vocabulary) -> None:
+    """The json parser reads a reply starting (after blanks) with ``{``, ``[`` or a code fence as calls, so strict
+    tools under auto constrain the whole reply: text that does not start so is free, a call (bare, after blanks
+    or fenced) follows the strict schema and any object for a non-strict function, a list only with parallel calls,
+    and a JSON reply that is not a call cannot be written."""
+    vocabulary = encoding_vocabulary
+    compiler = GrammarCompiler(vocabulary, 512, [1])
+    tools = [{"name": "weather", "strict": True, "parameters": _WEATHER},
+             {"name": "clock", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}]
+    call = '{"name":"weather","arguments":{"city":"Oslo","unit":"c"}}'
+    free = '{"name":"clock","arguments":{"anything":[1,{"b":null}]}}'
+    for parallel in (True, False):
+        spec = strict_calls_constraint(tools, "json", parallel)
+        accepted = ["It is sunny in Oslo.", "", "  ", "`x` is a name", "``y``", "\n\tok { then } [x]", call,
+                    "\n " + call, free, f"```json\n{call}\n```", f"\n\n```\n{free}\n```"]
+        refused = ['{"answer":4}', " [1,2]", '{"name":"weather","arguments":{"city":"Stockholm"}}',
+                   '{"name":"weather","arguments":{"town":"Oslo"}}', '{"name":"nope","arguments":{}}',
+                   '{"name":"weather","arguments":{"city":"Oslo"}} more', "```\nplain fenced text\n```",
+                   '{ "name":"clock","arguments":{}}']
+        if parallel:
+            accepted += [f"[{call},{free}]", f"```json\n[{call}]\n```"]
+        else:
+            refused += [f"[{call}]"]
+        for text in accepted:
+            assert _walk_accepts(compiler, spec, text, vocabulary), (parallel, text)
+        for text in refused:
+            assert not _walk_accepts(compiler, spec, text, vocabulary), (parallel, text)
+        done = compiler.compile(spec)  # a call ends the reply
+        for token in vocabulary.encode(call, add_special_tokens=False):
+            done.accept(token)
+        assert done.is_complete
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
+                                                                                     HealthCheck.function_scoped_fixture])
+@given(schemas=st.lists(_parameters, min_size=1, max_size=3), strict=st.lists(st.booleans(), min_size=3, max_size=3),
+       parallel=st.booleans(), opening=st.sampled_from(["{", "[", "```json\n", " \n{", "\n```\n[", "", "`", "x"]),
+       seed=st.integers(0, 2**20))
+def test_json_strict_replies_are_text_or_valid_calls(encoding_vocabulary, schemas, strict, parallel, opening,
+                                                     seed) -> None:
+    """A walk through the json parser's strict-under-auto constraint (any allowed token, after an opening the walk
+    tries to write first) ends in a reply the parser reads either as text that does not start like a call, or as
+    calls (one unless ``parallel``) of offered functions whose strict ones' arguments validate."""
+    assume(any(strict[:len(schemas)]))
+    vocabulary = encoding_vocabulary
+    tools = [{"name": f"fn{i}", "parameters": schema, "strict": flag} for i, (schema, flag) in
+             enumerate(zip(schemas, strict))]
+    constraint = GrammarCompiler(vocabulary, 512, [1]).compile(strict_calls_constraint(tools, "json", parallel))
+    rng = random.Random(seed)
+    tokens: list[int] = []
+    planned = vocabulary.encode(opening, add_special_tokens=False) if opening else []
+    ended = False
+    for step in range(400):
+        allowed = _allowed_ids(constraint.allowed())
+        if step < len(planned) and planned[step] in allowed:
+            token = planned[step]
+        else:  # EOS now and then where it is allowed (free text would rarely end otherwise)
+            token = 1 if 1 in allowed and rng.random() < 0.05 else rng.choice(allowed)
+        if token == 1:
+            ended = True
+            break
+        tokens.append(token)
+        if constraint.accept(token):
+            ended = True
+            break
+    assume(ended)  # a walk through unbounded text, numbers or lists may not end in 400 tokens
+    text = vocabulary.tokenizer.decode(tokens, skip_special_tokens=False)
+    reader = JsonToolParser()
+    out = reader.feed(text)
+    rest = reader.finish()
+    calls = out.calls + rest.calls
+    opened = text.lstrip().startswith(("{", "[", "```"))
+    assert bool(calls) == opened, text
+    if not opened:
+        assert out.content + rest.content == text
+        return
+    assert not (out.content + rest.content).strip(), text
+    assert parallel or len(calls) == 1
+    offered = {tool["name"]: tool for tool in tools}
+    for call in calls:
+        assert call.name in offered
+        arguments = json.loads(call.arguments)
+        assert isinstance(arguments, dict)
+        if offered[call.name]["strict"]:
+            jsonschema.validate(arguments, offered[call.name]["parameters"])

@@ -151,7 +151,8 @@ def _tool_constraint(body: ChatCompletionRequest, mode: str | None, parser: str,
     try:
         if forced:
             return tool_call_constraint(functions, name, parser, body.parallel_tool_calls is not False)
-        constraint = strict_calls_constraint(functions, parser) if mode == "auto" else None
+        constraint = (strict_calls_constraint(functions, parser, body.parallel_tool_calls is not False)
+                      if mode == "auto" else None)
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param="tools", code="invalid_value") from None
     if constraint is not None and constrained:

@@ -60,38 +60,66 @@ def tool_call_constraint(tools: Sequence[Mapping[str, Any]], name: str | None, p
     offered = [tool for tool in tools if name is None or tool["name"] == name]
     many = parallel and name is None
     if parser == "json":
-        root = "#/items" if many else "#"
-        definitions: dict[str, Any] = {}
-        one = []
-        for index, tool in enumerate(offered):
-            where = f"{root}/anyOf/{index}" if len(offered) > 1 else root
-            arguments = _rebased(tool.get("parameters") or {}, f"{where}/properties/arguments", f"t{index}_",
-                                 definitions)
-            one.append({"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                        "properties": {"name": {"const": tool["name"]}, "arguments": {**arguments, "type": "object"}}})
-        # the parsers take only an object as a call's arguments
-        call: dict[str, Any] = one[0] if len(one) == 1 else {"anyOf": one}
-        schema = {"type": "array", "minItems": 1, "items": call} if many else call
-        return StructuredOutputs(json={**schema, "$defs": definitions} if definitions else schema)
+        return StructuredOutputs(json=_json_calls_schema(offered, many, strict_only=False))
     return StructuredOutputs(grammar=_gemma4_calls(offered, "call+" if many else "call", strict_only=False))
 
 
-def strict_calls_constraint(tools: Sequence[Mapping[str, Any]], parser: str) -> StructuredOutputs | None:
+def strict_calls_constraint(tools: Sequence[Mapping[str, Any]], parser: str,
+                            parallel: bool = True) -> StructuredOutputs | None:
     """``tool_choice: "auto"`` with ``strict: true`` on some of ``tools`` (OpenAI's ``function`` objects): a
-    constraint that leaves the reply free until it opens a call (Gemma 4's ``<|tool_call>`` token, the
-    constraint's trigger) and then holds the call to the offered functions, a strict function's arguments to its
-    ``parameters`` (as a forced call's are) and any other function's to any object; after the call the reply is
-    free again. None when no tool is strict. Raises InvalidRequestError for the ``json`` parser, whose calls have
-    no opening token to trigger on, and as :func:`tool_call_constraint` does."""
+    constraint that holds every call the reply makes to the offered functions, a strict function's arguments to
+    its ``parameters`` (as a forced call's are) and any other function's to any object, and leaves text free.
+    None when no tool is strict. Raises as :func:`tool_call_constraint` does.
+
+    - ``gemma4``: the reply is free until it opens a call (the ``<|tool_call>`` token, the constraint's trigger);
+      after the call it is free again.
+    - ``json``: the parser takes a reply that starts (after blanks) with ``{``, ``[`` or a code fence for a call,
+      so the constraint is on the whole reply: text that does not start so, or one call (or, if ``parallel``, a
+      list of calls), bare or in one code fence."""
     if not any(tool.get("strict") is True for tool in tools):
         return None
-    if parser != "gemma4":
-        raise InvalidRequestError(
-            f"tools[].function.strict: true under tool_choice \"auto\" is enforced with the gemma4 tool-call parser "
-            f"(a call opens with its {GEMMA4_CALL_OPEN} token); this model's parser is {parser!r}, whose calls "
-            "cannot be told from text until they end. Use tool_choice \"required\" or a named function (the "
-            "arguments are then always held to the schema), or leave strict unset")
+    if parser == "json":
+        forms = [False, True] if parallel else [False]  # one call; a list of calls
+        schemas = [{**_json_calls_schema(tools, many, strict_only=True), **_COMPACT} for many in forms]
+        calls = " | ".join(f"%json {json.dumps(schema)}" for schema in schemas)
+        return StructuredOutputs(grammar=_JSON_REPLY.replace("CALLS", calls))
     return StructuredOutputs(grammar=_gemma4_calls(tools, "call", strict_only=True), trigger=GEMMA4_CALL_OPEN)
+
+
+_COMPACT = {"x-guidance": {"whitespace_flexible": False}}
+"""JSON without free whitespace between tokens, as every other JSON constraint (structured/grammar.py)."""
+
+_JSON_REPLY = r"""start: TEXT | BLANK? calls | FENCE calls "\n```"
+TEXT: /(?s:.*)/ & ~/[ \t\r\n]*(\{|\[|```)(?s:.*)/
+BLANK: /[ \t\r\n]+/
+FENCE: /[ \t\r\n]*```[a-zA-Z_]*\n/
+calls: CALLS
+"""
+"""Lark: a reply the json parser reads as text (it does not start with ``{``, ``[`` or a code fence after blanks),
+or as calls (CALLS: the alternatives of the calls' JSON schemas). The fence's opening is one lexeme with the blanks
+before it: a blank lexeme there would end where text could go on (`` `x` `` is text), and llguidance's lexer keeps
+the longer match."""
+
+
+def _json_calls_schema(offered: Sequence[Mapping[str, Any]], many: bool, strict_only: bool) -> dict[str, Any]:
+    """The JSON schema of a call of the json parser (``{"name": <one of the offered names>, "arguments": <that
+    function's parameters>}``; with ``strict_only``, only a function marked ``strict: true`` has its arguments held
+    to its parameters, the others to any object), a list of one or more calls if ``many``."""
+    root = "#/items" if many else "#"
+    definitions: dict[str, Any] = {}
+    one = []
+    for index, tool in enumerate(offered):
+        where = f"{root}/anyOf/{index}" if len(offered) > 1 else root
+        parameters = tool.get("parameters") or {}
+        if strict_only and tool.get("strict") is not True:
+            parameters = {}
+        arguments = _rebased(parameters, f"{where}/properties/arguments", f"t{index}_", definitions)
+        one.append({"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                    "properties": {"name": {"const": tool["name"]}, "arguments": {**arguments, "type": "object"}}})
+    # the parsers take only an object as a call's arguments
+    call: dict[str, Any] = one[0] if len(one) == 1 else {"anyOf": one}
+    schema = {"type": "array", "minItems": 1, "items": call} if many else call
+    return {**schema, "$defs": definitions} if definitions else schema
 
 
 def _gemma4_calls(offered: Sequence[Mapping[str, Any]], start: str, strict_only: bool) -> str:
