@@ -5,7 +5,8 @@ split a UTF-8 character, and tokenizers merge spaces. :class:`IncrementalDetoken
 small sliding window of recent tokens (optionally seeded with the prompt's last tokens, so a
 leading space of the first output token survives) and appends only the new, stable text; a
 trailing U+FFFD (an unfinished character) waits for the next token, the text before it does not.
-Cost per token is constant.
+Cost per token is constant: a run of more than ``_MAX_PENDING_TOKENS`` tokens that decode to nothing leaves the
+window, and a longer run ending in U+FFFD (invalid bytes) is taken as it decodes.
 
 With stop strings it holds back any tail that could still become a stop string, so a stop string
 is never emitted (unless ``include_stop_str``: then it is, and nothing is held back); the earliest match over all
@@ -28,6 +29,11 @@ __all__ = ["IncrementalDetokenizer", "DetokenizedDelta", "StopPrefixMatcher", "d
 
 _REPLACEMENT = "\ufffd"
 _PROMPT_CONTEXT_TOKENS = 5
+_MAX_PENDING_TOKENS = 16
+"""Tokens the window waits on before their text is taken as it decodes: a UTF-8 character is at most 4 bytes, so a
+longer run that decodes to nothing (skipped special tokens) or ends in U+FFFD at every step (bytes no character can
+finish) would otherwise grow the window, and the cost of every later token with it (quadratic: a client could ask
+for thousands of one byte token through ``logit_bias``)."""
 
 
 def hides_stop_token(output: RequestOutput | None, params: SamplingParams) -> bool:
@@ -139,8 +145,9 @@ class IncrementalDetokenizer:
         self.stop_string: str | None = None
         self._ids: list[int] = self._context(prompt_ids)
         self._num_context = len(self._ids)
+        self._window = list(self._ids)  # the tokens decoded together: _ids less runs that decoded to nothing
         self._prefix_offset = 0  # the window starts here...
-        self._read_offset = len(self._ids)  # ...and its text up to here is already in _decoded
+        self._read_offset = len(self._window)  # ...and its text up to here is already in _decoded
         self._decoded = ""  # output text up to _read_offset (may still contain a stop string)
         self._partial = ""  # text after _read_offset that precedes an unfinished character
         self._min_floor = 0  # the text of the first min_tokens output tokens: a stop string must end past it
@@ -165,6 +172,7 @@ class IncrementalDetokenizer:
         if len(new_token_ids) > 1 and self.stop:  # the first stop string to complete wins, however tokens arrive
             return self._add_each(new_token_ids)[1]
         self._ids.extend(new_token_ids)
+        self._window.extend(new_token_ids)
         self._decode_window(final=False)
         if len(self._ids) - self._num_context <= self.min_tokens:
             self._min_floor = len(self._decoded) + len(self._partial)  # a stop string must end after this
@@ -221,24 +229,44 @@ class IncrementalDetokenizer:
         return [] if self._decode(context).endswith(_REPLACEMENT) else context
 
     def _decode_window(self, *, final: bool) -> None:
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        new_text = self._decode(self._ids[self._prefix_offset :])
+        window = self._window
+        prefix_text = self._decode(window[self._prefix_offset : self._read_offset])
+        new_text = self._decode(window[self._prefix_offset :])
         new = new_text[len(prefix_text) :]
         if final and new.endswith(_REPLACEMENT):
             # the whole characters before an unfinished one, then one U+FFFD for it (a byte-fallback decoder turns
-            # the bytes of a run that ends unfinished into one U+FFFD per byte, whole characters included)
-            for end in range(len(self._ids) - 1, self._read_offset - 1, -1):
-                whole = self._decode(self._ids[self._prefix_offset : end])
+            # the bytes of a run that ends unfinished into one U+FFFD per byte, whole characters included); the
+            # character is at most 4 bytes, so it began in one of the last 4 tokens
+            for end in range(len(window) - 1, max(self._read_offset, len(window) - 4) - 1, -1):
+                whole = self._decode(window[self._prefix_offset : end])
                 if not whole.endswith(_REPLACEMENT):
                     break
             new = whole[len(prefix_text) :] + _REPLACEMENT
+        pending = len(window) - self._read_offset
         if new and (final or not new.endswith(_REPLACEMENT)):
-            self._decoded += new
+            self._advance(new, len(window))
             self._partial = ""
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self._ids)
+        elif pending > _MAX_PENDING_TOKENS and new:
+            # many tokens, every step ending inside a character: the text up to the last character boundary among
+            # the last 4 tokens is final (valid UTF-8 has one there); with none (invalid bytes) the text before the
+            # last 4 tokens, where a character that could still finish began, is taken as it decodes
+            for cut in range(len(window) - 1, len(window) - 5, -1):
+                cut_text = self._decode(window[self._prefix_offset : cut])
+                if not cut_text.endswith(_REPLACEMENT):
+                    break
+            self._advance(cut_text[len(prefix_text) :], cut)
+            self._partial = new_text[len(cut_text) :].rstrip(_REPLACEMENT)
+        elif pending > _MAX_PENDING_TOKENS:  # nothing to show (skipped special tokens): out of the window
+            del window[self._read_offset :]
+            self._partial = ""
         else:  # more bytes only finish the trailing character: the text before it is final
             self._partial = new.rstrip(_REPLACEMENT)
+
+    def _advance(self, text: str, read_offset: int) -> None:
+        """``text`` (the window's tokens up to ``read_offset``) is final: the window moves on past it."""
+        self._decoded += text
+        self._prefix_offset = self._read_offset
+        self._read_offset = read_offset
 
     def _release(self, *, final: bool) -> DetokenizedDelta:
         full = self._decoded + self._partial

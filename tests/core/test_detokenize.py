@@ -225,3 +225,56 @@ def test_a_long_stop_string_the_text_keeps_matching_costs_linear_work() -> None:
     (matcher,) = detok._matchers
     assert matcher.state == 2_000 and len(matcher._borders) <= 2_001
     assert isinstance(matcher, StopPrefixMatcher)
+
+
+class _CountingTokenizer(FusingByteTokenizer):
+    """One token per byte plus a hidden special token 301 (decodes to nothing), counting the ids it decodes;
+    ``fusing``: decoded as FusingByteTokenizer does, else each invalid byte is one U+FFFD."""
+
+    def __init__(self, fusing: bool = True) -> None:
+        self.decoded = 0
+        self.fusing = fusing
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        self.decoded += len(token_ids)
+        kept = [token for token in token_ids if token != 301]
+        return super().decode(kept) if self.fusing else bytes(kept).decode("utf-8", errors="replace")
+
+
+def _streamed(tokenizer, ids: list[int], split: list[int]) -> str:
+    detok = IncrementalDetokenizer(tokenizer)
+    out, i, k = "", 0, 0
+    while i < len(ids):
+        step = split[k % len(split)]
+        out += detok.add(ids[i : i + step]).text
+        i, k = i + step, k + 1
+    return out + detok.flush()
+
+
+def test_long_runs_of_invisible_tokens_or_invalid_bytes_cost_linear_work() -> None:
+    """Thousands of tokens that decode to nothing (hidden special tokens) or end in U+FFFD at every step (a byte no
+    character can finish: a client can ask for them through logit_bias) cost each later token the same few
+    decoded tokens (the window used to grow: ~N^2 / 2 decoded ids); text around them comes out whole."""
+    count = 4000
+    for run, expected in (([301] * count, "ab"), ([0x80] * count, None)):
+        tokenizer = _CountingTokenizer(fusing=False)
+        out = _streamed(tokenizer, [*b"a", *run, *b"b"], [1])
+        assert tokenizer.decoded < 60 * count, tokenizer.decoded
+        if expected is not None:
+            assert out == expected
+        else:  # one U+FFFD per invalid byte, the text around them kept
+            assert out.startswith("a") and out.endswith("b") and set(out[1:-1]) == {"\ufffd"}
+            assert len(out) - 2 >= count - 4
+
+
+@settings(max_examples=200, deadline=None)
+@given(pieces=st.lists(st.one_of(st.text(alphabet="ab é€𓀀", min_size=1, max_size=6),
+                                 st.integers(17, 40).map(lambda n: [301] * n)), max_size=8),
+       split=st.lists(st.integers(1, 7), min_size=1, max_size=10))
+def test_valid_text_survives_long_pending_runs_however_it_is_grouped(pieces, split) -> None:
+    """Runs of more than the window's pending limit (hidden special tokens, or steps that keep ending inside a
+    character because of how the tokens are grouped) leave valid text exactly as decoding it whole gives it."""
+    ids = [token for piece in pieces for token in (piece if isinstance(piece, list) else list(piece.encode()))]
+    expected = "".join(piece for piece in pieces if isinstance(piece, str))
+    assert _streamed(_CountingTokenizer(), ids, split) == expected
+    assert _streamed(_CountingTokenizer(), ids, [max(1, len(ids))]) == expected
