@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -23,6 +24,7 @@ from gemmaserve.tools import (  # noqa: E402
     strict_calls_constraint,
     tool_call_constraint,
 )
+from gemmaserve.tools.constraints import _JSON_OPENING  # noqa: E402
 
 
 class _Vocabulary:
@@ -488,10 +490,10 @@ _WEATHER = {"type": "object", "required": ["city"], "additionalProperties": Fals
 
 
 def test_strict_tools_under_auto_with_the_json_parser_hold_whole_replies(encoding_vocabulary) -> None:
-    """The json parser reads a reply starting (after blanks) with ``{``, ``[`` or a code fence as calls, so strict
-    tools under auto constrain the whole reply: text that does not start so is free, a call (bare, after blanks
-    or fenced) follows the strict schema and any object for a non-strict function, a list only with parallel calls,
-    and a JSON reply that is not a call cannot be written."""
+    """The json parser reads a reply opening (after JSON blanks) with ``{``, a list of objects or a code fence
+    around either as calls, so strict tools under auto hold such a reply to one call (a list only with parallel
+    calls) of the strict schema, any object for a non-strict function; any other reply is free once its opening
+    rules calls out (code fences, ``[1]``, a Unicode space first: text to the parser too)."""
     vocabulary = encoding_vocabulary
     compiler = GrammarCompiler(vocabulary, 512, [1])
     tools = [{"name": "weather", "strict": True, "parameters": _WEATHER},
@@ -501,17 +503,23 @@ def test_strict_tools_under_auto_with_the_json_parser_hold_whole_replies(encodin
     for parallel in (True, False):
         spec = strict_calls_constraint(tools, "json", parallel)
         accepted = ["It is sunny in Oslo.", "", "  ", "`x` is a name", "``y``", "\n\tok { then } [x]", call,
-                    "\n " + call, free, f"```json\n{call}\n```", f"\n\n```\n{free}\n```"]
-        refused = ['{"answer":4}', " [1,2]", '{"name":"weather","arguments":{"city":"Stockholm"}}',
+                    "\n " + call, free, f"```json\n{call}\n```", f"\n\n```\n{free}\n```", f"```json{call}```",
+                    "```\nplain fenced text\n```", "```python\nprint([1])\n```", " [1,2]", "[[1]]",
+                    "\u00a0" + call, "\u2028```json\n{}\n```"]
+        refused = ['{"answer":4}', '{"name":"weather","arguments":{"city":"Stockholm"}}',
                    '{"name":"weather","arguments":{"town":"Oslo"}}', '{"name":"nope","arguments":{}}',
-                   '{"name":"weather","arguments":{"city":"Oslo"}} more', "```\nplain fenced text\n```",
-                   '{ "name":"clock","arguments":{}}']
+                   '{"name":"weather","arguments":{"city":"Oslo"}} more', '{ "name":"clock","arguments":{}}',
+                   f"[ {call}]", f"```\n[\n{call}]\n```", f"```json\n{call}\n``` and more"]
         if parallel:
-            accepted += [f"[{call},{free}]", f"```json\n[{call}]\n```"]
+            accepted += [f"[{call},{free}]", f"```json\n[{call}]\n```", f"  [{free}]"]
         else:
-            refused += [f"[{call}]"]
+            refused += [f"[{call}]", f"```json\n[{call}]\n```"]
         for text in accepted:
             assert _walk_accepts(compiler, spec, text, vocabulary), (parallel, text)
+            reader = JsonToolParser()
+            got = reader.feed(text).calls + reader.finish().calls
+            assert bool(got) == text.lstrip(" \t\r\n").startswith(("{", "[{", "```json\n{", "```json{",
+                                                                       "```\n{", "```json\n[")), (parallel, text)
         for text in refused:
             assert not _walk_accepts(compiler, spec, text, vocabulary), (parallel, text)
         done = compiler.compile(spec)  # a call ends the reply
@@ -520,15 +528,42 @@ def test_strict_tools_under_auto_with_the_json_parser_hold_whole_replies(encodin
         assert done.is_complete
 
 
+def test_json_strict_replies_decide_early_and_then_leave_text_free(encoding_vocabulary) -> None:
+    """Before the opening is decided, special tokens the text does not show may come (an end-of-turn ends an
+    empty reply) and are not text; once text rules calls out every token is allowed; advances roll back."""
+    vocabulary = encoding_vocabulary
+    compiler = GrammarCompiler(vocabulary, 512, [1])
+    spec = strict_calls_constraint([{"name": "f", "strict": True, "parameters": _WEATHER}], "json", True)
+    constraint = compiler.compile(spec)
+    hidden = [t for t in _allowed_ids(constraint.allowed()) if not vocabulary.tokenizer.decode([t])]
+    assert 1 in hidden and vocabulary.encode("<|tool_call>", add_special_tokens=False)[0] in hidden
+    for token in hidden[:3]:
+        assert constraint.accept(token) is False and constraint.phase == "open"
+    for token in vocabulary.encode("  ", add_special_tokens=False):
+        constraint.accept(token)
+    assert constraint.phase == "open"
+    twin = constraint.copy()
+    for token in vocabulary.encode("ok", add_special_tokens=False):
+        constraint.accept(token)
+    assert constraint.phase == "free" and _allowed_ids(constraint.allowed()) == list(range(512))
+    for _ in vocabulary.encode("ok", add_special_tokens=False):
+        constraint.rollback()
+    assert constraint.phase == "open"
+    assert bytes(constraint.allowed()) == bytes(twin.allowed())
+    token = vocabulary.encode("{", add_special_tokens=False)[0]
+    assert twin.accept(token) is False and twin.phase == "held"
+    assert not set(hidden) & set(_allowed_ids(twin.allowed()))  # inside a call, only the call's tokens
+    twin.rollback()
+    assert twin.phase == "open"
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
                                                                                      HealthCheck.function_scoped_fixture])
 @given(schemas=st.lists(_parameters, min_size=1, max_size=3), strict=st.lists(st.booleans(), min_size=3, max_size=3),
-       parallel=st.booleans(), opening=st.sampled_from(["{", "[", "```json\n", " \n{", "\n```\n[", "", "`", "x"]),
+       parallel=st.booleans(), opening=st.sampled_from(["{", "[{", "```json\n", " \n{", "\n```\n[{", "", "`", "x", "```py\n", "[1"]),
        seed=st.integers(0, 2**20))
 def test_json_strict_replies_are_text_or_valid_calls(encoding_vocabulary, schemas, strict, parallel, opening,
                                                      seed) -> None:
     """A walk through the json parser's strict-under-auto constraint (any allowed token, after an opening the walk
-    tries to write first) ends in a reply the parser reads either as text that does not start like a call, or as
+    tries to write first) ends in a reply the parser reads either as text that does not open like calls, or as
     calls (one unless ``parallel``) of offered functions whose strict ones' arguments validate."""
     assume(any(strict[:len(schemas)]))
     vocabulary = encoding_vocabulary
@@ -553,12 +588,12 @@ def test_json_strict_replies_are_text_or_valid_calls(encoding_vocabulary, schema
             ended = True
             break
     assume(ended)  # a walk through unbounded text, numbers or lists may not end in 400 tokens
-    text = vocabulary.tokenizer.decode(tokens, skip_special_tokens=False)
+    text = vocabulary.tokenizer.decode(tokens, skip_special_tokens=True)  # what the server shows the json parser
     reader = JsonToolParser()
     out = reader.feed(text)
     rest = reader.finish()
     calls = out.calls + rest.calls
-    opened = text.lstrip().startswith(("{", "[", "```"))
+    opened = re.match(_JSON_OPENING, text) is not None  # a reply the parser may read as calls
     assert bool(calls) == opened, text
     if not opened:
         assert out.content + rest.content == text

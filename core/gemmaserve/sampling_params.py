@@ -236,8 +236,8 @@ class SamplingParams:
         if self.min_tokens and self.structured_outputs is not None and self.structured_outputs.trigger is None:
             raise InvalidRequestError(
                 f"min_tokens ({self.min_tokens}) cannot be combined with an output constraint (structured_outputs, "
-                "response_format, a forced tool call): the constraint ends the output when it is complete, which "
-                "may come before min_tokens; drop one of them")
+                "response_format, a forced tool call, strict tools under the json tool parser): the constraint ends "
+                "the output when it is complete, which may come before min_tokens; drop one of them")
         if not _is_real(self.repetition_penalty) or not (
                 MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY):
             raise InvalidRequestError(

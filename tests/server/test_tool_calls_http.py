@@ -188,6 +188,23 @@ def test_offering_tools_shows_no_other_special_tokens(client) -> None:
     assert client.chat.completions.create(**shown).choices[0].message.content == "<|channel>thought<channel|>fine"
 
 
+def test_json_strict_tools_beside_a_reasoning_parser_are_refused(tool_checkpoint) -> None:
+    """With the json tool parser, strict tools under auto are decided by how the reply opens; a reasoning channel
+    first would hide that, so the combination is a 400 naming ``tools`` (the gemma4 parser's form is served)."""
+    from server_harness import custom_cpu_openai_client
+
+    strict = [{**WEATHER, "function": {**WEATHER["function"], "strict": True}}]
+    messages = [{"role": "user", "content": "what is the weather"}]
+    with custom_cpu_openai_client(tool_checkpoint, MODEL, reasoning_parser="gemma4",
+                                  tool_call_parser="json") as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=MODEL, messages=messages, tools=strict, max_tokens=4)
+        assert caught.value.body["param"] == "tools" and "reasoning" in caught.value.body["message"]
+        assert client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=4).choices
+    with custom_cpu_openai_client(tool_checkpoint, MODEL, reasoning_parser="gemma4") as client:
+        assert client.chat.completions.create(model=MODEL, messages=messages, tools=strict, max_tokens=4).choices
+
+
 @pytest.mark.parametrize("backend", ["hf", "mlx"])
 def test_tool_calls_on_the_other_backends(tool_checkpoint, backend) -> None:
     """The same required / named calls through hf and mlx (built as `gemmaserve serve` builds them)."""

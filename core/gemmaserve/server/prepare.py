@@ -116,6 +116,11 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, context_limi
     params = dataclasses.replace(params, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     constraint_field = body.constraint_field
     constraint = _tool_constraint(body, mode, parser or "json", params.structured_outputs is not None)
+    if constraint is not None and constraint.opening is not None and reasoning_parser:
+        raise APIError(400, "tools with strict: true under tool_choice \"auto\" with the json tool-call parser are "
+                       "decided by how the reply opens, which a reasoning channel before it would hide; turn the "
+                       "reasoning parser off, use the gemma4 tool-call parser, or leave strict unset",
+                       param="tools", code="invalid_value")
     if constraint is not None:
         try:
             params = dataclasses.replace(params, structured_outputs=constraint)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import functools
+import json
 import os
 import queue
 import re
@@ -67,6 +68,9 @@ class TokenConstraint:
         self.mask_bytes = mask_bytes
         """Length of one mask: the vocabulary in 32-bit words (llguidance's layout, little-endian)."""
 
+    _widens = False
+    """True for a constraint whose :meth:`_widen` adds tokens to the matcher's mask."""
+
     def allowed(self) -> bytes:
         """Bitmask of the tokens that may come next (``RowSampling.allowed``'s layout). Raises ConstraintError
         when the grammar is in an error state or allows no token at all."""
@@ -74,6 +78,10 @@ class TokenConstraint:
         if matcher is None:
             return self._unconstrained()
         mask = matcher.compute_bitmask()[:self.mask_bytes]
+        if self._widens:
+            mask = bytearray(mask)
+            self._widen(mask)
+            mask = bytes(mask)
         if self._cannot_continue(mask):
             raise self._stuck()
         return mask
@@ -86,6 +94,9 @@ class TokenConstraint:
     def _unconstrained(self) -> bytes:
         """The mask that allows every token of the vocabulary (for :meth:`_mask_matcher` None)."""
         raise NotImplementedError("a constraint without a matcher must say what it allows")
+
+    def _widen(self, mask: Any) -> None:
+        """Add tokens to the matcher's ``mask`` (a writable buffer, changed in place); only with :attr:`_widens`."""
 
     def _cannot_continue(self, mask: bytes | memoryview) -> bool:
         """True when the grammar is in an error state or ``mask`` (``mask_bytes`` long) allows nothing (compared
@@ -299,6 +310,9 @@ class MaskBatch:
             self._done.wait()
         if self._error is not None:
             raise self._error
+        for constraint, view in zip(self._constraints, self.views):
+            if constraint._widens:
+                constraint._widen(view)
         return [constraint._stuck() if constraint._cannot_continue(view) else view
                 for constraint, view in zip(self._constraints, self.views)]
 
@@ -376,6 +390,7 @@ class GrammarCompiler:
         self._mask_bytes = 0
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._triggers: dict[str, int] = {}  # trigger text -> its token id (a handful of texts per server)
+        self._invisible: bytes | None = None  # see _invisible_mask
         self._refused: OrderedDict[str, str] = OrderedDict()  # constraint key -> the InvalidRequestError text
 
     @staticmethod
@@ -423,6 +438,12 @@ class GrammarCompiler:
         :class:`~gemmaserve.structured.triggered.TriggeredConstraint`; InvalidRequestError unless the trigger is one
         token of the vocabulary that the constraint accepts first."""
         template = self.prepare(spec)
+        if spec.opening is not None:
+            from .opening import OpeningConstraint
+
+            opening = self.prepare(StructuredOutputs(regex=f"(?:{spec.opening})(?s:.*)"))
+            return OpeningConstraint(template.deep_copy(), opening.deep_copy(), self._invisible_mask(), spec.kind,
+                                     self._mask_bytes, self._vocab_size)
         if spec.trigger is None:
             return TokenConstraint(template.deep_copy(), spec.kind, self._mask_bytes)
         from .triggered import TriggeredConstraint
@@ -432,6 +453,18 @@ class GrammarCompiler:
             raise InvalidRequestError(f"structured_outputs.trigger {spec.trigger!r} is not the first token the "
                                       f"{spec.kind} constraint allows; the constraint must begin with its trigger")
         return TriggeredConstraint(template, trigger_id, spec.kind, self._mask_bytes, self._vocab_size)
+
+    def _invisible_mask(self) -> bytes:
+        """The mask of the vocabulary's special tokens that decoded text does not show (tokenizer.json's added
+        tokens marked ``special``, which ``skip_special_tokens`` drops), built once."""
+        with self._lock:
+            if self._invisible is None:
+                ids = [i for i in _hidden_special_ids(self._tokenizer.tokenizer_json()) if 0 <= i < self._vocab_size]
+                bits = 0
+                for token in ids:
+                    bits |= 1 << token
+                self._invisible = bits.to_bytes(self._mask_bytes, "little")
+            return self._invisible
 
     def _trigger_id(self, text: str) -> int:
         """The id of the one token ``text`` is (tokenized once per text); InvalidRequestError when the vocabulary
@@ -611,6 +644,21 @@ def _ll_tokenizer(text: str, vocab_size: int, eos_token_ids: tuple[int, ...]) ->
 
 
 @functools.lru_cache(maxsize=4)
+def _hidden_special_ids(tokenizer_json: str) -> list[int]:
+    """The ids of tokenizer.json's added tokens marked ``special`` (its ``added_tokens`` list is read alone: the
+    whole file is tens of megabytes for a large vocabulary)."""
+    at = tokenizer_json.find('"added_tokens"')
+    start = tokenizer_json.find("[", at) if at >= 0 else -1
+    if start < 0:
+        return []
+    try:
+        tokens, _ = json.JSONDecoder().raw_decode(tokenizer_json, start)
+    except ValueError:
+        return []
+    return [int(t["id"]) for t in tokens if isinstance(t, dict) and t.get("special") is True
+            and isinstance(t.get("id"), int)]
+
+
 def _special_ids(vocabulary: Any) -> tuple[int, ...]:
     """``vocabulary``'s special token ids (LLTokenizers are immutable: read once)."""
     return tuple(i for i in range(vocabulary.vocab_size) if vocabulary.is_special_token(i))

@@ -40,7 +40,13 @@ class StructuredOutputs:
     such as Gemma 4's ``<|tool_call>``) that the constraint must begin with. The output is then free until that
     token is generated; from it the output follows the constraint until the constraint is complete, then is free
     again until the token comes next (each time a fresh start). Such a constraint never ends the request: EOS,
-    stop tokens, stop strings and ``max_tokens`` do, as without a constraint (``min_tokens`` may be combined)."""
+    stop tokens, stop strings and ``max_tokens`` do, as without a constraint (``min_tokens`` may be combined).
+
+    ``opening`` (optional; not with ``trigger``): a regular expression of the beginnings that commit the output to
+    the constraint. The constraint's masks hold the output (special tokens that the text does not show may also
+    come) while its text can still begin with a match of ``opening``; once it cannot, the output is free (every
+    token allowed). The constraint itself must accept the free text it allows before that point (the json tool
+    parser's whole-reply constraint, :func:`gemmaserve.tools.constraints.strict_calls_constraint`, is the use)."""
 
     json: Any = None
     regex: str | None = None
@@ -48,6 +54,7 @@ class StructuredOutputs:
     grammar: str | None = None
     json_object: bool = False
     trigger: str | None = None
+    opening: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.json, str):
@@ -98,6 +105,12 @@ class StructuredOutputs:
         if self.trigger is not None and (not isinstance(self.trigger, str) or not 0 < len(self.trigger) <= 256):
             raise InvalidRequestError("structured_outputs.trigger must be the text of one token (1 to 256 characters), "
                                       f"got {self.trigger!r:.300}")
+        if self.opening is not None:
+            if not isinstance(self.opening, str) or not 0 < len(self.opening) <= 4096:
+                raise InvalidRequestError("structured_outputs.opening must be a regular expression of 1 to 4,096 "
+                                          f"characters, got {self.opening!r:.300}")
+            if self.trigger is not None:
+                raise InvalidRequestError("structured_outputs takes a trigger or an opening, not both")
 
     def _value(self, kind: str) -> Any:
         return getattr(self, kind)
@@ -115,7 +128,7 @@ class StructuredOutputs:
     def key(self) -> str:
         """The constraint as text (compiled grammars are cached by it). Key order is kept: a schema's property
         order is the order its output writes them in. The ``trigger`` is not part of it (it does not change what
-        is compiled)."""
+        is compiled), nor is the ``opening``."""
         return self.kind + ":" + json.dumps(self._value(self.kind), separators=(",", ":"))
 
     @classmethod

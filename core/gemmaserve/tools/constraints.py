@@ -79,26 +79,42 @@ def strict_calls_constraint(tools: Sequence[Mapping[str, Any]], parser: str,
     if not any(tool.get("strict") is True for tool in tools):
         return None
     if parser == "json":
-        forms = [False, True] if parallel else [False]  # one call; a list of calls
-        schemas = [{**_json_calls_schema(tools, many, strict_only=True), **_COMPACT} for many in forms]
-        calls = " | ".join(f"%json {json.dumps(schema)}" for schema in schemas)
-        return StructuredOutputs(grammar=_JSON_REPLY.replace("CALLS", calls))
+        one = json.dumps({**_json_calls_schema(tools, False, strict_only=True), **_COMPACT}, ensure_ascii=False)
+        grammar = (_JSON_REPLY.replace("LISTS", _JSON_LISTS if parallel else "").replace("CALL_SCHEMA", one)
+                   + (_JSON_LIST_RULES if parallel else ""))
+        return StructuredOutputs(grammar=grammar, opening=_JSON_OPENING)
     return StructuredOutputs(grammar=_gemma4_calls(tools, "call", strict_only=True), trigger=GEMMA4_CALL_OPEN)
 
 
 _COMPACT = {"x-guidance": {"whitespace_flexible": False}}
 """JSON without free whitespace between tokens, as every other JSON constraint (structured/grammar.py)."""
 
-_JSON_REPLY = r"""start: TEXT | BLANK? calls | FENCE calls "\n```"
-TEXT: /(?s:.*)/ & ~/[ \t\r\n]*(\{|\[|```)(?s:.*)/
-BLANK: /[ \t\r\n]+/
-FENCE: /[ \t\r\n]*```[a-zA-Z_]*\n/
-calls: CALLS
+_BLANK = r"[ \t\r\n]"
+_FENCE = rf"{_BLANK}*```[a-zA-Z_]*{_BLANK}*"
+_JSON_OPENING = rf"{_BLANK}*(```[a-zA-Z_]*{_BLANK}*)?(\{{|\[{_BLANK}*\{{)"
+"""The beginnings the json parser may read as calls (after its blanks, :data:`~gemmaserve.tools.parsers.JSON_BLANKS`:
+``{``, a list of objects, or a code fence around either; a list written with blanks before its first object is
+one too, which compact JSON cannot write: no token may go there). Any other beginning is text to the parser
+(``[1]``, a fence around code), and the strict constraint leaves such a reply free (``StructuredOutputs.opening``)."""
+
+_JSON_REPLY = rf"""start: TEXT | BLANKS? one | FENCE one CLOSE LISTS
+TEXT: /(?s:.*)/ & ~/{_JSON_OPENING}(?s:.*)/
+BLANKS: /{_BLANK}+/
+FENCE: /{_FENCE}/
+CLOSE: /{_BLANK}*```/
+one: %json CALL_SCHEMA
 """
-"""Lark: a reply the json parser reads as text (it does not start with ``{``, ``[`` or a code fence after blanks),
-or as calls (CALLS: the alternatives of the calls' JSON schemas). The fence's opening is one lexeme with the blanks
-before it: a blank lexeme there would end where text could go on (`` `x` `` is text), and llguidance's lexer keeps
-the longer match."""
+"""Lark: a reply the json parser reads as text, or one call (CALL_SCHEMA) bare or in a code fence. Each opening
+(blanks, a fence, a list's bracket) is one lexeme that ends where the call's first brace begins, which is where
+the text lexeme can go no further: llguidance's lexer keeps the longer match, so an opening lexeme that ended
+earlier (a blank before a fence's backticks) would be dropped in favour of the text."""
+
+_JSON_LISTS = ''' | LIST calls "]" | FENCED_LIST calls "]" CLOSE'''
+_JSON_LIST_RULES = rf"""LIST: /{_BLANK}*\[/
+FENCED_LIST: /{_FENCE}\[/
+calls: one ("," one)*
+"""
+"""With parallel calls: a list of calls too, bare or fenced (LISTS: the alternatives ``start`` takes then)."""
 
 
 def _json_calls_schema(offered: Sequence[Mapping[str, Any]], many: bool, strict_only: bool) -> dict[str, Any]:

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["GEMMA4_BARE_KEY", "GEMMA4_CALL_CLOSE", "GEMMA4_CALL_OPEN", "GEMMA4_CHANNEL_CLOSE", "GEMMA4_CHANNEL_OPEN",
-           "GEMMA4_STRING", "Gemma4ReasoningParser", "Gemma4ToolParser", "JsonNumber", "JsonToolParser", "ParsedText",
-           "ToolCall", "ToolParser", "format_gemma_key", "format_gemma_value", "json_text", "parse_gemma_arguments",
-           "PARSERS"]
+           "GEMMA4_STRING", "JSON_BLANKS", "Gemma4ReasoningParser", "Gemma4ToolParser", "JsonNumber", "JsonToolParser",
+           "ParsedText", "ToolCall", "ToolParser", "format_gemma_key", "format_gemma_value", "json_text",
+           "parse_gemma_arguments", "PARSERS"]
 
 GEMMA4_CALL_OPEN = "<|tool_call>"
 GEMMA4_CALL_CLOSE = "<tool_call|>"
@@ -285,17 +285,20 @@ def format_gemma_key(key: str) -> str:
 
 
 _FENCE_LANGUAGE = re.compile(r"[a-zA-Z_]*")
+JSON_BLANKS = " \t\r\n"
+"""The blanks the json parser skips around a call (JSON's whitespace; other Unicode spaces are text, as the strict
+tools' constraint, tools/constraints.py, reads them)."""
 
 
 def _unfenced(text: str) -> str:
     """The body of a reply that is one Markdown code fence (```` ```json ... ``` ````: the language tag and the
     whitespace around the body dropped), else ``text``. Linear in the text (a backtracking pattern took a minute
     on a fence followed by 2,000 blank lines)."""
-    stripped = text.strip()
+    stripped = text.strip(JSON_BLANKS)
     if len(stripped) < 6 or not stripped.startswith("```") or not stripped.endswith("```"):
         return text
     inner = stripped[3:-3]
-    return inner[_FENCE_LANGUAGE.match(inner).end():].strip()  # type: ignore[union-attr]  # [a-zA-Z_]* always matches
+    return inner[_FENCE_LANGUAGE.match(inner).end():].strip(JSON_BLANKS)  # type: ignore[union-attr]  # always matches
 
 
 class JsonToolParser(ToolParser):
@@ -312,7 +315,7 @@ class JsonToolParser(ToolParser):
         if self._decided is False:
             return ParsedText(text)
         self._buffer += text
-        stripped = self._buffer.lstrip()
+        stripped = self._buffer.lstrip(JSON_BLANKS)
         if not stripped:
             return ParsedText()
         if self._decided is None:
