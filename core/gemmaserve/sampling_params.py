@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import numbers
 import re
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from gemmaserve.errors import InvalidRequestError
@@ -262,7 +263,12 @@ class SamplingParams:
         if not 0 <= index < self.n:
             raise ValueError(f"sample index {index} outside [0, n={self.n})")
         seed = None if self.seed is None else (self.seed + index) % SEED_SPACE
-        return replace(self, n=1, seed=seed)
+        if self.n == 1 and seed == self.seed:
+            return self
+        sample = copy.copy(self)  # these params were validated, and n = 1 and the seed are valid: no second pass
+        object.__setattr__(sample, "n", 1)  # over allowed_token_ids et al. (n copies of 262,144 ids cost seconds)
+        object.__setattr__(sample, "seed", seed)
+        return sample
 
     def stop_reason(self, stop_token_id: int | None, eos_token_ids: Collection[int]) -> int | None:
         """vLLM's ``stop_reason`` of an output that ended at ``stop_token_id`` (its EOS or stop token; None when

@@ -64,3 +64,31 @@ def test_bad_words_are_checked_and_a_streaming_backend_refuses_them() -> None:
         assert streaming.submit([5], SamplingParams(max_tokens=2)).result().token_ids
     finally:
         streaming.shutdown(timeout=10)
+
+
+def test_choices_sharing_their_params_tokenize_bad_words_and_build_masks_once() -> None:
+    """The ``n`` choices of a request (``for_sample`` copies of one params) are validated together: their
+    ``bad_words`` are tokenized once and their ``allowed_token_ids`` mask is built once (per choice, a 1,024-choice
+    batch re-tokenized 128 words 1,024 times on the server's event loop), and every choice still gets both."""
+    backend = ReferenceBackend(vocab_size=64)
+    calls = []
+    encode = backend.tokenizer.encode
+
+    def counting(text, *args, **kwargs):
+        calls.append(text)
+        return encode(text, *args, **kwargs)
+
+    backend.tokenizer.encode = counting
+    engine = Engine(backend, CoreSettings(device="cpu", max_batch_size=4))
+    params = SamplingParams(n=6, max_tokens=4, temperature=1.0, seed=3, ignore_eos=True, bad_words=["ab", "c"],
+                            allowed_token_ids=list(range(5, 40)))
+    try:
+        handles = engine.submit_many([[5, 6]] * 6, [params.for_sample(j) for j in range(6)])
+        outs = [handle.result(timeout=60) for handle in handles]
+    finally:
+        engine.shutdown(timeout=10)
+    assert len(calls) == 4, calls  # two words, each as given and with a leading space
+    for out in outs:
+        assert all(5 <= t < 40 for t in out.token_ids)
+        assert backend.tokenizer.encode("c", add_special_tokens=False)[0] not in out.token_ids
+    assert len({tuple(out.token_ids) for out in outs}) > 1  # the seeds differ per choice

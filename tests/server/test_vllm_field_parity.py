@@ -332,8 +332,9 @@ def test_allowed_token_ids_restrict_every_token(ref: Client) -> None:
 
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(ref: Client) -> None:
     """vLLM's truncate_prompt_tokens on both endpoints: the prompt is its last k tokens (usage counts those); text
-    longer than the context is served when truncated; 0 and values below -1 are a 400 naming the field."""
-    client, _ = ref
+    longer than the context is served when truncated, only its tail tokenized; 0 and values below -1 are a 400
+    naming the field."""
+    client, engine = ref
     ids = list(range(5, 45))
     reply = ok(client, COMPLETIONS, model=REFERENCE_MODEL, prompt=ids, max_tokens=3, truncate_prompt_tokens=6,
                ignore_eos=True, return_token_ids=True, temperature=0)
@@ -342,8 +343,18 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(ref: Client) -> No
                return_token_ids=True, temperature=0)
     assert reply["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
     long_text = "a" * 200_000
-    reply = ok(client, COMPLETIONS, model=REFERENCE_MODEL, prompt=long_text, max_tokens=2, truncate_prompt_tokens=9)
+    tokenizer = engine.backend.tokenizer
+    seen, encode = [], tokenizer.encode
+    tokenizer.encode = lambda text, *args, **kwargs: seen.append(len(text)) or encode(text, *args, **kwargs)
+    try:
+        reply = ok(client, COMPLETIONS, model=REFERENCE_MODEL, prompt=long_text + "xyz", max_tokens=2,
+                   truncate_prompt_tokens=9, return_token_ids=True)
+    finally:
+        del tokenizer.encode
     assert reply["usage"]["prompt_tokens"] == 9
+    assert reply["choices"][0]["prompt_token_ids"] == encode("a" * 6 + "xyz", add_special_tokens=False)[-9:]
+    # only the tail a context's worth of the longest tokens could fill is tokenized, not 200,000 characters
+    assert max(seen) <= (engine.scheduler.max_model_len + 64) * tokenizer.max_token_chars + 1, seen
     chat = ok(client, CHAT, model=REFERENCE_MODEL, messages=MESSAGES, max_tokens=2, truncate_prompt_tokens=3)
     assert chat["usage"]["prompt_tokens"] == 3
     for bad in (0, -2):

@@ -17,7 +17,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gemmaserve.engine.delivery import batched_delivery
 from gemmaserve.engine.handles import EventCallback, RequestHandle, RequestStream
@@ -312,8 +312,9 @@ class Engine:
     def _submit(self, requests: Sequence[Request], on_events: Sequence[EventCallback | None], *,
                 wait_for_room: bool, keep_events: bool) -> list[RequestHandle]:
         """Validate every request, then queue them in order under the lock (see :meth:`submit_many`)."""
+        shared: dict[Any, Any] = {}  # one tokenization of bad_words etc. for the choices that share them
         for request in requests:
-            self.scheduler.validate_request(request)
+            self.scheduler.validate_request(request, shared)
         ids = [request.request_id for request in requests]
         repeated = sorted(rid for rid, count in Counter(ids).items() if count > 1)
         if repeated:

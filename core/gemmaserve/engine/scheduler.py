@@ -35,7 +35,7 @@ import random
 import threading
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gemmaserve.engine.isolation import MAX_ROW_RETRIES, retry_row_alone
 from gemmaserve.engine.queues import RequestQueues
@@ -197,17 +197,34 @@ class ContinuousBatchScheduler:
         )
 
     # -- requests in and out ----------------------------------------------------------------------
-    def validate_request(self, request: Request) -> None:
+    def validate_request(self, request: Request, shared: dict[Any, Any] | None = None) -> None:
         """Raise InvalidRequestError / PromptTooLongError if ``request`` can never run. Compiles its structured
-        output constraint (once: sets ``request.constraint``); otherwise pure. Thread-safe."""
+        output constraint (once: sets ``request.constraint``), tokenizes its ``bad_words`` and builds its
+        ``allowed_token_ids`` mask; otherwise pure. ``shared``: a dict the caller keeps while the requests of one
+        submission (the ``n`` choices of a prompt share their params' fields) are validated, so that work is done
+        once per distinct field, not per request. Thread-safe."""
         validate_request(request, self.backend, self.max_model_len, self.settings.max_active_kv_tokens)
-        spec = request.params.structured_outputs
+        params = request.params
+        memo = shared if shared is not None else {}
+        spec = params.structured_outputs
         if spec is not None and request.constraint is None:
-            request.constraint = self.compile_constraint(spec)
-        if request.params.bad_words and not request.bad_word_ids:
-            request.bad_word_ids = self._bad_word_ids(request.params.bad_words)
-        if request.params.allowed_token_ids is not None and request.allowed_mask is None:
-            request.allowed_mask = self._allowed_mask(request)
+            first = memo.get(("constraint", id(spec)))
+            if first is None:
+                first = memo[("constraint", id(spec))] = (spec, self.compile_constraint(spec))
+                request.constraint = first[1]
+            else:
+                request.constraint = first[1].copy()
+        if params.bad_words and not request.bad_word_ids:
+            key = ("bad_words", params.bad_words)
+            if key not in memo:
+                memo[key] = self._bad_word_ids(params.bad_words)
+            request.bad_word_ids = memo[key]
+        if params.allowed_token_ids is not None and request.allowed_mask is None:
+            key = ("allowed", id(params.allowed_token_ids), request.bad_word_ids, params.stop_token_ids,
+                   params.ignore_eos, params.min_tokens)
+            if key not in memo:  # the ids object is held below, so its id is not reused while the memo lives
+                memo[key] = (params.allowed_token_ids, self._allowed_mask(request))
+            request.allowed_mask = memo[key][1]
         if self._streaming and request.params.has_penalties:
             params = request.params
             given = [name for name, value, neutral in (("repetition_penalty", params.repetition_penalty, 1.0),

@@ -32,6 +32,21 @@ def check_text_can_fit(chars: int, tokenizer: object, context_limit: int, what: 
         )
 
 
+def truncation_tail(text: str, tokenizer: object, context_limit: int) -> str:
+    """The part of a text prompt to tokenize for ``truncate_prompt_tokens`` (which keeps at most ``context_limit``
+    of its last tokens): all of it, unless it is longer than ``context_limit`` tokens of the tokenizer's longest
+    entry could be (``tokenizer.max_token_chars``, as :func:`check_text_can_fit`), whatever it tokenizes to: then
+    its last that many characters, and 64 tokens' worth more. The kept tokens lie within them; only a run whose
+    tokens depend on where it starts (one character repeated over the cut) can come out otherwise. Tokenizing a
+    16 MB prompt to keep its last 8 tokens took 30 s of a render worker; this bounds it by what a prompt that is
+    not truncated may cost."""
+    longest = getattr(tokenizer, "max_token_chars", None)
+    if not isinstance(longest, int) or isinstance(longest, bool) or longest <= 0:
+        return text
+    bound = (context_limit + 64) * longest
+    return text[len(text) - bound:] if len(text) > bound else text
+
+
 def truncate_prompt(prompt_ids: Sequence[int], keep: int | None, limit: int) -> list[int]:
     """vLLM's ``truncate_prompt_tokens``: the last ``keep`` ids of the prompt (-1: the last ``limit``, the most a
     request may hold; None: all of them)."""

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from gemmaserve.engine.validation import check_text_can_fit, truncate_prompt
+from gemmaserve.engine.validation import check_text_can_fit, truncate_prompt, truncation_tail
 from gemmaserve.errors import InvalidRequestError, PromptTooLongError
 from gemmaserve.render_pool import RENDER_POOL_MIN_CHARS, RenderWorkerDied
 from gemmaserve.tools.constraints import strict_calls_constraint, tool_call_constraint
@@ -65,10 +65,13 @@ def prepare_completion(body: CompletionRequest, tokenizer: Tokenizer, context_li
                        pool: RenderPool | None = None, index: int = 0) -> Prepared:
     """Tokenize prompt ``index`` of the body (a string, with the tokenizer's special tokens unless
     ``add_special_tokens`` is false; a token-id list is taken as is) and build the params. A text prompt that cannot
-    fit ``context_limit`` is refused before it is tokenized; a long one is tokenized in ``pool``."""
+    fit ``context_limit`` is refused before it is tokenized (with ``truncate_prompt_tokens``, only its
+    :func:`~gemmaserve.engine.validation.truncation_tail` is tokenized); a long one is tokenized in ``pool``."""
     prompt = body.prompt[index]
     special = body.add_special_tokens is not False
     keep = body.truncate_prompt_tokens
+    if keep is not None and isinstance(prompt, str):
+        prompt = truncation_tail(prompt, tokenizer, context_limit)
     prompt_ids = (tokenize_text(prompt, tokenizer, context_limit, add_special_tokens=special, pool=pool,
                                 fit_check=keep is None) if isinstance(prompt, str) else list(prompt))
     prompt_ids = truncate_prompt(prompt_ids, keep, context_limit)

@@ -307,7 +307,10 @@ class SamplingFields(BaseModel):
     @classmethod
     def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         """Keys are canonical decimal token ids (``"0"``, ``"42"``; not ``" 5"``, ``"+5"``, ``"05"``, ``"1_0"``), so
-        no two keys name the same token."""
+        no two keys name the same token; at most ``MAX_LOGIT_BIAS`` of them (counted first: a million keys cost a
+        second of checking)."""
+        if value is not None and len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries are accepted, got {len(value)}")
         bad = next((key for key in value or () if not _LOGIT_BIAS_KEY.fullmatch(key)), None)
         if bad is not None:
             raise ValueError(f"key {_short(bad)} is not a token id: keys are token ids written in decimal digits "
