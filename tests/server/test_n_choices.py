@@ -83,3 +83,30 @@ def test_a_batch_of_prompts_answers_each_with_its_n_choices(ref: Any) -> None:
     assert [events[-1]["usage"][c] for c in counts] == [plain["usage"][c] for c in counts] == [usage[c] for c in counts]
     wide = _post(client, "/v1/completions", prompt=["a"] * 40, n=40, max_tokens=1)
     assert wide.status_code == 400 and wide.json()["error"]["param"] == "prompt", wide.text
+
+
+def test_a_stream_with_more_choices_than_the_batch_holds_streams_them_as_they_come(make_client: Any) -> None:
+    """n over MAX_BATCH_SIZE: the later choices start only when earlier ones end, so waiting for every choice's
+    first token before the response began held the first choices' tokens back until they had finished (then sent
+    in one chunk); the stream starts with the first choice's first token and carries each step as it comes."""
+    import json
+
+    from gemmaserve.testing.reference_backend import ReferenceBackend
+
+    client, _ = make_client(ReferenceBackend(decode_delay_s=0.01), max_batch_size=2)
+    body = {"model": MODEL, "prompt": "ab", "n": 4, "max_tokens": 16, "ignore_eos": True, "stream": True,
+            "temperature": 1.0, "seed": 1}
+    steps: dict[int, int] = {}
+    finished: list[int] = []
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            if choice["finish_reason"]:
+                finished.append(choice["index"])
+            elif choice["text"]:
+                steps[choice["index"]] = steps.get(choice["index"], 0) + 1
+    assert sorted(finished) == [0, 1, 2, 3]
+    assert steps[0] >= 6, steps  # the first choices' tokens came step by step, not all at once at the end

@@ -609,12 +609,17 @@ class _Server:
         meta = ResponseMeta.new(prefix, reply.request_id or generations[0].request_id, self.model_name)  # one id
         views = [_View(reply, generation, self, meta, k // n) for k, generation in enumerate(generations)]
         group = _Choices(generations)
+        pending: dict[asyncio.Future[Step | None], int] = {}
         try:
             async with _cancel_on_disconnect(request, group):
-                firsts = list(await asyncio.gather(*(g.next_step() for g in generations)))
-                if not reply.stream:
+                if reply.stream:  # headers once one choice has its first step (a failure then is an HTTP error);
+                    firsts, pending = await _first_steps(generations)  # the others stream as they come
+                else:
+                    firsts = list(await asyncio.gather(*(g.next_step() for g in generations)))
                     await asyncio.gather(*(_drain(g) for g in generations))
         except BaseException:
+            for task in pending:
+                task.cancel()
             group.close()
             for generation in generations:  # what it reached counts: a first token, its gaps (vLLM's)
                 self._observe(generation)
@@ -628,12 +633,15 @@ class _Server:
             else:
                 content = _full_response(views)
             return _GuardedBody(content, guard, functools.partial(self.metrics.record_request, endpoint))
-        return _GuardedStream(self._stream_choices(views, generations, firsts, endpoint), guard,
+        return _GuardedStream(self._stream_choices(views, generations, firsts, pending, endpoint), guard,
                               media_type="text/event-stream", headers=_SSE_HEADERS)
 
     async def _stream_choices(self, views: list[_View], generations: list[Generation], firsts: list[Step | None],
-                              endpoint: str) -> AsyncIterator[bytes]:
+                              pending: dict[asyncio.Future[Step | None], int], endpoint: str) -> AsyncIterator[bytes]:
+        """The SSE chunks of ``generations``: their opening chunks, the ``firsts`` steps already taken, then every
+        step as it comes (``pending``: choices' first steps still awaited, each owned by its task)."""
         status = CLIENT_CLOSED
+        waiting = dict(pending)
         try:
             for index, view in enumerate(views):
                 for chunk in view.opening_chunks():
@@ -645,7 +653,9 @@ class _Server:
                 while not generations[0].done and (step := await generations[0].next_step()) is not None:
                     if (chunk := views[0].chunk(step)) is not None:
                         yield sse(_indexed(chunk, 0))
-            waiting = {asyncio.ensure_future(g.next_step()): i for i, g in enumerate(generations) if not g.done}
+            awaited = set(waiting.values())
+            waiting.update({asyncio.ensure_future(g.next_step()): i for i, g in enumerate(generations)
+                            if not g.done and i not in awaited})
             try:
                 while waiting:
                     done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
@@ -678,6 +688,8 @@ class _Server:
             yield sse(error.body())
             yield SSE_DONE
         finally:
+            for task in waiting:  # a stream closed before it read them
+                task.cancel()
             for generation in generations:
                 generation.close()
                 self._observe(generation)
@@ -690,6 +702,26 @@ class _Server:
         request fails before one exists, or when its stream ends."""
         timing = generation.timing
         self.metrics.observe(timing.ttft, timing.tpot(len(generation.token_ids)), timing.e2e, timing.gaps)
+
+
+async def _first_steps(generations: list[Generation]) -> tuple[list[Step | None],
+                                                            dict[asyncio.Future[Step | None], int]]:
+    """Wait until at least one of ``generations`` has its first step (or ended): the steps taken (None where not
+    yet) and the tasks still awaiting the others' (owned by the caller: cancel them if it does not stream). A
+    choice beyond the batch's room starts only when an earlier one ends, so waiting for every first step held a
+    stream with ``n`` over ``MAX_BATCH_SIZE`` back until whole choices had finished. A failed first step raises
+    (the response is then an HTTP error)."""
+    tasks = {asyncio.ensure_future(g.next_step()): i for i, g in enumerate(generations)}
+    firsts: list[Step | None] = [None] * len(generations)
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            firsts[tasks.pop(task)] = task.result()
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
+    return firsts, tasks
 
 
 class _Stalled(Exception):
