@@ -206,6 +206,10 @@ def test_echo_prepends_the_prompt(ref: Client) -> None:
     plain = complete(ref[0], prompt="echo this", max_tokens=4, temperature=0, ignore_eos=True)
     echoed = complete(client, prompt="echo this", max_tokens=4, temperature=0, ignore_eos=True, echo=True)
     assert echoed["choices"][0]["text"] == "echo this" + plain["choices"][0]["text"]
+    # a token-id prompt echoes every token's text, special ones too (as the same text prompt echoes its <bos>)
+    ids = ref[1].backend.tokenizer.encode("echo this")
+    by_ids = complete(client, prompt=ids, max_tokens=4, temperature=0, ignore_eos=True, echo=True)
+    assert by_ids["choices"][0]["text"] == "<bos>echo this" + plain["choices"][0]["text"]
 
 
 def test_models_health_and_debug_endpoints(ref: Client) -> None:

@@ -576,11 +576,25 @@ class _Server:
         completion = parse_body(CompletionRequest, raw)
         self.check_model(completion.model)
         self.check_n(completion.n, len(completion.prompt))
+        self._check_token_prompts(completion.prompt)
         prompts = [prepare_completion(completion, self.tokenizer, self.context_limit, self.render_pool, index)
                    for index in range(len(completion.prompt))]
-        echoes = [("" if not completion.echo else prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt))
+        echoes = [("" if not completion.echo else prompt if isinstance(prompt, str)  # token ids: all of them shown,
+                   else self.tokenizer.decode(prompt, skip_special_tokens=False))  # as a text prompt echoes <bos>
                   for prompt in completion.prompt]
         return _Reply.of(completion, echoes), prompts
+
+    def _check_token_prompts(self, prompts: Sequence[str | list[int]]) -> None:
+        """A 400 naming the first token id outside the vocabulary, and its prompt's place in a batch (the engine's
+        check names only the position in the prompt)."""
+        vocab_size = self.info.vocab_size
+        for index, prompt in enumerate(prompts):
+            if isinstance(prompt, str) or not prompt or max(prompt) < vocab_size:  # ids are >= 0 (the schema's)
+                continue
+            position, token = next((i, t) for i, t in enumerate(prompt) if t >= vocab_size)
+            where = f"prompt {index} of the batch" if len(prompts) > 1 else "the prompt"
+            raise APIError(400, f"{where}: token {token} at position {position} is not a valid token id; token ids "
+                           f"are integers in [0, {vocab_size})", param="prompt", code="invalid_value")
 
     def _submit(self, prepared: Sequence[Prepared], timings: Sequence[Timing]) -> list[Generation]:
         """The choices' generations, queued together (all or none)."""
