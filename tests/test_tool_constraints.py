@@ -607,3 +607,15 @@ def test_json_strict_replies_are_text_or_valid_calls(encoding_vocabulary, schema
         assert isinstance(arguments, dict)
         if offered[call.name]["strict"]:
             jsonschema.validate(arguments, offered[call.name]["parameters"])
+
+
+def test_two_functions_of_one_name_are_refused_when_calls_are_held() -> None:
+    """A strict function and a free one of the same name would let any arguments through under the strict name:
+    forced and strict calls refuse repeated names (either parser); tools without strict under auto do not care."""
+    tools = [{"name": "delete", "strict": True, "parameters": _WEATHER}, {"name": "delete", "parameters": {}}]
+    for parser in ("json", "gemma4"):
+        with pytest.raises(InvalidRequestError, match="'delete' more than once"):
+            strict_calls_constraint(tools, parser)
+        with pytest.raises(InvalidRequestError, match="'delete' more than once"):
+            tool_call_constraint(tools, None, parser, True)
+        assert strict_calls_constraint([{**tool, "strict": False} for tool in tools], parser) is None

@@ -57,6 +57,7 @@ def tool_call_constraint(tools: Sequence[Mapping[str, Any]], name: str | None, p
     ``parallel``) or the one function named ``name``. ``tools``: ``{"name", "parameters"}`` each (OpenAI's
     ``function`` objects). Raises InvalidRequestError for a parameter name or an ``enum`` / ``const`` string
     Gemma 4's syntax cannot write (it holds a marker)."""
+    _refuse_repeated_names(tools)
     offered = [tool for tool in tools if name is None or tool["name"] == name]
     many = parallel and name is None
     if parser == "json":
@@ -78,6 +79,7 @@ def strict_calls_constraint(tools: Sequence[Mapping[str, Any]], parser: str,
       list of calls), bare or in one code fence."""
     if not any(tool.get("strict") is True for tool in tools):
         return None
+    _refuse_repeated_names(tools)
     if parser == "json":
         one = json.dumps({**_json_calls_schema(tools, False, strict_only=True), **_COMPACT}, ensure_ascii=False)
         grammar = (_JSON_REPLY.replace("LISTS", _JSON_LISTS if parallel else "").replace("CALL_SCHEMA", one)
@@ -115,6 +117,17 @@ FENCED_LIST: /{_FENCE}\[/
 calls: one ("," one)*
 """
 """With parallel calls: a list of calls too, bare or fenced (LISTS: the alternatives ``start`` takes then)."""
+
+
+def _refuse_repeated_names(tools: Sequence[Mapping[str, Any]]) -> None:
+    """InvalidRequestError for two functions of one name: a call names its function, so the constraint could not
+    tell which parameters hold it (a strict one and a free one of the same name let any arguments through)."""
+    seen: set[str] = set()
+    for tool in tools:
+        if tool["name"] in seen:
+            raise InvalidRequestError(f"tools name the function {tool['name']!r} more than once; give each function "
+                                      "a distinct name")
+        seen.add(tool["name"])
 
 
 def _json_calls_schema(offered: Sequence[Mapping[str, Any]], many: bool, strict_only: bool) -> dict[str, Any]:
