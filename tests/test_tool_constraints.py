@@ -619,3 +619,18 @@ def test_two_functions_of_one_name_are_refused_when_calls_are_held() -> None:
         with pytest.raises(InvalidRequestError, match="'delete' more than once"):
             tool_call_constraint(tools, None, parser, True)
         assert strict_calls_constraint([{**tool, "strict": False} for tool in tools], parser) is None
+
+
+def test_percent_encoded_references_and_a_root_id_survive_the_rebase(encoding_vocabulary) -> None:
+    """A reference written percent-encoded (``#/$defs/sp%20ace``) and parameters carrying a root ``$id`` compile
+    inside the call's schema and keep their meaning (both were 400s once moved)."""
+    vocabulary = encoding_vocabulary
+    compiler = GrammarCompiler(vocabulary, 512, [1])
+    spaced = {"type": "object", "required": ["u"], "$defs": {"sp ace": {"enum": ["c", "f"]}},
+              "properties": {"u": {"$ref": "#/$defs/sp%20ace"}}}
+    based = {**spaced, "$id": "https://example.com/weather.json", "properties": {"u": {"$ref": "#/$defs/sp ace"}}}
+    for parameters in (spaced, based):
+        tools = [{"name": "f", "strict": True, "parameters": parameters}]
+        for spec in (tool_call_constraint(tools, "f", "json", False), strict_calls_constraint(tools, "json")):
+            assert _walk_accepts(compiler, spec, '{"name":"f","arguments":{"u":"c"}}', vocabulary)
+            assert not _walk_accepts(compiler, spec, '{"name":"f","arguments":{"u":"x"}}', vocabulary)

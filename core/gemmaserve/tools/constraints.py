@@ -21,6 +21,7 @@ import functools
 import json
 import re
 from collections.abc import Mapping, Sequence
+from urllib.parse import quote, unquote
 from typing import Any
 
 from gemmaserve.errors import InvalidRequestError
@@ -168,11 +169,15 @@ def _gemma4_calls(offered: Sequence[Mapping[str, Any]], start: str, strict_only:
                       f"{GEMMA4_CALL_CLOSE}", *rules, _GENERIC])
 
 
+_FRAGMENT_SAFE = "#/$~:@!&'()*+,;="
+"""What a URI fragment may hold unencoded besides letters, digits and ``-._~`` (RFC 3986)."""
+
+
 def _rebased(parameters: Mapping[str, Any], where: str, prefix: str, definitions: dict[str, Any]) -> dict[str, Any]:
     """``parameters`` to be placed at JSON pointer ``where`` of a larger schema: its ``$defs`` / ``definitions``
     move into ``definitions`` (the root's ``$defs``) under names starting with ``prefix``, and its local references
-    (``#``, ``#/$defs/X``, ``#/definitions/X``, ``#/properties/...``) are rewritten to point where those now are.
-    Iterative (a schema may nest deeper than Python's recursion limit)."""
+    (``#``, ``#/$defs/X``, ``#/definitions/X``, ``#/properties/...``, percent-encoded or not) are rewritten to
+    point where those now are; a root ``$id`` is dropped (references then resolve against the root). Iterative (a schema may nest deeper than Python's recursion limit)."""
     def pointer(name: str) -> str:  # a JSON pointer token (RFC 6901)
         return str(name).replace("~", "~0").replace("/", "~1")
 
@@ -187,10 +192,13 @@ def _rebased(parameters: Mapping[str, Any], where: str, prefix: str, definitions
                 moved[f"#/{key}/{pointer(name)}"] = f"#/$defs/{pointer(renamed(key, name))}"
 
     def ref(target: str) -> str:
+        if not target.startswith("#"):
+            return target
+        target = unquote(target)  # a fragment may be percent-encoded (RFC 3986): "#/$defs/sp%20ace"
         for old, new in moved.items():
             if target == old or target.startswith(old + "/"):
-                return new + target[len(old):]
-        return where + target[1:] if target == "#" or target.startswith("#/") else target
+                return quote(new + target[len(old):], safe=_FRAGMENT_SAFE)
+        return quote(where + target[1:] if target == "#" or target.startswith("#/") else target, safe=_FRAGMENT_SAFE)
 
     def copy(value: Any) -> Any:  # a deep copy with references rewritten
         top: list[Any] = [None]
@@ -214,7 +222,8 @@ def _rebased(parameters: Mapping[str, Any], where: str, prefix: str, definitions
                 parent[slot] = item
         return top[0]
 
-    body = copy({key: sub for key, sub in parameters.items() if key not in ("$defs", "definitions")})
+    # "$id" would make the references resolve against it, where the moved definitions are not
+    body = copy({key: sub for key, sub in parameters.items() if key not in ("$defs", "definitions", "$id")})
     for key in ("$defs", "definitions"):
         table = parameters.get(key)
         if isinstance(table, Mapping):
