@@ -55,3 +55,41 @@ def test_greedy_tokens_equal_transformers_generate(real_model_dir: Path, backend
     # the repeated prompt comes from the prefix cache, with the same tokens
     assert again.cached_tokens > 0
     assert again.token_ids == expected[0]
+
+
+def test_json_strict_tools_on_gemmas_vocabulary_leave_text_free(real_model_dir: Path) -> None:
+    """On Gemma 3's 262,144 tokens: an end-of-turn first ends an empty reply; a shown tag token (``<b>``, which
+    llguidance holds special while the tokenizer shows it as text) opens a free reply; a call opening is held to
+    the strict schema and ends the reply when it closes."""
+    pytest.importorskip("llguidance")
+    from gemmaserve.hf_tokenizer import HFTokenizerAdapter
+    from gemmaserve.structured import GrammarCompiler
+    from gemmaserve.tools.constraints import strict_calls_constraint
+
+    hf = transformers.AutoTokenizer.from_pretrained(real_model_dir)
+    compiler = GrammarCompiler(HFTokenizerAdapter(hf), len(hf), [hf.eos_token_id])
+    tools = [{"name": "weather", "strict": True, "parameters": {
+        "type": "object", "required": ["city"], "additionalProperties": False,
+        "properties": {"city": {"type": "string", "maxLength": 8}}}}]
+    spec = strict_calls_constraint(tools, "json")
+
+    def walk(text_or_ids):
+        constraint = compiler.compile(spec)
+        ids = text_or_ids if isinstance(text_or_ids, list) else hf.encode(text_or_ids, add_special_tokens=False)
+        for token in ids:
+            mask = constraint.allowed()
+            if not mask[token >> 3] >> (token & 7) & 1:
+                return None
+            constraint.accept(token)
+        return constraint
+
+    end_of_turn = hf.convert_tokens_to_ids("<end_of_turn>")
+    assert walk([end_of_turn]).phase == "open"
+    tagged = walk("<b>Note</b>: it rains")
+    assert tagged is not None and tagged.phase == "free"
+    from gemmaserve.sampling_params import all_tokens_mask
+
+    assert bytes(tagged.allowed()) == all_tokens_mask(len(hf))  # every token, special ones included
+    held = walk('{"name":"weather","arguments":{"city":"Oslo"}}')
+    assert held is not None and held.is_complete
+    assert walk('{"name":"weather","arguments":{"city":"Stockholm"}}') is None

@@ -634,3 +634,35 @@ def test_percent_encoded_references_and_a_root_id_survive_the_rebase(encoding_vo
         for spec in (tool_call_constraint(tools, "f", "json", False), strict_calls_constraint(tools, "json")):
             assert _walk_accepts(compiler, spec, '{"name":"f","arguments":{"u":"c"}}', vocabulary)
             assert not _walk_accepts(compiler, spec, '{"name":"f","arguments":{"u":"x"}}', vocabulary)
+
+
+def test_a_repeated_key_however_escaped_is_never_an_unchecked_call(encoding_vocabulary) -> None:
+    """llguidance's JSON lets an extra key spelled with an escape (``"cit\\u0079"``) through where ``city`` is
+    declared; a JSON reader keeps the last, which no schema check saw. The json parser reads an object that repeats
+    a key as text, so such a reply is never a call."""
+    reply = '{"name":"weather","arguments":{"city":"Oslo","cit\\u0079":"Stockholm"}}'
+    reader = JsonToolParser()
+    out = reader.feed(reply)
+    rest = reader.finish()
+    assert not out.calls + rest.calls and out.content + rest.content == reply
+    reader = JsonToolParser()
+    assert reader.feed('{"name":"weather","arguments":{"city":"Oslo"}}').calls + reader.finish().calls
+
+
+def test_a_refused_token_is_a_constraint_error_for_the_opening_constraint(encoding_vocabulary) -> None:
+    """A token the opening constraint refuses (bad_words or logit_bias outside its mask) comes back as a
+    ConstraintError, as for any constraint (it recursed without end and failed the whole batch); the constraint is
+    left where it was."""
+    from gemmaserve.structured import ConstraintError
+
+    vocabulary = encoding_vocabulary
+    compiler = GrammarCompiler(vocabulary, 512, [1])
+    constraint = compiler.compile(strict_calls_constraint([{"name": "f", "strict": True, "parameters": _WEATHER}],
+                                                          "json"))
+    constraint.accept(vocabulary.encode("{", add_special_tokens=False)[0])
+    refused = next(t for t in range(512) if t not in _allowed_ids(constraint.allowed()))
+    before = bytes(constraint.allowed())
+    assert isinstance(constraint.advance_if_valid(refused), ConstraintError)
+    with pytest.raises(ConstraintError):
+        constraint.accept(refused)
+    assert bytes(constraint.allowed()) == before and constraint.phase == "held"

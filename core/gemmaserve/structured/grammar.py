@@ -390,7 +390,7 @@ class GrammarCompiler:
         self._mask_bytes = 0
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._triggers: dict[str, int] = {}  # trigger text -> its token id (a handful of texts per server)
-        self._invisible: bytes | None = None  # see _invisible_mask
+        self._special: tuple[bytes, bytes] | None = None  # see _special_masks
         self._refused: OrderedDict[str, str] = OrderedDict()  # constraint key -> the InvalidRequestError text
 
     @staticmethod
@@ -442,7 +442,8 @@ class GrammarCompiler:
             from .opening import OpeningConstraint
 
             opening = self.prepare(StructuredOutputs(regex=f"(?:{spec.opening})(?s:.*)"))
-            return OpeningConstraint(template.deep_copy(), opening.deep_copy(), self._invisible_mask(), spec.kind,
+            invisible, shown = self._special_masks()
+            return OpeningConstraint(template.deep_copy(), opening.deep_copy(), invisible, shown, spec.kind,
                                      self._mask_bytes, self._vocab_size)
         if spec.trigger is None:
             return TokenConstraint(template.deep_copy(), spec.kind, self._mask_bytes)
@@ -454,17 +455,30 @@ class GrammarCompiler:
                                       f"{spec.kind} constraint allows; the constraint must begin with its trigger")
         return TriggeredConstraint(template, trigger_id, spec.kind, self._mask_bytes, self._vocab_size)
 
-    def _invisible_mask(self) -> bytes:
-        """The mask of the vocabulary's special tokens that decoded text does not show (tokenizer.json's added
-        tokens marked ``special``, which ``skip_special_tokens`` drops), built once."""
+    def _special_masks(self) -> tuple[bytes, bytes]:
+        """Masks of the vocabulary's tokens that llguidance writes no text with (special to it): those decoded
+        text does not show (tokenizer.json's added tokens marked ``special``, which ``skip_special_tokens``
+        drops), and those it shows whose text starts with neither a blank nor ``{``, ``[`` or a backtick (Gemma's
+        ``<b>``, ``<table>``...: text that rules a JSON opening out). Built once."""
         with self._lock:
-            if self._invisible is None:
-                ids = [i for i in _hidden_special_ids(self._tokenizer.tokenizer_json()) if 0 <= i < self._vocab_size]
-                bits = 0
-                for token in ids:
-                    bits |= 1 << token
-                self._invisible = bits.to_bytes(self._mask_bytes, "little")
-            return self._invisible
+            if self._special is None:
+                vocabulary = self._ll_tokenizer
+                hidden = {i for i in _hidden_special_ids(self._tokenizer.tokenizer_json()) if 0 <= i < self._vocab_size}
+                invisible = shown = 0
+                for token in range(min(vocabulary.vocab_size, self._vocab_size)):
+                    if not vocabulary.is_special_token(token):
+                        continue
+                    if token in hidden:
+                        invisible |= 1 << token
+                    else:
+                        text = vocabulary.decode_bytes([token]).decode("utf-8", errors="replace")
+                        if text and text[0] not in " \t\r\n{[`":
+                            shown |= 1 << token
+                for token in hidden:  # hidden ids beyond llguidance's vocabulary (a model padded past it)
+                    invisible |= 1 << token
+                self._special = (invisible.to_bytes(self._mask_bytes, "little"),
+                                 shown.to_bytes(self._mask_bytes, "little"))
+            return self._special
 
     def _trigger_id(self, text: str) -> int:
         """The id of the one token ``text`` is (tokenized once per text); InvalidRequestError when the vocabulary

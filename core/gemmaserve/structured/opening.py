@@ -4,9 +4,10 @@ opening token (the parser takes a reply that starts with ``{``, ``[{`` or a code
 
 While the text so far can still begin with a match of the opening, the grammar's masks hold every token (its
 grammar must also accept the text that rules the opening out), and special tokens that the text does not show may
-come too (an end-of-turn token ends an empty reply; they are not fed to the grammar). Once the text cannot begin
-with a match, the output is free: every token is allowed, as without a constraint. Once it does begin with one, the
-grammar holds the rest, and its completion ends the request.
+come too (an end-of-turn token ends an empty reply; they are not fed to the grammar), as may special tokens whose
+shown text rules the opening out (Gemma's ``<b>``: the output is then free). Once the text cannot begin with a
+match, the output is free: every token is allowed, as without a constraint. Once it does begin with one, the grammar
+holds the rest, and its completion ends the request.
 """
 
 from __future__ import annotations
@@ -30,17 +31,20 @@ _OPEN, _HELD, _FREE = "open", "held", "free"
 class OpeningConstraint(TokenConstraint):
     """One request's position. ``matcher``: the grammar (llguidance) at the output's start; ``opening``: a matcher
     of ``(?:opening)(?s:.*)``, accepting once the text begins with a match and in error once it cannot;
-    ``invisible``: the mask of the special tokens the text does not show (allowed while the opening is
-    undecided). Not thread-safe (the engine thread owns it)."""
+    ``invisible``: the mask of the special tokens the text does not show, ``shown``: of those it shows as text
+    that rules the opening out (both allowed while the opening is undecided). Not thread-safe (the engine thread
+    owns it)."""
 
     _widens = True
 
-    def __init__(self, matcher: Any, opening: Any, invisible: bytes, what: str, mask_bytes: int,
+    def __init__(self, matcher: Any, opening: Any, invisible: bytes, shown: bytes, what: str, mask_bytes: int,
                  vocab_size: int) -> None:
         super().__init__(matcher, what, mask_bytes)
         self._opening = opening
-        self._invisible = invisible
+        self._invisible, self._shown = invisible, shown
         self._invisible_bits = int.from_bytes(invisible, "little")
+        self._shown_bits = int.from_bytes(shown, "little")
+        self._special_bits = self._invisible_bits | self._shown_bits
         self._vocab_size = vocab_size
         self._phase = _OPEN
         self._undo: deque[tuple[str, bool]] = deque(maxlen=_UNDO_DEPTH)
@@ -58,9 +62,9 @@ class OpeningConstraint(TokenConstraint):
         return all_tokens_mask(self._vocab_size)
 
     def _widen(self, mask: Any) -> None:
-        """While undecided, the invisible special tokens join the grammar's ``mask`` (written in place)."""
-        if self._phase == _OPEN and self._invisible_bits:
-            bits = int.from_bytes(mask, "little") | self._invisible_bits
+        """While undecided, the special tokens join the grammar's ``mask`` (written in place)."""
+        if self._phase == _OPEN and self._special_bits:
+            bits = int.from_bytes(mask, "little") | self._special_bits
             mask[:] = bits.to_bytes(self.mask_bytes, "little")
 
     def _cannot_continue(self, mask: bytes | memoryview) -> bool:
@@ -77,10 +81,14 @@ class OpeningConstraint(TokenConstraint):
         if phase == _FREE:
             self._undo.append((phase, False))
             return False
-        if phase == _OPEN and self._invisible_bits >> token_id & 1:
-            self._undo.append((phase, False))  # not text: the opening is still undecided
+        if phase == _OPEN and self._special_bits >> token_id & 1:
+            if self._shown_bits >> token_id & 1:
+                self._phase = _FREE  # text that rules the opening out
+            self._undo.append((phase, False))  # else not text: the opening is still undecided
             return False
-        result = super().advance_if_valid(token_id)
+        # the grammar's step, as a plain constraint over the same matcher (its refusal path copies the constraint
+        # and accepts on the copy: this class's copy would come back here)
+        result = TokenConstraint(self._matcher, self._what, self.mask_bytes).advance_if_valid(token_id)
         if isinstance(result, ConstraintError):
             return result
         if phase == _OPEN:
@@ -103,8 +111,8 @@ class OpeningConstraint(TokenConstraint):
 
     def copy(self) -> OpeningConstraint:
         """An independent constraint at the same position, its advances undoable as this one's are."""
-        twin = OpeningConstraint(self._matcher.deep_copy(), self._opening.deep_copy(), self._invisible, self._what,
-                                 self.mask_bytes, self._vocab_size)
+        twin = OpeningConstraint(self._matcher.deep_copy(), self._opening.deep_copy(), self._invisible, self._shown,
+                                 self._what, self.mask_bytes, self._vocab_size)
         twin._phase = self._phase
         twin._undo.extend(self._undo)
         return twin

@@ -6,7 +6,8 @@
   without ``:{}[],<`` and without surrounding whitespace: :data:`GEMMA4_BARE_KEY`) or as a string. The markers
   are special tokens: the text fed here must keep them (decoded with ``skip_special_tokens=False``).
 - ``json``: the whole reply is one call ``{"name": ..., "arguments": {...}}`` (``parameters`` is accepted for
-  ``arguments``) or a list of them, optionally in a Markdown code fence; anything else is content.
+  ``arguments``) or a list of them, optionally in a Markdown code fence; anything else (an object that repeats a
+  key included) is content.
 
 A parser is fed the reply's text in whatever pieces it arrives (a marker split across pieces, several calls in
 one piece) and returns the content to show now and the calls completed so far; :meth:`finish` flushes at the end.
@@ -360,9 +361,20 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def _distinct_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose keys are distinct; ValueError for a repeated one (``"city"`` and ``"cit\\u0079"`` too: a
+    reader would keep the last, which no schema check saw)."""
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        raise ValueError("an object repeats a key")
+    return value
+
+
 def _json_loads(text: str) -> Any:
-    """Strict JSON (no ``NaN`` / ``Infinity``), numbers kept as :class:`JsonNumber` text."""
-    return json.loads(text, parse_int=JsonNumber, parse_float=JsonNumber, parse_constant=_refuse_constant)
+    """Strict JSON (no ``NaN`` / ``Infinity``, no repeated key in an object), numbers kept as :class:`JsonNumber`
+    text."""
+    return json.loads(text, parse_int=JsonNumber, parse_float=JsonNumber, parse_constant=_refuse_constant,
+                      object_pairs_hook=_distinct_keys)
 
 
 PARSERS: dict[str, type[ToolParser]] = {"gemma4": Gemma4ToolParser, "json": JsonToolParser}
