@@ -92,3 +92,20 @@ def test_choices_sharing_their_params_tokenize_bad_words_and_build_masks_once() 
         assert all(5 <= t < 40 for t in out.token_ids)
         assert backend.tokenizer.encode("c", add_special_tokens=False)[0] not in out.token_ids
     assert len({tuple(out.token_ids) for out in outs}) > 1  # the seeds differ per choice
+
+
+def test_min_tokens_whose_bans_cover_the_vocabulary_is_refused() -> None:
+    """Before ``min_tokens`` the EOS and stop ids (and one-token bad_words) are banned; listing the whole (small)
+    vocabulary left nothing to sample, and a banned token came out with logprob -inf. Refused by name instead."""
+    engine = Engine(ReferenceBackend(vocab_size=64), CoreSettings(device="cpu"))
+    try:
+        with pytest.raises(InvalidRequestError, match="every token of the vocabulary is banned"):
+            engine.submit([5], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=list(range(64))))
+        with pytest.raises(InvalidRequestError, match="every token of the vocabulary is banned"):
+            engine.submit([5], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[0, 1, 3, 4, *range(32, 64)],
+                                              bad_words=[chr(c) for c in range(ord("a"), ord("a") + 26)] + ["0"]))
+        out = engine.submit([5], SamplingParams(max_tokens=3, min_tokens=2, stop_token_ids=list(range(1, 64)),
+                                                ignore_eos=True)).result(timeout=60)
+        assert out.token_ids[:2] == [0, 0]  # token 0 was left unbanned: it is what comes
+    finally:
+        engine.shutdown(timeout=10)

@@ -219,6 +219,8 @@ class ContinuousBatchScheduler:
             if key not in memo:
                 memo[key] = self._bad_word_ids(params.bad_words)
             request.bad_word_ids = memo[key]
+        if params.min_tokens and params.allowed_token_ids is None:
+            self._refuse_min_tokens_banning_everything(request)
         if params.allowed_token_ids is not None and request.allowed_mask is None:
             key = ("allowed", id(params.allowed_token_ids), request.bad_word_ids, params.stop_token_ids,
                    params.ignore_eos, params.min_tokens)
@@ -251,6 +253,20 @@ class ContinuousBatchScheduler:
                 "(capabilities.allowed_token_masks), so it cannot serve structured output; send the request "
                 "without structured_outputs / response_format")
         return self._grammar_compiler()
+
+    def _refuse_min_tokens_banning_everything(self, request: Request) -> None:
+        """InvalidRequestError when, before ``min_tokens``, the bans (EOS, ``stop_token_ids``, one-token
+        ``bad_words``) cover the whole vocabulary: no token could be sampled (a small vocabulary can be listed)."""
+        params = request.params
+        vocab_size = self.backend.model_info.vocab_size
+        if len(params.stop_token_ids) + len(request.bad_word_ids) + len(self._eos) < vocab_size:
+            return  # too few to cover it
+        ends = {*params.stop_token_ids, *(() if params.ignore_eos else self._eos)}
+        banned = ends | {sequence[0] for sequence in request.bad_word_ids if len(sequence) == 1}
+        if len({token for token in banned if 0 <= token < vocab_size}) >= vocab_size:
+            raise InvalidRequestError(f"before min_tokens={params.min_tokens} every token of the vocabulary is banned "
+                                      "(EOS, stop_token_ids and one-token bad_words cover it): no token could be "
+                                      "generated; list fewer stop_token_ids or drop min_tokens")
 
     def _allowed_mask(self, request: Request) -> bytes:
         """``request``'s ``allowed_token_ids`` as a mask. Raises InvalidRequestError for an id outside the vocabulary,
