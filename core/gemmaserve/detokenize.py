@@ -233,6 +233,8 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(window[self._prefix_offset : self._read_offset])
         new_text = self._decode(window[self._prefix_offset :])
         new = new_text[len(prefix_text) :]
+        if new.endswith(_REPLACEMENT) and len(window) - self._read_offset > (4 if final else _MAX_PENDING_TOKENS):
+            self._drop_silent_pending(new_text)  # hidden tokens among an unfinished character's bytes
         if final and new.endswith(_REPLACEMENT):
             # the whole characters before an unfinished one, then one U+FFFD for it (a byte-fallback decoder turns
             # the bytes of a run that ends unfinished into one U+FFFD per byte, whole characters included); the
@@ -261,6 +263,17 @@ class IncrementalDetokenizer:
             self._partial = ""
         else:  # more bytes only finish the trailing character: the text before it is final
             self._partial = new.rstrip(_REPLACEMENT)
+
+    def _drop_silent_pending(self, new_text: str) -> None:
+        """Take out of the window's pending tokens those that decode to nothing (hidden special tokens) when the
+        window decodes to ``new_text`` without them too: the unfinished character's bytes then lie in its last 4
+        tokens again, as the cuts above assume."""
+        window = self._window
+        kept = [token for token in window[self._read_offset :] if self._decode([token])]
+        if len(kept) < len(window) - self._read_offset and self._decode(
+                window[self._prefix_offset : self._read_offset] + kept) == new_text:
+            del window[self._read_offset :]
+            window.extend(kept)
 
     def _advance(self, text: str, read_offset: int) -> None:
         """``text`` (the window's tokens up to ``read_offset``) is final: the window moves on past it."""

@@ -278,3 +278,15 @@ def test_valid_text_survives_long_pending_runs_however_it_is_grouped(pieces, spl
     expected = "".join(piece for piece in pieces if isinstance(piece, str))
     assert _streamed(_CountingTokenizer(), ids, split) == expected
     assert _streamed(_CountingTokenizer(), ids, [max(1, len(ids))]) == expected
+
+
+def test_hidden_tokens_among_or_after_a_characters_bytes_keep_it_whole() -> None:
+    """Hidden special tokens between a character's bytes, or after the bytes of an unfinished last one, are not
+    bytes: the character is whole (or one U+FFFD at the end), streamed or decoded at once."""
+    cases = [([*"é€".encode(), 0xF0, *[301] * 4], "é€\ufffd"),
+             ([*b"Hi", 0xF0, *[301] * 9], "Hi\ufffd"),
+             ([0xE2, *[301] * 20, 0x82, 0xAC, *b" and more"], "\u20ac and more"),
+             ([0xE2, 0x82, *[301] * 17, 0xAC, *b" and more"], "\u20ac and more")]
+    for ids, expected in cases:
+        for split in ([1], [3, 1], [len(ids)]):
+            assert _streamed(_CountingTokenizer(), ids, split) == expected, (ids, split)

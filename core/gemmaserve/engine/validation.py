@@ -37,7 +37,8 @@ def truncation_tail(text: str, tokenizer: object, context_limit: int) -> str:
     of its last tokens): all of it, unless it is longer than ``context_limit`` tokens of the tokenizer's longest
     entry could be (``tokenizer.max_token_chars``, as :func:`check_text_can_fit`), whatever it tokenizes to: then
     its last that many characters, and 64 tokens' worth more. The kept tokens lie within them; only a run whose
-    tokens depend on where it starts (one character repeated over the cut) can come out otherwise. Tokenizing a
+    tokens depend on where it starts (text repeating with a short period, ``"ab" * n``, over the cut and up to the
+    end) can come out otherwise. Tokenizing a
     16 MB prompt to keep its last 8 tokens took 30 s of a render worker; this bounds it by what a prompt that is
     not truncated may cost."""
     longest = getattr(tokenizer, "max_token_chars", None)
