@@ -78,6 +78,9 @@ COMPLETION_CASES: list[tuple[str, Any, int, str | None, tuple[str, ...]]] = [
     ("logprobs-over-20", {"logprobs": 21}, 400, "logprobs", ("less than or equal to 20",)),
     ("presence-penalty", {"presence_penalty": 2.5}, 400, "presence_penalty", ("less than or equal to 2",)),
     ("logit-bias-key", {"logit_bias": {"five": 1.0}}, 400, "logit_bias", ("token ids",)),
+    # counted before any key is read (a million keys cost a second of checking): the count is what is refused
+    ("logit-bias-count", {"logit_bias": {"five": 1.0, **{str(i): 1.0 for i in range(1024)}}}, 400, "logit_bias",
+     ("at most 1024 logit_bias entries", "1025")),
     ("logit-bias-range", {"logit_bias": {"5": 101.0}}, 400, "logit_bias", ("[-100, 100]",)),
     ("logit-bias-vocab", {"logit_bias": {"999999": 1.0}}, 400, "logit_bias", ("vocabulary",)),
     ("min-p-range", {"min_p": 1.5}, 400, "min_p", ()),
