@@ -302,6 +302,17 @@ def encoding_vocabulary() -> _EncodingVocabulary:
     return _EncodingVocabulary()
 
 
+def _assert_strict_calls_valid(calls, tools) -> None:
+    """Every call names an offered function, its arguments an object, valid under the parameters if strict."""
+    offered = {tool["name"]: tool for tool in tools}
+    for call in calls:
+        assert call.name in offered
+        arguments = json.loads(call.arguments)
+        assert isinstance(arguments, dict)
+        if offered[call.name]["strict"]:
+            jsonschema.validate(arguments, offered[call.name]["parameters"])
+
+
 def _allowed_ids(mask) -> list[int]:
     return [t for t in range(len(mask) * 8) if mask[t >> 3] >> (t & 7) & 1]
 
@@ -348,13 +359,7 @@ def test_strict_tools_under_auto_hold_every_call_and_leave_text_free(encoding_vo
     out = reader.feed(text)
     calls = out.calls + reader.finish().calls
     assert len(calls) == tokens.count(opener)
-    offered = {tool["name"]: tool for tool in tools}
-    for call in calls:
-        assert call.name in offered
-        arguments = json.loads(call.arguments)
-        assert isinstance(arguments, dict)
-        if offered[call.name]["strict"]:
-            jsonschema.validate(arguments, offered[call.name]["parameters"])
+    _assert_strict_calls_valid(calls, tools)
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
@@ -600,13 +605,7 @@ def test_json_strict_replies_are_text_or_valid_calls(encoding_vocabulary, schema
         return
     assert not (out.content + rest.content).strip(), text
     assert parallel or len(calls) == 1
-    offered = {tool["name"]: tool for tool in tools}
-    for call in calls:
-        assert call.name in offered
-        arguments = json.loads(call.arguments)
-        assert isinstance(arguments, dict)
-        if offered[call.name]["strict"]:
-            jsonschema.validate(arguments, offered[call.name]["parameters"])
+    _assert_strict_calls_valid(calls, tools)
 
 
 def test_two_functions_of_one_name_are_refused_when_calls_are_held() -> None:

@@ -114,27 +114,19 @@ class TokenConstraint:
 
     def accept(self, token_id: int) -> bool:
         """Advance by ``token_id``; True when the constraint is now complete (the request stops). Raises
-        ConstraintError if the grammar rejects the token (a backend that did not apply the mask)."""
-        matcher = self._matcher
-        if not matcher.consume_token(token_id):
-            raise ConstraintError(f"token {token_id} does not continue the {self._what} constraint "
-                                  f"({_first_line(matcher.get_error()) or 'rejected'}); the request's bad_words or "
-                                  "logit_bias may exclude every token the constraint allows at this point")
-        return matcher.is_stopped()
+        ConstraintError if the grammar rejects the token (a backend that did not apply the mask), staying where it
+        was. Subclasses change :meth:`advance_if_valid` only."""
+        result = self.advance_if_valid(token_id)
+        if isinstance(result, ConstraintError):
+            raise result
+        return result
 
     def advance_if_valid(self, token_id: int) -> bool | ConstraintError:
         """Advance by ``token_id`` when the grammar accepts it, returning :meth:`accept`'s result; when it does not,
         stay where it was and return the ConstraintError that :meth:`accept` would raise (undo a successful
         advance with :meth:`rollback`). One native call when the token is accepted (the common case: it was
         sampled under this constraint's mask)."""
-        matcher = self._matcher
-        if matcher.try_consume_tokens([token_id]) == 1:
-            return bool(matcher.is_stopped())
-        try:
-            self.copy().accept(token_id)
-        except ConstraintError as exc:
-            return exc
-        return self.accept(token_id)
+        return _grammar_step(self._matcher, self._what, token_id)
 
     def rollback(self) -> None:
         """Undo the last advance (a token taken ahead and then not appended)."""
@@ -149,6 +141,20 @@ class TokenConstraint:
     @property
     def is_complete(self) -> bool:
         return bool(self._matcher.is_stopped())
+
+
+def _grammar_step(matcher: Any, what: str, token_id: int) -> bool | ConstraintError:
+    """Advance llguidance's ``matcher`` by ``token_id``: whether it is now complete, or (``matcher`` as it was)
+    the ConstraintError naming why the grammar refuses the token (``what``: the constraint's kind)."""
+    if matcher.try_consume_tokens([token_id]) == 1:
+        return bool(matcher.is_stopped())
+    probe = matcher.deep_copy()
+    if probe.consume_token(token_id):  # taken one token at a time although refused in a batch of one: take it
+        matcher.consume_token(token_id)
+        return bool(matcher.is_stopped())
+    return ConstraintError(f"token {token_id} does not continue the {what} constraint "
+                           f"({_first_line(probe.get_error()) or 'rejected'}); the request's bad_words or logit_bias "
+                           "may exclude every token the constraint allows at this point")
 
 
 @functools.lru_cache(maxsize=8)
@@ -390,7 +396,7 @@ class GrammarCompiler:
         self._mask_bytes = 0
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._triggers: dict[str, int] = {}  # trigger text -> its token id (a handful of texts per server)
-        self._special: tuple[bytes, bytes] | None = None  # see _special_masks
+        self._special: tuple[int, int] | None = None  # see _special_masks
         self._refused: OrderedDict[str, str] = OrderedDict()  # constraint key -> the InvalidRequestError text
 
     @staticmethod
@@ -455,8 +461,8 @@ class GrammarCompiler:
                                       f"{spec.kind} constraint allows; the constraint must begin with its trigger")
         return TriggeredConstraint(template, trigger_id, spec.kind, self._mask_bytes, self._vocab_size)
 
-    def _special_masks(self) -> tuple[bytes, bytes]:
-        """Masks of the vocabulary's tokens that llguidance writes no text with (special to it): those decoded
+    def _special_masks(self) -> tuple[int, int]:
+        """Bit masks (bit i: token i) of the vocabulary's tokens that llguidance writes no text with (special to it): those decoded
         text does not show (tokenizer.json's added tokens marked ``special``, which ``skip_special_tokens``
         drops), and those it shows whose text starts with neither a blank nor ``{``, ``[`` or a backtick (Gemma's
         ``<b>``, ``<table>``...: text that rules a JSON opening out). Built once."""
@@ -465,19 +471,14 @@ class GrammarCompiler:
                 vocabulary = self._ll_tokenizer
                 hidden = {i for i in _hidden_special_ids(self._tokenizer.tokenizer_json()) if 0 <= i < self._vocab_size}
                 invisible = shown = 0
-                for token in range(min(vocabulary.vocab_size, self._vocab_size)):
-                    if not vocabulary.is_special_token(token):
-                        continue
-                    if token in hidden:
-                        invisible |= 1 << token
-                    else:
+                for token in hidden:
+                    invisible |= 1 << token
+                for token in _special_ids(vocabulary):
+                    if token not in hidden and token < self._vocab_size:
                         text = vocabulary.decode_bytes([token]).decode("utf-8", errors="replace")
                         if text and text[0] not in " \t\r\n{[`":
                             shown |= 1 << token
-                for token in hidden:  # hidden ids beyond llguidance's vocabulary (a model padded past it)
-                    invisible |= 1 << token
-                self._special = (invisible.to_bytes(self._mask_bytes, "little"),
-                                 shown.to_bytes(self._mask_bytes, "little"))
+                self._special = (invisible, shown)
             return self._special
 
     def _trigger_id(self, text: str) -> int:
@@ -657,7 +658,6 @@ def _ll_tokenizer(text: str, vocab_size: int, eos_token_ids: tuple[int, ...]) ->
     return llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
 
 
-@functools.lru_cache(maxsize=4)
 def _hidden_special_ids(tokenizer_json: str) -> list[int]:
     """The ids of tokenizer.json's added tokens marked ``special`` (its ``added_tokens`` list is read alone: the
     whole file is tens of megabytes for a large vocabulary)."""
@@ -673,6 +673,7 @@ def _hidden_special_ids(tokenizer_json: str) -> list[int]:
             and isinstance(t.get("id"), int)]
 
 
+@functools.lru_cache(maxsize=4)
 def _special_ids(vocabulary: Any) -> tuple[int, ...]:
     """``vocabulary``'s special token ids (LLTokenizers are immutable: read once)."""
     return tuple(i for i in range(vocabulary.vocab_size) if vocabulary.is_special_token(i))

@@ -17,7 +17,7 @@ from typing import Any
 
 from gemmaserve.sampling_params import all_tokens_mask
 
-from .grammar import ConstraintError, TokenConstraint
+from .grammar import ConstraintError, TokenConstraint, _grammar_step
 
 __all__ = ["OpeningConstraint"]
 
@@ -31,20 +31,18 @@ _OPEN, _HELD, _FREE = "open", "held", "free"
 class OpeningConstraint(TokenConstraint):
     """One request's position. ``matcher``: the grammar (llguidance) at the output's start; ``opening``: a matcher
     of ``(?:opening)(?s:.*)``, accepting once the text begins with a match and in error once it cannot;
-    ``invisible``: the mask of the special tokens the text does not show, ``shown``: of those it shows as text
-    that rules the opening out (both allowed while the opening is undecided). Not thread-safe (the engine thread
+    ``invisible``: the special tokens the text does not show, ``shown``: those it shows as text that rules the
+    opening out (bit i: token i; both allowed while the opening is undecided). Not thread-safe (the engine thread
     owns it)."""
 
     _widens = True
 
-    def __init__(self, matcher: Any, opening: Any, invisible: bytes, shown: bytes, what: str, mask_bytes: int,
+    def __init__(self, matcher: Any, opening: Any, invisible: int, shown: int, what: str, mask_bytes: int,
                  vocab_size: int) -> None:
         super().__init__(matcher, what, mask_bytes)
         self._opening = opening
-        self._invisible, self._shown = invisible, shown
-        self._invisible_bits = int.from_bytes(invisible, "little")
-        self._shown_bits = int.from_bytes(shown, "little")
-        self._special_bits = self._invisible_bits | self._shown_bits
+        self._invisible_bits, self._shown_bits = invisible, shown
+        self._special_bits = invisible | shown
         self._vocab_size = vocab_size
         self._phase = _OPEN
         self._undo: deque[tuple[str, bool]] = deque(maxlen=_UNDO_DEPTH)
@@ -70,12 +68,6 @@ class OpeningConstraint(TokenConstraint):
     def _cannot_continue(self, mask: bytes | memoryview) -> bool:
         return self._phase != _FREE and super()._cannot_continue(mask)
 
-    def accept(self, token_id: int) -> bool:
-        result = self.advance_if_valid(token_id)
-        if isinstance(result, ConstraintError):
-            raise result
-        return result
-
     def advance_if_valid(self, token_id: int) -> bool | ConstraintError:
         phase = self._phase
         if phase == _FREE:
@@ -86,9 +78,7 @@ class OpeningConstraint(TokenConstraint):
                 self._phase = _FREE  # text that rules the opening out
             self._undo.append((phase, False))  # else not text: the opening is still undecided
             return False
-        # the grammar's step, as a plain constraint over the same matcher (its refusal path copies the constraint
-        # and accepts on the copy: this class's copy would come back here)
-        result = TokenConstraint(self._matcher, self._what, self.mask_bytes).advance_if_valid(token_id)
+        result = _grammar_step(self._matcher, self._what, token_id)
         if isinstance(result, ConstraintError):
             return result
         if phase == _OPEN:
@@ -111,8 +101,8 @@ class OpeningConstraint(TokenConstraint):
 
     def copy(self) -> OpeningConstraint:
         """An independent constraint at the same position, its advances undoable as this one's are."""
-        twin = OpeningConstraint(self._matcher.deep_copy(), self._opening.deep_copy(), self._invisible, self._shown,
-                                 self._what, self.mask_bytes, self._vocab_size)
+        twin = OpeningConstraint(self._matcher.deep_copy(), self._opening.deep_copy(), self._invisible_bits,
+                                 self._shown_bits, self._what, self.mask_bytes, self._vocab_size)
         twin._phase = self._phase
         twin._undo.extend(self._undo)
         return twin

@@ -52,14 +52,6 @@ class TriggeredConstraint(TokenConstraint):
     def _unconstrained(self) -> bytes:
         return all_tokens_mask(self._vocab_size)
 
-    def accept(self, token_id: int) -> bool:
-        """Advance by ``token_id``. Returns False (the constraint never ends the request). Raises ConstraintError
-        if the grammar, once triggered, rejects the token."""
-        result = self.advance_if_valid(token_id)
-        if isinstance(result, ConstraintError):
-            raise result
-        return result
-
     def advance_if_valid(self, token_id: int) -> bool | ConstraintError:
         inside = self._inside
         if inside is None:
