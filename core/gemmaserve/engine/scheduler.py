@@ -261,12 +261,18 @@ class ContinuousBatchScheduler:
         vocab_size = self.backend.model_info.vocab_size
         if len(params.stop_token_ids) + len(request.bad_word_ids) + len(self._eos) < vocab_size:
             return  # too few to cover it
-        ends = {*params.stop_token_ids, *(() if params.ignore_eos else self._eos)}
-        banned = ends | {sequence[0] for sequence in request.bad_word_ids if len(sequence) == 1}
-        if len({token for token in banned if 0 <= token < vocab_size}) >= vocab_size:
+        bad, ends = self._bans(request)
+        if len({token for token in ends | bad if 0 <= token < vocab_size}) >= vocab_size:
             raise InvalidRequestError(f"before min_tokens={params.min_tokens} every token of the vocabulary is banned "
                                       "(EOS, stop_token_ids and one-token bad_words cover it): no token could be "
                                       "generated; list fewer stop_token_ids or drop min_tokens")
+
+    def _bans(self, request: Request) -> tuple[set[int], set[int]]:
+        """The tokens ``request`` bans: its one-token ``bad_words`` (always), and the ones that end it (EOS unless
+        ``ignore_eos``, ``stop_token_ids``), which ``min_tokens`` bans before then."""
+        params = request.params
+        bad = {sequence[0] for sequence in request.bad_word_ids if len(sequence) == 1}
+        return bad, {*params.stop_token_ids, *(() if params.ignore_eos else self._eos)}
 
     def _allowed_mask(self, request: Request) -> bytes:
         """``request``'s ``allowed_token_ids`` as a mask. Raises InvalidRequestError for an id outside the vocabulary,
@@ -275,11 +281,10 @@ class ContinuousBatchScheduler:
         params = request.params
         token_ids = params.allowed_token_ids or ()
         allowed = set(token_ids)
-        bad = {sequence[0] for sequence in request.bad_word_ids if len(sequence) == 1}
+        bad, ends = self._bans(request)
         if allowed <= bad:
             raise InvalidRequestError("every token allowed_token_ids allows is one of the bad_words: no token could be "
                                       "generated; drop those bad_words or allow more tokens")
-        ends = {*params.stop_token_ids, *(() if params.ignore_eos else self._eos)}
         if params.min_tokens and allowed <= ends | bad:
             raise InvalidRequestError(f"every token allowed_token_ids allows ends the request (EOS or stop_token_ids), "
                                       f"which min_tokens={params.min_tokens} bans before then: no token could be "

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from gemmaserve.backend import InferenceBackend
     from gemmaserve.engine.request import Request
 
-__all__ = ["validate_request", "backend_error", "check_text_can_fit", "truncate_prompt"]
+__all__ = ["validate_request", "backend_error", "check_text_can_fit", "truncate_prompt", "truncation_tail"]
 
 
 def check_text_can_fit(chars: int, tokenizer: object, context_limit: int, what: str = "prompt") -> None:
