@@ -308,6 +308,22 @@ def test_request_id_names_the_response(ref: Client) -> None:
     refused(client, COMPLETIONS, "request_id", prompt="a", max_tokens=2, request_id="x" * 257)
 
 
+def test_x_request_id_header_names_the_response_ahead_of_the_body(ref: Client) -> None:
+    """vLLM reads the ``X-Request-Id`` header ahead of the body's ``request_id``: it names the response, streamed
+    too; an over-long one is a 400 naming the header."""
+    client, _ = ref
+    body = {"model": REFERENCE_MODEL, "prompt": "a", "max_tokens": 2}
+    for extra in ({}, {"request_id": "from-body"}):
+        response = client.post(COMPLETIONS, json={**body, **extra}, headers={"X-Request-Id": "trace-123"})
+        assert response.status_code == 200, response.text
+        assert response.json()["id"] == "cmpl-trace-123"
+    chat = client.post(CHAT, json={"model": REFERENCE_MODEL, "messages": MESSAGES, "max_tokens": 2, "stream": True},
+                       headers={"x-request-id": "trace-9"})
+    assert {e["id"] for e in sse_events(chat.text)[:-1]} == {"chatcmpl-trace-9"}
+    response = client.post(COMPLETIONS, json=body, headers={"X-Request-Id": "x" * 257})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "X-Request-Id", response.text
+
+
 def test_allowed_token_ids_restrict_every_token(ref: Client) -> None:
     """vLLM's ``allowed_token_ids``: every generated token is one of them, greedy or sampled, streamed or not, on
     both endpoints; ids outside the vocabulary, an empty list, or a combination with an output constraint are a

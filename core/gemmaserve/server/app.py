@@ -41,6 +41,7 @@ from gemmaserve.server.openapi import install_openapi
 from gemmaserve.server.prepare import prepare_chat, prepare_completion, render_chat, tokenize_text
 from gemmaserve.tools.parsers import PARSERS, Gemma4ReasoningParser, ParsedText, ToolParser
 from gemmaserve.server.protocol import (
+    MAX_REQUEST_ID_CHARS,
     BodyBudget,
     ChatCompletionRequest,
     CompletionRequest,
@@ -540,7 +541,10 @@ class _Server:
         return response
 
     async def _handle(self, request: Request, endpoint: str, timing: Timing) -> Response:
+        header_id = _request_id_header(request)
         reply, prepared = await self._read(request, endpoint)
+        if header_id is not None:  # vLLM's order: the header wins over the body's request_id
+            reply = dataclasses.replace(reply, request_id=header_id)
         spec = prepared[0].params.structured_outputs
         if spec is not None:  # compiled here, off the event loop; the engine's submit then only copies it
             try:
@@ -856,6 +860,18 @@ class _GuardedBody(Response):
                 self.on_end(status)
 
 
+def _request_id_header(request: Request) -> str | None:
+    """The caller's ``X-Request-Id`` header (vLLM reads it ahead of the body's ``request_id``), or None; a 400 when
+    it is empty or longer than ``request_id`` may be."""
+    value = request.headers.get("x-request-id")
+    if value is None:
+        return None
+    if not 1 <= len(value) <= MAX_REQUEST_ID_CHARS:
+        raise APIError(400, f"the X-Request-Id header must be 1 to {MAX_REQUEST_ID_CHARS} characters (the response's "
+                       f"id is <prefix>-<it>), got {len(value)}", param="X-Request-Id", code="invalid_value")
+    return value
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Reply:
     """What the response needs of a generation request's body (the body itself is dropped once prepared)."""
@@ -867,7 +883,8 @@ class _Reply:
     continuous_usage: bool
     return_token_ids: bool
     request_id: str | None
-    """The caller's id (vLLM's ``request_id``), or None for the engine's."""
+    """The caller's id (the ``X-Request-Id`` header, else the body's ``request_id``, as vLLM), or None for the
+    engine's."""
     echoes: tuple[str, ...]
     """Per prompt (a chat has one), the text prepended to each of its choices (``echo``), or empty."""
 
