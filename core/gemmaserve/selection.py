@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import logging
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gemmaserve.errors import BackendUnavailableError, ConfigurationError
@@ -180,6 +181,19 @@ def _plugin_errors(registry: BackendRegistry) -> str:
     return f"; plugins that failed to load (one may provide it): {errors}"
 
 
+def _did_you_mean(backend: str, device: str, names: Sequence[str]) -> str:
+    """A clause suggesting the registered names ``backend`` may mean: a family name (``custom``) gets its member for
+    ``device`` (``custom-cpu``), else all its members; anything else the closest spelling; empty when none is
+    close."""
+    family = [name for name in names if name.startswith(f"{backend}-")]
+    if f"{backend}-{device}" in family:
+        family = [f"{backend}-{device}"]
+    close = family or difflib.get_close_matches(backend, names, n=1)
+    if not close:
+        return ""
+    return f" (did you mean {' or '.join(repr(name) for name in close)}?)"
+
+
 def _select_explicit(settings: CoreSettings, registry: BackendRegistry) -> Selection:
     spec = registry.get(settings.backend)
     if spec is None:
@@ -188,9 +202,8 @@ def _select_explicit(settings: CoreSettings, registry: BackendRegistry) -> Selec
             raise BackendUnavailableError(
                 f"backend {settings.backend!r}: {known.install_hint}{_plugin_errors(registry)}")
         names = registry.known_names()
-        close = difflib.get_close_matches(settings.backend, names, n=1)
         raise ConfigurationError(
-            f"unknown BACKEND={settings.backend!r}{f' (did you mean {close[0]!r}?)' if close else ''}; accepted: "
+            f"unknown BACKEND={settings.backend!r}{_did_you_mean(settings.backend, settings.device, names)}; accepted: "
             f"auto, {', '.join(names)}{_plugin_errors(registry)}"
         )
     problem = capability_problem(spec, settings, registry)

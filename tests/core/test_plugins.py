@@ -76,6 +76,18 @@ def test_explicit_backend_wins_and_errors_are_clear(fake_plugins) -> None:
         select_backend(load_settings(backend="no-such-backend"))
 
 
+def test_an_unknown_backend_suggests_the_family_member_for_the_device() -> None:
+    """``custom`` names a family: the member for DEVICE is suggested (not whichever spelling is closest), all of
+    them when the device names none; a plain misspelling gets the closest name."""
+    with pytest.raises(ConfigurationError, match=r"BACKEND='custom' \(did you mean 'custom-cpu'\?\)"):
+        select_backend(load_settings(backend="custom", device="cpu"))
+    with pytest.raises(ConfigurationError,
+                       match=r"\(did you mean 'custom-cpu' or 'custom-cuda' or 'custom-mps'\?\)"):
+        select_backend(load_settings(backend="custom", device="auto"))
+    with pytest.raises(ConfigurationError, match=r"BACKEND='hff' \(did you mean 'hf'\?\)"):
+        select_backend(load_settings(backend="hff", device="cpu"))
+
+
 def test_name_clash_between_plugins_is_reported(fake_plugins) -> None:
     fake_plugins("fake_d", BackendSpec("zeta", "x.y:z", ("cpu",)))
     fake_plugins("fake_e", BackendSpec("zeta", "x.y:z", ("cpu",)))
