@@ -143,9 +143,20 @@ def test_kv_event_endpoints_that_ranks_would_share_are_refused_before_launch() -
         return json.dumps({"enable_kv_cache_events": True, "endpoint": endpoint, "replay_endpoint": replay})
 
     clash = load_settings(device="cpu", kv_events_config=config("tcp://*:5557", "tcp://*:5558"))
-    with pytest.raises(ConfigurationError, match="rank 1's endpoint is tcp://\\*:5558, which is also rank 0's "
-                                                 "replay_endpoint"):
+    with pytest.raises(ConfigurationError, match="rank 1's endpoint \\(tcp://\\*:5558\\) binds the address of rank "
+                                                 "0's replay_endpoint"):
         plan_launch(clash, 2, "cache_aware", [], None, env={})
+    # one port under other spellings of the wildcard, or a wildcard beside a specific host, is the same bind
+    for replay in ("tcp://0.0.0.0:5558", "tcp://127.0.0.1:5558", "tcp://[::]:5558"):
+        with pytest.raises(ConfigurationError, match="binds the address of"):
+            plan_launch(load_settings(device="cpu", kv_events_config=config("tcp://*:5557", replay)), 2,
+                        "cache_aware", [], None, env={})
+    with pytest.raises(ConfigurationError, match="port 65536 .*past 65535"):
+        plan_launch(load_settings(device="cpu", kv_events_config=config("tcp://*:65535", None)), 2, "cache_aware",
+                    [], None, env={})
+    # two specific hosts on one port do not overlap; a publisher that connects (not a wildcard) binds nothing
+    apart = load_settings(device="cpu", kv_events_config=config("tcp://10.0.0.7:5557", "tcp://127.0.0.1:5558"))
+    assert len(plan_launch(apart, 2, "cache_aware", [], None, env={}).replicas) == 2
     with pytest.raises(ConfigurationError, match="rank 1 its own endpoint"):  # ipc cannot be offset
         plan_launch(load_settings(device="cpu", kv_events_config=config("ipc:///tmp/kv", None)), 2, "cache_aware",
                     [], None, env={})

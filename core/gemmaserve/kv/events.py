@@ -303,6 +303,10 @@ def offset_endpoint(endpoint: str | None, data_parallel_rank: int) -> str | None
         return f"{endpoint}_dp{data_parallel_rank}"
     host, sep, port = endpoint.rpartition(":")
     if endpoint.startswith("tcp://") and sep and port.isdigit():
+        if int(port) + data_parallel_rank > 65535:
+            raise ConfigurationError(
+                f"{_SETTING}: data-parallel rank {data_parallel_rank} would publish on port "
+                f"{int(port) + data_parallel_rank} ({endpoint!r} plus its rank), past 65535; use a lower port")
         return f"{host}:{int(port) + data_parallel_rank}"
     if endpoint.startswith("tcp://") and port == "*":
         return endpoint
@@ -314,22 +318,48 @@ def offset_endpoint(endpoint: str | None, data_parallel_rank: int) -> str | None
 
 def check_rank_endpoints(config: KVEventsConfig | None, size: int) -> None:
     """ConfigurationError unless ``size`` data-parallel ranks can each open their own sockets of ``config`` (as
-    :func:`offset_endpoint` gives them): every rank's transport must take an offset, and no two ranks' publish or
-    replay endpoints may be the same address (rank r's ``PORT + r`` must not land on another socket's port)."""
+    :func:`offset_endpoint` gives them): every rank's transport must take an offset (within the port range), no
+    two ranks' endpoints may be the same, and no two sockets that bind (the replay socket; the publisher on a
+    wildcard host) may bind one TCP port where their hosts overlap (``*`` / ``0.0.0.0`` / ``::`` overlap every
+    host)."""
     if config is None or not config.publishes:
         return
     seen: dict[str, str] = {}
+    bound: list[tuple[str, int, str]] = []
     for rank in range(size):
         for name, base in (("endpoint", config.endpoint), ("replay_endpoint", config.replay_endpoint)):
             endpoint = offset_endpoint(base, rank)
             if endpoint is None or endpoint.endswith(":*"):
                 continue
-            if endpoint in seen:
+            where = f"rank {rank}'s {name} ({endpoint})"
+            clash = seen.get(endpoint)
+            address = _tcp_address(endpoint) if name == "replay_endpoint" or _binds(endpoint) else None
+            if clash is None and address is not None:
+                clash = next((other for host, port, other in bound
+                              if port == address[1] and _WILDCARD in (host, address[0]) or (host, port) == address),
+                             None)
+            if clash is not None:
                 raise ConfigurationError(
-                    f"{_SETTING}: with {size} data-parallel replicas, rank {rank}'s {name} is {endpoint}, which is "
-                    f"also {seen[endpoint]} (each rank adds its rank to the ports); space the endpoint and "
-                    f"replay_endpoint ports at least {size} apart")
-            seen[endpoint] = f"rank {rank}'s {name}"
+                    f"{_SETTING}: with {size} data-parallel replicas, {where} binds the address of {clash} (each "
+                    f"rank adds its rank to the ports); space the endpoint and replay_endpoint ports at least {size} "
+                    "apart")
+            seen[endpoint] = where
+            if address is not None:
+                bound.append((*address, where))
+
+
+_WILDCARD = "*"
+_WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]", ""})
+
+
+def _tcp_address(endpoint: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a ``tcp://HOST:PORT`` endpoint, every wildcard host as ``*``; None for other forms."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    if not port.isdigit():
+        return None
+    return (_WILDCARD if host in _WILDCARD_HOSTS else host.strip("[]").lower(), int(port))
 
 
 def _binds(endpoint: str) -> bool:
