@@ -45,6 +45,7 @@ import statistics
 import sys
 import time
 import traceback
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode_model as dm  # noqa: E402
 import decode_profile as dp  # noqa: E402
 from decode_workloads import StepTimer, random_prompts, run_engine  # noqa: E402
+from serving_workloads import clear_prefix_cache  # noqa: E402
 from timing import copy_bandwidth  # noqa: E402
 
 from gemmaserve.settings import CoreSettings  # noqa: E402
@@ -86,7 +88,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--hf-sizes", default="1,8,32")
-    p.add_argument("--hf-output-len", type=int, default=32, help="output tokens per hf request (hf is slow)")
+    p.add_argument("--hf-output-len", type=int, default=None, help="output tokens per hf request (default: "
+                   "--output-len; hf is slow, but the hf ratio is only reported when the two are equal)")
     p.add_argument("--prefix-len", type=int, default=1536)
     p.add_argument("--prefix-requests", type=int, default=64, help="workload B requests (0 = skip B)")
     p.add_argument("--prefix-own", type=int, default=64, help="distinct tokens after the shared prefix")
@@ -130,8 +133,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--serving-repeats must be at least 1, got {args.serving_repeats}")
     if args.serving_max_rows is None:
         args.serving_max_rows = 256
+    if args.hf_output_len is None:
+        args.hf_output_len = args.output_len
     if args.quick:
-        args.sizes, args.hf_sizes, args.prompt_len, args.output_len, args.hf_output_len = "1,2", "1,2", 24, 6, 4
+        args.sizes, args.hf_sizes, args.prompt_len, args.output_len, args.hf_output_len = "1,2", "1,2", 24, 6, 6
         args.prefix_len, args.prefix_requests, args.prefix_own, args.profile_size = 32, 4, 4, 0
         args.eager_sizes = ""
         args.serving_input, args.serving_output = "8,40", "2,8"
@@ -232,7 +237,10 @@ def _workload_a(backend: Any, settings: CoreSettings, sizes: list[int], args: ar
     vocab = backend.model_info.vocab_size
     mixed = getattr(backend, "mixed", None)
     for n in sizes:
-        prompts = random_prompts(n, args.prompt_len, vocab, seed=args.seed + 1000 * n + len(label))
+        # prompts of their own per (seed, N, label), on an emptied prefix cache: A is cold prompts (labels of one
+        # length once drew the same prompts, and a second run at an N hit the first run's cached blocks)
+        prompts = random_prompts(n, args.prompt_len, vocab, seed=zlib.crc32(f"{args.seed}/{n}/{label}".encode()))
+        clear_prefix_cache(backend)
         method = ("decode_step_async" if settings.async_scheduling and backend.capabilities.async_decode
                   else "decode_step_batched")
         step = StepTimer(backend, method, lambda batch, ids, *rest: len(ids), settings.device)
@@ -256,7 +264,9 @@ def _workload_a(backend: Any, settings: CoreSettings, sizes: list[int], args: ar
             row["roofline_experts_read"] = round(roof.experts_read(n), 2)
         row["roofline_context"] = context
         measured = row["graph_replay_ms"] or row["step_ms"]
-        row["pct_of_roofline"] = round(100 * floor_ms / measured, 1) if measured else None
+        row["pct_of_roofline"] = round(100 * floor_ms / measured, 1) if measured else None  # the step (replay) only
+        tpot = row.get("tpot_median_ms")  # what a stream sees: the step plus sampling and host work
+        row["pct_of_roofline_tpot"] = round(100 * floor_ms / tpot, 1) if tpot else None
         rows.append(row)
         print(f"  {label} N={n}: {row}", flush=True)
     return rows
@@ -408,8 +418,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   kv_gb_left_after_weights=_gb(kv_left) if kv_left is not None else None)
     settings = _settings(device, dtype_name, max_rows, max_len, tokens, args.max_num_batched_tokens,
                          args.prefill_chunk_tokens, args.mixed_prefill_chunk_tokens)
-    from serving_workloads import PrefillFlops, clear_prefix_cache, gemm_tflops, run_arrivals, serving_requests
-    from serving_workloads import serving_seed
+    from serving_workloads import PrefillFlops, gemm_tflops, run_arrivals, serving_requests, serving_seed
 
     fast = load_custom_settings().fast_prefill  # every prompt token runs in the tick forward
     args.prefill, args.prefill_fast = PrefillFlops.from_model(model), fast  # before the backend fuses projections
@@ -525,7 +534,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             return _workload_a(hf, hf_settings, hf_sizes, args, roof, bandwidth, args.hf_output_len, "hf")
 
         if section("hf", hf_runs) is not None:
-            section("hf_ratio", lambda: _ratios(results["workload_a"], results["hf"]))
+            section("hf_ratio", lambda: _ratios(results["workload_a"], results["hf"],
+                                                args.hf_output_len == args.output_len))
     eager_sizes = [int(x) for x in args.eager_sizes.split(",") if x]
     if eager_sizes and graphed:
         def eager_runs() -> list[dict[str, Any]]:
@@ -561,7 +571,12 @@ def _profiles(backend: Any, settings: CoreSettings, sizes: list[int], prompt_len
     return out
 
 
-def _ratios(custom: list[dict[str, Any]], hf: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _ratios(custom: list[dict[str, Any]], hf: list[dict[str, Any]], same_length: bool) -> list[dict[str, Any]]:
+    """hf against custom at each N both ran; empty unless both ran the same output length (tok/s counts the
+    prefill in its wall time and TPOT grows with the context, so unequal lengths would skew the ratio)."""
+    if not same_length:
+        print("  hf_ratio skipped: --hf-output-len differs from --output-len", flush=True)
+        return []
     out = []
     by_n = {row["N"]: row for row in custom}
     for row in hf:
@@ -586,7 +601,7 @@ def _print_tables(results: dict[str, Any]) -> None:
         print(f"C rate {row['rate_per_s']}/s (repeat {row.get('repeat', 0)}): TTFT p50/p99 {row['ttft_p50_ms']}/"
               f"{row['ttft_p99_ms']} ms, ITL p50/p99 {row['itl_p50_ms']}/{row['itl_p99_ms']} ms "
               f"({row.get('itl_p99_over_p50')}x), TPOT p50 {row['tpot_p50_ms']} ms, "
-              f"{row['output_tok_per_s']} out tok/s, {row['prefill_tok_per_s']} prefill tok/s, arrivals at "
+              f"{row['output_tok_per_s']} out tok/s, {row['input_tok_per_s']} input tok/s offered, arrivals at "
               f"{row.get('arrival_rate_per_s')}/s, cached prompt tokens {row.get('cached_prompt_tokens')}")
     for name, profile in [("profile", results.get("profile", {}))] + [
             (f"profile N={n}", p) for n, p in results.get("profile_by_rows", {}).items()]:

@@ -282,7 +282,6 @@ def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool
         backend.mixed.capture_all()
     result: dict[str, Any] = {"rows": rows, "tokens": tokens, "prompt_len": 128, "async_scheduling":
                               settings.async_scheduling, "build_s": round(time.perf_counter() - start, 1)}
-    prompts = random_prompts(rows, 128, base["vocab_size"], seed=5)
     # per batch of masks: engine-thread time starting it plus time blocked waiting for it (``spent``, every batch);
     # for the batches handed to the mask thread (the deferred decode tick's) also apart: starting (grammar.start_masks:
     # the buffer, the hand-over), waiting (PendingMasks.wait: the rest of the native call, the per-row checks) and
@@ -336,9 +335,11 @@ def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool
     fallbacks = _FallbackCounter()  # a batch of masks that failed is computed row by row: not what this measures
     request_module.logger.addHandler(fallbacks)
     try:
-        for label, constrained, temperature in (
+        for number, (label, constrained, temperature) in enumerate((
                 ("warm-up", True, 1.0), ("greedy", False, 0.0), ("unconstrained", False, 1.0),
-                ("constrained", True, 1.0), ("unconstrained_again", False, 1.0), ("constrained_again", True, 1.0)):
+                ("constrained", True, 1.0), ("unconstrained_again", False, 1.0), ("constrained_again", True, 1.0))):
+            # prompts of its own per pass: one set for all of them hit the prefix cache after the warm-up, unevenly
+            prompts = random_prompts(rows, 128, base["vocab_size"], seed=5 + number)
             params = SamplingParams(max_tokens=tokens, temperature=temperature, seed=1, ignore_eos=True,
                                     structured_outputs={"json": _SCHEMA_DIGITS(4 * tokens)} if constrained else None)
             for times in (spent, started, waited, native, handed_over):
@@ -366,19 +367,22 @@ def decode_overhead_e2b(rows: int, tokens: int, tokenizer_dir: Path, quick: bool
                         if times:
                             result[label][f"{name}_ms_median"] = round(statistics.median(times) * 1e3, 3)
         if trace_dir is not None:
-            for label, constrained in (("unconstrained", False), ("constrained", True)):
+            for number, (label, constrained) in enumerate((("unconstrained", False), ("constrained", True))):
                 params = SamplingParams(max_tokens=tokens, temperature=1.0, seed=1, ignore_eos=True,
                                         structured_outputs={"json": _SCHEMA_DIGITS(4 * tokens)} if constrained else None)
+                prompts = random_prompts(rows, 128, base["vocab_size"], seed=20 + number)  # fresh, as above
                 result[f"trace_{label}"] = trace_ticks(
-                    backend, settings, lambda params=params: run_engine(backend, settings, prompts, tokens, params),
+                    backend, settings, lambda params=params, prompts=prompts: run_engine(
+                        backend, settings, prompts, tokens, params),
                     first=tokens // 2, ticks=8, trace_path=trace_dir / f"structured_trace_{label}.json")
         if profile_engine:
-            for label, constrained in (("unconstrained", False), ("constrained", True)):
+            for number, (label, constrained) in enumerate((("unconstrained", False), ("constrained", True))):
                 spec = {"json": _SCHEMA_DIGITS(4 * tokens)} if constrained else None
                 params = SamplingParams(max_tokens=tokens, temperature=1.0, seed=1, ignore_eos=True,
                                         structured_outputs=spec)
+                prompts = random_prompts(rows, 128, base["vocab_size"], seed=30 + number)  # fresh, as above
                 run, profile = profile_engine_thread(
-                    lambda params=params: run_engine(backend, settings, prompts, tokens, params))
+                    lambda params=params, prompts=prompts: run_engine(backend, settings, prompts, tokens, params))
                 result[f"engine_profile_{label}"] = {"tpot_median_ms": run.summary()["tpot_median_ms"],
                                                      **_top_functions(profile, tokens, profile_top)}
     finally:
