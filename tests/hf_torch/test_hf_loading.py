@@ -86,6 +86,24 @@ def test_load_errors_name_the_problem(llama_dir: Path, tmp_path: Path) -> None:
         create_backend(str(no_tokenizer), "cpu", settings)
 
 
+def test_models_whose_cache_does_not_continue_a_prompt_are_refused_at_load() -> None:
+    """Continuous batching needs one cached position per token and a prompt continued through the cache exactly as
+    in one forward: CPM-Ant (which prepends positions of its own) and XLM (bidirectional by default, and its
+    ``cache`` argument is not transformers' cache) loaded and then failed or answered wrongly; now refused."""
+    from transformers import CpmAntConfig, CpmAntForCausalLM, XLMConfig, XLMWithLMHeadModel
+
+    torch.manual_seed(0)
+    cpmant = CpmAntForCausalLM(CpmAntConfig(vocab_size=512, hidden_size=64, num_attention_heads=4, dim_head=16,
+                                            dim_ff=128, num_hidden_layers=2, max_position_embeddings=256))
+    with pytest.raises(ModelLoadError, match=r"holds \d+ cached positions after a 2-token test forward"):
+        HFTorchBackend.from_model(cpmant, max_model_len=64)
+    for causal in (False, True):
+        xlm = XLMWithLMHeadModel(XLMConfig(vocab_size=64, emb_dim=32, n_layers=2, n_heads=2,
+                                           max_position_embeddings=128, causal=causal))
+        with pytest.raises(ModelLoadError, match="unsupported architecture for the hf backend"):
+            HFTorchBackend.from_model(xlm, max_model_len=64)
+
+
 def test_tokenizer_wrapper(gemma4_backend: HFTorchBackend, llama_backend: HFTorchBackend) -> None:
     tokenizer = gemma4_backend.tokenizer
     ids = tokenizer.encode("the quick brown fox", add_special_tokens=False)

@@ -12,6 +12,7 @@ Prefix-cache pools (``BlockPools``) are allocated by ``set_cache_adapter`` and o
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gemmaserve.backend import BackendCapabilities, InferenceBackend, ModelInfo, PrefillState, SampledTokens, Tokenizer
-from gemmaserve.errors import InvalidRequestError, PromptTooLongError
+from gemmaserve.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 from gemmaserve.sampling_params import RowSampling
 from gemmaserve_hf_torch.cache_rows import BatchCache, RowCache
 from gemmaserve_hf_torch.kv_cache.hf_format import BlockPools, detect_layout
@@ -35,6 +36,9 @@ if TYPE_CHECKING:
     from gemmaserve.settings import CoreSettings
 
 __all__ = ["HFTorchBackend", "create_backend"]
+
+_PROBE_TOKENS = 2
+"""Tokens of the load-time probe forward (reveals the K/V shapes; warms up torch.compile)."""
 
 
 class _IdsOnlyTokenizer:
@@ -73,8 +77,10 @@ class HFTorchBackend(InferenceBackend):
         self.tokenizer = loaded.tokenizer
         self.forward = loaded.forward
         self.layout = detect_layout(
-            loaded.text_config, self._probe_forward, dtype=loaded.dtype, device=loaded.device
+            loaded.text_config, self._probe_forward, dtype=loaded.dtype, device=loaded.device,
+            probe_tokens=_PROBE_TOKENS,
         )
+        self._check_incremental()
         config = loaded.text_config
         architectures = getattr(loaded.model.config, "architectures", None) or [type(loaded.model).__name__]
         self.model_info = ModelInfo(
@@ -115,11 +121,42 @@ class HFTorchBackend(InferenceBackend):
         return cls(loaded)
 
     @torch.inference_mode()
+    def _check_incremental(self) -> None:
+        """ModelLoadError unless a three-token prompt's last logits come out the same in one forward as after two
+        tokens and then one more through the cache: what continuous batching relies on (a model whose earlier
+        positions see later ones, or whose cache argument is not transformers' cache, fails it)."""
+        vocab = int(self.loaded.text_config.vocab_size)
+        device = self.loaded.device
+        forward = ModelForward(self.loaded.model, compile_model=False)  # eager: no compile of three more shapes
+        ids = torch.tensor([[min(t, vocab - 1) for t in (1, 2, 3)]], dtype=torch.long, device=device)
+        positions = torch.arange(3, device=device)[None, :]
+        try:
+            whole = forward(ids, cache=self.layout.new_cache(), position_ids=positions, last_only=True)[:, -1]
+            cache = self.layout.new_cache()
+            forward(ids[:, :2], cache=cache, position_ids=positions[:, :2], last_only=True)
+            step = forward(ids[:, 2:], cache=cache, position_ids=positions[:, 2:], last_only=True)[:, -1]
+        except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+            raise ModelLoadError(
+                f"unsupported architecture for the hf backend: a prompt continued through the cache failed "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); the backend needs a "
+                "causal decoder that takes transformers' cache") from exc
+        whole, step = whole.float(), step.float()
+        scale = float(whole.abs().max()) + float(step.abs().max())
+        tolerance = (1e-3 if self.loaded.dtype == torch.float32 else 5e-2) * max(scale, 1e-6)
+        gap = float((whole - step).abs().max())
+        if not math.isfinite(gap) or gap > tolerance:
+            raise ModelLoadError(
+                f"unsupported architecture for the hf backend: the last logits of a 3-token prompt differ by {gap:.3g}"
+                f" (allowed {tolerance:.3g}) between one forward and two tokens plus one through the cache; the "
+                "backend needs a causal decoder whose cache continues a prompt exactly (a bidirectional model, or "
+                "a cache argument of another kind, cannot be served)")
+
+    @torch.inference_mode()
     def _probe_forward(self, cache: DynamicCache) -> None:
         """Two tokens through an empty layout cache (reveals K/V shapes; warms up torch.compile)."""
         token = min(1, int(self.loaded.text_config.vocab_size) - 1)
-        ids = torch.full((1, 2), token, dtype=torch.long, device=self.loaded.device)
-        positions = torch.arange(2, device=self.loaded.device)[None, :]
+        ids = torch.full((1, _PROBE_TOKENS), token, dtype=torch.long, device=self.loaded.device)
+        positions = torch.arange(_PROBE_TOKENS, device=self.loaded.device)[None, :]
         self.forward(ids, cache=cache, position_ids=positions, last_only=True)
 
     # -- prefix cache -------------------------------------------------------------------------

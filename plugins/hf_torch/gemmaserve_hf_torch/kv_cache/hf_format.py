@@ -199,17 +199,25 @@ def _cache_layers(text_config: object) -> list[tuple[bool, int | None]]:
 
 
 def detect_layout(
-    text_config: object, probe_forward: Callable[[DynamicCache], None], *, dtype: torch.dtype, device: torch.device
+    text_config: object, probe_forward: Callable[[DynamicCache], None], *, dtype: torch.dtype, device: torch.device,
+    probe_tokens: int,
 ) -> CacheLayout:
     """Find the model's KV layout: which layers store KV (from the config) and their K/V shapes
-    (from one probe forward ``probe_forward(cache)`` over an empty layout cache)."""
+    (from one probe forward ``probe_forward(cache)`` of ``probe_tokens`` tokens over an empty layout cache). A
+    layer that holds another number of positions afterwards (a model that prepends its own, or keeps a cache of
+    another kind under a ``cache`` argument) is a ModelLoadError: every position must be one token."""
     layers = _cache_layers(text_config)
     stores, windows = [stores for stores, _ in layers], [window for _, window in layers]
     provisional = CacheLayout(
         len(stores), tuple(LayerShape(i, 0, 0) for i, s in enumerate(stores) if s), dtype, device
     )
     cache = provisional.new_cache()
-    probe_forward(cache)
+    try:
+        probe_forward(cache)
+    except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+        raise ModelLoadError(
+            f"unsupported architecture for the hf backend: a {probe_tokens}-token test forward failed "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})") from exc
     shapes = []
     for shape in provisional.stored:
         layer = cache.layers[shape.layer_idx]
@@ -217,6 +225,12 @@ def detect_layout(
             raise ModelLoadError(
                 f"unsupported architecture for the hf backend: layer {shape.layer_idx} should store KV but "
                 "wrote none during a test forward"
+            )
+        if layer.keys.shape[2] != probe_tokens:
+            raise ModelLoadError(
+                f"unsupported architecture for the hf backend: layer {shape.layer_idx} holds {layer.keys.shape[2]} "
+                f"cached positions after a {probe_tokens}-token test forward (the backend needs one position per "
+                "token: the model adds positions of its own or keeps another kind of cache)"
             )
         if layer.keys.shape != layer.values.shape:
             raise ModelLoadError(
