@@ -325,7 +325,7 @@ def check_rank_endpoints(config: KVEventsConfig | None, size: int) -> None:
     if config is None or not config.publishes:
         return
     seen: dict[str, str] = {}
-    bound: list[tuple[str, int, str]] = []
+    bound: list[tuple[tuple[str, int], str]] = []  # (host, port) bound so far, and whose
     for rank in range(size):
         for name, base in (("endpoint", config.endpoint), ("replay_endpoint", config.replay_endpoint)):
             endpoint = offset_endpoint(base, rank)
@@ -335,9 +335,7 @@ def check_rank_endpoints(config: KVEventsConfig | None, size: int) -> None:
             clash = seen.get(endpoint)
             address = _tcp_address(endpoint) if name == "replay_endpoint" or _binds(endpoint) else None
             if clash is None and address is not None:
-                clash = next((other for host, port, other in bound
-                              if port == address[1] and _WILDCARD in (host, address[0]) or (host, port) == address),
-                             None)
+                clash = next((other for taken, other in bound if _overlap(taken, address)), None)
             if clash is not None:
                 raise ConfigurationError(
                     f"{_SETTING}: with {size} data-parallel replicas, {where} binds the address of {clash} (each "
@@ -345,11 +343,16 @@ def check_rank_endpoints(config: KVEventsConfig | None, size: int) -> None:
                     "apart")
             seen[endpoint] = where
             if address is not None:
-                bound.append((*address, where))
+                bound.append((address, where))
 
 
 _WILDCARD = "*"
 _WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]", ""})
+
+
+def _overlap(a: tuple[str, int], b: tuple[str, int]) -> bool:
+    """Whether binding TCP ``(host, port)`` addresses ``a`` and ``b`` clash: one port, and one host or a wildcard."""
+    return a[1] == b[1] and (a[0] == b[0] or _WILDCARD in (a[0], b[0]))
 
 
 def _tcp_address(endpoint: str) -> tuple[str, int] | None:

@@ -462,10 +462,10 @@ class GrammarCompiler:
         return TriggeredConstraint(template, trigger_id, spec.kind, self._mask_bytes, self._vocab_size)
 
     def _special_masks(self) -> tuple[int, int]:
-        """Bit masks (bit i: token i) of the vocabulary's tokens that llguidance writes no text with (special to it): those decoded
-        text does not show (tokenizer.json's added tokens marked ``special``, which ``skip_special_tokens``
-        drops), and those it shows whose text starts with neither a blank nor ``{``, ``[`` or a backtick (Gemma's
-        ``<b>``, ``<table>``...: text that rules a JSON opening out). Built once."""
+        """Bit masks (bit i: token i) of the vocabulary's tokens that llguidance writes no text with (special to
+        it): those decoded text does not show (tokenizer.json's added tokens marked ``special``, which
+        ``skip_special_tokens`` drops), and those it shows whose text starts with neither a blank nor ``{``, ``[`` or
+        a backtick (Gemma's ``<b>``, ``<table>``...: text that rules a JSON opening out). Built once."""
         with self._lock:
             if self._special is None:
                 vocabulary = self._ll_tokenizer

@@ -24,7 +24,7 @@ from gemmaserve.backend import BackendCapabilities, InferenceBackend, ModelInfo,
 from gemmaserve.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 from gemmaserve.sampling_params import RowSampling
 from gemmaserve_hf_torch.cache_rows import BatchCache, RowCache
-from gemmaserve_hf_torch.kv_cache.hf_format import BlockPools, detect_layout
+from gemmaserve_hf_torch.kv_cache.hf_format import FORWARD_ERRORS, BlockPools, detect_layout, forward_failed
 from gemmaserve_hf_torch.loader import LoadedModel, ModelForward, load_model
 from gemmaserve_hf_torch.sampling import pinned_mask_memory, sample_tokens
 from gemmaserve_hf_torch.settings import load_hf_settings
@@ -135,11 +135,8 @@ class HFTorchBackend(InferenceBackend):
             cache = self.layout.new_cache()
             forward(ids[:, :2], cache=cache, position_ids=positions[:, :2], last_only=True)
             step = forward(ids[:, 2:], cache=cache, position_ids=positions[:, 2:], last_only=True)[:, -1]
-        except (RuntimeError, ValueError, TypeError, IndexError) as exc:
-            raise ModelLoadError(
-                f"unsupported architecture for the hf backend: a prompt continued through the cache failed "
-                f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); the backend needs a "
-                "causal decoder that takes transformers' cache") from exc
+        except FORWARD_ERRORS as exc:
+            raise forward_failed("a prompt continued through the cache", exc) from exc
         whole, step = whole.float(), step.float()
         scale = float(whole.abs().max()) + float(step.abs().max())
         tolerance = (1e-3 if self.loaded.dtype == torch.float32 else 5e-2) * max(scale, 1e-6)

@@ -198,6 +198,16 @@ def _cache_layers(text_config: object) -> list[tuple[bool, int | None]]:
     return result + [(False, None)] * (num_layers - len(result))  # transformers < 5.23: no KV-shared tail layers
 
 
+FORWARD_ERRORS = (RuntimeError, ValueError, TypeError, IndexError)
+"""What a model's forward raises when it cannot run the way the backend calls it (shapes, arguments, cache kind)."""
+
+
+def forward_failed(what: str, exc: BaseException) -> ModelLoadError:
+    """The load-time refusal of a model whose ``what`` (a test forward) raised ``exc``, naming its first line."""
+    first = str(exc).splitlines()[0][:200] if str(exc) else ""
+    return ModelLoadError(f"unsupported architecture for the hf backend: {what} failed ({type(exc).__name__}: {first})")
+
+
 def detect_layout(
     text_config: object, probe_forward: Callable[[DynamicCache], None], *, dtype: torch.dtype, device: torch.device,
     probe_tokens: int,
@@ -214,10 +224,8 @@ def detect_layout(
     cache = provisional.new_cache()
     try:
         probe_forward(cache)
-    except (RuntimeError, ValueError, TypeError, IndexError) as exc:
-        raise ModelLoadError(
-            f"unsupported architecture for the hf backend: a {probe_tokens}-token test forward failed "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})") from exc
+    except FORWARD_ERRORS as exc:
+        raise forward_failed(f"a {probe_tokens}-token test forward", exc) from exc
     shapes = []
     for shape in provisional.stored:
         layer = cache.layers[shape.layer_idx]
